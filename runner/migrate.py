@@ -1,0 +1,70 @@
+"""Install, upgrade or remove the lockstep schema with the packaged Alembic revisions.
+
+Works from any directory, in a checkout or from a wheel: the Alembic ``Config`` is built here, pointing
+at :func:`runner.paths.alembic_dir`; no ``alembic.ini`` is read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TextIO
+
+from alembic import command
+from alembic.config import Config
+from alembic.script import ScriptDirectory
+
+from runner.paths import alembic_dir
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """Revisions recorded in ``lockstep_alembic_version`` before and after an online run."""
+
+    before: tuple[str, ...]
+    after: tuple[str, ...]
+
+    @property
+    def changed(self) -> bool:
+        return self.before != self.after
+
+
+def config(dsn: str | None = None, output: TextIO | None = None) -> Config:
+    """An Alembic ``Config`` for lockstep's own migrations (``dsn``: None means DATABASE_URL / libpq)."""
+    cfg = Config(output_buffer=output)
+    location = str(alembic_dir()).replace("%", "%%")  # ConfigParser interpolation
+    cfg.set_main_option("script_location", location)
+    cfg.set_main_option("path_separator", "os")
+    cfg.set_main_option("version_locations", str(alembic_dir() / "versions").replace("%", "%%"))
+    # Passed as an attribute, not an option, so a URL-encoded password ('%40') is not interpolated.
+    cfg.attributes["dsn"] = dsn
+    return cfg
+
+
+def head() -> str:
+    """The newest lockstep revision shipped with this package."""
+    heads = ScriptDirectory.from_config(config()).get_heads()
+    if len(heads) != 1:
+        raise RuntimeError(f"lockstep migrations must have exactly one head, found {heads}")
+    return heads[0]
+
+
+def migrate(
+    dsn: str | None,
+    revision: str = "head",
+    sql: bool = False,
+    downgrade: bool = False,
+    output: TextIO | None = None,
+) -> Outcome | None:
+    """Upgrade (or, with ``downgrade=True``, downgrade) the lockstep schema to ``revision``.
+
+    With ``sql=True`` nothing connects: the SQL script is written to ``output`` (default stdout) and
+    None is returned; offline downgrades need a ``from:to`` revision range (Alembic's rule).
+    """
+    cfg = config(dsn, output)
+    if downgrade:
+        command.downgrade(cfg, revision, sql=sql)
+    else:
+        command.upgrade(cfg, revision, sql=sql)
+    if sql:
+        return None
+    return Outcome(tuple(cfg.attributes["before"]), tuple(cfg.attributes["after"]))
