@@ -1,0 +1,117 @@
+-- lockstep 0001: schema, types and tables.
+-- Sections: schema, types, tables, indexes. Functions live in the files that follow, one file per concern.
+
+create schema lockstep;
+
+comment on schema lockstep is
+    'lockstep: derived tables kept up to date by background jobs, with no deadlocks and no long row locks';
+
+-- types ---------------------------------------------------------------------------------------------------
+
+-- what every public entry point returns.
+--   outcome: done | idle | busy | not_due | backoff | failed
+--   inserted / updated / deleted: target rows written; skipped: parent keys left for later (locked by an
+--   application, re-queued), or rows for a job without a parent.
+--   compute_ms: compute and diff, no row locks held; write_ms: the write phase (locks held).
+--   more: a worker pass left ready keys in the queue (the runner goes again at once).
+create type lockstep.result as (
+    outcome     text,
+    inserted    bigint,
+    updated     bigint,
+    deleted     bigint,
+    skipped     bigint,
+    compute_ms  double precision,
+    write_ms    double precision,
+    error       text,
+    job         text,
+    action      text,
+    more        boolean
+);
+
+-- what one application of a diff produced (internal).
+create type lockstep._pass as (
+    inserted    bigint,
+    updated     bigint,
+    deleted     bigint,
+    skipped     text[],     -- parent keys that still exist but could not be pinned: to be re-queued
+    gone        bigint,     -- parent keys that vanished meanwhile: nothing to do
+    compute_ms  double precision,
+    write_ms    double precision,
+    failed      text[],     -- worker only: keys whose computation or write raised
+    errors      text[]      -- worker only: the matching error messages
+);
+
+-- tables --------------------------------------------------------------------------------------------------
+
+-- the registry: one row per job, written only by define_* and drop_job.
+-- Functions are stored as their regprocedure text (schema-qualified signature), not as regprocedure:
+-- pg_upgrade refuses user tables with regprocedure columns, and function oids do not survive it.
+create table lockstep.job (
+    job             text primary key,
+    kind            text not null check (kind in ('job', 'derived')),
+    lock_group      text not null,
+    call            text,           -- kind job: the function run on schedule
+    target          regclass,       -- kind derived: the derived table
+    compute         text,           -- kind derived: compute(keys) function
+    parent          regclass,       -- kind derived: parent table (null: whole-table diff only)
+    parent_column   name,           -- target column referencing parent
+    parent_key      name,           -- parent's primary-key column
+    key_type        regtype,        -- parent's primary-key type (type of compute's array elements)
+    target_key      name[],         -- target's primary-key columns, in index order
+    columns         name[],         -- columns compute returns (all of them written to the target)
+    every           interval not null check (every > interval '0'),
+    backoff         interval not null check (backoff > interval '0'),
+    max_attempts    integer not null default 5 check (max_attempts > 0),
+    owner           name not null default current_user,
+    created_at      timestamptz not null default now(),
+    updated_at      timestamptz not null default now(),
+    check (job <> ''),
+    check (lock_group <> ''),
+    check ((kind = 'job') = (call is not null)),
+    check ((kind = 'derived') = (target is not null and compute is not null))
+);
+
+-- the status row of each job: written last by every run that did something.
+create table lockstep.job_state (
+    job                     text primary key references lockstep.job (job) on delete cascade,
+    next_run_at             timestamptz not null default now(),   -- periodic part due
+    retry_at                timestamptz,                          -- worker backoff after a failed pass
+    last_outcome            text,
+    last_action             text,
+    last_started_at         timestamptz,
+    last_finished_at        timestamptz,
+    last_duration_ms        double precision,
+    last_inserted           bigint,
+    last_updated            bigint,
+    last_deleted            bigint,
+    last_skipped            bigint,
+    consecutive_failures    integer not null default 0,
+    last_error              text,
+    runs                    bigint not null default 0
+);
+
+-- the queue of changed parents: append-only, no unique constraint on (job, key), so an enqueuer never
+-- waits for a worker; duplicates are folded when a worker claims them. No foreign key either: an FK check
+-- would make every enqueue lock the job row.
+create table lockstep.queue (
+    job         text not null,
+    id          bigint generated always as identity,
+    key         text not null,
+    enqueued_at timestamptz not null default now(),
+    primary key (job, id)
+);
+
+create index queue_job_key_idx on lockstep.queue (job, key);
+
+-- keys whose computation failed: retried with exponential backoff, parked after max_attempts.
+create table lockstep.key_failure (
+    job             text not null references lockstep.job (job) on delete cascade,
+    key             text not null,
+    attempts        integer not null,
+    last_error      text,
+    first_failed_at timestamptz not null default now(),
+    last_failed_at  timestamptz not null default now(),
+    retry_at        timestamptz not null,
+    parked          boolean not null default false,
+    primary key (job, key)
+);

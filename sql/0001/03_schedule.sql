@@ -1,0 +1,180 @@
+-- lockstep 0001: generic scheduled jobs, and lockstep.run(), the runner's entry point.
+
+-- lockstep._check_schedule(job, lock_group, every, backoff): argument checks shared by define_*.
+-- locks: nothing.
+create function lockstep._check_schedule(job text, lock_group text, every interval, backoff interval)
+returns void
+language plpgsql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if job is null or every is null or backoff is null then
+        raise exception 'lockstep: job, every and backoff must not be NULL' using errcode = '22004';
+    end if;
+    if job = '' or lock_group = '' then
+        raise exception 'lockstep: job and lock_group must not be empty strings' using errcode = '22023';
+    end if;
+    if every <= interval '0' or backoff <= interval '0' then
+        raise exception 'lockstep: every and backoff must be positive intervals (got every %, backoff %)',
+            every, backoff using errcode = '22023';
+    end if;
+end;
+$$;
+
+-- lockstep.define_job(job, call, lock_group, every, backoff): register or update a generic job: `call` is
+-- run on schedule under the lock-group rules. `call` must be a function callable with no argument.
+-- locks: the job's registry row (insert or update). Nothing a runner holds.
+create function lockstep.define_job(job text, call regprocedure, lock_group text default null,
+                                    every interval default '1 minute', backoff interval default '1 hour')
+returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    p pg_catalog.pg_proc;
+    old lockstep.job;
+begin
+    perform lockstep._check_schedule(job, lock_group, every, backoff);
+    if call is null then
+        raise exception 'lockstep: call must not be NULL' using errcode = '22004';
+    end if;
+    select * into p from pg_catalog.pg_proc where oid = call;
+    if p.prokind <> 'f' then
+        raise exception 'lockstep: % is not a plain function (procedures, aggregates and window functions cannot be jobs)',
+            call using errcode = 'LSD02';
+    end if;
+    if p.pronargs - p.pronargdefaults <> 0 then
+        raise exception 'lockstep: % needs % argument(s); a job function must be callable with none',
+            call, p.pronargs - p.pronargdefaults using errcode = 'LSD02';
+    end if;
+    select * into old from lockstep.job j where j.job = define_job.job;
+    if found then
+        perform lockstep._check_owner(old);
+        if old.kind <> 'job' then
+            raise exception 'lockstep: job "%" is a derived job; use lockstep.define_derived() or drop it first', job
+                using errcode = 'LSJ02';
+        end if;
+    end if;
+    insert into lockstep.job as j (job, kind, lock_group, call, every, backoff)
+    values (job, 'job', coalesce(lock_group, job), call::text, every, backoff)
+    on conflict on constraint job_pkey do update
+        set lock_group = excluded.lock_group, call = excluded.call, every = excluded.every,
+            backoff = excluded.backoff, updated_at = now();
+    insert into lockstep.job_state (job) values (job) on conflict do nothing;
+end;
+$$;
+
+-- lockstep._call(job): run a generic job's function once, under the group lock, recording the outcome.
+-- locks: the group lock (try; busy if taken); then whatever the job's function locks; the status row last.
+create function lockstep._call(j lockstep.job, only_if_due boolean) returns lockstep.result
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    s lockstep.job_state;
+    v_started timestamptz;
+    v_err text;
+    v_sql text;
+begin
+    if not lockstep._try_lock(j.lock_group) then
+        return lockstep._result('busy', j.job, 'call');
+    end if;
+    -- re-read under the lock: another runner may have run it between our look and our lock.
+    select * into s from lockstep.job_state st where st.job = j.job;
+    if only_if_due and s.next_run_at > now() then
+        return lockstep._result(lockstep._not_due(s), j.job, 'call');
+    end if;
+    select pg_catalog.format('select %I.%I()', n.nspname, p.proname) into v_sql
+    from pg_catalog.pg_proc p join pg_catalog.pg_namespace n on n.oid = p.pronamespace
+    where p.oid = j.call::regprocedure;
+    v_started := clock_timestamp();
+    begin
+        execute v_sql;
+    exception
+        when query_canceled then
+            if not lockstep._is_statement_timeout(v_started) then
+                raise;
+            end if;
+            get stacked diagnostics v_err = message_text;
+            perform lockstep._finish(j, 'call', 'failed', v_started, null, v_err);
+            return lockstep._result('failed', j.job, 'call', null, v_err);
+        when others then
+            get stacked diagnostics v_err = message_text;
+            perform lockstep._finish(j, 'call', 'failed', v_started, null, v_err);
+            return lockstep._result('failed', j.job, 'call', null, v_err);
+    end;
+    perform lockstep._finish(j, 'call', 'done', v_started);
+    return lockstep._result('done', j.job, 'call');
+end;
+$$;
+
+-- lockstep._is_statement_timeout(started): a query_canceled error came from statement_timeout (recorded
+-- as a failure with backoff) rather than from a cancel request (re-raised: the runner is shutting down).
+-- locks: nothing.
+create function lockstep._is_statement_timeout(started timestamptz) returns boolean
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select current_setting('statement_timeout') not in ('0', '0ms')
+       and clock_timestamp() - statement_timestamp()
+           >= current_setting('statement_timeout')::interval * 0.9;
+$$;
+
+-- lockstep.run(job): what the runner calls. Runs whatever part of the job is due:
+--   generic job: its function, if due (not_due / backoff otherwise);
+--   derived job: the periodic recompute if due, else a worker pass if keys are queued (idle otherwise).
+-- locks: nothing while looking for work; then as lockstep._call, lockstep.recompute or lockstep.work.
+create function lockstep.run(job text) returns lockstep.result
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    j lockstep.job := lockstep._job(job);
+    s lockstep.job_state;
+    r lockstep.result;
+begin
+    select * into s from lockstep.job_state st where st.job = j.job;
+    if j.kind = 'job' then
+        if s.next_run_at > now() then
+            return lockstep._result(lockstep._not_due(s), j.job, 'call');
+        end if;
+        return lockstep._call(j, true);
+    end if;
+    if s.next_run_at <= now() then
+        return lockstep._recompute(j, true);
+    end if;
+    if j.parent is null then
+        return lockstep._result(lockstep._not_due(s), j.job, 'recompute');
+    end if;
+    r := lockstep._work(j, 500);
+    if r.outcome = 'idle' and lockstep._not_due(s) = 'backoff' then
+        r.outcome := 'backoff';
+    end if;
+    return r;
+end;
+$$;
+
+-- lockstep.drop_job(job): remove a job, its state, its queue, its failures and the triggers that feed it.
+-- locks: the job's registry, state, queue and failure rows (deleted); the watched tables (drop trigger).
+create function lockstep.drop_job(job text) returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    j lockstep.job := lockstep._job(job);
+    t record;
+begin
+    perform lockstep._check_owner(j);
+    for t in
+        select tg.tgname, tg.tgrelid::regclass as rel
+        from pg_catalog.pg_trigger tg
+        where tg.tgfoid = 'lockstep.enqueue_trigger()'::regprocedure
+          and pg_catalog.split_part(pg_catalog.encode(tg.tgargs, 'escape'), '\000', 1) = j.job
+        order by 2, 1
+    loop
+        execute pg_catalog.format('drop trigger %I on %s', t.tgname, t.rel);
+    end loop;
+    delete from lockstep.queue q where q.job = j.job;
+    delete from lockstep.job x where x.job = j.job;
+end;
+$$;

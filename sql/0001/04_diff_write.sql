@@ -1,0 +1,515 @@
+-- lockstep 0001: derived tables. define_derived, the compute phase, the one write path (lockstep._write)
+-- shared by the periodic recompute and the queue worker, and lockstep.recompute().
+
+-- lockstep._proc_columns(f): the output columns (name, type) of a set-returning function.
+-- locks: nothing.
+create function lockstep._proc_columns(f regprocedure)
+returns table (name name, type oid, ord bigint)
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select a.n::name, a.t, a.o
+    from pg_catalog.pg_proc p,
+         unnest(p.proallargtypes, p.proargmodes, p.proargnames) with ordinality as a(t, m, n, o)
+    where p.oid = f and p.proallargtypes is not null and a.m in ('o', 't', 'b')
+    union all
+    select att.attname, att.atttypid, att.attnum
+    from pg_catalog.pg_proc p
+    join pg_catalog.pg_type ty on ty.oid = p.prorettype and ty.typtype = 'c'
+    join pg_catalog.pg_attribute att on att.attrelid = ty.typrelid and att.attnum > 0 and not att.attisdropped
+    where p.oid = f and p.proallargtypes is null
+    order by 3;
+$$;
+
+-- lockstep.define_derived(...): register or update a derived table.
+--   compute(keys parent_key_type[]) returns the desired rows of the parents in keys (NULL: all parents),
+--   with columns named and typed like the target's; the target's primary key is the row identity.
+--   parent / parent_column: the table whose rows own the derived rows, and the target column that
+--   references it through a foreign key (inferred when there is exactly one such key). Without a parent,
+--   only whole-table recomputes are possible.
+-- Everything is validated before anything is written; an error changes nothing.
+-- locks: the job's registry row (insert or update). Nothing a runner holds.
+create function lockstep.define_derived(job text, target regclass, compute regprocedure,
+                                        parent regclass default null, parent_column name default null,
+                                        lock_group text default null, every interval default '1 minute',
+                                        backoff interval default '1 hour')
+returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    p pg_catalog.pg_proc;
+    old lockstep.job;
+    v_key name[];
+    v_cols name[];
+    v_parent_key name;
+    v_key_type regtype;
+    v_arg regtype;
+    v_col record;
+    v_fks name[];
+    v_err text;
+begin
+    perform lockstep._check_schedule(job, lock_group, every, backoff);
+    if target is null or compute is null then
+        raise exception 'lockstep: target and compute must not be NULL' using errcode = '22004';
+    end if;
+    if not exists (select from pg_catalog.pg_class c where c.oid = target and c.relkind in ('r', 'p')) then
+        raise exception 'lockstep: target % is not a table', target using errcode = '42809';
+    end if;
+
+    -- the target's primary key
+    select array_agg(a.attname order by k.o) into v_key
+    from pg_catalog.pg_constraint con,
+         pg_catalog.unnest(con.conkey) with ordinality as k(n, o)
+    join pg_catalog.pg_attribute a on a.attrelid = target and a.attnum = k.n
+    where con.conrelid = target and con.contype = 'p';
+    if v_key is null then
+        raise exception 'lockstep: target % has no primary key', target
+            using errcode = 'LSD01', hint = 'lockstep uses the primary key as the identity of a derived row; add one.';
+    end if;
+
+    -- the compute function: one array argument, returns a set of rows with named columns
+    select * into p from pg_catalog.pg_proc where oid = compute;
+    if p.prokind <> 'f' or not p.proretset or p.pronargs <> 1 then
+        raise exception 'lockstep: compute function % must be a function of one array argument returning a set of rows', compute
+            using errcode = 'LSD02',
+                  hint = 'e.g. create function f(keys bigint[]) returns table (...) or returns setof target_table';
+    end if;
+    v_arg := p.proargtypes[0];
+    select array_agg(c.name order by c.ord) into v_cols from lockstep._proc_columns(compute) c;
+    if v_cols is null then
+        raise exception 'lockstep: compute function % must return named columns (returns table (...) or setof a table type)', compute
+            using errcode = 'LSD02';
+    end if;
+
+    -- parent, parent_column and the key type
+    if parent is null and parent_column is not null then
+        raise exception 'lockstep: parent_column % given without parent', parent_column using errcode = 'LSD04';
+    end if;
+    if parent is not null then
+        if not exists (select from pg_catalog.pg_class c where c.oid = parent and c.relkind in ('r', 'p')) then
+            raise exception 'lockstep: parent % is not a table', parent using errcode = '42809';
+        end if;
+        select a.attname, a.atttypid into v_parent_key, v_key_type
+        from pg_catalog.pg_constraint con
+        join pg_catalog.pg_attribute a on a.attrelid = con.conrelid and a.attnum = con.conkey[1]
+        where con.conrelid = parent and con.contype = 'p' and cardinality(con.conkey) = 1;
+        if v_parent_key is null then
+            raise exception 'lockstep: parent % needs a single-column primary key', parent
+                using errcode = 'LSD04', hint = 'Multi-column parent keys are not supported; use the parent''s surrogate key.';
+        end if;
+        select array_agg(a.attname order by a.attname) into v_fks
+        from pg_catalog.pg_constraint con
+        join pg_catalog.pg_attribute a on a.attrelid = con.conrelid and a.attnum = con.conkey[1]
+        join pg_catalog.pg_attribute pa on pa.attrelid = con.confrelid and pa.attnum = con.confkey[1]
+        where con.conrelid = target and con.confrelid = parent and con.contype = 'f'
+          and cardinality(con.conkey) = 1 and pa.attname = v_parent_key;
+        if parent_column is null then
+            if cardinality(v_fks) is distinct from 1 then
+                raise exception 'lockstep: cannot infer parent_column: % has % single-column foreign keys to %(%)',
+                    target, coalesce(cardinality(v_fks), 0), parent, v_parent_key
+                    using errcode = 'LSD04', hint = 'Pass parent_column => ''...'' naming a column with a foreign key to the parent.';
+            end if;
+            parent_column := v_fks[1];
+        elsif not exists (select from pg_catalog.pg_attribute a
+                          where a.attrelid = target and a.attname = parent_column and a.attnum > 0 and not a.attisdropped) then
+            raise exception 'lockstep: target % has no column %', target, parent_column using errcode = 'LSD04';
+        elsif not parent_column = any(coalesce(v_fks, '{}')) then
+            raise exception 'lockstep: %.% does not reference %(%) through a foreign key', target, parent_column, parent, v_parent_key
+                using errcode = 'LSD04',
+                      hint = 'lockstep pins parents with the lock an FK check takes; add the foreign key.';
+        end if;
+        if not parent_column = any(v_cols) then
+            raise exception 'lockstep: compute function % does not return the parent column %', compute, parent_column
+                using errcode = 'LSD03';
+        end if;
+        if v_arg <> (select t.typarray from pg_catalog.pg_type t where t.oid = v_key_type) then
+            raise exception 'lockstep: compute function % takes %, but the parent key %.% is %: it must take %[]',
+                compute, v_arg, parent, v_parent_key, v_key_type, v_key_type using errcode = 'LSD02';
+        end if;
+    elsif not exists (select from pg_catalog.pg_type t where t.oid = v_arg and t.typcategory = 'A') then
+        raise exception 'lockstep: compute function % must take an array argument (it is called with NULL: all rows)', compute
+            using errcode = 'LSD02';
+    end if;
+
+    -- compute's columns against the target's
+    for v_col in
+        select c.name, c.type, a.atttypid, a.attgenerated, count(*) over (partition by c.name) as dup
+        from lockstep._proc_columns(compute) c
+        left join pg_catalog.pg_attribute a
+            on a.attrelid = target and a.attname = c.name and a.attnum > 0 and not a.attisdropped
+        order by c.ord
+    loop
+        if v_col.dup > 1 then
+            raise exception 'lockstep: compute function % returns column % twice', compute, v_col.name using errcode = 'LSD03';
+        elsif v_col.atttypid is null then
+            raise exception 'lockstep: compute function % returns column %, which target % does not have', compute, v_col.name, target
+                using errcode = 'LSD03';
+        elsif v_col.atttypid <> v_col.type then
+            raise exception 'lockstep: column %: compute function % returns %, target % has %', v_col.name, compute,
+                v_col.type::regtype, target, v_col.atttypid::regtype using errcode = 'LSD03';
+        elsif v_col.attgenerated <> '' then
+            raise exception 'lockstep: column % of % is generated; compute must not return it', v_col.name, target
+                using errcode = 'LSD03';
+        elsif v_col.name like 'lockstep\_%' then
+            raise exception 'lockstep: column names starting with lockstep_ are reserved (%)', v_col.name using errcode = 'LSD03';
+        end if;
+        begin
+            execute pg_catalog.format('select null::%s is distinct from null::%s', v_col.type::regtype, v_col.type::regtype);
+        exception when undefined_function then
+            raise exception 'lockstep: column % has type %, which has no equality operator', v_col.name, v_col.type::regtype
+                using errcode = 'LSD03', hint = 'lockstep compares rows with IS DISTINCT FROM; use jsonb rather than json.';
+        end;
+    end loop;
+    select array_agg(k) into v_err from pg_catalog.unnest(v_key) k where not k = any(v_cols);
+    if v_err is not null then
+        raise exception 'lockstep: compute function % does not return the target''s primary-key column(s) %', compute, v_err
+            using errcode = 'LSD03';
+    end if;
+    select pg_catalog.string_agg(a.attname, ', ') into v_err
+    from pg_catalog.pg_attribute a
+    where a.attrelid = target and a.attnum > 0 and not a.attisdropped and a.attnotnull and not a.atthasdef
+      and a.attidentity = '' and a.attgenerated = '' and not a.attname = any(v_cols);
+    if v_err is not null then
+        raise exception 'lockstep: target % has NOT NULL column(s) % without default that compute function % does not return',
+            target, v_err, compute using errcode = 'LSD03';
+    end if;
+
+    -- a dry run on no keys: catches what only execution shows (e.g. tables the function cannot see)
+    if parent is not null then
+        begin
+            execute pg_catalog.format('select count(*) from %s($1::%s)', compute::regproc, lockstep._array_type(v_key_type))
+                using '{}'::text[];
+        exception when others then
+            get stacked diagnostics v_err = message_text;
+            raise exception 'lockstep: compute function % failed on an empty key array: %', compute, v_err
+                using errcode = 'LSD02',
+                      hint = 'lockstep runs compute with search_path = pg_catalog, pg_temp: schema-qualify table names '
+                             'or give the function its own SET search_path.';
+        end;
+    end if;
+
+    select * into old from lockstep.job j where j.job = define_derived.job;
+    if found then
+        perform lockstep._check_owner(old);
+        if old.kind <> 'derived' then
+            raise exception 'lockstep: job "%" is a generic job; use lockstep.define_job() or drop it first', job
+                using errcode = 'LSJ02';
+        end if;
+    end if;
+    insert into lockstep.job as j (job, kind, lock_group, target, compute, parent, parent_column, parent_key,
+                                   key_type, target_key, columns, every, backoff)
+    values (job, 'derived', coalesce(lock_group, job), target, compute::text, parent, parent_column, v_parent_key,
+            v_key_type, v_key, v_cols, every, backoff)
+    on conflict on constraint job_pkey do update
+        set lock_group = excluded.lock_group, target = excluded.target, compute = excluded.compute,
+            parent = excluded.parent, parent_column = excluded.parent_column, parent_key = excluded.parent_key,
+            key_type = excluded.key_type, target_key = excluded.target_key, columns = excluded.columns,
+            every = excluded.every, backoff = excluded.backoff, updated_at = now();
+    insert into lockstep.job_state (job) values (job) on conflict do nothing;
+end;
+$$;
+
+-- lockstep._compute_into(j, keys): fill pg_temp.lockstep_desired with compute(keys) (NULL: all), keep only
+-- rows of the parents in keys, reject duplicate or NULL primary keys, and ANALYZE it.
+-- locks: no row locks (whatever the compute function reads, under MVCC).
+create function lockstep._compute_into(j lockstep.job, keys text[]) returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_cols text := lockstep._cols(j.columns);
+    v_pk text := lockstep._cols(j.target_key);
+    v_fn text;
+    v_arg text;
+    v_bad text;
+begin
+    select pg_catalog.format('%I.%I', n.nspname, p.proname), pg_catalog.format_type(p.proargtypes[0], null)
+    into v_fn, v_arg
+    from pg_catalog.pg_proc p join pg_catalog.pg_namespace n on n.oid = p.pronamespace
+    where p.oid = j.compute::regprocedure;
+    drop table if exists pg_temp.lockstep_desired;
+    execute pg_catalog.format('create temp table lockstep_desired on commit drop as select %s from %s limit 0',
+                              v_cols, j.target);
+    execute pg_catalog.format('insert into pg_temp.lockstep_desired (%1$s) select %1$s from %2$s($1::%3$s)',
+                              v_cols, v_fn, v_arg) using keys;
+    if keys is not null then
+        execute pg_catalog.format('delete from pg_temp.lockstep_desired where not coalesce(%I = any($1::%s), false)',
+                                  j.parent_column, lockstep._array_type(j.key_type)) using keys;
+    end if;
+    execute pg_catalog.format('select row(%s)::text from pg_temp.lockstep_desired where %s limit 1',
+                              v_pk, (select pg_catalog.string_agg(pg_catalog.format('%I is null', k), ' or ')
+                                     from pg_catalog.unnest(j.target_key) k)) into v_bad;
+    if v_bad is not null then
+        raise exception 'lockstep: compute function % returned a NULL primary key %', j.compute, v_bad
+            using errcode = 'LSD05';
+    end if;
+    execute pg_catalog.format('select row(%1$s)::text from pg_temp.lockstep_desired group by %1$s having count(*) > 1 limit 1',
+                              v_pk) into v_bad;
+    if v_bad is not null then
+        raise exception 'lockstep: compute function % returned more than one row for primary key % of %',
+            j.compute, v_bad, j.target using errcode = 'LSD05';
+    end if;
+    analyze pg_temp.lockstep_desired;
+end;
+$$;
+
+-- lockstep._drop_rows(tbl, cond, keys): delete from a pg_temp work table the rows matching cond (with $1 =
+-- keys) and return the parent keys of the rows removed.
+-- locks: nothing outside pg_temp.
+create function lockstep._drop_rows(tbl text, cond text, keys text[] default null) returns text[]
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v text[];
+begin
+    execute pg_catalog.format('with d as (delete from pg_temp.%I where %s returning lockstep_parent) '
+                              'select coalesce(array_agg(distinct lockstep_parent) filter (where lockstep_parent is not null), ''{}'') from d',
+                              tbl, cond) into v using keys;
+    return v;
+end;
+$$;
+
+-- lockstep._write(j, keys): THE write path. Apply pg_temp.lockstep_desired (filled by _compute_into) to
+-- the target, restricted to the parents in keys (NULL: the whole table). Used by recompute and by work.
+--
+-- First, without any row lock: the difference (rows gone; rows new or changed by IS DISTINCT FROM).
+-- Then the write phase. locks, in this order, never waiting for any of them:
+--   1. parent rows of every derived row about to be deleted, inserted or updated (its new and its old
+--      parent): FOR KEY SHARE SKIP LOCKED, in parent-key order. A parent locked by a deleter is skipped.
+--   2. rows referenced through each other foreign key of the target: FOR KEY SHARE SKIP LOCKED, one
+--      constraint at a time in constraint-name order, each in key order.
+--   3. the target rows to delete or update: FOR UPDATE SKIP LOCKED, in primary-key order; then the
+--      deletes, then one INSERT ... ON CONFLICT DO UPDATE ... WHERE IS DISTINCT FROM, in primary-key order.
+-- Rows whose locks were skipped are not written (never a wait, never a 23503); their parent keys are
+-- returned in skipped (still existing, to be re-queued) or counted in gone (deleted meanwhile).
+-- The caller writes the job's status row after this.
+create function lockstep._write(j lockstep.job, keys text[]) returns lockstep._pass
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_dcols text := lockstep._cols(j.columns, 'd');
+    v_tcols text := lockstep._cols(j.columns, 't');
+    v_pk text := lockstep._cols(j.target_key);
+    v_keyarr text := lockstep._array_type(j.key_type);
+    v_scope text := 'true';
+    v_tpar text := 'null::text';
+    v_dpar text := 'null::text';
+    v_set text;
+    v_need text[];
+    v_pinned text[];
+    v_skip text[] := '{}';
+    v_t0 timestamptz := clock_timestamp();
+    v_t1 timestamptz;
+    v_gone bigint;
+    v_put bigint;
+    v_new bigint;
+    n bigint;
+    c record;
+    p lockstep._pass := row(0, 0, 0, '{}', 0, 0, 0, '{}', '{}');
+begin
+    if j.parent_column is not null then
+        v_tpar := pg_catalog.format('t.%I::text', j.parent_column);
+        v_dpar := pg_catalog.format('d.%I::text', j.parent_column);
+        if keys is not null then
+            v_scope := pg_catalog.format('t.%I = any($1::%s)', j.parent_column, v_keyarr);
+        end if;
+    end if;
+
+    -- the difference, without row locks ---------------------------------------------------------------
+    drop table if exists pg_temp.lockstep_gone, pg_temp.lockstep_put, pg_temp.lockstep_locked;
+    execute pg_catalog.format(
+        'create temp table lockstep_gone on commit drop as '
+        'select %1$s, %2$s as lockstep_parent from %3$s t '
+        'where %4$s and not exists (select from pg_temp.lockstep_desired d where %5$s)',
+        v_tcols, v_tpar, j.target, v_scope, lockstep._eq(j.target_key, 'd', 't')) using keys;
+    get diagnostics v_gone = row_count;
+    execute pg_catalog.format(
+        'create temp table lockstep_put on commit drop as '
+        'select %1$s, %2$s as lockstep_parent, %3$s as lockstep_old_parent, t.ctid is null as lockstep_new '
+        'from pg_temp.lockstep_desired d left join %4$s t on %5$s '
+        'where t.ctid is null or (%1$s) is distinct from (%6$s)',
+        v_dcols, v_dpar, v_tpar, j.target, lockstep._eq(j.target_key, 'd', 't'), v_tcols);
+    get diagnostics v_put = row_count;
+    v_t1 := clock_timestamp();
+    p.compute_ms := extract(epoch from v_t1 - v_t0) * 1000;
+    if v_gone = 0 and v_put = 0 then
+        return p;  -- nothing to write: no lock taken at all
+    end if;
+    analyze pg_temp.lockstep_gone;
+    analyze pg_temp.lockstep_put;
+
+    -- 1. pin the parents, in key order, skipping those an application holds --------------------------
+    if j.parent is not null then
+        execute 'select coalesce(array_agg(distinct k), ''{}'') from ('
+                '  select lockstep_parent from pg_temp.lockstep_gone'
+                '  union all select lockstep_parent from pg_temp.lockstep_put'
+                '  union all select lockstep_old_parent from pg_temp.lockstep_put) s(k) where k is not null'
+            into v_need;
+        execute pg_catalog.format(
+            'select coalesce(array_agg(k), ''{}'') from ('
+            '  select %1$I::text as k from %2$s where %1$I = any($1::%3$s)'
+            '  order by %1$I for key share skip locked) s',
+            j.parent_key, j.parent, v_keyarr) into v_pinned using v_need;
+        v_skip := array(select pg_catalog.unnest(v_need) except select pg_catalog.unnest(v_pinned));
+        if cardinality(v_skip) > 0 then
+            perform lockstep._drop_rows('lockstep_gone', 'lockstep_parent = any($1)', v_skip);
+            v_skip := v_skip || lockstep._drop_rows('lockstep_put',
+                'lockstep_parent = any($1) or lockstep_old_parent = any($1)', v_skip);
+        end if;
+    end if;
+
+    -- 2. pin the rows the target's other foreign keys reference ----------------------------------------
+    for c in
+        select con.conname, con.confrelid::regclass as ref,
+               array(select a.attname from pg_catalog.unnest(con.conkey) with ordinality k(n, o)
+                     join pg_catalog.pg_attribute a on a.attrelid = con.conrelid and a.attnum = k.n order by k.o) as fk,
+               array(select a.attname from pg_catalog.unnest(con.confkey) with ordinality k(n, o)
+                     join pg_catalog.pg_attribute a on a.attrelid = con.confrelid and a.attnum = k.n order by k.o) as rk
+        from pg_catalog.pg_constraint con
+        where con.conrelid = j.target and con.contype = 'f'
+          and not (j.parent is not null and con.confrelid = j.parent
+                   and con.conkey = array[(select a.attnum from pg_catalog.pg_attribute a
+                                           where a.attrelid = j.target and a.attname = j.parent_column)])
+        order by con.conname
+    loop
+        continue when not (c.fk <@ j.columns);
+        drop table if exists pg_temp.lockstep_ref;
+        execute pg_catalog.format(
+            'create temp table lockstep_ref on commit drop as '
+            'select %1$s from %2$s r where (%1$s) in ('
+            '  select %3$s from pg_temp.lockstep_put where %4$s'
+            '  union select %3$s from pg_temp.lockstep_gone where %4$s) '
+            'order by %1$s for key share skip locked',
+            lockstep._cols(c.rk, 'r'), c.ref, lockstep._cols(c.fk),
+            (select pg_catalog.string_agg(pg_catalog.format('%I is not null', x), ' and ') from pg_catalog.unnest(c.fk) x));
+        v_set := pg_catalog.format('(%s) is not null and not exists (select from pg_temp.lockstep_ref r where (%s) = (%s))',
+            lockstep._cols(c.fk), lockstep._cols(c.rk, 'r'), lockstep._cols(c.fk));
+        v_skip := v_skip || lockstep._drop_rows('lockstep_put', v_set) || lockstep._drop_rows('lockstep_gone', v_set);
+    end loop;
+
+    -- 3. lock the target rows to delete or update, in key order; then delete; then upsert ------------
+    execute pg_catalog.format(
+        'create temp table lockstep_locked on commit drop as '
+        'select %1$s from %2$s t where (%1$s) in ('
+        '  select %3$s from pg_temp.lockstep_gone'
+        '  union all select %3$s from pg_temp.lockstep_put where not lockstep_new) '
+        'order by %1$s for update of t skip locked',
+        lockstep._cols(j.target_key, 't'), j.target, v_pk);
+    v_set := pg_catalog.format('not exists (select from pg_temp.lockstep_locked l where %s)',
+                               lockstep._eq(j.target_key, 'l', 'lockstep_gone'));
+    v_skip := v_skip || lockstep._drop_rows('lockstep_gone', v_set);
+    v_set := pg_catalog.format('not lockstep_new and not exists (select from pg_temp.lockstep_locked l where %s)',
+                               lockstep._eq(j.target_key, 'l', 'lockstep_put'));
+    v_skip := v_skip || lockstep._drop_rows('lockstep_put', v_set);
+
+    execute pg_catalog.format('delete from %s t using pg_temp.lockstep_gone g where %s',
+                              j.target, lockstep._eq(j.target_key, 't', 'g'));
+    get diagnostics n = row_count;
+    p.deleted := n;
+
+    select pg_catalog.string_agg(pg_catalog.format('%I = excluded.%I', x, x), ', ')
+    into v_set from pg_catalog.unnest(j.columns) x where not x = any(j.target_key);
+    execute pg_catalog.format(
+        'insert into %1$s as t (%2$s) select %2$s from pg_temp.lockstep_put order by %3$s on conflict (%3$s) %4$s',
+        j.target, lockstep._cols(j.columns), v_pk,
+        case when v_set is null then 'do nothing'
+             else pg_catalog.format('do update set %s where (%s) is distinct from (%s)', v_set,
+                  (select lockstep._cols(array_agg(x), 't') from pg_catalog.unnest(j.columns) x where not x = any(j.target_key)),
+                  (select lockstep._cols(array_agg(x), 'excluded') from pg_catalog.unnest(j.columns) x where not x = any(j.target_key)))
+        end);
+    get diagnostics n = row_count;
+    execute 'select count(*) from pg_temp.lockstep_put where lockstep_new' into v_new;
+    p.inserted := least(n, v_new);
+    p.updated := n - p.inserted;
+
+    -- skipped parents: those that still exist go back to the queue; the others were deleted meanwhile
+    v_skip := array(select distinct pg_catalog.unnest(v_skip));
+    if j.parent is not null and cardinality(v_skip) > 0 then
+        execute pg_catalog.format('select coalesce(array_agg(k order by k), ''{}'') from pg_catalog.unnest($1) k '
+                                  'where exists (select from %s where %I = k::%s)',
+                                  j.parent, j.parent_key, j.key_type) into p.skipped using v_skip;
+        p.gone := cardinality(v_skip) - cardinality(p.skipped);
+    else
+        p.skipped := v_skip;
+    end if;
+    p.write_ms := extract(epoch from clock_timestamp() - v_t1) * 1000;
+    return p;
+end;
+$$;
+
+-- lockstep._apply(j, keys): compute, diff and write for the parents in keys (NULL: all). The only path by
+-- which lockstep writes a derived table.
+-- locks: as lockstep._write (the compute phase takes no row lock).
+create function lockstep._apply(j lockstep.job, keys text[]) returns lockstep._pass
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_t0 timestamptz := clock_timestamp();
+    p lockstep._pass;
+begin
+    perform lockstep._compute_into(j, keys);
+    p := lockstep._write(j, keys);
+    p.compute_ms := extract(epoch from clock_timestamp() - v_t0) * 1000 - p.write_ms;
+    return p;
+end;
+$$;
+
+-- lockstep._recompute(j, only_if_due): the full recompute under the group lock.
+-- locks: the group lock (try: busy if taken); then as lockstep._write for the whole table; then the
+-- queue (skipped parents appended); the job's status row last.
+create function lockstep._recompute(j lockstep.job, only_if_due boolean) returns lockstep.result
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    s lockstep.job_state;
+    v_started timestamptz;
+    v_err text;
+    p lockstep._pass;
+begin
+    if not lockstep._try_lock(j.lock_group) then
+        return lockstep._result('busy', j.job, 'recompute');
+    end if;
+    -- re-read under the lock: another runner may have run it between our look and our lock.
+    select * into s from lockstep.job_state st where st.job = j.job;
+    if only_if_due and s.next_run_at > now() then
+        return lockstep._result(lockstep._not_due(s), j.job, 'recompute');
+    end if;
+    v_started := clock_timestamp();
+    begin
+        p := lockstep._apply(j, null);
+    exception
+        when query_canceled then
+            if not lockstep._is_statement_timeout(v_started) then
+                raise;
+            end if;
+            get stacked diagnostics v_err = message_text;
+            perform lockstep._finish(j, 'recompute', 'failed', v_started, null, v_err);
+            return lockstep._result('failed', j.job, 'recompute', null, v_err);
+        when others then
+            get stacked diagnostics v_err = message_text;
+            perform lockstep._finish(j, 'recompute', 'failed', v_started, null, v_err);
+            return lockstep._result('failed', j.job, 'recompute', null, v_err);
+    end;
+    if j.parent is not null and cardinality(p.skipped) > 0 then
+        perform lockstep._enqueue_text(j, p.skipped);
+    end if;
+    perform lockstep._finish(j, 'recompute', 'done', v_started, p);
+    return lockstep._result('done', j.job, 'recompute', p);
+end;
+$$;
+
+-- lockstep.recompute(job): full recompute now, even if not due (and even during a failure backoff).
+-- locks: as lockstep._recompute.
+create function lockstep.recompute(job text) returns lockstep.result
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    return lockstep._recompute(lockstep._job(job, 'derived'), false);
+end;
+$$;

@@ -1,0 +1,394 @@
+-- lockstep 0001: the queue of changed parents and the incremental worker.
+
+-- lockstep._enqueue_text(j, keys): append keys (text, cast to the parent key type, NULLs dropped) to the
+-- queue, once each, sorted. Wakes listening runners (NOTIFY lockstep) when the job's queue was empty.
+-- locks: none beyond the insert into lockstep.queue. The queue is append-only with no unique constraint on
+-- keys, so this never waits for a worker, whatever the worker holds.
+create function lockstep._enqueue_text(j lockstep.job, keys text[]) returns bigint
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_empty boolean;
+    n bigint;
+begin
+    if keys is null or cardinality(keys) = 0 then
+        return 0;
+    end if;
+    v_empty := not exists (select from lockstep.queue q where q.job = j.job);
+    execute pg_catalog.format(
+        'insert into lockstep.queue (job, key) '
+        'select $1, k::text from (select distinct k from pg_catalog.unnest($2::%s) k where k is not null) s order by k',
+        lockstep._array_type(j.key_type)) using j.job, keys;
+    get diagnostics n = row_count;
+    if v_empty and n > 0 then
+        perform pg_catalog.pg_notify('lockstep', j.job);
+    end if;
+    return n;
+end;
+$$;
+
+-- lockstep._queue_job(job): the registry row of a derived job that has a queue (it has a parent).
+-- locks: nothing.
+create function lockstep._queue_job(job text) returns lockstep.job
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    j lockstep.job := lockstep._job(job, 'derived');
+begin
+    if j.parent is null then
+        raise exception 'lockstep: job "%" has no parent, so it has no queue', j.job
+            using errcode = 'LSJ02', hint = 'Use lockstep.recompute(), or redefine it with parent => ...';
+    end if;
+    return j;
+end;
+$$;
+
+-- lockstep._check_key_type(j, t, what): t (an element type) can stand for the job's parent key.
+-- Same type, or same type category (integer for bigint, varchar for text): values are cast, and a value
+-- that does not fit raises.
+-- locks: nothing.
+create function lockstep._check_key_type(j lockstep.job, t regtype, what text) returns void
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if t is distinct from j.key_type
+       and (select typcategory from pg_catalog.pg_type where oid = t)
+           is distinct from (select typcategory from pg_catalog.pg_type where oid = j.key_type) then
+        raise exception 'lockstep: % is %, but the parent key %.% of job "%" is %', what, coalesce(t::text, 'not an array'),
+            j.parent, j.parent_key, j.job, j.key_type
+            using errcode = 'LSQ01', hint = pg_catalog.format('Pass an array of %s.', j.key_type);
+    end if;
+end;
+$$;
+
+-- lockstep.enqueue(job, keys): mark parents as changed. Returns the number of distinct keys appended.
+-- locks: as lockstep._enqueue_text: nothing a worker or a recompute holds.
+create function lockstep.enqueue(job text, keys anyarray) returns bigint
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    j lockstep.job := lockstep._queue_job(job);
+begin
+    if keys is null then
+        raise exception 'lockstep: keys must not be NULL' using errcode = '22004';
+    end if;
+    perform lockstep._check_key_type(j, (select typelem from pg_catalog.pg_type where oid = pg_catalog.pg_typeof(keys)),
+                                     'keys');
+    if pg_catalog.array_position(keys, null) is not null then
+        raise exception 'lockstep: keys must not contain NULL (job "%")', j.job using errcode = '22004';
+    end if;
+    return lockstep._enqueue_text(j, keys::text[]);
+end;
+$$;
+
+-- lockstep.enqueue_trigger(): trigger function for AFTER ... FOR EACH STATEMENT triggers with transition
+-- tables named lockstep_new (INSERT, UPDATE) and lockstep_old (UPDATE, DELETE).
+-- Arguments: job name, name of the column that holds the parent key. lockstep.watch() creates the triggers.
+-- Keys are enqueued once per statement, sorted.
+-- locks: as lockstep._enqueue_text: nothing a worker or a recompute holds.
+create function lockstep.enqueue_trigger() returns trigger
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    j lockstep.job;
+    v_keys text[] := '{}';
+    v_part text[];
+begin
+    if tg_level <> 'STATEMENT' or tg_when <> 'AFTER' or tg_nargs <> 2 then
+        raise exception 'lockstep.enqueue_trigger() must be used in AFTER ... FOR EACH STATEMENT triggers with two arguments (job, key column)'
+            using errcode = '22023';
+    end if;
+    j := lockstep._queue_job(tg_argv[0]);
+    if tg_op in ('INSERT', 'UPDATE') then
+        execute pg_catalog.format('select array_agg(%I::text) from lockstep_new', tg_argv[1]) into v_part;
+        v_keys := v_keys || coalesce(v_part, '{}');
+    end if;
+    if tg_op in ('DELETE', 'UPDATE') then
+        execute pg_catalog.format('select array_agg(%I::text) from lockstep_old', tg_argv[1]) into v_part;
+        v_keys := v_keys || coalesce(v_part, '{}');
+    end if;
+    perform lockstep._enqueue_text(j, v_keys);
+    return null;
+end;
+$$;
+
+-- lockstep._trigger_name(job, op): name of the trigger lockstep.watch() creates.
+-- locks: nothing.
+create function lockstep._trigger_name(job text, op text) returns name
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select ('lockstep_' || left(job, 40) || '_' || left(pg_catalog.md5(job), 6) || '_' || op)::name;
+$$;
+
+-- lockstep.watch(job, source, key_column): create the three statement triggers (insert, update, delete)
+-- that enqueue source.key_column for job. Re-running it replaces them.
+-- locks: the source table in SHARE ROW EXCLUSIVE mode (CREATE TRIGGER): it waits for the source's writers,
+-- like any DDL. Run it at deploy time.
+create function lockstep.watch(job text, source regclass, key_column name) returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    j lockstep.job := lockstep._queue_job(job);
+    v_type regtype;
+    op text;
+begin
+    if source is null or key_column is null then
+        raise exception 'lockstep: source and key_column must not be NULL' using errcode = '22004';
+    end if;
+    select a.atttypid into v_type from pg_catalog.pg_attribute a
+    where a.attrelid = source and a.attname = key_column and a.attnum > 0 and not a.attisdropped;
+    if v_type is null then
+        raise exception 'lockstep: table % has no column %', source, key_column using errcode = '42703';
+    end if;
+    perform lockstep._check_key_type(j, v_type, pg_catalog.format('%s.%s', source, key_column));
+    perform lockstep.unwatch(job, source);
+    foreach op in array array['insert', 'update', 'delete'] loop
+        execute pg_catalog.format(
+            'create trigger %I after %s on %s referencing %s for each statement '
+            'execute function lockstep.enqueue_trigger(%L, %L)',
+            lockstep._trigger_name(j.job, op), op, source,
+            case op when 'insert' then 'new table as lockstep_new'
+                    when 'update' then 'old table as lockstep_old new table as lockstep_new'
+                    else 'old table as lockstep_old' end,
+            j.job, key_column);
+    end loop;
+end;
+$$;
+
+-- lockstep.unwatch(job, source): drop the triggers lockstep.watch() created.
+-- locks: the source table (DROP TRIGGER), as lockstep.watch.
+create function lockstep.unwatch(job text, source regclass) returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    op text;
+begin
+    if job is null or source is null then
+        raise exception 'lockstep: job and source must not be NULL' using errcode = '22004';
+    end if;
+    foreach op in array array['insert', 'update', 'delete'] loop
+        execute pg_catalog.format('drop trigger if exists %I on %s', lockstep._trigger_name(job, op), source);
+    end loop;
+end;
+$$;
+
+-- lockstep._add(a, b): sum two passes.
+-- locks: nothing.
+create function lockstep._add(a lockstep._pass, b lockstep._pass) returns lockstep._pass
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select row(a.inserted + b.inserted, a.updated + b.updated, a.deleted + b.deleted, a.skipped || b.skipped,
+               a.gone + b.gone, a.compute_ms + b.compute_ms, a.write_ms + b.write_ms,
+               a.failed || b.failed, a.errors || b.errors)::lockstep._pass;
+$$;
+
+-- lockstep._isolate(j, keys, error): apply keys, bisecting on failure until the failing keys are alone.
+-- error: the batch is already known to fail with this message (skip the first attempt).
+-- locks: as lockstep._write, once per part that succeeds; each attempt is a subtransaction, so a failed
+-- part leaves nothing behind.
+create function lockstep._isolate(j lockstep.job, keys text[], error text default null) returns lockstep._pass
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    n integer := cardinality(keys);
+    v_err text := error;
+begin
+    if v_err is null then
+        begin
+            return lockstep._apply(j, keys);
+        exception when others then
+            get stacked diagnostics v_err = message_text;
+        end;
+    end if;
+    if n = 1 then
+        return row(0, 0, 0, '{}', 0, 0, 0, keys, array[v_err])::lockstep._pass;
+    end if;
+    return lockstep._add(lockstep._isolate(j, keys[1:n / 2]), lockstep._isolate(j, keys[n / 2 + 1:n]));
+end;
+$$;
+
+-- lockstep._ready(j): queue entries of j whose key is neither parked nor waiting for a retry.
+-- locks: nothing.
+create function lockstep._has_ready(j lockstep.job, except_keys text[] default '{}') returns boolean
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select exists (
+        select from lockstep.queue q
+        where q.job = j.job and q.key <> all(except_keys)
+          and not exists (select from lockstep.key_failure f
+                          where f.job = q.job and f.key = q.key and (f.parked or f.retry_at > now())));
+$$;
+
+-- lockstep._work(j, batch): one incremental pass.
+-- locks, in this order: nothing until there is work (idle) and no periodic job of the group is due
+-- (busy: give way); the group lock (try: busy if taken); then, through lockstep._write, the parents of the
+-- claimed keys' rows (FOR KEY SHARE SKIP LOCKED, key order) and the target's rows (key order); then
+-- lockstep's own rows: the processed queue entries (deleted), the key_failure rows; the status row last.
+create function lockstep._work(j lockstep.job, batch integer) returns lockstep.result
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    s lockstep.job_state;
+    v_started timestamptz;
+    v_keys text[];
+    v_ids bigint[];
+    v_leave text[];
+    v_err text;
+    p lockstep._pass;
+begin
+    select * into s from lockstep.job_state st where st.job = j.job;
+    if s.retry_at > now() then
+        return lockstep._result('backoff', j.job, 'work', null, s.last_error);
+    end if;
+    if lockstep._group_due(j.lock_group) then
+        return lockstep._result('busy', j.job, 'work', null, 'a periodic job of the lock group is due');
+    end if;
+    if not lockstep._has_ready(j) then
+        return lockstep._result('idle', j.job, 'work');
+    end if;
+    if not lockstep._try_lock(j.lock_group) then
+        return lockstep._result('busy', j.job, 'work');
+    end if;
+    v_started := clock_timestamp();
+
+    -- claim: the oldest ready entries give up to batch distinct keys; every visible entry of those keys
+    -- goes with them (a key enqueued many times is computed once). Entries appended after this snapshot
+    -- stay queued for the next pass.
+    select array_agg(distinct c.key) into v_keys
+    from (select q.key from lockstep.queue q
+          where q.job = j.job
+            and not exists (select from lockstep.key_failure f
+                            where f.job = q.job and f.key = q.key and (f.parked or f.retry_at > now()))
+          order by q.id limit batch) c;
+    if v_keys is null then
+        return lockstep._result('idle', j.job, 'work');
+    end if;
+    select array_agg(q.id) into v_ids from lockstep.queue q where q.job = j.job and q.key = any(v_keys);
+    execute pg_catalog.format('select array_agg(k::text order by k) from pg_catalog.unnest($1::%s) k',
+                              lockstep._array_type(j.key_type)) into v_keys using v_keys;
+
+    begin
+        p := lockstep._apply(j, v_keys);
+    exception
+        when query_canceled then
+            if not lockstep._is_statement_timeout(v_started) then
+                raise;
+            end if;
+            get stacked diagnostics v_err = message_text;
+            perform lockstep._finish(j, 'work', 'failed', v_started, null, v_err);
+            return lockstep._result('failed', j.job, 'work', null, v_err);
+        when others then
+            get stacked diagnostics v_err = message_text;
+            -- the job itself is broken (every key would fail) or some keys are poison: an empty pass tells.
+            begin
+                perform lockstep._apply(j, '{}'::text[]);
+            exception when others then
+                perform lockstep._finish(j, 'work', 'failed', v_started, null, v_err);
+                return lockstep._result('failed', j.job, 'work', null, v_err);
+            end;
+            p := lockstep._isolate(j, v_keys, v_err);
+    end;
+
+    -- lockstep's own rows, after the target's
+    v_leave := p.skipped || p.failed;
+    delete from lockstep.queue q where q.job = j.job and q.id = any(v_ids) and q.key <> all(v_leave);
+    delete from lockstep.key_failure f where f.job = j.job and f.key = any(v_keys) and f.key <> all(v_leave);
+    insert into lockstep.key_failure as f (job, key, attempts, last_error, retry_at, parked)
+    select j.job, x.k, 1, x.e, now() + least(j.backoff, interval '2 seconds'), j.max_attempts <= 1
+    from unnest(p.failed, p.errors) as x(k, e)
+    order by x.k
+    on conflict (job, key) do update
+        set attempts = f.attempts + 1, last_error = excluded.last_error, last_failed_at = now(),
+            retry_at = now() + least(j.backoff, interval '1 second' * power(2, least(f.attempts + 1, 20))),
+            parked = f.attempts + 1 >= j.max_attempts;
+    v_err := case when cardinality(p.failed) > 0 then
+        pg_catalog.format('%s key(s) failed, first %s: %s', cardinality(p.failed), p.failed[1], p.errors[1]) end;
+    perform lockstep._finish(j, 'work', 'done', v_started, p, null);
+    return lockstep._result('done', j.job, 'work', p, v_err, lockstep._has_ready(j, p.skipped));
+end;
+$$;
+
+-- lockstep.work(job, batch): one incremental pass over up to batch queued parents.
+-- locks: as lockstep._work.
+create function lockstep.work(job text, batch integer default 500) returns lockstep.result
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if batch is null or batch < 1 then
+        raise exception 'lockstep: batch must be a positive integer (got %)', coalesce(batch::text, 'NULL')
+            using errcode = '22023';
+    end if;
+    return lockstep._work(lockstep._queue_job(job), batch);
+end;
+$$;
+
+-- lockstep.retry(job, keys): put failing or parked keys back in the queue now. Returns how many.
+-- locks: the job's key_failure rows of those keys (deleted); appends to the queue.
+create function lockstep.retry(job text, keys anyarray) returns bigint
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    j lockstep.job := lockstep._queue_job(job);
+    v_keys text[];
+begin
+    if keys is null then
+        raise exception 'lockstep: keys must not be NULL (use lockstep.retry(job) for all keys)' using errcode = '22004';
+    end if;
+    perform lockstep._check_key_type(j, (select typelem from pg_catalog.pg_type where oid = pg_catalog.pg_typeof(keys)),
+                                     'keys');
+    execute pg_catalog.format('select array_agg(k::%s::text) from pg_catalog.unnest($1::text[]) k', j.key_type)
+        into v_keys using keys::text[];
+    with d as (delete from lockstep.key_failure f where f.job = j.job and f.key = any(v_keys) returning f.key)
+    select array_agg(d.key) into v_keys from d;
+    perform lockstep._enqueue_text(j, v_keys);
+    return coalesce(cardinality(v_keys), 0);
+end;
+$$;
+
+-- lockstep.retry(job): put every failing or parked key of job back in the queue now.
+-- locks: as lockstep.retry(job, keys).
+create function lockstep.retry(job text) returns bigint
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    j lockstep.job := lockstep._queue_job(job);
+    v_keys text[];
+begin
+    with d as (delete from lockstep.key_failure f where f.job = j.job returning f.key)
+    select array_agg(d.key) into v_keys from d;
+    perform lockstep._enqueue_text(j, v_keys);
+    return coalesce(cardinality(v_keys), 0);
+end;
+$$;
+
+-- lockstep.set_max_attempts(job, max_attempts): failures of one key before it is parked (default 5).
+-- locks: the job's registry row.
+create function lockstep.set_max_attempts(job text, max_attempts integer) returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    j lockstep.job := lockstep._queue_job(job);
+begin
+    if max_attempts is null or max_attempts < 1 then
+        raise exception 'lockstep: max_attempts must be a positive integer' using errcode = '22023';
+    end if;
+    perform lockstep._check_owner(j);
+    update lockstep.job x set max_attempts = set_max_attempts.max_attempts, updated_at = now() where x.job = j.job;
+end;
+$$;

@@ -1,0 +1,72 @@
+-- lockstep 0001: what operators and the runner read. Views and the runner's due query; nothing here locks.
+
+-- one row per job.
+create view lockstep.status as
+select j.job,
+       j.kind,
+       j.lock_group,
+       (select count(*) from lockstep.queue q
+        where q.job = j.job
+          and not exists (select from lockstep.key_failure f where f.job = q.job and f.key = q.key and f.parked))
+           as queue_depth,
+       (select count(*) from lockstep.key_failure f where f.job = j.job and f.parked) as parked_keys,
+       (select count(*) from lockstep.key_failure f where f.job = j.job and not f.parked) as failing_keys,
+       s.last_outcome,
+       s.last_action,
+       s.last_started_at,
+       s.last_finished_at,
+       s.last_duration_ms,
+       s.last_inserted,
+       s.last_updated,
+       s.last_deleted,
+       s.last_skipped,
+       s.consecutive_failures,
+       s.last_error,
+       s.next_run_at,
+       s.retry_at,
+       s.runs,
+       coalesce(j.call, j.compute) as function,
+       j.target,
+       j.parent,
+       j.every,
+       j.backoff,
+       j.max_attempts
+from lockstep.job j
+join lockstep.job_state s on s.job = j.job;
+
+-- keys set aside after max_attempts failures; lockstep.retry(job, keys) puts them back.
+create view lockstep.parked_keys as
+select f.job, f.key, f.attempts, f.last_error, f.first_failed_at, f.last_failed_at
+from lockstep.key_failure f
+where f.parked;
+
+-- every failing key: parked, or waiting for its next attempt.
+create view lockstep.failing_keys as
+select f.job, f.key, f.attempts, f.last_error, f.first_failed_at, f.last_failed_at, f.retry_at, f.parked
+from lockstep.key_failure f;
+
+-- lockstep.due(jobs): when each job next has something to do (the runner's one query per tick).
+--   generic and parentless jobs: next_run_at;
+--   derived jobs: the earlier of next_run_at and, if ready keys are queued, now (or the worker's retry_at);
+--   also the earliest retry of a failing key that still has queue entries.
+-- jobs: restrict to these names (NULL: all).
+-- locks: nothing.
+create function lockstep.due(jobs text[] default null)
+returns table (job text, lock_group text, due_at timestamptz)
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select j.job, j.lock_group,
+           least(s.next_run_at,
+                 case when j.parent is not null and lockstep._has_ready(j)
+                      then greatest(now(), coalesce(s.retry_at, now())) end,
+                 case when j.parent is not null then
+                      (select greatest(min(f.retry_at), coalesce(s.retry_at, now()))
+                       from lockstep.key_failure f
+                       where f.job = j.job and not f.parked
+                         and exists (select from lockstep.queue q where q.job = f.job and q.key = f.key)) end)
+    from lockstep.job j
+    join lockstep.job_state s on s.job = j.job
+    where jobs is null or j.job = any(jobs)
+    order by 3, 1;
+$$;
