@@ -1,0 +1,83 @@
+"""The built wheel, installed non-editable in a fresh venv, migrates a database from any directory."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import venv
+import zipfile
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from runner.migrate import head
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def run(*cmd: str | Path, cwd: Path, env: dict[str, str] | None = None) -> str:
+    done = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, f"{cmd} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """bin/ folder of a fresh venv with the wheel built from this checkout."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    run(sys.executable, "-m", "build", "--wheel", "--outdir", tmp / "dist", ROOT, cwd=tmp)
+    (wheel,) = (tmp / "dist").glob("lockstep-*.whl")
+
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "runner/_alembic/env.py" in names and "runner/_alembic/versions/0001_core.py" in names
+    assert any(n.startswith("runner/_sql/0001/") and n.endswith(".sql") for n in names)
+    assert not [n for n in names if n.split("/")[0] in ("alembic", "sql")], "would shadow the alembic library"
+    assert not [n for n in names if "__pycache__" in n]
+
+    venv.EnvBuilder(with_pip=True).create(tmp / "venv")
+    bin_dir = tmp / "venv" / "bin"
+    run(bin_dir / "python", "-m", "pip", "install", "--quiet", "--disable-pip-version-check", wheel, cwd=tmp)
+    return bin_dir
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    drop = ("PYTHONPATH", "DATABASE_URL", "VIRTUAL_ENV", "PYTHONHOME")
+    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("PG")}
+    return {**env, **extra}
+
+
+def test_installed_package_uses_its_own_files(installed: Path, tmp_path: Path):
+    out = run(
+        installed / "python",
+        "-c",
+        "import runner.paths as p; print(p.sql_dir()); print(p.alembic_dir())",
+        cwd=tmp_path,
+        env=clean_env(),
+    )
+    sql_dir, alembic_dir = out.split()
+    site = installed.parent
+    assert Path(sql_dir).is_relative_to(site) and sql_dir.endswith("runner/_sql")
+    assert Path(alembic_dir).is_relative_to(site) and alembic_dir.endswith("runner/_alembic")
+
+
+def test_installed_cli_migrates_from_another_directory(installed: Path, tmp_path: Path, empty_dsn: str):
+    run(installed / "lockstep", "migrate", "--dsn", empty_dsn, cwd=tmp_path, env=clean_env())
+    with psycopg.connect(empty_dsn) as c:
+        assert c.execute("select to_regnamespace('lockstep') is not null").fetchone()[0]
+        assert c.execute("select version_num from lockstep_alembic_version").fetchall() == [(head(),)]
+        assert c.execute("select to_regclass('public.alembic_version')").fetchone()[0] is None
+
+
+def test_installed_cli_prints_sql_without_a_database(installed: Path, tmp_path: Path):
+    # Any connection attempt would fail: libpq is pointed at a socket folder that does not exist.
+    env = clean_env(PGHOST=str(tmp_path / "no-server"), PGCONNECT_TIMEOUT="1")
+    script = run(installed / "lockstep", "migrate", "--sql", cwd=tmp_path, env=env)
+    assert script.lstrip().startswith("BEGIN;") and script.rstrip().endswith("COMMIT;")
+    assert "lockstep:migrate" in script
+    assert "create schema lockstep" in script.lower()
+    assert f"INSERT INTO lockstep_alembic_version (version_num) VALUES ('{head()}')" in script
+    assert run(installed / "lockstep", "--version", cwd=tmp_path, env=env).startswith("lockstep, version")
