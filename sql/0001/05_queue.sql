@@ -167,6 +167,7 @@ $$;
 create function lockstep.unwatch(job text, source regclass) returns void
 language plpgsql
 set search_path = pg_catalog, pg_temp
+set client_min_messages = warning
 as $$
 declare
     op text;
