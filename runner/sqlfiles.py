@@ -49,7 +49,7 @@ def apply(op: Any, version: str, direction: Literal["up", "down"]) -> None:
     for path in files(version, direction):
         text = path.read_text(encoding="utf-8")
         if context.as_sql:
-            context.impl.static_output(f"-- lockstep {version} {direction}: {path.name}\n{text.rstrip()}\n")
+            context.impl.static_output(f"-- lockstep {version} {direction}: {path.name}\n{text.rstrip()}")
         else:
             # no_parameters: SQLAlchemy calls cursor.execute(text) with no parameter argument at all;
             # psycopg then neither parses placeholders nor uses the extended protocol.
