@@ -180,3 +180,28 @@ def connect(request: pytest.FixtureRequest) -> Iterator[Callable[..., psycopg.Co
 @pytest.fixture
 def conn(connect: Callable[..., psycopg.Connection]) -> psycopg.Connection:
     return connect()
+
+
+def _install_example(dsn: str) -> None:
+    from runner import example
+
+    with psycopg.connect(dsn, autocommit=True) as c:
+        example.install(c, parents=200)
+        c.execute("select lockstep.recompute(%s)", [example.JOB])
+        c.execute("delete from lockstep.queue")
+        c.execute("analyze")
+
+
+example_template = make_template("example", _install_example, base="template_db")
+
+
+@pytest.fixture
+def example_dsn(make_db: Callable[..., str], example_template: str) -> str:
+    """A fresh database with lockstep, the example app (200 exams), job exam_keys recomputed, queue empty."""
+    return make_db(example_template)
+
+
+@pytest.fixture
+def ex(connect: Callable[..., psycopg.Connection], example_dsn: str) -> psycopg.Connection:
+    """Autocommit connection to ``example_dsn``."""
+    return connect(example_dsn)

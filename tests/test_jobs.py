@@ -1,0 +1,205 @@
+"""Generic scheduled jobs: define_job and run under rules 1, 2, 6 and 7 (issue 2)."""
+
+from __future__ import annotations
+
+import time
+
+import psycopg
+import pytest
+from util import advisory_locks, raises_sqlstate, result, snapshot
+
+SETUP = """
+create table ticks (n int);
+create function tick() returns void language sql as $$ insert into public.ticks values (1) $$;
+create function boom() returns void language plpgsql as $$ begin raise exception 'boom: disk on fire'; end $$;
+create function two(a int, b int) returns int language sql as $$ select a + b $$;
+create procedure proc() language sql as $$ select 1 $$;
+create function slow() returns void language sql as $$ select pg_sleep(0.5) $$;
+"""
+
+
+@pytest.fixture
+def jobs(conn: psycopg.Connection) -> psycopg.Connection:
+    conn.execute(SETUP)
+    return conn
+
+
+def test_run_calls_the_function_then_not_due(jobs):
+    jobs.execute("select lockstep.define_job('t', 'tick()', every => '1 hour')")
+    assert result(jobs, "lockstep.run('t')")["outcome"] == "done"
+    assert jobs.execute("select count(*) from ticks").fetchone()[0] == 1
+    assert result(jobs, "lockstep.run('t')")["outcome"] == "not_due"
+    assert jobs.execute("select count(*) from ticks").fetchone()[0] == 1
+    st = jobs.execute(
+        "select last_outcome, runs, next_run_at - last_started_at, consecutive_failures"
+        " from lockstep.status where job = 't'"
+    ).fetchone()
+    assert st[0] == "done" and st[1] == 1 and st[3] == 0
+    assert st[2].total_seconds() == pytest.approx(3600, abs=1)
+
+
+def test_busy_returns_at_once_while_the_group_lock_is_held(jobs, connect):
+    jobs.execute("select lockstep.define_job('t', 'tick()', lock_group => 'g')")
+    holder = connect()
+    holder.execute("begin")
+    holder.execute("select lockstep._try_lock('g')")
+    t0 = time.perf_counter()
+    r = result(jobs, "lockstep.run('t')")
+    elapsed = time.perf_counter() - t0
+    assert r["outcome"] == "busy"
+    assert elapsed < 0.1, elapsed
+    assert jobs.execute("select count(*) from ticks").fetchone()[0] == 0
+    holder.execute("rollback")
+    assert result(jobs, "lockstep.run('t')")["outcome"] == "done"
+
+
+def test_group_lock_key_is_the_documented_one(jobs, connect):
+    jobs.execute("select lockstep.define_job('t', 'tick()', lock_group => 'g')")
+    holder = connect()
+    holder.execute("begin")
+    holder.execute("select pg_try_advisory_xact_lock(hashtextextended('lockstep:' || 'g', 0))")
+    assert result(jobs, "lockstep.run('t')")["outcome"] == "busy"
+
+
+@pytest.mark.parametrize("state", ["not_due", "backoff"])
+def test_not_due_and_backoff_take_no_lock(jobs, connect, state):
+    fn = "tick()" if state == "not_due" else "boom()"
+    jobs.execute(f"select lockstep.define_job('t', '{fn}')")
+    first = result(jobs, "lockstep.run('t')")["outcome"]
+    assert first == ("done" if state == "not_due" else "failed")
+    jobs.execute("begin")
+    assert result(jobs, "lockstep.run('t')")["outcome"] == state
+    observer = connect()
+    pid = jobs.info.backend_pid
+    assert advisory_locks(observer, pid) == []
+    # and no lock on any lockstep table row or relation beyond AccessShare
+    modes = observer.execute(
+        "select distinct mode from pg_locks where pid = %s and locktype = 'relation'", [pid]
+    ).fetchall()
+    assert {m for (m,) in modes} <= {"AccessShareLock"}
+    jobs.execute("rollback")
+
+
+def test_failure_is_recorded_with_backoff_then_backoff(jobs):
+    jobs.execute("select lockstep.define_job('b', 'boom()', backoff => '10 minutes')")
+    r = result(jobs, "lockstep.run('b')")
+    assert r["outcome"] == "failed"
+    assert "boom: disk on fire" in r["error"]
+    st = jobs.execute(
+        "select last_error, consecutive_failures, extract(epoch from next_run_at - now())"
+        " from lockstep.status where job = 'b'"
+    ).fetchone()
+    assert "boom: disk on fire" in st[0]
+    assert st[1] == 1
+    assert st[2] == pytest.approx(600, abs=5)
+    assert result(jobs, "lockstep.run('b')")["outcome"] == "backoff"
+    # once the backoff is over it runs (and fails) again, counting failures
+    jobs.execute("update lockstep.job_state set next_run_at = now() - interval '1 second' where job = 'b'")
+    assert result(jobs, "lockstep.run('b')")["outcome"] == "failed"
+    assert jobs.execute("select consecutive_failures from lockstep.status").fetchone()[0] == 2
+
+
+def test_failure_record_commits_but_the_function_work_does_not(jobs):
+    jobs.execute(
+        "create function half() returns void language plpgsql as"
+        " $$ begin insert into public.ticks values (1); raise exception 'after insert'; end $$"
+    )
+    jobs.execute("select lockstep.define_job('h', 'half()')")
+    assert result(jobs, "lockstep.run('h')")["outcome"] == "failed"
+    assert jobs.execute("select count(*) from ticks").fetchone()[0] == 0
+    assert jobs.execute("select last_outcome from lockstep.status").fetchone()[0] == "failed"
+
+
+def test_statement_timeout_is_a_failure_with_backoff(jobs):
+    jobs.execute("select lockstep.define_job('s', 'slow()')")
+    jobs.execute("set statement_timeout = '100ms'")
+    r = result(jobs, "lockstep.run('s')")
+    jobs.execute("reset statement_timeout")
+    assert r["outcome"] == "failed"
+    assert "statement timeout" in r["error"]
+
+
+def test_two_jobs_of_one_group_never_run_at_once(jobs, connect):
+    jobs.execute("select lockstep.define_job('a', 'tick()', lock_group => 'g')")
+    jobs.execute("select lockstep.define_job('b', 'tick()', lock_group => 'g')")
+    other = connect()
+    jobs.execute("begin")
+    assert result(jobs, "lockstep.run('a')")["outcome"] == "done"  # holds the group lock until commit
+    assert result(other, "lockstep.run('b')")["outcome"] == "busy"
+    jobs.execute("commit")
+    assert result(other, "lockstep.run('b')")["outcome"] == "done"
+
+
+def test_a_second_runner_does_not_run_a_job_twice(jobs, connect):
+    """Both see it due; the first runs it; the second gets the lock after the commit and finds it not due."""
+    jobs.execute("select lockstep.define_job('t', 'tick()')")
+    other = connect()
+    jobs.execute("begin")
+    assert result(jobs, "lockstep.run('t')")["outcome"] == "done"
+    assert result(other, "lockstep.run('t')")["outcome"] == "busy"
+    jobs.execute("commit")
+    assert result(other, "lockstep.run('t')")["outcome"] == "not_due"
+    assert jobs.execute("select count(*) from ticks").fetchone()[0] == 1
+
+
+def test_redefine_updates_schedule_and_keeps_state(jobs):
+    jobs.execute("select lockstep.define_job('t', 'tick()')")
+    result(jobs, "lockstep.run('t')")
+    jobs.execute("select lockstep.define_job('t', 'tick()', every => '5 minutes', lock_group => 'other')")
+    row = jobs.execute("select every, lock_group, runs from lockstep.status").fetchone()
+    assert row[0].total_seconds() == 300 and row[1] == "other" and row[2] == 1
+
+
+@pytest.mark.parametrize(
+    ("call", "sqlstate", "match"),
+    [
+        ("lockstep.define_job(null, 'tick()')", "22004", "must not be NULL"),
+        ("lockstep.define_job('x', null)", "22004", "call must not be NULL"),
+        ("lockstep.define_job('', 'tick()')", "22023", "empty"),
+        ("lockstep.define_job('x', 'tick()', lock_group => '')", "22023", "empty"),
+        ("lockstep.define_job('x', 'tick()', every => '0 s')", "22023", "positive"),
+        ("lockstep.define_job('x', 'tick()', every => '-1 minute')", "22023", "positive"),
+        ("lockstep.define_job('x', 'tick()', backoff => '0 s')", "22023", "positive"),
+        ("lockstep.define_job('x', 'tick()', every => null)", "22004", "NULL"),
+        ("lockstep.define_job('x', 'no_such_function()')", "42883", "does not exist"),
+        ("lockstep.define_job('x', 'two(int, int)')", "LSD02", "needs 2 argument"),
+        ("lockstep.define_job('x', 'proc()')", "LSD02", "not a plain function"),
+        ("lockstep.define_job('x', 'max(int)')", "LSD02", "not a plain function"),
+        ("lockstep.run('nope')", "LSJ01", 'unknown job "nope"'),
+        ("lockstep.run(null)", "22004", "must not be NULL"),
+        ("lockstep.drop_job('nope')", "LSJ01", "unknown job"),
+    ],
+)
+def test_bad_input_is_refused_and_changes_nothing(jobs, call, sqlstate, match):
+    jobs.execute("select lockstep.define_job('keep', 'tick()')")
+    before = snapshot(jobs, "ticks")
+    with raises_sqlstate(sqlstate, match):
+        jobs.execute(f"select {call}")
+    assert snapshot(jobs, "ticks") == before
+
+
+def test_another_role_cannot_redefine_or_drop_a_job(jobs):
+    jobs.execute("select lockstep.define_job('mine', 'tick()')")
+    jobs.execute("create role lockstep_test_intruder")
+    try:
+        jobs.execute("grant usage on schema lockstep to lockstep_test_intruder")
+        jobs.execute("grant select, insert, update, delete on all tables in schema lockstep to lockstep_test_intruder")
+        before = snapshot(jobs)
+        jobs.execute("set role lockstep_test_intruder")
+        with raises_sqlstate("42501", "owned by role"):
+            jobs.execute("select lockstep.define_job('mine', 'tick()', every => '1 second')")
+        with raises_sqlstate("42501", "owned by role"):
+            jobs.execute("select lockstep.drop_job('mine')")
+        jobs.execute("reset role")
+        assert snapshot(jobs) == before
+    finally:
+        jobs.execute("reset role")
+        jobs.execute("drop owned by lockstep_test_intruder")
+        jobs.execute("drop role lockstep_test_intruder")
+
+
+def test_drop_job_removes_everything(jobs):
+    jobs.execute("select lockstep.define_job('t', 'tick()')")
+    jobs.execute("select lockstep.drop_job('t')")
+    assert jobs.execute("select count(*) from lockstep.status").fetchone()[0] == 0
+    assert jobs.execute("select count(*) from lockstep.job_state").fetchone()[0] == 0

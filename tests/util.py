@@ -1,0 +1,42 @@
+"""Small helpers shared by the tests."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+
+LOCKSTEP_TABLES = ("job", "job_state", "queue", "key_failure")
+
+
+def snapshot(conn: psycopg.Connection, *extra_tables: str) -> dict[str, list[str]]:
+    """Every row of lockstep's tables (and of extra_tables), to show that a failed call changed nothing."""
+    out: dict[str, list[tuple]] = {}
+    for t in [f"lockstep.{t}" for t in LOCKSTEP_TABLES] + list(extra_tables):
+        out[t] = sorted(map(repr, conn.execute(f"select * from {t}").fetchall()))
+    return out
+
+
+@contextlib.contextmanager
+def raises_sqlstate(sqlstate: str, match: str | None = None) -> Iterator[pytest.ExceptionInfo]:
+    """Expect a psycopg error with this SQLSTATE (and a message matching ``match``)."""
+    with pytest.raises(psycopg.Error, match=match) as info:
+        yield info
+    assert info.value.sqlstate == sqlstate, f"expected {sqlstate}, got {info.value.sqlstate}: {info.value}"
+
+
+def result(conn: psycopg.Connection, call: str, *args) -> dict:
+    """Run ``select * from <call>`` (a lockstep.result) and return it as a dict."""
+    cur = conn.execute(f"select * from {call}", args)
+    row = cur.fetchone()
+    return dict(zip([d.name for d in cur.description], row, strict=True))
+
+
+def advisory_locks(observer: psycopg.Connection, pid: int) -> list[tuple]:
+    """Advisory locks held or awaited by backend ``pid``."""
+    return observer.execute(
+        "select classid, objid, granted from pg_locks where locktype = 'advisory' and pid = %s", [pid]
+    ).fetchall()
+
