@@ -258,11 +258,14 @@ def test_connection_string_spellings(empty_dsn):
     assert migrate(make_conninfo(empty_dsn)).after == (HEAD,)
 
 
-def _cli(*args: str, **env: str) -> subprocess.CompletedProcess:
+def _cli_run(cmd: list[str], cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess:
+    """Run ``cmd`` with no DATABASE_URL nor PG* variable but those given."""
     base = {k: v for k, v in os.environ.items() if k != "DATABASE_URL" and not k.startswith("PG")}
-    return subprocess.run(
-        [sys.executable, "-m", "runner", *args], env={**base, **env}, capture_output=True, text=True
-    )
+    return subprocess.run(cmd, cwd=cwd, env={**base, **env}, capture_output=True, text=True)
+
+
+def _cli(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return _cli_run([sys.executable, "-m", "runner", *args], **env)
 
 
 def test_cli_dsn_from_database_url_then_libpq_defaults(empty_dsn, make_db):
@@ -284,3 +287,17 @@ def test_cli_reports_errors_in_one_line(tmp_path):
     done = _cli("migrate", "--dsn", f"postgresql://nobody@/nowhere?host={tmp_path}")
     assert done.returncode == 1
     assert done.stderr.startswith("Error: ") and "Traceback" not in done.stderr, done.stderr
+
+
+def test_checkout_alembic_ini(empty_dsn):
+    """`alembic -x dsn=... upgrade head` from the checkout's alembic.ini, then `downgrade base`."""
+    root = Path(__file__).resolve().parent.parent
+
+    def alembic(*args: str) -> None:
+        done = _cli_run([sys.executable, "-m", "alembic", *args], cwd=root)
+        assert done.returncode == 0, done.stderr
+
+    alembic("-x", f"dsn={empty_dsn}", "upgrade", "head")
+    assert versions(empty_dsn) == [HEAD]
+    alembic("-x", f"dsn={empty_dsn}", "downgrade", "base")
+    assert versions(empty_dsn) == []
