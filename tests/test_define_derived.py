@@ -1,0 +1,123 @@
+"""define_derived validation: every bad input gets a clear error with a SQLSTATE and changes nothing."""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+from util import raises_sqlstate, snapshot
+
+SETUP = """
+create table p (id bigint primary key, v int not null default 0);
+create table p2 (a int, b int, primary key (a, b));
+create table d (p_id bigint not null references p (id) on delete cascade, k text not null, w int,
+                primary key (p_id, k));
+create table nopk (p_id bigint references p (id), k text);
+create table d_nofk (p_id bigint not null, k text not null, w int, primary key (p_id, k));
+create table d_json (p_id bigint not null references p (id), k text not null, j json, primary key (p_id, k));
+create table d_req (p_id bigint not null references p (id), k text not null, w int, must int not null,
+                    primary key (p_id, k));
+create view v as select * from d;
+create function good(ids bigint[]) returns table (p_id bigint, k text, w int) language sql
+    as $$ select id, 'k' || v, v from public.p where ids is null or id = any(ids) $$;
+create function wrong_arg(ids int[]) returns table (p_id bigint, k text, w int) language sql
+    as $$ select null::bigint, null::text, null::int where false $$;
+create function two_args(ids bigint[], x int) returns table (p_id bigint, k text, w int) language sql
+    as $$ select null::bigint, null::text, null::int where false $$;
+create function not_set(ids bigint[]) returns int language sql as $$ select 1 $$;
+create function wrong_type(ids bigint[]) returns table (p_id bigint, k text, w bigint) language sql
+    as $$ select null::bigint, null::text, null::bigint where false $$;
+create function extra_col(ids bigint[]) returns table (p_id bigint, k text, w int, zz int) language sql
+    as $$ select null::bigint, null::text, null::int, null::int where false $$;
+create function no_pk_col(ids bigint[]) returns table (p_id bigint, w int) language sql
+    as $$ select null::bigint, null::int where false $$;
+create function unqualified(ids bigint[]) returns table (p_id bigint, k text, w int) language sql
+    as $$ select id, 'k', v from p where id = any(ids) $$;
+create function json_out(ids bigint[]) returns table (p_id bigint, k text, j json) language sql
+    as $$ select null::bigint, null::text, null::json where false $$;
+create function scalar_arg(ids bigint) returns table (p_id bigint, k text, w int) language sql
+    as $$ select null::bigint, null::text, null::int where false $$;
+"""
+
+
+@pytest.fixture
+def db(conn: psycopg.Connection) -> psycopg.Connection:
+    conn.execute(SETUP)
+    return conn
+
+
+def test_good_definition_infers_the_parent_column(db):
+    db.execute("select lockstep.define_derived('j', 'd', 'good(bigint[])', 'p')")
+    row = db.execute(
+        "select parent_column, parent_key, key_type::text, target_key, columns from lockstep.job"
+    ).fetchone()
+    assert row == ("p_id", "id", "bigint", ["p_id", "k"], ["p_id", "k", "w"])
+    assert db.execute("select kind, lock_group, next_run_at <= now() from lockstep.status").fetchone() == (
+        "derived",
+        "j",
+        True,
+    )
+
+
+def test_redefine_keeps_state_and_updates_definition(db):
+    db.execute("select lockstep.define_derived('j', 'd', 'good(bigint[])', 'p')")
+    db.execute("select lockstep.recompute('j')")
+    db.execute("select lockstep.define_derived('j', 'd', 'good(bigint[])', 'p', every => '1 hour')")
+    assert db.execute("select runs, every from lockstep.status").fetchone()[0] == 1
+
+
+CASES = [
+    # (call, sqlstate, message fragment)
+    ("lockstep.define_derived(null, 'd', 'good(bigint[])', 'p')", "22004", "must not be NULL"),
+    ("lockstep.define_derived('j', null, 'good(bigint[])', 'p')", "22004", "must not be NULL"),
+    ("lockstep.define_derived('j', 'd', null, 'p')", "22004", "must not be NULL"),
+    ("lockstep.define_derived('', 'd', 'good(bigint[])', 'p')", "22023", "empty"),
+    ("lockstep.define_derived('j', 'd', 'good(bigint[])', 'p', every => '0 s')", "22023", "positive"),
+    ("lockstep.define_derived('j', 'd', 'good(bigint[])', 'p', backoff => '-1 s')", "22023", "positive"),
+    ("lockstep.define_derived('j', 'no_such_table', 'good(bigint[])', 'p')", "42P01", "does not exist"),
+    ("lockstep.define_derived('j', 'd', 'no_such_fn(bigint[])', 'p')", "42883", "does not exist"),
+    ("lockstep.define_derived('j', 'nopk', 'good(bigint[])', 'p')", "LSD01", "has no primary key"),
+    ("lockstep.define_derived('j', 'v', 'good(bigint[])', 'p')", "42809", "is not a table"),
+    ("lockstep.define_derived('j', 'd', 'wrong_arg(int[])', 'p')", "LSD02", "it must take bigint"),
+    ("lockstep.define_derived('j', 'd', 'two_args(bigint[], int)', 'p')", "LSD02", "one array argument"),
+    ("lockstep.define_derived('j', 'd', 'not_set(bigint[])', 'p')", "LSD02", "returning a set"),
+    ("lockstep.define_derived('j', 'd', 'scalar_arg(bigint)', 'p')", "LSD02", "it must take bigint"),
+    ("lockstep.define_derived('j', 'd', 'wrong_type(bigint[])', 'p')", "LSD03", "returns bigint, target"),
+    ("lockstep.define_derived('j', 'd', 'extra_col(bigint[])', 'p')", "LSD03", "returns column zz"),
+    ("lockstep.define_derived('j', 'd', 'no_pk_col(bigint[])', 'p')", "LSD03", "primary-key column"),
+    ("lockstep.define_derived('j', 'd_req', 'good(bigint[])', 'p')", "LSD03", "NOT NULL column"),
+    ("lockstep.define_derived('j', 'd_json', 'json_out(bigint[])', 'p')", "LSD03", "no equality operator"),
+    ("lockstep.define_derived('j', 'd_nofk', 'good(bigint[])', 'p')", "LSD04", "cannot infer parent_column"),
+    ("lockstep.define_derived('j', 'd_nofk', 'good(bigint[])', 'p', 'p_id')", "LSD04", "foreign key"),
+    ("lockstep.define_derived('j', 'd', 'good(bigint[])', 'p', 'nope')", "LSD04", "has no column nope"),
+    ("lockstep.define_derived('j', 'd', 'good(bigint[])', null, 'p_id')", "LSD04", "without parent"),
+    ("lockstep.define_derived('j', 'd', 'good(bigint[])', 'p2')", "LSD04", "single-column primary key"),
+    ("lockstep.define_derived('j', 'd', 'good(bigint[])', 'pg_namespace_no')", "42P01", "does not exist"),
+    ("lockstep.define_derived('j', 'd', 'unqualified(bigint[])', 'p')", "LSD02", "search_path"),
+    ("lockstep.define_derived('keep', 'd', 'good(bigint[])', 'p')", "LSJ02", "generic job"),
+    ("lockstep.recompute('nope')", "LSJ01", "unknown job"),
+    ("lockstep.recompute(null)", "22004", "NULL"),
+    ("lockstep.recompute('keep')", "LSJ02", "not a derived job"),
+]
+
+
+@pytest.mark.parametrize(("call", "sqlstate", "match"), CASES, ids=[c[0][9:60] for c in CASES])
+def test_bad_definition_is_refused_and_changes_nothing(db, call, sqlstate, match):
+    db.execute("create function tick() returns void language sql as $$ select 1 $$")
+    db.execute("select lockstep.define_job('keep', 'tick()')")
+    before = snapshot(db, "d")
+    with raises_sqlstate(sqlstate, match):
+        db.execute(f"select {call}")
+    assert snapshot(db, "d") == before
+
+
+def test_compute_returning_duplicate_keys_fails_the_run_with_a_clear_error(db):
+    db.execute("insert into p values (1, 1), (2, 2)")
+    db.execute(
+        "create function dup(ids bigint[]) returns table (p_id bigint, k text, w int) language sql"
+        " as $$ select id, 'same', v from public.p, generate_series(1, 2) where ids is null or id = any(ids) $$"
+    )
+    db.execute("select lockstep.define_derived('j', 'd', 'dup(bigint[])', 'p')")
+    r = db.execute("select outcome, error from lockstep.recompute('j')").fetchone()
+    assert r[0] == "failed"
+    assert "more than one row for primary key" in r[1]
+    assert db.execute("select count(*) from d").fetchone()[0] == 0
