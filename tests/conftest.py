@@ -205,3 +205,9 @@ def example_dsn(make_db: Callable[..., str], example_template: str) -> str:
 def ex(connect: Callable[..., psycopg.Connection], example_dsn: str) -> psycopg.Connection:
     """Autocommit connection to ``example_dsn``."""
     return connect(example_dsn)
+
+
+@pytest.fixture
+def exconnect(connect: Callable[..., psycopg.Connection], example_dsn: str) -> Callable[..., psycopg.Connection]:
+    """More sessions to ``example_dsn`` (autocommit by default)."""
+    return lambda **kwargs: connect(example_dsn, **kwargs)

@@ -1,0 +1,169 @@
+"""Diff recompute on the example app: results, convergence, no-op, skipped parents (issue 3)."""
+
+from __future__ import annotations
+
+import random
+
+import psycopg
+from util import result
+
+from runner.example import JOB, divergence
+
+
+def tup_stats(conn: psycopg.Connection) -> tuple[int, int, int]:
+    conn.execute("select pg_stat_clear_snapshot()")
+    return conn.execute(
+        "select n_tup_ins, n_tup_upd, n_tup_del from pg_stat_user_tables where relid = 'example.exam_key'::regclass"
+    ).fetchone()
+
+
+def test_example_starts_converged(ex):
+    assert divergence(ex) == (0, 0)
+    assert ex.execute("select count(*) from example.exam_key").fetchone()[0] > 200 * 8
+
+
+def test_noop_recompute_writes_nothing_and_locks_no_row(ex, exconnect):
+    before = tup_stats(ex)
+    ex.execute("begin")
+    r = result(ex, f"lockstep.recompute('{JOB}')")
+    observer = exconnect()
+    # row locks live in the tuples: a locked or written row of exam/exam_key has our xid as xmax
+    xid = ex.execute("select txid_current()").fetchone()[0]
+    for table in ("example.exam", "example.exam_key"):
+        n = observer.execute(f"select count(*) from {table} where xmax::text = %s", [str(xid)]).fetchone()[0]
+        assert n == 0, table
+    ex.execute("commit")
+    assert (r["outcome"], r["inserted"], r["updated"], r["deleted"], r["skipped"]) == ("done", 0, 0, 0, 0)
+    # pg_stat counters are flushed at transaction end; force a flush by reading in a new transaction
+    ex.execute("select pg_stat_force_next_flush()")
+    ex.execute("select 1")
+    assert tup_stats(ex) == before
+
+
+def test_recompute_applies_inserts_updates_deletes(ex):
+    ex.execute("update example.exam set body = body || ' brandnewword' where id = 1")  # a key added
+    ex.execute("update example.exam set title = title || ' ' || title where id = 2")  # weights change
+    ex.execute("update example.exam set body = '', title = '' where id = 3")  # body keys vanish
+    ex.execute("delete from lockstep.queue")
+    r = result(ex, f"lockstep.recompute('{JOB}')")
+    assert r["outcome"] == "done"
+    assert r["inserted"] >= 1 and r["updated"] >= 1 and r["deleted"] >= 1
+    assert divergence(ex) == (0, 0)
+    st = ex.execute("select last_outcome, last_inserted, runs from lockstep.status").fetchone()
+    assert st[0] == "done" and st[1] == r["inserted"]
+
+
+def test_convergence_after_random_changes(ex):
+    rnd = random.Random(7)
+    ids = list(range(1, 201))
+    for _ in range(60):
+        op = rnd.choice(["edit", "delete", "insert", "item", "merge"])
+        a, b = rnd.sample(ids, 2)
+        if op == "edit":
+            ex.execute("update example.exam set body = example.words(6, %s) where id = %s", [rnd.randint(1, 10**6), a])
+        elif op == "delete":
+            ex.execute("delete from example.exam where id = %s", [a])
+        elif op == "insert":
+            new = max(ids) + 1
+            ids.append(new)
+            ex.execute("select example.seed(1, %s)", [new])
+        elif op == "item":
+            ex.execute(
+                "insert into example.exam_item (exam_id, body) select id, example.words(3, %s)"
+                " from example.exam where id = %s",
+                [rnd.randint(1, 10**6), a],
+            )
+        else:
+            ex.execute("update example.exam_item set exam_id = %s where exam_id = %s and exists"
+                       " (select from example.exam where id = %s)", [b, a, b])
+            ex.execute("delete from example.exam where id = %s", [a])
+    assert divergence(ex) != (0, 0)
+    r = result(ex, f"lockstep.recompute('{JOB}')")
+    assert r["outcome"] == "done"
+    assert divergence(ex) == (0, 0)
+    r = result(ex, f"lockstep.recompute('{JOB}')")
+    assert (r["inserted"], r["updated"], r["deleted"]) == (0, 0, 0)
+
+
+def test_parent_locked_by_a_deleter_is_skipped_and_requeued(ex, exconnect):
+    ex.execute("update example.exam set body = body || ' zzznew' where id in (5, 6)")
+    ex.execute("delete from lockstep.queue")
+    app = exconnect()
+    app.execute("begin")
+    app.execute("select 1 from example.exam where id = 5 for update")  # what a DELETE of 5 holds
+    r = result(ex, f"lockstep.recompute('{JOB}')")
+    assert r["outcome"] == "done"
+    assert r["skipped"] == 1
+    assert ex.execute("select array_agg(key) from lockstep.queue").fetchone()[0] == ["5"]
+    assert ex.execute("select count(*) from example.exam_key where exam_id = 6 and key = 'zzznew'").fetchone()[0] == 1
+    assert ex.execute("select count(*) from example.exam_key where exam_id = 5 and key = 'zzznew'").fetchone()[0] == 0
+    app.execute("rollback")
+    assert result(ex, f"lockstep.work('{JOB}')")["outcome"] == "done"
+    assert divergence(ex) == (0, 0)
+
+
+def test_run_recomputes_when_due_and_not_before(ex):
+    ex.execute("update lockstep.job_state set next_run_at = now() - interval '1 second'")
+    r = result(ex, f"lockstep.run('{JOB}')")
+    assert (r["outcome"], r["action"]) == ("done", "recompute")
+    r = result(ex, f"lockstep.run('{JOB}')")
+    assert r["outcome"] == "idle"
+
+
+def test_recompute_failure_is_recorded_with_backoff_and_writes_nothing(ex):
+    ex.execute("update example.exam set body = body || ' fresh' where id = 9")
+    ex.execute("alter table example.exam_key add constraint short_keys check (length(key) < 5) not valid")
+    r = result(ex, f"lockstep.recompute('{JOB}')")
+    assert r["outcome"] == "failed"
+    assert "short_keys" in r["error"]
+    st = ex.execute(
+        "select last_outcome, consecutive_failures, next_run_at > now() + interval '59 minutes' from lockstep.status"
+    ).fetchone()
+    assert st == ("failed", 1, True)
+    assert result(ex, f"lockstep.run('{JOB}')")["outcome"] in ("backoff", "idle", "done")
+    assert ex.execute("select count(*) from example.exam_key where key = 'fresh'").fetchone()[0] == 0
+
+
+def test_other_foreign_keys_are_pinned_and_skipped_when_locked(conn, connect):
+    conn.execute(
+        """
+        create table p (id int primary key, tag text not null);
+        create table tag (name text primary key);
+        create table d (p_id int not null references p on delete cascade, tag text not null references tag,
+                        primary key (p_id));
+        insert into tag values ('a'), ('b');
+        insert into p values (1, 'a'), (2, 'b');
+        create function f(ids int[]) returns table (p_id int, tag text) language sql
+            as $$ select id, tag from public.p where ids is null or id = any(ids) $$;
+        select lockstep.define_derived('j', 'd', 'f(int[])', 'p');
+        """
+    )
+    app = connect()
+    app.execute("begin")
+    app.execute("select 1 from tag where name = 'b' for update")  # e.g. deleting tag b
+    r = result(conn, "lockstep.recompute('j')")
+    assert (r["outcome"], r["inserted"], r["skipped"]) == ("done", 1, 1)
+    assert conn.execute("select array_agg(key) from lockstep.queue").fetchone()[0] == ["2"]
+    app.execute("rollback")
+    assert result(conn, "lockstep.work('j')")["inserted"] == 1
+    assert conn.execute("select count(*) from d").fetchone()[0] == 2
+
+
+def test_parentless_job_diffs_the_whole_table(conn):
+    conn.execute(
+        """
+        create table src (id int primary key, n int);
+        create table agg (bucket int primary key, total bigint not null);
+        insert into src select g, g % 7 from generate_series(1, 100) g;
+        create function f(ignored int[]) returns table (bucket int, total bigint) language sql
+            as $$ select n, sum(id) from public.src group by n $$;
+        select lockstep.define_derived('agg', 'agg', 'f(int[])');
+        """
+    )
+    assert result(conn, "lockstep.recompute('agg')")["inserted"] == 7
+    conn.execute("delete from src where n = 3; update src set n = 1 where id = 2")
+    r = result(conn, "lockstep.recompute('agg')")
+    assert (r["inserted"], r["updated"], r["deleted"]) == (0, 2, 1)
+    assert conn.execute(
+        "select count(*) from (select * from agg except select * from f(null)) s"
+    ).fetchone()[0] == 0
