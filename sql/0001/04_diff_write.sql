@@ -180,7 +180,10 @@ begin
         begin
             execute pg_catalog.format('select count(*) from %s($1::%s)', compute::regproc, lockstep._array_type(v_key_type))
                 using '{}'::text[];
-        exception when others then
+            raise exception using errcode = 'LSDRY';  -- roll back whatever the dry run did
+        exception when sqlstate 'LSDRY' then
+            null;
+        when others then
             get stacked diagnostics v_err = message_text;
             raise exception 'lockstep: compute function % failed on an empty key array: %', compute, v_err
                 using errcode = 'LSD02',

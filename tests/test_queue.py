@@ -1,0 +1,219 @@
+"""Queue and worker: enqueue, triggers, work, dedup, poison keys, fairness, convergence (issue 4)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from util import advisory_locks, raises_sqlstate, result, snapshot
+
+from runner.example import JOB, divergence
+
+
+def queue_keys(conn) -> list[str]:
+    return [k for (k,) in conn.execute("select key from lockstep.queue order by id")]
+
+
+def test_triggers_enqueue_once_per_statement_sorted(ex):
+    ex.execute("update example.exam set body = body || ' x' where id in (30, 10, 20)")
+    assert queue_keys(ex) == ["10", "20", "30"]
+    ex.execute("delete from lockstep.queue")
+    ex.execute("update example.exam_item set exam_id = 2 where exam_id = 1")  # a move: old and new parent
+    assert queue_keys(ex) == ["1", "2"]
+    ex.execute("delete from lockstep.queue")
+    ex.execute("delete from example.exam where id = 7")  # parent + cascaded items
+    assert set(queue_keys(ex)) == {"7"}
+
+
+def test_work_on_empty_queue_is_idle_and_takes_no_lock(ex, exconnect):
+    ex.execute("begin")
+    assert result(ex, f"lockstep.work('{JOB}')")["outcome"] == "idle"
+    assert advisory_locks(exconnect(), ex.info.backend_pid) == []
+    ex.execute("rollback")
+
+
+def test_work_is_busy_at_once_when_the_group_is_taken(ex, exconnect):
+    ex.execute(f"select lockstep.enqueue('{JOB}', array[1])")
+    holder = exconnect()
+    holder.execute("begin")
+    holder.execute(f"select lockstep._try_lock('{JOB}')")
+    assert result(ex, f"lockstep.work('{JOB}')")["outcome"] == "busy"
+    holder.execute("rollback")
+    assert result(ex, f"lockstep.work('{JOB}')")["outcome"] == "done"
+
+
+def test_a_key_enqueued_many_times_is_computed_once(ex):
+    for _ in range(1000):
+        ex.execute(f"select lockstep.enqueue('{JOB}', array[42])")
+    ex.execute(f"select lockstep.enqueue('{JOB}', array_fill(42, array[1000]))")
+    assert ex.execute("select count(*) from lockstep.queue").fetchone()[0] == 1001
+    # count compute calls through a wrapper that logs its arguments
+    ex.execute(
+        """
+        create table calls (keys bigint[]);
+        create function example.logged(ids bigint[]) returns table (exam_id bigint, key text, weight integer)
+        language plpgsql as $$ begin insert into public.calls values (ids);
+        return query select * from example.exam_key_compute(ids); end $$;
+        """
+    )
+    ex.execute(f"select lockstep.define_derived('{JOB}', 'example.exam_key', 'example.logged(bigint[])', 'example.exam')")
+    r = result(ex, f"lockstep.work('{JOB}')")
+    assert r["outcome"] == "done" and not r["more"]
+    assert ex.execute("select keys from calls").fetchall() == [([42],)]
+    assert ex.execute("select count(*) from lockstep.queue").fetchone()[0] == 0
+
+
+def test_work_applies_changes_and_removes_only_processed_entries(ex, exconnect):
+    ex.execute("update example.exam set body = body || ' qqqnew' where id between 1 and 30")
+    r = result(ex, f"lockstep.work('{JOB}', 10)")
+    assert (r["outcome"], r["inserted"], r["more"]) == ("done", 10, True)
+    assert len(queue_keys(ex)) == 20
+    while result(ex, f"lockstep.work('{JOB}', 10)")["more"]:
+        pass
+    assert queue_keys(ex) == []
+    assert divergence(ex) == (0, 0)
+
+
+def test_entries_appended_during_a_pass_stay_queued(ex, exconnect):
+    ex.execute(f"select lockstep.enqueue('{JOB}', array[3])")
+    ex.execute("begin")
+    result(ex, f"lockstep.work('{JOB}')")
+    # an app enqueues key 3 again while the pass is uncommitted: not lost
+    exconnect().execute(f"select lockstep.enqueue('{JOB}', array[3])")
+    ex.execute("commit")
+    assert queue_keys(ex) == ["3"]
+
+
+def test_poison_key_is_isolated_retried_parked_and_retried_on_demand(ex):
+    ex.execute(
+        """
+        create function example.picky(ids bigint[]) returns table (exam_id bigint, key text, weight integer)
+        language plpgsql as $$ begin
+            if 13 = any(ids) then raise exception 'cannot compute exam 13'; end if;
+            return query select * from example.exam_key_compute(ids); end $$;
+        """
+    )
+    ex.execute(f"select lockstep.define_derived('{JOB}', 'example.exam_key', 'example.picky(bigint[])', 'example.exam')")
+    ex.execute(f"select lockstep.set_max_attempts('{JOB}', 2)")
+    ex.execute("update example.exam set body = body || ' poisonword' where id between 10 and 16")
+    r = result(ex, f"lockstep.work('{JOB}')")
+    assert r["outcome"] == "done"
+    assert r["inserted"] == 6
+    assert "cannot compute exam 13" in r["error"]
+    assert queue_keys(ex) == ["13"]
+    f = ex.execute("select attempts, parked, retry_at > now() from lockstep.failing_keys").fetchone()
+    assert f == (1, False, True)
+    # the key waits for its retry time: the queue does not stall behind it
+    ex.execute("update example.exam set body = body || ' more' where id = 20")
+    r = result(ex, f"lockstep.work('{JOB}')")
+    assert r["inserted"] + r["updated"] >= 1
+    ex.execute("update lockstep.key_failure set retry_at = now() - interval '1 s'")
+    result(ex, f"lockstep.work('{JOB}')")
+    assert ex.execute("select job, key, attempts from lockstep.parked_keys").fetchall() == [(JOB, "13", 2)]
+    assert ex.execute("select parked_keys, queue_depth from lockstep.status").fetchone() == (1, 0)
+    assert result(ex, f"lockstep.work('{JOB}')")["outcome"] == "idle"
+    # fixed: retry puts it back and it completes
+    ex.execute(f"select lockstep.define_derived('{JOB}', 'example.exam_key', 'example.exam_key_compute(bigint[])', 'example.exam')")
+    assert ex.execute(f"select lockstep.retry('{JOB}', array[13])").fetchone()[0] == 1
+    assert result(ex, f"lockstep.work('{JOB}')")["outcome"] == "done"
+    assert ex.execute("select count(*) from lockstep.key_failure").fetchone()[0] == 0
+    assert divergence(ex) == (0, 0)
+
+
+def test_a_broken_job_fails_as_a_whole_and_poisons_no_key(ex):
+    ex.execute(f"select lockstep.enqueue('{JOB}', array[1, 2, 3])")
+    ex.execute("alter table example.exam_key rename column weight to w2")
+    r = result(ex, f"lockstep.work('{JOB}')")
+    assert r["outcome"] == "failed"
+    assert ex.execute("select count(*) from lockstep.key_failure").fetchone()[0] == 0
+    assert len(queue_keys(ex)) == 3
+    assert ex.execute("select retry_at > now() from lockstep.job_state").fetchone()[0]
+    assert result(ex, f"lockstep.work('{JOB}')")["outcome"] == "backoff"
+
+
+def test_a_due_recompute_is_not_starved_by_the_worker(ex):
+    """Rule 7: with keys always queued, a worker gives way once the group's periodic job is due."""
+    ex.execute("update lockstep.job_state set next_run_at = now() - interval '1 second'")
+    ex.execute(f"select lockstep.enqueue('{JOB}', array[1, 2])")
+    r = result(ex, f"lockstep.work('{JOB}')")
+    assert r["outcome"] == "busy"
+    r = result(ex, f"lockstep.run('{JOB}')")
+    assert r["action"] == "recompute" and r["outcome"] == "done"
+    assert result(ex, f"lockstep.work('{JOB}')")["outcome"] == "done"
+
+
+def test_convergence_with_random_changes_and_work_passes(ex):
+    rnd = random.Random(11)
+    for step in range(80):
+        a = rnd.randint(1, 230)
+        op = rnd.choice(["edit", "delete", "insert", "item", "work"])
+        if op == "edit":
+            ex.execute("update example.exam set body = example.words(5, %s) where id = %s", [step, a])
+        elif op == "delete":
+            ex.execute("delete from example.exam where id = %s", [a])
+        elif op == "insert":
+            ex.execute("insert into example.exam (id, title, body) values (%s, 'new exam', 'fresh words')"
+                       " on conflict do nothing", [a])
+        elif op == "item":
+            ex.execute("insert into example.exam_item (exam_id, body) select id, 'item words' from example.exam"
+                       " where id = %s", [a])
+        else:
+            result(ex, f"lockstep.work('{JOB}', 7)")
+    while result(ex, f"lockstep.work('{JOB}', 50)")["more"]:
+        pass
+    assert divergence(ex) == (0, 0)
+
+
+@pytest.mark.parametrize(
+    ("call", "sqlstate", "match"),
+    [
+        (f"lockstep.enqueue('{JOB}', null::bigint[])", "22004", "must not be NULL"),
+        (f"lockstep.enqueue('{JOB}', array[1, null]::bigint[])", "22004", "must not contain NULL"),
+        (f"lockstep.enqueue('{JOB}', array['a', 'b'])", "LSQ01", "parent key example.exam.id"),
+        (f"lockstep.enqueue('{JOB}', array[1.5]::numeric[])", "22P02", "invalid input syntax"),
+        ("lockstep.enqueue('nope', array[1])", "LSJ01", "unknown job"),
+        ("lockstep.enqueue(null, array[1])", "22004", "NULL"),
+        (f"lockstep.work('{JOB}', 0)", "22023", "positive"),
+        (f"lockstep.work('{JOB}', null)", "22023", "positive"),
+        ("lockstep.work('nope')", "LSJ01", "unknown job"),
+        (f"lockstep.retry('{JOB}', null::bigint[])", "22004", "must not be NULL"),
+        (f"lockstep.set_max_attempts('{JOB}', 0)", "22023", "positive"),
+        (f"lockstep.watch('{JOB}', 'example.exam', 'nope')", "42703", "has no column"),
+        (f"lockstep.watch('{JOB}', 'example.exam', 'title')", "LSQ01", "is text"),
+        (f"lockstep.watch('{JOB}', null, 'id')", "22004", "NULL"),
+    ],
+)
+def test_bad_queue_input_is_refused_and_changes_nothing(ex, call, sqlstate, match):
+    ex.execute(f"select lockstep.enqueue('{JOB}', array[5])")
+    before = snapshot(ex, "example.exam_key")
+    with raises_sqlstate(sqlstate, match):
+        ex.execute(f"select {call}")
+    assert snapshot(ex, "example.exam_key") == before
+
+
+def test_enqueue_accepts_same_category_types_and_counts_distinct_keys(ex):
+    assert ex.execute(f"select lockstep.enqueue('{JOB}', array[3, 1, 3, 2]::int[])").fetchone()[0] == 3
+    assert ex.execute(f"select lockstep.enqueue('{JOB}', '{{}}'::bigint[])").fetchone()[0] == 0
+    assert queue_keys(ex) == ["1", "2", "3"]
+
+
+def test_job_without_parent_has_no_queue(conn):
+    conn.execute(
+        """
+        create table agg (b int primary key, n bigint);
+        create function f(x int[]) returns table (b int, n bigint) language sql as $$ select 1, 1::bigint $$;
+        select lockstep.define_derived('agg', 'agg', 'f(int[])');
+        """
+    )
+    with raises_sqlstate("LSJ02", "has no parent"):
+        conn.execute("select lockstep.enqueue('agg', array[1])")
+    with raises_sqlstate("LSJ02", "has no parent"):
+        conn.execute("select lockstep.work('agg')")
+
+
+def test_drop_job_drops_its_triggers(ex):
+    ex.execute(f"select lockstep.drop_job('{JOB}')")
+    assert ex.execute(
+        "select count(*) from pg_trigger where tgfoid = 'lockstep.enqueue_trigger()'::regprocedure"
+    ).fetchone()[0] == 0
+    ex.execute("update example.exam set body = 'x' where id = 1")  # no trigger left to fail
