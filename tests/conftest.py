@@ -208,6 +208,8 @@ def ex(connect: Callable[..., psycopg.Connection], example_dsn: str) -> psycopg.
 
 
 @pytest.fixture
-def exconnect(connect: Callable[..., psycopg.Connection], example_dsn: str) -> Callable[..., psycopg.Connection]:
+def exconnect(
+    connect: Callable[..., psycopg.Connection], example_dsn: str
+) -> Callable[..., psycopg.Connection]:
     """More sessions to ``example_dsn`` (autocommit by default)."""
     return lambda **kwargs: connect(example_dsn, **kwargs)
