@@ -83,3 +83,97 @@ def migrate(dsn: str | None, sql: bool, revision: str, downgrade_to: str | None)
             click.echo(f"lockstep schema: {', '.join(outcome.before) or 'base'} -> {now}", err=True)
         else:
             click.echo(f"lockstep schema: already at {now}", err=True)
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        import json
+
+        out = {
+            "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        out.update(getattr(record, "fields", None) or {})
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def _setup_logging(fmt: str, level: int = logging.INFO) -> None:
+    handler = logging.StreamHandler()
+    if fmt == "json":
+        handler.setFormatter(_JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.WARNING)
+    logging.getLogger("lockstep").setLevel(level)
+
+
+@main.command()
+@dsn_option
+@click.option(
+    "--job", "jobs", multiple=True, metavar="NAME", help="Run only this job (repeatable) [default: all]."
+)
+@click.option("--once", is_flag=True, help="Run what is due now, then exit (1 if any run failed).")
+@click.option("--tick", type=click.FloatRange(min=0.01), default=1.0, show_default=True,
+              help="Longest sleep between looks at the schedule, in seconds.")
+@click.option("--no-listen", is_flag=True, help="Do not LISTEN for new queued keys (poll every tick only).")
+@click.option("--no-prepare", is_flag=True,
+              help="No server-side prepared statements (transaction poolers; automatic on port 6432).")
+@click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@click.option("--metrics-port", type=int, default=None, metavar="N",
+              help="Serve Prometheus metrics on this port (needs prometheus_client).")
+def run(dsn: str | None, jobs: tuple[str, ...], once: bool, tick: float, no_listen: bool, no_prepare: bool,
+        log_format: str, metrics_port: int | None) -> None:
+    """Run due jobs in a loop (or --once). SIGTERM/SIGINT: finish the current call and exit 0."""
+    from runner import loop
+
+    _setup_logging(log_format)
+    opts = loop.Options(dsn=dsn, jobs=list(jobs) or None, once=once, tick=tick, listen=not no_listen,
+                        prepare=False if no_prepare else None)
+    raise SystemExit(loop.run(opts, metrics_port))
+
+
+@main.command()
+@dsn_option
+@click.option("--json", "as_json", is_flag=True, help="All columns of lockstep.status, as a JSON array.")
+def status(dsn: str | None, as_json: bool) -> None:
+    """Show lockstep.status. Exit code 1 when a job is failing or has parked keys, else 0."""
+    from runner import db
+    from runner import status as st
+
+    with db.connect(dsn, app_name="lockstep-status") as conn:
+        rows = db.status(conn)
+    click.echo(st.to_json(rows) if as_json else st.to_table(rows))
+    raise SystemExit(1 if st.unhealthy(rows) else 0)
+
+
+@main.command()
+@dsn_option
+@click.option("--parents", default=50000, show_default=True, help="Parents (exams) in the example.")
+@click.option("--sections", default="recompute,queue", show_default=True, help="Comma-separated sections.")
+@click.option(
+    "--json",
+    "json_out",
+    is_flag=False,
+    flag_value="-",
+    default=None,
+    metavar="[FILE]",
+    help="Write the whole result as JSON: to stdout instead of the tables, or to FILE besides them.",
+)
+def bench(dsn: str | None, parents: int, sections: str, json_out: str | None) -> None:
+    """Benchmark lockstep against the naive patterns in a database of its own (the DSN is the admin one)."""
+    from runner import bench as bench_mod
+
+    result = bench_mod.run(dsn, parents, tuple(s.strip() for s in sections.split(",") if s.strip()))
+    if json_out == "-":
+        click.echo(bench_mod.to_json(result))
+        return
+    if json_out is not None:
+        with open(json_out, "w") as f:
+            f.write(bench_mod.to_json(result) + "\n")
+    click.echo(bench_mod.render(result))

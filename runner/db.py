@@ -1,0 +1,111 @@
+"""Every SQL statement the runner sends. Each call is one statement in autocommit: one short transaction."""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
+from psycopg.rows import dict_row
+
+APP_NAME = "lockstep-runner"
+CHANNEL = "lockstep"
+POOLER_PORTS = {"6432"}  # pgbouncer's usual port: no server-side prepared statements there
+
+
+@dataclass(frozen=True)
+class Result:
+    """One row of lockstep.result."""
+
+    outcome: str
+    inserted: int
+    updated: int
+    deleted: int
+    skipped: int
+    compute_ms: float
+    write_ms: float
+    error: str | None
+    job: str
+    action: str
+    more: bool
+
+
+@dataclass(frozen=True)
+class Due:
+    job: str
+    lock_group: str
+    due_at: dt.datetime | None
+    wait: float | None  # seconds from the server's now() until due_at (<= 0: due now; None: never)
+
+
+def looks_like_pooler(dsn: str | None) -> bool:
+    try:
+        port = conninfo_to_dict(dsn or "").get("port")
+    except psycopg.ProgrammingError:
+        return False
+    return str(port) in POOLER_PORTS if port is not None else False
+
+
+def connect(
+    dsn: str | None, *, prepare: bool | None = None, app_name: str = APP_NAME, connect_timeout: int = 10
+) -> psycopg.Connection:
+    """An autocommit connection named ``app_name``. prepare=None: off when the port looks like a pooler."""
+    if prepare is None:
+        prepare = not looks_like_pooler(dsn)
+    kwargs: dict = {"autocommit": True, "application_name": app_name, "connect_timeout": connect_timeout}
+    if not prepare:
+        kwargs["prepare_threshold"] = None
+    return psycopg.connect(dsn or "", **kwargs)
+
+
+def listen(conn: psycopg.Connection) -> None:
+    """LISTEN on lockstep's channel (payload: the job whose queue became non-empty)."""
+    conn.execute(f"listen {CHANNEL}")
+
+
+def wait_notify(conn: psycopg.Connection, timeout: float) -> str | None:
+    """Wait up to ``timeout`` seconds for a notification; its payload (a job name), or None.
+
+    psycopg >= 3.2 keeps notifications that arrived during other queries and yields them first.
+    """
+    for n in conn.notifies(timeout=timeout, stop_after=1):
+        return n.payload
+    return None
+
+
+def backend_pid(conn: psycopg.Connection) -> int:
+    return conn.info.backend_pid
+
+
+def due(conn: psycopg.Connection, jobs: list[str] | None = None) -> list[Due]:
+    rows = conn.execute(
+        "select job, lock_group, due_at, extract(epoch from due_at - now())::float8"
+        " from lockstep.due(%s::text[])",
+        [jobs],
+    ).fetchall()
+    return [Due(*r) for r in rows]
+
+
+def run_job(conn: psycopg.Connection, job: str) -> Result:
+    row = conn.execute(
+        "select outcome, inserted, updated, deleted, skipped, compute_ms, write_ms, error, job, action, more"
+        " from lockstep.run(%s)",
+        [job],
+    ).fetchone()
+    return Result(*row)
+
+
+def status(conn: psycopg.Connection) -> list[dict]:
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute("select * from lockstep.status order by job").fetchall()
+
+
+def queue_depths(conn: psycopg.Connection) -> dict[str, int]:
+    return dict(conn.execute("select job, queue_depth from lockstep.status").fetchall())
+
+
+def cancel_backend(dsn: str | None, pid: int, prepare: bool | None = None) -> bool:
+    """pg_cancel_backend(pid) from a fresh connection (the runner's own is busy)."""
+    with connect(dsn, prepare=prepare, app_name=APP_NAME + "-cancel", connect_timeout=5) as c:
+        return bool(c.execute("select pg_cancel_backend(%s)", [pid]).fetchone()[0])

@@ -1,0 +1,294 @@
+"""The runner's schedule: ask what is due, run it, sleep until the next due time or a NOTIFY. No SQL here."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+
+import psycopg
+
+from runner import db
+from runner.errors import Backoff, describe, is_transient
+
+log = logging.getLogger("lockstep.runner")
+
+DRAIN_LIMIT = 50  # consecutive calls of one job in a tick (outcome done, more) before the others' turn
+SLICE = 0.25  # longest uninterrupted wait, so a signal is noticed quickly
+
+
+@dataclass
+class Options:
+    dsn: str | None = None
+    jobs: list[str] | None = None
+    once: bool = False
+    tick: float = 1.0
+    listen: bool = True
+    prepare: bool | None = None
+    drain_limit: int = DRAIN_LIMIT
+
+
+class Metrics:
+    """Prometheus counters when prometheus_client is importable and a port is given; no-ops otherwise."""
+
+    def __init__(self, port: int | None = None):
+        self.enabled = False
+        if port is None:
+            return
+        try:
+            import prometheus_client as p
+        except ImportError:
+            log.warning("--metrics-port given but prometheus_client is not installed; no metrics")
+            return
+        self.runs = p.Counter("lockstep_runs", "lockstep.run() calls", ["job", "outcome"])
+        self.seconds = p.Histogram("lockstep_run_seconds", "Duration of lockstep.run() calls", ["job"])
+        self.depth = p.Gauge("lockstep_queue_depth", "Ready keys queued per job", ["job"])
+        self.retries = p.Counter("lockstep_runner_retries", "Transient errors retried with backoff")
+        p.start_http_server(port)
+        self.enabled = True
+
+    def run(self, job: str, outcome: str, seconds: float) -> None:
+        if self.enabled:
+            self.runs.labels(job, outcome).inc()
+            self.seconds.labels(job).observe(seconds)
+
+    def retry(self) -> None:
+        if self.enabled:
+            self.retries.inc()
+
+    def depths(self, depths: dict[str, int]) -> None:
+        if self.enabled:
+            for job, n in depths.items():
+                self.depth.labels(job).set(n)
+
+
+@dataclass
+class _JobError:
+    until: float
+    backoff: Backoff = field(default_factory=lambda: Backoff(base=1.0, cap=60.0))
+
+
+class Runner:
+    def __init__(self, opts: Options, metrics: Metrics | None = None):
+        self.opts = opts
+        self.metrics = metrics or Metrics()
+        self.conn: psycopg.Connection | None = None
+        self.pid: int | None = None
+        self.stopping = False
+        self.notified = False
+        self.any_failed = False
+        self._job_errors: dict[str, _JobError] = {}
+        self._depths_at = 0.0
+
+    # signals -------------------------------------------------------------------------------------------
+    def install_signals(self) -> None:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+
+    def _on_signal(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        if not self.stopping:
+            self.stopping = True
+            log.info("%s: finishing the current call, then exiting", name)
+            return
+        pid = self.pid
+        log.warning("second signal (%s): cancelling backend %s and exiting", name, pid)
+        if pid is not None:
+            try:
+                db.cancel_backend(self.opts.dsn, pid, prepare=self.opts.prepare)
+            except Exception as exc:  # noqa: BLE001 - best effort on the way out
+                log.warning("could not cancel backend %s: %s", pid, describe(exc))
+        logging.shutdown()
+        os._exit(1)
+
+    # connection ----------------------------------------------------------------------------------------
+    def _connect(self) -> None:
+        self._close()
+        conn = db.connect(self.opts.dsn, prepare=self.opts.prepare)
+        self.conn = conn
+        self.pid = db.backend_pid(conn)
+        if self.opts.listen and not self.opts.once:
+            db.listen(conn)
+
+    def _close(self) -> None:
+        if self.conn is not None:
+            try:
+                self.conn.close()
+            except Exception:  # noqa: BLE001 - a broken connection may fail to close cleanly
+                pass
+        self.conn, self.pid = None, None
+
+    # main loops ----------------------------------------------------------------------------------------
+    def run(self) -> int:
+        return self.run_once() if self.opts.once else self.run_forever()
+
+    def run_once(self) -> int:
+        """Run what is due now (draining queues) and return 1 if any run failed, else 0."""
+        try:
+            self._connect()
+            for _ in range(1000):
+                if self.stopping or not self._tick(sleep=False):
+                    break
+        except psycopg.Error as exc:
+            log.error("database error: %s", describe(exc))
+            return 1
+        finally:
+            self._close()
+        return 1 if self.any_failed else 0
+
+    def run_forever(self) -> int:
+        backoff = Backoff()
+        trouble: str | None = None
+        while not self.stopping:
+            try:
+                if self.conn is None or self.conn.closed or self.conn.broken:
+                    self._connect()
+                self._tick(sleep=True)
+                if trouble is not None:
+                    log.info(
+                        "recovered after %s retr%s; backend pid %s",
+                        backoff.attempt,
+                        "y" if backoff.attempt == 1 else "ies",
+                        self.pid,
+                    )
+                    trouble = None
+                    backoff.reset()
+            except psycopg.Error as exc:
+                if trouble is None:
+                    trouble = describe(exc)
+                    log.warning("%s; retrying with backoff", trouble)
+                else:
+                    log.debug("still failing: %s", describe(exc))
+                self.metrics.retry()
+                if self.conn is not None and (self.conn.broken or self.conn.closed):
+                    self._close()
+                self._sleep(backoff.next())
+        self._close()
+        log.info("stopped")
+        return 0
+
+    # one tick ------------------------------------------------------------------------------------------
+    def _tick(self, sleep: bool) -> bool:
+        """Run every job due now; then (if nothing happened and ``sleep``) wait. True if a run did work."""
+        assert self.conn is not None
+        rows = db.due(self.conn, self.opts.jobs)
+        now = time.monotonic()
+        progressed = False
+        for row in rows:
+            if self.stopping:
+                return progressed
+            if row.wait is None or row.wait > 0:
+                continue
+            held = self._job_errors.get(row.job)
+            if held is not None and held.until > now:
+                continue
+            progressed |= self._drain(row.job)
+        self._update_depths()
+        if progressed or not sleep or self.stopping:
+            return progressed
+        waits = [r.wait for r in rows if r.wait is not None and r.wait > 0]
+        self.notified = False
+        self._sleep(min([self.opts.tick, *waits]), wake_on_notify=self.opts.listen)
+        return False
+
+    def _drain(self, job: str) -> bool:
+        """Call lockstep.run(job), again at once while it reports more ready keys (bounded)."""
+        assert self.conn is not None
+        progressed = False
+        for _ in range(self.opts.drain_limit):
+            started = time.monotonic()
+            try:
+                r = db.run_job(self.conn, job)
+            except psycopg.Error as exc:
+                if is_transient(exc):
+                    raise
+                self._job_error(job, exc)
+                return progressed
+            elapsed = time.monotonic() - started
+            self._job_errors.pop(job, None)
+            self.metrics.run(job, r.outcome, elapsed)
+            if r.outcome in ("done", "failed"):
+                progressed = True
+                self._log_result(r, elapsed)
+            if r.outcome == "failed":
+                self.any_failed = True
+            if not (r.outcome == "done" and r.more) or self.stopping:
+                break
+        return progressed
+
+    def _job_error(self, job: str, exc: psycopg.Error) -> None:
+        """A non-transient error calling one job (dropped meanwhile, permissions...): skip it for a while."""
+        self.any_failed = True
+        held = self._job_errors.get(job)
+        if held is None:
+            held = self._job_errors[job] = _JobError(until=0.0)
+            log.error("job %s: %s; skipping it with backoff", job, describe(exc))
+        held.until = time.monotonic() + held.backoff.next()
+
+    def _log_result(self, r: db.Result, seconds: float) -> None:
+        fields = {
+            "job": r.job,
+            "action": r.action,
+            "outcome": r.outcome,
+            "inserted": r.inserted,
+            "updated": r.updated,
+            "deleted": r.deleted,
+            "skipped": r.skipped,
+            "compute_ms": round(r.compute_ms or 0, 1),
+            "write_ms": round(r.write_ms or 0, 1),
+            "ms": round(seconds * 1000, 1),
+            "more": r.more,
+        }
+        if r.outcome == "failed":
+            fields["error"] = r.error
+            log.warning(
+                "%s %s failed after %.1f ms: %s",
+                r.job,
+                r.action,
+                seconds * 1000,
+                r.error,
+                extra={"fields": fields},
+            )
+        else:
+            log.info(
+                "%s %s done: +%d ~%d -%d skipped %d (compute %.1f ms, write %.1f ms, total %.1f ms)",
+                r.job,
+                r.action,
+                r.inserted,
+                r.updated,
+                r.deleted,
+                r.skipped,
+                fields["compute_ms"],
+                fields["write_ms"],
+                fields["ms"],
+                extra={"fields": fields},
+            )
+
+    def _update_depths(self) -> None:
+        if self.metrics.enabled and self.conn is not None and time.monotonic() - self._depths_at > 5:
+            self._depths_at = time.monotonic()
+            self.metrics.depths(db.queue_depths(self.conn))
+
+    def _sleep(self, seconds: float, wake_on_notify: bool = False) -> None:
+        """Sleep up to ``seconds``, in slices so a signal is noticed; a NOTIFY ends it early if asked."""
+        deadline = time.monotonic() + seconds
+        while not self.stopping:
+            if wake_on_notify and self.notified:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            if wake_on_notify and self.conn is not None:
+                job = db.wait_notify(self.conn, min(left, SLICE))
+                if job is not None and (self.opts.jobs is None or job in self.opts.jobs):
+                    self.notified = True
+            else:
+                time.sleep(min(left, SLICE))
+
+
+def run(opts: Options, metrics_port: int | None = None) -> int:
+    runner = Runner(opts, Metrics(metrics_port))
+    runner.install_signals()
+    return runner.run()

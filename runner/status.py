@@ -1,0 +1,64 @@
+"""``lockstep status``: the lockstep.status view as a table or JSON, and the exit code it implies."""
+
+from __future__ import annotations
+
+import datetime as dt
+import decimal
+import json
+
+TABLE_COLUMNS = (
+    "job",
+    "kind",
+    "queue_depth",
+    "parked_keys",
+    "failing_keys",
+    "last_outcome",
+    "last_action",
+    "last_finished_at",
+    "last_duration_ms",
+    "consecutive_failures",
+    "next_run_at",
+    "runs",
+    "last_error",
+)
+
+
+def jsonable(value):
+    """Datetimes as ISO 8601, intervals as seconds, numerics as floats; the rest as is."""
+    if isinstance(value, dt.datetime | dt.date | dt.time):
+        return value.isoformat()
+    if isinstance(value, dt.timedelta):
+        return value.total_seconds()
+    if isinstance(value, decimal.Decimal):
+        return float(value)
+    return value
+
+
+def to_json(rows: list[dict]) -> str:
+    return json.dumps([{k: jsonable(v) for k, v in r.items()} for r in rows], indent=2)
+
+
+def unhealthy(rows: list[dict]) -> bool:
+    """Any job failing (consecutive_failures > 0) or with parked keys."""
+    return any((r.get("consecutive_failures") or 0) > 0 or (r.get("parked_keys") or 0) > 0 for r in rows)
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, dt.datetime):
+        return value.strftime("%Y-%m-%d %H:%M:%S")
+    if isinstance(value, float):
+        return f"{value:.1f}"
+    text = " ".join(str(value).split())
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def to_table(rows: list[dict]) -> str:
+    if not rows:
+        return "no jobs"
+    cells = [[_cell(r.get(c)) for c in TABLE_COLUMNS] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(TABLE_COLUMNS)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(TABLE_COLUMNS, widths, strict=True)).rstrip()]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in cells]
+    return "\n".join(lines)

@@ -1,0 +1,61 @@
+"""``lockstep status``: the view as a table or JSON, exit code 1 when a job fails (issue 5)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from psycopg.rows import dict_row
+
+from runner.status import jsonable
+
+
+def status(dsn: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "runner", "status", "--dsn", dsn, *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+def view(conn) -> list[dict]:
+    with conn.cursor(row_factory=dict_row) as cur:
+        rows = cur.execute("select * from lockstep.status order by job").fetchall()
+    return [{k: jsonable(v) for k, v in r.items()} for r in rows]
+
+
+def test_status_json_matches_the_view_and_exit_code_flips_on_failure(conn, dsn):
+    conn.execute(
+        "create function public.ok() returns void language sql as $$ select $$;"
+        " create function public.boom() returns void language plpgsql"
+        " as $$ begin raise exception 'boom'; end $$;"
+        " select lockstep.define_job('ok', 'public.ok()', every => '1 minute');"
+        " select lockstep.define_job('boom', 'public.boom()', every => '1 minute');"
+    )
+    conn.execute("select lockstep.run('ok')")
+    p = status(dsn, "--json")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout) == view(conn)
+
+    p = status(dsn)
+    assert p.returncode == 0, p.stderr
+    header, *lines = p.stdout.splitlines()
+    assert header.split()[:3] == ["job", "kind", "queue_depth"]
+    assert [ln.split()[0] for ln in lines] == ["boom", "ok"]
+
+    assert conn.execute("select outcome from lockstep.run('boom')").fetchone()[0] == "failed"
+    p = status(dsn, "--json")
+    assert p.returncode == 1, p.stderr
+    got = json.loads(p.stdout)
+    assert got == view(conn)
+    assert {r["job"]: r["consecutive_failures"] for r in got} == {"boom": 1, "ok": 0}
+    assert next(r for r in got if r["job"] == "boom")["last_error"] == "boom"
+    assert status(dsn).returncode == 1
+
+
+def test_status_reports_a_connection_error_in_one_line(empty_dsn):
+    p = status(empty_dsn)
+    assert p.returncode == 1
+    assert p.stderr.startswith("Error: ") and "Traceback" not in p.stderr, p.stderr

@@ -1,0 +1,238 @@
+"""``lockstep run``: real processes against real PostgreSQL (issue 5)."""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from runner_procs import Runner, runner_backends, wait_for
+
+from runner.example import JOB, divergence
+
+TICK_FN = """
+create table public.ticks (id bigserial primary key, at timestamptz not null default clock_timestamp());
+create function public.tick_fn() returns void language sql as $$ insert into public.ticks default values $$;
+select lockstep.define_job('t', 'public.tick_fn()', every => '1 second');
+"""
+
+
+@pytest.fixture
+def runners(tmp_path):
+    started: list[Runner] = []
+
+    def _start(dsn: str, *args: str, env: dict | None = None) -> Runner:
+        r = Runner(dsn, list(args), tmp_path / f"runner{len(started)}.log", env=env)
+        started.append(r)
+        return r
+
+    yield _start
+    for r in started:
+        r.kill()
+
+
+def once(dsn: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "runner", "run", "--dsn", dsn, "--once", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def ticks(conn) -> int:
+    return conn.execute("select count(*) from public.ticks").fetchone()[0]
+
+
+def assert_clean(stderr: str) -> None:
+    assert "Traceback" not in stderr, stderr
+    assert " ERROR " not in stderr and " WARNING " not in stderr, stderr
+
+
+def test_once_converges_the_example_and_exits_0(ex, example_dsn):
+    ex.execute("update example.exam_item set body = body || ' zebra' where exam_id % 3 = 0")
+    ex.execute("delete from example.exam where id % 7 = 0")
+    assert ex.execute("select queue_depth from lockstep.status where job = %s", [JOB]).fetchone()[0] > 50
+    assert divergence(ex) != (0, 0)
+    p = once(example_dsn)
+    assert p.returncode == 0, p.stderr
+    assert divergence(ex) == (0, 0)
+    assert ex.execute("select queue_depth from lockstep.status where job = %s", [JOB]).fetchone()[0] == 0
+    assert "exam_keys work done" in p.stderr or "exam_keys recompute done" in p.stderr, p.stderr
+    assert_clean(p.stderr)
+
+
+def test_once_exits_1_when_a_run_fails(conn, dsn):
+    conn.execute(
+        "create function public.boom() returns void language plpgsql"
+        " as $$ begin raise exception 'boom'; end $$;"
+        " select lockstep.define_job('b', 'public.boom()', every => '1 second')"
+    )
+    p = once(dsn, "--log-format", "json")
+    assert p.returncode == 1, p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("{")]
+    assert any('"outcome": "failed"' in ln and '"error": "boom"' in ln for ln in lines), p.stderr
+    # nothing due any more (backoff): a second --once runs nothing and succeeds
+    p = once(dsn)
+    assert p.returncode == 0, p.stderr
+
+
+def test_loop_runs_a_job_repeatedly_and_sigterm_exits_0(conn, dsn, runners):
+    conn.execute(TICK_FN)
+    r = runners(dsn, "--tick", "0.2")
+    wait_for(lambda: ticks(conn) >= 3, timeout=8, what="3 runs")
+    r.signal(signal.SIGTERM)
+    assert r.wait() == 0
+    assert_clean(r.stderr)
+    assert r.stderr.count("t call done") >= 3
+    gaps = [
+        g
+        for (g,) in conn.execute(
+            "select extract(epoch from at - lag(at) over (order by id)) from public.ticks offset 1"
+        )
+    ]
+    assert all(0.95 <= g < 1.5 for g in gaps), gaps  # every 1 second, on time
+
+
+def test_two_runners_keep_the_recompute_on_schedule_under_a_stream_of_enqueues(
+    ex, exconnect, example_dsn, runners
+):
+    ex.execute(
+        "select lockstep.define_derived('exam_keys', 'example.exam_key',"
+        " 'example.exam_key_compute(bigint[])',"
+        " parent => 'example.exam', parent_column => 'exam_id', every => '2 seconds')"
+    )
+    ex.execute("update lockstep.job_state set next_run_at = now() where job = 'exam_keys'")
+    a = runners(example_dsn, "--log-format", "json")
+    b = runners(example_dsn, "--log-format", "json")
+    wait_for(lambda: len(runner_backends(ex)) == 2, what="two runners connected")
+
+    stop = threading.Event()
+    writes = [0]
+
+    def stream():
+        w = exconnect()
+        rng = random.Random(5)
+        while not stop.is_set():
+            ids = rng.sample(range(1, 201), 3)
+            w.execute(
+                "update example.exam_item set body = body || ' w' || %s where exam_id = any(%s)",
+                [rng.randint(1, 50), ids],
+            )
+            writes[0] += 1
+            time.sleep(0.01)
+
+    t = threading.Thread(target=stream)
+    started = time.monotonic()
+    t.start()
+    lateness = 0.0
+    try:
+        while time.monotonic() - started < 8:
+            late = ex.execute(
+                "select extract(epoch from clock_timestamp() - next_run_at)::float8 from lockstep.job_state"
+                " where job = 'exam_keys'"
+            ).fetchone()[0]
+            lateness = max(lateness, late)
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        t.join()
+    elapsed = time.monotonic() - started
+    wait_for(
+        lambda: (
+            ex.execute("select queue_depth from lockstep.status where job = 'exam_keys'").fetchone()[0] == 0
+        ),
+        timeout=10,
+        what="queue drained",
+    )
+    assert divergence(ex) == (0, 0)
+    for r in (a, b):
+        r.signal()
+    assert a.wait() == 0 and b.wait() == 0
+    lines = a.json_lines() + b.json_lines()
+    recomputes = [x for x in lines if x.get("action") == "recompute" and x.get("outcome") == "done"]
+    works = [x for x in lines if x.get("action") == "work" and x.get("outcome") == "done"]
+    assert writes[0] > 100
+    assert len(recomputes) >= int(elapsed // 2), (elapsed, len(recomputes))
+    assert lateness < 1.2, lateness  # a due recompute starts within a tick (plus one run) of its due time
+    assert works, "the queue was worked, not only recomputed"
+    assert not [x for x in lines if x["level"] in ("warning", "error")], lines
+
+
+SLOW_FN = """
+create sequence public.calls;
+create table public.ticks (id bigserial primary key, at timestamptz not null default clock_timestamp());
+create function public.slow_fn() returns void language plpgsql as $$
+begin
+    if nextval('public.calls') = 1 then perform pg_sleep(30); end if;  -- only the first call is slow
+    insert into public.ticks default values;
+end $$;
+select lockstep.define_job('slow', 'public.slow_fn()', every => '1 hour');
+"""
+
+
+def _in_slow_call(conn) -> int | None:
+    row = conn.execute(
+        "select a.pid from pg_stat_activity a join pg_locks l on l.pid = a.pid and l.locktype = 'advisory'"
+        " and l.granted where a.application_name = 'lockstep-runner' and a.wait_event = 'PgSleep'"
+        " and a.datname = current_database()"
+    ).fetchone()
+    return row[0] if row else None
+
+
+@pytest.mark.parametrize("check_interval", [None, "100ms"])
+def test_kill_9_inside_a_slow_job_frees_the_group_for_another_runner(conn, dsn, runners, check_interval):
+    """Without client_connection_check_interval PostgreSQL notices the dead client only when the statement
+    ends (pg_sleep does not write to the socket), so the orphaned backend keeps the group lock until it is
+    terminated; with it (PGOPTIONS), the backend ends by itself within the interval."""
+    conn.execute(SLOW_FN)
+    env = {"PGOPTIONS": f"-c client_connection_check_interval={check_interval}"} if check_interval else None
+    a = runners(dsn, "--tick", "0.2", env=env)
+    pid = wait_for(lambda: _in_slow_call(conn), what="runner A inside slow_fn")
+    b = runners(dsn, "--tick", "0.2")
+    wait_for(lambda: len(runner_backends(conn)) == 2, what="runner B connected")
+    a.proc.kill()
+    a.proc.wait()
+
+    def backend_alive() -> bool:
+        return bool(conn.execute("select 1 from pg_stat_activity where pid = %s", [pid]).fetchone())
+
+    if check_interval is None:
+        time.sleep(0.5)  # give the server a chance to notice (it does not: documented behaviour)
+        assert backend_alive(), "PostgreSQL ended the orphaned backend by itself"
+        assert ticks(conn) == 0  # still locked: B only gets busy
+        conn.execute("select pg_terminate_backend(%s)", [pid])
+    wait_for(lambda: not backend_alive(), timeout=5, what="orphaned backend gone")
+    assert (
+        conn.execute(
+            "select count(*) from pg_locks where locktype = 'advisory' and pid = %s", [pid]
+        ).fetchone()[0]
+        == 0
+    )
+    wait_for(lambda: ticks(conn) == 1, timeout=3, what="runner B ran the job")
+    b.signal()
+    assert b.wait() == 0
+    assert "slow call done" in b.stderr
+
+
+def test_reconnects_after_its_backend_is_terminated(conn, dsn, runners):
+    conn.execute(TICK_FN)
+    r = runners(dsn, "--tick", "0.2")
+    wait_for(lambda: ticks(conn) >= 1, what="first run")
+    (pid,) = runner_backends(conn)
+    conn.execute("select pg_terminate_backend(%s)", [pid])
+    new = wait_for(lambda: [p for p in runner_backends(conn) if p != pid], what="new backend")
+    assert len(new) == 1
+    n = ticks(conn)
+    wait_for(lambda: ticks(conn) >= n + 2, timeout=5, what="runs after reconnect")
+    r.signal()
+    assert r.wait() == 0
+    err = r.stderr
+    assert "Traceback" not in err, err
+    warnings = [ln for ln in err.splitlines() if " WARNING " in ln or " ERROR " in ln]
+    assert len(warnings) == 1 and "retrying with backoff" in warnings[0], err
+    assert len([ln for ln in err.splitlines() if "recovered after" in ln]) == 1, err
