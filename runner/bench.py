@@ -1,0 +1,465 @@
+"""``lockstep bench``: measure lockstep against the naive patterns on the example application.
+
+Creates its own database ``lockstep_bench_<pid>`` on the admin DSN's server (dropped at the end), installs
+lockstep and the example, fills ``example.exam_key`` once, then runs the sections:
+
+- ``recompute``: for 0 %, 1 % and 100 % of parents changed, each method (naive, seed, lockstep, matview)
+  starts from the same data and the same diff, while an application thread deletes one reserved exam at a
+  time (autocommit, no lock_timeout) and records each DELETE's latency.
+- ``queue``: enqueue throughput, worker throughput, cost of a no-op pass and of a pass over unchanged keys.
+
+Each measured method runs in one transaction: ``EXPLAIN (ANALYZE, WAL)`` of its call gives the WAL it wrote
+itself (``wal_own``), ``pg_stat_xact_user_tables`` the rows it wrote; ``wal_lsn`` is the
+``pg_current_wal_insert_lsn()`` difference around the run, so it includes the application's deletes.
+A CHECKPOINT precedes every measured run, so every method pays the same full-page writes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+
+from runner import example
+
+JOB = example.JOB
+LEVELS = (0, 1, 100)  # % of parents changed
+METHODS = ("naive", "seed", "lockstep", "matview")
+SECTIONS = ("recompute", "queue")
+
+METHOD_CALL = {
+    "naive": "select example.naive_recompute()",
+    "seed": "select example.seed_recompute()",
+    "lockstep": "insert into pg_temp.bench_result select * from lockstep.recompute('exam_keys')",
+    "matview": "select public.bench_refresh()",
+}
+METHOD_TARGET = {
+    "naive": "example.exam_key",
+    "seed": "example.exam_key",
+    "lockstep": "example.exam_key",
+    "matview": "public.bench_mv",
+}
+EXPLAIN_WAL = "explain (analyze, wal, timing off, costs off, format json) "
+RESULT_TABLE_SQL = "create temp table if not exists bench_result of lockstep.result"
+CLEAR_RESULT_SQL = "delete from pg_temp.bench_result"
+READ_RESULT_SQL = (
+    "select outcome, inserted, updated, deleted, skipped, compute_ms, write_ms from pg_temp.bench_result"
+)
+MATVIEW_SQL = """
+create materialized view public.bench_mv as select * from example.exam_key_compute(null);
+create unique index bench_mv_key on public.bench_mv (exam_id, key);
+create function public.bench_refresh() returns void language plpgsql as $f$
+begin
+    refresh materialized view concurrently public.bench_mv;
+end;
+$f$;
+"""
+REFRESH_MATVIEW_SQL = "refresh materialized view public.bench_mv"
+RECOMPUTE_SQL = "select outcome, error from lockstep.recompute('exam_keys')"
+SEED_SQL = "select example.seed(%s, %s)"
+PICK_SQL = "select id from example.exam where id <= %s order by hashint8(id), id limit %s"
+DROP_VICTIMS_SQL = "delete from example.exam where id > %s"
+CHANGE_SQL = "update example.exam set body = example.words(8, 1000000 + id) where id = any(%s)"
+RESTORE_SQL = "update example.exam set body = example.words(8, -id) where id = any(%s)"
+CLEAR_QUEUE_SQL = "delete from lockstep.queue where job = 'exam_keys'"
+VACUUM_SQL = "vacuum (analyze) example.exam, example.exam_key, lockstep.queue"
+CHECKPOINT_SQL = "checkpoint"
+LSN_SQL = "select pg_current_wal_insert_lsn()"
+LSN_DIFF_SQL = "select pg_wal_lsn_diff(pg_current_wal_insert_lsn(), %s)::bigint"
+XACT_ROWS_SQL = (
+    "select coalesce(sum(n_tup_ins + n_tup_upd + n_tup_del), 0)::bigint"
+    " from pg_stat_xact_user_tables where relid = %s::regclass"
+)
+FLUSH_STATS_SQL = "select pg_stat_force_next_flush()"
+DEADLOCKS_SQL = (
+    "select pg_stat_clear_snapshot();"
+    " select deadlocks from pg_stat_database where datname = current_database()"
+)
+APP_DELETE_SQL = "delete from example.exam where id = %s"
+ENQUEUE_SQL = "select lockstep.enqueue('exam_keys', %s::bigint[])"
+WORK_SQL = "select outcome from lockstep.work('exam_keys', %s)"
+VERSION_SQL = "show server_version"
+CREATE_DB_SQL = "create database {}"
+DROP_DB_SQL = "drop database if exists {} with (force)"
+
+Progress = Callable[[str], None]
+
+
+def _stderr_progress(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+class _Deleter(threading.Thread):
+    """The application: deletes reserved exams one at a time (top id first) until stopped."""
+
+    def __init__(self, dsn: str, ids: list[int], pause: float = 0.01) -> None:
+        super().__init__(daemon=True)
+        self.conn = psycopg.connect(dsn, autocommit=True, application_name="lockstep bench app")
+        self.ids, self.pause = ids, pause
+        self.stop = threading.Event()
+        self.latencies_ms: list[float] = []
+        self.errors: Counter[str] = Counter()
+        self.used = 0
+
+    def run(self) -> None:
+        while not self.stop.is_set() and self.used < len(self.ids):
+            victim = self.ids[self.used]
+            self.used += 1
+            t0 = time.perf_counter()
+            try:
+                self.conn.execute(APP_DELETE_SQL, [victim], prepare=True)
+            except psycopg.Error as exc:
+                self.errors[exc.sqlstate or "?"] += 1
+            self.latencies_ms.append((time.perf_counter() - t0) * 1000)
+            self.stop.wait(self.pause)
+
+    def finish(self) -> None:
+        self.stop.set()
+        self.join()
+        self.conn.execute(FLUSH_STATS_SQL)
+        self.conn.close()
+
+
+class Bench:
+    def __init__(self, dsn: str, parents: int, progress: Progress) -> None:
+        self.dsn, self.parents, self.progress = dsn, parents, progress
+        self.victims = min(2000, max(200, parents // 25))
+        self.conn = psycopg.connect(dsn, autocommit=True, application_name="lockstep bench")
+
+    def converge(self) -> None:
+        outcome, error = self.conn.execute(RECOMPUTE_SQL).fetchone()
+        if outcome != "done":
+            raise RuntimeError(f"lockstep.recompute did not converge: {outcome} {error}")
+
+    def setup(self) -> None:
+        from runner.migrate import migrate
+
+        self.progress("migrate")
+        migrate(self.dsn)
+        self.progress(f"install example: {self.parents} parents + {self.victims} reserved for app deletes")
+        with self.conn.transaction():
+            example.install(self.conn, parents=self.parents)
+            self.conn.execute(SEED_SQL, [self.victims, self.parents + 1])
+        self.progress("fill: lockstep.recompute")
+        self.converge()
+        self.conn.execute(MATVIEW_SQL)
+        self.conn.execute(RESULT_TABLE_SQL)
+
+    def _deadlocks(self) -> int:
+        self.conn.execute(FLUSH_STATS_SQL)
+        cur = self.conn.execute(DEADLOCKS_SQL)
+        cur.nextset()
+        return int(cur.fetchone()[0])
+
+    def _measure(self, method: str) -> dict[str, Any]:
+        c = self.conn
+        try:
+            c.execute(CHECKPOINT_SQL)
+        except psycopg.Error:
+            pass
+        c.execute(CLEAR_RESULT_SQL)
+        deadlocks0 = self._deadlocks()
+        victims = list(range(self.parents + self.victims, self.parents, -1))
+        app = _Deleter(self.dsn, victims)
+        lsn0 = c.execute(LSN_SQL).fetchone()[0]
+        out: dict[str, Any] = {"error": None, "wal_own": None, "rows": None}
+        app.start()
+        t0 = time.perf_counter()
+        try:
+            with c.transaction():
+                plan = c.execute(EXPLAIN_WAL + METHOD_CALL[method]).fetchone()[0]
+                out["wal_own"] = int(plan[0]["Plan"].get("WAL Bytes", 0))
+                out["wal_fpi"] = int(plan[0]["Plan"].get("WAL FPI", 0))
+                out["rows"] = int(c.execute(XACT_ROWS_SQL, [METHOD_TARGET[method]]).fetchone()[0])
+        except psycopg.Error as exc:
+            out["error"] = exc.sqlstate or "?"
+        out["total_ms"] = (time.perf_counter() - t0) * 1000
+        app.finish()
+        out["wal_lsn"] = int(c.execute(LSN_DIFF_SQL, [lsn0]).fetchone()[0])
+        lat = app.latencies_ms
+        out["app_delete"] = {
+            "n": len(lat),
+            "p50_ms": _pct(lat, 0.5),
+            "p99_ms": _pct(lat, 0.99),
+            "max_ms": max(lat) if lat else None,
+            "errors": dict(app.errors),
+        }
+        if method == "lockstep" and out["error"] is None:
+            row = c.execute(READ_RESULT_SQL).fetchone()
+            keys = ("outcome", "inserted", "updated", "deleted", "skipped", "compute_ms", "write_ms")
+            out["lockstep"] = dict(zip(keys, row, strict=True))
+            out["compute_ms"], out["lock_ms"] = row[5], row[6]
+        else:
+            out["lock_ms"] = out["total_ms"] if method == "naive" else None
+        time.sleep(0.05)
+        out["deadlocks"] = self._deadlocks() - deadlocks0
+        # put back the reserved exams the app deleted
+        if app.used:
+            with c.transaction():
+                c.execute(DROP_VICTIMS_SQL, [self.parents])
+                c.execute(SEED_SQL, [self.victims, self.parents + 1])
+        return out
+
+    def recompute(self) -> dict[str, Any]:
+        c = self.conn
+        result: dict[str, Any] = {}
+        for level in LEVELS:
+            n = self.parents * level // 100
+            ids = [r[0] for r in c.execute(PICK_SQL, [self.parents, n])] if n else []
+            result[f"{level}%"] = per = {"changed_parents": len(ids)}
+            for method in METHODS:
+                self.progress(f"recompute {level}% ({len(ids)} parents changed): reset for {method}")
+                if ids:
+                    c.execute(RESTORE_SQL, [ids])
+                self.converge()
+                if method == "matview":
+                    c.execute(REFRESH_MATVIEW_SQL)
+                if ids:
+                    c.execute(CHANGE_SQL, [ids])
+                c.execute(CLEAR_QUEUE_SQL)
+                c.execute(VACUUM_SQL)
+                self.progress(f"recompute {level}%: measure {method}")
+                per[method] = self._measure(method)
+                if method == "lockstep" and not ids:  # again at once: catalog pages already full-page-imaged
+                    c.execute(CLEAR_RESULT_SQL)
+                    plan = c.execute(EXPLAIN_WAL + METHOD_CALL[method]).fetchone()[0]
+                    per[method]["wal_own_repeat"] = int(plan[0]["Plan"].get("WAL Bytes", 0))
+                self.converge()
+            if ids:
+                c.execute(RESTORE_SQL, [ids])
+                self.converge()
+        return result
+
+    def queue(self) -> dict[str, Any]:
+        c = self.conn
+        c.execute(CLEAR_QUEUE_SQL)
+        out: dict[str, Any] = {}
+        for size, calls in ((1, 2000), (1000, 100)):
+            self.progress(f"queue: enqueue {calls} batches of {size}")
+            t0 = time.perf_counter()
+            for i in range(calls):
+                keys = [1 + (i * size + j) % self.parents for j in range(size)]
+                c.execute(ENQUEUE_SQL, [keys], prepare=True)
+            out[f"enqueue_batch_{size}_keys_per_s"] = calls * size / (time.perf_counter() - t0)
+            c.execute(CLEAR_QUEUE_SQL)
+        n = max(1, self.parents // 10)
+        ids = [r[0] for r in c.execute(PICK_SQL, [self.parents, n])]
+        c.execute(CHANGE_SQL, [ids])  # the watch trigger enqueues them
+        c.execute(CLEAR_QUEUE_SQL)
+        c.execute(ENQUEUE_SQL, [ids])
+        self.progress(f"queue: worker over {n} changed parents")
+        t0, passes = time.perf_counter(), 0
+        while c.execute(WORK_SQL, [500]).fetchone()[0] != "idle":
+            passes += 1
+        elapsed = time.perf_counter() - t0
+        out["worker_parents"] = n
+        out["worker_passes"] = passes
+        out["worker_parents_per_s"] = n / elapsed
+        self.progress("queue: no-op passes")
+        times = []
+        for _ in range(200):
+            t0 = time.perf_counter()
+            c.execute(WORK_SQL, [500], prepare=True)
+            times.append((time.perf_counter() - t0) * 1000)
+        out["noop_pass_ms"] = statistics.median(times)
+        self.progress("queue: passes over 500 unchanged keys")
+        times = []
+        for i in range(5):
+            c.execute(ENQUEUE_SQL, [[1 + (i * 500 + j) % self.parents for j in range(500)]])
+            t0 = time.perf_counter()
+            c.execute(WORK_SQL, [500])
+            times.append((time.perf_counter() - t0) * 1000)
+            c.execute(CLEAR_QUEUE_SQL)
+        out["unchanged_500_pass_ms"] = statistics.median(times)
+        c.execute(RESTORE_SQL, [ids])
+        c.execute(CLEAR_QUEUE_SQL)
+        return out
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def machine(conn: psycopg.Connection) -> dict[str, Any]:
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {
+        "nproc": os.cpu_count(),
+        "ram_gb": round(ram / 2**30, 1),
+        "postgresql": conn.execute(VERSION_SQL).fetchone()[0],
+    }
+
+
+def summarize(rec: dict[str, Any]) -> dict[str, Any]:
+    s: dict[str, Any] = {}
+    for level, target in (("0%", 0.5), ("1%", 2.0), ("100%", None)):
+        per = rec.get(level)
+        if not per:
+            continue
+        naive, ls = per["naive"], per["lockstep"]
+        if ls.get("lock_ms") is not None and naive["total_ms"]:
+            s[f"lockstep_write_vs_naive_total_{level}"] = {
+                "pct": 100 * ls["lock_ms"] / naive["total_ms"],
+                "target_pct": target,
+            }
+        s[f"app_delete_p99_ms_{level}"] = {m: per[m]["app_delete"]["p99_ms"] for m in METHODS}
+    if "0%" in rec:
+        ls = rec["0%"]["lockstep"]
+        s["lockstep_noop"] = {
+            "wal_own_bytes": ls["wal_own"],
+            "wal_lsn_bytes": ls["wal_lsn"],
+            "wal_fpi": ls["wal_fpi"],
+            "wal_own_repeat_bytes": ls.get("wal_own_repeat"),
+            "rows": ls["rows"],
+            "target_wal_bytes": 65536,
+            "target_rows": 0,
+        }
+    return s
+
+
+def run(
+    admin_dsn: str | None,
+    parents: int = 50000,
+    sections: tuple[str, ...] = SECTIONS,
+    progress: Progress = _stderr_progress,
+) -> dict[str, Any]:
+    """Run the benchmark in a database of its own and return the result dict."""
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        raise ValueError(f"unknown sections: {', '.join(sorted(unknown))}")
+    name = f"lockstep_bench_{os.getpid()}"
+    admin = psycopg.connect(admin_dsn or "", autocommit=True)
+    try:
+        progress(f"create database {name}")
+        admin.execute(sql.SQL(DROP_DB_SQL).format(sql.Identifier(name)))
+        admin.execute(sql.SQL(CREATE_DB_SQL).format(sql.Identifier(name)))
+        bench = Bench(make_conninfo(admin_dsn or "", dbname=name), parents, progress)
+        try:
+            result: dict[str, Any] = {"machine": machine(bench.conn), "parents": parents}
+            bench.setup()
+            if "recompute" in sections:
+                result["recompute"] = bench.recompute()
+                result["summary"] = summarize(result["recompute"])
+            if "queue" in sections:
+                result["queue"] = bench.queue()
+        finally:
+            bench.close()
+        progress("done")
+        return result
+    finally:
+        admin.execute(sql.SQL(DROP_DB_SQL).format(sql.Identifier(name)))
+        admin.close()
+
+
+def _f(v: Any, fmt: str = "{:.1f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def render(r: dict[str, Any]) -> str:
+    m = r["machine"]
+    lines = [
+        f"machine: {m['nproc']} CPUs, {m['ram_gb']} GB RAM, PostgreSQL {m['postgresql']}; "
+        f"{r['parents']} parents"
+    ]
+    cols = (
+        "method",
+        "total ms",
+        "compute ms",
+        "lock ms",
+        "rows",
+        "WAL own",
+        "FPI",
+        "WAL lsn",
+        "app DEL n",
+        "p50 ms",
+        "p99 ms",
+        "max ms",
+        "app errors",
+        "run error",
+        "deadlocks",
+    )
+    for level, per in r.get("recompute", {}).items():
+        lines += ["", f"recompute, {level} of parents changed ({per['changed_parents']} parents)"]
+        rows = [cols]
+        for meth in METHODS:
+            x, a = per[meth], per[meth]["app_delete"]
+            rows.append(
+                (
+                    meth,
+                    _f(x["total_ms"]),
+                    _f(x.get("compute_ms")),
+                    _f(x.get("lock_ms")),
+                    _f(x["rows"], "{}"),
+                    _f(x["wal_own"], "{:,}"),
+                    _f(x.get("wal_fpi"), "{}"),
+                    _f(x["wal_lsn"], "{:,}"),
+                    str(a["n"]),
+                    _f(a["p50_ms"], "{:.2f}"),
+                    _f(a["p99_ms"], "{:.2f}"),
+                    _f(a["max_ms"], "{:.2f}"),
+                    ",".join(f"{k}x{v}" for k, v in a["errors"].items()) or "-",
+                    x["error"] or "-",
+                    str(x["deadlocks"]),
+                )
+            )
+        widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
+        lines += [
+            "  ".join(
+                c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
+            )
+            for row in rows
+        ]
+    if "summary" in r:
+        lines += ["", "summary"]
+        for key, v in r["summary"].items():
+            if key.startswith("lockstep_write_vs"):
+                tgt = f" (target <= {v['target_pct']} %)" if v["target_pct"] is not None else ""
+                lines.append(
+                    f"  lockstep write phase / naive total, {key.rsplit('_', 1)[1]}: {v['pct']:.2f} %{tgt}"
+                )
+            elif key.startswith("app_delete_p99"):
+                lines.append(
+                    f"  app DELETE p99 ms, {key.rsplit('_', 1)[1]}: "
+                    + ", ".join(f"{k} {_f(x, '{:.2f}')}" for k, x in v.items())
+                )
+            else:
+                lines.append(
+                    f"  lockstep no-op: WAL own {v['wal_own_bytes']:,} B right after a CHECKPOINT "
+                    f"({v['wal_fpi']} full-page images), "
+                    f"{_f(v['wal_own_repeat_bytes'], '{:,}')} B when run again at once (target <= 64 KB); "
+                    f"lsn diff incl. app deletes "
+                    f"{v['wal_lsn_bytes']:,} B; rows written {v['rows']} (target 0)"
+                )
+    if "queue" in r:
+        q = r["queue"]
+        lines += [
+            "",
+            "queue",
+            f"  enqueue, batches of 1:     {q['enqueue_batch_1_keys_per_s']:,.0f} keys/s",
+            f"  enqueue, batches of 1000:  {q['enqueue_batch_1000_keys_per_s']:,.0f} keys/s",
+            f"  worker: {q['worker_parents_per_s']:,.0f} parents/s "
+            f"({q['worker_parents']} changed parents, "
+            f"{q['worker_passes']} passes of 500)",
+            f"  no-op pass (empty queue), median of 200: {q['noop_pass_ms']:.3f} ms",
+            f"  pass over 500 unchanged keys, median of 5: {q['unchanged_500_pass_ms']:.1f} ms",
+        ]
+    return "\n".join(lines)
+
+
+def to_json(r: dict[str, Any]) -> str:
+    return json.dumps(r, indent=2, default=str)

@@ -1,0 +1,57 @@
+"""``lockstep bench`` end to end on a small example: every method and level, sane numbers, < 60 s."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import psycopg
+
+from runner.bench import LEVELS, METHODS
+
+
+def test_bench_small_json(admin_dsn):
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "runner", "bench", "--dsn", admin_dsn, "--parents", "300", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert time.monotonic() - started < 60
+    assert "recompute 100%: measure matview" in err  # progress, one line per step, on stderr
+    r = json.loads(out)
+    assert r["parents"] == 300 and r["machine"]["nproc"] >= 1
+    for level in LEVELS:
+        per = r["recompute"][f"{level}%"]
+        assert per["changed_parents"] == 300 * level // 100
+        for method in METHODS:
+            m = per[method]
+            assert m["total_ms"] > 0 and m["wal_lsn"] >= 0 and m["wal_own"] >= 0
+            assert m["rows"] is not None and m["rows"] >= 0
+            assert m["app_delete"]["n"] >= 1 and m["app_delete"]["max_ms"] >= m["app_delete"]["p50_ms"] > 0
+        ls = per["lockstep"]
+        assert ls["error"] is None and ls["deadlocks"] == 0 and not ls["app_delete"]["errors"]
+        assert ls["lockstep"]["outcome"] == "done"
+        assert 0 <= ls["lock_ms"] <= ls["total_ms"] and ls["compute_ms"] >= 0
+        if level:
+            # every method writes the same diff (the matview's is its own rows)
+            assert ls["rows"] > 0 and per["seed"]["rows"] == ls["rows"]
+    noop = r["recompute"]["0%"]
+    assert noop["lockstep"]["rows"] == 0 and noop["seed"]["rows"] == 0 and noop["matview"]["rows"] == 0
+    assert noop["naive"]["rows"] > 0  # deletes and reinserts everything
+    assert r["summary"]["lockstep_noop"]["rows"] == 0
+    q = r["queue"]
+    for key in ("enqueue_batch_1_keys_per_s", "enqueue_batch_1000_keys_per_s", "worker_parents_per_s"):
+        assert q[key] > 0
+    assert q["worker_parents"] == 30 and 0 < q["noop_pass_ms"] < 1000 and q["unchanged_500_pass_ms"] > 0
+    with psycopg.connect(admin_dsn) as admin:  # its database is dropped
+        name = f"lockstep_bench_{proc.pid}"
+        assert admin.execute("select count(*) from pg_database where datname = %s", [name]).fetchone()[0] == 0
