@@ -114,7 +114,8 @@ def test_compute_returning_duplicate_keys_fails_the_run_with_a_clear_error(db):
     db.execute("insert into p values (1, 1), (2, 2)")
     db.execute(
         "create function dup(ids bigint[]) returns table (p_id bigint, k text, w int) language sql"
-        " as $$ select id, 'same', v from public.p, generate_series(1, 2) where ids is null or id = any(ids) $$"
+        " as $$ select id, 'same', v from public.p, generate_series(1, 2)"
+        " where ids is null or id = any(ids) $$"
     )
     db.execute("select lockstep.define_derived('j', 'd', 'dup(bigint[])', 'p')")
     r = db.execute("select outcome, error from lockstep.recompute('j')").fetchone()

@@ -183,7 +183,9 @@ def test_another_role_cannot_redefine_or_drop_a_job(jobs):
     jobs.execute("create role lockstep_test_intruder")
     try:
         jobs.execute("grant usage on schema lockstep to lockstep_test_intruder")
-        jobs.execute("grant select, insert, update, delete on all tables in schema lockstep to lockstep_test_intruder")
+        jobs.execute(
+            "grant select, insert, update, delete on all tables in schema lockstep to lockstep_test_intruder"
+        )
         before = snapshot(jobs)
         jobs.execute("set role lockstep_test_intruder")
         with raises_sqlstate("42501", "owned by role"):

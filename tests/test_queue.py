@@ -56,7 +56,10 @@ def test_a_key_enqueued_many_times_is_computed_once(ex):
         return query select * from example.exam_key_compute(ids); end $$;
         """
     )
-    ex.execute(f"select lockstep.define_derived('{JOB}', 'example.exam_key', 'example.logged(bigint[])', 'example.exam')")
+    ex.execute(
+        f"select lockstep.define_derived('{JOB}', 'example.exam_key', 'example.logged(bigint[])',"
+        " 'example.exam')"
+    )
     r = result(ex, f"lockstep.work('{JOB}')")
     assert r["outcome"] == "done" and not r["more"]
     assert ex.execute("select keys from calls").fetchall() == [([42],)]
@@ -93,7 +96,10 @@ def test_poison_key_is_isolated_retried_parked_and_retried_on_demand(ex):
             return query select * from example.exam_key_compute(ids); end $$;
         """
     )
-    ex.execute(f"select lockstep.define_derived('{JOB}', 'example.exam_key', 'example.picky(bigint[])', 'example.exam')")
+    ex.execute(
+        f"select lockstep.define_derived('{JOB}', 'example.exam_key', 'example.picky(bigint[])',"
+        " 'example.exam')"
+    )
     ex.execute(f"select lockstep.set_max_attempts('{JOB}', 2)")
     ex.execute("update example.exam set body = body || ' poisonword' where id between 10 and 16")
     r = result(ex, f"lockstep.work('{JOB}')")
@@ -113,7 +119,10 @@ def test_poison_key_is_isolated_retried_parked_and_retried_on_demand(ex):
     assert ex.execute("select parked_keys, queue_depth from lockstep.status").fetchone() == (1, 0)
     assert result(ex, f"lockstep.work('{JOB}')")["outcome"] == "idle"
     # fixed: retry puts it back and it completes
-    ex.execute(f"select lockstep.define_derived('{JOB}', 'example.exam_key', 'example.exam_key_compute(bigint[])', 'example.exam')")
+    ex.execute(
+        f"select lockstep.define_derived('{JOB}', 'example.exam_key',"
+        " 'example.exam_key_compute(bigint[])', 'example.exam')"
+    )
     assert ex.execute(f"select lockstep.retry('{JOB}', array[13])").fetchone()[0] == 1
     assert result(ex, f"lockstep.work('{JOB}')")["outcome"] == "done"
     assert ex.execute("select count(*) from lockstep.key_failure").fetchone()[0] == 0
@@ -152,11 +161,17 @@ def test_convergence_with_random_changes_and_work_passes(ex):
         elif op == "delete":
             ex.execute("delete from example.exam where id = %s", [a])
         elif op == "insert":
-            ex.execute("insert into example.exam (id, title, body) values (%s, 'new exam', 'fresh words')"
-                       " on conflict do nothing", [a])
+            ex.execute(
+                "insert into example.exam (id, title, body) values (%s, 'new exam', 'fresh words')"
+                " on conflict do nothing",
+                [a],
+            )
         elif op == "item":
-            ex.execute("insert into example.exam_item (exam_id, body) select id, 'item words' from example.exam"
-                       " where id = %s", [a])
+            ex.execute(
+                "insert into example.exam_item (exam_id, body) select id, 'item words' from example.exam"
+                " where id = %s",
+                [a],
+            )
         else:
             result(ex, f"lockstep.work('{JOB}', 7)")
     while result(ex, f"lockstep.work('{JOB}', 50)")["more"]:
@@ -213,7 +228,10 @@ def test_job_without_parent_has_no_queue(conn):
 
 def test_drop_job_drops_its_triggers(ex):
     ex.execute(f"select lockstep.drop_job('{JOB}')")
-    assert ex.execute(
-        "select count(*) from pg_trigger where tgfoid = 'lockstep.enqueue_trigger()'::regprocedure"
-    ).fetchone()[0] == 0
+    assert (
+        ex.execute(
+            "select count(*) from pg_trigger where tgfoid = 'lockstep.enqueue_trigger()'::regprocedure"
+        ).fetchone()[0]
+        == 0
+    )
     ex.execute("update example.exam set body = 'x' where id = 1")  # no trigger left to fail

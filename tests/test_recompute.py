@@ -13,7 +13,8 @@ from runner.example import JOB, divergence
 def tup_stats(conn: psycopg.Connection) -> tuple[int, int, int]:
     conn.execute("select pg_stat_clear_snapshot()")
     return conn.execute(
-        "select n_tup_ins, n_tup_upd, n_tup_del from pg_stat_user_tables where relid = 'example.exam_key'::regclass"
+        "select n_tup_ins, n_tup_upd, n_tup_del from pg_stat_user_tables"
+        " where relid = 'example.exam_key'::regclass"
     ).fetchone()
 
 
@@ -60,7 +61,10 @@ def test_convergence_after_random_changes(ex):
         op = rnd.choice(["edit", "delete", "insert", "item", "merge"])
         a, b = rnd.sample(ids, 2)
         if op == "edit":
-            ex.execute("update example.exam set body = example.words(6, %s) where id = %s", [rnd.randint(1, 10**6), a])
+            ex.execute(
+                "update example.exam set body = example.words(6, %s) where id = %s",
+                [rnd.randint(1, 10**6), a],
+            )
         elif op == "delete":
             ex.execute("delete from example.exam where id = %s", [a])
         elif op == "insert":
@@ -74,8 +78,11 @@ def test_convergence_after_random_changes(ex):
                 [rnd.randint(1, 10**6), a],
             )
         else:
-            ex.execute("update example.exam_item set exam_id = %s where exam_id = %s and exists"
-                       " (select from example.exam where id = %s)", [b, a, b])
+            ex.execute(
+                "update example.exam_item set exam_id = %s where exam_id = %s and exists"
+                " (select from example.exam where id = %s)",
+                [b, a, b],
+            )
             ex.execute("delete from example.exam where id = %s", [a])
     assert divergence(ex) != (0, 0)
     r = result(ex, f"lockstep.recompute('{JOB}')")
@@ -95,8 +102,14 @@ def test_parent_locked_by_a_deleter_is_skipped_and_requeued(ex, exconnect):
     assert r["outcome"] == "done"
     assert r["skipped"] == 1
     assert ex.execute("select array_agg(key) from lockstep.queue").fetchone()[0] == ["5"]
-    assert ex.execute("select count(*) from example.exam_key where exam_id = 6 and key = 'zzznew'").fetchone()[0] == 1
-    assert ex.execute("select count(*) from example.exam_key where exam_id = 5 and key = 'zzznew'").fetchone()[0] == 0
+    assert (
+        ex.execute("select count(*) from example.exam_key where exam_id = 6 and key = 'zzznew'").fetchone()[0]
+        == 1
+    )
+    assert (
+        ex.execute("select count(*) from example.exam_key where exam_id = 5 and key = 'zzznew'").fetchone()[0]
+        == 0
+    )
     app.execute("rollback")
     assert result(ex, f"lockstep.work('{JOB}')")["outcome"] == "done"
     assert divergence(ex) == (0, 0)
@@ -117,7 +130,8 @@ def test_recompute_failure_is_recorded_with_backoff_and_writes_nothing(ex):
     assert r["outcome"] == "failed"
     assert "short_keys" in r["error"]
     st = ex.execute(
-        "select last_outcome, consecutive_failures, next_run_at > now() + interval '59 minutes' from lockstep.status"
+        "select last_outcome, consecutive_failures, next_run_at > now() + interval '59 minutes'"
+        " from lockstep.status"
     ).fetchone()
     assert st == ("failed", 1, True)
     assert result(ex, f"lockstep.run('{JOB}')")["outcome"] in ("backoff", "idle", "done")
@@ -164,6 +178,7 @@ def test_parentless_job_diffs_the_whole_table(conn):
     conn.execute("delete from src where n = 3; update src set n = 1 where id = 2")
     r = result(conn, "lockstep.recompute('agg')")
     assert (r["inserted"], r["updated"], r["deleted"]) == (0, 2, 1)
-    assert conn.execute(
-        "select count(*) from (select * from agg except select * from f(null)) s"
-    ).fetchone()[0] == 0
+    assert (
+        conn.execute("select count(*) from (select * from agg except select * from f(null)) s").fetchone()[0]
+        == 0
+    )

@@ -29,14 +29,23 @@ def steps(spec: Spec) -> Spec:
 
 
 def test_naive_unique_upsert_queue_deadlocks_with_its_worker(ex, example_dsn):
-    """Chancy #89's shape: push_many upserts in caller order, the worker updates claimed rows in queue order."""
+    """Chancy #89's shape: push_many upserts in caller order, the worker
+    updates claimed rows in queue order."""
     ex.execute("create table naive_queue (key bigint primary key, n int not null default 0)")
     ex.execute("insert into naive_queue select g from generate_series(1, 4) g")
     spec = steps(Spec(example_dsn, sessions=SESSIONS))
     spec.step("s1claim1", "s1", "update naive_queue set n = -1 where key = 1;")
     spec.step("s1claim2", "s1", "update naive_queue set n = -1 where key = 2;")
-    spec.step("s2push2", "s2", "insert into naive_queue values (2) on conflict (key) do update set n = naive_queue.n + 1;")
-    spec.step("s2push1", "s2", "insert into naive_queue values (1) on conflict (key) do update set n = naive_queue.n + 1;")
+    spec.step(
+        "s2push2",
+        "s2",
+        "insert into naive_queue values (2) on conflict (key) do update set n = naive_queue.n + 1;",
+    )
+    spec.step(
+        "s2push1",
+        "s2",
+        "insert into naive_queue values (1) on conflict (key) do update set n = naive_queue.n + 1;",
+    )
     # property: the pusher holds key 2 and waits for the worker's key 1; the worker then wants key 2: 40P01
     r = spec.run(["s1begin", "s1claim1", "s2begin", "s2push2", "s2push1", "s1claim2", "s1c", "s2c"])
     assert r.waited("s2push1")
@@ -53,7 +62,19 @@ def test_lockstep_enqueues_in_opposite_orders_never_wait_for_a_worker(ex, exampl
     spec.step("s3push2", "s3", f"select lockstep.enqueue('{JOB}', array[5, 6]);")
     # property: while a worker pass holds its claimed batch (uncommitted), two batch enqueues of
     # overlapping keys in opposite orders run to completion without waiting; nothing deadlocks.
-    order = ["s1begin", "s1work", "s2begin", "s3begin", "s2push", "s3push", "s2push2", "s3push2", "s2c", "s3c", "s1c"]
+    order = [
+        "s1begin",
+        "s1work",
+        "s2begin",
+        "s3begin",
+        "s2push",
+        "s3push",
+        "s2push2",
+        "s3push2",
+        "s2c",
+        "s3c",
+        "s1c",
+    ]
     r = spec.run(order)
     for step in order:
         assert not r.waited(step), r.trace
@@ -74,7 +95,8 @@ def test_app_deleting_a_claimed_parent_does_not_wait_for_the_worker(ex, example_
         language plpgsql as $$ begin
             perform pg_advisory_xact_lock_shared({GATE});
             return query select * from example.exam_key_compute(ids); end $$;
-        select lockstep.define_derived('{JOB}', 'example.exam_key', 'example.gated(bigint[])', 'example.exam');
+        select lockstep.define_derived('{JOB}', 'example.exam_key', 'example.gated(bigint[])',
+                                       'example.exam');
         update example.exam set body = body || ' claimed' where id in (8, {X}, 10);
         """
     )

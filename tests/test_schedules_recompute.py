@@ -49,6 +49,7 @@ def spec(ex: psycopg.Connection, example_dsn: str) -> Spec:
 
 # -- naive: status row, delete all, reinsert ---------------------------------------------------------------
 
+
 def test_naive_recompute_deadlocks_with_an_app_delete(spec):
     spec.step("s1status", "s1", "select 1 from example.exam_status for update;", show_rows=False)
     spec.step("s1delete", "s1", "delete from example.exam_key;")
@@ -63,6 +64,7 @@ def test_naive_recompute_deadlocks_with_an_app_delete(spec):
 
 # -- seed: advisory lock, temp table, anti-join delete, insert joined to parents FOR KEY SHARE ---------
 
+
 def test_seed_pattern_deadlocks_between_its_delete_and_insert_phases(spec):
     spec.step("s1compute", "s1", "select example.seed_compute();", show_rows=False)
     spec.step("s1delete", "s1", "select example.seed_delete() > 0 as deleted_some;")
@@ -76,6 +78,7 @@ def test_seed_pattern_deadlocks_between_its_delete_and_insert_phases(spec):
 
 
 # -- lockstep in the same places ---------------------------------------------------------------------------
+
 
 def test_lockstep_skips_a_parent_the_app_is_deleting(spec, ex):
     spec.step("s1recompute", "s1", f"select outcome, skipped from lockstep.recompute('{JOB}');")
@@ -110,7 +113,9 @@ def test_app_delete_never_waits_during_the_compute_phase(spec, ex):
     spec.step("s2del3", "s2", "delete from example.exam where id = 3;")
     # property: while lockstep computes (held at the gate), the app deletes X and 3 and commits without
     # waiting; lockstep then finds them gone: no 23503, no 40P01.
-    r = spec.run(["s3hold", "s1begin", "s1recompute", "s2begin", "s2del", "s2del3", "s2c", "s3release", "s1c"])
+    r = spec.run(
+        ["s3hold", "s1begin", "s1recompute", "s2begin", "s2del", "s2del3", "s2c", "s3release", "s1c"]
+    )
     assert r.waited("s1recompute") and r.blocked_by("s1recompute") == ["s3"]
     assert not r.waited("s2del") and not r.waited("s2del3") and not r.waited("s2c")
     assert r.error("s1recompute") is None, r.trace

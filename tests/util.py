@@ -39,4 +39,3 @@ def advisory_locks(observer: psycopg.Connection, pid: int) -> list[tuple]:
     return observer.execute(
         "select classid, objid, granted from pg_locks where locktype = 'advisory' and pid = %s", [pid]
     ).fetchall()
-
