@@ -236,3 +236,106 @@ def test_reconnects_after_its_backend_is_terminated(conn, dsn, runners):
     warnings = [ln for ln in err.splitlines() if " WARNING " in ln or " ERROR " in ln]
     assert len(warnings) == 1 and "retrying with backoff" in warnings[0], err
     assert len([ln for ln in err.splitlines() if "recovered after" in ln]) == 1, err
+
+
+def _sleeping(conn) -> bool:
+    """The only runner backend has been idle for 0.3 to 1 s: the runner is early in its 5 s wait."""
+    rows = conn.execute(
+        "select state = 'idle'"
+        " and clock_timestamp() - state_change between interval '0.3 s' and interval '1 s'"
+        " from pg_stat_activity where application_name = 'lockstep-runner' and datname = current_database()"
+    ).fetchall()
+    return len(rows) == 1 and rows[0][0]
+
+
+def test_notify_wakes_a_sleeping_runner_before_its_tick(ex, example_dsn, runners):
+    ex.execute(
+        "update lockstep.job_state set next_run_at = now() + interval '1 hour' where job = 'exam_keys'"
+    )
+    r = runners(example_dsn, "--tick", "5")
+    wait_for(lambda: _sleeping(ex), what="runner asleep")
+    started = time.monotonic()
+    ex.execute("update example.exam_item set body = body || ' notify' where exam_id in (1, 2, 3)")
+    wait_for(
+        lambda: (
+            ex.execute("select queue_depth from lockstep.status where job = 'exam_keys'").fetchone()[0] == 0
+        ),
+        timeout=10,
+        what="queue worked",
+    )
+    assert time.monotonic() - started < 2.5, "worked only at the next tick: NOTIFY did not wake the runner"
+    assert divergence(ex) == (0, 0)
+    r.signal()
+    assert r.wait() == 0
+    assert_clean(r.stderr)
+
+
+def test_sigterm_finishes_the_current_call_and_a_second_signal_cancels_it(conn, dsn, runners):
+    conn.execute("create table public.cfg (secs float8); insert into public.cfg values (2)")
+    conn.execute(SLOW_FN.replace("pg_sleep(30)", "pg_sleep((select secs from public.cfg))"))
+    r = runners(dsn, "--tick", "0.2")
+    pid = wait_for(lambda: _in_slow_call(conn), what="runner inside slow_fn")
+    r.signal(signal.SIGTERM)
+    time.sleep(0.3)  # the runner must not exit while its call runs (not a lock check: the process is polled)
+    assert r.proc.poll() is None
+    assert _in_slow_call(conn) == pid
+    assert r.wait(timeout=10) == 0  # the call finished (2 s), then the runner exited
+    assert ticks(conn) == 1
+    assert_clean(r.stderr)
+
+    # a slow first call again, and two signals: the call is cancelled, exit 1, nothing recorded
+    conn.execute("update public.cfg set secs = 30")
+    conn.execute("select setval('public.calls', 1, false)")
+    conn.execute("update lockstep.job_state set next_run_at = now() where job = 'slow'")
+    runs = conn.execute("select runs from lockstep.job_state where job = 'slow'").fetchone()[0]
+    r = runners(dsn, "--tick", "0.2")
+    pid = wait_for(lambda: _in_slow_call(conn), what="runner inside slow_fn again")
+    r.signal(signal.SIGTERM)
+    r.signal(signal.SIGINT)
+    assert r.wait(timeout=10) == 1
+    wait_for(lambda: _in_slow_call(conn) is None, timeout=5, what="slow call cancelled")
+    locks = conn.execute("select count(*) from pg_locks where locktype = 'advisory' and pid = %s", [pid])
+    assert locks.fetchone()[0] == 0
+    assert conn.execute("select runs from lockstep.job_state where job = 'slow'").fetchone()[0] == runs
+    assert ticks(conn) == 1
+    assert "cancelling backend" in r.stderr
+
+
+def test_metrics_endpoint_counts_runs(conn, dsn, runners):
+    pytest.importorskip("prometheus_client")
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    conn.execute(TICK_FN)
+    r = runners(dsn, "--tick", "0.2", "--metrics-port", str(port))
+    wait_for(lambda: ticks(conn) >= 1, what="first run")
+
+    def scrape() -> str:
+        try:
+            return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+        except OSError:
+            return ""
+
+    text = wait_for(
+        lambda: 'lockstep_runs_total{job="t",outcome="done"}' in (t := scrape()) and t, what="metrics"
+    )
+    assert "lockstep_run_seconds_bucket" in text and "lockstep_runner_retries_total 0.0" in text
+    r.signal()
+    assert r.wait() == 0
+
+
+def test_backoff_is_full_jitter_exponential_capped():
+    import random as _random
+
+    from runner.errors import Backoff
+
+    b = Backoff(base=0.1, cap=10.0, rng=_random.Random(1))
+    ceilings = [min(10.0, 0.1 * 2**i) for i in range(12)]
+    pauses = [b.next() for _ in ceilings]
+    assert all(0 <= p <= c for p, c in zip(pauses, ceilings, strict=True))
+    assert max(pauses) > 1.0  # grows
+    b.reset()
+    assert b.next() <= 0.1
