@@ -81,6 +81,7 @@ class Runner:
         self.any_failed = False
         self._job_errors: dict[str, _JobError] = {}
         self._depths_at = 0.0
+        self._unknown: set[str] = set()
 
     # signals -------------------------------------------------------------------------------------------
     def install_signals(self) -> None:
@@ -174,6 +175,8 @@ class Runner:
         """Run every job due now; then (if nothing happened and ``sleep``) wait. True if a run did work."""
         assert self.conn is not None
         rows = db.due(self.conn, self.opts.jobs)
+        if self.opts.jobs:
+            self._check_known(rows)
         now = time.monotonic()
         progressed = False
         for row in rows:
@@ -217,6 +220,16 @@ class Runner:
             if not (r.outcome == "done" and r.more) or self.stopping:
                 break
         return progressed
+
+    def _check_known(self, rows: list[db.Due]) -> None:
+        """--job names that are not (or no longer) jobs: one error line each; --once then exits 1."""
+        assert self.opts.jobs is not None
+        missing = set(self.opts.jobs) - {r.job for r in rows}
+        for job in sorted(missing - self._unknown):
+            log.error("job %s does not exist (lockstep.job); skipping it", job)
+        self._unknown = missing
+        if missing:
+            self.any_failed = True
 
     def _job_error(self, job: str, exc: psycopg.Error) -> None:
         """A non-transient error calling one job (dropped meanwhile, permissions...): skip it for a while."""

@@ -339,3 +339,26 @@ def test_backoff_is_full_jitter_exponential_capped():
     assert max(pauses) > 1.0  # grows
     b.reset()
     assert b.next() <= 0.1
+
+
+def test_once_with_an_unknown_job_exits_1(conn, dsn):
+    conn.execute(TICK_FN)
+    p = once(dsn, "--job", "nope", "--job", "t")
+    assert p.returncode == 1
+    assert [ln for ln in p.stderr.splitlines() if " ERROR " in ln] == [
+        ln for ln in p.stderr.splitlines() if "job nope does not exist" in ln
+    ]
+    assert "t call done" in p.stderr and ticks(conn) == 1
+
+
+def test_connect_options(dsn):
+    from runner import db
+
+    assert db.looks_like_pooler("host=pgb port=6432 dbname=x")
+    assert db.looks_like_pooler("postgresql://u@pgb:6432/x")
+    assert not db.looks_like_pooler(dsn) and not db.looks_like_pooler(None)
+    with db.connect(dsn) as c:
+        assert c.autocommit and c.prepare_threshold is not None
+        assert c.execute("show application_name").fetchone()[0] == "lockstep-runner"
+    with db.connect(dsn, prepare=False) as c:
+        assert c.prepare_threshold is None
