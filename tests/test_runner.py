@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 
+import psycopg
 import pytest
 from runner_procs import Runner, runner_backends, wait_for
 
@@ -362,3 +363,25 @@ def test_connect_options(dsn):
         assert c.execute("show application_name").fetchone()[0] == "lockstep-runner"
     with db.connect(dsn, prepare=False) as c:
         assert c.prepare_threshold is None
+
+
+def test_waits_for_a_database_that_refuses_connections_then_runs(conn, dsn, admin_dsn, runners):
+    """Like a server down or restarting at start: retry with backoff, one warning, one recovery line."""
+    conn.execute(TICK_FN)
+    dbname = conn.info.dbname
+    conn.close()
+    with psycopg.connect(admin_dsn, autocommit=True) as admin:
+        admin.execute(f'alter database "{dbname}" allow_connections false')
+        r = runners(dsn, "--tick", "0.2")
+        wait_for(lambda: "retrying with backoff" in r.stderr, what="a retry warning")
+        time.sleep(1.0)  # several retries (backoff), still one warning line
+        assert r.proc.poll() is None
+        admin.execute(f'alter database "{dbname}" allow_connections true')
+    with psycopg.connect(dsn, autocommit=True) as c:
+        wait_for(lambda: ticks(c) >= 1, what="a run once the database accepts connections")
+    wait_for(lambda: "recovered after" in r.stderr, timeout=3, what="recovery line")
+    r.signal()
+    assert r.wait() == 0
+    warnings = [ln for ln in r.stderr.splitlines() if " WARNING " in ln or " ERROR " in ln]
+    assert len(warnings) == 1 and "not currently accepting connections" in warnings[0], r.stderr
+    assert "Traceback" not in r.stderr
