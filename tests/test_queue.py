@@ -235,3 +235,25 @@ def test_drop_job_drops_its_triggers(ex):
         == 0
     )
     ex.execute("update example.exam set body = 'x' where id = 1")  # no trigger left to fail
+
+
+def test_a_derived_row_moving_to_another_parent(conn):
+    conn.execute(
+        """
+        create table p (id int primary key);
+        create table d (name text primary key, p_id int not null references p on delete cascade, n int);
+        create index on d (p_id);
+        create table src (name text primary key, p_id int not null references p, n int);
+        create function f(ids int[]) returns table (name text, p_id int, n int) language sql
+            as $$ select name, p_id, n from public.src where ids is null or p_id = any(ids) $$;
+        select lockstep.define_derived('mv', 'd', 'f(int[])', 'p');
+        insert into p values (1), (2);
+        insert into src values ('a', 1, 1), ('b', 1, 2);
+        """
+    )
+    assert result(conn, "lockstep.recompute('mv')")["inserted"] == 2
+    conn.execute("update src set p_id = 2 where name = 'a'")
+    conn.execute("select lockstep.enqueue('mv', array[2])")  # only the new parent
+    r = result(conn, "lockstep.work('mv')")
+    assert (r["inserted"], r["updated"], r["deleted"]) == (0, 1, 0)
+    assert conn.execute("select * from d order by name").fetchall() == [("a", 2, 1), ("b", 1, 2)]

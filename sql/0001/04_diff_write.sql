@@ -175,6 +175,15 @@ begin
             target, v_err, compute using errcode = 'LSD03';
     end if;
 
+    if parent is not null and not exists (
+            select from pg_catalog.pg_index i
+            where i.indrelid = target and i.indkey[0] = (select a.attnum from pg_catalog.pg_attribute a
+                                                         where a.attrelid = target and a.attname = parent_column)) then
+        raise warning 'lockstep: no index on %(%): every worker pass and every cascade delete will scan %',
+            target, parent_column, target
+            using hint = pg_catalog.format('create index on %s (%I);', target, parent_column);
+    end if;
+
     -- a dry run on no keys: catches what only execution shows (e.g. tables the function cannot see)
     if parent is not null then
         begin
@@ -303,7 +312,7 @@ declare
     v_tcols text := lockstep._cols(j.columns, 't');
     v_pk text := lockstep._cols(j.target_key);
     v_keyarr text := lockstep._array_type(j.key_type);
-    v_scope text := 'true';
+    v_cur text;
     v_tpar text := 'null::text';
     v_dpar text := 'null::text';
     v_set text;
@@ -322,35 +331,45 @@ begin
     if j.parent_column is not null then
         v_tpar := pg_catalog.format('t.%I::text', j.parent_column);
         v_dpar := pg_catalog.format('d.%I::text', j.parent_column);
-        if keys is not null then
-            v_scope := pg_catalog.format('t.%I = any($1::%s)', j.parent_column, v_keyarr);
-        end if;
     end if;
 
     -- the difference, without row locks ---------------------------------------------------------------
-    drop table if exists pg_temp.lockstep_gone, pg_temp.lockstep_put, pg_temp.lockstep_locked;
+    -- current rows: for a subset, copied by one index probe per parent key (the lateral subquery is not
+    -- flattened, so a stale estimate right after a big fill cannot turn it into a scan of the whole
+    -- target); for the whole table, the target itself.
+    drop table if exists pg_temp.lockstep_current, pg_temp.lockstep_gone, pg_temp.lockstep_put,
+                         pg_temp.lockstep_locked;
+    if keys is not null and j.parent_column is not null then
+        execute pg_catalog.format(
+            'create temp table lockstep_current on commit drop as '
+            'select t.* from pg_catalog.unnest($1::%s) k(v), '
+            'lateral (select %s from %s t where t.%I = k.v offset 0) t',
+            v_keyarr, v_tcols, j.target, j.parent_column) using keys;
+        analyze pg_temp.lockstep_current;
+        v_cur := 'pg_temp.lockstep_current';
+    else
+        v_cur := j.target::text;
+    end if;
     execute pg_catalog.format(
         'create temp table lockstep_gone on commit drop as '
         'select %1$s, %2$s as lockstep_parent from %3$s t '
-        'where %4$s and not exists (select from pg_temp.lockstep_desired d where %5$s)',
-        v_tcols, v_tpar, j.target, v_scope, lockstep._eq(j.target_key, 'd', 't')) using keys;
+        'where not exists (select from pg_temp.lockstep_desired d where %4$s)',
+        v_tcols, v_tpar, v_cur, lockstep._eq(j.target_key, 'd', 't'));
     get diagnostics v_gone = row_count;
-    -- for a subset, one primary-key probe per desired row (the lateral subquery is not flattened, so a
-    -- stale estimate cannot turn it into a scan of the whole target); for the whole table, a plain join.
     execute pg_catalog.format(
         'create temp table lockstep_put on commit drop as '
-        'select %1$s, %2$s as lockstep_parent, %3$s as lockstep_old_parent, t.lockstep_found is null as lockstep_new '
-        'from pg_temp.lockstep_desired d left join %4$s '
-        'where t.lockstep_found is null or (%1$s) is distinct from (%5$s)',
-        v_dcols, v_dpar, v_tpar,
-        case when keys is null
-             then pg_catalog.format('(select %s, true as lockstep_found from %s) t on %s',
-                                    lockstep._cols(j.columns), j.target, lockstep._eq(j.target_key, 'd', 't'))
-             else pg_catalog.format('lateral (select %s, true as lockstep_found from %s t where %s offset 0) t on true',
-                                    v_tcols, j.target, lockstep._eq(j.target_key, 'd', 't'))
-        end,
-        v_tcols);
+        'select %1$s, %2$s as lockstep_parent, %3$s as lockstep_old_parent, t.ctid is null as lockstep_new '
+        'from pg_temp.lockstep_desired d left join %4$s t on %5$s '
+        'where t.ctid is null or (%1$s) is distinct from (%6$s)',
+        v_dcols, v_dpar, v_tpar, v_cur, lockstep._eq(j.target_key, 'd', 't'), v_tcols);
     get diagnostics v_put = row_count;
+    if v_cur <> j.target::text then
+        -- a row taken for new may exist under another parent (it moves): probe the target by primary key
+        execute pg_catalog.format(
+            'update pg_temp.lockstep_put p set lockstep_new = false, lockstep_old_parent = t.%1$I::text '
+            'from %2$s t where p.lockstep_new and %3$s',
+            j.parent_column, j.target, lockstep._eq(j.target_key, 'p', 't'));
+    end if;
     v_t1 := clock_timestamp();
     p.compute_ms := extract(epoch from v_t1 - v_t0) * 1000;
     if v_gone = 0 and v_put = 0 then
