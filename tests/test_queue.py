@@ -257,3 +257,28 @@ def test_a_derived_row_moving_to_another_parent(conn):
     r = result(conn, "lockstep.work('mv')")
     assert (r["inserted"], r["updated"], r["deleted"]) == (0, 1, 0)
     assert conn.execute("select * from d order by name").fetchall() == [("a", 2, 1), ("b", 1, 2)]
+
+
+def test_a_skipped_key_stays_queued_and_is_retried_a_second_later(ex, exconnect):
+    ex.execute("update example.exam set body = body || ' lockedword' where id in (4, 6)")
+    app = exconnect()
+    app.execute("begin")
+    app.execute("select 1 from example.exam where id = 4 for update")
+    r = result(ex, f"lockstep.work('{JOB}')")
+    assert (r["outcome"], r["skipped"], r["more"]) == ("done", 1, False)
+    assert queue_keys(ex) == ["4"]
+    assert result(ex, f"lockstep.work('{JOB}')")["outcome"] == "idle"  # deferred, not a hot loop
+    due = ex.execute(f"select due_at - now() from lockstep.due(array['{JOB}'])").fetchone()[0]
+    assert 0 < due.total_seconds() <= 1.5
+    app.execute("rollback")
+    ex.execute("update lockstep.queue set ready_at = now()")
+    assert result(ex, f"lockstep.work('{JOB}')")["inserted"] >= 1
+    assert divergence(ex) == (0, 0)
+
+
+def test_due_is_the_next_run_when_nothing_is_queued(ex):
+    ex.execute("update lockstep.job_state set next_run_at = now() + interval '1 hour'")
+    due = ex.execute("select due_at - now() from lockstep.due()").fetchone()[0]
+    assert due.total_seconds() == pytest.approx(3600, abs=1)
+    ex.execute(f"select lockstep.enqueue('{JOB}', array[1])")
+    assert ex.execute("select due_at <= now() from lockstep.due()").fetchone()[0]

@@ -98,6 +98,7 @@ create table lockstep.queue (
     id          bigint generated always as identity,
     key         text not null,
     enqueued_at timestamptz not null default now(),
+    ready_at    timestamptz not null default now(),   -- later for a key whose parent was locked (skipped)
     primary key (job, id)
 );
 

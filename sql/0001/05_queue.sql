@@ -218,15 +218,16 @@ begin
 end;
 $$;
 
--- lockstep._ready(j): queue entries of j whose key is neither parked nor waiting for a retry.
+-- lockstep._has_ready(j): j has queue entries that are ready, whose key is neither parked nor waiting
+-- for a retry.
 -- locks: nothing.
-create function lockstep._has_ready(j lockstep.job, except_keys text[] default '{}') returns boolean
+create function lockstep._has_ready(j lockstep.job) returns boolean
 language sql stable
 set search_path = pg_catalog, pg_temp
 as $$
     select exists (
         select from lockstep.queue q
-        where q.job = j.job and q.key <> all(except_keys)
+        where q.job = j.job and q.ready_at <= now()
           and not exists (select from lockstep.key_failure f
                           where f.job = q.job and f.key = q.key and (f.parked or f.retry_at > now())));
 $$;
@@ -269,7 +270,7 @@ begin
     -- stay queued for the next pass.
     select array_agg(distinct c.key) into v_keys
     from (select q.key from lockstep.queue q
-          where q.job = j.job
+          where q.job = j.job and q.ready_at <= now()
             and not exists (select from lockstep.key_failure f
                             where f.job = q.job and f.key = q.key and (f.parked or f.retry_at > now()))
           order by q.id limit batch) c;
@@ -305,6 +306,9 @@ begin
     -- lockstep's own rows, after the target's
     v_leave := p.skipped || p.failed;
     delete from lockstep.queue q where q.job = j.job and q.id = any(v_ids) and q.key <> all(v_leave);
+    -- a parent an application holds is retried a second later, not in a hot loop
+    update lockstep.queue q set ready_at = now() + interval '1 second'
+    where q.job = j.job and q.id = any(v_ids) and q.key = any(p.skipped);
     delete from lockstep.key_failure f where f.job = j.job and f.key = any(v_keys) and f.key <> all(v_leave);
     insert into lockstep.key_failure as f (job, key, attempts, last_error, retry_at, parked)
     select j.job, x.k, 1, x.e, now() + least(j.backoff, interval '2 seconds'), j.max_attempts <= 1
@@ -317,7 +321,7 @@ begin
     v_err := case when cardinality(p.failed) > 0 then
         pg_catalog.format('%s key(s) failed, first %s: %s', cardinality(p.failed), p.failed[1], p.errors[1]) end;
     perform lockstep._finish(j, 'work', 'done', v_started, p, null);
-    return lockstep._result('done', j.job, 'work', p, v_err, lockstep._has_ready(j, p.skipped));
+    return lockstep._result('done', j.job, 'work', p, v_err, lockstep._has_ready(j));
 end;
 $$;
 

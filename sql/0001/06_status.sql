@@ -48,7 +48,8 @@ from lockstep.key_failure f;
 -- lockstep.due(jobs): when each job next has something to do (the runner's one query per tick).
 --   generic and parentless jobs: next_run_at;
 --   derived jobs: the earlier of next_run_at and, if ready keys are queued, now (or the worker's retry_at);
---   also the earliest retry of a failing key that still has queue entries.
+--   also the earliest retry of a failing key that still has queue entries, and the earliest deferred entry
+--   (a key skipped because an application held its parent).
 -- jobs: restrict to these names (NULL: all).
 -- locks: nothing.
 create function lockstep.due(jobs text[] default null)
@@ -61,10 +62,13 @@ as $$
                  case when j.parent is not null and lockstep._has_ready(j)
                       then greatest(now(), coalesce(s.retry_at, now())) end,
                  case when j.parent is not null then
-                      (select greatest(min(f.retry_at), coalesce(s.retry_at, now()))
+                      (select case when min(f.retry_at) is not null
+                                   then greatest(min(f.retry_at), coalesce(s.retry_at, now())) end
                        from lockstep.key_failure f
                        where f.job = j.job and not f.parked
-                         and exists (select from lockstep.queue q where q.job = f.job and q.key = f.key)) end)
+                         and exists (select from lockstep.queue q where q.job = f.job and q.key = f.key)) end,
+                 case when j.parent is not null then
+                      (select min(q.ready_at) from lockstep.queue q where q.job = j.job and q.ready_at > now()) end)
     from lockstep.job j
     join lockstep.job_state s on s.job = j.job
     where jobs is null or j.job = any(jobs)
