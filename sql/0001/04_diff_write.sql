@@ -370,13 +370,15 @@ begin
             'from %2$s t where p.lockstep_new and %3$s',
             j.parent_column, j.target, lockstep._eq(j.target_key, 'p', 't'));
     end if;
+    if v_gone > 0 or v_put > 0 then
+        analyze pg_temp.lockstep_gone;
+        analyze pg_temp.lockstep_put;
+    end if;
     v_t1 := clock_timestamp();
     p.compute_ms := extract(epoch from v_t1 - v_t0) * 1000;
     if v_gone = 0 and v_put = 0 then
         return p;  -- nothing to write: no lock taken at all
     end if;
-    analyze pg_temp.lockstep_gone;
-    analyze pg_temp.lockstep_put;
 
     -- 1. pin the parents, in key order, skipping those an application holds --------------------------
     if j.parent is not null then
