@@ -313,6 +313,7 @@ declare
     v_pk text := lockstep._cols(j.target_key);
     v_keyarr text := lockstep._array_type(j.key_type);
     v_cur text;
+    v_ctid text;
     v_tpar text := 'null::text';
     v_dpar text := 'null::text';
     v_set text;
@@ -343,30 +344,35 @@ begin
         execute pg_catalog.format(
             'create temp table lockstep_current on commit drop as '
             'select t.* from pg_catalog.unnest($1::%s) k(v), '
-            'lateral (select %s from %s t where t.%I = k.v offset 0) t',
+            'lateral (select %s, t.ctid as lockstep_ctid from %s t where t.%I = k.v offset 0) t',
             v_keyarr, v_tcols, j.target, j.parent_column) using keys;
         analyze pg_temp.lockstep_current;
         v_cur := 'pg_temp.lockstep_current';
+        v_ctid := 't.lockstep_ctid';
     else
         v_cur := j.target::text;
+        v_ctid := 't.ctid';
     end if;
+    -- gone and put carry the current row's ctid, so the write phase locks existing rows by a TID scan
     execute pg_catalog.format(
         'create temp table lockstep_gone on commit drop as '
-        'select %1$s, %2$s as lockstep_parent from %3$s t '
+        'select %1$s, %2$s as lockstep_parent, %5$s as lockstep_ctid from %3$s t '
         'where not exists (select from pg_temp.lockstep_desired d where %4$s)',
-        v_tcols, v_tpar, v_cur, lockstep._eq(j.target_key, 'd', 't'));
+        v_tcols, v_tpar, v_cur, lockstep._eq(j.target_key, 'd', 't'), v_ctid);
     get diagnostics v_gone = row_count;
     execute pg_catalog.format(
         'create temp table lockstep_put on commit drop as '
-        'select %1$s, %2$s as lockstep_parent, %3$s as lockstep_old_parent, t.ctid is null as lockstep_new '
+        'select %1$s, %2$s as lockstep_parent, %3$s as lockstep_old_parent, t.ctid is null as lockstep_new, '
+        '%7$s as lockstep_ctid '
         'from pg_temp.lockstep_desired d left join %4$s t on %5$s '
         'where t.ctid is null or (%1$s) is distinct from (%6$s)',
-        v_dcols, v_dpar, v_tpar, v_cur, lockstep._eq(j.target_key, 'd', 't'), v_tcols);
+        v_dcols, v_dpar, v_tpar, v_cur, lockstep._eq(j.target_key, 'd', 't'), v_tcols, v_ctid);
     get diagnostics v_put = row_count;
     if v_cur <> j.target::text then
         -- a row taken for new may exist under another parent (it moves): probe the target by primary key
         execute pg_catalog.format(
-            'update pg_temp.lockstep_put p set lockstep_new = false, lockstep_old_parent = t.%1$I::text '
+            'update pg_temp.lockstep_put p set lockstep_new = false, lockstep_old_parent = t.%1$I::text, '
+            'lockstep_ctid = t.ctid '
             'from %2$s t where p.lockstep_new and %3$s',
             j.parent_column, j.target, lockstep._eq(j.target_key, 'p', 't'));
     end if;
@@ -430,13 +436,15 @@ begin
     end loop;
 
     -- 3. lock the target rows to delete or update, in key order; then delete; then upsert ------------
+    -- found by ctid (a TID scan); a row whose ctid no longer holds its key is not in lockstep_locked and
+    -- is skipped like a locked one.
     execute pg_catalog.format(
         'create temp table lockstep_locked on commit drop as '
-        'select %1$s from %2$s t where (%1$s) in ('
-        '  select %3$s from pg_temp.lockstep_gone'
-        '  union all select %3$s from pg_temp.lockstep_put where not lockstep_new) '
+        'select %1$s from %2$s t where t.ctid = any(array('
+        '  select lockstep_ctid from pg_temp.lockstep_gone'
+        '  union all select lockstep_ctid from pg_temp.lockstep_put where not lockstep_new)) '
         'order by %1$s for update of t skip locked',
-        lockstep._cols(j.target_key, 't'), j.target, v_pk);
+        lockstep._cols(j.target_key, 't'), j.target);
     v_set := pg_catalog.format('not exists (select from pg_temp.lockstep_locked l where %s)',
                                lockstep._eq(j.target_key, 'l', 'lockstep_gone'));
     v_skip := v_skip || lockstep._drop_rows('lockstep_gone', v_set);
