@@ -177,3 +177,22 @@ def bench(dsn: str | None, parents: int, sections: str, json_out: str | None) ->
         with open(json_out, "w") as f:
             f.write(bench_mod.to_json(result) + "\n")
     click.echo(bench_mod.render(result))
+
+
+@main.command()
+@dsn_option
+@click.option("--seconds", default=60.0, show_default=True, help="How long the application clients run.")
+@click.option("--parents", default=2000, show_default=True, help="Parents (exams) in the example.")
+@click.option("--clients", default=4, show_default=True, help="Application client threads.")
+@click.option("--runners", default=2, show_default=True, help="`lockstep run` processes.")
+@click.option("--every", default="3 seconds", show_default=True, help="Full recompute interval.")
+@click.option("--keep", is_flag=True, help="Keep the storm database (lockstep_storm_<pid>).")
+@click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON.")
+def storm(dsn: str | None, seconds: float, parents: int, clients: int, runners: int, every: str, keep: bool,
+          as_json: bool) -> None:
+    """App transactions and runners at once in a database of its own; exit 1 if an invariant fails."""
+    from runner import storm as storm_mod
+
+    result = storm_mod.run(dsn, seconds, parents, clients, runners, every, keep)
+    click.echo(storm_mod.to_json(result) if as_json else storm_mod.render(result))
+    raise SystemExit(0 if result["ok"] else 1)

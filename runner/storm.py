@@ -1,0 +1,618 @@
+"""``lockstep storm``: application transactions and lockstep runners at full tilt, then check the invariants.
+
+Creates its own database ``lockstep_storm_<pid>`` on the admin DSN's server (dropped at the end unless
+``keep``), installs lockstep and the example (``parents`` exams, recompute ``every``), then for ``seconds``:
+
+- ``runners`` ``lockstep run --tick 0.2 --log-format json`` processes (subprocesses, logs in a temp dir);
+- ``clients`` application threads, each with its own autocommit connection and explicit transactions:
+  single-parent deletes, multi-parent deletes in random key order (``= any(...)`` and separate statements in
+  one transaction), merges (move exam_item rows from A to B, delete A), body edits, inserts of new parents
+  with items. Keys are enqueued by the watch triggers only. Each client owns the exam ids ``id % clients ==
+  its index``, so application transactions never wait for each other: every lock wait they meet is lockstep.
+
+Then: stop the clients, let the runners drain the queue (deadline), stop them with SIGTERM (exit 0 expected),
+run a final ``lockstep.work`` (must be ``idle``) and ``lockstep.recompute`` (must write nothing), and check:
+no deadlocks (``pg_stat_database.deadlocks`` delta, and no 40P01 anywhere), no FK violation (23503), no
+failed run (runner JSON logs), no application error, no failing key, divergence (0, 0).
+
+Connection errors (a server restart: class 08, 57P01-57P03) are not application errors: clients count them
+apart and reconnect; ``allow_disconnects`` lets the fault tests accept them (and the runners' retries).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+
+from runner import example
+
+JOB = example.JOB
+APP_NAME = "lockstep storm app"
+CONNECTION_SQLSTATES = {"57P01", "57P02", "57P03"}
+OPS = (  # (name, weight)
+    ("delete_one", 12),
+    ("delete_any", 8),
+    ("delete_each", 8),
+    ("merge", 12),
+    ("edit", 30),
+    ("insert", 30),
+)
+DELETE_ONE_SQL = "delete from example.exam where id = %s"
+DELETE_ANY_SQL = "delete from example.exam where id = any(%s)"
+MERGE_MOVE_SQL = "update example.exam_item set exam_id = %s where exam_id = %s"
+EDIT_SQL = "update example.exam set body = example.words(8, %s), updated_at = now() where id = %s"
+EDIT_ITEM_SQL = (
+    "update example.exam_item set body = example.words(2, %s)"
+    " where id = (select min(id) from example.exam_item where exam_id = %s)"
+)
+INSERT_SQL = (
+    "insert into example.exam (id, title, body) values (%s, example.words(2, %s), example.words(8, %s))"
+)
+INSERT_ITEMS_SQL = (
+    "insert into example.exam_item (exam_id, body) select %s, example.words(2, %s * 7 + i)"
+    " from generate_series(1, %s) i"
+)
+DEADLOCKS_SQL = "select coalesce(sum(deadlocks), 0)::bigint from pg_stat_database where datname = %s"
+QUEUE_SQL = "select count(*) from lockstep.queue where job = %s"
+WORK_SQL = "select outcome, inserted, updated, deleted, skipped, error from lockstep.work(%s)"
+RECOMPUTE_SQL = "select outcome, inserted, updated, deleted, skipped, error from lockstep.recompute(%s)"
+FAILING_SQL = "select count(*) from lockstep.key_failure where job = %s"
+CREATE_DB_SQL = "create database {}"
+DROP_DB_SQL = "drop database if exists {} with (force)"
+DEADLOCK_TIMEOUT_SQL = "alter database {} set deadlock_timeout = '100ms'"
+
+Progress = Callable[[str], None]
+
+
+def _stderr_progress(msg: str) -> None:
+    print(f"[storm] {msg}", file=sys.stderr, flush=True)
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def is_disconnect(exc: BaseException, conn: psycopg.Connection | None = None) -> bool:
+    """A lost connection or a server going down/coming up: not an application error."""
+    state = getattr(exc, "sqlstate", None)
+    if state and (state.startswith("08") or state in CONNECTION_SQLSTATES):
+        return True
+    if conn is not None and (conn.broken or conn.closed):
+        return True
+    return isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)) and not state
+
+
+class Client(threading.Thread):
+    """One application: owns the exam ids ``id % n == index``; random transactions until stopped."""
+
+    def __init__(self, dsn: str, index: int, n: int, parents: int, seed: int, pause: float = 0.002):
+        super().__init__(daemon=True, name=f"storm-client-{index}")
+        self.dsn, self.index, self.n, self.pause = dsn, index, n, pause
+        self.rng = random.Random(seed)
+        self.live = [i for i in range(1, parents + 1) if i % n == index]
+        self.target = max(len(self.live), 4)
+        self.next_id = parents + 1 + ((index - parents - 1) % n)  # first id > parents in this partition
+        self.stop = threading.Event()
+        self.conn: psycopg.Connection | None = None
+        self.ops: Counter[str] = Counter()
+        self.errors: Counter[str] = Counter()
+        self.error_samples: list[str] = []
+        self.disconnects = 0
+        self.latencies_ms: list[float] = []
+        self.deleted = self.inserted = 0
+
+    # connection ------------------------------------------------------------------------------------------
+    def _connect(self) -> bool:
+        delay = 0.05
+        while not self.stop.is_set():
+            try:
+                self.conn = psycopg.connect(self.dsn, autocommit=True, application_name=APP_NAME,
+                                            connect_timeout=5)
+                return True
+            except psycopg.Error:
+                self.disconnects += 1
+                self.stop.wait(delay)
+                delay = min(delay * 2, 1.0)
+        return False
+
+    def _close(self) -> None:
+        if self.conn is not None:
+            try:
+                self.conn.close()
+            except Exception:  # noqa: BLE001 - a broken connection may fail to close cleanly
+                pass
+        self.conn = None
+
+    # operations ------------------------------------------------------------------------------------------
+    def _take(self, k: int) -> list[int]:
+        k = min(k, len(self.live))
+        picked = self.rng.sample(self.live, k)
+        return picked
+
+    def _forget(self, ids: list[int]) -> None:
+        gone = set(ids)
+        self.live = [i for i in self.live if i not in gone]
+        self.deleted += len(gone)
+
+    def _new_id(self) -> int:
+        i = self.next_id
+        self.next_id += self.n
+        return i
+
+    def _pick_op(self) -> str:
+        if len(self.live) < max(3, self.target // 2):
+            return "insert"
+        if len(self.live) > self.target * 2:
+            return "delete_any"
+        names, weights = zip(*OPS, strict=True)
+        return self.rng.choices(names, weights)[0]
+
+    def _op(self, conn: psycopg.Connection, op: str) -> Callable[[], None]:
+        """Run ``op`` in one transaction; return what to do to the live set once it committed."""
+        rng = self.rng
+        if op == "delete_one":
+            ids = self._take(1)
+            conn.execute(DELETE_ONE_SQL, ids)
+            return lambda: self._forget(ids)
+        if op == "delete_any":
+            ids = self._take(rng.randint(2, 5))
+            with conn.transaction():
+                conn.execute(DELETE_ANY_SQL, [ids])
+            return lambda: self._forget(ids)
+        if op == "delete_each":
+            ids = self._take(rng.randint(2, 5))
+            with conn.transaction():
+                for i in ids:
+                    conn.execute(DELETE_ONE_SQL, [i])
+            return lambda: self._forget(ids)
+        if op == "merge":
+            a, b = self._take(2)
+            with conn.transaction():
+                conn.execute(MERGE_MOVE_SQL, [b, a])
+                conn.execute(DELETE_ONE_SQL, [a])
+            return lambda: self._forget([a])
+        if op == "edit":
+            ids = self._take(rng.randint(1, 3))
+            with conn.transaction():
+                for i in ids:
+                    if rng.random() < 0.5:
+                        conn.execute(EDIT_SQL, [rng.randrange(1 << 40), i])
+                    else:
+                        conn.execute(EDIT_ITEM_SQL, [rng.randrange(1 << 40), i])
+            return lambda: None
+        # insert
+        ids = [self._new_id() for _ in range(rng.randint(1, 4))]
+        with conn.transaction():
+            for i in ids:
+                conn.execute(INSERT_SQL, [i, i, -i])
+                conn.execute(INSERT_ITEMS_SQL, [i, i, rng.randint(1, 3)])
+
+        def add() -> None:
+            self.live.extend(ids)
+            self.inserted += len(ids)
+
+        return add
+
+    def run(self) -> None:
+        if not self._connect():
+            return
+        while not self.stop.is_set():
+            op = self._pick_op()
+            if op != "insert" and len(self.live) < 2:
+                op = "insert"
+            t0 = time.perf_counter()
+            try:
+                assert self.conn is not None
+                commit = self._op(self.conn, op)
+            except psycopg.Error as exc:
+                if is_disconnect(exc, self.conn):
+                    self.disconnects += 1
+                    self._close()
+                    if not self._connect():
+                        break
+                    # an insert or delete may or may not have committed: re-read the live set
+                    self._resync()
+                    continue
+                state = exc.sqlstate or "?"
+                self.errors[state] += 1
+                if len(self.error_samples) < 5:
+                    self.error_samples.append(f"{op}: [{state}] {str(exc).strip().splitlines()[0]}")
+            else:
+                commit()
+                self.ops[op] += 1
+                self.latencies_ms.append((time.perf_counter() - t0) * 1000)
+            if self.pause:
+                self.stop.wait(self.rng.uniform(0, self.pause))
+        self._close()
+
+    def _resync(self) -> None:
+        for _ in range(20):
+            if self.stop.is_set() or self.conn is None:
+                return
+            try:
+                rows = self.conn.execute(
+                    "select id from example.exam where id %% %s = %s", [self.n, self.index]
+                ).fetchall()
+                self.live = [r[0] for r in rows]
+                top = max(self.live, default=0)
+                while self.next_id <= top:
+                    self.next_id += self.n
+                return
+            except psycopg.Error:
+                self.disconnects += 1
+                self._close()
+                if not self._connect():
+                    return
+
+
+class Runners:
+    """``lockstep run`` subprocesses with JSON logs in ``log_dir``."""
+
+    def __init__(self, dsn: str, n: int, log_dir: Path, tick: float = 0.2):
+        self.procs: list[subprocess.Popen] = []
+        self.logs: list[Path] = []
+        self.files = []
+        for i in range(n):
+            log = log_dir / f"runner-{i}.log"
+            f = open(log, "w")  # noqa: SIM115 - closed in stop()
+            self.files.append(f)
+            self.logs.append(log)
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "runner", "run", "--dsn", dsn, "--tick", str(tick),
+                 "--log-format", "json"],
+                stdout=subprocess.DEVNULL, stderr=f, env=dict(os.environ),
+            ))
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.procs)
+
+    def stop(self, timeout: float = 30.0) -> list[int | None]:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        codes: list[int | None] = []
+        for p in self.procs:
+            try:
+                codes.append(p.wait(timeout))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+                codes.append(None)  # did not exit on SIGTERM
+        for f in self.files:
+            f.close()
+        return codes
+
+    def records(self) -> list[dict]:
+        out = []
+        for log in self.logs:
+            for line in log.read_text().splitlines():
+                if line.startswith("{"):
+                    try:
+                        out.append(json.loads(line))
+                    except ValueError:
+                        pass
+        return out
+
+
+def summarize_runner_logs(records: list[dict]) -> dict[str, Any]:
+    runs: Counter[str] = Counter()
+    rows = Counter()
+    failed_errors: list[str] = []
+    problems: list[str] = []
+    disconnects = 0
+    for r in records:
+        if "outcome" in r:
+            runs[f"{r.get('action')}:{r['outcome']}"] += 1
+            for k in ("inserted", "updated", "deleted", "skipped"):
+                rows[k] += int(r.get(k) or 0)
+            if r["outcome"] == "failed" and len(failed_errors) < 5:
+                failed_errors.append(str(r.get("error")))
+        elif r.get("level") in ("warning", "error", "critical"):
+            msg = str(r.get("msg"))
+            if any(s in msg for s in ("[08", "[57P0", "OperationalError", "connection")):
+                disconnects += 1
+            else:
+                problems.append(msg)
+    return {
+        "runs": dict(sorted(runs.items())),
+        "failed": sum(n for k, n in runs.items() if k.endswith(":failed")),
+        "failed_errors": failed_errors,
+        "rows": dict(rows),
+        "problems": problems,
+        "disconnects": disconnects,
+    }
+
+
+def _one_result(conn: psycopg.Connection, query: str) -> dict[str, Any]:
+    row = conn.execute(query, [JOB]).fetchone()
+    assert row is not None
+    keys = ("outcome", "inserted", "updated", "deleted", "skipped", "error")
+    return dict(zip(keys, row, strict=True))
+
+
+def _retry(fn: Callable[[], Any], deadline: float) -> Any:
+    """Call ``fn`` until it does not raise a connection error (a server restarting), up to ``deadline``."""
+    while True:
+        try:
+            return fn()
+        except psycopg.Error as exc:
+            if not is_disconnect(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+class Storm:
+    def __init__(self, dsn: str, admin_dsn: str, dbname: str, progress: Progress = _stderr_progress):
+        self.dsn, self.admin_dsn, self.dbname, self.progress = dsn, admin_dsn, dbname, progress
+
+    def deadlocks(self) -> int:
+        with psycopg.connect(self.admin_dsn, autocommit=True) as a:
+            a.execute("select pg_stat_clear_snapshot()")
+            row = a.execute(DEADLOCKS_SQL, [self.dbname]).fetchone()
+            return int(row[0]) if row else 0
+
+    def setup(self, parents: int, every: str) -> None:
+        from runner.migrate import migrate
+
+        self.progress("migrate")
+        migrate(self.dsn)
+        self.progress(f"install example: {parents} parents, recompute every {every}")
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            example.install(conn, parents=parents, every=every)
+            r = _one_result(conn, RECOMPUTE_SQL)
+            if r["outcome"] != "done":
+                raise RuntimeError(f"initial recompute: {r}")
+            conn.execute("delete from lockstep.queue where job = %s", [JOB])
+
+    def storm(
+        self,
+        seconds: float,
+        parents: int,
+        clients: int = 4,
+        runners: int = 2,
+        log_dir: Path | None = None,
+        during: Callable[[], None] | None = None,
+        drain_timeout: float = 120.0,
+        pause: float = 0.002,
+        seed: int | None = None,
+    ) -> dict[str, Any]:
+        """Run the storm on an installed database; ``during`` is called once, halfway through."""
+        seed = random.randrange(1 << 30) if seed is None else seed
+        tmp = None
+        if log_dir is None:
+            tmp = tempfile.TemporaryDirectory(prefix="lockstep-storm-")
+            log_dir = Path(tmp.name)
+        deadlocks0 = self.deadlocks()
+        self.progress(f"storm: {seconds:g} s, {clients} clients, {runners} runners (seed {seed})")
+        rs = Runners(self.dsn, runners, log_dir)
+        cs = [Client(self.dsn, i, clients, parents, seed + i, pause) for i in range(clients)]
+        codes: list[int | None] = []
+        drained = False
+        drain_s = None
+        try:
+            started = time.monotonic()
+            for c in cs:
+                c.start()
+            end = started + seconds
+            half = started + seconds / 2
+            did_during = during is None
+            while time.monotonic() < end:
+                if not did_during and time.monotonic() >= half:
+                    self.progress("halfway: fault injection")
+                    assert during is not None
+                    during()
+                    did_during = True
+                time.sleep(0.1)
+            for c in cs:
+                c.stop.set()
+            for c in cs:
+                c.join(30)
+            app_s = time.monotonic() - started
+            self.progress("clients stopped; draining the queue")
+            t0 = time.monotonic()
+            deadline = t0 + drain_timeout
+            with psycopg.connect(self.dsn, autocommit=True) as conn:
+                while time.monotonic() < deadline:
+                    if conn.execute(QUEUE_SQL, [JOB]).fetchone()[0] == 0:
+                        drained = True
+                        break
+                    time.sleep(0.2)
+            drain_s = time.monotonic() - t0
+            runners_alive = rs.alive()
+        finally:
+            for c in cs:
+                c.stop.set()
+            codes = rs.stop()
+        self.progress(f"runners stopped (exit codes {codes}); final checks")
+        records = rs.records()
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            queue_left = conn.execute(QUEUE_SQL, [JOB]).fetchone()[0]
+            final_work = _one_result(conn, WORK_SQL)
+            final_recompute = _one_result(conn, RECOMPUTE_SQL)
+            failing_keys = conn.execute(FAILING_SQL, [JOB]).fetchone()[0]
+            missing, extra = example.divergence(conn)
+            exams = conn.execute("select count(*) from example.exam").fetchone()[0]
+            keys = conn.execute("select count(*) from example.exam_key").fetchone()[0]
+        deadlocks = self.deadlocks() - deadlocks0
+        if tmp is not None:
+            tmp.cleanup()
+        return self._result(
+            seconds=seconds, parents=parents, clients=cs, runners=runners, seed=seed, app_s=app_s,
+            drained=drained, drain_s=drain_s, runners_alive=runners_alive, codes=codes,
+            logs=summarize_runner_logs(records), queue_left=queue_left, final_work=final_work,
+            final_recompute=final_recompute, failing_keys=failing_keys, divergence=[missing, extra],
+            deadlocks=deadlocks, exams=exams, keys=keys,
+        )
+
+    @staticmethod
+    def _result(clients: list[Client], **kw: Any) -> dict[str, Any]:
+        lat = [x for c in clients for x in c.latencies_ms]
+        ops: Counter[str] = Counter()
+        errors: Counter[str] = Counter()
+        samples: list[str] = []
+        for c in clients:
+            ops.update(c.ops)
+            errors.update(c.errors)
+            samples.extend(c.error_samples)
+        logs = kw.pop("logs")
+        app = {
+            "transactions": sum(ops.values()),
+            "tps": round(sum(ops.values()) / kw["app_s"], 1) if kw["app_s"] else None,
+            "ops": dict(sorted(ops.items())),
+            "errors": dict(sorted(errors.items())),
+            "error_samples": samples[:10],
+            "disconnects": sum(c.disconnects for c in clients),
+            "parents_deleted": sum(c.deleted for c in clients),
+            "parents_inserted": sum(c.inserted for c in clients),
+            "latency_ms": {
+                "p50": _round(_pct(lat, 0.5)),
+                "p99": _round(_pct(lat, 0.99)),
+                "max": _round(max(lat, default=None)),
+            },
+        }
+        fr = kw["final_recompute"]
+        r: dict[str, Any] = {
+            "seconds": kw["seconds"],
+            "parents": kw["parents"],
+            "clients": len(clients),
+            "runners": kw["runners"],
+            "seed": kw["seed"],
+            "app": app,
+            "runner": {**logs, "exit_codes": kw["codes"], "alive_at_end": kw["runners_alive"]},
+            "drain": {
+                "drained": kw["drained"], "seconds": _round(kw["drain_s"]), "queue_left": kw["queue_left"]
+            },
+            "final_work": kw["final_work"],
+            "final_recompute": fr,
+            "failing_keys": kw["failing_keys"],
+            "deadlocks": kw["deadlocks"],
+            "divergence": kw["divergence"],
+            "exams": kw["exams"],
+            "exam_keys": kw["keys"],
+        }
+        fk = errors.get("23503", 0) + sum("23503" in e for e in logs["failed_errors"])
+        r["checks"] = {
+            "deadlocks == 0": kw["deadlocks"] == 0 and errors.get("40P01", 0) == 0
+            and not any("40P01" in p for p in logs["problems"]),
+            "fk_violations == 0": fk == 0,
+            "failed_runs == 0": logs["failed"] == 0,
+            "app_errors == 0": sum(errors.values()) == 0,
+            "runner_errors == 0": not logs["problems"],
+            "queue drained": bool(kw["drained"]) and kw["queue_left"] == 0,
+            "runners exit 0 on SIGTERM": all(code == 0 for code in kw["codes"]) and bool(kw["runners_alive"]),
+            "final work idle": kw["final_work"]["outcome"] == "idle",
+            "final recompute writes nothing": fr["outcome"] == "done"
+            and fr["inserted"] == fr["updated"] == fr["deleted"] == 0,
+            "no failing keys": kw["failing_keys"] == 0,
+            "divergence == (0, 0)": list(kw["divergence"]) == [0, 0],
+        }
+        r["ok"] = all(r["checks"].values())
+        return r
+
+
+def _round(v: float | None, nd: int = 1) -> float | None:
+    return None if v is None else round(v, nd)
+
+
+def create_db(admin_dsn: str, name: str) -> str:
+    with psycopg.connect(admin_dsn, autocommit=True) as admin:
+        admin.execute(sql.SQL(DROP_DB_SQL).format(sql.Identifier(name)))
+        admin.execute(sql.SQL(CREATE_DB_SQL).format(sql.Identifier(name)))
+        admin.execute(sql.SQL(DEADLOCK_TIMEOUT_SQL).format(sql.Identifier(name)))
+    return make_conninfo(admin_dsn, dbname=name)
+
+
+def drop_db(admin_dsn: str, name: str) -> None:
+    with psycopg.connect(admin_dsn, autocommit=True) as admin:
+        admin.execute(sql.SQL(DROP_DB_SQL).format(sql.Identifier(name)))
+
+
+def run(
+    admin_dsn: str | None,
+    seconds: float = 60,
+    parents: int = 2000,
+    clients: int = 4,
+    runners: int = 2,
+    every: str = "3 seconds",
+    keep: bool = False,
+    progress: Progress = _stderr_progress,
+    during: Callable[[], None] | None = None,
+    log_dir: Path | None = None,
+) -> dict[str, Any]:
+    """Run a storm in a database of its own and return the result dict (``ok`` False if a check failed)."""
+    admin_dsn = admin_dsn or ""
+    name = f"lockstep_storm_{os.getpid()}"
+    progress(f"create database {name}")
+    dsn = create_db(admin_dsn, name)
+    try:
+        s = Storm(dsn, admin_dsn, name, progress)
+        s.setup(parents, every)
+        result = s.storm(seconds, parents, clients, runners, log_dir=log_dir, during=during)
+        result["database"] = name if keep else None
+        result["every"] = every
+        return result
+    finally:
+        if not keep:
+            _retry(lambda: drop_db(admin_dsn, name), time.monotonic() + 30)
+
+
+def to_json(result: dict[str, Any]) -> str:
+    return json.dumps(result, indent=2, default=str)
+
+
+def render(r: dict[str, Any]) -> str:
+    app, rn = r["app"], r["runner"]
+    lat = app["latency_ms"]
+    lines = [
+        f"lockstep storm: {r['seconds']:g} s, {r['parents']} parents, {r['clients']} app clients, "
+        f"{r['runners']} runners, recompute every {r.get('every', '?')} (seed {r['seed']})",
+        "",
+        f"app transactions   {app['transactions']} ({app['tps']}/s): "
+        + ", ".join(f"{k} {v}" for k, v in app["ops"].items()),
+        f"app latency ms     p50 {lat['p50']}  p99 {lat['p99']}  max {lat['max']}",
+        f"app errors         {app['errors'] or 'none'}" + (f"  (disconnects {app['disconnects']})"
+                                                          if app["disconnects"] else ""),
+        f"parents            -{app['parents_deleted']} +{app['parents_inserted']} -> {r['exams']} exams, "
+        f"{r['exam_keys']} exam_key rows",
+        "runs by outcome    " + ", ".join(f"{k} {v}" for k, v in rn["runs"].items()),
+        "rows written       " + ", ".join(f"{k} {v}" for k, v in rn["rows"].items()),
+        f"drain              {r['drain']['seconds']} s (queue left {r['drain']['queue_left']}); "
+        f"runner exit codes {rn['exit_codes']}",
+        f"final passes       work {r['final_work']['outcome']}, recompute {r['final_recompute']['outcome']} "
+        f"+{r['final_recompute']['inserted']} ~{r['final_recompute']['updated']} "
+        f"-{r['final_recompute']['deleted']}",
+        f"deadlocks          {r['deadlocks']}",
+        f"divergence         {tuple(r['divergence'])}",
+    ]
+    for s in app["error_samples"]:
+        lines.append(f"  app error: {s}")
+    for s in rn["failed_errors"]:
+        lines.append(f"  failed run: {s}")
+    for s in rn["problems"][:10]:
+        lines.append(f"  runner: {s}")
+    lines.append("")
+    for name, ok in r["checks"].items():
+        lines.append(f"{'ok  ' if ok else 'FAIL'} {name}")
+    lines.append("")
+    lines.append("storm: OK" if r["ok"] else "storm: FAILED")
+    if r.get("database"):
+        lines.append(f"database kept: {r['database']}")
+    return "\n".join(lines)
