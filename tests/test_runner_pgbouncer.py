@@ -1,0 +1,217 @@
+"""``lockstep run`` behind PgBouncer in transaction mode (issue 5).
+
+A transaction pooler hands each transaction to whichever server connection is free, so the runner must keep
+no session state: one autocommit statement per call, transaction-level advisory locks, ON COMMIT DROP temp
+tables, no LISTEN (``--no-listen``) and no server-side prepared statements (``--no-prepare``; PgBouncer
+1.18 does not track them, and the runner only guesses a pooler from port 6432).
+
+PgBouncer refuses to run as root: as root it is started with ``-u postgres`` (it reads its files first, then
+drops privileges), and it logs to stderr, captured into tmp_path.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from runner_procs import Runner, wait_for
+
+from runner.example import JOB, divergence
+
+pytestmark = pytest.mark.skipif(shutil.which("pgbouncer") is None, reason="pgbouncer is not installed")
+
+ALIAS = "lockstep_pgb"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class PgBouncer:
+    def __init__(self, server_dsn: str, tmp: Path):
+        server = conninfo_to_dict(server_dsn)
+        self.port = free_port()
+        self.log = tmp / "pgbouncer.log"
+        (tmp / "users.txt").write_text('"root" ""\n')
+        ini = tmp / "pgbouncer.ini"
+        ini.write_text(
+            f"""[databases]
+{ALIAS} = host=127.0.0.1 port={server.get("port", 5432)} dbname={server["dbname"]}
+
+[pgbouncer]
+listen_addr = 127.0.0.1
+listen_port = {self.port}
+unix_socket_dir =
+auth_type = trust
+auth_file = {tmp / "users.txt"}
+pool_mode = transaction
+max_client_conn = 50
+default_pool_size = 4
+"""
+        )
+        cmd = ["pgbouncer", str(ini)]
+        if os.geteuid() == 0:
+            cmd[1:1] = ["-u", "postgres"]
+        self._f = open(self.log, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, stdout=self._f, stderr=subprocess.STDOUT)
+        self.dsn = make_conninfo(host="127.0.0.1", port=self.port, dbname=ALIAS, user="root")
+        wait_for(self._accepts, timeout=10, what=f"pgbouncer on port {self.port}")
+
+    def _accepts(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"pgbouncer exited {self.proc.returncode}: {self.log.read_text()}")
+        try:
+            with psycopg.connect(self.dsn, connect_timeout=2, prepare_threshold=None) as c:
+                return c.execute("select 1").fetchone() == (1,)
+        except psycopg.OperationalError:
+            return False
+
+    def connect(self) -> psycopg.Connection:
+        return psycopg.connect(self.dsn, autocommit=True, prepare_threshold=None)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._f.close()
+
+
+@pytest.fixture
+def pgbouncer(example_dsn: str, tmp_path: Path) -> Iterator[PgBouncer]:
+    """PgBouncer in transaction mode in front of ``example_dsn`` (database alias lockstep_pgb)."""
+    pgb = PgBouncer(example_dsn, tmp_path)
+    try:
+        yield pgb
+    finally:
+        pgb.stop()
+
+
+@pytest.fixture
+def runners(tmp_path: Path):
+    started: list[Runner] = []
+
+    def _start(dsn: str, *args: str) -> Runner:
+        r = Runner(dsn, list(args), tmp_path / f"runner{len(started)}.log")
+        started.append(r)
+        return r
+
+    yield _start
+    for r in started:
+        r.kill()
+
+
+def queue_depth(conn: psycopg.Connection) -> int:
+    return conn.execute("select queue_depth from lockstep.status where job = %s", [JOB]).fetchone()[0]
+
+
+def test_two_runners_through_pgbouncer_work_the_queue_and_recompute(ex, pgbouncer, runners):
+    args = ("--no-listen", "--no-prepare", "--tick", "0.2", "--log-format", "json")
+    ex.execute("update lockstep.job_state set next_run_at = now() + interval '1 hour' where job = %s", [JOB])
+    a = runners(pgbouncer.dsn, *args)
+    b = runners(pgbouncer.dsn, *args)
+
+    # the app writes through PgBouncer too: its triggers enqueue in the app's own transactions
+    with pgbouncer.connect() as app:
+        for i in range(30):
+            app.execute(
+                "update example.exam_item set body = body || %s where exam_id %% 30 = %s", [f" pgb{i}", i]
+            )
+        app.execute("delete from example.exam where id % 11 = 0")
+        app.execute("select example.seed(20, 1001)")
+        with app.transaction():
+            app.execute("update example.exam set title = title || ' moved' where id between 1 and 40")
+            app.execute("update example.exam_item set exam_id = 2 where exam_id = 1")
+    wait_for(lambda: queue_depth(ex) == 0, timeout=15, what="queue drained through pgbouncer")
+    assert divergence(ex) == (0, 0)
+
+    # a recompute made due now, while the queue keeps getting keys
+    before = ex.execute("select runs from lockstep.job_state where job = %s", [JOB]).fetchone()[0]
+    ex.execute("delete from example.exam_key where exam_id between 100 and 120")  # drift only a recompute fixes
+    assert divergence(ex) != (0, 0)
+    ex.execute("update lockstep.job_state set next_run_at = now() where job = %s", [JOB])
+
+    def recomputed() -> bool:
+        row = ex.execute(
+            "select runs > %s and last_action = 'recompute' and next_run_at > now()"
+            " from lockstep.job_state where job = %s",
+            [before, JOB],
+        ).fetchone()
+        return bool(row[0])
+
+    wait_for(recomputed, timeout=15, what="a recompute through pgbouncer")
+    wait_for(lambda: queue_depth(ex) == 0, timeout=10, what="queue drained again")
+    assert divergence(ex) == (0, 0)
+
+    for r in (a, b):
+        r.signal(signal.SIGTERM)
+    assert a.wait() == 0 and b.wait() == 0
+    lines = a.json_lines() + b.json_lines()
+    assert "Traceback" not in a.stderr + b.stderr, a.stderr + b.stderr
+    assert not [x for x in lines if x["level"] in ("warning", "error")], lines
+    done = {(x.get("action"), x.get("outcome")) for x in lines}
+    assert ("work", "done") in done and ("recompute", "done") in done, done
+    pgb_log = pgbouncer.log.read_text()
+    assert "login attempt: db=lockstep_pgb user=root" in pgb_log, pgb_log
+    assert "prepared statement" not in pgb_log, pgb_log
+
+
+def test_each_call_is_one_statement_with_no_session_state(ex, pgbouncer, connect):
+    """Consecutive statements of one client land on different server connections; the calls still work."""
+    client = pgbouncer.connect()
+    holder = pgbouncer.connect()
+    try:
+        # a new client statement gets the server connection used last (LIFO); a transaction left open by
+        # another client pins that one, so the client's next statement must use another server connection
+        pid1 = client.execute(
+            "select pg_backend_pid(), lockstep.enqueue(%s, array[3, 4, 5]::bigint[])", [JOB]
+        ).fetchone()[0]
+        ex.execute("delete from example.exam_key where exam_id in (3, 4, 5)")
+        holder.execute("begin")
+        assert holder.execute("select pg_backend_pid()").fetchone()[0] == pid1
+        row = client.execute(
+            "select pg_backend_pid(), r.outcome, r.inserted from lockstep.work(%s) r", [JOB]
+        ).fetchone()
+        assert row[0] != pid1
+        assert row[1] == "done" and row[2] > 0, row
+        # a recompute while the holder pins whichever server connection it gets now
+        holder.execute("commit")
+        holder.execute("begin")
+        pinned = holder.execute("select pg_backend_pid()").fetchone()[0]
+        row2 = client.execute("select pg_backend_pid(), r.outcome from lockstep.recompute(%s) r", [JOB]).fetchone()
+        assert row2[0] != pinned and row2[1] == "done", row2
+        holder.execute("commit")
+    finally:
+        client.close()
+        holder.close()
+    assert queue_depth(ex) == 0
+    assert divergence(ex) == (0, 0)
+
+    # what a call leaves in its session: nothing (checked on a direct connection, same backend throughout)
+    direct = connect(ex.info.dsn)
+    direct.execute("select lockstep.enqueue(%s, array[6]::bigint[])", [JOB])
+    path = direct.execute("show search_path").fetchone()[0]
+    assert direct.execute("select (lockstep.work(%s)).outcome", [JOB]).fetchone()[0] == "done"
+    assert direct.execute("select (lockstep.recompute(%s)).outcome", [JOB]).fetchone()[0] == "done"
+    leftovers = direct.execute(
+        "select (select count(*) from pg_class where relnamespace = pg_my_temp_schema()),"
+        " (select count(*) from pg_locks where pid = pg_backend_pid() and locktype = 'advisory'),"
+        " (select count(*) from pg_prepared_statements),"
+        " (select count(*) from pg_listening_channels()),"
+        " current_setting('search_path')"
+    ).fetchone()
+    assert leftovers == (0, 0, 0, 0, path), leftovers
