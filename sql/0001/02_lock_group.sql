@@ -183,3 +183,16 @@ begin
     where s.job = j.job;
 end;
 $$;
+
+-- lockstep._failed(j, action, started, error): record a failed run (status row) and return its result.
+-- locks: the job's lockstep.job_state row, as lockstep._finish.
+create function lockstep._failed(j lockstep.job, action text, started timestamptz, error text)
+returns lockstep.result
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    perform lockstep._finish(j, action, 'failed', started, null, error);
+    return lockstep._result('failed', j.job, action, null, error);
+end;
+$$;

@@ -96,12 +96,10 @@ begin
                 raise;
             end if;
             get stacked diagnostics v_err = message_text;
-            perform lockstep._finish(j, 'call', 'failed', v_started, null, v_err);
-            return lockstep._result('failed', j.job, 'call', null, v_err);
+            return lockstep._failed(j, 'call', v_started, v_err);
         when others then
             get stacked diagnostics v_err = message_text;
-            perform lockstep._finish(j, 'call', 'failed', v_started, null, v_err);
-            return lockstep._result('failed', j.job, 'call', null, v_err);
+            return lockstep._failed(j, 'call', v_started, v_err);
     end;
     perform lockstep._finish(j, 'call', 'done', v_started);
     return lockstep._result('done', j.job, 'call');

@@ -535,12 +535,10 @@ begin
                 raise;
             end if;
             get stacked diagnostics v_err = message_text;
-            perform lockstep._finish(j, 'recompute', 'failed', v_started, null, v_err);
-            return lockstep._result('failed', j.job, 'recompute', null, v_err);
+            return lockstep._failed(j, 'recompute', v_started, v_err);
         when others then
             get stacked diagnostics v_err = message_text;
-            perform lockstep._finish(j, 'recompute', 'failed', v_started, null, v_err);
-            return lockstep._result('failed', j.job, 'recompute', null, v_err);
+            return lockstep._failed(j, 'recompute', v_started, v_err);
     end;
     if j.parent is not null and cardinality(p.skipped) > 0 then
         perform lockstep._enqueue_text(j, p.skipped);

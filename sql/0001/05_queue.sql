@@ -64,14 +64,15 @@ begin
 end;
 $$;
 
--- lockstep.enqueue(job, keys): mark parents as changed. Returns the number of distinct keys appended.
--- locks: as lockstep._enqueue_text: nothing a worker or a recompute holds.
-create function lockstep.enqueue(job text, keys anyarray) returns bigint
-language plpgsql
+-- lockstep._keys_text(j, keys): keys checked (not NULL, no NULL element, a type of the parent key's
+-- category) and converted to the parent key's canonical text, as the queue stores them.
+-- locks: nothing.
+create function lockstep._keys_text(j lockstep.job, keys anyarray) returns text[]
+language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    j lockstep.job := lockstep._queue_job(job);
+    v text[];
 begin
     if keys is null then
         raise exception 'lockstep: keys must not be NULL' using errcode = '22004';
@@ -81,7 +82,22 @@ begin
     if pg_catalog.array_position(keys, null) is not null then
         raise exception 'lockstep: keys must not contain NULL (job "%")', j.job using errcode = '22004';
     end if;
-    return lockstep._enqueue_text(j, keys::text[]);
+    execute pg_catalog.format('select array_agg(k::%s::text) from pg_catalog.unnest($1::text[]) k', j.key_type)
+        into v using keys::text[];
+    return coalesce(v, '{}');
+end;
+$$;
+
+-- lockstep.enqueue(job, keys): mark parents as changed. Returns the number of distinct keys appended.
+-- locks: as lockstep._enqueue_text: nothing a worker or a recompute holds.
+create function lockstep.enqueue(job text, keys anyarray) returns bigint
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    j lockstep.job := lockstep._queue_job(job);
+begin
+    return lockstep._enqueue_text(j, lockstep._keys_text(j, keys));
 end;
 $$;
 
@@ -289,16 +305,14 @@ begin
                 raise;
             end if;
             get stacked diagnostics v_err = message_text;
-            perform lockstep._finish(j, 'work', 'failed', v_started, null, v_err);
-            return lockstep._result('failed', j.job, 'work', null, v_err);
+            return lockstep._failed(j, 'work', v_started, v_err);
         when others then
             get stacked diagnostics v_err = message_text;
             -- the job itself is broken (every key would fail) or some keys are poison: an empty pass tells.
             begin
                 perform lockstep._apply(j, '{}'::text[]);
             exception when others then
-                perform lockstep._finish(j, 'work', 'failed', v_started, null, v_err);
-                return lockstep._result('failed', j.job, 'work', null, v_err);
+                return lockstep._failed(j, 'work', v_started, v_err);
             end;
             p := lockstep._isolate(j, v_keys, v_err);
     end;
@@ -340,44 +354,44 @@ begin
 end;
 $$;
 
--- lockstep.retry(job, keys): put failing or parked keys back in the queue now. Returns how many.
+-- lockstep._retry(j, keys): forget the failures of keys (NULL: all of j's) and queue them again.
 -- locks: the job's key_failure rows of those keys (deleted); appends to the queue.
-create function lockstep.retry(job text, keys anyarray) returns bigint
+create function lockstep._retry(j lockstep.job, keys text[]) returns bigint
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    j lockstep.job := lockstep._queue_job(job);
     v_keys text[];
 begin
-    if keys is null then
-        raise exception 'lockstep: keys must not be NULL (use lockstep.retry(job) for all keys)' using errcode = '22004';
-    end if;
-    perform lockstep._check_key_type(j, (select typelem from pg_catalog.pg_type where oid = pg_catalog.pg_typeof(keys)),
-                                     'keys');
-    execute pg_catalog.format('select array_agg(k::%s::text) from pg_catalog.unnest($1::text[]) k', j.key_type)
-        into v_keys using keys::text[];
-    with d as (delete from lockstep.key_failure f where f.job = j.job and f.key = any(v_keys) returning f.key)
+    with d as (delete from lockstep.key_failure f
+               where f.job = j.job and (keys is null or f.key = any(keys)) returning f.key)
     select array_agg(d.key) into v_keys from d;
     perform lockstep._enqueue_text(j, v_keys);
     return coalesce(cardinality(v_keys), 0);
 end;
 $$;
 
--- lockstep.retry(job): put every failing or parked key of job back in the queue now.
--- locks: as lockstep.retry(job, keys).
-create function lockstep.retry(job text) returns bigint
+-- lockstep.retry(job, keys): put these failing or parked keys back in the queue now. Returns how many.
+-- locks: as lockstep._retry.
+create function lockstep.retry(job text, keys anyarray) returns bigint
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 declare
     j lockstep.job := lockstep._queue_job(job);
-    v_keys text[];
 begin
-    with d as (delete from lockstep.key_failure f where f.job = j.job returning f.key)
-    select array_agg(d.key) into v_keys from d;
-    perform lockstep._enqueue_text(j, v_keys);
-    return coalesce(cardinality(v_keys), 0);
+    return lockstep._retry(j, lockstep._keys_text(j, keys));
+end;
+$$;
+
+-- lockstep.retry(job): put every failing or parked key of job back in the queue now.
+-- locks: as lockstep._retry.
+create function lockstep.retry(job text) returns bigint
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    return lockstep._retry(lockstep._queue_job(job), null);
 end;
 $$;
 
