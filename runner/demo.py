@@ -1,0 +1,725 @@
+"""``lockstep demo``: see lockstep work, then see the naive jobs fail, on the same workload.
+
+1. Picks a server: the admin DSN (``--dsn``, ``DATABASE_URL`` or libpq's defaults) if it answers within 2 s,
+   else (or with ``--embedded``) an embedded PostgreSQL from the ``pgserver`` package, its data in
+   ``.lockstep-demo/pgdata``, stopped at the end.
+2. Recreates database ``lockstep_demo`` (``--database``), migrates lockstep, installs the example with
+   ``--parents`` exams and runs one ``lockstep.recompute``.
+3. lockstep phase (``--seconds``): two ``lockstep run --tick 0.2 --log-format json`` processes, and
+   application clients (threads, one connection each) doing deletes, merges, edits, inserts and explicit
+   ``lockstep.enqueue`` calls. Each client owns the exams whose id is congruent to its number, so clients
+   never wait for each other: every wait or deadlock involves a job. Then the runners drain the queue and
+   the derived table is compared with a full computation (``runner.example.divergence``).
+4. naive phase (``--naive-seconds``): the same clients against ``example.naive_recompute()`` (looped: the
+   periodic job) and ``example.naive_work(ids)`` (looped over keys taken from ``lockstep.queue``: the
+   queue worker).
+5. Prints both side by side. Exit code 0 when lockstep had no deadlock and converged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+
+from runner import example
+
+JOB = example.JOB
+DEMO_DIR = ".lockstep-demo"
+EVERY = "5 seconds"  # the example job's full-recompute period during the demo
+CLIENTS = 4
+PAUSE = 0.01  # think time of an application client between transactions, seconds
+DRAIN_TIMEOUT = 120.0
+
+DROP_DB_SQL = "drop database if exists {} with (force)"
+CREATE_DB_SQL = "create database {}"
+DEADLOCKS_SQL = "select deadlocks from pg_stat_database where datname = current_database()"
+OTHER_BACKENDS_SQL = (
+    "select count(*) from pg_stat_activity where datname = current_database() and pid <> pg_backend_pid()"
+)
+QUEUE_DEPTH_SQL = "select coalesce(sum(queue_depth), 0)::bigint from lockstep.status where job = %s"
+KEY_FAILURES_SQL = (
+    "select coalesce(sum(parked_keys + failing_keys), 0)::bigint from lockstep.status where job = %s"
+)
+XACT_ROWS_SQL = (
+    "select coalesce(sum(n_tup_ins + n_tup_upd + n_tup_del), 0)::bigint"
+    " from pg_stat_xact_user_tables where relid = 'example.exam_key'::regclass"
+)
+TAKE_KEYS_SQL = (
+    "select array_agg(id), array_agg(distinct key::bigint) from"
+    " (select id, key from lockstep.queue where job = %s order by id limit 500) q"
+)
+CONSUME_KEYS_SQL = "delete from lockstep.queue where job = %s and id = any(%s)"
+
+# application transactions (each client touches only its own exams)
+DELETE_SQL = "delete from example.exam where id = %s"
+MOVE_ITEMS_SQL = "update example.exam_item set exam_id = %s where exam_id = %s"
+INSERT_EXAM_SQL = (
+    "insert into example.exam (id, title, body) values (%s, example.words(2, %s), example.words(8, -%s))"
+)
+INSERT_ITEMS_SQL = (
+    "insert into example.exam_item (exam_id, body) select %s, example.words(2, %s * 7 + i)"
+    " from generate_series(1, 2) i"
+)
+EDIT_EXAM_SQL = "update example.exam set body = example.words(8, %s), updated_at = now() where id = %s"
+EDIT_ITEM_SQL = (
+    "update example.exam_item set body = example.words(2, %s)"
+    " where id = (select min(id) from example.exam_item where exam_id = %s)"
+)
+ENQUEUE_SQL = "select lockstep.enqueue(%s, %s::bigint[])"
+OPS = (("delete", 15), ("merge", 10), ("insert", 25), ("edit", 35), ("enqueue", 15))
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def _sqlstate(exc: BaseException) -> str:
+    return getattr(exc, "sqlstate", None) or type(exc).__name__
+
+
+@dataclass
+class Options:
+    dsn: str | None = None
+    parents: int = 50000
+    seconds: float = 60.0
+    naive_seconds: float = 15.0
+    embedded: bool = False
+    database: str = "lockstep_demo"
+    clients: int = CLIENTS
+    keep: bool = False
+
+
+# ---------------------------------------------------------------------------------------------- server
+
+
+class Server:
+    """The admin DSN to use, and the embedded server to stop at the end (if one was started)."""
+
+    def __init__(self, admin_dsn: str, embedded: Any = None, note: str = "") -> None:
+        self.admin_dsn, self.embedded, self.note = admin_dsn, embedded, note
+
+    def stop(self) -> None:
+        if self.embedded is not None:
+            self.embedded.cleanup()
+            self.embedded = None
+
+
+def _answers(dsn: str) -> str | None:
+    """None if a server accepts a connection within 2 s, else why not (one line)."""
+    try:
+        with psycopg.connect(dsn, connect_timeout=2, autocommit=True):
+            return None
+    except psycopg.Error as exc:
+        return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def start_embedded(base: Path) -> Any:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # platformdirs warns when XDG_RUNTIME_DIR is unset
+            import pgserver
+    except ImportError as exc:
+        raise RuntimeError(
+            "no PostgreSQL server answers and the embedded one needs the pgserver package: "
+            "pip install 'lockstep[demo]' (or pgserver), or give --dsn"
+        ) from exc
+    base.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return pgserver.get_server(base / "pgdata", cleanup_mode="stop")
+
+
+def pick_server(opts: Options, say) -> Server:
+    if not opts.embedded:
+        admin = opts.dsn or ""
+        why = _answers(admin)
+        if why is None:
+            return Server(admin, note=f"server: {_describe(admin)}")
+        say(f"no server answers at {_describe(admin)} ({why}); starting an embedded one")
+    srv = start_embedded(Path.cwd() / DEMO_DIR)
+    return Server(srv.get_uri(), srv, note=f"server: embedded pgserver, data in {DEMO_DIR}/pgdata")
+
+
+def _describe(dsn: str) -> str:
+    if not dsn:
+        return "libpq defaults (PGHOST, PGPORT, ...)"
+    try:
+        from psycopg.conninfo import conninfo_to_dict
+
+        d = conninfo_to_dict(dsn)
+        d.pop("password", None)
+        return " ".join(f"{k}={v}" for k, v in d.items())
+    except psycopg.Error:
+        return "the given DSN"
+
+
+# ---------------------------------------------------------------------------------------------- app
+
+
+class Stats:
+    """What the application clients saw, shared by all clients of a phase."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.tx_ms: list[float] = []
+        self.delete_ms: list[float] = []
+        self.errors: Counter[str] = Counter()
+        self.ops: Counter[str] = Counter()
+
+    def add(self, op: str, ms: float, error: str | None) -> None:
+        with self.lock:
+            self.tx_ms.append(ms)
+            self.ops[op] += 1
+            if op == "delete":
+                self.delete_ms.append(ms)
+            if error:
+                self.errors[error] += 1
+
+
+class Client(threading.Thread):
+    """One application session. Owns the exams ``id % n == k``: it creates, edits, merges and deletes only
+    those, so two clients never wait for each other."""
+
+    def __init__(self, dsn: str, k: int, n: int, live: list[int], next_id: int, stats: Stats,
+                 stop: threading.Event) -> None:
+        super().__init__(daemon=True, name=f"demo-app-{k}")
+        self.dsn, self.k, self.n = dsn, k, n
+        self.live = live
+        self.next_id = next_id  # first id of this client's new exams; then + n
+        self.stats, self.stop = stats, stop
+        self.rng = random.Random(k)
+        self.conn: psycopg.Connection | None = None
+
+    def _pick(self) -> int | None:
+        return self.live[self.rng.randrange(len(self.live))] if self.live else None
+
+    def _forget(self, exam: int) -> None:
+        i = self.live.index(exam)
+        self.live[i] = self.live[-1]
+        self.live.pop()
+
+    def _one(self, conn: psycopg.Connection, op: str) -> None:
+        a = self._pick()
+        if a is None:
+            op = "insert"
+        if op == "delete":
+            conn.execute(DELETE_SQL, [a])
+            self._forget(a)
+        elif op == "merge":
+            b = self._pick()
+            if b == a:
+                op = "edit"
+            else:
+                with conn.transaction():
+                    conn.execute(MOVE_ITEMS_SQL, [b, a])
+                    conn.execute(DELETE_SQL, [a])
+                self._forget(a)
+                return
+        if op == "insert":
+            new = self.next_id
+            with conn.transaction():
+                conn.execute(INSERT_EXAM_SQL, [new, new, new])
+                conn.execute(INSERT_ITEMS_SQL, [new, new])
+            self.next_id += self.n
+            self.live.append(new)
+        elif op == "edit":
+            seed = self.rng.randrange(1, 1 << 40)
+            if self.rng.random() < 0.5:
+                conn.execute(EDIT_EXAM_SQL, [seed, a])
+            else:
+                conn.execute(EDIT_ITEM_SQL, [seed, a])
+        elif op == "enqueue":
+            keys = sorted({self._pick() for _ in range(self.rng.randint(1, 5))} - {None})
+            conn.execute(ENQUEUE_SQL, [JOB, keys])
+
+    def run(self) -> None:
+        names = [o for o, _ in OPS]
+        weights = [w for _, w in OPS]
+        try:
+            self.conn = psycopg.connect(self.dsn, autocommit=True, application_name="lockstep demo app")
+        except psycopg.Error as exc:
+            self.stats.add("connect", 0.0, _sqlstate(exc))
+            return
+        with self.conn:
+            while not self.stop.is_set():
+                op = self.rng.choices(names, weights)[0]
+                t0 = time.perf_counter()
+                error = None
+                try:
+                    self._one(self.conn, op)
+                except psycopg.Error as exc:
+                    error = _sqlstate(exc)
+                    if self.conn.broken:
+                        self.stats.add(op, (time.perf_counter() - t0) * 1000, error)
+                        return
+                self.stats.add(op, (time.perf_counter() - t0) * 1000, error)
+                self.stop.wait(PAUSE)
+
+
+def start_clients(dsn: str, opts: Options, first_new: int, live_ids: list[int], stats: Stats,
+                  stop: threading.Event) -> list[Client]:
+    n = opts.clients
+    clients = [
+        Client(dsn, k, n, [i for i in live_ids if i % n == k], first_new + ((k - first_new) % n), stats, stop)
+        for k in range(n)
+    ]
+    for c in clients:
+        c.start()
+    return clients
+
+
+# ---------------------------------------------------------------------------------------------- runners
+
+
+class RunnerProc:
+    """A ``lockstep run`` process; its JSON log lines are parsed as they come."""
+
+    def __init__(self, dsn: str, n: int) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "runner", "run", "--dsn", dsn, "--job", JOB, "--tick", "0.2",
+             "--log-format", "json"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.outcomes: Counter[str] = Counter()
+        self.actions: Counter[str] = Counter()
+        self.rows = 0
+        self.errors: Counter[str] = Counter()  # deadlock / foreign key / other, from log lines
+        self.other: list[str] = []
+        self.lock = threading.Lock()
+        self.reader = threading.Thread(target=self._read, daemon=True, name=f"demo-runner-log-{n}")
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                rec = {"msg": line}
+            text = f"{rec.get('msg', '')} {rec.get('error', '')} {rec.get('exc', '')}"
+            with self.lock:
+                if "outcome" in rec:
+                    self.outcomes[rec["outcome"]] += 1
+                    if rec["outcome"] == "done":
+                        self.actions[rec.get("action", "?")] += 1
+                    self.rows += sum(int(rec.get(k) or 0) for k in ("inserted", "updated", "deleted"))
+                if "deadlock detected" in text or "40P01" in text:
+                    self.errors["40P01"] += 1
+                if "violates foreign key constraint" in text or "23503" in text:
+                    self.errors["23503"] += 1
+                level = rec.get("level", "error")
+                if level in ("warning", "error", "critical") and "outcome" not in rec:
+                    self.other.append(str(rec.get("msg", line)))
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            rc = self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            rc = self.proc.wait()
+        self.reader.join(5)
+        return rc
+
+
+# ---------------------------------------------------------------------------------------------- naive
+
+
+class NaiveJob(threading.Thread):
+    """One of the seed's jobs, looped: ``recompute`` (the periodic job) or ``work`` (the queue worker)."""
+
+    def __init__(self, dsn: str, kind: str, stop: threading.Event) -> None:
+        super().__init__(daemon=True, name=f"demo-naive-{kind}")
+        self.dsn, self.kind, self.stop = dsn, kind, stop
+        self.runs = 0
+        self.rows = 0
+        self.errors: Counter[str] = Counter()
+
+    def _once(self, conn: psycopg.Connection) -> bool:
+        """One transaction; False when there was nothing to do."""
+        with conn.transaction():
+            before = conn.execute(XACT_ROWS_SQL).fetchone()[0]
+            if self.kind == "recompute":
+                conn.execute("select example.naive_recompute()")
+            else:
+                ids, keys = conn.execute(TAKE_KEYS_SQL, [JOB]).fetchone()
+                if not ids:
+                    return False
+                conn.execute("select example.naive_work(%s::bigint[])", [keys])
+                conn.execute(CONSUME_KEYS_SQL, [JOB, ids])
+            self.rows += conn.execute(XACT_ROWS_SQL).fetchone()[0] - before
+        return True
+
+    def run(self) -> None:
+        with psycopg.connect(self.dsn, autocommit=True, application_name=f"naive {self.kind}") as conn:
+            while not self.stop.is_set():
+                try:
+                    did = self._once(conn)
+                    self.runs += did
+                except psycopg.Error as exc:
+                    self.errors[_sqlstate(exc)] += 1
+                    did = True
+                    if conn.broken:
+                        return
+                if not did:
+                    self.stop.wait(0.2)
+
+
+# ---------------------------------------------------------------------------------------------- demo
+
+
+@dataclass
+class Phase:
+    name: str
+    seconds: float = 0.0
+    deadlocks: int = 0
+    fk_errors: int = 0
+    job_runs: Counter[str] = field(default_factory=Counter)  # by outcome: done, failed
+    job_actions: Counter[str] = field(default_factory=Counter)  # done runs by action: work, recompute
+    job_errors: Counter[str] = field(default_factory=Counter)
+    app: Stats = field(default_factory=Stats)
+    rows_written: int = 0
+    key_failures: int = 0
+    divergence: tuple[int, int] | None = None
+    drained: bool | None = None
+    drain_seconds: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def converged(self) -> bool:
+        return self.divergence == (0, 0)
+
+    def to_dict(self) -> dict[str, Any]:
+        a = self.app
+        return {
+            "name": self.name,
+            "seconds": round(self.seconds, 1),
+            "deadlocks": self.deadlocks,
+            "fk_errors": self.fk_errors,
+            "job_runs": dict(self.job_runs),
+            "job_actions": dict(self.job_actions),
+            "job_errors": dict(self.job_errors),
+            "app_transactions": len(a.tx_ms),
+            "app_ops": dict(a.ops),
+            "app_errors": dict(a.errors),
+            "app_tx_p99_ms": _pct(a.tx_ms, 0.99),
+            "app_delete_n": len(a.delete_ms),
+            "app_delete_p50_ms": _pct(a.delete_ms, 0.5),
+            "app_delete_p99_ms": _pct(a.delete_ms, 0.99),
+            "app_delete_max_ms": max(a.delete_ms) if a.delete_ms else None,
+            "rows_written": self.rows_written,
+            "key_failures": self.key_failures,
+            "divergence": list(self.divergence) if self.divergence is not None else None,
+            "converged": self.converged,
+            "drained": self.drained,
+            "drain_seconds": self.drain_seconds,
+            "notes": self.notes,
+        }
+
+
+class Demo:
+    def __init__(self, opts: Options, out=sys.stderr) -> None:
+        self.opts, self.out = opts, out
+        self.tty = hasattr(out, "isatty") and out.isatty()
+        self.width = 0
+
+    # -- output
+    def say(self, msg: str) -> None:
+        self._clear()
+        print(f"[demo] {msg}", file=self.out, flush=True)
+
+    def _line(self, msg: str) -> None:
+        """The one refreshed progress line (carriage return, padded over the previous one)."""
+        pad = max(0, self.width - len(msg))
+        self.out.write("\r" + msg + " " * pad)
+        self.out.flush()
+        self.width = len(msg)
+
+    def _clear(self) -> None:
+        if self.width:
+            self.out.write("\n")
+            self.out.flush()
+            self.width = 0
+
+    # -- setup
+    def setup(self, admin_dsn: str) -> str:
+        from runner.migrate import migrate
+
+        name = self.opts.database
+        with psycopg.connect(admin_dsn, autocommit=True) as admin:
+            self.say(f"recreate database {name}")
+            admin.execute(sql.SQL(DROP_DB_SQL).format(sql.Identifier(name)))
+            admin.execute(sql.SQL(CREATE_DB_SQL).format(sql.Identifier(name)))
+        dsn = make_conninfo(admin_dsn, dbname=name)
+        self.say("migrate lockstep")
+        migrate(dsn)
+        self.say(f"install the example: {self.opts.parents} exams, job {JOB} (full recompute every {EVERY})")
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            with conn.transaction():
+                example.install(conn, parents=self.opts.parents, every=EVERY)
+            t0 = time.perf_counter()
+            outcome, error, ins = conn.execute(
+                "select outcome, error, inserted from lockstep.recompute(%s)", [JOB]
+            ).fetchone()
+            if outcome != "done":
+                raise RuntimeError(f"first lockstep.recompute: {outcome} {error}")
+            conn.execute("delete from lockstep.queue where job = %s", [JOB])
+            conn.execute("vacuum analyze example.exam, example.exam_item, example.exam_key")
+            self.say(f"first lockstep.recompute: {ins} exam_key rows in {time.perf_counter() - t0:.1f} s")
+        return dsn
+
+    def _deadlocks(self, conn: psycopg.Connection) -> int:
+        """pg_stat_database.deadlocks once every other session of the database is gone (exit flushes)."""
+        deadline = time.monotonic() + 10
+        while conn.execute(OTHER_BACKENDS_SQL).fetchone()[0] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        conn.execute("select pg_stat_clear_snapshot()")
+        return int(conn.execute(DEADLOCKS_SQL).fetchone()[0])
+
+    @staticmethod
+    def _ids(conn: psycopg.Connection) -> tuple[list[int], int]:
+        ids = [r[0] for r in conn.execute("select id from example.exam order by id")]
+        return ids, (max(ids) if ids else 0) + 1
+
+    # -- lockstep phase
+    def lockstep_phase(self, dsn: str, conn: psycopg.Connection) -> Phase:
+        ph = Phase("lockstep")
+        d0 = self._deadlocks(conn)
+        ids, first_new = self._ids(conn)
+        runners = [RunnerProc(dsn, i) for i in range(2)]
+        stop = threading.Event()
+        self.say(f"lockstep phase: 2 runners (lockstep run --tick 0.2) + {self.opts.clients} app clients "
+                 f"for {self.opts.seconds:g} s")
+        t0 = time.monotonic()
+        clients = start_clients(dsn, self.opts, first_new, ids, ph.app, stop)
+        try:
+            while (elapsed := time.monotonic() - t0) < self.opts.seconds:
+                self._progress("lockstep", elapsed, self.opts.seconds, conn, ph, runners=runners)
+                time.sleep(0.25)
+        finally:
+            stop.set()
+            for c in clients:
+                c.join()
+        ph.seconds = time.monotonic() - t0
+        self._progress("lockstep", ph.seconds, self.opts.seconds, conn, ph, runners=runners)
+        self._clear()
+        # let the runners drain what the app left in the queue
+        self.say("app clients stopped; letting the runners drain the queue")
+        t1 = time.monotonic()
+        ph.drained = False
+        while time.monotonic() - t1 < DRAIN_TIMEOUT:
+            depth = conn.execute(QUEUE_DEPTH_SQL, [JOB]).fetchone()[0]
+            busy = conn.execute(
+                "select count(*) from pg_stat_activity where datname = current_database()"
+                " and application_name = 'lockstep-runner' and state = 'active'"
+            ).fetchone()[0]
+            if depth == 0 and busy == 0:
+                ph.drained = True
+                break
+            self._line(f"[drain] queue {depth}")
+            time.sleep(0.2)
+        self._clear()
+        ph.drain_seconds = round(time.monotonic() - t1, 1)
+        for r in runners:
+            rc = r.stop()
+            if rc != 0:
+                ph.notes.append(f"a runner exited with code {rc}")
+            ph.job_actions.update(r.actions)
+            ph.job_runs.update(r.outcomes)
+            ph.rows_written += r.rows
+            ph.job_errors.update(r.errors)
+            ph.notes.extend(f"runner: {m}" for m in r.other[:5])
+        ph.deadlocks = self._deadlocks(conn) - d0
+        ph.fk_errors = ph.app.errors.get("23503", 0) + ph.job_errors.get("23503", 0)
+        ph.key_failures = int(conn.execute(KEY_FAILURES_SQL, [JOB]).fetchone()[0])
+        ph.divergence = example.divergence(conn)
+        return ph
+
+    # -- naive phase
+    def naive_phase(self, dsn: str, conn: psycopg.Connection) -> Phase:
+        ph = Phase("naive")
+        conn.execute("delete from lockstep.queue where job = %s", [JOB])
+        d0 = self._deadlocks(conn)
+        ids, first_new = self._ids(conn)
+        stop = threading.Event()
+        jobs = [NaiveJob(dsn, "recompute", stop), NaiveJob(dsn, "work", stop)]
+        self.say(f"naive phase: naive_recompute() looped + naive_work(keys from lockstep.queue) looped + "
+                 f"{self.opts.clients} app clients for {self.opts.naive_seconds:g} s")
+        t0 = time.monotonic()
+        for j in jobs:
+            j.start()
+        clients = start_clients(dsn, self.opts, first_new, ids, ph.app, stop)
+        try:
+            while (elapsed := time.monotonic() - t0) < self.opts.naive_seconds:
+                self._progress("naive", elapsed, self.opts.naive_seconds, conn, ph, naive=jobs)
+                time.sleep(0.25)
+        finally:
+            stop.set()
+            self._clear()
+            self.say("stopping: waiting for the naive jobs' current transactions to end")
+            for t in [*clients, *jobs]:
+                t.join()
+        ph.seconds = time.monotonic() - t0
+        self._clear()
+        for j in jobs:
+            ph.job_runs["done"] += j.runs
+            ph.job_actions[j.kind] += j.runs
+            ph.job_runs["failed"] += sum(j.errors.values())
+            ph.job_errors.update(j.errors)
+            ph.rows_written += j.rows
+        ph.deadlocks = self._deadlocks(conn) - d0
+        ph.fk_errors = ph.app.errors.get("23503", 0) + ph.job_errors.get("23503", 0)
+        ph.divergence = example.divergence(conn)
+        return ph
+
+    def _progress(self, name: str, elapsed: float, total: float, conn: psycopg.Connection, ph: Phase,
+                  runners: list[RunnerProc] | None = None, naive: list[NaiveJob] | None = None) -> None:
+        try:
+            depth = conn.execute(QUEUE_DEPTH_SQL, [JOB]).fetchone()[0]
+        except psycopg.Error:
+            depth = "?"
+        outcomes: Counter[str] = Counter()
+        for r in runners or []:
+            with r.lock:
+                outcomes.update(r.outcomes)
+        for j in naive or []:
+            outcomes["done"] += j.runs
+            outcomes["failed"] += sum(j.errors.values())
+        with ph.app.lock:
+            n = len(ph.app.tx_ms)
+            p99 = _pct(ph.app.tx_ms[-2000:], 0.99)
+            errs = sum(ph.app.errors.values())
+        runs = " ".join(f"{k} {v}" for k, v in sorted(outcomes.items())) or "none yet"
+        p99s = "-" if p99 is None else f"{p99:.1f} ms"
+        self._line(f"[{name} {elapsed:4.0f}/{total:g} s] runs: {runs} | queue {depth} | "
+                   f"app tx {n} (p99 {p99s}, errors {errs})")
+
+    def run(self) -> dict[str, Any]:
+        server = pick_server(self.opts, self.say)
+        self.say(server.note)
+        try:
+            dsn = self.setup(server.admin_dsn)
+            with psycopg.connect(dsn, autocommit=True, application_name="lockstep demo") as conn:
+                machine = {
+                    "nproc": os.cpu_count(),
+                    "postgresql": conn.execute("show server_version").fetchone()[0],
+                }
+                ls = self.lockstep_phase(dsn, conn)
+                naive = self.naive_phase(dsn, conn) if self.opts.naive_seconds > 0 else None
+            result = {
+                "machine": machine,
+                "server": server.note,
+                "parents": self.opts.parents,
+                "clients": self.opts.clients,
+                "lockstep": ls.to_dict(),
+                "naive": naive.to_dict() if naive else None,
+                "ok": ls.deadlocks == 0 and ls.converged,
+            }
+            if not self.opts.keep:
+                with psycopg.connect(server.admin_dsn, autocommit=True) as admin:
+                    admin.execute(sql.SQL(DROP_DB_SQL).format(sql.Identifier(self.opts.database)))
+            return result
+        finally:
+            self._clear()
+            server.stop()
+
+
+def run(opts: Options) -> dict[str, Any]:
+    return Demo(opts).run()
+
+
+def _f(v: Any, fmt: str = "{:.1f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def _errors(d: dict[str, int]) -> str:
+    return ", ".join(f"{k} x{v}" for k, v in sorted(d.items())) or "0"
+
+
+def render(r: dict[str, Any]) -> str:
+    ls, nv = r["lockstep"], r["naive"]
+    m = r["machine"]
+    lines = [
+        f"lockstep demo: {r['parents']} exams, {r['clients']} app clients, {m['nproc']} CPUs, "
+        f"PostgreSQL {m['postgresql']} ({r['server']})",
+        "",
+    ]
+
+    def conv(p: dict[str, Any]) -> str:
+        if p["divergence"] is None:
+            return "-"
+        if p["converged"]:
+            return "yes"
+        return f"NO: {p['divergence'][0]} missing, {p['divergence'][1]} extra"
+
+    def runs(p: dict[str, Any]) -> str:
+        actions = ", ".join(f"{k} {v}" for k, v in sorted(p["job_actions"].items()) if v)
+        done = f"done {p['job_runs'].get('done', 0)}" + (f" ({actions})" if actions else "")
+        return done + f", failed {p['job_runs'].get('failed', 0)}"
+
+    rows = [
+        ("", "lockstep", "naive"),
+        ("seconds", lambda p: _f(p["seconds"])),
+        ("job runs", runs),
+        ("deadlocks (pg_stat_database)", lambda p: str(p["deadlocks"])),
+        ("FK errors (23503)", lambda p: str(p["fk_errors"])),
+        ("job errors", lambda p: _errors(p["job_errors"])),
+        ("app transactions", lambda p: str(p["app_transactions"])),
+        ("app errors", lambda p: _errors(p["app_errors"])),
+        ("app transaction p99 ms", lambda p: _f(p["app_tx_p99_ms"], "{:.2f}")),
+        ("app DELETE n", lambda p: str(p["app_delete_n"])),
+        ("app DELETE p50 ms", lambda p: _f(p["app_delete_p50_ms"], "{:.2f}")),
+        ("app DELETE p99 ms", lambda p: _f(p["app_delete_p99_ms"], "{:.2f}")),
+        ("app DELETE max ms", lambda p: _f(p["app_delete_max_ms"], "{:.2f}")),
+        ("exam_key rows written", lambda p: f"{p['rows_written']:,}"),
+        ("converged (exam_key = compute)", conv),
+    ]
+    table = [rows[0]] + [
+        (label, fn(ls), fn(nv) if nv else "skipped") for label, fn in rows[1:]  # type: ignore[operator]
+    ]
+    widths = [max(len(row[i]) for row in table) for i in range(3)]
+    for row in table:
+        lines.append(f"  {row[0].ljust(widths[0])}  {row[1].rjust(widths[1])}  {row[2].rjust(widths[2])}")
+    lines.append("")
+    drained = f"in {_f(ls['drain_seconds'])} s" if ls["drained"] else "NOT drained"
+    failures = ls["key_failures"]
+    lines.append(f"lockstep: queue drained {drained} after the app stopped; key failures {failures}")
+    for note in ls["notes"]:
+        lines.append(f"lockstep note: {note}")
+    if nv:
+        lines.append("naive: the convergence check is taken right after it stopped (no drain); "
+                     "its failures are the point of the comparison")
+    lines.append("")
+    if r["ok"]:
+        lines.append("OK: lockstep had 0 deadlocks and exam_key converged.")
+    else:
+        lines.append("FAILED: lockstep " + ("deadlocked" if ls["deadlocks"] else "did not converge") + ".")
+    return "\n".join(lines)
+
+
+def to_json(r: dict[str, Any]) -> str:
+    return json.dumps(r, indent=2, default=str)
