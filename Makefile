@@ -6,7 +6,9 @@ PYTEST_ARGS ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint clean
+DEMO_ARGS ?=
+
+.PHONY: test lint clean demo
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +22,11 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/pytest -q $(PYTEST_ARGS)
+
+# make demo: lockstep vs the naive jobs on the example (docs/demo.md). make demo DEMO_ARGS="--parents 5000"
+demo: | $(BIN)/python
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[demo]'
+	$(BIN)/lockstep demo $(DEMO_ARGS)
 
 clean:
 	rm -rf $(VENV) dist build .pytest_cache .ruff_cache .hypothesis *.egg-info
