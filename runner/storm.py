@@ -11,7 +11,8 @@ Creates its own database ``lockstep_storm_<pid>`` on the admin DSN's server (dro
   its index``, so application transactions never wait for each other: every lock wait they meet is lockstep.
 
 Then: stop the clients, let the runners drain the queue (deadline), stop them with SIGTERM (exit 0 expected),
-run a final ``lockstep.work`` (must be ``idle``) and ``lockstep.recompute`` (must write nothing), and check:
+run a final ``lockstep.recompute`` (must write nothing) and ``lockstep.work`` (must be ``idle``; it gives way
+while the recompute is due, hence that order), and check:
 no deadlocks (``pg_stat_database.deadlocks`` delta, and no 40P01 anywhere), no FK violation (23503), no
 failed run (runner JSON logs), no application error, no failing key, divergence (0, 0).
 
@@ -445,8 +446,9 @@ class Storm:
         records = rs.records()
         with psycopg.connect(self.dsn, autocommit=True) as conn:
             queue_left = conn.execute(QUEUE_SQL, [JOB]).fetchone()[0]
-            final_work = _one_result(conn, WORK_SQL)
+            # recompute first: work gives way ("busy") while the group's periodic recompute is due
             final_recompute = _one_result(conn, RECOMPUTE_SQL)
+            final_work = _one_result(conn, WORK_SQL)
             failing_keys = conn.execute(FAILING_SQL, [JOB]).fetchone()[0]
             missing, extra = example.divergence(conn)
             exams = conn.execute("select count(*) from example.exam").fetchone()[0]

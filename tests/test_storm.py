@@ -1,0 +1,52 @@
+"""``lockstep storm`` in the suite: a short storm (app clients + runner processes) keeps every invariant."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from runner import storm
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_short_storm_keeps_every_invariant(admin_dsn, tmp_path):
+    r = storm.run(admin_dsn, seconds=22, parents=300, clients=4, runners=2, every="3 seconds",
+                  progress=lambda msg: None, log_dir=tmp_path)
+    report = storm.render(r)
+    assert r["deadlocks"] == 0, report
+    assert r["app"]["errors"] == {}, report
+    assert r["app"]["disconnects"] == 0, report
+    assert r["runner"]["failed"] == 0, report
+    assert r["runner"]["problems"] == [], report
+    assert r["runner"]["exit_codes"] == [0, 0], report
+    assert r["drain"]["drained"] and r["drain"]["queue_left"] == 0, report
+    assert r["final_work"]["outcome"] == "idle", report
+    fr = r["final_recompute"]
+    assert (fr["outcome"], fr["inserted"], fr["updated"], fr["deleted"]) == ("done", 0, 0, 0), report
+    assert r["failing_keys"] == 0, report
+    assert r["divergence"] == [0, 0], report
+    assert r["ok"], report
+    # the storm really stormed: every kind of app transaction, work and recompute runs both happened
+    kinds = {"delete_one", "delete_any", "delete_each", "merge", "edit", "insert"}
+    assert set(r["app"]["ops"]) == kinds, report
+    assert r["app"]["transactions"] > 200, report
+    assert r["runner"]["runs"].get("work:done", 0) > 0, report
+    assert r["runner"]["runs"].get("recompute:done", 0) > 0, report
+
+
+@pytest.mark.slow
+def test_storm_command_json_and_exit_code(admin_dsn):
+    p = subprocess.run(
+        [sys.executable, "-m", "runner", "storm", "--dsn", admin_dsn, "--seconds", "2", "--parents", "60",
+         "--clients", "2", "--runners", "1", "--json"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    r = json.loads(p.stdout)
+    assert r["ok"] and r["database"] is None, p.stdout
+    assert all(r["checks"].values())
+    assert "[storm] create database lockstep_storm_" in p.stderr
