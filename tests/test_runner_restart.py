@@ -1,0 +1,187 @@
+"""``lockstep run`` across a real PostgreSQL restart (issue 5).
+
+A throw-away cluster (the installed PostgreSQL 15 binaries, trust auth, bootstrap superuser ``root``) in a
+directory under /tmp owned by ``postgres``: initdb and the server refuse to run as root, so as root every
+server command goes through ``runuser -u postgres --``. The cluster is stopped (``-m immediate``) and
+removed at teardown, even on failure.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg.conninfo import make_conninfo
+from runner_procs import Runner, runner_backends, wait_for
+
+from runner.example import JOB, divergence
+from runner.migrate import migrate
+
+BIN = Path(os.environ.get("LOCKSTEP_PG_BIN", "/usr/lib/postgresql/15/bin"))
+
+pytestmark = pytest.mark.skipif(not (BIN / "pg_ctl").exists(), reason=f"no PostgreSQL binaries in {BIN}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Cluster:
+    def __init__(self) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="lockstep-pg-"))
+        self.data = self.root / "data"
+        self.logfile = self.root / "server.log"
+        self.port = free_port()
+        self.as_postgres = os.geteuid() == 0
+        if self.as_postgres:
+            shutil.chown(self.root, "postgres", "postgres")
+        self.dsn = make_conninfo(host="127.0.0.1", port=self.port, dbname="postgres", user="root")
+
+    def _run(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        cmd = [str(BIN / args[0]), *args[1:]]
+        if self.as_postgres:
+            cmd = ["runuser", "-u", "postgres", "--", *cmd]
+        p = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
+        if p.returncode != 0:
+            raise AssertionError(
+                f"{' '.join(cmd)} exited {p.returncode}:\n{p.stdout}\n{p.stderr}\n{self.log}"
+            )
+        return p
+
+    @property
+    def log(self) -> str:
+        try:
+            return self.logfile.read_text()
+        except OSError:
+            return ""
+
+    def init_and_start(self) -> None:
+        self._run("initdb", "-D", str(self.data), "-U", "root", "--auth=trust", "--no-sync", "-E", "UTF8")
+        opts = (
+            f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off"
+            " -c synchronous_commit=off -c full_page_writes=off -c max_connections=20 -c shared_buffers=16MB"
+        )
+        self._run("pg_ctl", "-D", str(self.data), "-o", opts, "-l", str(self.logfile), "-w", "start")
+
+    def pg_ctl(self, *args: str) -> None:
+        # -l again: without it a restarted server writes to pg_ctl's stdout, a pipe that would never close
+        self._run("pg_ctl", "-D", str(self.data), "-l", str(self.logfile), "-w", *args)
+
+    def destroy(self) -> None:
+        if (self.data / "postmaster.pid").exists():
+            try:
+                self._run("pg_ctl", "-D", str(self.data), "-m", "immediate", "-w", "stop", timeout=30)
+            except (AssertionError, subprocess.TimeoutExpired):
+                pass
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    c = Cluster()
+    try:
+        c.init_and_start()
+        yield c
+    finally:
+        c.destroy()
+
+
+@pytest.fixture
+def cluster_dsn(cluster: Cluster) -> Iterator[str]:
+    """A database in the throw-away cluster with lockstep and the example (30 exams, converged)."""
+    from runner import example
+
+    name = f"restart_{os.getpid()}_{time.monotonic_ns()}"
+    with psycopg.connect(cluster.dsn, autocommit=True) as admin:
+        admin.execute(f'create database "{name}"')
+    dsn = make_conninfo(cluster.dsn, dbname=name)
+    migrate(dsn)
+    with psycopg.connect(dsn, autocommit=True) as c:
+        example.install(c, parents=30)
+        c.execute("select lockstep.recompute(%s)", [JOB])
+        c.execute("delete from lockstep.queue")
+        c.execute(
+            "update lockstep.job_state set next_run_at = now() + interval '1 hour' where job = %s", [JOB]
+        )
+    yield dsn
+    with psycopg.connect(cluster.dsn, autocommit=True) as admin:
+        admin.execute(f'drop database if exists "{name}" with (force)')
+
+
+@pytest.fixture
+def runner(tmp_path: Path) -> Iterator:
+    started: list[Runner] = []
+
+    def _start(dsn: str, *args: str) -> Runner:
+        r = Runner(dsn, list(args), tmp_path / f"runner{len(started)}.log")
+        started.append(r)
+        return r
+
+    yield _start
+    for r in started:
+        r.kill()
+
+
+def _try(dsn: str, fn):
+    """fn(conn) on a fresh connection, or None while the server is down."""
+    try:
+        with psycopg.connect(dsn, autocommit=True, connect_timeout=2) as c:
+            return fn(c)
+    except psycopg.OperationalError:
+        return None
+
+
+@pytest.mark.parametrize("mode", ["fast", "immediate"])
+def test_runner_reconnects_after_a_server_restart(cluster, cluster_dsn, runner, mode):
+    r = runner(cluster_dsn, "--tick", "0.2")
+    with psycopg.connect(cluster_dsn, autocommit=True) as c:
+        old = wait_for(lambda: runner_backends(c), what="runner connected")
+        c.execute("update example.exam_item set body = body || ' before' where exam_id in (1, 2)")
+        wait_for(lambda: c.execute("select count(*) from lockstep.queue").fetchone()[0] == 0, what="worked")
+        assert divergence(c) == (0, 0)
+
+    cluster.pg_ctl("-m", mode, "restart")
+    back = time.monotonic()
+
+    def app_write(c: psycopg.Connection) -> bool:
+        c.execute("update example.exam_item set body = body || ' after' where exam_id in (3, 4, 5)")
+        c.execute("delete from example.exam where id = 6")
+        return True
+
+    assert _try(cluster_dsn, app_write)
+
+    def converged(c: psycopg.Connection) -> bool:
+        return (
+            c.execute("select count(*) from lockstep.queue").fetchone()[0] == 0
+            and divergence(c) == (0, 0)
+            and bool(runner_backends(c))
+        )
+
+    # the runner's backoff is capped at 10 s but starts at 0.1 s: back within a few seconds of the server
+    wait_for(lambda: _try(cluster_dsn, converged), timeout=6, what="work enqueued after the restart done")
+    took = time.monotonic() - back
+    new = _try(cluster_dsn, runner_backends)
+    assert new and not set(new) & set(old), (old, new)
+    wait_for(lambda: "recovered after" in r.stderr, timeout=3, what="recovery line")
+
+    r.signal(signal.SIGTERM)
+    assert r.wait() == 0
+    err = r.stderr
+    lines = err.splitlines()
+    assert "Traceback" not in err, err
+    problems = [ln for ln in lines if " WARNING " in ln or " ERROR " in ln]
+    assert len(problems) == 1 and "retrying with backoff" in problems[0], err
+    assert len([ln for ln in lines if "recovered after" in ln]) == 1, err
+    assert "exam_keys work done" in err
+    print(f"restart -m {mode}: converged {took:.2f} s after the server was back; {problems[0]}")
