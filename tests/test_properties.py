@@ -1,0 +1,306 @@
+"""Property-based interleavings (hypothesis): app transactions, enqueues, workers and recomputes on three
+connections, in any order, never deadlock (40P01), never hit an FK error (23503), never make a lockstep
+call wait, and converge (divergence (0, 0)) once everything is committed and the queue drained.
+
+Each example gets a fresh clone of the example database (200 exams, recomputed). A generated step goes to
+one of three connections; each connection has its own thread and runs its steps in order. After each step
+every connection is *settled*: its steps are all done, or the one it is running is seen blocked by
+``pg_blocking_pids`` (no sleeping, no timing assumptions). A blocked connection's later steps wait behind
+it; the sequence goes on with the others, and the blocked step completes when its blocker commits.
+
+The application's own protocol (so that the app cannot deadlock with itself, which is not lockstep's
+business): an app transaction locks the parents it works on first, ``FOR UPDATE`` in id order, then only
+touches those (a merge locks both parents; it is only allowed as the first app step of a transaction).
+A connection whose open transaction has called ``lockstep.work`` / ``recompute`` (and so holds the job's
+write-phase locks) does no more app writes before it commits: app steps there are skipped. App steps may
+wait for lockstep's write phase; lockstep steps (enqueue, work, recompute) must never wait.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import psycopg
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from runner import example
+
+N_PARENTS = 6  # few parents, so that transactions meet on the same ones
+SETTLE_TIMEOUT = 30.0
+LOCKSTEP_OPS = ("enqueue", "work", "recompute")
+APP_OPS = ("delete", "merge", "edit", "insert")
+OPS = ("begin", "commit", "rollback", *APP_OPS, *LOCKSTEP_OPS)
+
+# weights: transactions are opened more often than closed, so that they overlap
+WEIGHTED_OPS = ("begin",) * 3 + ("commit",) * 2 + ("rollback",) + APP_OPS * 2 + LOCKSTEP_OPS * 2
+step_strategy = st.tuples(
+    st.integers(0, 2),
+    st.sampled_from(WEIGHTED_OPS),
+    st.integers(1, N_PARENTS),
+    st.integers(1, N_PARENTS),
+)
+
+
+@dataclass
+class Session:
+    """One connection, its thread, and the model of its transaction (kept by the main thread)."""
+
+    name: str
+    conn: psycopg.Connection
+    pid: int
+    inbox: queue.Queue = field(default_factory=queue.Queue)
+    current: str | None = None  # label of the step being run (set by the thread)
+    pending: int = 0  # steps sent and not finished
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    # model (main thread only)
+    in_txn: bool = False
+    parents: list[int] | None = None  # parents this transaction has locked (app protocol)
+    holds_lockstep: bool = False  # this transaction called work/recompute
+
+    def reset_txn(self) -> None:
+        self.in_txn, self.parents, self.holds_lockstep = False, None, False
+
+
+class Interleaving:
+    def __init__(self, dsn: str) -> None:
+        self.dsn = dsn
+        self.errors: list[str] = []
+        self.violations: list[str] = []
+        self.blocked: list[str] = []  # steps seen waiting for a lock (app steps only, if all is well)
+        self.trace: list[str] = []
+        self.next_id = 10_000
+        self.observer = psycopg.connect(dsn, autocommit=True)
+        self.sessions: list[Session] = []
+        for i in range(3):
+            c = psycopg.connect(dsn, autocommit=True, application_name=f"prop/s{i}")
+            c.execute("set deadlock_timeout = '100ms'")
+            s = Session(f"s{i}", c, c.info.backend_pid)
+            threading.Thread(target=self._serve, args=(s,), daemon=True).start()
+            self.sessions.append(s)
+
+    # threads -------------------------------------------------------------------------------------------
+    def _serve(self, s: Session) -> None:
+        while True:
+            item = s.inbox.get()
+            if item is None:
+                return
+            label, fn = item
+            with s.lock:
+                s.current = label
+            try:
+                fn(s.conn)
+            except psycopg.Error as exc:
+                self.errors.append(f"{s.name} {label}: {exc.sqlstate}: {str(exc).splitlines()[0]}")
+            except Exception as exc:  # noqa: BLE001 - reported as a failure of the example
+                self.errors.append(f"{s.name} {label}: {type(exc).__name__}: {exc}")
+            finally:
+                with s.lock:
+                    s.current = None
+                    s.pending -= 1
+
+    def send(self, s: Session, label: str, fn: Callable[[psycopg.Connection], object]) -> None:
+        self.trace.append(f"{s.name}: {label}" + (" (queued behind a blocked step)" if s.pending else ""))
+        with s.lock:
+            s.pending += 1
+        s.inbox.put((label, fn))
+        self.settle()
+
+    def settle(self) -> None:
+        """Wait until every session is done with its steps or blocked on a lock."""
+        deadline = time.monotonic() + SETTLE_TIMEOUT
+        while True:
+            running = [s for s in self.sessions if s.pending]
+            if running:
+                blockers = dict(
+                    self.observer.execute(
+                        "select p, pg_blocking_pids(p) from unnest(%s::int[]) p", [[s.pid for s in running]]
+                    ).fetchall()
+                )
+            unsettled = []
+            for s in running:
+                with s.lock:
+                    current, pending = s.current, s.pending
+                if not pending:
+                    continue
+                if blockers.get(s.pid) and current is not None:
+                    if f"{s.name} {current}" not in self.blocked:
+                        self.blocked.append(f"{s.name} {current}")
+                    if current.split()[0] in LOCKSTEP_OPS:
+                        msg = f"{s.name} {current}: lockstep call waits for {blockers[s.pid]}"
+                        if msg not in self.violations:
+                            self.violations.append(msg)
+                    continue
+                unsettled.append(s.name)
+            if not unsettled:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not settled after {SETTLE_TIMEOUT} s: {unsettled}\n" + self.report())
+            time.sleep(0.002)
+
+    def close(self) -> None:
+        for s in self.sessions:
+            if s.pending:
+                self.observer.execute("select pg_terminate_backend(%s)", [s.pid])
+            s.inbox.put(None)
+        for s in self.sessions:
+            s.conn.close()
+        self.observer.close()
+
+    def report(self) -> str:
+        return "\n".join(["trace:", *self.trace, "errors:", *self.errors, "violations:", *self.violations])
+
+    # steps ---------------------------------------------------------------------------------------------
+    def step(self, who: int, op: str, p: int, q: int) -> None:
+        s = self.sessions[who]
+        if op == "begin":
+            if not s.in_txn:
+                s.in_txn = True
+                self.send(s, "begin", lambda c: c.execute("begin"))
+        elif op in ("commit", "rollback"):
+            if s.in_txn:
+                s.reset_txn()
+                self.send(s, op, lambda c, op=op: c.execute(op))
+        elif op == "enqueue":
+            self.send(s, f"enqueue {p}", lambda c: c.execute(
+                "select lockstep.enqueue(%s, array[%s]::bigint[])", [example.JOB, p]))
+        elif op in ("work", "recompute"):
+            if s.in_txn:
+                s.holds_lockstep = True
+            self.send(s, op, lambda c, op=op: self._lockstep_call(c, op))
+        else:
+            self._app(s, op, p, q)
+
+    def _lockstep_call(self, c: psycopg.Connection, op: str) -> None:
+        outcome, error = c.execute(f"select outcome, error from lockstep.{op}(%s)", [example.JOB]).fetchone()
+        if outcome == "failed" or error is not None:
+            self.errors.append(f"lockstep.{op}: {outcome}: {error}")
+
+    def _app(self, s: Session, op: str, p: int, q: int) -> None:
+        if s.holds_lockstep:
+            self.trace.append(f"{s.name}: {op} skipped (transaction holds lockstep's write locks)")
+            return
+        if op == "insert":
+            self.next_id += 1
+            new = self.next_id
+            if s.in_txn and s.parents is None:
+                s.parents = [new]
+            stmts = [
+                ("insert into example.exam (id, title, body) values (%s, 'fresh title', 'new exam body')",
+                 [new]),
+                ("insert into example.exam_item (exam_id, body) values (%s, 'first item words')", [new]),
+            ]
+            self._send_app(s, f"insert {new}", [], stmts)
+            return
+        if op == "merge":
+            if p == q or (s.in_txn and s.parents is not None and sorted(s.parents) != sorted([p, q])):
+                self.trace.append(f"{s.name}: merge {p}->{q} skipped (not the transaction's parents)")
+                return
+            lock = sorted([p, q])
+            stmts = [
+                ("update example.exam_item set exam_id = %s where exam_id = %s"
+                 " and exists (select from example.exam where id = %s)", [q, p, q]),
+                ("delete from example.exam where id = %s and exists (select from example.exam where id = %s)",
+                 [p, q]),
+            ]
+            if s.in_txn:
+                s.parents = lock
+            self._send_app(s, f"merge {p}->{q}", lock, stmts)
+            return
+        if s.in_txn and s.parents is not None:
+            p = s.parents[0]  # the transaction's own parent
+        elif s.in_txn:
+            s.parents = [p]
+        if op == "delete":
+            stmts = [("delete from example.exam where id = %s", [p])]
+        else:  # edit
+            self.next_id += 1
+            word = f"edit{self.next_id % 50}"
+            stmts = [
+                ("update example.exam set body = body || ' ' || %s where id = %s", [word, p]),
+                ("update example.exam_item set body = %s || ' item' where exam_id = %s", [word, p]),
+            ]
+        self._send_app(s, f"{op} {p}", [p], stmts)
+
+    def _send_app(self, s: Session, label: str, lock: list[int], stmts: list[tuple[str, list]]) -> None:
+        def run(c: psycopg.Connection) -> None:
+            def body() -> None:
+                if lock:
+                    c.execute("select id from example.exam where id = any(%s) order by id for update", [lock])
+                for q, args in stmts:
+                    c.execute(q, args)
+
+            if c.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS:
+                body()
+            else:
+                with c.transaction():
+                    body()
+
+        self.send(s, label, run)
+
+    def finish(self) -> None:
+        for s in self.sessions:
+            if s.in_txn:
+                s.reset_txn()
+                self.send(s, "commit (end)", lambda c: c.execute("commit"))
+        self.settle()
+        assert not any(s.pending for s in self.sessions), self.report()
+
+
+def drain(c: psycopg.Connection) -> None:
+    for _ in range(50):
+        # keys skipped while an app held their parent are deferred by a second: make them ready now
+        c.execute("update lockstep.queue set ready_at = now() where ready_at > now()")
+        outcome, error = c.execute("select outcome, error from lockstep.work(%s)", [example.JOB]).fetchone()
+        assert error is None, error
+        if outcome == "idle" and c.execute("select count(*) from lockstep.queue").fetchone()[0] == 0:
+            return
+    raise AssertionError("queue not drained after 50 passes")
+
+
+RESET = f"""
+truncate example.exam, example.exam_item, example.exam_key, lockstep.queue, lockstep.key_failure;
+select example.seed({N_PARENTS});
+select lockstep.recompute('{example.JOB}');
+delete from lockstep.queue;
+update lockstep.job_state set retry_at = null, consecutive_failures = 0;
+"""
+
+
+def reset(dsn: str) -> None:
+    """Back to N_PARENTS exams, recomputed, empty queue (cheaper than a new database per example)."""
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute(RESET)
+        assert example.divergence(c) == (0, 0)
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(steps=st.lists(step_strategy, min_size=4, max_size=30))
+def test_interleavings_never_deadlock_and_converge(example_dsn, steps):
+    dsn = example_dsn
+    reset(dsn)
+    run = Interleaving(dsn)
+    try:
+        for who, op, p, q in steps:
+            run.step(who, op, p, q)
+        run.finish()
+        deadlocks = [e for e in run.errors if "40P01" in e]
+        fk_errors = [e for e in run.errors if "23503" in e]
+        assert deadlocks == [], run.report()
+        assert fk_errors == [], run.report()
+        assert run.errors == [], run.report()
+        assert run.violations == [], run.report()
+    finally:
+        run.close()
+    with psycopg.connect(dsn, autocommit=True) as c:
+        drain(c)
+        assert c.execute("select count(*) from lockstep.key_failure").fetchone()[0] == 0
+        assert example.divergence(c) == (0, 0), run.report()
