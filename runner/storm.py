@@ -597,7 +597,8 @@ def render(r: dict[str, Any]) -> str:
         "runs by outcome    " + ", ".join(f"{k} {v}" for k, v in rn["runs"].items()),
         "rows written       " + ", ".join(f"{k} {v}" for k, v in rn["rows"].items()),
         f"drain              {r['drain']['seconds']} s (queue left {r['drain']['queue_left']}); "
-        f"runner exit codes {rn['exit_codes']}",
+        f"runner exit codes {rn['exit_codes']}"
+        + (f"; runner connection losses {rn['disconnects']}" if rn["disconnects"] else ""),
         f"final passes       work {r['final_work']['outcome']}, recompute {r['final_recompute']['outcome']} "
         f"+{r['final_recompute']['inserted']} ~{r['final_recompute']['updated']} "
         f"-{r['final_recompute']['deleted']}",

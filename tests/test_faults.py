@@ -265,6 +265,7 @@ def test_storm_survives_a_postgres_restart(throwaway_cluster, tmp_path):
     assert len(restarts) == 1
     # the restart cut every connection: clients reconnected (counted apart), nothing else went wrong
     assert r["app"]["disconnects"] > 0, report
+    assert r["runner"]["disconnects"] > 0, report
     assert r["app"]["errors"] == {}, report
     assert r["deadlocks"] == 0, report
     assert r["runner"]["failed"] == 0, report
