@@ -105,7 +105,14 @@ def queue_depths(conn: psycopg.Connection) -> dict[str, int]:
     return dict(conn.execute("select job, queue_depth from lockstep.status").fetchall())
 
 
-def cancel_backend(dsn: str | None, pid: int, prepare: bool | None = None) -> bool:
-    """pg_cancel_backend(pid) from a fresh connection (the runner's own is busy)."""
-    with connect(dsn, prepare=prepare, app_name=APP_NAME + "-cancel", connect_timeout=5) as c:
-        return bool(c.execute("select pg_cancel_backend(%s)", [pid]).fetchone()[0])
+def cancel(conn: psycopg.Connection) -> None:
+    """Cancel the statement running on ``conn`` with the protocol's cancel request (its own short connection).
+
+    Not pg_cancel_backend(pid): behind a transaction pooler the pid a client sees is not the server's, but
+    PgBouncer forwards a cancel request to the server connection running the client's statement.
+    """
+    safe = getattr(conn, "cancel_safe", None)  # psycopg >= 3.2: bounded by a timeout
+    if safe is not None:
+        safe(timeout=5.0)
+    else:
+        conn.cancel()

@@ -94,11 +94,11 @@ class Runner:
             self.stopping = True
             log.info("%s: finishing the current call, then exiting", name)
             return
-        pid = self.pid
+        pid, conn = self.pid, self.conn
         log.warning("second signal (%s): cancelling backend %s and exiting", name, pid)
-        if pid is not None:
+        if conn is not None and not conn.closed:
             try:
-                db.cancel_backend(self.opts.dsn, pid, prepare=self.opts.prepare)
+                db.cancel(conn)
             except Exception as exc:  # noqa: BLE001 - best effort on the way out
                 log.warning("could not cancel backend %s: %s", pid, describe(exc))
         logging.shutdown()

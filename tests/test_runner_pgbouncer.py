@@ -172,33 +172,44 @@ def test_two_runners_through_pgbouncer_work_the_queue_and_recompute(ex, pgbounce
 def test_each_call_is_one_statement_with_no_session_state(ex, pgbouncer, connect):
     """Consecutive statements of one client land on different server connections; the calls still work."""
     client = pgbouncer.connect()
-    holder = pgbouncer.connect()
+    holders: list[psycopg.Connection] = []
+
+    def pin(pid: int) -> list[int]:
+        """Open transactions from other clients until one holds server connection ``pid`` (at most 3 of
+        the pool's 4, so the client still gets one); the server pids they hold."""
+        held: list[int] = []
+        while pid not in held and len(held) < 3:
+            h = pgbouncer.connect()
+            holders.append(h)
+            h.execute("begin")
+            held.append(h.execute("select pg_backend_pid()").fetchone()[0])
+        assert pid in held, (pid, held)
+        return held
+
+    def unpin() -> None:
+        while holders:
+            holders.pop().close()
+
     try:
-        # a new client statement gets the server connection used last (LIFO); a transaction left open by
-        # another client pins that one, so the client's next statement must use another server connection
         pid1 = client.execute(
             "select pg_backend_pid(), lockstep.enqueue(%s, array[3, 4, 5]::bigint[])", [JOB]
         ).fetchone()[0]
         ex.execute("delete from example.exam_key where exam_id in (3, 4, 5)")
-        holder.execute("begin")
-        assert holder.execute("select pg_backend_pid()").fetchone()[0] == pid1
+        held = pin(pid1)  # the client's next statement must run on another server connection
         row = client.execute(
             "select pg_backend_pid(), r.outcome, r.inserted from lockstep.work(%s) r", [JOB]
         ).fetchone()
-        assert row[0] != pid1
+        assert row[0] not in held, (row, held)
         assert row[1] == "done" and row[2] > 0, row
-        # a recompute while the holder pins whichever server connection it gets now
-        holder.execute("commit")
-        holder.execute("begin")
-        pinned = holder.execute("select pg_backend_pid()").fetchone()[0]
+        unpin()
+        held = pin(row[0])
         row2 = client.execute(
             "select pg_backend_pid(), r.outcome from lockstep.recompute(%s) r", [JOB]
         ).fetchone()
-        assert row2[0] != pinned and row2[1] == "done", row2
-        holder.execute("commit")
+        assert row2[0] not in held and row2[1] == "done", (row2, held)
     finally:
+        unpin()
         client.close()
-        holder.close()
     assert queue_depth(ex) == 0
     assert divergence(ex) == (0, 0)
 
@@ -216,3 +227,43 @@ def test_each_call_is_one_statement_with_no_session_state(ex, pgbouncer, connect
         " current_setting('search_path')"
     ).fetchone()
     assert leftovers == (0, 0, 0, 0, path), leftovers
+
+
+SLOW_FN = """
+create sequence public.calls;
+create table public.ticks (id bigserial primary key, at timestamptz not null default clock_timestamp());
+create function public.slow_fn() returns void language plpgsql as $$
+begin
+    if nextval('public.calls') = 1 then perform pg_sleep(30); end if;  -- only the first call is slow
+    insert into public.ticks default values;
+end $$;
+select lockstep.define_job('slow', 'public.slow_fn()', every => '1 hour');
+"""
+
+
+def _in_slow_call(conn: psycopg.Connection) -> int | None:
+    row = conn.execute(
+        "select a.pid from pg_stat_activity a join pg_locks l on l.pid = a.pid and l.locktype = 'advisory'"
+        " and l.granted where a.wait_event = 'PgSleep' and a.datname = current_database()"
+    ).fetchone()
+    return row[0] if row else None
+
+
+def test_a_second_signal_cancels_the_call_through_pgbouncer(ex, pgbouncer, runners):
+    """The backend pid a client sees behind PgBouncer is not the server's: the runner must cancel with the
+    protocol's cancel request (which PgBouncer forwards), not with pg_cancel_backend(pid)."""
+    ex.execute("update lockstep.job_state set next_run_at = now() + interval '1 hour' where job = %s", [JOB])
+    ex.execute(SLOW_FN)
+    r = runners(pgbouncer.dsn, "--no-listen", "--no-prepare", "--tick", "0.2")
+    wait_for(lambda: _in_slow_call(ex), what="runner inside slow_fn")
+    r.signal(signal.SIGTERM)
+    r.signal(signal.SIGINT)
+    assert r.wait(timeout=10) == 1
+    wait_for(lambda: _in_slow_call(ex) is None, timeout=5, what="slow call cancelled")
+    locks = ex.execute(
+        "select count(*) from pg_locks where locktype = 'advisory'"
+        " and database = (select oid from pg_database where datname = current_database())"
+    )
+    assert locks.fetchone()[0] == 0
+    assert ex.execute("select count(*) from public.ticks").fetchone()[0] == 0
+    assert "cancelling" in r.stderr and "could not cancel" not in r.stderr, r.stderr
