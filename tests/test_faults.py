@@ -138,17 +138,20 @@ def test_failing_compute_writes_nothing_keeps_queue_backs_off(ex, example_dsn, t
 
 # kill -9 of a runner in its write phase ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("check_interval", [None, "100ms"])
-def test_runner_killed_in_write_phase_leaves_nothing_partial(ex, example_dsn, connect, tmp_path,
-                                                             check_interval):
+@pytest.mark.parametrize("orphan", ["terminate", "check_interval", "release"])
+def test_runner_killed_in_write_phase_leaves_nothing_partial(ex, example_dsn, connect, tmp_path, orphan):
     """The runner's backend is blocked inside the write phase (an AFTER INSERT trigger on the target waits for
     an advisory lock the test holds); the runner process gets SIGKILL.
 
-    A backend blocked on a lock does not notice its client is gone: with the default
-    client_connection_check_interval = 0 it keeps waiting (and keeps the group lock and the uncommitted
-    writes) until it is terminated or the lock is granted, when it would fail on its next write to the
-    socket. With client_connection_check_interval set (here through PGOPTIONS), it notices and exits alone.
-    Either way the transaction rolls back: nothing partial, the queue keeps its keys.
+    A backend blocked on a lock does not notice that its client is gone: with the default
+    client_connection_check_interval = 0 it keeps waiting, with the group lock and its uncommitted writes.
+    - ``terminate``: pg_terminate_backend ends it; the transaction rolls back.
+    - ``check_interval``: with client_connection_check_interval = 100ms (through PGOPTIONS) it notices the
+      lost client while waiting and exits alone; the transaction rolls back.
+    - ``release``: the lock is granted; the backend finishes the pass and commits it (autocommit: the
+      commit precedes sending the result to the dead client), then exits.
+    Either way the pass is atomic: nothing partial in the target, and the queue keeps the keys unless the
+    whole pass committed.
     """
     ex.execute(DEFINE_SQL, ["example.exam_key_compute(bigint[])", "1 hour"])
     assert ex.execute("select outcome from lockstep.recompute(%s)", [JOB]).fetchone()[0] == "done"
@@ -160,7 +163,7 @@ def test_runner_killed_in_write_phase_leaves_nothing_partial(ex, example_dsn, co
     ex.execute("delete from example.exam where id in (41, 42)")
     before_target, before_queue = _target(ex), _queue(ex)
 
-    env = {"PGOPTIONS": f"-c client_connection_check_interval={check_interval}"} if check_interval else None
+    env = {"PGOPTIONS": "-c client_connection_check_interval=100ms"} if orphan == "check_interval" else None
     r = Runner(example_dsn, ["--tick", "0.2", "--log-format", "json"], tmp_path / "killed.log", env=env)
     try:
         pid = wait_for(lambda: runner_backends(ex), what="runner backend")[0]
@@ -179,7 +182,7 @@ def test_runner_killed_in_write_phase_leaves_nothing_partial(ex, example_dsn, co
     def backend_gone() -> bool:
         return not ex.execute("select 1 from pg_stat_activity where pid = %s", [pid]).fetchone()
 
-    if check_interval:
+    if orphan == "check_interval":
         wait_for(backend_gone, timeout=10, what="orphaned backend exiting by itself")
     else:
         # it lingers, still blocked: observed for a second (an observation, not a concurrency proof)
@@ -188,17 +191,26 @@ def test_runner_killed_in_write_phase_leaves_nothing_partial(ex, example_dsn, co
             assert not backend_gone()
             time.sleep(0.1)
         assert wait_for_lock_wait(ex, pid=pid, timeout=2).blockers == lw.blockers
-        ex.execute("select pg_terminate_backend(%s)", [pid])
-        wait_for(backend_gone, timeout=10, what="terminated backend gone")
-
-    assert _target(ex) == before_target
-    assert _queue(ex) == before_queue
+        if orphan == "terminate":
+            ex.execute("select pg_terminate_backend(%s)", [pid])
+        else:
+            holder.execute("select pg_advisory_unlock(%s)", [GATE])
+        wait_for(backend_gone, timeout=10, what="orphaned backend gone")
     assert not advisory_locks(ex, pid)
 
-    holder.execute("select pg_advisory_unlock(%s)", [GATE])
+    if orphan == "release":  # the whole pass committed
+        assert _queue(ex) == []
+        assert example.divergence(ex) == (0, 0)
+        assert _target(ex) != before_target
+    else:  # rolled back entirely
+        assert _target(ex) == before_target
+        assert _queue(ex) == before_queue
+        holder.execute("select pg_advisory_unlock(%s)", [GATE])
+
     code, lines = _run_once(example_dsn, tmp_path, "after-kill")
     assert code == 0, lines
-    assert [x["outcome"] for x in lines if "outcome" in x] == ["done"], lines
+    expected = [] if orphan == "release" else ["done"]
+    assert [x["outcome"] for x in lines if "outcome" in x] == expected, lines
     assert _queue(ex) == []
     assert example.divergence(ex) == (0, 0)
 
