@@ -323,8 +323,7 @@ class RunnerProc:
             with self.lock:
                 if "outcome" in rec:
                     self.outcomes[rec["outcome"]] += 1
-                    if rec["outcome"] == "done":
-                        self.actions[rec.get("action", "?")] += 1
+                    self.actions[f"{rec['outcome']} {rec.get('action', '?')}"] += 1
                     self.rows += sum(int(rec.get(k) or 0) for k in ("inserted", "updated", "deleted"))
                 if "deadlock detected" in text or "40P01" in text:
                     self.errors["40P01"] += 1
@@ -399,7 +398,7 @@ class Phase:
     deadlocks: int = 0
     fk_errors: int = 0
     job_runs: Counter[str] = field(default_factory=Counter)  # by outcome: done, failed
-    job_actions: Counter[str] = field(default_factory=Counter)  # done runs by action: work, recompute
+    job_actions: Counter[str] = field(default_factory=Counter)  # "done work", "failed recompute", ...
     job_errors: Counter[str] = field(default_factory=Counter)
     app: Stats = field(default_factory=Stats)
     rows_written: int = 0
@@ -587,7 +586,8 @@ class Demo:
         self._clear()
         for j in jobs:
             ph.job_runs["done"] += j.runs
-            ph.job_actions[j.kind] += j.runs
+            ph.job_actions[f"done {j.kind}"] += j.runs
+            ph.job_actions[f"failed {j.kind}"] += sum(j.errors.values())
             ph.job_runs["failed"] += sum(j.errors.values())
             ph.job_errors.update(j.errors)
             ph.rows_written += j.rows
@@ -677,9 +677,12 @@ def render(r: dict[str, Any]) -> str:
         return f"NO: {p['divergence'][0]} missing, {p['divergence'][1]} extra"
 
     def runs(p: dict[str, Any]) -> str:
-        actions = ", ".join(f"{k} {v}" for k, v in sorted(p["job_actions"].items()) if v)
-        done = f"done {p['job_runs'].get('done', 0)}" + (f" ({actions})" if actions else "")
-        return done + f", failed {p['job_runs'].get('failed', 0)}"
+        parts = []
+        for outcome in ("done", "failed"):
+            by = ", ".join(f"{k.split(' ', 1)[1]} {v}" for k, v in sorted(p["job_actions"].items())
+                           if v and k.startswith(outcome + " "))
+            parts.append(f"{outcome} {p['job_runs'].get(outcome, 0)}" + (f" ({by})" if by else ""))
+        return ", ".join(parts)
 
     rows = [
         ("", "lockstep", "naive"),

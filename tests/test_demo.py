@@ -39,13 +39,15 @@ def _demo(args: list[str], tmp_path: Path, small: list[str] = SMALL, timeout: fl
     return json.loads(out.read_text()), stderr
 
 
-def _check(r: dict, stderr: str, naive_seconds: float = 4) -> None:
+def _check(r: dict, stderr: str, seconds: float = 8, naive_seconds: float = 4) -> None:
     ls, naive = r["lockstep"], r["naive"]
     assert r["ok"] and r["parents"] == 300
     assert ls["deadlocks"] == 0 and ls["fk_errors"] == 0 and not ls["job_errors"]
     assert ls["converged"] and ls["divergence"] == [0, 0] and ls["drained"] and ls["key_failures"] == 0
     assert ls["job_runs"].get("done", 0) > 0 and not ls["job_runs"].get("failed")
-    assert ls["job_actions"].get("work", 0) > 0 and ls["job_actions"].get("recompute", 0) >= 1
+    assert ls["job_actions"].get("done work", 0) > 0
+    if seconds >= 8:  # the periodic recompute (every 5 s) came due at least once
+        assert ls["job_actions"].get("done recompute", 0) >= 1
     assert ls["rows_written"] > 0
     assert ls["app_transactions"] > 50 and not ls["app_errors"], ls["app_errors"]
     assert set(ls["app_ops"]) >= {"delete", "merge", "insert", "edit", "enqueue"}
@@ -74,7 +76,7 @@ def test_demo_embedded():
     work = Path(tempfile.mkdtemp(prefix="lockstep_demo_test_"))
     try:
         r, err = _demo(["--embedded"], work, SHORTER)
-        _check(r, err, naive_seconds=2)
+        _check(r, err, seconds=5, naive_seconds=2)
         assert r["server"] == "server: embedded pgserver, data in .lockstep-demo/pgdata"
         pgdata = work / ".lockstep-demo" / "pgdata"
         assert (pgdata / "PG_VERSION").exists()
