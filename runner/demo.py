@@ -506,10 +506,19 @@ class Demo:
 
     # -- lockstep phase
     def lockstep_phase(self, dsn: str, conn: psycopg.Connection) -> Phase:
+        runners: list[RunnerProc] = []
+        try:
+            return self._lockstep_phase(dsn, conn, runners)
+        finally:  # on an error or Ctrl-C too: no runner is left behind
+            for r in runners:
+                if r.proc.poll() is None:
+                    r.stop()
+
+    def _lockstep_phase(self, dsn: str, conn: psycopg.Connection, runners: list[RunnerProc]) -> Phase:
         ph = Phase("lockstep")
         d0 = self._deadlocks(conn)
         ids, first_new = self._ids(conn)
-        runners = [RunnerProc(dsn, i) for i in range(2)]
+        runners.extend(RunnerProc(dsn, i) for i in range(2))
         stop = threading.Event()
         self.say(f"lockstep phase: 2 runners (lockstep run --tick 0.2) + {self.opts.clients} app clients "
                  f"for {self.opts.seconds:g} s")
