@@ -32,12 +32,13 @@ from runner import example
 
 N_PARENTS = 6  # few parents, so that transactions meet on the same ones
 SETTLE_TIMEOUT = 30.0
+LOCKSTEP_WAIT = 1.0  # a lockstep call seen waiting this long (polling all along) is a violation
 LOCKSTEP_OPS = ("enqueue", "work", "recompute")
 APP_OPS = ("delete", "merge", "edit", "insert")
 OPS = ("begin", "commit", "rollback", *APP_OPS, *LOCKSTEP_OPS)
 
 # weights: transactions are opened more often than closed, so that they overlap
-WEIGHTED_OPS = ("begin",) * 3 + ("commit",) * 2 + ("rollback",) + APP_OPS * 2 + LOCKSTEP_OPS * 2
+WEIGHTED_OPS = ("begin",) * 4 + ("commit",) * 2 + ("rollback",) + APP_OPS * 3 + LOCKSTEP_OPS * 2
 step_strategy = st.tuples(
     st.integers(0, 2),
     st.sampled_from(WEIGHTED_OPS),
@@ -55,6 +56,8 @@ class Session:
     pid: int
     inbox: queue.Queue = field(default_factory=queue.Queue)
     current: str | None = None  # label of the step being run (set by the thread)
+    seq: int = 0  # number of steps started (set by the thread)
+    blocked_since: tuple[int, float] | None = None  # (seq, time) a lockstep step was first seen waiting
     pending: int = 0  # steps sent and not finished
     lock: threading.Lock = field(default_factory=threading.Lock)
     # model (main thread only)
@@ -92,6 +95,7 @@ class Interleaving:
             label, fn = item
             with s.lock:
                 s.current = label
+                s.seq += 1
             try:
                 fn(s.conn)
             except psycopg.Error as exc:
@@ -124,13 +128,20 @@ class Interleaving:
             unsettled = []
             for s in running:
                 with s.lock:
-                    current, pending = s.current, s.pending
+                    current, pending, seq = s.current, s.pending, s.seq
                 if not pending:
                     continue
                 if blockers.get(s.pid) and current is not None:
                     if f"{s.name} {current}" not in self.blocked:
                         self.blocked.append(f"{s.name} {current}")
                     if current.split()[0] in LOCKSTEP_OPS:
+                        # A commit that sends NOTIFY briefly takes a database-wide lock, so a lockstep call
+                        # may be seen waiting for a few microseconds: it counts once it waits LOCKSTEP_WAIT.
+                        if s.blocked_since is None or s.blocked_since[0] != seq:
+                            s.blocked_since = (seq, time.monotonic())
+                        if time.monotonic() - s.blocked_since[1] < LOCKSTEP_WAIT:
+                            unsettled.append(s.name)
+                            continue
                         msg = f"{s.name} {current}: lockstep call waits for {blockers[s.pid]}"
                         if msg not in self.violations:
                             self.violations.append(msg)
@@ -283,7 +294,7 @@ def reset(dsn: str) -> None:
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-@given(steps=st.lists(step_strategy, min_size=4, max_size=30))
+@given(steps=st.lists(step_strategy, min_size=4, max_size=40))
 def test_interleavings_never_deadlock_and_converge(example_dsn, steps):
     dsn = example_dsn
     reset(dsn)
