@@ -132,6 +132,14 @@ def run(dsn: str | None, jobs: tuple[str, ...], once: bool, tick: float, no_list
     """Run due jobs in a loop (or --once). SIGTERM/SIGINT: finish the current call and exit 0."""
     from runner import loop
 
+    if dsn is not None:
+        import psycopg
+        from psycopg.conninfo import conninfo_to_dict
+
+        try:
+            conninfo_to_dict(dsn)
+        except psycopg.ProgrammingError as exc:
+            raise click.BadParameter(str(exc), param_hint="--dsn") from exc
     _setup_logging(log_format)
     opts = loop.Options(dsn=dsn, jobs=list(jobs) or None, once=once, tick=tick, listen=not no_listen,
                         prepare=False if no_prepare else None)

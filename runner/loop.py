@@ -126,9 +126,15 @@ class Runner:
         return self.run_once() if self.opts.once else self.run_forever()
 
     def run_once(self) -> int:
-        """Run what is due now (draining queues) and return 1 if any run failed, else 0."""
+        """Run what is due now (draining queues): 0 if all went well, 1 if a run failed, 3 if the database
+        could not be reached at start-up."""
         try:
             self._connect()
+        except psycopg.OperationalError as exc:
+            log.error("cannot connect: %s", describe(exc))
+            self._close()
+            return 3
+        try:
             for _ in range(1000):
                 if self.stopping or not self._tick(sleep=False):
                     break

@@ -281,11 +281,6 @@ def test_member_of_the_owner_role_can_redefine_and_drop(ex, example_dsn, owners)
     assert ex.execute("select count(*) from lockstep.job where job = 'owned'").fetchone()[0] == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs SQL change: row-level security on lockstep.job so that a role that may call define_* "
-    "(and so holds UPDATE on lockstep.job) cannot take another role's job with a plain UPDATE",
-)
 def test_ownership_cannot_be_taken_with_plain_dml(ex, example_dsn, owners):
     owner, other, _ = owners
     with psycopg.connect(as_role(example_dsn, owner), autocommit=True) as o:
@@ -297,12 +292,6 @@ def test_ownership_cannot_be_taken_with_plain_dml(ex, example_dsn, owners):
     assert taken == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs SQL change: define_derived checks that the calling role itself may SELECT, INSERT, "
-    "UPDATE and DELETE the target and EXECUTE compute (else 42501); today a role with no privilege on "
-    "a table can register it as a target and the runner's privileges rewrite it",
-)
 def test_define_derived_refuses_a_target_the_caller_cannot_write(ex, example_dsn, roles):
     ex.execute(
         "create function public.no_keys(ids bigint[])"

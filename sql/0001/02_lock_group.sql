@@ -98,9 +98,7 @@ language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
 begin
-    if j.owner <> current_user
-       and exists (select from pg_catalog.pg_roles where rolname = j.owner)
-       and not pg_catalog.pg_has_role(current_user, j.owner, 'MEMBER') then
+    if not lockstep._may_manage(j.owner) then
         raise exception 'lockstep: job "%" is owned by role "%"', j.job, j.owner
             using errcode = '42501', hint = 'Only members of the owner role can redefine or drop it.';
     end if;

@@ -38,6 +38,7 @@ begin
     if call is null then
         raise exception 'lockstep: call must not be NULL' using errcode = '22004';
     end if;
+    perform lockstep._check_privileges(null, call, null);
     select * into p from pg_catalog.pg_proc where oid = call;
     if p.prokind <> 'f' then
         raise exception 'lockstep: % is not a plain function (procedures, aggregates and window functions cannot be jobs)',

@@ -56,6 +56,7 @@ begin
     if not exists (select from pg_catalog.pg_class c where c.oid = target and c.relkind in ('r', 'p')) then
         raise exception 'lockstep: target % is not a table', target using errcode = '42809';
     end if;
+    perform lockstep._check_privileges(target, compute, parent);
 
     -- the target's primary key
     select array_agg(a.attname order by k.o) into v_key
