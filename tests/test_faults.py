@@ -104,21 +104,24 @@ def test_failing_compute_writes_nothing_keeps_queue_backs_off(ex, example_dsn, t
     env = None
     if fault == "statement_timeout":
         ex.execute("update example.fault set kind = 'sleep'")
-        env = {"PGOPTIONS": "-c statement_timeout=500"}
+        env = {"PGOPTIONS": "-c statement_timeout=700"}
     else:
         ex.execute("update example.fault set kind = 'raise'")
     code, lines = _run_once(example_dsn, tmp_path, "faulty", env)
 
     runs = [x for x in lines if "outcome" in x]
     assert code == 1, lines
-    assert [(x["action"], x["outcome"]) for x in runs] == [("recompute", "failed"), ("work", "failed")], lines
+    # the worker may be due again before --once looks for the last time (retry after 2 s): more failures
+    first = [(x["action"], x["outcome"]) for x in runs[:2]]
+    assert first == [("recompute", "failed"), ("work", "failed")], lines
+    assert {(x["action"], x["outcome"]) for x in runs[2:]} <= {("work", "failed")}, lines
     expected = "statement timeout" if fault == "statement_timeout" else "injected compute fault"
     assert all(expected in x["error"] for x in runs), runs
     # nothing partial in the target, the queue untouched, no key blamed (the job itself is broken)
     assert _target(ex) == before_target
     assert _queue(ex) == before_queue
     st = _status(ex)
-    assert (st["last_outcome"], st["consecutive_failures"], st["failing_keys"]) == ("failed", 2, 0)
+    assert (st["last_outcome"], st["consecutive_failures"], st["failing_keys"]) == ("failed", len(runs), 0)
     assert expected in st["last_error"]
     # backoff recorded: the recompute waits its backoff (1 hour), the worker min(backoff, 2^failures s)
     assert ex.execute("select next_run_at > now() + interval '50 minutes' from lockstep.job_state"
