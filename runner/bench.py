@@ -273,8 +273,7 @@ class Bench:
         out["worker_parents"] = n
         out["worker_passes"] = passes
         out["worker_parents_per_s"] = n / elapsed
-        c.execute(RESTORE_SQL, [ids])
-        c.execute(CLEAR_QUEUE_SQL)
+        self._drain(RESTORE_SQL, ids, "queue: restore the bodies (not measured)")
         # a typical edit: one word appended, so one key added per parent
         passes, elapsed = self._drain(EDIT_SQL, ids, f"queue: worker over {n} edited parents")
         out["worker_edit_parents_per_s"] = n / elapsed
