@@ -27,10 +27,9 @@ from collections.abc import Callable
 from typing import Any
 
 import psycopg
-from psycopg import sql
-from psycopg.conninfo import make_conninfo
 
-from runner import example
+from runner import example, scratch
+from runner.scratch import percentile
 
 JOB = example.JOB
 LEVELS = (0, 1, 100)  # % of parents changed
@@ -90,8 +89,6 @@ APP_DELETE_SQL = "delete from example.exam where id = %s"
 ENQUEUE_SQL = "select lockstep.enqueue('exam_keys', %s::bigint[])"
 WORK_SQL = "select outcome from lockstep.work('exam_keys', %s)"
 VERSION_SQL = "show server_version"
-CREATE_DB_SQL = "create database {}"
-DROP_DB_SQL = "drop database if exists {} with (force)"
 
 Progress = Callable[[str], None]
 
@@ -100,11 +97,6 @@ def _stderr_progress(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
 class _Deleter(threading.Thread):
@@ -198,8 +190,8 @@ class Bench:
         lat = app.latencies_ms
         out["app_delete"] = {
             "n": len(lat),
-            "p50_ms": _pct(lat, 0.5),
-            "p99_ms": _pct(lat, 0.99),
+            "p50_ms": percentile(lat, 0.5),
+            "p99_ms": percentile(lat, 0.99),
             "max_ms": max(lat) if lat else None,
             "errors": dict(app.errors),
         }
@@ -363,12 +355,9 @@ def run(
     if unknown:
         raise ValueError(f"unknown sections: {', '.join(sorted(unknown))}")
     name = f"lockstep_bench_{os.getpid()}"
-    admin = psycopg.connect(admin_dsn or "", autocommit=True)
     try:
         progress(f"create database {name}")
-        admin.execute(sql.SQL(DROP_DB_SQL).format(sql.Identifier(name)))
-        admin.execute(sql.SQL(CREATE_DB_SQL).format(sql.Identifier(name)))
-        bench = Bench(make_conninfo(admin_dsn or "", dbname=name), parents, progress)
+        bench = Bench(scratch.create_database(admin_dsn or "", name), parents, progress)
         try:
             result: dict[str, Any] = {"machine": machine(bench.conn), "parents": parents}
             bench.setup()
@@ -382,8 +371,7 @@ def run(
         progress("done")
         return result
     finally:
-        admin.execute(sql.SQL(DROP_DB_SQL).format(sql.Identifier(name)))
-        admin.close()
+        scratch.drop_database(admin_dsn or "", name)
 
 
 def _f(v: Any, fmt: str = "{:.1f}") -> str:

@@ -32,10 +32,9 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from psycopg import sql
-from psycopg.conninfo import make_conninfo
 
-from runner import example
+from runner import example, scratch
+from runner.scratch import percentile
 
 JOB = example.JOB
 DEMO_DIR = ".lockstep-demo"
@@ -44,8 +43,6 @@ CLIENTS = 4
 PAUSE = 0.01  # think time of an application client between transactions, seconds
 DRAIN_TIMEOUT = 120.0
 
-DROP_DB_SQL = "drop database if exists {} with (force)"
-CREATE_DB_SQL = "create database {}"
 DEADLOCKS_SQL = "select deadlocks from pg_stat_database where datname = current_database()"
 OTHER_BACKENDS_SQL = (
     "select count(*) from pg_stat_activity where datname = current_database() and pid <> pg_backend_pid()"
@@ -83,11 +80,6 @@ ENQUEUE_SQL = "select lockstep.enqueue(%s, %s::bigint[])"
 OPS = (("delete", 15), ("merge", 10), ("insert", 25), ("edit", 35), ("enqueue", 15))
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
 def _sqlstate(exc: BaseException) -> str:
@@ -425,10 +417,10 @@ class Phase:
             "app_transactions": len(a.tx_ms),
             "app_ops": dict(a.ops),
             "app_errors": dict(a.errors),
-            "app_tx_p99_ms": _pct(a.tx_ms, 0.99),
+            "app_tx_p99_ms": percentile(a.tx_ms, 0.99),
             "app_delete_n": len(a.delete_ms),
-            "app_delete_p50_ms": _pct(a.delete_ms, 0.5),
-            "app_delete_p99_ms": _pct(a.delete_ms, 0.99),
+            "app_delete_p50_ms": percentile(a.delete_ms, 0.5),
+            "app_delete_p99_ms": percentile(a.delete_ms, 0.99),
             "app_delete_max_ms": max(a.delete_ms) if a.delete_ms else None,
             "rows_written": self.rows_written,
             "key_failures": self.key_failures,
@@ -469,11 +461,8 @@ class Demo:
         from runner.migrate import migrate
 
         name = self.opts.database
-        with psycopg.connect(admin_dsn, autocommit=True) as admin:
-            self.say(f"recreate database {name}")
-            admin.execute(sql.SQL(DROP_DB_SQL).format(sql.Identifier(name)))
-            admin.execute(sql.SQL(CREATE_DB_SQL).format(sql.Identifier(name)))
-        dsn = make_conninfo(admin_dsn, dbname=name)
+        self.say(f"recreate database {name}")
+        dsn = scratch.create_database(admin_dsn, name)
         self.say("migrate lockstep")
         migrate(dsn)
         self.say(f"install the example: {self.opts.parents} exams, job {JOB} (full recompute every {EVERY})")
@@ -620,7 +609,7 @@ class Demo:
             outcomes["failed"] += sum(j.errors.values())
         with ph.app.lock:
             n = len(ph.app.tx_ms)
-            p99 = _pct(ph.app.tx_ms[-2000:], 0.99)
+            p99 = percentile(ph.app.tx_ms[-2000:], 0.99)
             errs = sum(ph.app.errors.values())
         runs = " ".join(f"{k} {v}" for k, v in sorted(outcomes.items())) or "none yet"
         p99s = "-" if p99 is None else f"{p99:.1f} ms"
@@ -649,8 +638,7 @@ class Demo:
                 "ok": ls.deadlocks == 0 and ls.converged,
             }
             if not self.opts.keep:
-                with psycopg.connect(server.admin_dsn, autocommit=True) as admin:
-                    admin.execute(sql.SQL(DROP_DB_SQL).format(sql.Identifier(self.opts.database)))
+                scratch.drop_database(server.admin_dsn, self.opts.database)
             return result
         finally:
             self._clear()

@@ -38,9 +38,9 @@ from typing import Any
 
 import psycopg
 from psycopg import sql
-from psycopg.conninfo import make_conninfo
 
-from runner import example
+from runner import example, scratch
+from runner.scratch import percentile
 
 JOB = example.JOB
 APP_NAME = "lockstep storm app"
@@ -73,8 +73,6 @@ QUEUE_SQL = "select count(*) from lockstep.queue where job = %s"
 WORK_SQL = "select outcome, inserted, updated, deleted, skipped, error from lockstep.work(%s)"
 RECOMPUTE_SQL = "select outcome, inserted, updated, deleted, skipped, error from lockstep.recompute(%s)"
 FAILING_SQL = "select count(*) from lockstep.key_failure where job = %s"
-CREATE_DB_SQL = "create database {}"
-DROP_DB_SQL = "drop database if exists {} with (force)"
 DEADLOCK_TIMEOUT_SQL = "alter database {} set deadlock_timeout = '100ms'"
 
 Progress = Callable[[str], None]
@@ -84,11 +82,6 @@ def _stderr_progress(msg: str) -> None:
     print(f"[storm] {msg}", file=sys.stderr, flush=True)
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
 def is_disconnect(exc: BaseException, conn: psycopg.Connection | None = None) -> bool:
@@ -485,8 +478,8 @@ class Storm:
             "parents_deleted": sum(c.deleted for c in clients),
             "parents_inserted": sum(c.inserted for c in clients),
             "latency_ms": {
-                "p50": _round(_pct(lat, 0.5)),
-                "p99": _round(_pct(lat, 0.99)),
+                "p50": _round(percentile(lat, 0.5)),
+                "p99": _round(percentile(lat, 0.99)),
                 "max": _round(max(lat, default=None)),
             },
         }
@@ -535,16 +528,13 @@ def _round(v: float | None, nd: int = 1) -> float | None:
 
 
 def create_db(admin_dsn: str, name: str) -> str:
+    dsn = scratch.create_database(admin_dsn, name)
     with psycopg.connect(admin_dsn, autocommit=True) as admin:
-        admin.execute(sql.SQL(DROP_DB_SQL).format(sql.Identifier(name)))
-        admin.execute(sql.SQL(CREATE_DB_SQL).format(sql.Identifier(name)))
         admin.execute(sql.SQL(DEADLOCK_TIMEOUT_SQL).format(sql.Identifier(name)))
-    return make_conninfo(admin_dsn, dbname=name)
+    return dsn
 
 
-def drop_db(admin_dsn: str, name: str) -> None:
-    with psycopg.connect(admin_dsn, autocommit=True) as admin:
-        admin.execute(sql.SQL(DROP_DB_SQL).format(sql.Identifier(name)))
+drop_db = scratch.drop_database
 
 
 def run(
