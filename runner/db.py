@@ -101,8 +101,10 @@ def status(conn: psycopg.Connection) -> list[dict]:
         return cur.execute("select * from lockstep.status order by job").fetchall()
 
 
-def queue_depths(conn: psycopg.Connection) -> dict[str, int]:
-    return dict(conn.execute("select job, queue_depth from lockstep.status").fetchall())
+def queue_depths(conn: psycopg.Connection) -> dict[str, tuple[int, int]]:
+    """job -> (queue depth, parked keys)."""
+    rows = conn.execute("select job, queue_depth, parked_keys from lockstep.status").fetchall()
+    return {job: (depth, parked) for job, depth, parked in rows}
 
 
 def cancel(conn: psycopg.Connection) -> None:

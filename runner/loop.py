@@ -45,6 +45,7 @@ class Metrics:
         self.runs = p.Counter("lockstep_runs", "lockstep.run() calls", ["job", "outcome"])
         self.seconds = p.Histogram("lockstep_run_seconds", "Duration of lockstep.run() calls", ["job"])
         self.depth = p.Gauge("lockstep_queue_depth", "Ready keys queued per job", ["job"])
+        self.parked = p.Gauge("lockstep_parked_keys", "Keys set aside after max_attempts failures", ["job"])
         self.retries = p.Counter("lockstep_runner_retries", "Transient errors retried with backoff")
         p.start_http_server(port)
         self.enabled = True
@@ -58,10 +59,11 @@ class Metrics:
         if self.enabled:
             self.retries.inc()
 
-    def depths(self, depths: dict[str, int]) -> None:
+    def depths(self, depths: dict[str, tuple[int, int]]) -> None:
         if self.enabled:
-            for job, n in depths.items():
+            for job, (n, parked) in depths.items():
                 self.depth.labels(job).set(n)
+                self.parked.labels(job).set(parked)
 
 
 @dataclass

@@ -324,6 +324,8 @@ def test_metrics_endpoint_counts_runs(conn, dsn, runners):
         lambda: 'lockstep_runs_total{job="t",outcome="done"}' in (t := scrape()) and t, what="metrics"
     )
     assert "lockstep_run_seconds_bucket" in text and "lockstep_runner_retries_total 0.0" in text
+    text = wait_for(lambda: 'lockstep_parked_keys{job="t"} 0.0' in (t := scrape()) and t, what="gauges")
+    assert 'lockstep_queue_depth{job="t"} 0.0' in text
     r.signal()
     assert r.wait() == 0
 
