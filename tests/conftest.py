@@ -216,3 +216,21 @@ def exconnect(
 ) -> Callable[..., psycopg.Connection]:
     """More sessions to ``example_dsn`` (autocommit by default)."""
     return lambda **kwargs: connect(example_dsn, **kwargs)
+
+
+@pytest.fixture
+def runners(tmp_path):
+    """Start ``lockstep run`` processes: ``runners(dsn, *args, env=None) -> runner_procs.Runner``; each
+    logs to a file in tmp_path, and every one still running is killed at teardown."""
+    from runner_procs import Runner
+
+    started: list[Runner] = []
+
+    def _start(dsn: str, *args: str, env: dict | None = None) -> Runner:
+        r = Runner(dsn, list(args), tmp_path / f"runner{len(started)}.log", env=env)
+        started.append(r)
+        return r
+
+    yield _start
+    for r in started:
+        r.kill()

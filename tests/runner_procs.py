@@ -71,3 +71,28 @@ def runner_backends(conn: psycopg.Connection) -> list[int]:
             " and datname = current_database() order by pid"
         )
     ]
+
+
+# a generic job whose first call sleeps 30 s (holding its group lock), then runs at once
+SLOW_FN = """
+create sequence public.calls;
+create table public.ticks (id bigserial primary key, at timestamptz not null default clock_timestamp());
+create function public.slow_fn() returns void language plpgsql as $$
+begin
+    if nextval('public.calls') = 1 then perform pg_sleep(30); end if;  -- only the first call is slow
+    insert into public.ticks default values;
+end $$;
+select lockstep.define_job('slow', 'public.slow_fn()', every => '1 hour');
+"""
+
+
+def in_slow_call(conn: psycopg.Connection, runner_name: bool = True) -> int | None:
+    """Pid of the backend sleeping inside slow_fn while holding an advisory (group) lock, if any.
+    runner_name: also require application_name 'lockstep-runner' (not seen behind PgBouncer)."""
+    row = conn.execute(
+        "select a.pid from pg_stat_activity a join pg_locks l on l.pid = a.pid and l.locktype = 'advisory'"
+        " and l.granted where a.wait_event = 'PgSleep' and a.datname = current_database()"
+        " and (not %s or a.application_name = 'lockstep-runner')",
+        [runner_name],
+    ).fetchone()
+    return row[0] if row else None

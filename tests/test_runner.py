@@ -11,7 +11,7 @@ import time
 
 import psycopg
 import pytest
-from runner_procs import Runner, runner_backends, wait_for
+from runner_procs import SLOW_FN, in_slow_call, runner_backends, wait_for
 
 from runner.example import JOB, divergence
 
@@ -20,20 +20,6 @@ create table public.ticks (id bigserial primary key, at timestamptz not null def
 create function public.tick_fn() returns void language sql as $$ insert into public.ticks default values $$;
 select lockstep.define_job('t', 'public.tick_fn()', every => '1 second');
 """
-
-
-@pytest.fixture
-def runners(tmp_path):
-    started: list[Runner] = []
-
-    def _start(dsn: str, *args: str, env: dict | None = None) -> Runner:
-        r = Runner(dsn, list(args), tmp_path / f"runner{len(started)}.log", env=env)
-        started.append(r)
-        return r
-
-    yield _start
-    for r in started:
-        r.kill()
 
 
 def once(dsn: str, *args: str) -> subprocess.CompletedProcess:
@@ -164,27 +150,6 @@ def test_two_runners_keep_the_recompute_on_schedule_under_a_stream_of_enqueues(
     assert not [x for x in lines if x["level"] in ("warning", "error")], lines
 
 
-SLOW_FN = """
-create sequence public.calls;
-create table public.ticks (id bigserial primary key, at timestamptz not null default clock_timestamp());
-create function public.slow_fn() returns void language plpgsql as $$
-begin
-    if nextval('public.calls') = 1 then perform pg_sleep(30); end if;  -- only the first call is slow
-    insert into public.ticks default values;
-end $$;
-select lockstep.define_job('slow', 'public.slow_fn()', every => '1 hour');
-"""
-
-
-def _in_slow_call(conn) -> int | None:
-    row = conn.execute(
-        "select a.pid from pg_stat_activity a join pg_locks l on l.pid = a.pid and l.locktype = 'advisory'"
-        " and l.granted where a.application_name = 'lockstep-runner' and a.wait_event = 'PgSleep'"
-        " and a.datname = current_database()"
-    ).fetchone()
-    return row[0] if row else None
-
-
 @pytest.mark.parametrize("check_interval", [None, "100ms"])
 def test_kill_9_inside_a_slow_job_frees_the_group_for_another_runner(conn, dsn, runners, check_interval):
     """Without client_connection_check_interval PostgreSQL notices the dead client only when the statement
@@ -193,7 +158,7 @@ def test_kill_9_inside_a_slow_job_frees_the_group_for_another_runner(conn, dsn, 
     conn.execute(SLOW_FN)
     env = {"PGOPTIONS": f"-c client_connection_check_interval={check_interval}"} if check_interval else None
     a = runners(dsn, "--tick", "0.2", env=env)
-    pid = wait_for(lambda: _in_slow_call(conn), what="runner A inside slow_fn")
+    pid = wait_for(lambda: in_slow_call(conn), what="runner A inside slow_fn")
     b = runners(dsn, "--tick", "0.2")
     wait_for(lambda: len(runner_backends(conn)) == 2, what="runner B connected")
     a.proc.kill()
@@ -275,11 +240,11 @@ def test_sigterm_finishes_the_current_call_and_a_second_signal_cancels_it(conn, 
     conn.execute("create table public.cfg (secs float8); insert into public.cfg values (2)")
     conn.execute(SLOW_FN.replace("pg_sleep(30)", "pg_sleep((select secs from public.cfg))"))
     r = runners(dsn, "--tick", "0.2")
-    pid = wait_for(lambda: _in_slow_call(conn), what="runner inside slow_fn")
+    pid = wait_for(lambda: in_slow_call(conn), what="runner inside slow_fn")
     r.signal(signal.SIGTERM)
     time.sleep(0.3)  # the runner must not exit while its call runs (not a lock check: the process is polled)
     assert r.proc.poll() is None
-    assert _in_slow_call(conn) == pid
+    assert in_slow_call(conn) == pid
     assert r.wait(timeout=10) == 0  # the call finished (2 s), then the runner exited
     assert ticks(conn) == 1
     assert_clean(r.stderr)
@@ -290,11 +255,11 @@ def test_sigterm_finishes_the_current_call_and_a_second_signal_cancels_it(conn, 
     conn.execute("update lockstep.job_state set next_run_at = now() where job = 'slow'")
     runs = conn.execute("select runs from lockstep.job_state where job = 'slow'").fetchone()[0]
     r = runners(dsn, "--tick", "0.2")
-    pid = wait_for(lambda: _in_slow_call(conn), what="runner inside slow_fn again")
+    pid = wait_for(lambda: in_slow_call(conn), what="runner inside slow_fn again")
     r.signal(signal.SIGTERM)
     r.signal(signal.SIGINT)
     assert r.wait(timeout=10) == 1
-    wait_for(lambda: _in_slow_call(conn) is None, timeout=5, what="slow call cancelled")
+    wait_for(lambda: in_slow_call(conn) is None, timeout=5, what="slow call cancelled")
     locks = conn.execute("select count(*) from pg_locks where locktype = 'advisory' and pid = %s", [pid])
     assert locks.fetchone()[0] == 0
     assert conn.execute("select runs from lockstep.job_state where job = 'slow'").fetchone()[0] == runs

@@ -22,7 +22,7 @@ from pathlib import Path
 import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
-from runner_procs import Runner, wait_for
+from runner_procs import SLOW_FN, in_slow_call, wait_for
 
 from runner.example import JOB, divergence
 
@@ -98,20 +98,6 @@ def pgbouncer(example_dsn: str, tmp_path: Path) -> Iterator[PgBouncer]:
         yield pgb
     finally:
         pgb.stop()
-
-
-@pytest.fixture
-def runners(tmp_path: Path):
-    started: list[Runner] = []
-
-    def _start(dsn: str, *args: str) -> Runner:
-        r = Runner(dsn, list(args), tmp_path / f"runner{len(started)}.log")
-        started.append(r)
-        return r
-
-    yield _start
-    for r in started:
-        r.kill()
 
 
 def queue_depth(conn: psycopg.Connection) -> int:
@@ -229,37 +215,17 @@ def test_each_call_is_one_statement_with_no_session_state(ex, pgbouncer, connect
     assert leftovers == (0, 0, 0, 0, path), leftovers
 
 
-SLOW_FN = """
-create sequence public.calls;
-create table public.ticks (id bigserial primary key, at timestamptz not null default clock_timestamp());
-create function public.slow_fn() returns void language plpgsql as $$
-begin
-    if nextval('public.calls') = 1 then perform pg_sleep(30); end if;  -- only the first call is slow
-    insert into public.ticks default values;
-end $$;
-select lockstep.define_job('slow', 'public.slow_fn()', every => '1 hour');
-"""
-
-
-def _in_slow_call(conn: psycopg.Connection) -> int | None:
-    row = conn.execute(
-        "select a.pid from pg_stat_activity a join pg_locks l on l.pid = a.pid and l.locktype = 'advisory'"
-        " and l.granted where a.wait_event = 'PgSleep' and a.datname = current_database()"
-    ).fetchone()
-    return row[0] if row else None
-
-
 def test_a_second_signal_cancels_the_call_through_pgbouncer(ex, pgbouncer, runners):
     """The backend pid a client sees behind PgBouncer is not the server's: the runner must cancel with the
     protocol's cancel request (which PgBouncer forwards), not with pg_cancel_backend(pid)."""
     ex.execute("update lockstep.job_state set next_run_at = now() + interval '1 hour' where job = %s", [JOB])
     ex.execute(SLOW_FN)
     r = runners(pgbouncer.dsn, "--no-listen", "--no-prepare", "--tick", "0.2")
-    wait_for(lambda: _in_slow_call(ex), what="runner inside slow_fn")
+    wait_for(lambda: in_slow_call(ex, runner_name=False), what="runner inside slow_fn")
     r.signal(signal.SIGTERM)
     r.signal(signal.SIGINT)
     assert r.wait(timeout=10) == 1
-    wait_for(lambda: _in_slow_call(ex) is None, timeout=5, what="slow call cancelled")
+    wait_for(lambda: in_slow_call(ex, runner_name=False) is None, timeout=5, what="slow call cancelled")
     locks = ex.execute(
         "select count(*) from pg_locks where locktype = 'advisory'"
         " and database = (select oid from pg_database where datname = current_database())"

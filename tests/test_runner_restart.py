@@ -21,7 +21,7 @@ from pathlib import Path
 import psycopg
 import pytest
 from psycopg.conninfo import make_conninfo
-from runner_procs import Runner, runner_backends, wait_for
+from runner_procs import runner_backends, wait_for
 
 from runner.example import JOB, divergence
 from runner.migrate import migrate
@@ -119,20 +119,6 @@ def cluster_dsn(cluster: Cluster) -> Iterator[str]:
         admin.execute(f'drop database if exists "{name}" with (force)')
 
 
-@pytest.fixture
-def runner(tmp_path: Path) -> Iterator:
-    started: list[Runner] = []
-
-    def _start(dsn: str, *args: str) -> Runner:
-        r = Runner(dsn, list(args), tmp_path / f"runner{len(started)}.log")
-        started.append(r)
-        return r
-
-    yield _start
-    for r in started:
-        r.kill()
-
-
 def _try(dsn: str, fn):
     """fn(conn) on a fresh connection, or None while the server is down."""
     try:
@@ -143,8 +129,8 @@ def _try(dsn: str, fn):
 
 
 @pytest.mark.parametrize("mode", ["fast", "immediate"])
-def test_runner_reconnects_after_a_server_restart(cluster, cluster_dsn, runner, mode):
-    r = runner(cluster_dsn, "--tick", "0.2")
+def test_runner_reconnects_after_a_server_restart(cluster, cluster_dsn, runners, mode):
+    r = runners(cluster_dsn, "--tick", "0.2")
     with psycopg.connect(cluster_dsn, autocommit=True) as c:
         old = wait_for(lambda: runner_backends(c), what="runner connected")
         c.execute("update example.exam_item set body = body || ' before' where exam_id in (1, 2)")
