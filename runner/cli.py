@@ -178,7 +178,7 @@ def demo(dsn: str | None, parents: int, seconds: float, naive_seconds: float, em
     The DSN is the admin one (its database is not touched); without a server, an embedded one is started.
     Exit code 0 when lockstep had 0 deadlocks and converged.
     """
-    from runner import demo as demo_mod
+    from runner.lab import demo as demo_mod
 
     opts = demo_mod.Options(dsn=dsn, parents=parents, seconds=seconds, naive_seconds=naive_seconds,
                             embedded=embedded, database=database, clients=clients, keep=keep)
@@ -208,7 +208,7 @@ def demo(dsn: str | None, parents: int, seconds: float, naive_seconds: float, em
 )
 def bench(dsn: str | None, parents: int, sections: str, json_out: str | None) -> None:
     """Benchmark lockstep against the naive patterns in a database of its own (the DSN is the admin one)."""
-    from runner import bench as bench_mod
+    from runner.lab import bench as bench_mod
 
     result = bench_mod.run(dsn, parents, tuple(s.strip() for s in sections.split(",") if s.strip()))
     if json_out == "-":
@@ -232,7 +232,7 @@ def bench(dsn: str | None, parents: int, sections: str, json_out: str | None) ->
 def storm(dsn: str | None, seconds: float, parents: int, clients: int, runners: int, every: str, keep: bool,
           as_json: bool) -> None:
     """App transactions and runners at once in a database of its own; exit 1 if an invariant fails."""
-    from runner import storm as storm_mod
+    from runner.lab import storm as storm_mod
 
     result = storm_mod.run(dsn, seconds, parents, clients, runners, every, keep)
     click.echo(storm_mod.to_json(result) if as_json else storm_mod.render(result))

@@ -183,7 +183,7 @@ def conn(connect: Callable[..., psycopg.Connection]) -> psycopg.Connection:
 
 
 def _install_example(dsn: str) -> None:
-    from runner import example
+    from runner.lab import example
 
     with psycopg.connect(dsn, autocommit=True) as c:
         # every = 1 day: tests cloned minutes later must not find the periodic recompute due (a due

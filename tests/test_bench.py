@@ -9,7 +9,7 @@ import time
 
 import psycopg
 
-from runner.bench import LEVELS, METHODS
+from runner.lab.bench import LEVELS, METHODS
 
 
 def test_bench_small_json(admin_dsn):

@@ -28,7 +28,7 @@ import psycopg
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runner import example
+from runner.lab import example
 
 N_PARENTS = 6  # few parents, so that transactions meet on the same ones
 SETTLE_TIMEOUT = 30.0

@@ -7,7 +7,7 @@ import random
 import pytest
 from util import advisory_locks, raises_sqlstate, result, snapshot
 
-from runner.example import JOB, divergence
+from runner.lab.example import JOB, divergence
 
 
 def queue_keys(conn) -> list[str]:

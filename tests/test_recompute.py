@@ -7,7 +7,7 @@ import random
 import psycopg
 from util import result
 
-from runner.example import JOB, divergence
+from runner.lab.example import JOB, divergence
 
 
 def tup_stats(conn: psycopg.Connection) -> tuple[int, int, int]:

@@ -13,7 +13,7 @@ import psycopg
 import pytest
 from runner_procs import SLOW_FN, in_slow_call, runner_backends, wait_for
 
-from runner.example import JOB, divergence
+from runner.lab.example import JOB, divergence
 
 TICK_FN = """
 create table public.ticks (id bigserial primary key, at timestamptz not null default clock_timestamp());

@@ -24,7 +24,7 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from runner_procs import SLOW_FN, in_slow_call, wait_for
 
-from runner.example import JOB, divergence
+from runner.lab.example import JOB, divergence
 
 pytestmark = pytest.mark.skipif(shutil.which("pgbouncer") is None, reason="pgbouncer is not installed")
 

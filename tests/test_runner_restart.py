@@ -23,7 +23,7 @@ import pytest
 from psycopg.conninfo import make_conninfo
 from runner_procs import runner_backends, wait_for
 
-from runner.example import JOB, divergence
+from runner.lab.example import JOB, divergence
 from runner.migrate import migrate
 
 BIN = Path(os.environ.get("LOCKSTEP_PG_BIN", "/usr/lib/postgresql/15/bin"))
@@ -100,7 +100,7 @@ def cluster() -> Iterator[Cluster]:
 @pytest.fixture
 def cluster_dsn(cluster: Cluster) -> Iterator[str]:
     """A database in the throw-away cluster with lockstep and the example (30 exams, converged)."""
-    from runner import example
+    from runner.lab import example
 
     name = f"restart_{os.getpid()}_{time.monotonic_ns()}"
     with psycopg.connect(cluster.dsn, autocommit=True) as admin:

@@ -10,7 +10,7 @@ import psycopg
 import pytest
 from isolation import Spec
 
-from runner.example import JOB, divergence
+from runner.lab.example import JOB, divergence
 
 SESSIONS = {
     "s1": ["set deadlock_timeout = '100ms'"],

@@ -13,7 +13,7 @@ import psycopg
 import pytest
 from isolation import Spec
 
-from runner.example import JOB, divergence
+from runner.lab.example import JOB, divergence
 
 X = 5
 SESSIONS = {

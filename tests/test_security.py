@@ -18,7 +18,7 @@ import pytest
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from runner import example
+from runner.lab import example
 from tests.util import raises_sqlstate
 
 # what `lockstep run` needs, besides the job's own tables (see runner_grants)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from runner import storm
+from runner.lab import storm
 
 
 @pytest.mark.slow

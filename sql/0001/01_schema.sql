@@ -1,5 +1,18 @@
 -- lockstep 0001: schema, types and tables.
 -- Sections: schema, types, tables, indexes. Functions live in the files that follow, one file per concern.
+--
+-- SQLSTATEs raised by lockstep (the one list; docs/design.md explains each):
+--   22004  a NULL argument or a NULL key
+--   22023  an invalid value (empty name, non-positive interval or batch, bad trigger arguments)
+--   42501  redefining a job owned by another role
+--   LSJ01  unknown job
+--   LSJ02  the job is of the wrong kind for this call (generic vs derived, no parent)
+--   LSD01  target table has no primary key
+--   LSD02  compute function signature does not match (argument count or type, return type)
+--   LSD03  compute columns do not match the target's
+--   LSD04  parent / parent_column invalid
+--   LSD05  compute returned invalid rows (duplicate or NULL primary key)
+--   LSQ01  keys of the wrong type for the job's parent key
 
 create schema lockstep;
 

@@ -39,8 +39,8 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from runner import example, scratch
-from runner.scratch import percentile
+from runner.lab import example, scratch
+from runner.lab.scratch import percentile
 
 JOB = example.JOB
 APP_NAME = "lockstep storm app"

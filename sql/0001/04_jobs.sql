@@ -1,4 +1,4 @@
--- lockstep 0001: generic scheduled jobs, and lockstep.run(), the runner's entry point.
+-- lockstep 0001: generic scheduled jobs, lockstep.run() (the runner's entry point) and drop_job.
 
 -- lockstep._check_schedule(job, lock_group, every, backoff): argument checks shared by define_*.
 -- locks: nothing.
@@ -105,18 +105,6 @@ begin
     perform lockstep._finish(j, 'call', 'done', v_started);
     return lockstep._result('done', j.job, 'call');
 end;
-$$;
-
--- lockstep._is_statement_timeout(started): a query_canceled error came from statement_timeout (recorded
--- as a failure with backoff) rather than from a cancel request (re-raised: the runner is shutting down).
--- locks: nothing.
-create function lockstep._is_statement_timeout(started timestamptz) returns boolean
-language sql stable
-set search_path = pg_catalog, pg_temp
-as $$
-    select current_setting('statement_timeout') not in ('0', '0ms')
-       and clock_timestamp() - statement_timestamp()
-           >= current_setting('statement_timeout')::interval * 0.9;
 $$;
 
 -- lockstep.run(job): what the runner calls. Runs whatever part of the job is due:

@@ -28,8 +28,8 @@ from typing import Any
 
 import psycopg
 
-from runner import example, scratch
-from runner.scratch import percentile
+from runner.lab import example, scratch
+from runner.lab.scratch import percentile
 
 JOB = example.JOB
 LEVELS = (0, 1, 100)  # % of parents changed

@@ -9,7 +9,7 @@
    application clients (threads, one connection each) doing deletes, merges, edits, inserts and explicit
    ``lockstep.enqueue`` calls. Each client owns the exams whose id is congruent to its number, so clients
    never wait for each other: every wait or deadlock involves a job. Then the runners drain the queue and
-   the derived table is compared with a full computation (``runner.example.divergence``).
+   the derived table is compared with a full computation (``runner.lab.example.divergence``).
 4. naive phase (``--naive-seconds``): the same clients against ``example.naive_recompute()`` (looped: the
    periodic job) and ``example.naive_work(ids)`` (looped over keys taken from ``lockstep.queue``: the
    queue worker).
@@ -33,8 +33,8 @@ from typing import Any
 
 import psycopg
 
-from runner import example, scratch
-from runner.scratch import percentile
+from runner.lab import example, scratch
+from runner.lab.scratch import percentile
 
 JOB = example.JOB
 DEMO_DIR = ".lockstep-demo"

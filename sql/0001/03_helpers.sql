@@ -1,0 +1,140 @@
+-- lockstep 0001: shared helpers: the registry row, identifier lists, results and the job's status row.
+
+-- lockstep._job(job, kind): the registry row of a job, or a clear error.
+-- locks: nothing.
+create function lockstep._job(job text, kind text default null) returns lockstep.job
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    j lockstep.job;
+begin
+    if _job.job is null then
+        raise exception 'lockstep: job must not be NULL' using errcode = '22004';
+    end if;
+    select * into j from lockstep.job where lockstep.job.job = _job.job;
+    if not found then
+        raise exception 'lockstep: unknown job "%"', _job.job
+            using errcode = 'LSJ01',
+                  hint = 'Define it with lockstep.define_job() or lockstep.define_derived(); '
+                         'select job from lockstep.status lists the jobs.';
+    end if;
+    if _job.kind is not null and j.kind <> _job.kind then
+        raise exception 'lockstep: job "%" is a % job, not a % job', j.job,
+                case j.kind when 'job' then 'generic' else 'derived' end,
+                case _job.kind when 'job' then 'generic' else 'derived' end
+            using errcode = 'LSJ02';
+    end if;
+    return j;
+end;
+$$;
+
+-- lockstep._cols(cols, alias): "a.c1, a.c2" with quoted identifiers.
+-- locks: nothing.
+create function lockstep._cols(cols name[], alias text default null) returns text
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select pg_catalog.string_agg(coalesce(pg_catalog.quote_ident(alias) || '.', '') || pg_catalog.quote_ident(c),
+                                 ', ' order by o)
+    from pg_catalog.unnest(cols) with ordinality as u(c, o);
+$$;
+
+-- lockstep._eq(cols, a, b): "a.c1 = b.c1 and a.c2 = b.c2".
+-- locks: nothing.
+create function lockstep._eq(cols name[], a text, b text) returns text
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select pg_catalog.string_agg(pg_catalog.format('%I.%I = %I.%I', a, c, b, c), ' and ' order by o)
+    from pg_catalog.unnest(cols) with ordinality as u(c, o);
+$$;
+
+-- lockstep._array_type(t): the array type of t, as SQL text.
+-- locks: nothing.
+create function lockstep._array_type(t regtype) returns text
+language sql stable strict
+set search_path = pg_catalog, pg_temp
+as $$
+    select pg_catalog.format_type(typarray, null) from pg_catalog.pg_type where oid = t;
+$$;
+
+-- lockstep._check_owner(j): a job may be redefined or dropped only by a member of its owner role.
+-- locks: nothing.
+create function lockstep._check_owner(j lockstep.job) returns void
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if not lockstep._may_manage(j.owner) then
+        raise exception 'lockstep: job "%" is owned by role "%"', j.job, j.owner
+            using errcode = '42501', hint = 'Only members of the owner role can redefine or drop it.';
+    end if;
+end;
+$$;
+
+-- lockstep._result(...): build a lockstep.result.
+-- locks: nothing.
+create function lockstep._result(outcome text, job text, action text, p lockstep._pass default null,
+                                 error text default null, more boolean default false)
+returns lockstep.result
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select row(outcome,
+               coalesce(p.inserted, 0), coalesce(p.updated, 0), coalesce(p.deleted, 0),
+               coalesce(pg_catalog.cardinality(p.skipped), 0),
+               coalesce(p.compute_ms, 0), coalesce(p.write_ms, 0),
+               error, job, action, more)::lockstep.result;
+$$;
+
+-- lockstep._finish(job, action, outcome, started, pass, error): write the job's status row.
+-- Called last in every run that did something, after all other writes.
+-- locks: the job's lockstep.job_state row (FOR NO KEY UPDATE, by the update).
+create function lockstep._finish(j lockstep.job, action text, outcome text, started timestamptz,
+                                 p lockstep._pass default null, error text default null)
+returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_failed boolean := outcome = 'failed';
+begin
+    update lockstep.job_state s set
+        next_run_at = case
+            when action in ('recompute', 'call') and v_failed then now() + j.backoff
+            when action in ('recompute', 'call') then started + j.every
+            else s.next_run_at end,
+        retry_at = case
+            when action = 'work' and v_failed
+                then now() + least(j.backoff, interval '1 second' * power(2, least(s.consecutive_failures, 20)))
+            when action = 'work' then null
+            else s.retry_at end,
+        last_outcome = outcome,
+        last_action = action,
+        last_started_at = started,
+        last_finished_at = clock_timestamp(),
+        last_duration_ms = extract(epoch from clock_timestamp() - started) * 1000,
+        last_inserted = coalesce(p.inserted, 0),
+        last_updated = coalesce(p.updated, 0),
+        last_deleted = coalesce(p.deleted, 0),
+        last_skipped = coalesce(cardinality(p.skipped), 0),
+        consecutive_failures = case when v_failed then s.consecutive_failures + 1 else 0 end,
+        last_error = case when v_failed then error else null end,
+        runs = s.runs + 1
+    where s.job = j.job;
+end;
+$$;
+
+-- lockstep._failed(j, action, started, error): record a failed run (status row) and return its result.
+-- locks: the job's lockstep.job_state row, as lockstep._finish.
+create function lockstep._failed(j lockstep.job, action text, started timestamptz, error text)
+returns lockstep.result
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    perform lockstep._finish(j, action, 'failed', started, null, error);
+    return lockstep._result('failed', j.job, action, null, error);
+end;
+$$;
