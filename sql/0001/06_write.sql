@@ -66,57 +66,34 @@ begin
 end;
 $$;
 
--- lockstep._write(j, keys): THE write path. Apply pg_temp.lockstep_desired (filled by _compute_into) to
--- the target, restricted to the parents in keys (NULL: the whole table). Used by recompute and by work.
---
--- First, without any row lock: the difference (rows gone; rows new or changed by IS DISTINCT FROM).
--- Then the write phase. locks, in this order, never waiting for any of them:
---   1. parent rows of every derived row about to be deleted, inserted or updated (its new and its old
---      parent): FOR KEY SHARE SKIP LOCKED, in parent-key order. A parent locked by a deleter is skipped.
---   2. rows referenced through each other foreign key of the target: FOR KEY SHARE SKIP LOCKED, one
---      constraint at a time in constraint-name order, each in key order.
---   3. the target rows to delete or update: FOR UPDATE SKIP LOCKED, in primary-key order; then the
---      deletes, then one INSERT ... ON CONFLICT DO UPDATE ... WHERE IS DISTINCT FROM, in primary-key order.
--- Rows whose locks were skipped are not written (never a wait, never a 23503); their parent keys are
--- returned in skipped (still existing, to be re-queued) or counted in gone (deleted meanwhile).
--- The caller writes the job's status row after this.
-create function lockstep._write(j lockstep.job, keys text[]) returns lockstep._pass
+-- lockstep._diff(j, keys): the difference between pg_temp.lockstep_desired (filled by _compute_into) and
+-- the target, restricted to the parents in keys (NULL: the whole table), without any row lock.
+-- Fills pg_temp.lockstep_gone (current rows compute no longer returns) and pg_temp.lockstep_put (rows new
+-- or changed by IS DISTINCT FROM), each with the row's parent key (lockstep_parent) and the current row's
+-- ctid (lockstep_ctid); lockstep_put also has lockstep_old_parent and lockstep_new. Returns how many rows
+-- the two hold.
+-- For a subset, current rows are copied by one index probe per parent key (the lateral subquery is not
+-- flattened, so a stale estimate right after a big fill cannot turn it into a scan of the whole target).
+-- locks: no row locks (reads the target under MVCC); creates pg_temp tables.
+create function lockstep._diff(j lockstep.job, keys text[]) returns bigint
 language plpgsql
 set search_path = pg_catalog, pg_temp
 set client_min_messages = warning
 set jit = off
 as $$
 declare
-    v_dcols text := lockstep._cols(j.columns, 'd');
     v_tcols text := lockstep._cols(j.columns, 't');
-    v_pk text := lockstep._cols(j.target_key);
-    v_keyarr text := lockstep._array_type(j.key_type);
-    v_cur text;
-    v_ctid text;
     v_tpar text := 'null::text';
     v_dpar text := 'null::text';
-    v_set text;
-    v_need text[];
-    v_pinned text[];
-    v_skip text[] := '{}';
-    v_t0 timestamptz := clock_timestamp();
-    v_t1 timestamptz;
+    v_cur text := j.target::text;
+    v_ctid text := 't.ctid';
     v_gone bigint;
     v_put bigint;
-    v_new bigint;
-    n bigint;
-    c record;
-    p lockstep._pass := row(0, 0, 0, '{}', 0, 0, 0, '{}', '{}');
 begin
     if j.parent_column is not null then
         v_tpar := pg_catalog.format('t.%I::text', j.parent_column);
         v_dpar := pg_catalog.format('d.%I::text', j.parent_column);
     end if;
-
-    -- the difference, without row locks ---------------------------------------------------------------
-    -- current rows: for a subset, copied by one index probe per parent key (the lateral subquery is not
-    -- flattened, so a stale estimate right after a big fill cannot turn it into a scan of the whole
-    -- target); for the whole table, the target itself.
     drop table if exists pg_temp.lockstep_current, pg_temp.lockstep_gone, pg_temp.lockstep_put,
                          pg_temp.lockstep_locked;
     if keys is not null and j.parent_column is not null then
@@ -124,15 +101,11 @@ begin
             'create temp table lockstep_current on commit drop as '
             'select t.* from pg_catalog.unnest($1::%s) k(v), '
             'lateral (select %s, t.ctid as lockstep_ctid from %s t where t.%I = k.v offset 0) t',
-            v_keyarr, v_tcols, j.target, j.parent_column) using keys;
+            lockstep._array_type(j.key_type), v_tcols, j.target, j.parent_column) using keys;
         analyze pg_temp.lockstep_current;
         v_cur := 'pg_temp.lockstep_current';
         v_ctid := 't.lockstep_ctid';
-    else
-        v_cur := j.target::text;
-        v_ctid := 't.ctid';
     end if;
-    -- gone and put carry the current row's ctid, so the write phase locks existing rows by a TID scan
     execute pg_catalog.format(
         'create temp table lockstep_gone on commit drop as '
         'select %1$s, %2$s as lockstep_parent, %5$s as lockstep_ctid from %3$s t '
@@ -145,7 +118,7 @@ begin
         '%7$s as lockstep_ctid '
         'from pg_temp.lockstep_desired d left join %4$s t on %5$s '
         'where t.ctid is null or (%1$s) is distinct from (%6$s)',
-        v_dcols, v_dpar, v_tpar, v_cur, lockstep._eq(j.target_key, 'd', 't'), v_tcols, v_ctid);
+        lockstep._cols(j.columns, 'd'), v_dpar, v_tpar, v_cur, lockstep._eq(j.target_key, 'd', 't'), v_tcols, v_ctid);
     get diagnostics v_put = row_count;
     if v_cur <> j.target::text then
         -- a row taken for new may exist under another parent (it moves): probe the target by primary key
@@ -159,33 +132,61 @@ begin
         analyze pg_temp.lockstep_gone;
         analyze pg_temp.lockstep_put;
     end if;
-    v_t1 := clock_timestamp();
-    p.compute_ms := extract(epoch from v_t1 - v_t0) * 1000;
-    if v_gone = 0 and v_put = 0 then
-        return p;  -- nothing to write: no lock taken at all
-    end if;
+    return v_gone + v_put;
+end;
+$$;
 
-    -- 1. pin the parents, in key order, skipping those an application holds --------------------------
-    if j.parent is not null then
-        execute 'select coalesce(array_agg(distinct k), ''{}'') from ('
-                '  select lockstep_parent from pg_temp.lockstep_gone'
-                '  union all select lockstep_parent from pg_temp.lockstep_put'
-                '  union all select lockstep_old_parent from pg_temp.lockstep_put) s(k) where k is not null'
-            into v_need;
-        execute pg_catalog.format(
-            'select coalesce(array_agg(k), ''{}'') from ('
-            '  select %1$I::text as k from %2$s where %1$I = any($1::%3$s)'
-            '  order by %1$I for key share skip locked) s',
-            j.parent_key, j.parent, v_keyarr) into v_pinned using v_need;
-        v_skip := array(select pg_catalog.unnest(v_need) except select pg_catalog.unnest(v_pinned));
-        if cardinality(v_skip) > 0 then
-            perform lockstep._drop_rows('lockstep_gone', 'lockstep_parent = any($1)', v_skip);
-            v_skip := v_skip || lockstep._drop_rows('lockstep_put',
-                'lockstep_parent = any($1) or lockstep_old_parent = any($1)', v_skip);
-        end if;
+-- lockstep._pin_parents(j): write step 1. Pin the parent of every row in pg_temp.lockstep_gone and
+-- pg_temp.lockstep_put (its new and its old parent); rows whose parent could not be pinned are dropped
+-- from both. Returns the parent keys left out.
+-- locks: the parent rows, FOR KEY SHARE SKIP LOCKED, in parent-key order (a parent an application holds,
+-- e.g. one being deleted, is skipped, never waited for).
+create function lockstep._pin_parents(j lockstep.job) returns text[]
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_need text[];
+    v_pinned text[];
+    v_skip text[];
+begin
+    if j.parent is null then
+        return '{}';
     end if;
+    execute 'select coalesce(array_agg(distinct k), ''{}'') from ('
+            '  select lockstep_parent from pg_temp.lockstep_gone'
+            '  union all select lockstep_parent from pg_temp.lockstep_put'
+            '  union all select lockstep_old_parent from pg_temp.lockstep_put) s(k) where k is not null'
+        into v_need;
+    execute pg_catalog.format(
+        'select coalesce(array_agg(k), ''{}'') from ('
+        '  select %1$I::text as k from %2$s where %1$I = any($1::%3$s)'
+        '  order by %1$I for key share skip locked) s',
+        j.parent_key, j.parent, lockstep._array_type(j.key_type)) into v_pinned using v_need;
+    v_skip := array(select pg_catalog.unnest(v_need) except select pg_catalog.unnest(v_pinned));
+    if cardinality(v_skip) > 0 then
+        perform lockstep._drop_rows('lockstep_gone', 'lockstep_parent = any($1)', v_skip);
+        v_skip := v_skip || lockstep._drop_rows('lockstep_put',
+            'lockstep_parent = any($1) or lockstep_old_parent = any($1)', v_skip);
+    end if;
+    return v_skip;
+end;
+$$;
 
-    -- 2. pin the rows the target's other foreign keys reference ----------------------------------------
+-- lockstep._pin_refs(j): write step 2. Pin the rows the target's other foreign keys reference, for every
+-- row in pg_temp.lockstep_put and pg_temp.lockstep_gone; rows whose referenced row could not be pinned
+-- are dropped. Returns the parent keys of the rows dropped.
+-- locks: the referenced rows, FOR KEY SHARE SKIP LOCKED, one constraint at a time in constraint-name
+-- order, each in key order.
+create function lockstep._pin_refs(j lockstep.job) returns text[]
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_skip text[] := '{}';
+    v_unpinned text;
+    c record;
+begin
     for c in
         select con.conname, con.confrelid::regclass as ref,
                array(select a.attname from pg_catalog.unnest(con.conkey) with ordinality k(n, o)
@@ -209,14 +210,28 @@ begin
             'order by %1$s for key share skip locked',
             lockstep._cols(c.rk, 'r'), c.ref, lockstep._cols(c.fk),
             (select pg_catalog.string_agg(pg_catalog.format('%I is not null', x), ' and ') from pg_catalog.unnest(c.fk) x));
-        v_set := pg_catalog.format('(%s) is not null and not exists (select from pg_temp.lockstep_ref r where (%s) = (%s))',
+        v_unpinned := pg_catalog.format(
+            '(%s) is not null and not exists (select from pg_temp.lockstep_ref r where (%s) = (%s))',
             lockstep._cols(c.fk), lockstep._cols(c.rk, 'r'), lockstep._cols(c.fk));
-        v_skip := v_skip || lockstep._drop_rows('lockstep_put', v_set) || lockstep._drop_rows('lockstep_gone', v_set);
+        v_skip := v_skip || lockstep._drop_rows('lockstep_put', v_unpinned)
+                         || lockstep._drop_rows('lockstep_gone', v_unpinned);
     end loop;
+    return v_skip;
+end;
+$$;
 
-    -- 3. lock the target rows to delete or update, in key order; then delete; then upsert ------------
-    -- found by ctid (a TID scan); a row whose ctid no longer holds its key is not in lockstep_locked and
-    -- is skipped like a locked one.
+-- lockstep._lock_rows(j): write step 3a. Lock the existing target rows about to be deleted or updated,
+-- found by their ctid (a TID scan); a row that is locked, or whose ctid no longer holds its key, is dropped
+-- from pg_temp.lockstep_gone / lockstep_put. Returns the parent keys of the rows dropped.
+-- locks: those target rows, FOR UPDATE SKIP LOCKED, in primary-key order.
+create function lockstep._lock_rows(j lockstep.job) returns text[]
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_unlocked text;
+    v_skip text[];
+begin
     execute pg_catalog.format(
         'create temp table lockstep_locked on commit drop as '
         'select %1$s from %2$s t where t.ctid = any(array('
@@ -224,33 +239,95 @@ begin
         '  union all select lockstep_ctid from pg_temp.lockstep_put where not lockstep_new)) '
         'order by %1$s for update of t skip locked',
         lockstep._cols(j.target_key, 't'), j.target);
-    v_set := pg_catalog.format('not exists (select from pg_temp.lockstep_locked l where %s)',
-                               lockstep._eq(j.target_key, 'l', 'lockstep_gone'));
-    v_skip := v_skip || lockstep._drop_rows('lockstep_gone', v_set);
-    v_set := pg_catalog.format('not lockstep_new and not exists (select from pg_temp.lockstep_locked l where %s)',
-                               lockstep._eq(j.target_key, 'l', 'lockstep_put'));
-    v_skip := v_skip || lockstep._drop_rows('lockstep_put', v_set);
+    v_unlocked := pg_catalog.format('not exists (select from pg_temp.lockstep_locked l where %s)',
+                                    lockstep._eq(j.target_key, 'l', 'lockstep_gone'));
+    v_skip := lockstep._drop_rows('lockstep_gone', v_unlocked);
+    v_unlocked := pg_catalog.format('not lockstep_new and not exists (select from pg_temp.lockstep_locked l where %s)',
+                                    lockstep._eq(j.target_key, 'l', 'lockstep_put'));
+    return v_skip || lockstep._drop_rows('lockstep_put', v_unlocked);
+end;
+$$;
 
+-- lockstep._delete_rows(j): write step 3b. Delete the target rows in pg_temp.lockstep_gone (locked by
+-- _lock_rows). Returns how many.
+-- locks: those target rows (already held).
+create function lockstep._delete_rows(j lockstep.job) returns bigint
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    n bigint;
+begin
     execute pg_catalog.format('delete from %s t using pg_temp.lockstep_gone g where %s',
                               j.target, lockstep._eq(j.target_key, 't', 'g'));
     get diagnostics n = row_count;
-    p.deleted := n;
+    return n;
+end;
+$$;
 
-    select pg_catalog.string_agg(pg_catalog.format('%I = excluded.%I', x, x), ', ')
-    into v_set from pg_catalog.unnest(j.columns) x where not x = any(j.target_key);
+-- lockstep._upsert_rows(j): write step 3c. One INSERT ... ON CONFLICT DO UPDATE ... WHERE IS DISTINCT FROM
+-- of pg_temp.lockstep_put, in primary-key order.
+-- locks: the target rows it inserts (new) or updates (already held by _lock_rows).
+create function lockstep._upsert_rows(j lockstep.job, out inserted bigint, out updated bigint)
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_rest name[] := array(select x from pg_catalog.unnest(j.columns) x where not x = any(j.target_key));
+    v_action text := 'do nothing';
+    v_new bigint;
+    n bigint;
+begin
+    if cardinality(v_rest) > 0 then
+        v_action := pg_catalog.format('do update set %s where (%s) is distinct from (%s)',
+            (select pg_catalog.string_agg(pg_catalog.format('%I = excluded.%I', x, x), ', ') from pg_catalog.unnest(v_rest) x),
+            lockstep._cols(v_rest, 't'), lockstep._cols(v_rest, 'excluded'));
+    end if;
     execute pg_catalog.format(
         'insert into %1$s as t (%2$s) select %2$s from pg_temp.lockstep_put order by %3$s on conflict (%3$s) %4$s',
-        j.target, lockstep._cols(j.columns), v_pk,
-        case when v_set is null then 'do nothing'
-             else pg_catalog.format('do update set %s where (%s) is distinct from (%s)', v_set,
-                  (select lockstep._cols(array_agg(x), 't') from pg_catalog.unnest(j.columns) x where not x = any(j.target_key)),
-                  (select lockstep._cols(array_agg(x), 'excluded') from pg_catalog.unnest(j.columns) x where not x = any(j.target_key)))
-        end);
+        j.target, lockstep._cols(j.columns), lockstep._cols(j.target_key), v_action);
     get diagnostics n = row_count;
     execute 'select count(*) from pg_temp.lockstep_put where lockstep_new' into v_new;
-    p.inserted := least(n, v_new);
-    p.updated := n - p.inserted;
+    inserted := least(n, v_new);
+    updated := n - inserted;
+end;
+$$;
 
+-- lockstep._write(j, keys): THE write path. Apply pg_temp.lockstep_desired (filled by _compute_into) to
+-- the target, restricted to the parents in keys (NULL: the whole table). Used by recompute and by work.
+-- First the difference, without any row lock (_diff); then the write phase, in this order, never waiting
+-- for any lock:
+--   1. _pin_parents: parents of every row about to be deleted, inserted or updated;
+--   2. _pin_refs: rows referenced through the target's other foreign keys;
+--   3. _lock_rows, _delete_rows, _upsert_rows: the target rows, in primary-key order.
+-- Rows whose locks were skipped are not written (never a wait, never a 23503); their parent keys are
+-- returned in skipped (still existing, to be re-queued) or counted in gone (deleted meanwhile).
+-- The caller writes the job's status row after this.
+-- locks: parents (FOR KEY SHARE SKIP LOCKED, key order), then other referenced rows (same, constraint-name
+-- order), then target rows (FOR UPDATE SKIP LOCKED, primary-key order): see the steps.
+create function lockstep._write(j lockstep.job, keys text[]) returns lockstep._pass
+language plpgsql
+set search_path = pg_catalog, pg_temp
+set client_min_messages = warning
+set jit = off
+as $$
+declare
+    v_t0 timestamptz := clock_timestamp();
+    v_t1 timestamptz;
+    v_skip text[];
+    p lockstep._pass := row(0, 0, 0, '{}', 0, 0, 0, '{}', '{}');
+begin
+    if lockstep._diff(j, keys) = 0 then
+        p.compute_ms := extract(epoch from clock_timestamp() - v_t0) * 1000;
+        return p;  -- nothing to write: no lock taken at all
+    end if;
+    v_t1 := clock_timestamp();
+    p.compute_ms := extract(epoch from v_t1 - v_t0) * 1000;
+    v_skip := lockstep._pin_parents(j);
+    v_skip := v_skip || lockstep._pin_refs(j);
+    v_skip := v_skip || lockstep._lock_rows(j);
+    p.deleted := lockstep._delete_rows(j);
+    select u.inserted, u.updated into p.inserted, p.updated from lockstep._upsert_rows(j) u;
     -- skipped parents: those that still exist go back to the queue; the others were deleted meanwhile
     v_skip := array(select distinct pg_catalog.unnest(v_skip));
     if j.parent is not null and cardinality(v_skip) > 0 then
