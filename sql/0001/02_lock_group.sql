@@ -10,15 +10,6 @@ as $$
     select pg_catalog.pg_try_advisory_xact_lock(pg_catalog.hashtextextended('lockstep:' || lock_group, 0));
 $$;
 
--- lockstep._lock_key(lock_group): the advisory key, for tests and for pg_locks look-ups.
--- locks: nothing.
-create function lockstep._lock_key(lock_group text) returns bigint
-language sql immutable strict
-set search_path = pg_catalog, pg_temp
-as $$
-    select pg_catalog.hashtextextended('lockstep:' || lock_group, 0);
-$$;
-
 -- lockstep._group_due(lock_group): a periodic part of a job of the group is due (rule 7: a worker gives
 -- way to it). A job overdue by more than a minute is not waited for: nobody runs it, and the queue must not
 -- stall behind it.
