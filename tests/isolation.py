@@ -66,10 +66,18 @@ and the test stays fast.
 
 ``wait_for_lock_wait(observer, pid, timeout=...)`` is the same blocked-detection for other tests (for
 example a test that starts processes rather than connections).
+
+Expected files, as PostgreSQL's ``expected/*.out``: a schedule test hands its results to the
+``expected_trace`` fixture (tests/conftest.py), which compares the whole trace with
+``tests/expected/<module>/<test>.out`` (``check_expected``) and fails with a unified diff on any
+difference: an unexpected wait, a missing ``<... completed>``, another SQLSTATE, other rows. Run pytest with
+``--update-expected`` (or ``LOCKSTEP_UPDATE_EXPECTED=1``) to rewrite the files, then review ``git diff``.
 """
 
 from __future__ import annotations
 
+import difflib
+import os
 import queue
 import textwrap
 import threading
@@ -77,6 +85,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -90,6 +99,8 @@ __all__ = [
     "StepResult",
     "StepTimeout",
     "blocking_pids",
+    "check_expected",
+    "update_requested",
     "wait_for_lock_wait",
 ]
 
@@ -99,6 +110,8 @@ _CANCEL_GRACE = 2.0  # seconds a cancelled / terminated step gets to return
 _CLOSE_GRACE = 5.0  # seconds for a session thread to close its connection and for its backend to go
 
 StepFn = Callable[[psycopg.Connection], Any]
+
+UPDATE_ENV = "LOCKSTEP_UPDATE_EXPECTED"  # set to 1 (or pass pytest --update-expected) to rewrite files
 
 _BLOCKERS_SQL = """
 select p, pg_blocking_pids(p), pg_safe_snapshot_blocking_pids(p)
@@ -182,6 +195,45 @@ def wait_for_lock_wait(
             what = f"pid {pid}" if pid is not None else f"application_name {application_name!r}"
             raise TimeoutError(f"{what} was not seen waiting for a lock within {timeout} s")
         time.sleep(poll)
+
+
+# --------------------------------------------------------------------------------------------------
+# expected files
+
+
+def update_requested() -> bool:
+    """True when the environment asks to rewrite expected files (``LOCKSTEP_UPDATE_EXPECTED=1``)."""
+    return os.environ.get(UPDATE_ENV, "").lower() in ("1", "true", "yes")
+
+
+def check_expected(path: Path, actual: str, *, update: bool = False) -> None:
+    """Compare ``actual`` with the contents of ``path``; on a difference raise ``AssertionError`` with a
+    unified diff (expected -> actual). With ``update`` the file is (re)written instead and nothing fails.
+    A missing file fails too, saying how to create it."""
+    __tracebackhide__ = True  # pytest: show the diff, not this function
+    if update:
+        if not path.exists() or path.read_text() != actual:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(actual)
+        return
+    if not path.exists():
+        raise AssertionError(
+            f"no expected file {path}; create it with pytest --update-expected (or {UPDATE_ENV}=1), "
+            f"then review it. Actual output:\n{actual}"
+        )
+    expected = path.read_text()
+    if expected == actual:
+        return
+    diff = difflib.unified_diff(
+        expected.splitlines(keepends=True),
+        actual.splitlines(keepends=True),
+        fromfile=f"{path} (expected)",
+        tofile="actual",
+    )
+    raise AssertionError(
+        f"output differs from {path} (rewrite with pytest --update-expected after checking):\n"
+        + "".join(diff)
+    )
 
 
 # --------------------------------------------------------------------------------------------------

@@ -39,3 +39,24 @@ def advisory_locks(observer: psycopg.Connection, pid: int) -> list[tuple]:
     return observer.execute(
         "select classid, objid, granted from pg_locks where locktype = 'advisory' and pid = %s", [pid]
     ).fetchall()
+
+
+def drain(conn: psycopg.Connection, job: str, batch: int | None = None, max_passes: int = 1000) -> int:
+    """Call ``lockstep.work(job[, batch])`` until it reports no ``more`` ready keys; return the passes.
+
+    Fails with a message (instead of hanging until the test timeout) after ``max_passes`` passes."""
+    call = (
+        "select outcome, more from lockstep.work(%s)"
+        if batch is None
+        else ("select outcome, more from lockstep.work(%s, %s)")
+    )
+    args: list[object] = [job] if batch is None else [job, batch]
+    for n in range(1, max_passes + 1):
+        outcome, more = conn.execute(call, args).fetchone()
+        if not more:
+            return n
+    raise AssertionError(
+        f"lockstep.work({job!r}) still reported more ready keys after {max_passes} passes"
+        f" (last outcome {outcome!r}, queue depth"
+        f" {conn.execute('select count(*) from lockstep.queue where job = %s', [job]).fetchone()[0]})"
+    )
