@@ -93,6 +93,8 @@ import psycopg
 __all__ = [
     "IsolationError",
     "LockWait",
+    "awaited_locks",
+    "AwaitedLock",
     "Result",
     "Spec",
     "Step",
@@ -156,6 +158,36 @@ def blocking_pids(observer: psycopg.Connection, pids: Sequence[int]) -> dict[int
         elif safe:
             found[pid] = LockWait(pid, tuple(safe), "pg_safe_snapshot_blocking_pids")
     return found
+
+
+_AWAITED_SQL = """
+select locktype, coalesce(classid::regclass::text, ''), coalesce(objid, 0),
+       database is null or database = 0, mode
+from pg_locks where pid = %s and not granted
+"""
+
+
+@dataclass(frozen=True)
+class AwaitedLock:
+    """A lock a backend is waiting for (a row of pg_locks with ``granted = false``)."""
+
+    locktype: str
+    classid: str  # regclass text ('' when not an object lock)
+    objid: int
+    shared: bool  # a cluster-wide lock (no database)
+    mode: str
+
+    @property
+    def is_notify_queue(self) -> bool:
+        """The lock every committing transaction that sent NOTIFY takes for a moment (PreCommit_Notify:
+        AccessExclusiveLock on object pg_database/0 of no database); a wait for it is not an application
+        lock wait but the commit of a concurrent notifier."""
+        return self.locktype == "object" and self.classid == "pg_database" and self.objid == 0 and self.shared
+
+
+def awaited_locks(observer: psycopg.Connection, pid: int) -> list[AwaitedLock]:
+    """The locks backend ``pid`` is waiting for right now (empty when it waits for none)."""
+    return [AwaitedLock(*row) for row in observer.execute(_AWAITED_SQL, [pid]).fetchall()]
 
 
 def wait_for_lock_wait(
