@@ -62,7 +62,9 @@ Deadlock idiom: give the session meant to be the victim ``deadlock_timeout = '10
 session ``'10s'``. PostgreSQL runs the deadlock check once per lock wait, ``deadlock_timeout`` after the
 wait began; so the victim's step should be the one that closes the cycle (it waits last). Then the
 victim always gets 40P01 about 100 ms later and the others complete: the outcome and the trace are stable
-and the test stays fast.
+and the test stays fast. A test that compares its whole trace with an expected file gives the victim
+``'1s'`` instead: the trace shows the victim's ``<waiting ...>`` only if the observer sees the wait before
+the deadlock check ends it, and 1 s leaves room for a loaded machine (the schedule tests do so).
 
 ``wait_for_lock_wait(observer, pid, timeout=...)`` is the same blocked-detection for other tests (for
 example a test that starts processes rather than connections).
