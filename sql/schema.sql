@@ -254,6 +254,81 @@ begin
 end;
 $_$;
 
+CREATE FUNCTION lockstep._delete_rows(j lockstep.job) RETURNS bigint
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    n bigint;
+begin
+    execute pg_catalog.format('delete from %s t using pg_temp.lockstep_gone g where %s',
+                              j.target, lockstep._eq(j.target_key, 't', 'g'));
+    get diagnostics n = row_count;
+    return n;
+end;
+$$;
+
+CREATE FUNCTION lockstep._diff(j lockstep.job, keys text[]) RETURNS bigint
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    SET client_min_messages TO 'warning'
+    SET jit TO 'off'
+    AS $_$
+declare
+    v_tcols text := lockstep._cols(j.columns, 't');
+    v_tpar text := 'null::text';
+    v_dpar text := 'null::text';
+    v_cur text := j.target::text;
+    v_ctid text := 't.ctid';
+    v_gone bigint;
+    v_put bigint;
+begin
+    if j.parent_column is not null then
+        v_tpar := pg_catalog.format('t.%I::text', j.parent_column);
+        v_dpar := pg_catalog.format('d.%I::text', j.parent_column);
+    end if;
+    drop table if exists pg_temp.lockstep_current, pg_temp.lockstep_gone, pg_temp.lockstep_put,
+                         pg_temp.lockstep_locked;
+    if keys is not null and j.parent_column is not null then
+        execute pg_catalog.format(
+            'create temp table lockstep_current on commit drop as '
+            'select t.* from pg_catalog.unnest($1::%s) k(v), '
+            'lateral (select %s, t.ctid as lockstep_ctid from %s t where t.%I = k.v offset 0) t',
+            lockstep._array_type(j.key_type), v_tcols, j.target, j.parent_column) using keys;
+        analyze pg_temp.lockstep_current;
+        v_cur := 'pg_temp.lockstep_current';
+        v_ctid := 't.lockstep_ctid';
+    end if;
+    execute pg_catalog.format(
+        'create temp table lockstep_gone on commit drop as '
+        'select %1$s, %2$s as lockstep_parent, %5$s as lockstep_ctid from %3$s t '
+        'where not exists (select from pg_temp.lockstep_desired d where %4$s)',
+        v_tcols, v_tpar, v_cur, lockstep._eq(j.target_key, 'd', 't'), v_ctid);
+    get diagnostics v_gone = row_count;
+    execute pg_catalog.format(
+        'create temp table lockstep_put on commit drop as '
+        'select %1$s, %2$s as lockstep_parent, %3$s as lockstep_old_parent, t.ctid is null as lockstep_new, '
+        '%7$s as lockstep_ctid '
+        'from pg_temp.lockstep_desired d left join %4$s t on %5$s '
+        'where t.ctid is null or (%1$s) is distinct from (%6$s)',
+        lockstep._cols(j.columns, 'd'), v_dpar, v_tpar, v_cur, lockstep._eq(j.target_key, 'd', 't'), v_tcols, v_ctid);
+    get diagnostics v_put = row_count;
+    if v_cur <> j.target::text then
+        -- a row taken for new may exist under another parent (it moves): probe the target by primary key
+        execute pg_catalog.format(
+            'update pg_temp.lockstep_put p set lockstep_new = false, lockstep_old_parent = t.%1$I::text, '
+            'lockstep_ctid = t.ctid '
+            'from %2$s t where p.lockstep_new and %3$s',
+            j.parent_column, j.target, lockstep._eq(j.target_key, 'p', 't'));
+    end if;
+    if v_gone > 0 or v_put > 0 then
+        analyze pg_temp.lockstep_gone;
+        analyze pg_temp.lockstep_put;
+    end if;
+    return v_gone + v_put;
+end;
+$_$;
+
 CREATE FUNCTION lockstep._drop_rows(tbl text, cond text, keys text[] DEFAULT NULL::text[]) RETURNS text[]
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -444,12 +519,29 @@ begin
 end;
 $_$;
 
-CREATE FUNCTION lockstep._lock_key(lock_group text) RETURNS bigint
-    LANGUAGE sql IMMUTABLE STRICT
+CREATE FUNCTION lockstep._lock_rows(j lockstep.job) RETURNS text[]
+    LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
-    AS $$
-    select pg_catalog.hashtextextended('lockstep:' || lock_group, 0);
-$$;
+    AS $_$
+declare
+    v_unlocked text;
+    v_skip text[];
+begin
+    execute pg_catalog.format(
+        'create temp table lockstep_locked on commit drop as '
+        'select %1$s from %2$s t where t.ctid = any(array('
+        '  select lockstep_ctid from pg_temp.lockstep_gone'
+        '  union all select lockstep_ctid from pg_temp.lockstep_put where not lockstep_new)) '
+        'order by %1$s for update of t skip locked',
+        lockstep._cols(j.target_key, 't'), j.target);
+    v_unlocked := pg_catalog.format('not exists (select from pg_temp.lockstep_locked l where %s)',
+                                    lockstep._eq(j.target_key, 'l', 'lockstep_gone'));
+    v_skip := lockstep._drop_rows('lockstep_gone', v_unlocked);
+    v_unlocked := pg_catalog.format('not lockstep_new and not exists (select from pg_temp.lockstep_locked l where %s)',
+                                    lockstep._eq(j.target_key, 'l', 'lockstep_put'));
+    return v_skip || lockstep._drop_rows('lockstep_put', v_unlocked);
+end;
+$_$;
 
 CREATE FUNCTION lockstep._may_manage(owner name) RETURNS boolean
     LANGUAGE sql STABLE
@@ -484,6 +576,80 @@ CREATE FUNCTION lockstep._not_due(s lockstep.job_state) RETURNS text
     AS $$
     select case when s.consecutive_failures > 0 and s.last_outcome = 'failed' then 'backoff' else 'not_due' end;
 $$;
+
+CREATE FUNCTION lockstep._pin_parents(j lockstep.job) RETURNS text[]
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $_$
+declare
+    v_need text[];
+    v_pinned text[];
+    v_skip text[];
+begin
+    if j.parent is null then
+        return '{}';
+    end if;
+    execute 'select coalesce(array_agg(distinct k), ''{}'') from ('
+            '  select lockstep_parent from pg_temp.lockstep_gone'
+            '  union all select lockstep_parent from pg_temp.lockstep_put'
+            '  union all select lockstep_old_parent from pg_temp.lockstep_put) s(k) where k is not null'
+        into v_need;
+    execute pg_catalog.format(
+        'select coalesce(array_agg(k), ''{}'') from ('
+        '  select %1$I::text as k from %2$s where %1$I = any($1::%3$s)'
+        '  order by %1$I for key share skip locked) s',
+        j.parent_key, j.parent, lockstep._array_type(j.key_type)) into v_pinned using v_need;
+    v_skip := array(select pg_catalog.unnest(v_need) except select pg_catalog.unnest(v_pinned));
+    if cardinality(v_skip) > 0 then
+        perform lockstep._drop_rows('lockstep_gone', 'lockstep_parent = any($1)', v_skip);
+        v_skip := v_skip || lockstep._drop_rows('lockstep_put',
+            'lockstep_parent = any($1) or lockstep_old_parent = any($1)', v_skip);
+    end if;
+    return v_skip;
+end;
+$_$;
+
+CREATE FUNCTION lockstep._pin_refs(j lockstep.job) RETURNS text[]
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $_$
+declare
+    v_skip text[] := '{}';
+    v_unpinned text;
+    c record;
+begin
+    for c in
+        select con.conname, con.confrelid::regclass as ref,
+               array(select a.attname from pg_catalog.unnest(con.conkey) with ordinality k(n, o)
+                     join pg_catalog.pg_attribute a on a.attrelid = con.conrelid and a.attnum = k.n order by k.o) as fk,
+               array(select a.attname from pg_catalog.unnest(con.confkey) with ordinality k(n, o)
+                     join pg_catalog.pg_attribute a on a.attrelid = con.confrelid and a.attnum = k.n order by k.o) as rk
+        from pg_catalog.pg_constraint con
+        where con.conrelid = j.target and con.contype = 'f'
+          and not (j.parent is not null and con.confrelid = j.parent
+                   and con.conkey = array[(select a.attnum from pg_catalog.pg_attribute a
+                                           where a.attrelid = j.target and a.attname = j.parent_column)])
+        order by con.conname
+    loop
+        continue when not (c.fk <@ j.columns);
+        drop table if exists pg_temp.lockstep_ref;
+        execute pg_catalog.format(
+            'create temp table lockstep_ref on commit drop as '
+            'select %1$s from %2$s r where (%1$s) in ('
+            '  select %3$s from pg_temp.lockstep_put where %4$s'
+            '  union select %3$s from pg_temp.lockstep_gone where %4$s) '
+            'order by %1$s for key share skip locked',
+            lockstep._cols(c.rk, 'r'), c.ref, lockstep._cols(c.fk),
+            (select pg_catalog.string_agg(pg_catalog.format('%I is not null', x), ' and ') from pg_catalog.unnest(c.fk) x));
+        v_unpinned := pg_catalog.format(
+            '(%s) is not null and not exists (select from pg_temp.lockstep_ref r where (%s) = (%s))',
+            lockstep._cols(c.fk), lockstep._cols(c.rk, 'r'), lockstep._cols(c.fk));
+        v_skip := v_skip || lockstep._drop_rows('lockstep_put', v_unpinned)
+                         || lockstep._drop_rows('lockstep_gone', v_unpinned);
+    end loop;
+    return v_skip;
+end;
+$_$;
 
 CREATE FUNCTION lockstep._proc_columns(f regprocedure) RETURNS TABLE(name name, type oid, ord bigint)
     LANGUAGE sql STABLE
@@ -597,6 +763,31 @@ CREATE FUNCTION lockstep._try_lock(lock_group text) RETURNS boolean
     select pg_catalog.pg_try_advisory_xact_lock(pg_catalog.hashtextextended('lockstep:' || lock_group, 0));
 $$;
 
+CREATE FUNCTION lockstep._upsert_rows(j lockstep.job, OUT inserted bigint, OUT updated bigint) RETURNS record
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $_$
+declare
+    v_rest name[] := array(select x from pg_catalog.unnest(j.columns) x where not x = any(j.target_key));
+    v_action text := 'do nothing';
+    v_new bigint;
+    n bigint;
+begin
+    if cardinality(v_rest) > 0 then
+        v_action := pg_catalog.format('do update set %s where (%s) is distinct from (%s)',
+            (select pg_catalog.string_agg(pg_catalog.format('%I = excluded.%I', x, x), ', ') from pg_catalog.unnest(v_rest) x),
+            lockstep._cols(v_rest, 't'), lockstep._cols(v_rest, 'excluded'));
+    end if;
+    execute pg_catalog.format(
+        'insert into %1$s as t (%2$s) select %2$s from pg_temp.lockstep_put order by %3$s on conflict (%3$s) %4$s',
+        j.target, lockstep._cols(j.columns), lockstep._cols(j.target_key), v_action);
+    get diagnostics n = row_count;
+    execute 'select count(*) from pg_temp.lockstep_put where lockstep_new' into v_new;
+    inserted := least(n, v_new);
+    updated := n - inserted;
+end;
+$_$;
+
 CREATE FUNCTION lockstep._work(j lockstep.job, batch integer) RETURNS lockstep.result
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -690,170 +881,22 @@ CREATE FUNCTION lockstep._write(j lockstep.job, keys text[]) RETURNS lockstep._p
     SET jit TO 'off'
     AS $_$
 declare
-    v_dcols text := lockstep._cols(j.columns, 'd');
-    v_tcols text := lockstep._cols(j.columns, 't');
-    v_pk text := lockstep._cols(j.target_key);
-    v_keyarr text := lockstep._array_type(j.key_type);
-    v_cur text;
-    v_ctid text;
-    v_tpar text := 'null::text';
-    v_dpar text := 'null::text';
-    v_set text;
-    v_need text[];
-    v_pinned text[];
-    v_skip text[] := '{}';
     v_t0 timestamptz := clock_timestamp();
     v_t1 timestamptz;
-    v_gone bigint;
-    v_put bigint;
-    v_new bigint;
-    n bigint;
-    c record;
+    v_skip text[];
     p lockstep._pass := row(0, 0, 0, '{}', 0, 0, 0, '{}', '{}');
 begin
-    if j.parent_column is not null then
-        v_tpar := pg_catalog.format('t.%I::text', j.parent_column);
-        v_dpar := pg_catalog.format('d.%I::text', j.parent_column);
-    end if;
-
-    -- the difference, without row locks ---------------------------------------------------------------
-    -- current rows: for a subset, copied by one index probe per parent key (the lateral subquery is not
-    -- flattened, so a stale estimate right after a big fill cannot turn it into a scan of the whole
-    -- target); for the whole table, the target itself.
-    drop table if exists pg_temp.lockstep_current, pg_temp.lockstep_gone, pg_temp.lockstep_put,
-                         pg_temp.lockstep_locked;
-    if keys is not null and j.parent_column is not null then
-        execute pg_catalog.format(
-            'create temp table lockstep_current on commit drop as '
-            'select t.* from pg_catalog.unnest($1::%s) k(v), '
-            'lateral (select %s, t.ctid as lockstep_ctid from %s t where t.%I = k.v offset 0) t',
-            v_keyarr, v_tcols, j.target, j.parent_column) using keys;
-        analyze pg_temp.lockstep_current;
-        v_cur := 'pg_temp.lockstep_current';
-        v_ctid := 't.lockstep_ctid';
-    else
-        v_cur := j.target::text;
-        v_ctid := 't.ctid';
-    end if;
-    -- gone and put carry the current row's ctid, so the write phase locks existing rows by a TID scan
-    execute pg_catalog.format(
-        'create temp table lockstep_gone on commit drop as '
-        'select %1$s, %2$s as lockstep_parent, %5$s as lockstep_ctid from %3$s t '
-        'where not exists (select from pg_temp.lockstep_desired d where %4$s)',
-        v_tcols, v_tpar, v_cur, lockstep._eq(j.target_key, 'd', 't'), v_ctid);
-    get diagnostics v_gone = row_count;
-    execute pg_catalog.format(
-        'create temp table lockstep_put on commit drop as '
-        'select %1$s, %2$s as lockstep_parent, %3$s as lockstep_old_parent, t.ctid is null as lockstep_new, '
-        '%7$s as lockstep_ctid '
-        'from pg_temp.lockstep_desired d left join %4$s t on %5$s '
-        'where t.ctid is null or (%1$s) is distinct from (%6$s)',
-        v_dcols, v_dpar, v_tpar, v_cur, lockstep._eq(j.target_key, 'd', 't'), v_tcols, v_ctid);
-    get diagnostics v_put = row_count;
-    if v_cur <> j.target::text then
-        -- a row taken for new may exist under another parent (it moves): probe the target by primary key
-        execute pg_catalog.format(
-            'update pg_temp.lockstep_put p set lockstep_new = false, lockstep_old_parent = t.%1$I::text, '
-            'lockstep_ctid = t.ctid '
-            'from %2$s t where p.lockstep_new and %3$s',
-            j.parent_column, j.target, lockstep._eq(j.target_key, 'p', 't'));
-    end if;
-    if v_gone > 0 or v_put > 0 then
-        analyze pg_temp.lockstep_gone;
-        analyze pg_temp.lockstep_put;
+    if lockstep._diff(j, keys) = 0 then
+        p.compute_ms := extract(epoch from clock_timestamp() - v_t0) * 1000;
+        return p;  -- nothing to write: no lock taken at all
     end if;
     v_t1 := clock_timestamp();
     p.compute_ms := extract(epoch from v_t1 - v_t0) * 1000;
-    if v_gone = 0 and v_put = 0 then
-        return p;  -- nothing to write: no lock taken at all
-    end if;
-
-    -- 1. pin the parents, in key order, skipping those an application holds --------------------------
-    if j.parent is not null then
-        execute 'select coalesce(array_agg(distinct k), ''{}'') from ('
-                '  select lockstep_parent from pg_temp.lockstep_gone'
-                '  union all select lockstep_parent from pg_temp.lockstep_put'
-                '  union all select lockstep_old_parent from pg_temp.lockstep_put) s(k) where k is not null'
-            into v_need;
-        execute pg_catalog.format(
-            'select coalesce(array_agg(k), ''{}'') from ('
-            '  select %1$I::text as k from %2$s where %1$I = any($1::%3$s)'
-            '  order by %1$I for key share skip locked) s',
-            j.parent_key, j.parent, v_keyarr) into v_pinned using v_need;
-        v_skip := array(select pg_catalog.unnest(v_need) except select pg_catalog.unnest(v_pinned));
-        if cardinality(v_skip) > 0 then
-            perform lockstep._drop_rows('lockstep_gone', 'lockstep_parent = any($1)', v_skip);
-            v_skip := v_skip || lockstep._drop_rows('lockstep_put',
-                'lockstep_parent = any($1) or lockstep_old_parent = any($1)', v_skip);
-        end if;
-    end if;
-
-    -- 2. pin the rows the target's other foreign keys reference ----------------------------------------
-    for c in
-        select con.conname, con.confrelid::regclass as ref,
-               array(select a.attname from pg_catalog.unnest(con.conkey) with ordinality k(n, o)
-                     join pg_catalog.pg_attribute a on a.attrelid = con.conrelid and a.attnum = k.n order by k.o) as fk,
-               array(select a.attname from pg_catalog.unnest(con.confkey) with ordinality k(n, o)
-                     join pg_catalog.pg_attribute a on a.attrelid = con.confrelid and a.attnum = k.n order by k.o) as rk
-        from pg_catalog.pg_constraint con
-        where con.conrelid = j.target and con.contype = 'f'
-          and not (j.parent is not null and con.confrelid = j.parent
-                   and con.conkey = array[(select a.attnum from pg_catalog.pg_attribute a
-                                           where a.attrelid = j.target and a.attname = j.parent_column)])
-        order by con.conname
-    loop
-        continue when not (c.fk <@ j.columns);
-        drop table if exists pg_temp.lockstep_ref;
-        execute pg_catalog.format(
-            'create temp table lockstep_ref on commit drop as '
-            'select %1$s from %2$s r where (%1$s) in ('
-            '  select %3$s from pg_temp.lockstep_put where %4$s'
-            '  union select %3$s from pg_temp.lockstep_gone where %4$s) '
-            'order by %1$s for key share skip locked',
-            lockstep._cols(c.rk, 'r'), c.ref, lockstep._cols(c.fk),
-            (select pg_catalog.string_agg(pg_catalog.format('%I is not null', x), ' and ') from pg_catalog.unnest(c.fk) x));
-        v_set := pg_catalog.format('(%s) is not null and not exists (select from pg_temp.lockstep_ref r where (%s) = (%s))',
-            lockstep._cols(c.fk), lockstep._cols(c.rk, 'r'), lockstep._cols(c.fk));
-        v_skip := v_skip || lockstep._drop_rows('lockstep_put', v_set) || lockstep._drop_rows('lockstep_gone', v_set);
-    end loop;
-
-    -- 3. lock the target rows to delete or update, in key order; then delete; then upsert ------------
-    -- found by ctid (a TID scan); a row whose ctid no longer holds its key is not in lockstep_locked and
-    -- is skipped like a locked one.
-    execute pg_catalog.format(
-        'create temp table lockstep_locked on commit drop as '
-        'select %1$s from %2$s t where t.ctid = any(array('
-        '  select lockstep_ctid from pg_temp.lockstep_gone'
-        '  union all select lockstep_ctid from pg_temp.lockstep_put where not lockstep_new)) '
-        'order by %1$s for update of t skip locked',
-        lockstep._cols(j.target_key, 't'), j.target);
-    v_set := pg_catalog.format('not exists (select from pg_temp.lockstep_locked l where %s)',
-                               lockstep._eq(j.target_key, 'l', 'lockstep_gone'));
-    v_skip := v_skip || lockstep._drop_rows('lockstep_gone', v_set);
-    v_set := pg_catalog.format('not lockstep_new and not exists (select from pg_temp.lockstep_locked l where %s)',
-                               lockstep._eq(j.target_key, 'l', 'lockstep_put'));
-    v_skip := v_skip || lockstep._drop_rows('lockstep_put', v_set);
-
-    execute pg_catalog.format('delete from %s t using pg_temp.lockstep_gone g where %s',
-                              j.target, lockstep._eq(j.target_key, 't', 'g'));
-    get diagnostics n = row_count;
-    p.deleted := n;
-
-    select pg_catalog.string_agg(pg_catalog.format('%I = excluded.%I', x, x), ', ')
-    into v_set from pg_catalog.unnest(j.columns) x where not x = any(j.target_key);
-    execute pg_catalog.format(
-        'insert into %1$s as t (%2$s) select %2$s from pg_temp.lockstep_put order by %3$s on conflict (%3$s) %4$s',
-        j.target, lockstep._cols(j.columns), v_pk,
-        case when v_set is null then 'do nothing'
-             else pg_catalog.format('do update set %s where (%s) is distinct from (%s)', v_set,
-                  (select lockstep._cols(array_agg(x), 't') from pg_catalog.unnest(j.columns) x where not x = any(j.target_key)),
-                  (select lockstep._cols(array_agg(x), 'excluded') from pg_catalog.unnest(j.columns) x where not x = any(j.target_key)))
-        end);
-    get diagnostics n = row_count;
-    execute 'select count(*) from pg_temp.lockstep_put where lockstep_new' into v_new;
-    p.inserted := least(n, v_new);
-    p.updated := n - p.inserted;
-
+    v_skip := lockstep._pin_parents(j);
+    v_skip := v_skip || lockstep._pin_refs(j);
+    v_skip := v_skip || lockstep._lock_rows(j);
+    p.deleted := lockstep._delete_rows(j);
+    select u.inserted, u.updated into p.inserted, p.updated from lockstep._upsert_rows(j) u;
     -- skipped parents: those that still exist go back to the queue; the others were deleted meanwhile
     v_skip := array(select distinct pg_catalog.unnest(v_skip));
     if j.parent is not null and cardinality(v_skip) > 0 then
