@@ -18,6 +18,7 @@ from isolation import (
     IsolationError,
     Spec,
     StepTimeout,
+    awaited_locks,
     blocking_pids,
     check_expected,
     wait_for_lock_wait,
@@ -320,6 +321,10 @@ def test_wait_for_lock_wait_helper(iso_dsn: str) -> None:
             assert blocking_pids(observer, [holder.info.backend_pid, waiter.info.backend_pid]) == {
                 waiter.info.backend_pid: wait
             }
+            (awaited,) = awaited_locks(observer, waiter.info.backend_pid)
+            assert (awaited.locktype, awaited.objid, awaited.mode) == ("advisory", 7, "ExclusiveLock")
+            assert not awaited.is_notify_queue  # only PreCommit_Notify's object lock is
+            assert awaited_locks(observer, holder.info.backend_pid) == []
             with pytest.raises(RuntimeError, match="abort_if"):
                 wait_for_lock_wait(observer, holder.info.backend_pid, timeout=5, abort_if=lambda: True)
         finally:
