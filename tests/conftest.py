@@ -145,8 +145,11 @@ def kind_of(path: Path) -> str | None:
         rel = path.resolve().relative_to(TESTS_DIR).as_posix()
     except ValueError:
         rel = path.name
+    for kind, patterns in KINDS.items():  # a folder (tests/<kind>/...) decides first
+        if any("/" in p and fnmatch.fnmatch(rel, p) for p in patterns):
+            return kind
     for kind, patterns in KINDS.items():
-        if any(fnmatch.fnmatch(rel, p) or fnmatch.fnmatch(path.stem, p) for p in patterns):
+        if any("/" not in p and fnmatch.fnmatch(path.stem, p) for p in patterns):
             return kind
     return None
 
