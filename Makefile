@@ -1,4 +1,8 @@
 # make test: create .venv if missing, install the package editable with its test extras, lint, run pytest.
+# make test-fast: the same without runner processes, packaging, tools and slow tests (markers by kind,
+#   applied by file name in tests/conftest.py: sql, schedules, runner, packaging, tools; and slow).
+# make schema: regenerate sql/schema.sql (pg_dump of a fresh migrate; tests/test_schema.py checks it).
+# make expected: rewrite the schedule traces tests/expected/*/*.out and sql/schema.sql (then review git diff).
 # Extra pytest arguments: make test PYTEST_ARGS="-k migrations -x"
 PYTHON ?= python3
 VENV ?= .venv
@@ -8,7 +12,9 @@ STAMP := $(VENV)/.installed
 
 DEMO_ARGS ?=
 
-.PHONY: test lint clean demo
+FAST_MARKERS := not runner and not packaging and not tools and not slow
+
+.PHONY: test test-fast lint format schema expected clean demo
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -19,9 +25,23 @@ $(STAMP): pyproject.toml | $(BIN)/python
 
 lint: $(STAMP)
 	$(BIN)/ruff check runner tests alembic
+	$(BIN)/ruff format --check runner tests alembic
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix runner tests alembic
+	$(BIN)/ruff format runner tests alembic
 
 test: lint
 	$(BIN)/pytest -q $(PYTEST_ARGS)
+
+test-fast: lint
+	$(BIN)/pytest -q -m "$(FAST_MARKERS)" $(PYTEST_ARGS)
+
+schema: $(STAMP)
+	$(BIN)/python tests/schema_dump.py
+
+expected: $(STAMP)
+	$(BIN)/pytest -q -m "schedules or sql" --update-expected $(PYTEST_ARGS)
 
 # make demo: lockstep vs the naive jobs on the example (docs/demo.md). make demo DEMO_ARGS="--parents 5000"
 demo: | $(BIN)/python

@@ -11,6 +11,16 @@ Fixtures (all databases are dropped at the end, even on failure or Ctrl-C):
 - ``connect`` (function) -> ``connect(conninfo=None, **kwargs) -> psycopg.Connection``: more sessions
   (default: to ``dsn``, autocommit=True); all closed at teardown.
 
+Expected files (schedule traces, the schema dump):
+- ``update_expected`` (function) -> bool: True with ``pytest --update-expected`` or
+  ``LOCKSTEP_UPDATE_EXPECTED=1``: comparisons rewrite their expected file instead of failing.
+- ``expected_trace`` (function) -> ``expected_trace(*results)``: compares the traces of these
+  ``isolation.Result``s (joined by a blank line) with ``tests/expected/<module>/<test>.out``.
+
+Markers by kind (``KINDS``; pyproject.toml registers them, ``--strict-markers``): every test gets the marker
+of its file, matched by name or by folder, so ``make test-fast`` (``-m "not runner and not packaging and not
+tools and not slow"``) keeps working when files move into folders. A test file of no kind is an error.
+
 More templates, one line each (``setup`` gets the new template's DSN; ``base`` names a template fixture to
 start from, else the database starts empty):
     example_template = make_template("example", install_example, base="template_db")
@@ -18,13 +28,17 @@ start from, else the database starts empty):
 
 from __future__ import annotations
 
+import fnmatch
 import os
+import re
 import secrets
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 import pytest
+from isolation import Result, check_expected, update_requested
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
@@ -33,6 +47,30 @@ from runner.migrate import migrate
 ADMIN_DSN = os.environ.get("LOCKSTEP_TEST_ADMIN_DSN", "postgresql://root@127.0.0.1:5432/postgres")
 PREFIX = "lockstep_t_"
 RUN_TAG = f"{PREFIX}{os.getpid()}_{secrets.token_hex(3)}"
+
+TESTS_DIR = Path(__file__).resolve().parent
+EXPECTED_DIR = TESTS_DIR / "expected"
+
+# kind -> patterns matched against a test file's path relative to tests/ and against its stem
+KINDS: dict[str, tuple[str, ...]] = {
+    "schedules": ("schedules/*", "test_schedules_*", "test_properties", "test_isolation_harness"),
+    "runner": ("runner/*", "test_runner*", "test_cli_*", "test_faults"),
+    "packaging": ("packaging/*", "test_wheel", "test_readme"),
+    "tools": ("tools/*", "test_demo", "test_bench", "test_storm"),
+    "sql": (
+        "sql/*",
+        "test_define_derived",
+        "test_hostile_names",
+        "test_jobs",
+        "test_migrations",
+        "test_queue",
+        "test_recompute",
+        "test_released_revisions",
+        "test_schema",
+        "test_security",
+        "test_sqlfiles",
+    ),
+}
 
 _created: set[str] = set()  # every database this run created and has not dropped yet
 _counter = 0
@@ -93,6 +131,44 @@ def _drop_stale_databases() -> None:
             pass
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--update-expected",
+        action="store_true",
+        help="rewrite tests/expected/* and sql/schema.sql instead of failing on a difference",
+    )
+
+
+def kind_of(path: Path) -> str | None:
+    """The kind (marker name) of a test file, from ``KINDS``."""
+    try:
+        rel = path.resolve().relative_to(TESTS_DIR).as_posix()
+    except ValueError:
+        rel = path.name
+    for kind, patterns in KINDS.items():  # a folder (tests/<kind>/...) decides first
+        if any("/" in p and fnmatch.fnmatch(rel, p) for p in patterns):
+            return kind
+    for kind, patterns in KINDS.items():
+        if any("/" not in p and fnmatch.fnmatch(path.stem, p) for p in patterns):
+            return kind
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    unknown: set[str] = set()
+    for item in items:
+        kind = kind_of(item.path)
+        if kind is None:
+            unknown.add(str(item.path))
+        else:
+            item.add_marker(getattr(pytest.mark, kind))
+    if unknown:
+        raise pytest.UsageError(
+            "test files of no kind (add a pattern to KINDS in tests/conftest.py): "
+            + ", ".join(sorted(unknown))
+        )
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     _drop_stale_databases()
 
@@ -131,6 +207,30 @@ def _migrate_to_head(dsn: str) -> None:
 
 
 template_db = make_template("lockstep", _migrate_to_head)
+
+
+@pytest.fixture
+def update_expected(request: pytest.FixtureRequest) -> bool:
+    return bool(request.config.getoption("--update-expected")) or update_requested()
+
+
+def expected_path(item: pytest.Item) -> Path:
+    """tests/expected/<module without test_>/<test without test_, parameters as -id>.out"""
+    module = item.path.stem.removeprefix("test_")
+    name = item.name.removeprefix("test_")
+    name = re.sub(r"\[(.*)\]$", r"-\1", name)
+    return EXPECTED_DIR / module / (re.sub(r"[^A-Za-z0-9_.-]", "_", name) + ".out")
+
+
+@pytest.fixture
+def expected_trace(request: pytest.FixtureRequest, update_expected: bool) -> Callable[..., None]:
+    path = expected_path(request.node)
+
+    def _check(*results: Result) -> None:
+        __tracebackhide__ = True
+        check_expected(path, "\n".join(r.trace for r in results), update=update_expected)
+
+    return _check
 
 
 @pytest.fixture(scope="session")

@@ -62,14 +62,24 @@ Deadlock idiom: give the session meant to be the victim ``deadlock_timeout = '10
 session ``'10s'``. PostgreSQL runs the deadlock check once per lock wait, ``deadlock_timeout`` after the
 wait began; so the victim's step should be the one that closes the cycle (it waits last). Then the
 victim always gets 40P01 about 100 ms later and the others complete: the outcome and the trace are stable
-and the test stays fast.
+and the test stays fast. A test that compares its whole trace with an expected file gives the victim
+``'1s'`` instead: the trace shows the victim's ``<waiting ...>`` only if the observer sees the wait before
+the deadlock check ends it, and 1 s leaves room for a loaded machine (the schedule tests do so).
 
 ``wait_for_lock_wait(observer, pid, timeout=...)`` is the same blocked-detection for other tests (for
 example a test that starts processes rather than connections).
+
+Expected files, as PostgreSQL's ``expected/*.out``: a schedule test hands its results to the
+``expected_trace`` fixture (tests/conftest.py), which compares the whole trace with
+``tests/expected/<module>/<test>.out`` (``check_expected``) and fails with a unified diff on any
+difference: an unexpected wait, a missing ``<... completed>``, another SQLSTATE, other rows. Run pytest with
+``--update-expected`` (or ``LOCKSTEP_UPDATE_EXPECTED=1``) to rewrite the files, then review ``git diff``.
 """
 
 from __future__ import annotations
 
+import difflib
+import os
 import queue
 import textwrap
 import threading
@@ -77,6 +87,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -84,12 +95,16 @@ import psycopg
 __all__ = [
     "IsolationError",
     "LockWait",
+    "awaited_locks",
+    "AwaitedLock",
     "Result",
     "Spec",
     "Step",
     "StepResult",
     "StepTimeout",
     "blocking_pids",
+    "check_expected",
+    "update_requested",
     "wait_for_lock_wait",
 ]
 
@@ -99,6 +114,8 @@ _CANCEL_GRACE = 2.0  # seconds a cancelled / terminated step gets to return
 _CLOSE_GRACE = 5.0  # seconds for a session thread to close its connection and for its backend to go
 
 StepFn = Callable[[psycopg.Connection], Any]
+
+UPDATE_ENV = "LOCKSTEP_UPDATE_EXPECTED"  # set to 1 (or pass pytest --update-expected) to rewrite files
 
 _BLOCKERS_SQL = """
 select p, pg_blocking_pids(p), pg_safe_snapshot_blocking_pids(p)
@@ -145,6 +162,36 @@ def blocking_pids(observer: psycopg.Connection, pids: Sequence[int]) -> dict[int
     return found
 
 
+_AWAITED_SQL = """
+select locktype, coalesce(classid::regclass::text, ''), coalesce(objid, 0),
+       database is null or database = 0, mode
+from pg_locks where pid = %s and not granted
+"""
+
+
+@dataclass(frozen=True)
+class AwaitedLock:
+    """A lock a backend is waiting for (a row of pg_locks with ``granted = false``)."""
+
+    locktype: str
+    classid: str  # regclass text ('' when not an object lock)
+    objid: int
+    shared: bool  # a cluster-wide lock (no database)
+    mode: str
+
+    @property
+    def is_notify_queue(self) -> bool:
+        """The lock every committing transaction that sent NOTIFY takes for a moment (PreCommit_Notify:
+        AccessExclusiveLock on object pg_database/0 of no database); a wait for it is not an application
+        lock wait but the commit of a concurrent notifier."""
+        return self.locktype == "object" and self.classid == "pg_database" and self.objid == 0 and self.shared
+
+
+def awaited_locks(observer: psycopg.Connection, pid: int) -> list[AwaitedLock]:
+    """The locks backend ``pid`` is waiting for right now (empty when it waits for none)."""
+    return [AwaitedLock(*row) for row in observer.execute(_AWAITED_SQL, [pid]).fetchall()]
+
+
 def wait_for_lock_wait(
     observer: psycopg.Connection,
     pid: int | None = None,
@@ -182,6 +229,45 @@ def wait_for_lock_wait(
             what = f"pid {pid}" if pid is not None else f"application_name {application_name!r}"
             raise TimeoutError(f"{what} was not seen waiting for a lock within {timeout} s")
         time.sleep(poll)
+
+
+# --------------------------------------------------------------------------------------------------
+# expected files
+
+
+def update_requested() -> bool:
+    """True when the environment asks to rewrite expected files (``LOCKSTEP_UPDATE_EXPECTED=1``)."""
+    return os.environ.get(UPDATE_ENV, "").lower() in ("1", "true", "yes")
+
+
+def check_expected(path: Path, actual: str, *, update: bool = False) -> None:
+    """Compare ``actual`` with the contents of ``path``; on a difference raise ``AssertionError`` with a
+    unified diff (expected -> actual). With ``update`` the file is (re)written instead and nothing fails.
+    A missing file fails too, saying how to create it."""
+    __tracebackhide__ = True  # pytest: show the diff, not this function
+    if update:
+        if not path.exists() or path.read_text() != actual:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(actual)
+        return
+    if not path.exists():
+        raise AssertionError(
+            f"no expected file {path}; create it with pytest --update-expected (or {UPDATE_ENV}=1), "
+            f"then review it. Actual output:\n{actual}"
+        )
+    expected = path.read_text()
+    if expected == actual:
+        return
+    diff = difflib.unified_diff(
+        expected.splitlines(keepends=True),
+        actual.splitlines(keepends=True),
+        fromfile=f"{path} (expected)",
+        tofile="actual",
+    )
+    raise AssertionError(
+        f"output differs from {path} (rewrite with pytest --update-expected after checking):\n"
+        + "".join(diff)
+    )
 
 
 # --------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import psycopg
 import pytest
 from isolation import wait_for_lock_wait
 from runner_procs import Runner, runner_backends, wait_for
-from util import advisory_locks
+from util import advisory_locks, pg_bindir
 
 from runner.lab import example, storm
 
@@ -88,6 +88,7 @@ def _change_exams(conn: psycopg.Connection, ids: list[int]) -> None:
 
 # compute fails: statement_timeout, exception -------------------------------------------------------------
 
+
 @pytest.mark.parametrize("fault", ["statement_timeout", "exception"])
 def test_failing_compute_writes_nothing_keeps_queue_backs_off(ex, example_dsn, tmp_path, fault):
     """The recompute is due and keys are queued: one ``run --once`` tries both, and both fail."""
@@ -96,8 +97,12 @@ def test_failing_compute_writes_nothing_keeps_queue_backs_off(ex, example_dsn, t
     assert ex.execute("select outcome from lockstep.recompute(%s)", [JOB]).fetchone()[0] == "done"
     _change_exams(ex, list(range(1, 21)))
     ex.execute("delete from example.exam where id in (41, 42)")
-    wait_for(lambda: ex.execute("select next_run_at <= now() from lockstep.job_state where job = %s",
-                                [JOB]).fetchone()[0], what="recompute due")
+    wait_for(
+        lambda: ex.execute(
+            "select next_run_at <= now() from lockstep.job_state where job = %s", [JOB]
+        ).fetchone()[0],
+        what="recompute due",
+    )
     before_target, before_queue = _target(ex), _queue(ex)
     assert len({k for _, k in before_queue}) == 22
 
@@ -124,15 +129,20 @@ def test_failing_compute_writes_nothing_keeps_queue_backs_off(ex, example_dsn, t
     assert (st["last_outcome"], st["consecutive_failures"], st["failing_keys"]) == ("failed", len(runs), 0)
     assert expected in st["last_error"]
     # backoff recorded: the recompute waits its backoff (1 hour), the worker min(backoff, 2^failures s)
-    assert ex.execute("select next_run_at > now() + interval '50 minutes' from lockstep.job_state"
-                      " where job = %s", [JOB]).fetchone()[0]
+    assert ex.execute(
+        "select next_run_at > now() + interval '50 minutes' from lockstep.job_state where job = %s", [JOB]
+    ).fetchone()[0]
     assert st["retry_at"] > st["last_finished_at"]
 
     # fault gone: converges
     ex.execute("update example.fault set kind = 'none'")
     assert ex.execute("select outcome from lockstep.recompute(%s)", [JOB]).fetchone()[0] == "done"
-    wait_for(lambda: ex.execute("select retry_at is null or retry_at <= now() from lockstep.job_state"
-                                " where job = %s", [JOB]).fetchone()[0], what="work backoff over")
+    wait_for(
+        lambda: ex.execute(
+            "select retry_at is null or retry_at <= now() from lockstep.job_state where job = %s", [JOB]
+        ).fetchone()[0],
+        what="work backoff over",
+    )
     code, lines = _run_once(example_dsn, tmp_path, "recovered")
     assert code == 0, lines
     assert _queue(ex) == []
@@ -140,6 +150,7 @@ def test_failing_compute_writes_nothing_keeps_queue_backs_off(ex, example_dsn, t
 
 
 # kill -9 of a runner in its write phase ---------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("orphan", ["terminate", "check_interval", "release"])
 def test_runner_killed_in_write_phase_leaves_nothing_partial(ex, example_dsn, connect, tmp_path, orphan):
@@ -220,7 +231,7 @@ def test_runner_killed_in_write_phase_leaves_nothing_partial(ex, example_dsn, co
 
 # PostgreSQL restart in the middle of a storm -------------------------------------------------------------
 
-PG_BIN = Path("/usr/lib/postgresql/15/bin")
+PG_BIN = pg_bindir()  # pg_config --bindir, or env LOCKSTEP_PG_BIN
 
 
 def _free_port() -> int:
@@ -237,8 +248,8 @@ def _as_cluster_owner(cmd: list[str]) -> list[str]:
 @pytest.fixture
 def throwaway_cluster(tmp_path_factory):
     """A PostgreSQL 15 cluster of its own (initdb + pg_ctl, trust auth, superuser named like us)."""
-    if not (PG_BIN / "initdb").exists():
-        pytest.skip(f"no {PG_BIN}/initdb")
+    if PG_BIN is None or not (PG_BIN / "initdb").exists():
+        pytest.skip(f"no initdb in {PG_BIN} (pg_config --bindir; or set LOCKSTEP_PG_BIN)")
     if os.geteuid() == 0 and shutil.which("runuser") is None:
         pytest.skip("running as root without runuser: initdb refuses root")
     import tempfile
@@ -249,8 +260,13 @@ def throwaway_cluster(tmp_path_factory):
         shutil.chown(base, "postgres", "postgres")
     user = "root" if os.geteuid() == 0 else os.environ.get("USER", "postgres")
     port = _free_port()
-    subprocess.run(_as_cluster_owner([str(PG_BIN / "initdb"), "-D", str(data), "-A", "trust", "-U", user,
-                                      "--no-sync", "-E", "UTF8"]), check=True, capture_output=True)
+    subprocess.run(
+        _as_cluster_owner(
+            [str(PG_BIN / "initdb"), "-D", str(data), "-A", "trust", "-U", user, "--no-sync", "-E", "UTF8"]
+        ),
+        check=True,
+        capture_output=True,
+    )
     opts = f"-p {port} -k {base} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=50"
     ctl = [str(PG_BIN / "pg_ctl"), "-D", str(data), "-l", str(base / "log"), "-w", "-t", "60", "-o", opts]
     subprocess.run(_as_cluster_owner([*ctl, "start"]), check=True, capture_output=True)
@@ -268,13 +284,25 @@ def test_storm_survives_a_postgres_restart(throwaway_cluster, tmp_path):
 
     def restart() -> None:
         t0 = time.monotonic()
-        p = subprocess.run(_as_cluster_owner([*throwaway_cluster["ctl"], "-m", "fast", "restart"]),
-                           capture_output=True, text=True)
+        p = subprocess.run(
+            _as_cluster_owner([*throwaway_cluster["ctl"], "-m", "fast", "restart"]),
+            capture_output=True,
+            text=True,
+        )
         assert p.returncode == 0, p.stdout + p.stderr
         restarts.append(time.monotonic() - t0)
 
-    r = storm.run(throwaway_cluster["dsn"], seconds=16, parents=200, clients=4, runners=2,
-                  every="3 seconds", progress=lambda msg: None, during=restart, log_dir=tmp_path)
+    r = storm.run(
+        throwaway_cluster["dsn"],
+        seconds=16,
+        parents=200,
+        clients=4,
+        runners=2,
+        every="3 seconds",
+        progress=lambda msg: None,
+        during=restart,
+        log_dir=tmp_path,
+    )
     report = storm.render(r)
     print(report, file=sys.stderr)
     assert len(restarts) == 1

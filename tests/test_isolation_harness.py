@@ -8,13 +8,21 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections.abc import Iterator
 from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 import pytest
-from isolation import APP_PREFIX, IsolationError, Spec, StepTimeout, blocking_pids, wait_for_lock_wait
+from isolation import (
+    APP_PREFIX,
+    IsolationError,
+    Spec,
+    StepTimeout,
+    awaited_locks,
+    blocking_pids,
+    check_expected,
+    wait_for_lock_wait,
+)
 from psycopg import sql
 
 ADMIN_DSN = os.environ.get("LOCKSTEP_TEST_ADMIN_DSN", "postgresql://root@127.0.0.1:5432/postgres")
@@ -100,11 +108,11 @@ def test_row_lock_wait_is_detected_without_sleeping(iso_dsn: str) -> None:
     assert r.detected_by("s2up") == "pg_blocking_pids"
     assert r.blocked_by("s2up") == ["s1"]
     assert r.rows("s2up") == [("s1+s2",)]
-    waited_at = r["s2up"].waited_at
-    assert waited_at is not None and waited_at < 0.5
-    s2up, s1c = r.duration("s2up"), r.duration("s1c")
-    assert s2up is not None and s1c is not None and 0 < s1c < s2up < 1, r.timings
-    assert r.elapsed < 3, r.timings
+    # events, not durations: the wait was seen before s1c was sent (so the harness did not wait for a
+    # timeout to call it blocked), and s2up completed only after s1c was sent
+    s2up, s1c = r["s2up"], r["s1c"]
+    assert s2up.waited_at is not None and s2up.sent_at + s2up.waited_at <= s1c.sent_at, r.timings
+    assert s2up.finished_at is not None and s2up.finished_at >= s1c.sent_at, r.timings
     assert harness_backends(iso_dsn) == [] and harness_threads() == []
 
 
@@ -120,8 +128,9 @@ def test_slow_step_is_not_a_wait(iso_dsn: str) -> None:
         "step s2nap: select pg_sleep(0.2);\n"
     )
     assert not r.waited("s1nap") and r.detected_by("s1nap") is None and r.blocked_by("s1nap") == []
-    duration = r.duration("s1nap")
-    assert duration is not None and 0.2 <= duration < 1
+    # the slow step was waited for (not reported early): s2nap was sent only once s1nap had finished
+    s1nap = r["s1nap"]
+    assert s1nap.finished_at is not None and r["s2nap"].sent_at >= s1nap.finished_at, r.timings
 
 
 def test_session_setup_error_is_reported(iso_dsn: str) -> None:
@@ -173,7 +182,6 @@ def test_deadlock_victim_is_the_short_timeout_session(iso_dsn: str) -> None:
     assert isinstance(r.error("s1lock2"), psycopg.errors.DeadlockDetected)
     assert r.error("s2lock2") is None and r.rows("s2lock2") == [(1, "a")]
     assert r.blocked_by("s1lock2") == ["s2"] and r.blocked_by("s2lock2") == ["s1"]
-    assert r.elapsed < 3, r.timings
 
 
 # property: an error is captured with its SQLSTATE, the aborted transaction rejects statements until
@@ -224,11 +232,8 @@ def test_error_is_captured_and_session_continues(iso_dsn: str) -> None:
 def test_hanging_step_fails_after_step_timeout_and_leaves_nothing(iso_dsn: str) -> None:
     spec = Spec(iso_dsn, sessions={"s1": []})
     spec.step("s1sleep", "s1", "select pg_sleep(1000);")
-    t0 = time.monotonic()
     with pytest.raises(StepTimeout) as info:
         spec.run(["s1sleep"], step_timeout=1)
-    took = time.monotonic() - t0
-    assert 1 <= took < 4
     message = str(info.value)
     assert "step s1sleep (session s1) neither completed nor blocked on a lock within 1 s" in message
     assert "wait_event=PgSleep" in message and "starting permutation: s1sleep" in message
@@ -239,10 +244,8 @@ def test_hanging_step_fails_after_step_timeout_and_leaves_nothing(iso_dsn: str) 
 
 def test_step_left_blocked_fails_and_teardown_releases_it(iso_dsn: str) -> None:
     # the permutation never commits s1, so s2up stays blocked: a spec bug the harness must report
-    t0 = time.monotonic()
     with pytest.raises(StepTimeout) as info:
         two_writers(iso_dsn).run(["s1begin", "s1up", "s2up"], step_timeout=1)
-    assert time.monotonic() - t0 < 4
     message = str(info.value)
     assert "step s2up (session s2) did not complete within 1 s at the end of the permutation" in message
     assert "blocked by: s1" in message and "<waiting ...>" in message
@@ -318,9 +321,33 @@ def test_wait_for_lock_wait_helper(iso_dsn: str) -> None:
             assert blocking_pids(observer, [holder.info.backend_pid, waiter.info.backend_pid]) == {
                 waiter.info.backend_pid: wait
             }
+            (awaited,) = awaited_locks(observer, waiter.info.backend_pid)
+            assert (awaited.locktype, awaited.objid, awaited.mode) == ("advisory", 7, "ExclusiveLock")
+            assert not awaited.is_notify_queue  # only PreCommit_Notify's object lock is
+            assert awaited_locks(observer, holder.info.backend_pid) == []
             with pytest.raises(RuntimeError, match="abort_if"):
                 wait_for_lock_wait(observer, holder.info.backend_pid, timeout=5, abort_if=lambda: True)
         finally:
             holder.execute("select pg_advisory_unlock(7)")
             thread.join(5)
         assert not thread.is_alive()
+
+
+def test_expected_file_mismatch_shows_a_unified_diff_and_update_rewrites_it(iso_dsn: str, tmp_path) -> None:
+    r = two_writers(iso_dsn).run(["s1begin", "s2begin", "s1up", "s2up", "s1c", "s2c"], step_timeout=10)
+    out = tmp_path / "expected" / "row_lock.out"
+    with pytest.raises(AssertionError, match="no expected file .*--update-expected"):
+        check_expected(out, r.trace)
+    check_expected(out, r.trace, update=True)  # creates it
+    assert out.read_text() == ROW_LOCK_OUT
+    check_expected(out, r.trace)  # equal: passes
+    # a schedule that did not wait where it used to (the old trace expected a wait)
+    out.write_text(ROW_LOCK_OUT.replace("returning v; <waiting ...>", "returning v;"))
+    with pytest.raises(AssertionError) as info:
+        check_expected(out, r.trace)
+    message = str(info.value)
+    assert f"--- {out} (expected)" in message and "+++ actual" in message
+    assert "\n-step s2up: update t set v = v || '+s2' where id = 1 returning v;\n" in message
+    assert "\n+step s2up: update t set v = v || '+s2' where id = 1 returning v; <waiting ...>\n" in message
+    check_expected(out, r.trace, update=True)
+    assert out.read_text() == ROW_LOCK_OUT

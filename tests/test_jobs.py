@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import time
-
 import psycopg
 import pytest
+from isolation import Spec
 from util import advisory_locks, raises_sqlstate, result, snapshot
 
 SETUP = """
@@ -38,19 +37,22 @@ def test_run_calls_the_function_then_not_due(jobs):
     assert st[2].total_seconds() == pytest.approx(3600, abs=1)
 
 
-def test_busy_returns_at_once_while_the_group_lock_is_held(jobs, connect):
+def test_busy_returns_at_once_while_the_group_lock_is_held(jobs, dsn):
     jobs.execute("select lockstep.define_job('t', 'tick()', lock_group => 'g')")
-    holder = connect()
-    holder.execute("begin")
-    holder.execute("select lockstep._try_lock('g')")
-    t0 = time.perf_counter()
-    r = result(jobs, "lockstep.run('t')")
-    elapsed = time.perf_counter() - t0
-    assert r["outcome"] == "busy"
-    assert elapsed < 0.1, elapsed
-    assert jobs.execute("select count(*) from ticks").fetchone()[0] == 0
-    holder.execute("rollback")
-    assert result(jobs, "lockstep.run('t')")["outcome"] == "done"
+    # as a schedule: the harness would see any lock wait of ``run`` (pg_blocking_pids), however short;
+    # lock_timeout 0 (wait forever), so that a waiting run could only end when the holder rolls back
+    spec = Spec(dsn, sessions={"holder": [], "job": ["set lock_timeout = 0"]})
+    spec.step("hbegin", "holder", "begin;")
+    spec.step("hlock", "holder", "select lockstep._try_lock('g') as locked;")
+    spec.step("run", "job", "select outcome from lockstep.run('t');")
+    spec.step("ticks", "job", "select count(*) as ticks from public.ticks;")
+    spec.step("hrollback", "holder", "rollback;")
+    spec.step("rerun", "job", "select outcome from lockstep.run('t');")
+    r = spec.run(["hbegin", "hlock", "run", "ticks", "hrollback", "rerun"])
+    assert r.rows("hlock") == [(True,)]
+    assert not r.waited("run") and r.rows("run") == [("busy",)], r.trace
+    assert r.rows("ticks") == [(0,)]
+    assert r.rows("rerun") == [("done",)], r.trace
 
 
 def test_group_lock_key_is_the_documented_one(jobs, connect):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from util import pg_binary
 
 from runner import paths
 from runner.migrate import head, migrate
@@ -38,6 +39,10 @@ union all
 select 'event trigger ' || evtname from pg_event_trigger where evtname ilike '%lockstep%'
 """
 
+# pg_config --bindir (or env LOCKSTEP_PG_BIN), else PATH
+PSQL = str(pg_binary("psql") or "psql")
+PG_DUMP = str(pg_binary("pg_dump") or "pg_dump")
+
 
 def one(dsn: str, query: str, params: object = None):
     with psycopg.connect(dsn, autocommit=True) as c:
@@ -53,7 +58,7 @@ def versions(dsn: str) -> list[str]:
 def schema_dump(dsn: str, *extra: str) -> str:
     """``pg_dump --schema-only`` without comments, blank lines and pg_dump's random \\restrict keys."""
     out = subprocess.run(
-        ["pg_dump", "--schema-only", "--no-owner", *extra, "-d", dsn],
+        [PG_DUMP, "--schema-only", "--no-owner", *extra, "-d", dsn],
         check=True,
         capture_output=True,
         text=True,
@@ -101,7 +106,7 @@ def test_offline_script_matches_online_upgrade(empty_dsn, make_db, tmp_path):
     assert "lockstep_alembic_version" in script.getvalue()
 
     subprocess.run(
-        ["psql", "-X", "-q", "-v", "ON_ERROR_STOP=1", "-f", str(path), "-d", offline],
+        [PSQL, "-X", "-q", "-v", "ON_ERROR_STOP=1", "-f", str(path), "-d", offline],
         check=True,
         capture_output=True,
         text=True,

@@ -5,8 +5,11 @@ call wait, and converge (divergence (0, 0)) once everything is committed and the
 Each example gets a fresh clone of the example database (200 exams, recomputed). A generated step goes to
 one of three connections; each connection has its own thread and runs its steps in order. After each step
 every connection is *settled*: its steps are all done, or the one it is running is seen blocked by
-``pg_blocking_pids`` (no sleeping, no timing assumptions). A blocked connection's later steps wait behind
-it; the sequence goes on with the others, and the blocked step completes when its blocker commits.
+``pg_blocking_pids`` (tests/isolation.py's ``blocking_pids`` and ``awaited_locks``: no sleeping, no timing
+assumptions). A lockstep call seen waiting for any lock is a violation at once, except for the NOTIFY queue
+lock that a concurrent committing notifier holds for a moment (then the call is not settled yet). A blocked
+connection's later steps wait behind it; the sequence goes on with the others, and the blocked step completes
+when its blocker commits.
 
 The application's own protocol (so that the app cannot deadlock with itself, which is not lockstep's
 business): an app transaction locks the parents it works on first, ``FOR UPDATE`` in id order, then only
@@ -27,12 +30,12 @@ from dataclasses import dataclass, field
 import psycopg
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from isolation import POLL, awaited_locks, blocking_pids
 
 from runner.lab import example
 
 N_PARENTS = 6  # few parents, so that transactions meet on the same ones
 SETTLE_TIMEOUT = 30.0
-LOCKSTEP_WAIT = 1.0  # a lockstep call seen waiting this long (polling all along) is a violation
 LOCKSTEP_OPS = ("enqueue", "work", "recompute")
 APP_OPS = ("delete", "merge", "edit", "insert")
 OPS = ("begin", "commit", "rollback", *APP_OPS, *LOCKSTEP_OPS)
@@ -56,8 +59,6 @@ class Session:
     pid: int
     inbox: queue.Queue = field(default_factory=queue.Queue)
     current: str | None = None  # label of the step being run (set by the thread)
-    seq: int = 0  # number of steps started (set by the thread)
-    blocked_since: tuple[int, float] | None = None  # (seq, time) a lockstep step was first seen waiting
     pending: int = 0  # steps sent and not finished
     lock: threading.Lock = field(default_factory=threading.Lock)
     # model (main thread only)
@@ -95,7 +96,6 @@ class Interleaving:
             label, fn = item
             with s.lock:
                 s.current = label
-                s.seq += 1
             try:
                 fn(s.conn)
             except psycopg.Error as exc:
@@ -119,30 +119,25 @@ class Interleaving:
         deadline = time.monotonic() + SETTLE_TIMEOUT
         while True:
             running = [s for s in self.sessions if s.pending]
-            if running:
-                blockers = dict(
-                    self.observer.execute(
-                        "select p, pg_blocking_pids(p) from unnest(%s::int[]) p", [[s.pid for s in running]]
-                    ).fetchall()
-                )
+            waits = blocking_pids(self.observer, [s.pid for s in running]) if running else {}
             unsettled = []
             for s in running:
                 with s.lock:
-                    current, pending, seq = s.current, s.pending, s.seq
+                    current, pending = s.current, s.pending
                 if not pending:
                     continue
-                if blockers.get(s.pid) and current is not None:
+                wait = waits.get(s.pid)
+                if wait is not None and current is not None:
                     if f"{s.name} {current}" not in self.blocked:
                         self.blocked.append(f"{s.name} {current}")
                     if current.split()[0] in LOCKSTEP_OPS:
-                        # A commit that sends NOTIFY briefly takes a database-wide lock, so a lockstep call
-                        # may be seen waiting for a few microseconds: it counts once it waits LOCKSTEP_WAIT.
-                        if s.blocked_since is None or s.blocked_since[0] != seq:
-                            s.blocked_since = (seq, time.monotonic())
-                        if time.monotonic() - s.blocked_since[1] < LOCKSTEP_WAIT:
+                        awaited = awaited_locks(self.observer, s.pid)
+                        if not awaited or all(lock.is_notify_queue for lock in awaited):
+                            # granted since, or a concurrent NOTIFY commit: look again
                             unsettled.append(s.name)
                             continue
-                        msg = f"{s.name} {current}: lockstep call waits for {blockers[s.pid]}"
+                        what = ", ".join(f"{a.locktype} {a.classid} {a.mode}".strip() for a in awaited)
+                        msg = f"{s.name} {current}: lockstep call waits for {what} ({list(wait.blockers)})"
                         if msg not in self.violations:
                             self.violations.append(msg)
                     continue
@@ -151,7 +146,7 @@ class Interleaving:
                 return
             if time.monotonic() > deadline:
                 raise AssertionError(f"not settled after {SETTLE_TIMEOUT} s: {unsettled}\n" + self.report())
-            time.sleep(0.002)
+            time.sleep(POLL)
 
     def close(self) -> None:
         for s in self.sessions:
@@ -177,8 +172,11 @@ class Interleaving:
                 s.reset_txn()
                 self.send(s, op, lambda c, op=op: c.execute(op))
         elif op == "enqueue":
-            self.send(s, f"enqueue {p}", lambda c: c.execute(
-                "select lockstep.enqueue(%s, array[%s]::bigint[])", [example.JOB, p]))
+            self.send(
+                s,
+                f"enqueue {p}",
+                lambda c: c.execute("select lockstep.enqueue(%s, array[%s]::bigint[])", [example.JOB, p]),
+            )
         elif op in ("work", "recompute"):
             if s.in_txn:
                 s.holds_lockstep = True
@@ -201,8 +199,10 @@ class Interleaving:
             if s.in_txn and s.parents is None:
                 s.parents = [new]
             stmts = [
-                ("insert into example.exam (id, title, body) values (%s, 'fresh title', 'new exam body')",
-                 [new]),
+                (
+                    "insert into example.exam (id, title, body) values (%s, 'fresh title', 'new exam body')",
+                    [new],
+                ),
                 ("insert into example.exam_item (exam_id, body) values (%s, 'first item words')", [new]),
             ]
             self._send_app(s, f"insert {new}", [], stmts)
@@ -213,10 +213,16 @@ class Interleaving:
                 return
             lock = sorted([p, q])
             stmts = [
-                ("update example.exam_item set exam_id = %s where exam_id = %s"
-                 " and exists (select from example.exam where id = %s)", [q, p, q]),
-                ("delete from example.exam where id = %s and exists (select from example.exam where id = %s)",
-                 [p, q]),
+                (
+                    "update example.exam_item set exam_id = %s where exam_id = %s"
+                    " and exists (select from example.exam where id = %s)",
+                    [q, p, q],
+                ),
+                (
+                    "delete from example.exam where id = %s"
+                    " and exists (select from example.exam where id = %s)",
+                    [p, q],
+                ),
             ]
             if s.in_txn:
                 s.parents = lock

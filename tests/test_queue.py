@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from util import advisory_locks, raises_sqlstate, result, snapshot
+from util import advisory_locks, drain, raises_sqlstate, result, snapshot
 
 from runner.lab.example import JOB, divergence
 
@@ -71,8 +71,7 @@ def test_work_applies_changes_and_removes_only_processed_entries(ex, exconnect):
     r = result(ex, f"lockstep.work('{JOB}', 10)")
     assert (r["outcome"], r["inserted"], r["more"]) == ("done", 10, True)
     assert len(queue_keys(ex)) == 20
-    while result(ex, f"lockstep.work('{JOB}', 10)")["more"]:
-        pass
+    drain(ex, JOB, batch=10)
     assert queue_keys(ex) == []
     assert divergence(ex) == (0, 0)
 
@@ -174,8 +173,7 @@ def test_convergence_with_random_changes_and_work_passes(ex):
             )
         else:
             result(ex, f"lockstep.work('{JOB}', 7)")
-    while result(ex, f"lockstep.work('{JOB}', 50)")["more"]:
-        pass
+    drain(ex, JOB, batch=50)
     assert divergence(ex) == (0, 0)
 
 

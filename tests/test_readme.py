@@ -156,8 +156,9 @@ def _check_lockstep(argv: list[str]) -> str | None:
         pass
     except click.ClickException as exc:
         return exc.format_message()
-    proc = subprocess.run([sys.executable, "-m", "runner", sub, "--help"], capture_output=True, text=True,
-                          timeout=60, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "runner", sub, "--help"], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
     if proc.returncode != 0:
         return f"lockstep {sub} --help exited {proc.returncode}: {proc.stderr.strip()[-300:]}"
     return None
@@ -189,10 +190,14 @@ def test_readme_sh_commands_parse():
     "text, expected",
     [
         ("a\n```sql\nselect 1;\n```\n", [("sql", 2, "select 1;", None)]),
-        ("<!-- readme-test: skip (needs a cluster) -->\n```sql\nx\n```",
-         [("sql", 2, "x", "needs a cluster")]),
-        ("```sh\nlockstep run --once\n```\n```ini\nk = v\n```", [("sh", 1, "lockstep run --once", None),
-                                                                 ("ini", 4, "k = v", None)]),
+        (
+            "<!-- readme-test: skip (needs a cluster) -->\n```sql\nx\n```",
+            [("sql", 2, "x", "needs a cluster")],
+        ),
+        (
+            "```sh\nlockstep run --once\n```\n```ini\nk = v\n```",
+            [("sh", 1, "lockstep run --once", None), ("ini", 4, "k = v", None)],
+        ),
     ],
 )
 def test_parse(text, expected):
@@ -200,8 +205,13 @@ def test_parse(text, expected):
 
 
 def test_commands_split():
-    b = Block("sh", 10, "lockstep migrate --sql > lockstep.sql\nmake test PYTEST_ARGS=\"-k m -x\"  # c\n"
-                        "pip install x\nlockstep run \\\n  --once", None)
+    b = Block(
+        "sh",
+        10,
+        'lockstep migrate --sql > lockstep.sql\nmake test PYTEST_ARGS="-k m -x"  # c\n'
+        "pip install x\nlockstep run \\\n  --once",
+        None,
+    )
     assert _commands(b) == [
         (11, ["lockstep", "migrate", "--sql"]),
         (12, ["make", "test", "PYTEST_ARGS=-k m -x"]),

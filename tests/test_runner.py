@@ -70,8 +70,10 @@ def test_once_exits_1_when_a_run_fails(conn, dsn):
 
 def test_loop_runs_a_job_repeatedly_and_sigterm_exits_0(conn, dsn, runners):
     conn.execute(TICK_FN)
-    r = runners(dsn, "--tick", "0.2")
-    wait_for(lambda: ticks(conn) >= 3, timeout=8, what="3 runs")
+    # --tick 600: the runner must wake for the job's due time (every 1 second), not for its tick; a runner
+    # that slept a whole tick would run once in the test's lifetime
+    r = runners(dsn, "--tick", "600")
+    wait_for(lambda: ticks(conn) >= 3, timeout=30, what="3 runs (the runner wakes when the job is due)")
     r.signal(signal.SIGTERM)
     assert r.wait() == 0
     assert_clean(r.stderr)
@@ -82,7 +84,7 @@ def test_loop_runs_a_job_repeatedly_and_sigterm_exits_0(conn, dsn, runners):
             "select extract(epoch from at - lag(at) over (order by id)) from public.ticks offset 1"
         )
     ]
-    assert all(0.95 <= g < 1.5 for g in gaps), gaps  # every 1 second, on time
+    assert all(g >= 0.95 for g in gaps), gaps  # never before it is due (each run schedules the next at +1 s)
 
 
 def test_two_runners_keep_the_recompute_on_schedule_under_a_stream_of_enqueues(
@@ -113,22 +115,27 @@ def test_two_runners_keep_the_recompute_on_schedule_under_a_stream_of_enqueues(
             writes[0] += 1
             time.sleep(0.01)
 
+    def recomputes_done() -> int:
+        return sum(
+            1
+            for x in a.json_lines() + b.json_lines()
+            if x.get("action") == "recompute" and x.get("outcome") == "done"
+        )
+
     t = threading.Thread(target=stream)
-    started = time.monotonic()
     t.start()
-    lateness = 0.0
+    # events, not a wall-clock window: the periodic recompute keeps happening while the stream writes
+    # (a starved recompute never reaches the count), and the stream wrote between the first and the last
     try:
-        while time.monotonic() - started < 8:
-            late = ex.execute(
-                "select extract(epoch from clock_timestamp() - next_run_at)::float8 from lockstep.job_state"
-                " where job = 'exam_keys'"
-            ).fetchone()[0]
-            lateness = max(lateness, late)
-            time.sleep(0.05)
+        wait_for(lambda: recomputes_done() >= 1, timeout=60, what="a first recompute during the stream")
+        writes_at_first = writes[0]
+        wait_for(lambda: recomputes_done() >= 4, timeout=60, what="3 more recomputes during the stream")
+        writes_at_last = writes[0]
+        assert t.is_alive()
     finally:
         stop.set()
         t.join()
-    elapsed = time.monotonic() - started
+    assert writes_at_last > writes_at_first, (writes_at_first, writes_at_last)
     wait_for(
         lambda: (
             ex.execute("select queue_depth from lockstep.status where job = 'exam_keys'").fetchone()[0] == 0
@@ -143,9 +150,7 @@ def test_two_runners_keep_the_recompute_on_schedule_under_a_stream_of_enqueues(
     lines = a.json_lines() + b.json_lines()
     recomputes = [x for x in lines if x.get("action") == "recompute" and x.get("outcome") == "done"]
     works = [x for x in lines if x.get("action") == "work" and x.get("outcome") == "done"]
-    assert writes[0] > 100
-    assert len(recomputes) >= int(elapsed // 2), (elapsed, len(recomputes))
-    assert lateness < 1.2, lateness  # a due recompute starts within a tick (plus one run) of its due time
+    assert len(recomputes) >= 4, len(recomputes)
     assert works, "the queue was worked, not only recomputed"
     assert not [x for x in lines if x["level"] in ("warning", "error")], lines
 
@@ -205,10 +210,9 @@ def test_reconnects_after_its_backend_is_terminated(conn, dsn, runners):
 
 
 def _sleeping(conn) -> bool:
-    """The only runner backend has been idle for 0.3 to 1 s: the runner is early in its 5 s wait."""
+    """The only runner backend has been idle for 0.3 s: the runner is in its (600 s) wait."""
     rows = conn.execute(
-        "select state = 'idle'"
-        " and clock_timestamp() - state_change between interval '0.3 s' and interval '1 s'"
+        "select state = 'idle' and clock_timestamp() - state_change > interval '0.3 s'"
         " from pg_stat_activity where application_name = 'lockstep-runner' and datname = current_database()"
     ).fetchall()
     return len(rows) == 1 and rows[0][0]
@@ -218,18 +222,17 @@ def test_notify_wakes_a_sleeping_runner_before_its_tick(ex, example_dsn, runners
     ex.execute(
         "update lockstep.job_state set next_run_at = now() + interval '1 hour' where job = 'exam_keys'"
     )
-    r = runners(example_dsn, "--tick", "5")
+    # --tick 600 and nothing due for an hour: only the NOTIFY of the enqueue can wake the runner in time
+    r = runners(example_dsn, "--tick", "600")
     wait_for(lambda: _sleeping(ex), what="runner asleep")
-    started = time.monotonic()
     ex.execute("update example.exam_item set body = body || ' notify' where exam_id in (1, 2, 3)")
     wait_for(
         lambda: (
             ex.execute("select queue_depth from lockstep.status where job = 'exam_keys'").fetchone()[0] == 0
         ),
-        timeout=10,
-        what="queue worked",
+        timeout=30,
+        what="queue worked (NOTIFY woke the runner; its next tick is 600 s away)",
     )
-    assert time.monotonic() - started < 2.5, "worked only at the next tick: NOTIFY did not wake the runner"
     assert divergence(ex) == (0, 0)
     r.signal()
     assert r.wait() == 0

@@ -1,9 +1,9 @@
 """``lockstep run`` across a real PostgreSQL restart (issue 5).
 
-A throw-away cluster (the installed PostgreSQL 15 binaries, trust auth, bootstrap superuser ``root``) in a
-directory under /tmp owned by ``postgres``: initdb and the server refuse to run as root, so as root every
-server command goes through ``runuser -u postgres --``. The cluster is stopped (``-m immediate``) and
-removed at teardown, even on failure.
+A throw-away cluster (the PostgreSQL binaries of ``pg_config --bindir``, or of env LOCKSTEP_PG_BIN; trust
+auth, bootstrap superuser ``root``) in a directory under /tmp owned by ``postgres``: initdb and the server
+refuse to run as root, so as root every server command goes through ``runuser -u postgres --``. The cluster
+is stopped (``-m immediate``) and removed at teardown, even on failure.
 """
 
 from __future__ import annotations
@@ -22,13 +22,17 @@ import psycopg
 import pytest
 from psycopg.conninfo import make_conninfo
 from runner_procs import runner_backends, wait_for
+from util import pg_bindir
 
 from runner.lab.example import JOB, divergence
 from runner.migrate import migrate
 
-BIN = Path(os.environ.get("LOCKSTEP_PG_BIN", "/usr/lib/postgresql/15/bin"))
+BIN = pg_bindir() or Path("/nonexistent")  # pg_config --bindir, or env LOCKSTEP_PG_BIN
 
-pytestmark = pytest.mark.skipif(not (BIN / "pg_ctl").exists(), reason=f"no PostgreSQL binaries in {BIN}")
+pytestmark = pytest.mark.skipif(
+    not (BIN / "pg_ctl").exists(),
+    reason=f"no PostgreSQL binaries in {BIN} (pg_config --bindir; or set LOCKSTEP_PG_BIN)",
+)
 
 
 def free_port() -> int:

@@ -12,8 +12,16 @@ from runner.lab import storm
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_short_storm_keeps_every_invariant(admin_dsn, tmp_path):
-    r = storm.run(admin_dsn, seconds=20, parents=300, clients=4, runners=2, every="3 seconds",
-                  progress=lambda msg: None, log_dir=tmp_path)
+    r = storm.run(
+        admin_dsn,
+        seconds=20,
+        parents=300,
+        clients=4,
+        runners=2,
+        every="3 seconds",
+        progress=lambda msg: None,
+        log_dir=tmp_path,
+    )
     report = storm.render(r)
     assert r["deadlocks"] == 0, report
     assert r["app"]["errors"] == {}, report
@@ -49,8 +57,25 @@ def test_storm_command_prints_json_and_fails_with_exit_1(admin_dsn, monkeypatch)
         return {"ok": False, "checks": {"deadlocks == 0": False}}
 
     monkeypatch.setattr(storm, "run", fake_run)
-    out = CliRunner().invoke(main, ["storm", "--dsn", admin_dsn, "--seconds", "2", "--parents", "60",
-                                    "--clients", "3", "--runners", "1", "--every", "1 second", "--json"])
+    out = CliRunner().invoke(
+        main,
+        [
+            "storm",
+            "--dsn",
+            admin_dsn,
+            "--seconds",
+            "2",
+            "--parents",
+            "60",
+            "--clients",
+            "3",
+            "--runners",
+            "1",
+            "--every",
+            "1 second",
+            "--json",
+        ],
+    )
     assert out.exit_code == 1, out.output
     assert json.loads(out.output) == {"ok": False, "checks": {"deadlocks == 0": False}}
     assert calls == [(admin_dsn, 2.0, 60, 3, 1, "1 second", False)]

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
+import shutil
+import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -39,3 +44,43 @@ def advisory_locks(observer: psycopg.Connection, pid: int) -> list[tuple]:
     return observer.execute(
         "select classid, objid, granted from pg_locks where locktype = 'advisory' and pid = %s", [pid]
     ).fetchall()
+
+
+def drain(conn: psycopg.Connection, job: str, batch: int | None = None, max_passes: int = 1000) -> int:
+    """Call ``lockstep.work(job[, batch])`` until it reports no ``more`` ready keys; return the passes.
+
+    Fails with a message (instead of hanging until the test timeout) after ``max_passes`` passes."""
+    call = (
+        "select outcome, more from lockstep.work(%s)"
+        if batch is None
+        else ("select outcome, more from lockstep.work(%s, %s)")
+    )
+    args: list[object] = [job] if batch is None else [job, batch]
+    for n in range(1, max_passes + 1):
+        outcome, more = conn.execute(call, args).fetchone()
+        if not more:
+            return n
+    raise AssertionError(
+        f"lockstep.work({job!r}) still reported more ready keys after {max_passes} passes"
+        f" (last outcome {outcome!r}, queue depth"
+        f" {conn.execute('select count(*) from lockstep.queue where job = %s', [job]).fetchone()[0]})"
+    )
+
+
+@functools.cache
+def pg_bindir() -> Path | None:
+    """Where the PostgreSQL server binaries are (initdb, pg_ctl, pg_dump): env ``LOCKSTEP_PG_BIN``, else
+    ``pg_config --bindir`` (any version), else None."""
+    if os.environ.get("LOCKSTEP_PG_BIN"):
+        return Path(os.environ["LOCKSTEP_PG_BIN"])
+    pg_config = shutil.which("pg_config")
+    if pg_config is None:
+        return None
+    out = subprocess.run([pg_config, "--bindir"], capture_output=True, text=True, check=False)
+    return Path(out.stdout.strip()) if out.returncode == 0 and out.stdout.strip() else None
+
+
+def pg_binary(name: str) -> Path | None:
+    """Path of PostgreSQL binary ``name`` (see ``pg_bindir``), None if it is not there."""
+    bindir = pg_bindir()
+    return bindir / name if bindir is not None and (bindir / name).exists() else None

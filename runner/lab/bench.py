@@ -298,8 +298,11 @@ class Bench:
         c.execute(ENQUEUE_SQL, [ids])
         self.progress(what)
         t0, passes = time.perf_counter(), 0
+        limit = len(ids) + 100  # a pass of 500 takes at least one key, or the queue is idle
         while c.execute(WORK_SQL, [500]).fetchone()[0] != "idle":
             passes += 1
+            if passes > limit:
+                raise RuntimeError(f"{what}: the queue is not idle after {limit} work() passes")
         return passes, time.perf_counter() - t0
 
     def close(self) -> None:

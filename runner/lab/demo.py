@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import json
 import os
-import random
-import subprocess
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -33,7 +32,9 @@ from typing import Any
 
 import psycopg
 
-from runner.lab import example, scratch
+from runner.lab import app, example, scratch
+from runner.lab.app import AppClient, Stats, partition
+from runner.lab.procs import RunnerProcess
 from runner.lab.scratch import percentile
 
 JOB = example.JOB
@@ -60,26 +61,6 @@ TAKE_KEYS_SQL = (
     " (select id, key from lockstep.queue where job = %s order by id limit 500) q"
 )
 CONSUME_KEYS_SQL = "delete from lockstep.queue where job = %s and id = any(%s)"
-
-# application transactions (each client touches only its own exams)
-DELETE_SQL = "delete from example.exam where id = %s"
-MOVE_ITEMS_SQL = "update example.exam_item set exam_id = %s where exam_id = %s"
-INSERT_EXAM_SQL = (
-    "insert into example.exam (id, title, body) values (%s, example.words(2, %s), example.words(8, -%s))"
-)
-INSERT_ITEMS_SQL = (
-    "insert into example.exam_item (exam_id, body) select %s, example.words(2, %s * 7 + i)"
-    " from generate_series(1, 2) i"
-)
-EDIT_EXAM_SQL = "update example.exam set body = example.words(8, %s), updated_at = now() where id = %s"
-EDIT_ITEM_SQL = (
-    "update example.exam_item set body = example.words(2, %s)"
-    " where id = (select min(id) from example.exam_item where exam_id = %s)"
-)
-ENQUEUE_SQL = "select lockstep.enqueue(%s, %s::bigint[])"
-OPS = (("delete", 15), ("merge", 10), ("insert", 25), ("edit", 35), ("enqueue", 15))
-
-
 
 
 def _sqlstate(exc: BaseException) -> str:
@@ -165,112 +146,16 @@ def _describe(dsn: str) -> str:
 # ---------------------------------------------------------------------------------------------- app
 
 
-class Stats:
-    """What the application clients saw, shared by all clients of a phase."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.tx_ms: list[float] = []
-        self.delete_ms: list[float] = []
-        self.errors: Counter[str] = Counter()
-        self.ops: Counter[str] = Counter()
-
-    def add(self, op: str, ms: float, error: str | None) -> None:
-        with self.lock:
-            self.tx_ms.append(ms)
-            self.ops[op] += 1
-            if op == "delete":
-                self.delete_ms.append(ms)
-            if error:
-                self.errors[error] += 1
-
-
-class Client(threading.Thread):
-    """One application session. Owns the exams ``id % n == k``: it creates, edits, merges and deletes only
-    those, so two clients never wait for each other."""
-
-    def __init__(self, dsn: str, k: int, n: int, live: list[int], next_id: int, stats: Stats,
-                 stop: threading.Event) -> None:
-        super().__init__(daemon=True, name=f"demo-app-{k}")
-        self.dsn, self.k, self.n = dsn, k, n
-        self.live = live
-        self.next_id = next_id  # first id of this client's new exams; then + n
-        self.stats, self.stop = stats, stop
-        self.rng = random.Random(k)
-        self.conn: psycopg.Connection | None = None
-
-    def _pick(self) -> int | None:
-        return self.live[self.rng.randrange(len(self.live))] if self.live else None
-
-    def _forget(self, exam: int) -> None:
-        i = self.live.index(exam)
-        self.live[i] = self.live[-1]
-        self.live.pop()
-
-    def _one(self, conn: psycopg.Connection, op: str) -> None:
-        a = self._pick()
-        if a is None:
-            op = "insert"
-        if op == "delete":
-            conn.execute(DELETE_SQL, [a])
-            self._forget(a)
-        elif op == "merge":
-            b = self._pick()
-            if b == a:
-                op = "edit"
-            else:
-                with conn.transaction():
-                    conn.execute(MOVE_ITEMS_SQL, [b, a])
-                    conn.execute(DELETE_SQL, [a])
-                self._forget(a)
-                return
-        if op == "insert":
-            new = self.next_id
-            with conn.transaction():
-                conn.execute(INSERT_EXAM_SQL, [new, new, new])
-                conn.execute(INSERT_ITEMS_SQL, [new, new])
-            self.next_id += self.n
-            self.live.append(new)
-        elif op == "edit":
-            seed = self.rng.randrange(1, 1 << 40)
-            if self.rng.random() < 0.5:
-                conn.execute(EDIT_EXAM_SQL, [seed, a])
-            else:
-                conn.execute(EDIT_ITEM_SQL, [seed, a])
-        elif op == "enqueue":
-            keys = sorted({self._pick() for _ in range(self.rng.randint(1, 5))} - {None})
-            conn.execute(ENQUEUE_SQL, [JOB, keys])
-
-    def run(self) -> None:
-        names = [o for o, _ in OPS]
-        weights = [w for _, w in OPS]
-        try:
-            self.conn = psycopg.connect(self.dsn, autocommit=True, application_name="lockstep demo app")
-        except psycopg.Error as exc:
-            self.stats.add("connect", 0.0, _sqlstate(exc))
-            return
-        with self.conn:
-            while not self.stop.is_set():
-                op = self.rng.choices(names, weights)[0]
-                t0 = time.perf_counter()
-                error = None
-                try:
-                    self._one(self.conn, op)
-                except psycopg.Error as exc:
-                    error = _sqlstate(exc)
-                    if self.conn.broken:
-                        self.stats.add(op, (time.perf_counter() - t0) * 1000, error)
-                        return
-                self.stats.add(op, (time.perf_counter() - t0) * 1000, error)
-                self.stop.wait(PAUSE)
-
-
-def start_clients(dsn: str, opts: Options, first_new: int, live_ids: list[int], stats: Stats,
-                  stop: threading.Event) -> list[Client]:
-    n = opts.clients
+def start_clients(
+    dsn: str, opts: Options, first_new: int, live_ids: list[int], stats: Stats, stop: threading.Event
+) -> list[AppClient]:
+    """opts.clients application clients (runner.lab.app, the demo workload), each owning its exams."""
+    owned = partition(live_ids, first_new, opts.clients)
     clients = [
-        Client(dsn, k, n, [i for i in live_ids if i % n == k], first_new + ((k - first_new) % n), stats, stop)
-        for k in range(n)
+        AppClient(
+            dsn, k, opts.clients, live, first, app.DEMO, seed=k, stats=stats, stop=stop, name="demo-app"
+        )
+        for k, (live, first) in enumerate(owned)
     ]
     for c in clients:
         c.start()
@@ -279,62 +164,35 @@ def start_clients(dsn: str, opts: Options, first_new: int, live_ids: list[int], 
 
 # ---------------------------------------------------------------------------------------------- runners
 
+RUNNER_ARGS = ("--job", JOB, "--tick", "0.2", "--log-format", "json")
 
-class RunnerProc:
-    """A ``lockstep run`` process; its JSON log lines are parsed as they come."""
 
-    def __init__(self, dsn: str, n: int) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "runner", "run", "--dsn", dsn, "--job", JOB, "--tick", "0.2",
-             "--log-format", "json"],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self.outcomes: Counter[str] = Counter()
-        self.actions: Counter[str] = Counter()
-        self.rows = 0
-        self.errors: Counter[str] = Counter()  # deadlock / foreign key / other, from log lines
-        self.other: list[str] = []
-        self.lock = threading.Lock()
-        self.reader = threading.Thread(target=self._read, daemon=True, name=f"demo-runner-log-{n}")
-        self.reader.start()
+@dataclass
+class RunnerTally:
+    """What a runner's JSON log says so far."""
 
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                rec = {"msg": line}
-            text = f"{rec.get('msg', '')} {rec.get('error', '')} {rec.get('exc', '')}"
-            with self.lock:
-                if "outcome" in rec:
-                    self.outcomes[rec["outcome"]] += 1
-                    self.actions[f"{rec['outcome']} {rec.get('action', '?')}"] += 1
-                    self.rows += sum(int(rec.get(k) or 0) for k in ("inserted", "updated", "deleted"))
-                if "deadlock detected" in text or "40P01" in text:
-                    self.errors["40P01"] += 1
-                if "violates foreign key constraint" in text or "23503" in text:
-                    self.errors["23503"] += 1
-                level = rec.get("level", "error")
-                if level in ("warning", "error", "critical") and "outcome" not in rec:
-                    self.other.append(str(rec.get("msg", line)))
+    outcomes: Counter[str] = field(default_factory=Counter)
+    actions: Counter[str] = field(default_factory=Counter)  # "done work", "failed recompute", ...
+    rows: int = 0
+    errors: Counter[str] = field(default_factory=Counter)  # deadlock / foreign key, from log lines
+    other: list[str] = field(default_factory=list)  # warnings and errors that are not a run's outcome
 
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-        try:
-            rc = self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            rc = self.proc.wait()
-        self.reader.join(5)
-        return rc
+
+def tally(records: list[dict[str, Any]]) -> RunnerTally:
+    t = RunnerTally()
+    for rec in records:
+        text = f"{rec.get('msg', '')} {rec.get('error', '')} {rec.get('exc', '')}"
+        if "outcome" in rec:
+            t.outcomes[rec["outcome"]] += 1
+            t.actions[f"{rec['outcome']} {rec.get('action', '?')}"] += 1
+            t.rows += sum(int(rec.get(k) or 0) for k in ("inserted", "updated", "deleted"))
+        if "deadlock detected" in text or "40P01" in text:
+            t.errors["40P01"] += 1
+        if "violates foreign key constraint" in text or "23503" in text:
+            t.errors["23503"] += 1
+        if rec.get("level", "error") in ("warning", "error", "critical") and "outcome" not in rec:
+            t.other.append(str(rec.get("msg", "")))
+    return t
 
 
 # ---------------------------------------------------------------------------------------------- naive
@@ -415,7 +273,7 @@ class Phase:
             "job_actions": dict(self.job_actions),
             "job_errors": dict(self.job_errors),
             "app_transactions": len(a.tx_ms),
-            "app_ops": dict(a.ops),
+            "app_ops": dict(a.attempts),
             "app_errors": dict(a.errors),
             "app_tx_p99_ms": percentile(a.tx_ms, 0.99),
             "app_delete_n": len(a.delete_ms),
@@ -495,22 +353,27 @@ class Demo:
 
     # -- lockstep phase
     def lockstep_phase(self, dsn: str, conn: psycopg.Connection) -> Phase:
-        runners: list[RunnerProc] = []
-        try:
-            return self._lockstep_phase(dsn, conn, runners)
-        finally:  # on an error or Ctrl-C too: no runner is left behind
-            for r in runners:
-                if r.proc.poll() is None:
-                    r.stop()
+        runners: list[RunnerProcess] = []
+        with tempfile.TemporaryDirectory(prefix="lockstep-demo-") as logs:
+            try:
+                return self._lockstep_phase(dsn, conn, runners, Path(logs))
+            finally:  # on an error or Ctrl-C too: no runner is left behind
+                for r in runners:
+                    if r.alive():
+                        r.stop()
 
-    def _lockstep_phase(self, dsn: str, conn: psycopg.Connection, runners: list[RunnerProc]) -> Phase:
+    def _lockstep_phase(
+        self, dsn: str, conn: psycopg.Connection, runners: list[RunnerProcess], logs: Path
+    ) -> Phase:
         ph = Phase("lockstep")
         d0 = self._deadlocks(conn)
         ids, first_new = self._ids(conn)
-        runners.extend(RunnerProc(dsn, i) for i in range(2))
+        runners.extend(RunnerProcess(dsn, RUNNER_ARGS, logs / f"runner-{i}.log") for i in range(2))
         stop = threading.Event()
-        self.say(f"lockstep phase: 2 runners (lockstep run --tick 0.2) + {self.opts.clients} app clients "
-                 f"for {self.opts.seconds:g} s")
+        self.say(
+            f"lockstep phase: 2 runners (lockstep run --tick 0.2) + {self.opts.clients} app clients "
+            f"for {self.opts.seconds:g} s"
+        )
         t0 = time.monotonic()
         clients = start_clients(dsn, self.opts, first_new, ids, ph.app, stop)
         try:
@@ -545,11 +408,12 @@ class Demo:
             rc = r.stop()
             if rc != 0:
                 ph.notes.append(f"a runner exited with code {rc}")
-            ph.job_actions.update(r.actions)
-            ph.job_runs.update(r.outcomes)
-            ph.rows_written += r.rows
-            ph.job_errors.update(r.errors)
-            ph.notes.extend(f"runner: {m}" for m in r.other[:5])
+            t = tally(r.records())
+            ph.job_actions.update(t.actions)
+            ph.job_runs.update(t.outcomes)
+            ph.rows_written += t.rows
+            ph.job_errors.update(t.errors)
+            ph.notes.extend(f"runner: {m}" for m in t.other[:5])
         ph.deadlocks = self._deadlocks(conn) - d0
         ph.fk_errors = ph.app.errors.get("23503", 0) + ph.job_errors.get("23503", 0)
         ph.key_failures = int(conn.execute(KEY_FAILURES_SQL, [JOB]).fetchone()[0])
@@ -564,8 +428,10 @@ class Demo:
         ids, first_new = self._ids(conn)
         stop = threading.Event()
         jobs = [NaiveJob(dsn, "recompute", stop), NaiveJob(dsn, "work", stop)]
-        self.say(f"naive phase: naive_recompute() looped + naive_work(keys from lockstep.queue) looped + "
-                 f"{self.opts.clients} app clients for {self.opts.naive_seconds:g} s")
+        self.say(
+            f"naive phase: naive_recompute() looped + naive_work(keys from lockstep.queue) looped + "
+            f"{self.opts.clients} app clients for {self.opts.naive_seconds:g} s"
+        )
         t0 = time.monotonic()
         for j in jobs:
             j.start()
@@ -594,16 +460,23 @@ class Demo:
         ph.divergence = example.divergence(conn)
         return ph
 
-    def _progress(self, name: str, elapsed: float, total: float, conn: psycopg.Connection, ph: Phase,
-                  runners: list[RunnerProc] | None = None, naive: list[NaiveJob] | None = None) -> None:
+    def _progress(
+        self,
+        name: str,
+        elapsed: float,
+        total: float,
+        conn: psycopg.Connection,
+        ph: Phase,
+        runners: list[RunnerProcess] | None = None,
+        naive: list[NaiveJob] | None = None,
+    ) -> None:
         try:
             depth = conn.execute(QUEUE_DEPTH_SQL, [JOB]).fetchone()[0]
         except psycopg.Error:
             depth = "?"
         outcomes: Counter[str] = Counter()
         for r in runners or []:
-            with r.lock:
-                outcomes.update(r.outcomes)
+            outcomes.update(tally(r.records()).outcomes)
         for j in naive or []:
             outcomes["done"] += j.runs
             outcomes["failed"] += sum(j.errors.values())
@@ -613,8 +486,10 @@ class Demo:
             errs = sum(ph.app.errors.values())
         runs = " ".join(f"{k} {v}" for k, v in sorted(outcomes.items())) or "none yet"
         p99s = "-" if p99 is None else f"{p99:.1f} ms"
-        self._line(f"[{name} {elapsed:4.0f}/{total:g} s] runs: {runs} | queue {depth} | "
-                   f"app tx {n} (p99 {p99s}, errors {errs})")
+        self._line(
+            f"[{name} {elapsed:4.0f}/{total:g} s] runs: {runs} | queue {depth} | "
+            f"app tx {n} (p99 {p99s}, errors {errs})"
+        )
 
     def run(self) -> dict[str, Any]:
         server = pick_server(self.opts, self.say)
@@ -676,8 +551,11 @@ def render(r: dict[str, Any]) -> str:
     def runs(p: dict[str, Any]) -> str:
         parts = []
         for outcome in ("done", "failed"):
-            by = ", ".join(f"{k.split(' ', 1)[1]} {v}" for k, v in sorted(p["job_actions"].items())
-                           if v and k.startswith(outcome + " "))
+            by = ", ".join(
+                f"{k.split(' ', 1)[1]} {v}"
+                for k, v in sorted(p["job_actions"].items())
+                if v and k.startswith(outcome + " ")
+            )
             parts.append(f"{outcome} {p['job_runs'].get(outcome, 0)}" + (f" ({by})" if by else ""))
         return ", ".join(parts)
 
@@ -699,7 +577,8 @@ def render(r: dict[str, Any]) -> str:
         ("converged (exam_key = compute)", conv),
     ]
     table = [rows[0]] + [
-        (label, fn(ls), fn(nv) if nv else "skipped") for label, fn in rows[1:]  # type: ignore[operator]
+        (label, fn(ls), fn(nv) if nv else "skipped")
+        for label, fn in rows[1:]  # type: ignore[operator]
     ]
     widths = [max(len(row[i]) for row in table) for i in range(3)]
     for row in table:
@@ -711,8 +590,10 @@ def render(r: dict[str, Any]) -> str:
     for note in ls["notes"]:
         lines.append(f"lockstep note: {note}")
     if nv:
-        lines.append("naive: the convergence check is taken right after it stopped (no drain); "
-                     "its failures are the point of the comparison")
+        lines.append(
+            "naive: the convergence check is taken right after it stopped (no drain); "
+            "its failures are the point of the comparison"
+        )
     lines.append("")
     if r["ok"]:
         lines.append("OK: lockstep had 0 deadlocks and exam_key converged.")

@@ -22,14 +22,12 @@ apart and reconnect; ``allow_disconnects`` lets the fault tests accept them (and
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -40,34 +38,11 @@ import psycopg
 from psycopg import sql
 
 from runner.lab import example, scratch
+from runner.lab.app import STORM, AppClient, Stats, is_disconnect, partition
+from runner.lab.procs import Runners
 from runner.lab.scratch import percentile
 
 JOB = example.JOB
-APP_NAME = "lockstep storm app"
-CONNECTION_SQLSTATES = {"57P01", "57P02", "57P03"}
-OPS = (  # (name, weight)
-    ("delete_one", 12),
-    ("delete_any", 8),
-    ("delete_each", 8),
-    ("merge", 12),
-    ("edit", 30),
-    ("insert", 30),
-)
-DELETE_ONE_SQL = "delete from example.exam where id = %s"
-DELETE_ANY_SQL = "delete from example.exam where id = any(%s)"
-MERGE_MOVE_SQL = "update example.exam_item set exam_id = %s where exam_id = %s"
-EDIT_SQL = "update example.exam set body = example.words(8, %s), updated_at = now() where id = %s"
-EDIT_ITEM_SQL = (
-    "update example.exam_item set body = example.words(2, %s)"
-    " where id = (select min(id) from example.exam_item where exam_id = %s)"
-)
-INSERT_SQL = (
-    "insert into example.exam (id, title, body) values (%s, example.words(2, %s), example.words(8, %s))"
-)
-INSERT_ITEMS_SQL = (
-    "insert into example.exam_item (exam_id, body) select %s, example.words(2, %s * 7 + i)"
-    " from generate_series(1, %s) i"
-)
 DEADLOCKS_SQL = "select coalesce(sum(deadlocks), 0)::bigint from pg_stat_database where datname = %s"
 QUEUE_SQL = "select count(*) from lockstep.queue where job = %s"
 WORK_SQL = "select outcome, inserted, updated, deleted, skipped, error from lockstep.work(%s)"
@@ -80,230 +55,6 @@ Progress = Callable[[str], None]
 
 def _stderr_progress(msg: str) -> None:
     print(f"[storm] {msg}", file=sys.stderr, flush=True)
-
-
-
-
-def is_disconnect(exc: BaseException, conn: psycopg.Connection | None = None) -> bool:
-    """A lost connection or a server going down/coming up: not an application error."""
-    state = getattr(exc, "sqlstate", None)
-    if state and (state.startswith("08") or state in CONNECTION_SQLSTATES):
-        return True
-    if conn is not None and (conn.broken or conn.closed):
-        return True
-    return isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)) and not state
-
-
-class Client(threading.Thread):
-    """One application: owns the exam ids ``id % n == index``; random transactions until stopped."""
-
-    def __init__(self, dsn: str, index: int, n: int, parents: int, seed: int, pause: float = 0.002):
-        super().__init__(daemon=True, name=f"storm-client-{index}")
-        self.dsn, self.index, self.n, self.pause = dsn, index, n, pause
-        self.rng = random.Random(seed)
-        self.live = [i for i in range(1, parents + 1) if i % n == index]
-        self.target = max(len(self.live), 4)
-        self.next_id = parents + 1 + ((index - parents - 1) % n)  # first id > parents in this partition
-        self.stop = threading.Event()
-        self.conn: psycopg.Connection | None = None
-        self.ops: Counter[str] = Counter()
-        self.errors: Counter[str] = Counter()
-        self.error_samples: list[str] = []
-        self.disconnects = 0
-        self.latencies_ms: list[float] = []
-        self.deleted = self.inserted = 0
-
-    # connection ------------------------------------------------------------------------------------------
-    def _connect(self) -> bool:
-        delay = 0.05
-        while not self.stop.is_set():
-            try:
-                self.conn = psycopg.connect(self.dsn, autocommit=True, application_name=APP_NAME,
-                                            connect_timeout=5)
-                return True
-            except psycopg.Error:
-                self.disconnects += 1
-                self.stop.wait(delay)
-                delay = min(delay * 2, 1.0)
-        return False
-
-    def _close(self) -> None:
-        if self.conn is not None:
-            try:
-                self.conn.close()
-            except Exception:  # noqa: BLE001 - a broken connection may fail to close cleanly
-                pass
-        self.conn = None
-
-    # operations ------------------------------------------------------------------------------------------
-    def _take(self, k: int) -> list[int]:
-        k = min(k, len(self.live))
-        picked = self.rng.sample(self.live, k)
-        return picked
-
-    def _forget(self, ids: list[int]) -> None:
-        gone = set(ids)
-        self.live = [i for i in self.live if i not in gone]
-        self.deleted += len(gone)
-
-    def _new_id(self) -> int:
-        i = self.next_id
-        self.next_id += self.n
-        return i
-
-    def _pick_op(self) -> str:
-        if len(self.live) < max(3, self.target // 2):
-            return "insert"
-        if len(self.live) > self.target * 2:
-            return "delete_any"
-        names, weights = zip(*OPS, strict=True)
-        return self.rng.choices(names, weights)[0]
-
-    def _op(self, conn: psycopg.Connection, op: str) -> Callable[[], None]:
-        """Run ``op`` in one transaction; return what to do to the live set once it committed."""
-        rng = self.rng
-        if op == "delete_one":
-            ids = self._take(1)
-            conn.execute(DELETE_ONE_SQL, ids)
-            return lambda: self._forget(ids)
-        if op == "delete_any":
-            ids = self._take(rng.randint(2, 5))
-            with conn.transaction():
-                conn.execute(DELETE_ANY_SQL, [ids])
-            return lambda: self._forget(ids)
-        if op == "delete_each":
-            ids = self._take(rng.randint(2, 5))
-            with conn.transaction():
-                for i in ids:
-                    conn.execute(DELETE_ONE_SQL, [i])
-            return lambda: self._forget(ids)
-        if op == "merge":
-            a, b = self._take(2)
-            with conn.transaction():
-                conn.execute(MERGE_MOVE_SQL, [b, a])
-                conn.execute(DELETE_ONE_SQL, [a])
-            return lambda: self._forget([a])
-        if op == "edit":
-            ids = self._take(rng.randint(1, 3))
-            with conn.transaction():
-                for i in ids:
-                    if rng.random() < 0.5:
-                        conn.execute(EDIT_SQL, [rng.randrange(1 << 40), i])
-                    else:
-                        conn.execute(EDIT_ITEM_SQL, [rng.randrange(1 << 40), i])
-            return lambda: None
-        # insert
-        ids = [self._new_id() for _ in range(rng.randint(1, 4))]
-        with conn.transaction():
-            for i in ids:
-                conn.execute(INSERT_SQL, [i, i, -i])
-                conn.execute(INSERT_ITEMS_SQL, [i, i, rng.randint(1, 3)])
-
-        def add() -> None:
-            self.live.extend(ids)
-            self.inserted += len(ids)
-
-        return add
-
-    def run(self) -> None:
-        if not self._connect():
-            return
-        while not self.stop.is_set():
-            op = self._pick_op()
-            if op != "insert" and len(self.live) < 2:
-                op = "insert"
-            t0 = time.perf_counter()
-            try:
-                assert self.conn is not None
-                commit = self._op(self.conn, op)
-            except psycopg.Error as exc:
-                if is_disconnect(exc, self.conn):
-                    self.disconnects += 1
-                    self._close()
-                    if not self._connect():
-                        break
-                    # an insert or delete may or may not have committed: re-read the live set
-                    self._resync()
-                    continue
-                state = exc.sqlstate or "?"
-                self.errors[state] += 1
-                if len(self.error_samples) < 5:
-                    self.error_samples.append(f"{op}: [{state}] {str(exc).strip().splitlines()[0]}")
-            else:
-                commit()
-                self.ops[op] += 1
-                self.latencies_ms.append((time.perf_counter() - t0) * 1000)
-            if self.pause:
-                self.stop.wait(self.rng.uniform(0, self.pause))
-        self._close()
-
-    def _resync(self) -> None:
-        for _ in range(20):
-            if self.stop.is_set() or self.conn is None:
-                return
-            try:
-                rows = self.conn.execute(
-                    "select id from example.exam where id %% %s = %s", [self.n, self.index]
-                ).fetchall()
-                self.live = [r[0] for r in rows]
-                top = max(self.live, default=0)
-                while self.next_id <= top:
-                    self.next_id += self.n
-                return
-            except psycopg.Error:
-                self.disconnects += 1
-                self._close()
-                if not self._connect():
-                    return
-
-
-class Runners:
-    """``lockstep run`` subprocesses with JSON logs in ``log_dir``."""
-
-    def __init__(self, dsn: str, n: int, log_dir: Path, tick: float = 0.2):
-        self.procs: list[subprocess.Popen] = []
-        self.logs: list[Path] = []
-        self.files = []
-        for i in range(n):
-            log = log_dir / f"runner-{i}.log"
-            f = open(log, "w")  # noqa: SIM115 - closed in stop()
-            self.files.append(f)
-            self.logs.append(log)
-            self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "runner", "run", "--dsn", dsn, "--tick", str(tick),
-                 "--log-format", "json"],
-                stdout=subprocess.DEVNULL, stderr=f, env=dict(os.environ),
-            ))
-
-    def alive(self) -> bool:
-        return all(p.poll() is None for p in self.procs)
-
-    def stop(self, timeout: float = 30.0) -> list[int | None]:
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        codes: list[int | None] = []
-        for p in self.procs:
-            try:
-                codes.append(p.wait(timeout))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-                codes.append(None)  # did not exit on SIGTERM
-        for f in self.files:
-            f.close()
-        return codes
-
-    def records(self) -> list[dict]:
-        out = []
-        for log in self.logs:
-            for line in log.read_text().splitlines():
-                if line.startswith("{"):
-                    try:
-                        out.append(json.loads(line))
-                    except ValueError:
-                        pass
-        return out
 
 
 def summarize_runner_logs(records: list[dict]) -> dict[str, Any]:
@@ -397,7 +148,12 @@ class Storm:
         deadlocks0 = self.deadlocks()
         self.progress(f"storm: {seconds:g} s, {clients} clients, {runners} runners (seed {seed})")
         rs = Runners(self.dsn, runners, log_dir)
-        cs = [Client(self.dsn, i, clients, parents, seed + i, pause) for i in range(clients)]
+        workload = dataclasses.replace(STORM, pause=pause)
+        owned = partition(list(range(1, parents + 1)), parents + 1, clients)
+        cs = [
+            AppClient(self.dsn, i, clients, live, first, workload, seed + i, name="storm-client")
+            for i, (live, first) in enumerate(owned)
+        ]
         codes: list[int | None] = []
         drained = False
         drain_s = None
@@ -450,23 +206,38 @@ class Storm:
         if tmp is not None:
             tmp.cleanup()
         return self._result(
-            seconds=seconds, parents=parents, clients=cs, runners=runners, seed=seed, app_s=app_s,
-            drained=drained, drain_s=drain_s, runners_alive=runners_alive, codes=codes,
-            logs=summarize_runner_logs(records), queue_left=queue_left, final_work=final_work,
-            final_recompute=final_recompute, failing_keys=failing_keys, divergence=[missing, extra],
-            deadlocks=deadlocks, exams=exams, keys=keys,
+            seconds=seconds,
+            parents=parents,
+            clients=cs,
+            runners=runners,
+            seed=seed,
+            app_s=app_s,
+            drained=drained,
+            drain_s=drain_s,
+            runners_alive=runners_alive,
+            codes=codes,
+            logs=summarize_runner_logs(records),
+            queue_left=queue_left,
+            final_work=final_work,
+            final_recompute=final_recompute,
+            failing_keys=failing_keys,
+            divergence=[missing, extra],
+            deadlocks=deadlocks,
+            exams=exams,
+            keys=keys,
         )
 
     @staticmethod
-    def _result(clients: list[Client], **kw: Any) -> dict[str, Any]:
-        lat = [x for c in clients for x in c.latencies_ms]
+    def _result(clients: list[AppClient], **kw: Any) -> dict[str, Any]:
+        stats: list[Stats] = [c.stats for c in clients]
+        lat = [x for st in stats for x in st.latencies_ms]
         ops: Counter[str] = Counter()
         errors: Counter[str] = Counter()
         samples: list[str] = []
-        for c in clients:
-            ops.update(c.ops)
-            errors.update(c.errors)
-            samples.extend(c.error_samples)
+        for st in stats:
+            ops.update(st.ok)
+            errors.update(st.errors)
+            samples.extend(st.error_samples)
         logs = kw.pop("logs")
         app = {
             "transactions": sum(ops.values()),
@@ -474,9 +245,9 @@ class Storm:
             "ops": dict(sorted(ops.items())),
             "errors": dict(sorted(errors.items())),
             "error_samples": samples[:10],
-            "disconnects": sum(c.disconnects for c in clients),
-            "parents_deleted": sum(c.deleted for c in clients),
-            "parents_inserted": sum(c.inserted for c in clients),
+            "disconnects": sum(st.disconnects for st in stats),
+            "parents_deleted": sum(st.deleted for st in stats),
+            "parents_inserted": sum(st.inserted for st in stats),
             "latency_ms": {
                 "p50": _round(percentile(lat, 0.5)),
                 "p99": _round(percentile(lat, 0.99)),
@@ -493,7 +264,9 @@ class Storm:
             "app": app,
             "runner": {**logs, "exit_codes": kw["codes"], "alive_at_end": kw["runners_alive"]},
             "drain": {
-                "drained": kw["drained"], "seconds": _round(kw["drain_s"]), "queue_left": kw["queue_left"]
+                "drained": kw["drained"],
+                "seconds": _round(kw["drain_s"]),
+                "queue_left": kw["queue_left"],
             },
             "final_work": kw["final_work"],
             "final_recompute": fr,
@@ -505,7 +278,8 @@ class Storm:
         }
         fk = errors.get("23503", 0) + sum("23503" in e for e in logs["failed_errors"])
         r["checks"] = {
-            "deadlocks == 0": kw["deadlocks"] == 0 and errors.get("40P01", 0) == 0
+            "deadlocks == 0": kw["deadlocks"] == 0
+            and errors.get("40P01", 0) == 0
             and not any("40P01" in p for p in logs["problems"]),
             "fk_violations == 0": fk == 0,
             "failed_runs == 0": logs["failed"] == 0,
@@ -580,8 +354,8 @@ def render(r: dict[str, Any]) -> str:
         f"app transactions   {app['transactions']} ({app['tps']}/s): "
         + ", ".join(f"{k} {v}" for k, v in app["ops"].items()),
         f"app latency ms     p50 {lat['p50']}  p99 {lat['p99']}  max {lat['max']}",
-        f"app errors         {app['errors'] or 'none'}" + (f"  (disconnects {app['disconnects']})"
-                                                          if app["disconnects"] else ""),
+        f"app errors         {app['errors'] or 'none'}"
+        + (f"  (disconnects {app['disconnects']})" if app["disconnects"] else ""),
         f"parents            -{app['parents_deleted']} +{app['parents_inserted']} -> {r['exams']} exams, "
         f"{r['exam_keys']} exam_key rows",
         "runs by outcome    " + ", ".join(f"{k} {v}" for k, v in rn["runs"].items()),
