@@ -88,11 +88,15 @@ def due(conn: psycopg.Connection, jobs: list[str] | None = None) -> list[Due]:
 
 
 def run_job(conn: psycopg.Connection, job: str) -> Result:
-    row = conn.execute(
-        "select outcome, inserted, updated, deleted, skipped, compute_ms, write_ms, error, job, action, more"
-        " from lockstep.run(%s)",
-        [job],
-    ).fetchone()
+    # one transaction in READ COMMITTED whatever default_transaction_isolation says: lockstep.run refuses
+    # any other level (under REPEATABLE READ a parent deleted meanwhile would raise 40001)
+    with conn.transaction():
+        conn.execute("set transaction isolation level read committed")
+        row = conn.execute(
+            "select outcome, inserted, updated, deleted, skipped, compute_ms, write_ms, error, job, action,"
+            " more from lockstep.run(%s)",
+            [job],
+        ).fetchone()
     return Result(*row)
 
 

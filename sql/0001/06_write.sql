@@ -19,10 +19,8 @@ declare
     v_arg text;
     v_bad text;
 begin
-    select pg_catalog.format('%I.%I', n.nspname, p.proname), pg_catalog.format_type(p.proargtypes[0], null)
-    into v_fn, v_arg
-    from pg_catalog.pg_proc p join pg_catalog.pg_namespace n on n.oid = p.pronamespace
-    where p.oid = j.compute::regprocedure;
+    select lockstep._callable(p.oid, 1), pg_catalog.format_type(p.proargtypes[0], null) into v_fn, v_arg
+    from pg_catalog.pg_proc p where p.oid = j.compute::regprocedure;
     drop table if exists pg_temp.lockstep_desired;
     execute pg_catalog.format('create temp table lockstep_desired on commit drop as select %s from %s limit 0',
                               v_cols, j.target);
@@ -71,7 +69,8 @@ $$;
 -- Fills pg_temp.lockstep_gone (current rows compute no longer returns) and pg_temp.lockstep_put (rows new
 -- or changed by IS DISTINCT FROM), each with the row's parent key (lockstep_parent) and the current row's
 -- ctid (lockstep_ctid); lockstep_put also has lockstep_old_parent and lockstep_new. Returns how many rows
--- the two hold.
+-- the two hold. For a job without a parent, lockstep_parent is the row's primary key as text: what the
+-- write steps return for a row they skip, so skipped counts rows there.
 -- For a subset, current rows are copied by one index probe per parent key (the lateral subquery is not
 -- flattened, so a stale estimate right after a big fill cannot turn it into a scan of the whole target).
 -- locks: no row locks (reads the target under MVCC); creates pg_temp tables.
@@ -93,6 +92,9 @@ begin
     if j.parent_column is not null then
         v_tpar := pg_catalog.format('t.%I::text', j.parent_column);
         v_dpar := pg_catalog.format('d.%I::text', j.parent_column);
+    else
+        v_tpar := pg_catalog.format('row(%s)::text', lockstep._cols(j.target_key, 't'));
+        v_dpar := pg_catalog.format('row(%s)::text', lockstep._cols(j.target_key, 'd'));
     end if;
     drop table if exists pg_temp.lockstep_current, pg_temp.lockstep_gone, pg_temp.lockstep_put,
                          pg_temp.lockstep_locked;
@@ -175,7 +177,9 @@ $$;
 
 -- lockstep._pin_refs(j): write step 2. Pin the rows the target's other foreign keys reference, for every
 -- row in pg_temp.lockstep_put and pg_temp.lockstep_gone; rows whose referenced row could not be pinned
--- are dropped. Returns the parent keys of the rows dropped.
+-- are dropped. Returns the parent keys of the rows dropped. A foreign key whose columns compute does not
+-- all return is one whose missing columns are always NULL (_check_target_fks, also run here for keys
+-- added after define_derived): no FK check looks anything up for it.
 -- locks: the referenced rows, FOR KEY SHARE SKIP LOCKED, one constraint at a time in constraint-name
 -- order, each in key order.
 create function lockstep._pin_refs(j lockstep.job) returns text[]
@@ -187,6 +191,7 @@ declare
     v_unpinned text;
     c record;
 begin
+    perform lockstep._check_target_fks(j.target, j.columns);
     for c in
         select con.conname, con.confrelid::regclass as ref,
                array(select a.attname from pg_catalog.unnest(con.conkey) with ordinality k(n, o)
@@ -223,6 +228,9 @@ $$;
 -- lockstep._lock_rows(j): write step 3a. Lock the existing target rows about to be deleted or updated,
 -- found by their ctid (a TID scan); a row that is locked, or whose ctid no longer holds its key, is dropped
 -- from pg_temp.lockstep_gone / lockstep_put. Returns the parent keys of the rows dropped.
+-- A partitioned target (or one with inheritance children) has one ctid space per partition: the same
+-- ctid names a row of another parent in another partition, so there the rows found by ctid are also
+-- matched by primary key before they are locked (the primary key is unique across partitions).
 -- locks: those target rows, FOR UPDATE SKIP LOCKED, in primary-key order.
 create function lockstep._lock_rows(j lockstep.job) returns text[]
 language plpgsql
@@ -231,20 +239,117 @@ as $$
 declare
     v_unlocked text;
     v_skip text[];
+    v_mine text := '';
 begin
+    if exists (select from pg_catalog.pg_class c where c.oid = j.target and (c.relkind = 'p' or c.relhassubclass)) then
+        v_mine := pg_catalog.format(
+            ' and (%1$s) in (select %2$s from pg_temp.lockstep_gone'
+            '  union all select %2$s from pg_temp.lockstep_put where not lockstep_new)',
+            lockstep._cols(j.target_key, 't'), lockstep._cols(j.target_key));
+    end if;
     execute pg_catalog.format(
         'create temp table lockstep_locked on commit drop as '
         'select %1$s from %2$s t where t.ctid = any(array('
         '  select lockstep_ctid from pg_temp.lockstep_gone'
-        '  union all select lockstep_ctid from pg_temp.lockstep_put where not lockstep_new)) '
+        '  union all select lockstep_ctid from pg_temp.lockstep_put where not lockstep_new))%3$s '
         'order by %1$s for update of t skip locked',
-        lockstep._cols(j.target_key, 't'), j.target);
+        lockstep._cols(j.target_key, 't'), j.target, v_mine);
     v_unlocked := pg_catalog.format('not exists (select from pg_temp.lockstep_locked l where %s)',
                                     lockstep._eq(j.target_key, 'l', 'lockstep_gone'));
     v_skip := lockstep._drop_rows('lockstep_gone', v_unlocked);
     v_unlocked := pg_catalog.format('not lockstep_new and not exists (select from pg_temp.lockstep_locked l where %s)',
                                     lockstep._eq(j.target_key, 'l', 'lockstep_put'));
     return v_skip || lockstep._drop_rows('lockstep_put', v_unlocked);
+end;
+$$;
+
+-- lockstep._referencing(target, key, cols): the foreign keys that reference the target (other tables' rows,
+-- or its own, that a delete of target rows acts on), with the columns to join on and the referencing
+-- table's primary key (lock order). Raises LSD06 for what lockstep cannot delete through without waiting
+-- or failing: ON DELETE NO ACTION / RESTRICT (the delete would fail with 23503 while referenced) and SET
+-- DEFAULT (its FK check locks a row lockstep did not pin); a referencing table whose rows are themselves
+-- referenced through the columns the action changes (one level of referencing rows is locked); a key on
+-- columns lockstep updates (the update would run the key's ON UPDATE action). Used by define_derived
+-- (refuses) and by _lock_referencing on every pass that deletes (keys added later fail the run).
+-- locks: nothing.
+create function lockstep._referencing(target regclass, key name[], cols name[])
+returns table (conname name, rel regclass, fk name[], rk name[], ord name[])
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    c record;
+begin
+    for c in
+        select con.conname, con.conrelid::regclass as rel, con.confdeltype,
+               lockstep._attnames(con.conrelid, con.conkey) as fk, lockstep._attnames(con.confrelid, con.confkey) as rk,
+               (select lockstep._attnames(pk.conrelid, pk.conkey) from pg_catalog.pg_constraint pk
+                where pk.conrelid = con.conrelid and pk.contype = 'p') as ord,
+               (select x.conrelid::regclass::text from pg_catalog.pg_constraint x
+                where x.confrelid = con.conrelid and x.contype = 'f' and x.conparentid = 0
+                  and (con.confdeltype = 'c' or x.confkey && coalesce(con.confdelsetcols, con.conkey))
+                order by x.conname limit 1) as deeper
+        from pg_catalog.pg_constraint con
+        where con.confrelid = target and con.contype = 'f' and con.conparentid = 0
+        order by con.conname
+    loop
+        if c.confdeltype not in ('c', 'n') then
+            raise exception 'lockstep: foreign key % of % references % ON DELETE %', c.conname, c.rel, target,
+                    case c.confdeltype when 'a' then 'NO ACTION' when 'r' then 'RESTRICT' else 'SET DEFAULT' end
+                using errcode = 'LSD06',
+                      hint = 'lockstep deletes derived rows compute no longer returns: declare the key ON DELETE CASCADE '
+                             'or ON DELETE SET NULL, so the delete acts on rows lockstep locks first (skipping any the '
+                             'application holds).';
+        elsif c.deeper is not null then
+            raise exception 'lockstep: rows of % (foreign key % to %) are referenced in turn by %', c.rel, c.conname,
+                    target, c.deeper
+                using errcode = 'LSD06',
+                      hint = 'lockstep locks one level of referencing rows before a delete; a cascade reaching further '
+                             'would wait on rows the application holds. Reference the parent table instead.';
+        elsif exists (select from pg_catalog.unnest(c.rk) r where r = any(cols) and not r = any(key)) then
+            raise exception 'lockstep: foreign key % of % references columns % of % that compute writes', c.conname,
+                    c.rel, c.rk, target
+                using errcode = 'LSD06', hint = 'Reference the target''s primary key.';
+        end if;
+        conname := c.conname; rel := c.rel; fk := c.fk; rk := c.rk; ord := c.ord;
+        return next;
+    end loop;
+end;
+$$;
+
+-- lockstep._lock_referencing(j): write step 3a'. Lock the rows that reference the target rows about to be
+-- deleted (pg_temp.lockstep_gone), which the delete's ON DELETE CASCADE / SET NULL acts on; a target row
+-- with a referencing row that could not be locked (an application holds it) is not deleted: dropped from
+-- lockstep_gone, its parent key returned (re-queued like any skipped parent). No new referencing row can
+-- appear meanwhile: inserting one takes FOR KEY SHARE on the target row, which _lock_rows holds FOR UPDATE.
+-- locks: the referencing rows, FOR UPDATE SKIP LOCKED, one foreign key at a time in constraint-name order,
+-- each in the referencing table's primary-key order (ctid order without one).
+create function lockstep._lock_referencing(j lockstep.job) returns text[]
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    c record;
+    v_join text;
+    v_skip text[] := '{}';
+begin
+    if not exists (select from pg_temp.lockstep_gone) then
+        return v_skip;
+    end if;
+    for c in select * from lockstep._referencing(j.target, j.target_key, j.columns) loop
+        v_join := pg_catalog.format('join %s n on (%s) = (%s)', c.rel, lockstep._cols(c.fk, 'n'), lockstep._cols(c.rk, 't'));
+        drop table if exists pg_temp.lockstep_refs;
+        execute pg_catalog.format(
+            'create temp table lockstep_refs on commit drop as '
+            'select n.tableoid as lockstep_rel, n.ctid as lockstep_ctid '
+            'from pg_temp.lockstep_gone g join %1$s t on %2$s %3$s order by %4$s for update of n skip locked',
+            j.target, lockstep._eq(j.target_key, 't', 'g'), v_join, coalesce(lockstep._cols(c.ord, 'n'), 'n.ctid'));
+        v_skip := v_skip || lockstep._drop_rows('lockstep_gone', pg_catalog.format(
+            'exists (select from %1$s t %2$s where %3$s and not exists (select from pg_temp.lockstep_refs r '
+            'where r.lockstep_rel = n.tableoid and r.lockstep_ctid = n.ctid))',
+            j.target, v_join, lockstep._eq(j.target_key, 't', 'lockstep_gone')));
+    end loop;
+    return v_skip;
 end;
 $$;
 
@@ -299,12 +404,14 @@ $$;
 -- for any lock:
 --   1. _pin_parents: parents of every row about to be deleted, inserted or updated;
 --   2. _pin_refs: rows referenced through the target's other foreign keys;
---   3. _lock_rows, _delete_rows, _upsert_rows: the target rows, in primary-key order.
+--   3. _lock_rows, _lock_referencing, _delete_rows, _upsert_rows: the target rows, in primary-key order
+--      (and, before a delete, the rows referencing them that its ON DELETE action changes).
 -- Rows whose locks were skipped are not written (never a wait, never a 23503); their parent keys are
 -- returned in skipped (still existing, to be re-queued) or counted in gone (deleted meanwhile).
 -- The caller writes the job's status row after this.
 -- locks: parents (FOR KEY SHARE SKIP LOCKED, key order), then other referenced rows (same, constraint-name
--- order), then target rows (FOR UPDATE SKIP LOCKED, primary-key order): see the steps.
+-- order), then target rows (FOR UPDATE SKIP LOCKED, primary-key order), then the rows referencing target
+-- rows to delete (FOR UPDATE SKIP LOCKED, constraint-name then key order): see the steps.
 create function lockstep._write(j lockstep.job, keys text[]) returns lockstep._pass
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -326,6 +433,7 @@ begin
     v_skip := lockstep._pin_parents(j);
     v_skip := v_skip || lockstep._pin_refs(j);
     v_skip := v_skip || lockstep._lock_rows(j);
+    v_skip := v_skip || lockstep._lock_referencing(j);
     p.deleted := lockstep._delete_rows(j);
     select u.inserted, u.updated into p.inserted, p.updated from lockstep._upsert_rows(j) u;
     -- skipped parents: those that still exist go back to the queue; the others were deleted meanwhile
