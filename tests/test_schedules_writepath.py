@@ -340,7 +340,7 @@ REFUSALS = [
 ]
 
 
-@pytest.mark.parametrize(("call", "sqlstate", "match"), REFUSALS, ids=[c[0][24:64] for c in REFUSALS])
+@pytest.mark.parametrize(("call", "sqlstate", "match"), REFUSALS, ids=[c[0].split("'")[3] for c in REFUSALS])
 def test_what_lockstep_cannot_write_without_waiting_is_refused(conn, call, sqlstate, match):
     conn.execute(REFUSALS_SETUP)
     before = snapshot(conn)
