@@ -11,6 +11,8 @@ foreign keys, a table referencing the target.
 
 from __future__ import annotations
 
+import secrets
+
 import psycopg
 import pytest
 from isolation import Spec
@@ -385,3 +387,42 @@ def test_a_referencing_key_added_after_define_fails_the_run_not_the_app(conn):
     r = result(conn, "lockstep.recompute('k')")
     assert r["outcome"] == "failed" and "ON DELETE NO ACTION" in r["error"], r
     assert conn.execute("select count(*) from wp.kid").fetchone()[0] == 2
+
+
+def test_other_no_action_foreign_keys_are_accepted_with_a_warning(conn):
+    conn.execute(REFUSALS_SETUP)
+    conn.execute(
+        "create table wp.kid_tag (owner_id text not null references wp.owner on delete cascade,"
+        " k int not null, src_id int references wp.src, primary key (owner_id, k));"
+        "create function wp.kt(ids text[]) returns table (owner_id text, k int, src_id int)"
+        " language sql stable as $$ select o.id, 1, null::int from wp.owner o"
+        " where ids is null or o.id = any(ids) $$"
+    )
+    warnings: list[str] = []
+    conn.add_notice_handler(lambda d: warnings.append(d.message_primary or ""))
+    conn.execute("select lockstep.define_derived('kt', 'wp.kid_tag', 'wp.kt(text[])', 'wp.owner')")
+    assert any("to wp.src is ON DELETE NO ACTION" in w for w in warnings), warnings
+
+
+def test_a_referencing_table_the_role_cannot_lock_is_refused(conn):
+    conn.execute(REFUSALS_SETUP)
+    conn.execute(
+        "create table wp.ref_priv (id int primary key, o text, k int,"
+        " foreign key (o, k) references wp.kid on delete cascade)"
+    )
+    role = f"wp_definer_{secrets.token_hex(4)}"
+    conn.execute(f"create role {role} nologin")
+    try:
+        conn.execute(
+            f"grant usage on schema wp, lockstep to {role};"
+            f"grant select, insert, update, delete on wp.kid to {role};"
+            f"grant select on wp.owner, wp.ref_priv to {role}"
+        )
+        before = snapshot(conn)
+        conn.execute(f"begin; set local role {role}")
+        with raises_sqlstate("42501", "may not lock rows of wp.ref_priv"):
+            conn.execute("select lockstep.define_derived('k', 'wp.kid', 'wp.kids2(text[])', 'wp.owner')")
+        conn.execute("rollback")
+        assert snapshot(conn) == before
+    finally:
+        conn.execute(f"drop owned by {role}; drop role {role}")

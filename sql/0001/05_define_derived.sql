@@ -244,43 +244,53 @@ begin
 end;
 $$;
 
--- lockstep._check_parent_delete(target, parent, parent_column): what the parent foreign key's ON DELETE
--- action does to the application's parent deletes. NO ACTION / RESTRICT (and SET NULL or SET DEFAULT that
--- cannot succeed) would make them fail with 23503 or 23502 whenever derived rows exist: refused. SET NULL
--- and SET DEFAULT succeed but leave rows lockstep removes only at the next recompute: a warning.
+-- lockstep._check_parent_delete(target, parent): what the ON DELETE action of the target's foreign keys
+-- to the parent does to the application's parent deletes. NO ACTION / RESTRICT (and SET NULL or SET
+-- DEFAULT that cannot succeed on a NOT NULL column) would make them fail with 23503 or 23502 whenever
+-- derived rows exist: refused. SET NULL and SET DEFAULT succeed but leave rows that lockstep removes only
+-- at the next recompute: a warning. The target's other foreign keys with NO ACTION / RESTRICT: a warning
+-- (a delete of a row they reference fails while derived rows still reference it, as with any such key).
 -- locks: nothing.
-create function lockstep._check_parent_delete(target regclass, parent regclass, parent_column name) returns void
+create function lockstep._check_parent_delete(target regclass, parent regclass) returns void
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
 declare
     c record;
 begin
-    select con.conname, con.confdeltype, a.attnotnull, a.atthasdef into c
-    from pg_catalog.pg_constraint con
-    join pg_catalog.pg_attribute a on a.attrelid = con.conrelid and a.attnum = con.conkey[1]
-    where con.conrelid = target and con.confrelid = parent and con.contype = 'f' and con.conparentid = 0
-      and cardinality(con.conkey) = 1 and a.attname = parent_column
-    order by con.confdeltype = 'c' desc, con.conname
-    limit 1;
-    if c.confdeltype = 'c' or c.conname is null then
-        return;
-    end if;
-    if c.confdeltype in ('a', 'r') or (c.confdeltype = 'n' and c.attnotnull)
-       or (c.confdeltype = 'd' and c.attnotnull and not c.atthasdef) then
-        raise exception 'lockstep: foreign key % of %(%) to % is ON DELETE %: once lockstep writes derived rows, '
-                        'the application''s deletes of their parents fail', c.conname, target, parent_column, parent,
-                case c.confdeltype when 'a' then 'NO ACTION' when 'r' then 'RESTRICT' when 'n' then 'SET NULL (on a NOT NULL column)'
-                                   else 'SET DEFAULT (on a NOT NULL column without default)' end
-            using errcode = 'LSD04',
-                  hint = pg_catalog.format('alter table %s drop constraint %I, add foreign key (%I) references %s on delete cascade;',
-                                           target, c.conname, parent_column, parent);
-    end if;
-    raise warning 'lockstep: foreign key % of %(%) to % is ON DELETE %: an application delete of a parent keeps its '
-                  'derived rows (%), and lockstep removes them only at the next recompute', c.conname, target, parent_column,
-                  parent, case c.confdeltype when 'n' then 'SET NULL' else 'SET DEFAULT' end,
-                  case c.confdeltype when 'n' then 'their parent column set to NULL' else 'moved to the default parent' end
-        using hint = 'ON DELETE CASCADE deletes them with the parent.';
+    for c in
+        select con.conname, con.confdeltype, coalesce(con.confrelid = parent, false) as is_parent, con.confrelid::regclass as ref,
+               lockstep._attnames(con.conrelid, con.conkey) as cols,
+               exists (select from pg_catalog.pg_attribute a
+                       where a.attrelid = con.conrelid and a.attnum = any(coalesce(con.confdelsetcols, con.conkey))
+                         and a.attnotnull and (con.confdeltype = 'n' or not a.atthasdef)) as cannot
+        from pg_catalog.pg_constraint con
+        where con.conrelid = target and con.contype = 'f' and con.conparentid = 0 and con.confdeltype <> 'c'
+        order by con.conname
+    loop
+        if not c.is_parent then
+            if c.confdeltype in ('a', 'r') then
+                raise warning 'lockstep: foreign key % of % to % is ON DELETE %: an application delete of a row of % '
+                              'fails while derived rows still reference it', c.conname, target, c.ref,
+                              case c.confdeltype when 'a' then 'NO ACTION' else 'RESTRICT' end, c.ref;
+            end if;
+        elsif c.confdeltype in ('a', 'r') or c.cannot then
+            raise exception 'lockstep: foreign key % of %(%) to % is ON DELETE %: once lockstep writes derived rows, '
+                            'the application''s deletes of their parents fail', c.conname, target, c.cols, parent,
+                    case c.confdeltype when 'a' then 'NO ACTION' when 'r' then 'RESTRICT'
+                                       when 'n' then 'SET NULL (on a NOT NULL column)'
+                                       else 'SET DEFAULT (on a NOT NULL column without default)' end
+                using errcode = 'LSD04',
+                      hint = pg_catalog.format('alter table %s drop constraint %I, add foreign key (%s) references %s on delete cascade;',
+                                               target, c.conname, lockstep._cols(c.cols), parent);
+        else
+            raise warning 'lockstep: foreign key % of %(%) to % is ON DELETE %: an application delete of a parent keeps '
+                          'its derived rows (%), and lockstep removes them only at the next recompute', c.conname, target,
+                          c.cols, parent, case c.confdeltype when 'n' then 'SET NULL' else 'SET DEFAULT' end,
+                          case c.confdeltype when 'n' then 'their parent column set to NULL' else 'moved to the default parent' end
+                using hint = 'ON DELETE CASCADE deletes them with the parent.';
+        end if;
+    end loop;
 end;
 $$;
 
@@ -359,9 +369,7 @@ begin
     perform lockstep._check_columns(target, compute, v_key, v_cols);
     perform lockstep._check_target_fks(target, v_cols);
     perform count(*) from lockstep._referencing(target, v_key, v_cols);  -- raises on what it cannot lock
-    if parent is not null then
-        perform lockstep._check_parent_delete(target, parent, v_par.parent_column);
-    end if;
+    perform lockstep._check_parent_delete(target, parent);
     perform lockstep._callable(compute, 1);
     perform lockstep._warn_index(target, v_par.parent_column);
     perform lockstep._dry_run(compute, v_par.key_type);

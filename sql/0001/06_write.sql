@@ -269,7 +269,8 @@ $$;
 -- or failing: ON DELETE NO ACTION / RESTRICT (the delete would fail with 23503 while referenced) and SET
 -- DEFAULT (its FK check locks a row lockstep did not pin); a referencing table whose rows are themselves
 -- referenced through the columns the action changes (one level of referencing rows is locked); a key on
--- columns lockstep updates (the update would run the key's ON UPDATE action). Used by define_derived
+-- columns lockstep updates (the update would run the key's ON UPDATE action); 42501 when the role cannot
+-- lock the referencing table's rows (SELECT and UPDATE). Used by define_derived
 -- (refuses) and by _lock_referencing on every pass that deletes (keys added later fail the run).
 -- locks: nothing.
 create function lockstep._referencing(target regclass, key name[], cols name[])
@@ -306,6 +307,11 @@ begin
                 using errcode = 'LSD06',
                       hint = 'lockstep locks one level of referencing rows before a delete; a cascade reaching further '
                              'would wait on rows the application holds. Reference the parent table instead.';
+        elsif not (pg_catalog.has_table_privilege(c.rel, 'SELECT') and pg_catalog.has_table_privilege(c.rel, 'UPDATE')) then
+            raise exception 'lockstep: role "%" may not lock rows of %, which references % (foreign key %)', current_user,
+                    c.rel, target, c.conname
+                using errcode = '42501',
+                      hint = 'lockstep locks the referencing rows FOR UPDATE SKIP LOCKED before a delete: grant SELECT, UPDATE.';
         elsif exists (select from pg_catalog.unnest(c.rk) r where r = any(cols) and not r = any(key)) then
             raise exception 'lockstep: foreign key % of % references columns % of % that compute writes', c.conname,
                     c.rel, c.rk, target
