@@ -412,8 +412,9 @@ $$;
 --   2. _pin_refs: rows referenced through the target's other foreign keys;
 --   3. _lock_rows, _lock_referencing, _delete_rows, _upsert_rows: the target rows, in primary-key order
 --      (and, before a delete, the rows referencing them that its ON DELETE action changes).
--- Rows whose locks were skipped are not written (never a wait, never a 23503); their parent keys are
--- returned in skipped (still existing, to be re-queued) or counted in gone (deleted meanwhile).
+-- Rows whose locks were skipped are not written (never a wait, never a 23503), nor is any other row of
+-- their parents (a parent's rows are written together or not at all); those parent keys are returned in
+-- skipped (still existing, to be re-queued) or counted in gone (deleted meanwhile).
 -- The caller writes the job's status row after this.
 -- locks: parents (FOR KEY SHARE SKIP LOCKED, key order), then other referenced rows (same, constraint-name
 -- order), then target rows (FOR UPDATE SKIP LOCKED, primary-key order), then the rows referencing target
@@ -440,6 +441,11 @@ begin
     v_skip := v_skip || lockstep._pin_refs(j);
     v_skip := v_skip || lockstep._lock_rows(j);
     v_skip := v_skip || lockstep._lock_referencing(j);
+    if j.parent is not null and cardinality(v_skip) > 0 then
+        -- a parent's rows are written together or not at all: none of a skipped parent's rows is written
+        perform lockstep._drop_rows('lockstep_gone', 'lockstep_parent = any($1)', v_skip);
+        perform lockstep._drop_rows('lockstep_put', 'lockstep_parent = any($1) or lockstep_old_parent = any($1)', v_skip);
+    end if;
     p.deleted := lockstep._delete_rows(j);
     select u.inserted, u.updated into p.inserted, p.updated from lockstep._upsert_rows(j) u;
     -- skipped parents: those that still exist go back to the queue; the others were deleted meanwhile
