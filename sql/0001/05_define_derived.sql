@@ -1,6 +1,6 @@
 -- lockstep 0001: define_derived: every check on a derived job's definition, before anything is written.
 -- define_derived runs one named check per concern (_check_target, _check_compute, _check_parent,
--- _check_columns, _check_target_fks, _referencing, _check_parent_delete, _callable, _warn_index,
+-- _check_columns, _check_target_fks, _check_referencing, _check_parent_delete, _callable, _warn_index,
 -- _dry_run), then _save_derived. Each check raises with a SQLSTATE and a hint, so an error changes nothing.
 
 -- lockstep._proc_columns(f): the output columns (name, type) of a set-returning function.
@@ -213,7 +213,8 @@ $$;
 
 -- lockstep._check_target_fks(target, cols): every foreign-key column of the target that compute does not
 -- return is always NULL in the rows lockstep inserts (no default, no domain default, not generated, not
--- identity), so every key the insert's FK check looks up is one lockstep pinned first (_pin_refs).
+-- identity), so every key the insert's FK check looks up is one lockstep pinned first (_pin_refs); and
+-- no foreign key references the target itself (a row inserted in the same pass could not be pinned).
 -- Also run by _pin_refs on every pass, for foreign keys added after define_derived.
 -- locks: nothing.
 create function lockstep._check_target_fks(target regclass, cols name[]) returns void
@@ -223,6 +224,15 @@ as $$
 declare
     c record;
 begin
+    select con.conname into c from pg_catalog.pg_constraint con
+    where con.conrelid = target and con.confrelid = target and con.contype = 'f' and con.conparentid = 0
+    order by con.conname limit 1;
+    if found then
+        raise exception 'lockstep: target % references itself (foreign key %)', target, c.conname
+            using errcode = 'LSD06',
+                  hint = 'lockstep pins referenced rows before it inserts, and a row inserted in the same pass is not '
+                         'there yet; keep such links in another table.';
+    end if;
     for c in
         select con.conname, con.confrelid::regclass as ref, a.attname
         from pg_catalog.pg_constraint con
@@ -368,7 +378,7 @@ begin
     select * into v_par from lockstep._check_parent(target, compute, v_cols, parent, parent_column);
     perform lockstep._check_columns(target, compute, v_key, v_cols);
     perform lockstep._check_target_fks(target, v_cols);
-    perform count(*) from lockstep._referencing(target, v_key, v_cols);  -- raises on what it cannot lock
+    perform lockstep._check_referencing(target, v_key, v_cols);
     perform lockstep._check_parent_delete(target, parent);
     perform lockstep._callable(compute, 1);
     perform lockstep._warn_index(target, v_par.parent_column);

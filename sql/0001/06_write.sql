@@ -263,18 +263,18 @@ begin
 end;
 $$;
 
--- lockstep._referencing(target, key, cols): the foreign keys that reference the target (other tables' rows,
--- or its own, that a delete of target rows acts on), with the columns to join on and the referencing
--- table's primary key (lock order). Raises LSD06 for what lockstep cannot delete through without waiting
--- or failing: ON DELETE NO ACTION / RESTRICT (the delete would fail with 23503 while referenced) and SET
--- DEFAULT (its FK check locks a row lockstep did not pin); a referencing table whose rows are themselves
--- referenced through the columns the action changes (one level of referencing rows is locked); a key on
--- columns lockstep updates (the update would run the key's ON UPDATE action); 42501 when the role cannot
--- lock the referencing table's rows (SELECT and UPDATE). Used by define_derived
--- (refuses) and by _lock_referencing on every pass that deletes (keys added later fail the run).
+-- lockstep._referencing(rel, key, cols): the foreign keys that reference rel (rows of other tables, or of
+-- rel itself, that a delete of rel's rows acts on), with the columns to join on, the referencing table's
+-- primary key (lock order) and whether the action deletes (CASCADE: its rows are deleted in turn) or
+-- updates (SET NULL). Raises LSD06 for what lockstep cannot delete through without waiting or failing:
+-- ON DELETE NO ACTION / RESTRICT (the delete would fail with 23503 while referenced), SET DEFAULT (its FK
+-- check locks a row lockstep did not pin), SET NULL on columns that are referenced in turn, and, when rel
+-- is the target (key, cols given), a key on columns compute writes (the update would run its ON UPDATE
+-- action); 42501 when the role cannot lock the referencing rows (SELECT and UPDATE).
+-- Used by _check_referencing (define_derived refuses) and _lock_level (a key added later fails the run).
 -- locks: nothing.
-create function lockstep._referencing(target regclass, key name[], cols name[])
-returns table (conname name, rel regclass, fk name[], rk name[], ord name[])
+create function lockstep._referencing(rel regclass, key name[] default null, cols name[] default null)
+returns table (conname name, refrel regclass, fk name[], rk name[], ord name[], deletes boolean)
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
@@ -282,80 +282,160 @@ declare
     c record;
 begin
     for c in
-        select con.conname, con.conrelid::regclass as rel, con.confdeltype,
+        select con.conname, con.conrelid::regclass as refrel, con.confdeltype,
                lockstep._attnames(con.conrelid, con.conkey) as fk, lockstep._attnames(con.confrelid, con.confkey) as rk,
                (select lockstep._attnames(pk.conrelid, pk.conkey) from pg_catalog.pg_constraint pk
                 where pk.conrelid = con.conrelid and pk.contype = 'p') as ord,
                (select x.conrelid::regclass::text from pg_catalog.pg_constraint x
                 where x.confrelid = con.conrelid and x.contype = 'f' and x.conparentid = 0
-                  and (con.confdeltype = 'c' or x.confkey && coalesce(con.confdelsetcols, con.conkey))
-                order by x.conname limit 1) as deeper
+                  and x.confkey && coalesce(con.confdelsetcols, con.conkey)
+                order by x.conname limit 1) as setnull_referenced
         from pg_catalog.pg_constraint con
-        where con.confrelid = target and con.contype = 'f' and con.conparentid = 0
+        where con.confrelid = rel and con.contype = 'f' and con.conparentid = 0
         order by con.conname
     loop
         if c.confdeltype not in ('c', 'n') then
-            raise exception 'lockstep: foreign key % of % references % ON DELETE %', c.conname, c.rel, target,
+            raise exception 'lockstep: foreign key % of % references % ON DELETE %', c.conname, c.refrel, rel,
                     case c.confdeltype when 'a' then 'NO ACTION' when 'r' then 'RESTRICT' else 'SET DEFAULT' end
                 using errcode = 'LSD06',
                       hint = 'lockstep deletes derived rows compute no longer returns: declare the key ON DELETE CASCADE '
                              'or ON DELETE SET NULL, so the delete acts on rows lockstep locks first (skipping any the '
                              'application holds).';
-        elsif c.deeper is not null then
-            raise exception 'lockstep: rows of % (foreign key % to %) are referenced in turn by %', c.rel, c.conname,
-                    target, c.deeper
-                using errcode = 'LSD06',
-                      hint = 'lockstep locks one level of referencing rows before a delete; a cascade reaching further '
-                             'would wait on rows the application holds. Reference the parent table instead.';
-        elsif not (pg_catalog.has_table_privilege(c.rel, 'SELECT') and pg_catalog.has_table_privilege(c.rel, 'UPDATE')) then
+        elsif c.confdeltype = 'n' and c.setnull_referenced is not null then
+            raise exception 'lockstep: foreign key % of % to % is ON DELETE SET NULL on columns % references', c.conname,
+                    c.refrel, rel, c.setnull_referenced
+                using errcode = 'LSD06', hint = 'Make it ON DELETE CASCADE, or reference other columns.';
+        elsif not (pg_catalog.has_table_privilege(c.refrel, 'SELECT') and pg_catalog.has_table_privilege(c.refrel, 'UPDATE')) then
             raise exception 'lockstep: role "%" may not lock rows of %, which references % (foreign key %)', current_user,
-                    c.rel, target, c.conname
+                    c.refrel, rel, c.conname
                 using errcode = '42501',
                       hint = 'lockstep locks the referencing rows FOR UPDATE SKIP LOCKED before a delete: grant SELECT, UPDATE.';
         elsif exists (select from pg_catalog.unnest(c.rk) r where r = any(cols) and not r = any(key)) then
             raise exception 'lockstep: foreign key % of % references columns % of % that compute writes', c.conname,
-                    c.rel, c.rk, target
+                    c.refrel, c.rk, rel
                 using errcode = 'LSD06', hint = 'Reference the target''s primary key.';
         end if;
-        conname := c.conname; rel := c.rel; fk := c.fk; rk := c.rk; ord := c.ord;
+        conname := c.conname; refrel := c.refrel; fk := c.fk; rk := c.rk; ord := c.ord; deletes := c.confdeltype = 'c';
         return next;
     end loop;
 end;
 $$;
 
--- lockstep._lock_referencing(j): write step 3a'. Lock the rows that reference the target rows about to be
--- deleted (pg_temp.lockstep_gone), which the delete's ON DELETE CASCADE / SET NULL acts on; a target row
--- with a referencing row that could not be locked (an application holds it) is not deleted: dropped from
--- lockstep_gone, its parent key returned (re-queued like any skipped parent). No new referencing row can
--- appear meanwhile: inserting one takes FOR KEY SHARE on the target row, which _lock_rows holds FOR UPDATE.
+-- lockstep._check_referencing(target, key, cols): every foreign key a delete of target rows acts on, at
+-- any depth (through ON DELETE CASCADE, cycles included), is one lockstep can lock through (_referencing).
+-- locks: nothing.
+create function lockstep._check_referencing(target regclass, key name[], cols name[]) returns void
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_seen oid[] := array[target::oid];
+    v_front oid[] := array[target::oid];
+    v_next oid[];
+    c record;
+begin
+    while cardinality(v_front) > 0 loop
+        v_next := '{}';
+        for c in
+            select r.refrel, r.deletes
+            from pg_catalog.unnest(v_front) f(rel),
+                 lateral lockstep._referencing(f.rel::regclass, case when f.rel = target then key end,
+                                               case when f.rel = target then cols end) r
+        loop
+            if c.deletes and not c.refrel::oid = any(v_seen) then
+                v_seen := v_seen || c.refrel::oid;
+                v_next := v_next || c.refrel::oid;
+            end if;
+        end loop;
+        v_front := v_next;
+    end loop;
+end;
+$$;
+
+-- lockstep._lock_level(t, depth): lock the rows referencing the rows of table t at this depth of
+-- pg_temp.lockstep_doomed (rows the delete will remove), add them at depth + 1 (each row once), and return
+-- the roots (target rows) of which a referencing row could not be locked.
 -- locks: the referencing rows, FOR UPDATE SKIP LOCKED, one foreign key at a time in constraint-name order,
 -- each in the referencing table's primary-key order (ctid order without one).
-create function lockstep._lock_referencing(j lockstep.job) returns text[]
+create function lockstep._lock_level(t regclass, depth integer) returns text[]
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 declare
     c record;
-    v_join text;
-    v_skip text[] := '{}';
+    v_from text;
+    v_blocked text[] := '{}';
+    v_part text[];
 begin
-    if not exists (select from pg_temp.lockstep_gone) then
-        return v_skip;
-    end if;
-    for c in select * from lockstep._referencing(j.target, j.target_key, j.columns) loop
-        v_join := pg_catalog.format('join %s n on (%s) = (%s)', c.rel, lockstep._cols(c.fk, 'n'), lockstep._cols(c.rk, 't'));
-        drop table if exists pg_temp.lockstep_refs;
+    for c in select * from lockstep._referencing(t) loop
+        -- rows of t at this depth, found by ctid (a TID scan), then the rows referencing them
+        v_from := pg_catalog.format(
+            'from %1$s p join pg_temp.lockstep_doomed d on d.lockstep_rel = p.tableoid and d.lockstep_ctid = p.ctid '
+            'and d.lockstep_depth = $1 and d.lockstep_table = $2 and d.lockstep_deletes '
+            'join %2$s n on (%3$s) = (%4$s) '
+            'where p.ctid = any(array(select lockstep_ctid from pg_temp.lockstep_doomed '
+            '                         where lockstep_depth = $1 and lockstep_table = $2 and lockstep_deletes))',
+            t, c.refrel, lockstep._cols(c.fk, 'n'), lockstep._cols(c.rk, 'p'));
         execute pg_catalog.format(
-            'create temp table lockstep_refs on commit drop as '
-            'select n.tableoid as lockstep_rel, n.ctid as lockstep_ctid '
-            'from pg_temp.lockstep_gone g join %1$s t on %2$s %3$s order by %4$s for update of n skip locked',
-            j.target, lockstep._eq(j.target_key, 't', 'g'), v_join, coalesce(lockstep._cols(c.ord, 'n'), 'n.ctid'));
-        v_skip := v_skip || lockstep._drop_rows('lockstep_gone', pg_catalog.format(
-            'exists (select from %1$s t %2$s where %3$s and not exists (select from pg_temp.lockstep_refs r '
-            'where r.lockstep_rel = n.tableoid and r.lockstep_ctid = n.ctid))',
-            j.target, v_join, lockstep._eq(j.target_key, 't', 'lockstep_gone')));
+            'with l as (select d.lockstep_root, n.tableoid as rel, n.ctid as tid %1$s '
+            '  and not exists (select from pg_temp.lockstep_doomed x where x.lockstep_rel = n.tableoid and x.lockstep_ctid = n.ctid) '
+            '  order by %2$s for update of n skip locked) '
+            'insert into pg_temp.lockstep_doomed '
+            'select distinct on (rel, tid) lockstep_root, rel, tid, $3, $4, $1 + 1 from l',
+            v_from, coalesce(lockstep._cols(c.ord, 'n'), 'n.ctid'))
+            using depth, t, c.refrel, c.deletes;
+        execute pg_catalog.format(
+            'select array_agg(distinct d.lockstep_root) %s and not exists (select from pg_temp.lockstep_doomed x '
+            'where x.lockstep_rel = n.tableoid and x.lockstep_ctid = n.ctid)', v_from)
+            into v_part using depth, t;
+        v_blocked := v_blocked || coalesce(v_part, '{}');
     end loop;
-    return v_skip;
+    return v_blocked;
+end;
+$$;
+
+-- lockstep._lock_referencing(j): write step 3a'. Lock the rows the delete of the target rows in
+-- pg_temp.lockstep_gone acts on through foreign keys that reference the target (ON DELETE CASCADE / SET
+-- NULL), and through the cascade on, level by level (pg_temp.lockstep_doomed). A target row of which any
+-- such row could not be locked (an application holds it) is not deleted: dropped from lockstep_gone, its
+-- parent key returned (re-queued like any skipped parent). No new referencing row can appear meanwhile:
+-- inserting one takes FOR KEY SHARE on the row it references, which lockstep already holds FOR UPDATE.
+-- locks: the referencing rows, FOR UPDATE SKIP LOCKED, level by level, each as _lock_level.
+create function lockstep._lock_referencing(j lockstep.job) returns text[]
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_blocked text[] := '{}';
+    v_depth integer := 0;
+    v_t regclass;
+begin
+    if not exists (select from pg_temp.lockstep_gone)
+       or not exists (select from lockstep._referencing(j.target, j.target_key, j.columns)) then
+        return '{}';
+    end if;
+    drop table if exists pg_temp.lockstep_doomed;
+    execute pg_catalog.format(
+        'create temp table lockstep_doomed on commit drop as '
+        'select row(%1$s)::text as lockstep_root, t.tableoid as lockstep_rel, t.ctid as lockstep_ctid, '
+        '$1::regclass as lockstep_table, true as lockstep_deletes, 0 as lockstep_depth '
+        'from pg_temp.lockstep_gone g join %2$s t on %3$s',
+        lockstep._cols(j.target_key, 'g'), j.target, lockstep._eq(j.target_key, 't', 'g')) using j.target;
+    while exists (select from pg_temp.lockstep_doomed d where d.lockstep_depth = v_depth) loop
+        if v_depth > 100 then
+            raise exception 'lockstep: the delete of % cascades more than 100 levels deep', j.target using errcode = 'LSD06';
+        end if;
+        for v_t in select distinct d.lockstep_table from pg_temp.lockstep_doomed d
+                   where d.lockstep_depth = v_depth and d.lockstep_deletes order by 1 loop
+            v_blocked := v_blocked || lockstep._lock_level(v_t, v_depth);
+        end loop;
+        v_depth := v_depth + 1;
+    end loop;
+    if cardinality(v_blocked) = 0 then
+        return '{}';
+    end if;
+    return lockstep._drop_rows('lockstep_gone', pg_catalog.format('row(%s)::text = any($1)', lockstep._cols(j.target_key)),
+                               v_blocked);
 end;
 $$;
 
