@@ -2,7 +2,9 @@
 application, and what lockstep cannot write that way is refused up front.
 
 One deterministic schedule per case (tests/isolation.py): the application holds a lock, and lockstep must
-neither wait nor fail. Session s1 is lockstep, s2 the application, s3 a gate that holds lockstep's compute
+neither wait nor fail. Each schedule's whole trace is compared with
+tests/expected/schedules_writepath/<test>.out (``expected_trace``; rewrite with --update-expected).
+Session s1 is lockstep, s2 the application, s3 a gate that holds lockstep's compute
 phase open. Bad-input tests: every refusal has a clear SQLSTATE and changes nothing (before/after snapshot).
 
 The schema is unlike sql/example: text, uuid and composite keys, a list-partitioned target, several
@@ -15,13 +17,14 @@ import secrets
 
 import psycopg
 import pytest
+import util
 from isolation import Spec
 from util import raises_sqlstate, result, snapshot
 
 from runner import db
 
 SESSIONS = {
-    "s1": ["set deadlock_timeout = '100ms'"],
+    "s1": ["set deadlock_timeout = '1s'"],
     "s2": ["set deadlock_timeout = '10s'"],
     "s3": ["set deadlock_timeout = '10s'"],
 }
@@ -37,10 +40,7 @@ def steps(spec: Spec) -> Spec:
 
 def drain(conn: psycopg.Connection, job: str) -> None:
     conn.execute("update lockstep.queue set ready_at = now()")  # skipped keys wait a second: not here
-    for _ in range(20):
-        if not conn.execute("select more from lockstep.work(%s)", [job]).fetchone()[0]:
-            return
-    raise AssertionError("the queue did not drain in 20 passes")
+    util.drain(conn, job, max_passes=20)
 
 
 # -- partitioned target: ctids repeat across partitions --------------------------------------------------
@@ -66,7 +66,7 @@ select lockstep.recompute('bal');
 """
 
 
-def test_partitioned_target_locks_only_its_own_rows(conn, dsn):
+def test_partitioned_target_locks_only_its_own_rows(conn, dsn, expected_trace):
     conn.execute(PARTITIONED)
     # both derived rows sit at ctid (0,1), one per partition
     where = conn.execute("select tableoid::regclass::text, ctid::text from wp.balance order by 1").fetchall()
@@ -79,6 +79,7 @@ def test_partitioned_target_locks_only_its_own_rows(conn, dsn):
     # property: lockstep updates alice's row and holds it until commit; the app's delete of bob (whose
     # derived row is at the same ctid in the other partition) does not wait for lockstep.
     r = spec.run(["s1begin", "s1work", "s2begin", "s2del", "s1c", "s2c"])
+    expected_trace(r)
     assert r.rows("s1work") == [("done", 1, 0)], r.trace
     assert not r.waited("s2del"), r.trace
     assert r.error("s2del") is None
@@ -114,7 +115,7 @@ P2 = "00000000-0000-0000-0000-000000000002"
 
 
 @pytest.mark.parametrize("action", ["cascade", "set null"])
-def test_delete_of_a_referenced_row_skips_what_the_app_holds(conn, dsn, action):
+def test_delete_of_a_referenced_row_skips_what_the_app_holds(conn, dsn, action, expected_trace):
     conn.execute(REFERENCED.format(action=action))
     conn.execute("delete from wp.skill where name = 'go'")  # both persons' 'go' badges must go
     conn.execute("select lockstep.enqueue('badges', array[%s, %s]::uuid[])", [P1, P2])
@@ -124,6 +125,7 @@ def test_delete_of_a_referenced_row_skips_what_the_app_holds(conn, dsn, action):
     # property: the app holds award 1, which references person 1's 'go' badge; lockstep deletes person 2's
     # badge (its award row locked first), skips person 1 (re-queued) and never waits for the app.
     r = spec.run(["s2begin", "s2hold", "s1begin", "s1work", "s2c", "s1c"])
+    expected_trace(r)
     assert not r.waited("s1work"), r.trace
     assert r.rows("s1work") == [("done", 1, 1)], r.trace
     assert conn.execute("select key from lockstep.queue").fetchall() == [(P1,)]
@@ -133,7 +135,7 @@ def test_delete_of_a_referenced_row_skips_what_the_app_holds(conn, dsn, action):
     assert left == ([] if action == "cascade" else [(1, True), (2, True)])
 
 
-def test_app_inserting_a_referencing_row_waits_only_for_the_write_phase(conn, dsn):
+def test_app_inserting_a_referencing_row_waits_only_for_the_write_phase(conn, dsn, expected_trace):
     conn.execute(REFERENCED.format(action="cascade"))
     conn.execute("delete from wp.skill where name = 'go'")
     conn.execute("select lockstep.enqueue('badges', array[%s]::uuid[])", [P1])
@@ -144,6 +146,7 @@ def test_app_inserting_a_referencing_row_waits_only_for_the_write_phase(conn, ds
     # (no referencing row can slip in between the lock and the delete) and then fails its FK check, like
     # any reference to a deleted row. lockstep itself waited for nothing.
     r = spec.run(["s1begin", "s1work", "s2begin", "s2ins", "s1c", "s2c"])
+    expected_trace(r)
     assert r.rows("s1work") == [("done", 1, 0)], r.trace
     assert r.waited("s2ins") and r.blocked_by("s2ins") == ["s1"]
     assert r.sqlstate("s2ins") == "23503"
@@ -171,7 +174,7 @@ delete from lockstep.queue;
 """
 
 
-def test_runner_runs_in_read_committed_whatever_the_database_default(conn, dsn):
+def test_runner_runs_in_read_committed_whatever_the_database_default(conn, dsn, expected_trace):
     conn.execute(RR_SCHEMA)
     conn.execute(f"alter database {conn.info.dbname} set default_transaction_isolation = 'repeatable read'")
     conn.execute("insert into wp.member values ('red', 'cy'), ('blue', 'di')")
@@ -185,6 +188,7 @@ def test_runner_runs_in_read_committed_whatever_the_database_default(conn, dsn):
     # property: while the runner's pass computes (held at the gate) the app deletes a queued parent and
     # commits; the pass then skips it. Under the database's REPEATABLE READ the pin would raise 40001.
     r = spec.run(["s3hold", "s1run", "s2del", "s3release", "s1iso"])
+    expected_trace(r)
     assert r.waited("s1run") and not r.waited("s2del"), r.trace
     assert r.rows("s1iso") == [("repeatable read",)]  # the database default, for a direct statement
     res = r.value("s1run")
@@ -214,7 +218,7 @@ def test_a_call_in_another_isolation_level_is_refused_before_any_work(conn, leve
 # -- jobs without a parent count what they skip ----------------------------------------------------------
 
 
-def test_parentless_job_counts_the_rows_it_skips(conn, dsn):
+def test_parentless_job_counts_the_rows_it_skips(conn, dsn, expected_trace):
     conn.execute(
         """
         create schema wp;
@@ -233,6 +237,7 @@ def test_parentless_job_counts_the_rows_it_skips(conn, dsn):
     spec.step("s1rec", "s1", "select outcome, updated, skipped from lockstep.recompute('totals');")
     # property: the app holds two derived rows; lockstep updates the third, skips two and says so.
     r = spec.run(["s2begin", "s2hold", "s1begin", "s1rec", "s2c", "s1c"])
+    expected_trace(r)
     assert not r.waited("s1rec"), r.trace
     assert r.rows("s1rec") == [("done", 1, 2)], r.trace
     assert conn.execute("select last_skipped from lockstep.status").fetchone()[0] == 2
@@ -463,7 +468,7 @@ insert into "w p"."No;te" select g * 20, 'a' || g, 1 from generate_series(1, 8) 
 """
 
 
-def test_hostile_names_partitioned_target_and_partitioned_referencing_table(conn, dsn):
+def test_hostile_names_partitioned_target_and_partitioned_referencing_table(conn, dsn, expected_trace):
     conn.execute(HOSTILE_PARTITIONED)
     conn.execute("""update "w p".src set n = 2""")  # every derived row is deleted and re-inserted
     conn.execute("select lockstep.enqueue('tot', array(select 'a' || g from generate_series(1, 8) g))")
@@ -473,6 +478,7 @@ def test_hostile_names_partitioned_target_and_partitioned_referencing_table(conn
     # property: the app holds the notes of a1 and a7 (one per partition); lockstep rewrites the six other
     # accounts' rows (their notes cascade away), skips a1 and a7, and waits for nothing.
     r = spec.run(["s2begin", "s2hold", "s1begin", "s1work", "s2c", "s1c"])
+    expected_trace(r)
     assert not r.waited("s1work"), r.trace
     assert r.rows("s1work") == [("done", 6, 6, 2)], r.trace
     assert conn.execute("select array_agg(key order by key) from lockstep.queue").fetchone()[0] == [
@@ -507,7 +513,7 @@ insert into wp.booking_note select t * 10 + g, t, 'n' from generate_series(1, 3)
 """
 
 
-def test_a_cascade_two_levels_deep_skips_what_the_app_holds(conn, dsn):
+def test_a_cascade_two_levels_deep_skips_what_the_app_holds(conn, dsn, expected_trace):
     conn.execute(DEEP)
     conn.execute("delete from wp.player where name = 'y'")
     conn.execute("select lockstep.enqueue('slots', array[1, 2, 3])")
@@ -517,6 +523,7 @@ def test_a_cascade_two_levels_deep_skips_what_the_app_holds(conn, dsn):
     # property: the app edits a note of team 2's booking; lockstep deletes the 'y' slots of teams 1 and 3
     # (bookings and their notes cascade away, locked first, two levels down), skips team 2, never waits.
     r = spec.run(["s2begin", "s2hold", "s1begin", "s1work", "s2c", "s1c"])
+    expected_trace(r)
     assert not r.waited("s1work"), r.trace
     assert r.rows("s1work") == [("done", 2, 1)], r.trace
     assert conn.execute("select array_agg(id order by id) from wp.booking").fetchone()[0] == [2]
