@@ -6,6 +6,7 @@ import datetime as dt
 from dataclasses import dataclass
 
 import psycopg
+from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import dict_row
 
@@ -87,12 +88,21 @@ def due(conn: psycopg.Connection, jobs: list[str] | None = None) -> list[Due]:
     return [Due(*r) for r in rows]
 
 
+RUN_SQL = (
+    "set transaction isolation level read committed;"
+    " select outcome, inserted, updated, deleted, skipped, compute_ms, write_ms, error, job, action, more"
+    " from lockstep.run({job})"
+)
+
+
 def run_job(conn: psycopg.Connection, job: str) -> Result:
-    row = conn.execute(
-        "select outcome, inserted, updated, deleted, skipped, compute_ms, write_ms, error, job, action, more"
-        " from lockstep.run(%s)",
-        [job],
-    ).fetchone()
+    # One simple-query message, so one implicit transaction: READ COMMITTED whatever
+    # default_transaction_isolation says (lockstep.run refuses any other level), and, as for a single
+    # autocommit statement, committed before the result is sent.
+    with conn.cursor() as cur:
+        cur.execute(sql.SQL(RUN_SQL).format(job=sql.Literal(job)))
+        cur.nextset()
+        row = cur.fetchone()
     return Result(*row)
 
 

@@ -21,6 +21,58 @@ begin
 end;
 $$;
 
+-- lockstep._callable(f, nargs): the schema-qualified name by which f is called with its first nargs
+-- arguments (the rest take their defaults), after making sure that call resolves to f alone.
+-- PostgreSQL calls functions by name only, so an overload in f's schema that also accepts such a call
+-- (same leading argument types, the rest defaulted, e.g. f(x int default 0) beside f()) would make the
+-- call fail with "is not unique", or worse pick the other one: then this raises 42725 naming it, at
+-- define time (define_job / define_derived refuse) or at run time (the run fails, recorded, and says why).
+-- locks: nothing.
+create function lockstep._callable(f regprocedure, nargs integer) returns text
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    p pg_catalog.pg_proc;
+    v_other text;
+begin
+    select * into p from pg_catalog.pg_proc x where x.oid = f;
+    select pg_catalog.string_agg(q.oid::regprocedure::text, ', ' order by q.oid) into v_other
+    from pg_catalog.pg_proc q
+    where q.pronamespace = p.pronamespace and q.proname = p.proname and q.oid <> p.oid
+      and q.pronargs >= nargs and q.pronargs - q.pronargdefaults <= nargs
+      and (q.proargtypes::oid[])[0:nargs - 1] = (p.proargtypes::oid[])[0:nargs - 1];
+    if v_other is not null then
+        raise exception 'lockstep: a call of % with % argument(s) is ambiguous: % accepts it too', f, nargs, v_other
+            using errcode = '42725',
+                  hint = 'PostgreSQL resolves calls by name, and lockstep calls jobs and compute functions with no '
+                         'argument (a job) or one (compute): rename or drop the overload, or define the job with another function.';
+    end if;
+    return pg_catalog.format('%I.%I', (select n.nspname from pg_catalog.pg_namespace n where n.oid = p.pronamespace),
+                             p.proname);
+end;
+$$;
+
+-- lockstep._check_isolation(what): lockstep's writers run in READ COMMITTED (READ UNCOMMITTED is the same
+-- in PostgreSQL). Under REPEATABLE READ or SERIALIZABLE, pinning a row changed since the transaction's
+-- snapshot raises 40001 instead of skipping or re-reading it, so a run would fail and back off. Raised
+-- first, before any work; the runner sets READ COMMITTED on every transaction whatever the default.
+-- locks: nothing.
+create function lockstep._check_isolation(what text) returns void
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if pg_catalog.current_setting('transaction_isolation') not in ('read committed', 'read uncommitted') then
+        raise exception 'lockstep: % needs a READ COMMITTED transaction, this one is %', what,
+            pg_catalog.upper(pg_catalog.current_setting('transaction_isolation'))
+            using errcode = '25000',
+                  hint = 'Call it in its own transaction: begin isolation level read committed; select ...; commit; '
+                         '(the runner does this whatever default_transaction_isolation says).';
+    end if;
+end;
+$$;
+
 -- lockstep.define_job(job, call, lock_group, every, backoff): register or update a generic job: `call` is
 -- run on schedule under the lock-group rules. `call` must be a function callable with no argument.
 -- locks: the job's registry row (insert or update). Nothing a runner holds.
@@ -48,6 +100,7 @@ begin
         raise exception 'lockstep: % needs % argument(s); a job function must be callable with none',
             call, p.pronargs - p.pronargdefaults using errcode = 'LSD02';
     end if;
+    perform lockstep._callable(call, 0);
     select * into old from lockstep.job j where j.job = define_job.job;
     if found then
         perform lockstep._check_owner(old);
@@ -85,11 +138,10 @@ begin
     if only_if_due and s.next_run_at > now() then
         return lockstep._result(lockstep._not_due(s), j.job, 'call');
     end if;
-    select pg_catalog.format('select %I.%I()', n.nspname, p.proname) into v_sql
-    from pg_catalog.pg_proc p join pg_catalog.pg_namespace n on n.oid = p.pronamespace
-    where p.oid = j.call::regprocedure;
     v_started := clock_timestamp();
     begin
+        -- by the stored regprocedure: a function dropped or made ambiguous since define_job fails the run
+        v_sql := pg_catalog.format('select %s()', lockstep._callable(j.call::regprocedure, 0));
         execute v_sql;
     exception
         when query_canceled then
@@ -120,6 +172,7 @@ declare
     s lockstep.job_state;
     r lockstep.result;
 begin
+    perform lockstep._check_isolation('lockstep.run()');
     select * into s from lockstep.job_state st where st.job = j.job;
     if j.kind = 'job' then
         if s.next_run_at > now() then

@@ -1,4 +1,7 @@
 -- lockstep 0001: define_derived: every check on a derived job's definition, before anything is written.
+-- define_derived runs one named check per concern (_check_target, _check_compute, _check_parent,
+-- _check_columns, _check_target_fks, _check_referencing, _check_parent_delete, _callable, _warn_index,
+-- _dry_run), then _save_derived. Each check raises with a SQLSTATE and a hint, so an error changes nothing.
 
 -- lockstep._proc_columns(f): the output columns (name, type) of a set-returning function.
 -- locks: nothing.
@@ -20,35 +23,26 @@ as $$
     order by 3;
 $$;
 
--- lockstep.define_derived(...): register or update a derived table.
---   compute(keys parent_key_type[]) returns the desired rows of the parents in keys (NULL: all parents),
---   with columns named and typed like the target's; the target's primary key is the row identity.
---   parent / parent_column: the table whose rows own the derived rows, and the target column that
---   references it through a foreign key (inferred when there is exactly one such key). Without a parent,
---   only whole-table recomputes are possible.
--- Everything is validated before anything is written; an error changes nothing.
--- locks: the job's registry row (insert or update). Nothing a runner holds.
-create function lockstep.define_derived(job text, target regclass, compute regprocedure,
-                                        parent regclass default null, parent_column name default null,
-                                        lock_group text default null, every interval default '1 minute',
-                                        backoff interval default '1 hour')
-returns void
-language plpgsql
+-- lockstep._attnames(rel, attnums): the column names of attnums of rel, in the order given.
+-- locks: nothing.
+create function lockstep._attnames(rel oid, attnums smallint[]) returns name[]
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select array(select a.attname from pg_catalog.unnest(attnums) with ordinality k(n, o)
+                 join pg_catalog.pg_attribute a on a.attrelid = rel and a.attnum = k.n order by k.o);
+$$;
+
+-- lockstep._check_target(target, compute, parent): target is a table the caller may write, with a primary
+-- key. Returns the primary-key columns, in index order.
+-- locks: nothing.
+create function lockstep._check_target(target regclass, compute regprocedure, parent regclass) returns name[]
+language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    p pg_catalog.pg_proc;
-    old lockstep.job;
     v_key name[];
-    v_cols name[];
-    v_parent_key name;
-    v_key_type regtype;
-    v_arg regtype;
-    v_col record;
-    v_fks name[];
-    v_err text;
 begin
-    perform lockstep._check_schedule(job, lock_group, every, backoff);
     if target is null or compute is null then
         raise exception 'lockstep: target and compute must not be NULL' using errcode = '22004';
     end if;
@@ -56,83 +50,123 @@ begin
         raise exception 'lockstep: target % is not a table', target using errcode = '42809';
     end if;
     perform lockstep._check_privileges(target, compute, parent);
-
-    -- the target's primary key
-    select array_agg(a.attname order by k.o) into v_key
-    from pg_catalog.pg_constraint con,
-         pg_catalog.unnest(con.conkey) with ordinality as k(n, o)
-    join pg_catalog.pg_attribute a on a.attrelid = target and a.attnum = k.n
+    select lockstep._attnames(con.conrelid, con.conkey) into v_key
+    from pg_catalog.pg_constraint con
     where con.conrelid = target and con.contype = 'p';
     if v_key is null then
         raise exception 'lockstep: target % has no primary key', target
             using errcode = 'LSD01', hint = 'lockstep uses the primary key as the identity of a derived row; add one.';
     end if;
+    return v_key;
+end;
+$$;
 
-    -- the compute function: one array argument, returns a set of rows with named columns
+-- lockstep._check_compute(compute): compute is a function of one array argument returning a set of rows
+-- with named columns. Returns those column names, in order.
+-- locks: nothing.
+create function lockstep._check_compute(compute regprocedure) returns name[]
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    p pg_catalog.pg_proc;
+    v_cols name[];
+begin
     select * into p from pg_catalog.pg_proc where oid = compute;
     if p.prokind <> 'f' or not p.proretset or p.pronargs <> 1 then
         raise exception 'lockstep: compute function % must be a function of one array argument returning a set of rows', compute
             using errcode = 'LSD02',
                   hint = 'e.g. create function f(keys bigint[]) returns table (...) or returns setof target_table';
     end if;
-    v_arg := p.proargtypes[0];
     select array_agg(c.name order by c.ord) into v_cols from lockstep._proc_columns(compute) c;
     if v_cols is null then
         raise exception 'lockstep: compute function % must return named columns (returns table (...) or setof a table type)', compute
             using errcode = 'LSD02';
     end if;
+    return v_cols;
+end;
+$$;
 
-    -- parent, parent_column and the key type
+-- lockstep._check_parent(target, compute, cols, parent, parent_column): the parent has a one-column
+-- primary key, parent_column (inferred when there is exactly one candidate) references it through a
+-- foreign key and is returned by compute, and compute takes an array of the parent key's type.
+-- Returns parent_column, the parent's key column and its type (all NULL without a parent).
+-- locks: nothing.
+create function lockstep._check_parent(target regclass, compute regprocedure, cols name[], parent regclass,
+                                       inout parent_column name, out parent_key name, out key_type regtype)
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_fks name[];
+    v_arg oid := (select p.proargtypes[0] from pg_catalog.pg_proc p where p.oid = compute);
+begin
     if parent is null and parent_column is not null then
         raise exception 'lockstep: parent_column % given without parent', parent_column using errcode = 'LSD04';
     end if;
-    if parent is not null then
-        if not exists (select from pg_catalog.pg_class c where c.oid = parent and c.relkind in ('r', 'p')) then
-            raise exception 'lockstep: parent % is not a table', parent using errcode = '42809';
+    if parent is null then
+        if not exists (select from pg_catalog.pg_type t where t.oid = v_arg and t.typcategory = 'A') then
+            raise exception 'lockstep: compute function % must take an array argument (it is called with NULL: all rows)', compute
+                using errcode = 'LSD02';
         end if;
-        select a.attname, a.atttypid into v_parent_key, v_key_type
-        from pg_catalog.pg_constraint con
-        join pg_catalog.pg_attribute a on a.attrelid = con.conrelid and a.attnum = con.conkey[1]
-        where con.conrelid = parent and con.contype = 'p' and cardinality(con.conkey) = 1;
-        if v_parent_key is null then
-            raise exception 'lockstep: parent % needs a single-column primary key', parent
-                using errcode = 'LSD04', hint = 'Multi-column parent keys are not supported; use the parent''s surrogate key.';
-        end if;
-        select array_agg(a.attname order by a.attname) into v_fks
-        from pg_catalog.pg_constraint con
-        join pg_catalog.pg_attribute a on a.attrelid = con.conrelid and a.attnum = con.conkey[1]
-        join pg_catalog.pg_attribute pa on pa.attrelid = con.confrelid and pa.attnum = con.confkey[1]
-        where con.conrelid = target and con.confrelid = parent and con.contype = 'f'
-          and cardinality(con.conkey) = 1 and pa.attname = v_parent_key;
-        if parent_column is null then
-            if cardinality(v_fks) is distinct from 1 then
-                raise exception 'lockstep: cannot infer parent_column: % has % single-column foreign keys to %(%)',
-                    target, coalesce(cardinality(v_fks), 0), parent, v_parent_key
-                    using errcode = 'LSD04', hint = 'Pass parent_column => ''...'' naming a column with a foreign key to the parent.';
-            end if;
-            parent_column := v_fks[1];
-        elsif not exists (select from pg_catalog.pg_attribute a
-                          where a.attrelid = target and a.attname = parent_column and a.attnum > 0 and not a.attisdropped) then
-            raise exception 'lockstep: target % has no column %', target, parent_column using errcode = 'LSD04';
-        elsif not parent_column = any(coalesce(v_fks, '{}')) then
-            raise exception 'lockstep: %.% does not reference %(%) through a foreign key', target, parent_column, parent, v_parent_key
-                using errcode = 'LSD04',
-                      hint = 'lockstep pins parents with the lock an FK check takes; add the foreign key.';
-        end if;
-        if not parent_column = any(v_cols) then
-            raise exception 'lockstep: compute function % does not return the parent column %', compute, parent_column
-                using errcode = 'LSD03';
-        end if;
-        if v_arg <> (select t.typarray from pg_catalog.pg_type t where t.oid = v_key_type) then
-            raise exception 'lockstep: compute function % takes %, but the parent key %.% is %: it must take %[]',
-                compute, v_arg, parent, v_parent_key, v_key_type, v_key_type using errcode = 'LSD02';
-        end if;
-    elsif not exists (select from pg_catalog.pg_type t where t.oid = v_arg and t.typcategory = 'A') then
-        raise exception 'lockstep: compute function % must take an array argument (it is called with NULL: all rows)', compute
-            using errcode = 'LSD02';
+        return;
     end if;
+    if not exists (select from pg_catalog.pg_class c where c.oid = parent and c.relkind in ('r', 'p')) then
+        raise exception 'lockstep: parent % is not a table', parent using errcode = '42809';
+    end if;
+    select a.attname, a.atttypid into parent_key, key_type
+    from pg_catalog.pg_constraint con
+    join pg_catalog.pg_attribute a on a.attrelid = con.conrelid and a.attnum = con.conkey[1]
+    where con.conrelid = parent and con.contype = 'p' and cardinality(con.conkey) = 1;
+    if parent_key is null then
+        raise exception 'lockstep: parent % needs a single-column primary key', parent
+            using errcode = 'LSD04', hint = 'Multi-column parent keys are not supported; use the parent''s surrogate key.';
+    end if;
+    select array_agg(a.attname order by a.attname) into v_fks
+    from pg_catalog.pg_constraint con
+    join pg_catalog.pg_attribute a on a.attrelid = con.conrelid and a.attnum = con.conkey[1]
+    join pg_catalog.pg_attribute pa on pa.attrelid = con.confrelid and pa.attnum = con.confkey[1]
+    where con.conrelid = target and con.confrelid = parent and con.contype = 'f'
+      and cardinality(con.conkey) = 1 and pa.attname = parent_key;
+    if parent_column is null then
+        if cardinality(v_fks) is distinct from 1 then
+            raise exception 'lockstep: cannot infer parent_column: % has % single-column foreign keys to %(%)',
+                target, coalesce(cardinality(v_fks), 0), parent, parent_key
+                using errcode = 'LSD04', hint = 'Pass parent_column => ''...'' naming a column with a foreign key to the parent.';
+        end if;
+        parent_column := v_fks[1];
+    elsif not exists (select from pg_catalog.pg_attribute a
+                      where a.attrelid = target and a.attname = parent_column and a.attnum > 0 and not a.attisdropped) then
+        raise exception 'lockstep: target % has no column %', target, parent_column using errcode = 'LSD04';
+    elsif not parent_column = any(coalesce(v_fks, '{}')) then
+        raise exception 'lockstep: %.% does not reference %(%) through a foreign key', target, parent_column, parent, parent_key
+            using errcode = 'LSD04',
+                  hint = 'lockstep pins parents with the lock an FK check takes; add the foreign key.';
+    end if;
+    if not parent_column = any(cols) then
+        raise exception 'lockstep: compute function % does not return the parent column %', compute, parent_column
+            using errcode = 'LSD03';
+    end if;
+    if v_arg <> (select t.typarray from pg_catalog.pg_type t where t.oid = key_type) then
+        raise exception 'lockstep: compute function % takes %, but the parent key %.% is %: it must take %[]',
+            compute, v_arg::regtype, parent, parent_key, key_type, key_type using errcode = 'LSD02';
+    end if;
+end;
+$$;
 
-    -- compute's columns against the target's
+-- lockstep._check_columns(target, compute, key, cols): every column compute returns exists in the target
+-- with the same type, once, is writable and comparable; the primary key and every NOT NULL column without
+-- a default are among them.
+-- locks: nothing.
+create function lockstep._check_columns(target regclass, compute regprocedure, key name[], cols name[])
+returns void
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_col record;
+    v_err text;
+begin
     for v_col in
         select c.name, c.type, a.atttypid, a.attgenerated, count(*) over (partition by c.name) as dup
         from lockstep._proc_columns(compute) c
@@ -161,7 +195,7 @@ begin
                 using errcode = 'LSD03', hint = 'lockstep compares rows with IS DISTINCT FROM; use jsonb rather than json.';
         end;
     end loop;
-    select array_agg(k) into v_err from pg_catalog.unnest(v_key) k where not k = any(v_cols);
+    select array_agg(k) into v_err from pg_catalog.unnest(key) k where not k = any(cols);
     if v_err is not null then
         raise exception 'lockstep: compute function % does not return the target''s primary-key column(s) %', compute, v_err
             using errcode = 'LSD03';
@@ -169,13 +203,115 @@ begin
     select pg_catalog.string_agg(a.attname, ', ') into v_err
     from pg_catalog.pg_attribute a
     where a.attrelid = target and a.attnum > 0 and not a.attisdropped and a.attnotnull and not a.atthasdef
-      and a.attidentity = '' and a.attgenerated = '' and not a.attname = any(v_cols);
+      and a.attidentity = '' and a.attgenerated = '' and not a.attname = any(cols);
     if v_err is not null then
         raise exception 'lockstep: target % has NOT NULL column(s) % without default that compute function % does not return',
             target, v_err, compute using errcode = 'LSD03';
     end if;
+end;
+$$;
 
-    if parent is not null and not exists (
+-- lockstep._check_target_fks(target, cols): every foreign-key column of the target that compute does not
+-- return is always NULL in the rows lockstep inserts (no default, no domain default, not generated, not
+-- identity), so every key the insert's FK check looks up is one lockstep pinned first (_pin_refs); and
+-- no foreign key references the target itself (a row inserted in the same pass could not be pinned).
+-- Also run by _pin_refs on every pass, for foreign keys added after define_derived.
+-- locks: nothing.
+create function lockstep._check_target_fks(target regclass, cols name[]) returns void
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    c record;
+begin
+    select con.conname into c from pg_catalog.pg_constraint con
+    where con.conrelid = target and con.confrelid = target and con.contype = 'f' and con.conparentid = 0
+    order by con.conname limit 1;
+    if found then
+        raise exception 'lockstep: target % references itself (foreign key %)', target, c.conname
+            using errcode = 'LSD06',
+                  hint = 'lockstep pins referenced rows before it inserts, and a row inserted in the same pass is not '
+                         'there yet; keep such links in another table.';
+    end if;
+    for c in
+        select con.conname, con.confrelid::regclass as ref, a.attname
+        from pg_catalog.pg_constraint con
+        join pg_catalog.pg_attribute a on a.attrelid = con.conrelid and a.attnum = any(con.conkey)
+        join pg_catalog.pg_type t on t.oid = a.atttypid
+        where con.conrelid = target and con.contype = 'f' and con.conparentid = 0
+          and not a.attname = any(cols)
+          and (a.atthasdef or a.attgenerated <> '' or a.attidentity <> '' or t.typdefaultbin is not null)
+        order by con.conname, a.attnum
+        limit 1
+    loop
+        raise exception 'lockstep: column % of % (foreign key % to %) gets a value compute does not return',
+            c.attname, target, c.conname, c.ref
+            using errcode = 'LSD06',
+                  hint = pg_catalog.format('lockstep pins the rows an insert references before it writes, and can only '
+                                           'pin values it has: return %I from the compute function (or drop its default).',
+                                           c.attname);
+    end loop;
+end;
+$$;
+
+-- lockstep._check_parent_delete(target, parent): what the ON DELETE action of the target's foreign keys
+-- to the parent does to the application's parent deletes. NO ACTION / RESTRICT (and SET NULL or SET
+-- DEFAULT that cannot succeed on a NOT NULL column) would make them fail with 23503 or 23502 whenever
+-- derived rows exist: refused. SET NULL and SET DEFAULT succeed but leave rows that lockstep removes only
+-- at the next recompute: a warning. The target's other foreign keys with NO ACTION / RESTRICT: a warning
+-- (a delete of a row they reference fails while derived rows still reference it, as with any such key).
+-- locks: nothing.
+create function lockstep._check_parent_delete(target regclass, parent regclass) returns void
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    c record;
+begin
+    for c in
+        select con.conname, con.confdeltype, coalesce(con.confrelid = parent, false) as is_parent, con.confrelid::regclass as ref,
+               lockstep._attnames(con.conrelid, con.conkey) as cols,
+               exists (select from pg_catalog.pg_attribute a
+                       where a.attrelid = con.conrelid and a.attnum = any(coalesce(con.confdelsetcols, con.conkey))
+                         and a.attnotnull and (con.confdeltype = 'n' or not a.atthasdef)) as cannot
+        from pg_catalog.pg_constraint con
+        where con.conrelid = target and con.contype = 'f' and con.conparentid = 0 and con.confdeltype <> 'c'
+        order by con.conname
+    loop
+        if not c.is_parent then
+            if c.confdeltype in ('a', 'r') then
+                raise warning 'lockstep: foreign key % of % to % is ON DELETE %: an application delete of a row of % '
+                              'fails while derived rows still reference it', c.conname, target, c.ref,
+                              case c.confdeltype when 'a' then 'NO ACTION' else 'RESTRICT' end, c.ref;
+            end if;
+        elsif c.confdeltype in ('a', 'r') or c.cannot then
+            raise exception 'lockstep: foreign key % of %(%) to % is ON DELETE %: once lockstep writes derived rows, '
+                            'the application''s deletes of their parents fail', c.conname, target, c.cols, parent,
+                    case c.confdeltype when 'a' then 'NO ACTION' when 'r' then 'RESTRICT'
+                                       when 'n' then 'SET NULL (on a NOT NULL column)'
+                                       else 'SET DEFAULT (on a NOT NULL column without default)' end
+                using errcode = 'LSD04',
+                      hint = pg_catalog.format('alter table %s drop constraint %I, add foreign key (%s) references %s on delete cascade;',
+                                               target, c.conname, lockstep._cols(c.cols), parent);
+        else
+            raise warning 'lockstep: foreign key % of %(%) to % is ON DELETE %: an application delete of a parent keeps '
+                          'its derived rows (%), and lockstep removes them only at the next recompute', c.conname, target,
+                          c.cols, parent, case c.confdeltype when 'n' then 'SET NULL' else 'SET DEFAULT' end,
+                          case c.confdeltype when 'n' then 'their parent column set to NULL' else 'moved to the default parent' end
+                using hint = 'ON DELETE CASCADE deletes them with the parent.';
+        end if;
+    end loop;
+end;
+$$;
+
+-- lockstep._warn_index(target, parent_column): a warning when no index starts with parent_column.
+-- locks: nothing.
+create function lockstep._warn_index(target regclass, parent_column name) returns void
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if parent_column is not null and not exists (
             select from pg_catalog.pg_index i
             where i.indrelid = target and i.indkey[0] = (select a.attnum from pg_catalog.pg_attribute a
                                                          where a.attrelid = target and a.attname = parent_column)) then
@@ -183,25 +319,88 @@ begin
             target, parent_column, target
             using hint = pg_catalog.format('create index on %s (%I);', target, parent_column);
     end if;
+end;
+$$;
 
-    -- a dry run on no keys: catches what only execution shows (e.g. tables the function cannot see)
-    if parent is not null then
-        begin
-            execute pg_catalog.format('select count(*) from %s($1::%s)', compute::regproc, lockstep._array_type(v_key_type))
-                using '{}'::text[];
-            raise exception using errcode = 'LSDRY';  -- roll back whatever the dry run did
-        exception when sqlstate 'LSDRY' then
-            null;
-        when others then
-            get stacked diagnostics v_err = message_text;
-            raise exception 'lockstep: compute function % failed on an empty key array: %', compute, v_err
-                using errcode = 'LSD02',
-                      hint = 'lockstep runs compute with search_path = pg_catalog, pg_temp: schema-qualify table names '
-                             'or give the function its own SET search_path.';
-        end;
+-- lockstep._dry_run(compute, key_type): run compute on no keys, then roll it back: catches what only
+-- execution shows (e.g. tables the function cannot see with lockstep's search_path).
+-- locks: whatever compute locks, released by the rollback of the subtransaction.
+create function lockstep._dry_run(compute regprocedure, key_type regtype) returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_err text;
+begin
+    if key_type is null then
+        return;
     end if;
+    execute pg_catalog.format('select count(*) from %s($1::%s)', lockstep._callable(compute, 1),
+                              lockstep._array_type(key_type))
+        using '{}'::text[];
+    raise exception using errcode = 'LSDRY';  -- roll back whatever the dry run did
+exception when sqlstate 'LSDRY' then
+    null;
+when others then
+    get stacked diagnostics v_err = message_text;
+    raise exception 'lockstep: compute function % failed on an empty key array: %', compute, v_err
+        using errcode = 'LSD02',
+              hint = 'lockstep runs compute with search_path = pg_catalog, pg_temp: schema-qualify table names '
+                     'or give the function its own SET search_path.';
+end;
+$$;
 
-    select * into old from lockstep.job j where j.job = define_derived.job;
+-- lockstep.define_derived(...): register or update a derived table.
+--   compute(keys parent_key_type[]) returns the desired rows of the parents in keys (NULL: all parents),
+--   with columns named and typed like the target's; the target's primary key is the row identity.
+--   parent / parent_column: the table whose rows own the derived rows, and the target column that
+--   references it through a foreign key (inferred when there is exactly one such key). Without a parent,
+--   only whole-table recomputes are possible.
+-- Everything is validated before anything is written (README: "what lockstep accepts and how it writes
+-- it"); an error changes nothing.
+-- locks: the job's registry row (insert or update). Nothing a runner holds.
+create function lockstep.define_derived(job text, target regclass, compute regprocedure,
+                                        parent regclass default null, parent_column name default null,
+                                        lock_group text default null, every interval default '1 minute',
+                                        backoff interval default '1 hour')
+returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_key name[];
+    v_cols name[];
+    v_par record;
+begin
+    perform lockstep._check_schedule(job, lock_group, every, backoff);
+    v_key := lockstep._check_target(target, compute, parent);
+    v_cols := lockstep._check_compute(compute);
+    select * into v_par from lockstep._check_parent(target, compute, v_cols, parent, parent_column);
+    perform lockstep._check_columns(target, compute, v_key, v_cols);
+    perform lockstep._check_target_fks(target, v_cols);
+    perform lockstep._check_referencing(target, v_key, v_cols);
+    perform lockstep._check_parent_delete(target, parent);
+    perform lockstep._callable(compute, 1);
+    perform lockstep._warn_index(target, v_par.parent_column);
+    perform lockstep._dry_run(compute, v_par.key_type);
+    perform lockstep._save_derived(job, target, compute, parent, v_par.parent_column, v_par.parent_key,
+                                   v_par.key_type, v_key, v_cols, lock_group, every, backoff);
+end;
+$$;
+
+-- lockstep._save_derived(...): write a derived job's registry and status rows (define_derived, last).
+-- locks: the job's registry row (insert or update) and its status row (insert).
+create function lockstep._save_derived(job text, target regclass, compute regprocedure, parent regclass,
+                                       parent_column name, parent_key name, key_type regtype, target_key name[],
+                                       columns name[], lock_group text, every interval, backoff interval)
+returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    old lockstep.job;
+begin
+    select * into old from lockstep.job j where j.job = _save_derived.job;
     if found then
         perform lockstep._check_owner(old);
         if old.kind <> 'derived' then
@@ -211,8 +410,8 @@ begin
     end if;
     insert into lockstep.job as j (job, kind, lock_group, target, compute, parent, parent_column, parent_key,
                                    key_type, target_key, columns, every, backoff)
-    values (job, 'derived', coalesce(lock_group, job), target, compute::text, parent, parent_column, v_parent_key,
-            v_key_type, v_key, v_cols, every, backoff)
+    values (job, 'derived', coalesce(lock_group, job), target, compute::text, parent, parent_column, parent_key,
+            key_type, target_key, columns, every, backoff)
     on conflict on constraint job_pkey do update
         set lock_group = excluded.lock_group, target = excluded.target, compute = excluded.compute,
             parent = excluded.parent, parent_column = excluded.parent_column, parent_key = excluded.parent_key,

@@ -50,6 +50,7 @@ language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 begin
+    perform lockstep._check_isolation('lockstep.recompute()');
     return lockstep._recompute(lockstep._job(job, 'derived'), false);
 end;
 $$;

@@ -149,6 +149,7 @@ language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 begin
+    perform lockstep._check_isolation('lockstep.work()');
     if batch is null or batch < 1 then
         raise exception 'lockstep: batch must be a positive integer (got %)', coalesce(batch::text, 'NULL')
             using errcode = '22023';
