@@ -19,42 +19,77 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from runner.lab import example
-from tests.util import raises_sqlstate
+from tests.util import raises_sqlstate, result
 
-# what `lockstep run` needs, besides the job's own tables (see runner_grants)
-RUNNER_LOCKSTEP_GRANTS = [
+# The role recipes of docs/security.md, one privilege per line: test_recipe_grant_is_needed removes each
+# line in turn and shows the role's work then fails; test_recipes_are_enough does the work with exactly these.
+# {owner} is the job owner role, {lsowner} the role owning lockstep's tables. The tests revoke TEMP on the
+# database from PUBLIC first, so the TEMP grant is shown needed too.
+
+# the job owner: defines, watches, retries and drops its jobs; its jobs run with its rights. It owns the
+# watched tables (watch and drop_job are DDL on them).
+OWNER_GRANTS = [
     "grant usage on schema lockstep to {role}",
-    "grant execute on all functions in schema lockstep to {role}",
-    "grant select, insert, update, delete on lockstep.job_state, lockstep.queue, lockstep.key_failure"
-    " to {role}",
     "grant select on lockstep.job to {role}",
-    "grant temp on database {db} to {role}",
+    "grant insert on lockstep.job to {role}",
+    "grant update on lockstep.job to {role}",  # define_* upsert (ON CONFLICT DO UPDATE), set_max_attempts
+    "grant delete on lockstep.job to {role}",  # drop_job
+    "grant select on lockstep.job_state to {role}",
+    "grant insert on lockstep.job_state to {role}",  # define_* creates the status row
+    "grant select on lockstep.queue to {role}",
+    "grant insert on lockstep.queue to {role}",  # enqueue, retry
+    "grant delete on lockstep.queue to {role}",  # drop_job
+    "grant select on lockstep.key_failure to {role}",
+    "grant delete on lockstep.key_failure to {role}",  # retry
+    "grant select on lockstep.status to {role}",
+    "grant select on lockstep.failing_keys to {role}",
+    "grant temp on database {db} to {role}",  # the compute/write work tables and its trampoline
 ]
-# what the example job exam_keys needs: read its sources, write its target, and UPDATE on one column of
-# the parent because the write phase pins parents with SELECT ... FOR KEY SHARE (row-locking clauses need
-# UPDATE on at least one column of the table; a column grant is enough).
-EXAMPLE_RUNNER_GRANTS = [
+# ... and the example job's own tables (the owner owns example.exam and example.exam_item)
+EXAMPLE_OWNER_GRANTS = [
     "grant usage on schema example to {role}",
-    "grant select on example.exam, example.exam_item to {role}",
-    "grant update (id) on example.exam to {role}",
-    "grant select, insert, update, delete on example.exam_key to {role}",
+    "grant select on example.exam_key to {role}",
+    "grant insert on example.exam_key to {role}",
+    "grant update on example.exam_key to {role}",
+    "grant delete on example.exam_key to {role}",
 ]
-# an application role that writes the watched tables: its statement triggers enqueue as that role
-# (enqueue looks for the job and checks whether the queue was empty before it inserts).
+# the runner (`lockstep run`): lockstep's bookkeeping, and membership in each job owner role: it runs each
+# job as its owner (SET ROLE), so it needs no right on the jobs' tables. NOINHERIT: the membership only
+# lets it switch to the owner, it does not give the runner the owner's rights.
+RUNNER_GRANTS = [
+    "grant usage on schema lockstep to {role}",
+    "grant select on lockstep.job to {role}",
+    "grant select on lockstep.job_state to {role}",
+    "grant update on lockstep.job_state to {role}",
+    "grant select on lockstep.queue to {role}",
+    "grant insert on lockstep.queue to {role}",  # a recompute re-queues the parents it had to skip
+    "grant update on lockstep.queue to {role}",  # a skipped key is retried a second later
+    "grant delete on lockstep.queue to {role}",
+    "grant select on lockstep.key_failure to {role}",
+    "grant insert on lockstep.key_failure to {role}",
+    "grant update on lockstep.key_failure to {role}",
+    "grant delete on lockstep.key_failure to {role}",
+    "grant {owner} to {role}",
+    "grant select on lockstep.status to {role}",  # `lockstep status`, metrics
+]
+# an application role that writes the watched tables: its statement triggers enqueue as that role.
 APP_GRANTS = [
     "grant usage on schema lockstep to {role}",
-    "grant select on lockstep.job to {role}",
-    "grant select, insert on lockstep.queue to {role}",
+    "grant select on lockstep.job to {role}",  # enqueue looks the job up
+    "grant select (job) on lockstep.queue to {role}",  # whether the job's queue was empty (NOTIFY)
+    "grant insert on lockstep.queue to {role}",
 ]
 EXAMPLE_APP_GRANTS = [
     "grant usage on schema example to {role}",
-    "grant select, insert, update, delete on example.exam, example.exam_item to {role}",
+    "grant select on example.exam to {role}",
+    "grant update on example.exam to {role}",
+    "grant delete on example.exam to {role}",
+    "grant insert on example.exam_item to {role}",
 ]
-# a role that defines and drops jobs (its own), and may run them by hand
+# the lockstep admin: sees and manages every job. A member of the role that owns lockstep's tables (the
+# role `lockstep migrate` ran as), or a superuser.
 ADMIN_GRANTS = [
-    "grant usage on schema lockstep to {role}",
-    "grant select, insert, update, delete on all tables in schema lockstep to {role}",
-    "grant temp on database {db} to {role}",
+    "grant {lsowner} to {role}",
 ]
 
 
@@ -68,26 +103,28 @@ def as_role(dsn: str, role: str) -> str:
 
 @pytest.fixture
 def roles(example_dsn: str) -> Iterator[Callable[..., str]]:
-    """``roles(recipe, *grant_lists, login=True) -> name``: a new role in the cluster with these grants."""
+    """``roles(recipe, *grant_lists, login=True, attrs="", **names) -> name``: a new role in the cluster with
+    these grants; ``{role}`` is the new role, ``{db}`` the database, other ``{x}`` the role names given."""
     made: list[str] = []
     admin = psycopg.connect(example_dsn, autocommit=True)
 
-    def _make(recipe: str, *grant_lists: list[str], login: bool = True) -> str:
+    def _make(recipe: str, *grant_lists: list[str], login: bool = True, attrs: str = "", **names: str) -> str:
         name = f"{recipe}_{secrets.token_hex(4)}"
         admin.execute(
-            sql.SQL("create role {} " + ("login" if login else "nologin")).format(sql.Identifier(name))
+            sql.SQL("create role {} " + ("login" if login else "nologin") + " " + attrs).format(sql.Identifier(name))
         )
         made.append(name)
+        idents = {k: sql.Identifier(v) for k, v in names.items()}
         for grants in grant_lists:
             for g in grants:
                 admin.execute(
-                    sql.SQL(g).format(role=sql.Identifier(name), db=sql.Identifier(dbname(example_dsn)))
+                    sql.SQL(g).format(role=sql.Identifier(name), db=sql.Identifier(dbname(example_dsn)), **idents)
                 )
         return name
 
     yield _make
     for name in reversed(made):
-        admin.execute(sql.SQL("drop owned by {}").format(sql.Identifier(name)))
+        admin.execute(sql.SQL("drop owned by {} cascade").format(sql.Identifier(name)))
     for name in reversed(made):
         admin.execute(sql.SQL("drop role {}").format(sql.Identifier(name)))
     admin.close()
@@ -133,37 +170,162 @@ def test_lockstep_objects_have_default_acls_only(conn):
     assert conn.execute("select nspacl from pg_namespace where nspname = 'lockstep'").fetchone()[0] is None
 
 
-# the runner role ---------------------------------------------------------------------------------------
+# the recipes, end to end -------------------------------------------------------------------------------
+
+RECIPES = {
+    "owner": OWNER_GRANTS + EXAMPLE_OWNER_GRANTS,
+    "runner": RUNNER_GRANTS,
+    "app": APP_GRANTS + EXAMPLE_APP_GRANTS,
+    "admin": ADMIN_GRANTS,
+}
 
 
-def test_least_privilege_runner_completes_a_workload(ex, example_dsn, roles):
-    runner = roles("lockstep_runner", RUNNER_LOCKSTEP_GRANTS, EXAMPLE_RUNNER_GRANTS)
+class Refused(Exception):
+    """A step of a role's work did not do what it should (a failed run, a row it should see missing)."""
+
+
+def _check(ok: bool, what: str) -> None:
+    if not ok:
+        raise Refused(what)
+
+
+def _run(r: psycopg.Connection, job: str) -> dict:
+    res = result(r, "lockstep.run(%s)", job)
+    _check(res["outcome"] != "failed", f"run failed: {res['error']}")
+    return res
+
+
+def _drain(r: psycopg.Connection, job: str) -> None:
+    """Worker passes until no ready key is left (bounded)."""
+    for _ in range(20):
+        res = _run(r, job)
+        if not (res["outcome"] == "done" and res["more"]):
+            return
+    raise AssertionError("queue not drained in 20 passes")
+
+
+def _lockstep_owned_by(ex: psycopg.Connection, role: str) -> None:
+    """Give schema lockstep and its tables to role, as if `lockstep migrate` had run as it."""
+    ex.execute(sql.SQL("alter schema lockstep owner to {}").format(sql.Identifier(role)))
+    for t in ("job", "job_state", "queue", "key_failure", "status", "parked_keys", "failing_keys"):
+        ex.execute(sql.SQL("alter table {} owner to {}").format(sql.Identifier("lockstep", t), sql.Identifier(role)))
+
+
+def recipe_scenario(ex: psycopg.Connection, dsn: str, roles, without: tuple[str, int] | None = None) -> None:
+    """Every role does its work with exactly its recipe (minus one grant: ``without = (recipe, index)``).
+
+    The owner defines and watches exam_keys; the app writes; the runner recomputes (one parent held by
+    another session, so it is skipped and re-queued) and drains the queue; a poison key fails, the app
+    fixes it and the owner retries it; owner, runner and admin read the status; the admin changes the job,
+    the owner drops it. Raises on the first step that fails (42501 or Refused).
+    """
+
+    def grants(recipe: str) -> list[str]:
+        g = list(RECIPES[recipe])
+        if without and without[0] == recipe:
+            del g[without[1]]
+        return g
+
+    ex.execute(sql.SQL("revoke temp on database {} from public").format(sql.Identifier(dbname(dsn))))
+    ex.execute("select lockstep.drop_job('exam_keys')")
+    ex.execute("alter table example.exam_key add constraint no_poison check (key <> 'poison')")
+    lsowner = roles("lockstep_owner", login=False)
+    _lockstep_owned_by(ex, lsowner)
+    owner = roles("exam_owner", grants("owner"))
+    for t in ("exam", "exam_item"):
+        ex.execute(sql.SQL("alter table {} owner to {}").format(sql.Identifier("example", t), sql.Identifier(owner)))
+    runner = roles("lockstep_runner", grants("runner"), attrs="noinherit", owner=owner)
+    app = roles("lockstep_app", grants("app"))
+    admin = roles("lockstep_admin", grants("admin"), lsowner=lsowner)
+
+    o = psycopg.connect(as_role(dsn, owner), autocommit=True)
+    r = psycopg.connect(as_role(dsn, runner), autocommit=True)
+    a = psycopg.connect(as_role(dsn, app), autocommit=True)
+    ad = psycopg.connect(as_role(dsn, admin), autocommit=True)
+    side = psycopg.connect(dsn)  # superuser, in a transaction: holds a parent the recompute must skip
+    try:
+        o.execute(
+            "select lockstep.define_derived('exam_keys', 'example.exam_key', 'example.exam_key_compute(bigint[])',"
+            " parent => 'example.exam', parent_column => 'exam_id', every => '1 day')"
+        )
+        o.execute("select lockstep.watch('exam_keys', 'example.exam', 'id')")
+        o.execute("select lockstep.watch('exam_keys', 'example.exam_item', 'exam_id')")
+
+        a.execute("update example.exam set title = 'alpha beta gamma ' || id where id between 1 and 5")
+        a.execute("insert into example.exam_item (exam_id, body) values (8, 'delta epsilon')")
+        a.execute("delete from example.exam where id = 9")
+        side.execute("select 1 from example.exam where id = 3 for update")
+        res = _run(r, "exam_keys")  # due since define: the recompute
+        _check((res["action"], res["outcome"]) == ("recompute", "done"), f"recompute: {res}")
+        assert res["skipped"] == 1, res
+        side.rollback()
+        _drain(r, "exam_keys")
+
+        a.execute("update example.exam set title = 'poison pill' where id = 7")
+        res = _run(r, "exam_keys")
+        _check(res["error"] is not None and "no_poison" in res["error"], f"poison: {res}")
+        failing = o.execute("select key from lockstep.failing_keys where job = 'exam_keys'").fetchall()
+        _check(failing == [("7",)], f"owner sees failing keys {failing}")
+        a.execute("update example.exam set title = 'cured' where id = 7")
+        _check(o.execute("select lockstep.retry('exam_keys')").fetchone()[0] == 1, "retry")
+        _drain(r, "exam_keys")
+        assert example.divergence(ex) == (0, 0)
+
+        for c, who in ((o, "owner"), (r, "runner"), (ad, "admin")):
+            rows = c.execute("select last_outcome, last_error from lockstep.status where job = 'exam_keys'").fetchall()
+            _check(rows == [("done", None)], f"{who} reads status {rows}")
+        ad.execute("select lockstep.set_max_attempts('exam_keys', 3)")  # another role's job
+        o.execute("select lockstep.set_max_attempts('exam_keys', 4)")
+        o.execute("select lockstep.drop_job('exam_keys')")
+        assert ex.execute("select count(*) from lockstep.job").fetchone()[0] == 0
+    finally:
+        for c in (o, r, a, ad, side):
+            c.close()
+
+
+def test_recipes_are_enough(ex, example_dsn, roles):
+    recipe_scenario(ex, example_dsn, roles)
+
+
+@pytest.mark.parametrize(
+    ("recipe", "index"),
+    [(name, i) for name, grants in RECIPES.items() for i in range(len(grants))],
+    ids=[f"{name}-{g.split(' to ')[0].removeprefix('grant ')}" for name, grants in RECIPES.items() for g in grants],
+)
+def test_recipe_grant_is_needed(ex, example_dsn, roles, recipe, index):
+    with pytest.raises((psycopg.errors.InsufficientPrivilege, Refused)) as info:
+        recipe_scenario(ex, example_dsn, roles, without=(recipe, index))
+    text = str(info.value)
+    assert isinstance(info.value, psycopg.errors.InsufficientPrivilege) or "permission denied" in text, text
+
+
+def test_least_privilege_runner_as_a_cli_process(ex, example_dsn, roles):
+    """`lockstep run --once` with the runner recipe: the job runs as its owner, the runner has no right on
+    the job's tables."""
+    owner = roles("exam_owner", OWNER_GRANTS, EXAMPLE_OWNER_GRANTS, ["grant select on example.exam, example.exam_item to {role}",
+                                                                      "grant update (id) on example.exam to {role}"])
+    ex.execute(sql.SQL("update lockstep.job set owner = {} where job = 'exam_keys'").format(sql.Literal(owner)))
+    runner = roles("lockstep_runner", RUNNER_GRANTS, attrs="noinherit", owner=owner)
     app_writes(ex)
     ex.execute("update lockstep.job_state set next_run_at = now()")  # the recompute is due as well
-    assert ex.execute("select count(*) from lockstep.queue").fetchone()[0] > 0
     p = lockstep_cli("run", "--once", "--dsn", as_role(example_dsn, runner))
     assert p.returncode == 0, p.stderr
     assert "Traceback" not in p.stderr and "ERROR" not in p.stderr, p.stderr
     assert "exam_keys recompute done" in p.stderr, p.stderr
+    with psycopg.connect(as_role(example_dsn, runner), autocommit=True) as r:
+        _drain(r, "exam_keys")
+        with raises_sqlstate("42501"):
+            r.execute("select count(*) from example.exam_key")  # it never had the job's rights itself
     assert example.divergence(ex) == (0, 0)
     assert ex.execute("select count(*) from lockstep.key_failure").fetchone()[0] == 0
-    # the worker pass too, as that role, from SQL
-    app_writes_again = "update example.exam set body = 'zeta eta theta' where id between 40 and 45"
-    ex.execute(app_writes_again)
-    with psycopg.connect(as_role(example_dsn, runner), autocommit=True) as r:
-        assert r.execute("select current_user").fetchone()[0] == runner
-        row = r.execute("select outcome, error from lockstep.work('exam_keys')").fetchone()
-    assert row == ("done", None)
-    assert example.divergence(ex) == (0, 0)
 
 
-def test_runner_without_update_on_the_parent_cannot_pin_it(ex, example_dsn, roles):
+def test_owner_without_update_on_the_parent_cannot_pin_it(ex, example_dsn, roles):
     """FOR KEY SHARE needs UPDATE on some column of the parent: without it the keys fail (and are kept)."""
-    no_update = [g for g in EXAMPLE_RUNNER_GRANTS if "update (id)" not in g]
-    runner = roles("lockstep_runner", RUNNER_LOCKSTEP_GRANTS, no_update)
+    owner = roles("exam_owner", OWNER_GRANTS, EXAMPLE_OWNER_GRANTS, ["grant select on example.exam, example.exam_item to {role}"])
+    ex.execute(sql.SQL("update lockstep.job set owner = {} where job = 'exam_keys'").format(sql.Literal(owner)))
     ex.execute("update example.exam set title = 'iota kappa' where id between 1 and 3")
-    with psycopg.connect(as_role(example_dsn, runner), autocommit=True) as r:
-        outcome, error = r.execute("select outcome, error from lockstep.work('exam_keys')").fetchone()
+    outcome, error = ex.execute("select outcome, error from lockstep.work('exam_keys')").fetchone()
     assert "permission denied for table exam" in error
     failed = ex.execute("select key, last_error from lockstep.key_failure order by key::int").fetchall()
     assert [k for k, _ in failed] == ["1", "2", "3"]
@@ -173,14 +335,14 @@ def test_runner_without_update_on_the_parent_cannot_pin_it(ex, example_dsn, role
 def test_runner_cannot_touch_tables_it_was_not_granted(ex, example_dsn, roles):
     ex.execute("create table public.secret (v text)")
     ex.execute("insert into public.secret values ('s3cr3t')")
-    runner = roles("lockstep_runner", RUNNER_LOCKSTEP_GRANTS, EXAMPLE_RUNNER_GRANTS)
+    owner = roles("exam_owner", OWNER_GRANTS, login=False)
+    runner = roles("lockstep_runner", RUNNER_GRANTS, attrs="noinherit", owner=owner)
     with psycopg.connect(as_role(example_dsn, runner), autocommit=True) as r:
         for stmt in [
             "select * from public.secret",
             "insert into public.secret values ('x')",
             "delete from public.secret",
-            "update example.exam set title = 'x'",  # only column id is granted
-            "delete from example.exam",
+            "select * from example.exam",
             "insert into lockstep.job (job, kind, lock_group, call, every, backoff)"
             " values ('x', 'job', 'x', 'pg_catalog.now()', '1 minute', '1 hour')",
             "create table public.mine (v int)",
@@ -190,16 +352,17 @@ def test_runner_cannot_touch_tables_it_was_not_granted(ex, example_dsn, roles):
         with raises_sqlstate("42501"):
             r.execute("select lockstep.drop_job('exam_keys')")
         with raises_sqlstate("42501"):
-            r.execute("select * from lockstep.status")  # `lockstep status` needs: grant select on the views
+            r.execute("select * from lockstep.failing_keys")  # not in its recipe
     assert ex.execute("select v from public.secret").fetchall() == [("s3cr3t",)]
 
 
-def test_runner_with_status_grant_can_read_status(ex, example_dsn, roles):
-    runner = roles(
-        "lockstep_runner",
-        RUNNER_LOCKSTEP_GRANTS,
-        ["grant select on lockstep.status, lockstep.parked_keys, lockstep.failing_keys to {role}"],
-    )
+def test_runner_reads_the_status_of_the_jobs_it_runs(ex, example_dsn, roles):
+    owner = roles("exam_owner", OWNER_GRANTS, login=False)
+    runner = roles("lockstep_runner", RUNNER_GRANTS, attrs="noinherit", owner=owner)
+    p = lockstep_cli("status", "--dsn", as_role(example_dsn, runner))
+    assert p.returncode == 0, p.stderr
+    assert "exam_keys" not in p.stdout  # owned by root, whom this runner does not serve
+    ex.execute(sql.SQL("update lockstep.job set owner = {} where job = 'exam_keys'").format(sql.Literal(owner)))
     p = lockstep_cli("status", "--dsn", as_role(example_dsn, runner))
     assert p.returncode == 0, p.stderr
     assert "exam_keys" in p.stdout
@@ -209,14 +372,17 @@ def test_runner_with_status_grant_can_read_status(ex, example_dsn, roles):
 
 
 def test_app_role_enqueues_through_triggers(ex, example_dsn, roles):
-    app = roles("lockstep_app", APP_GRANTS, EXAMPLE_APP_GRANTS)
+    app = roles("lockstep_app", APP_GRANTS, EXAMPLE_APP_GRANTS, ["grant insert on example.exam to {role}"])
     with psycopg.connect(as_role(example_dsn, app), autocommit=True) as a:
         a.execute("update example.exam set title = 'lambda mu' where id = 7")
         a.execute("insert into example.exam_item (exam_id, body) values (8, 'nu xi omicron')")
         a.execute("delete from example.exam where id = 9")  # exam_key rows go by the FK cascade
         a.execute("insert into example.exam (id, title, body) values (5000, 'pi rho', 'sigma tau')")
         assert a.execute("select lockstep.enqueue('exam_keys', array[10::bigint])").fetchone()[0] == 1
-        # but it is not a runner and cannot redefine the job
+        # it sees that the queue has rows, not which keys
+        with raises_sqlstate("42501"):
+            a.execute("select key from lockstep.queue")
+        # and it is not a runner and cannot redefine the job
         with raises_sqlstate("42501"):
             a.execute("select lockstep.work('exam_keys')")
         with raises_sqlstate("42501"):
@@ -227,6 +393,18 @@ def test_app_role_enqueues_through_triggers(ex, example_dsn, roles):
     assert keys == {"7", "8", "9", "10", "5000"}
     ex.execute("select lockstep.work('exam_keys')")
     assert example.divergence(ex) == (0, 0)
+
+
+def test_app_enqueue_notifies_only_when_the_queue_was_empty(ex, example_dsn, roles, connect):
+    """The app cannot read the job's queue keys, but still sees whether it was empty (NOTIFY only then)."""
+    app = roles("lockstep_app", APP_GRANTS, EXAMPLE_APP_GRANTS)
+    listener = connect(example_dsn)
+    listener.execute("listen lockstep")
+    with psycopg.connect(as_role(example_dsn, app), autocommit=True) as a:
+        a.execute("update example.exam set title = 'one' where id = 1")
+        a.execute("update example.exam set title = 'two' where id = 2")
+    payloads = [n.payload for n in listener.notifies(timeout=0.5, stop_after=2)]
+    assert payloads == ["exam_keys"]
 
 
 def test_app_role_without_queue_grant_cannot_write_watched_tables(ex, example_dsn, roles):
@@ -247,11 +425,11 @@ def _define_noop(c: psycopg.Connection, job: str = "owned") -> None:
 
 @pytest.fixture
 def owners(ex, roles):
-    """(owner, other, member): admin roles; member is a member of owner, other is not."""
+    """(owner, other, member): job owner roles; member is a member of owner, other is not."""
     ex.execute("create function public.lockstep_noop() returns void language sql as 'select'")
-    owner = roles("lockstep_admin", ADMIN_GRANTS)
-    other = roles("lockstep_admin", ADMIN_GRANTS)
-    member = roles("lockstep_admin", ADMIN_GRANTS)
+    owner = roles("exam_owner", OWNER_GRANTS)
+    other = roles("exam_owner", OWNER_GRANTS)
+    member = roles("exam_owner", OWNER_GRANTS)
     ex.execute(sql.SQL("grant {} to {}").format(sql.Identifier(owner), sql.Identifier(member)))
     return owner, other, member
 
@@ -292,13 +470,24 @@ def test_ownership_cannot_be_taken_with_plain_dml(ex, example_dsn, owners):
     assert taken == []
 
 
+def test_own_job_cannot_be_given_to_another_role_or_to_no_role(ex, example_dsn, owners):
+    """RLS WITH CHECK: an owner may only name a role it is a member of (the job would run as that role)."""
+    owner, other, _ = owners
+    with psycopg.connect(as_role(example_dsn, owner), autocommit=True) as o:
+        _define_noop(o)
+        for new_owner in (other, "root", "no_such_role_" + secrets.token_hex(4)):
+            with raises_sqlstate("42501", match="row-level security"):
+                o.execute("update lockstep.job set owner = %s where job = 'owned'", [new_owner])
+    assert ex.execute("select owner from lockstep.job where job = 'owned'").fetchone()[0] == owner
+
+
 def test_define_derived_refuses_a_target_the_caller_cannot_write(ex, example_dsn, roles):
     ex.execute(
         "create function public.no_keys(ids bigint[])"
         " returns table (exam_id bigint, key text, weight integer)"
         " language sql stable as 'select null::bigint, null::text, null::integer where false'"
     )
-    admin = roles("lockstep_admin", ADMIN_GRANTS, ["grant usage on schema example to {role}"])
+    admin = roles("exam_owner", OWNER_GRANTS, ["grant usage on schema example to {role}"])
     with psycopg.connect(as_role(example_dsn, admin), autocommit=True) as a:
         with raises_sqlstate("42501"):
             a.execute(
