@@ -19,7 +19,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from runner.lab import example
-from tests.util import raises_sqlstate, result
+from tests.util import raises_sqlstate, result, snapshot
 
 # The role recipes of docs/security.md, one privilege per line: test_recipe_grant_is_needed removes each
 # line in turn and shows the role's work then fails; test_recipes_are_enough does the work with exactly these.
@@ -494,3 +494,278 @@ def test_define_derived_refuses_a_target_the_caller_cannot_write(ex, example_dsn
                 "select lockstep.define_derived('wipe', 'example.exam_key', 'public.no_keys(bigint[])',"
                 " parent => 'example.exam', parent_column => 'exam_id')"
             )
+
+
+# attacks: each one worked while compute and call ran with the runner's rights and only lockstep.job had
+# row-level security ------------------------------------------------------------------------------------
+
+BANK = """
+create schema bank;
+create table bank.accounts (id bigint primary key, balance integer not null);
+insert into bank.accounts select g, 100 from generate_series(1, 5) g;
+create function bank.close_all() returns void language sql as 'delete from bank.accounts';
+revoke execute on function bank.close_all() from public;
+create table public.secret (v text);
+insert into public.secret values ('s3cr3t');
+"""
+# every DML privilege on lockstep's tables (what the old admin recipe granted)
+ALL_LOCKSTEP_DML = ["grant select, insert, update, delete on all tables in schema lockstep to {role}"]
+
+
+def _as(dsn: str, role: str) -> psycopg.Connection:
+    return psycopg.connect(as_role(dsn, role), autocommit=True)
+
+
+def _bank(ex: psycopg.Connection) -> list[tuple]:
+    return ex.execute("select id, balance from bank.accounts order by id").fetchall()
+
+
+@pytest.fixture
+def mallory(ex, roles) -> str:
+    """A job owner with every DML privilege on lockstep's tables and a schema of its own, mal; no right on
+    schema bank or on public.secret."""
+    ex.execute(BANK)
+    m = roles("mallory", OWNER_GRANTS, ALL_LOCKSTEP_DML)
+    ex.execute(sql.SQL("create schema mal authorization {}").format(sql.Identifier(m)))
+    with _as(dsn_of(ex), m) as c:
+        c.execute("create table mal.t (id bigint primary key, v text)")
+        c.execute("create table mal.loot (v text)")
+        c.execute(
+            "create function mal.f(ids bigint[]) returns table (id bigint, v text) language plpgsql"
+            " as $$ begin return query select 1::bigint, 'harmless'::text; end $$"
+        )
+        c.execute("select lockstep.define_derived('mine', 'mal.t', 'mal.f(bigint[])')")
+    return m
+
+
+def dsn_of(c: psycopg.Connection) -> str:
+    return make_conninfo(c.info.dsn, user="root") if "user=" not in c.info.dsn else c.info.dsn
+
+
+def test_retarget_through_direct_dml_is_refused_at_run_time(ex, example_dsn, mallory):
+    """mallory points its own job at bank.accounts by hand; the superuser runner runs it as mallory."""
+    oid = ex.execute("select 'bank.accounts'::regclass::oid").fetchone()[0]
+    with _as(example_dsn, mallory) as m:
+        m.execute("drop function mal.f(bigint[])")  # same shape as bank.accounts
+        m.execute("create function mal.f(ids bigint[]) returns table (id bigint, balance integer)"
+                  " language sql as 'select 1::bigint, 0'")
+        m.execute("update lockstep.job set target = %s::oid::regclass, columns = '{id,balance}' where job = 'mine'",
+                  [oid])
+    before = _bank(ex)
+    res = result(ex, "lockstep.recompute(%s)", "mine")
+    assert res["outcome"] == "failed" and "permission denied" in res["error"], res
+    assert _bank(ex) == before
+    assert "permission denied" in ex.execute("select last_error from lockstep.job_state where job = 'mine'").fetchone()[0]
+
+
+def test_forged_job_calling_a_revoked_function_is_refused(ex, example_dsn, mallory):
+    with _as(example_dsn, mallory) as m:
+        m.execute(
+            "insert into lockstep.job (job, kind, lock_group, call, every, backoff)"
+            " values ('forged', 'job', 'forged', 'bank.close_all()', '1 minute', '1 hour')"
+        )
+        m.execute("insert into lockstep.job_state (job) values ('forged')")
+    before = _bank(ex)
+    res = result(ex, "lockstep.run(%s)", "forged")
+    assert res["outcome"] == "failed" and "permission denied" in res["error"], res
+    assert _bank(ex) == before
+
+
+def test_another_owners_job_cannot_be_stalled_emptied_or_forged(ex, example_dsn, mallory):
+    """exam_keys belongs to root; mallory holds every DML privilege on lockstep's tables."""
+    ex.execute("update example.exam set title = 'x y z' where id between 1 and 3")
+    ex.execute("update example.exam set title = 'poison' where id = 4")
+    ex.execute("insert into lockstep.key_failure (job, key, attempts, last_error, retry_at) values"
+               " ('exam_keys', '4', 1, 'root''s private error', now())")
+    before = snapshot(ex)
+    with _as(example_dsn, mallory) as m:
+        stmts = [
+            "update lockstep.job_state set next_run_at = 'infinity' where job = 'exam_keys' returning job",
+            "update lockstep.queue set ready_at = 'infinity' where job = 'exam_keys' returning key",
+            "delete from lockstep.queue where job = 'exam_keys' returning key",
+            "update lockstep.key_failure set parked = true where job = 'exam_keys' returning key",
+            "delete from lockstep.key_failure where job = 'exam_keys' returning key",
+            "delete from lockstep.job where job = 'exam_keys' returning job",
+            "select last_error from lockstep.job_state where job = 'exam_keys'",
+            "select last_error from lockstep.key_failure where job = 'exam_keys'",
+            "select key from lockstep.queue where job = 'exam_keys'",
+            "select last_error from lockstep.status where job = 'exam_keys'",
+            "select last_error from lockstep.failing_keys where job = 'exam_keys'",
+        ]
+        for stmt in stmts:
+            assert m.execute(stmt).fetchall() == [], stmt
+        with raises_sqlstate("42501", match="row-level security"):
+            m.execute("insert into lockstep.key_failure (job, key, attempts, retry_at, parked)"
+                      " values ('exam_keys', '1', 99, 'infinity', true)")
+    assert snapshot(ex) == before
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        # reads the secret into the target
+        "return query select 1::bigint, s.v from public.secret s;",
+        # raises it
+        "raise exception 'leak: %', (select string_agg(s.v, ',') from public.secret s);",
+        # tries to get the runner's rights back first
+        "reset role; return query select 1::bigint, s.v from public.secret s;",
+        "execute format('set role %I', session_user); return query select 1::bigint, s.v from public.secret s;",
+        "set session authorization default; return query select 1::bigint, s.v from public.secret s;",
+        # leaves something that runs later, in the runner's session: a deferred trigger, a search_path,
+        # a prepared statement, a WITH HOLD cursor
+        "insert into mal.later values (1); return query select 1::bigint, 'x'::text;",
+        "perform set_config('search_path', 'mal, pg_catalog', false); return query select 1::bigint, 'x'::text;",
+        "deallocate victim; prepare victim as insert into mal.loot select v from public.secret;"
+        " return query select 1::bigint, 'x'::text;",
+        "execute 'declare c cursor with hold for select mal.steal()'; return query select 1::bigint, 'x'::text;",
+    ],
+    ids=["select", "raise", "reset-role", "set-role", "session-authorization", "deferred-trigger",
+         "search-path", "prepared-statement", "hold-cursor"],
+)
+def test_compute_reading_a_secret_run_by_a_superuser_leaks_nothing(ex, example_dsn, mallory, body):
+    with _as(example_dsn, mallory) as m:
+        # what runs later, as whoever is current then: each copies the secret into mal.loot
+        m.execute(
+            "create function mal.steal() returns int language plpgsql"
+            " as $$ begin insert into mal.loot select v from public.secret; return 1; end $$"
+        )
+        m.execute("create function mal.now() returns timestamptz language plpgsql"
+                  " as $$ begin perform mal.steal(); return pg_catalog.now(); end $$")
+        m.execute("create function mal.grab() returns trigger language plpgsql"
+                  " as $$ begin perform mal.steal(); return null; end $$")
+        m.execute("create table mal.later (v int)")
+        m.execute("create constraint trigger grab after insert on mal.later deferrable initially deferred"
+                  " for each row execute function mal.grab()")
+        m.execute(f"create or replace function mal.f(ids bigint[]) returns table (id bigint, v text)"
+                  f" language plpgsql as $$ begin {body} end $$")
+    ex.execute("prepare victim as select 1")
+    res = result(ex, "lockstep.recompute(%s)", "mine")
+    # later, in the same (superuser) session
+    assert ex.execute("select current_user, current_setting('role')").fetchone() == ("root", "none")
+    ex.execute("select now()")
+    try:
+        ex.execute("execute victim")
+    except psycopg.errors.InvalidSqlStatementName:
+        pass  # dropped: the job's code had replaced it
+    ex.execute("close all")
+    if res["outcome"] == "failed":
+        assert any(s in res["error"] for s in ("permission denied", "security-definer", "prepared", "WITH HOLD")), res
+    leaked = ex.execute(
+        "select (select count(*) from mal.loot)"
+        " + (select count(*) from mal.t where v like '%s3cr3t%')"
+        " + (select count(*) from lockstep.status s where s::text like '%s3cr3t%')"
+        " + (select count(*) from lockstep.job_state s where s::text like '%s3cr3t%')"
+        " + (select count(*) from lockstep.failing_keys s where s::text like '%s3cr3t%')"
+    ).fetchone()[0]
+    assert leaked == 0, res
+
+
+def test_compute_runs_as_its_owner_and_the_role_is_restored(ex, example_dsn, mallory):
+    with _as(example_dsn, mallory) as m:
+        m.execute("create or replace function mal.f(ids bigint[]) returns table (id bigint, v text)"
+                  " language plpgsql as $$ begin return query select 1::bigint, current_user::text; end $$")
+    with psycopg.connect(example_dsn) as tx:  # in one transaction
+        assert result(tx, "lockstep.recompute(%s)", "mine")["outcome"] == "done"
+        assert tx.execute("select current_user, current_setting('role')").fetchone() == ("root", "none")
+        assert tx.execute("select v from mal.t").fetchall() == [(mallory,)]
+        tx.execute("set role " + sql.Identifier(mallory).as_string(tx))  # a caller's own SET ROLE is kept
+        assert result(tx, "lockstep.recompute(%s)", "mine")["outcome"] == "done"
+        assert tx.execute("select current_user").fetchone()[0] == mallory
+        tx.rollback()
+    # and after an error
+    with _as(example_dsn, mallory) as m:
+        m.execute("create or replace function mal.f(ids bigint[]) returns table (id bigint, v text)"
+                  " language plpgsql as $$ begin raise exception 'mallory''s own error'; end $$")
+    res = result(ex, "lockstep.recompute(%s)", "mine")
+    assert res["outcome"] == "failed" and "mallory's own error" in res["error"]
+    assert ex.execute("select current_user, current_setting('role')").fetchone() == ("root", "none")
+
+
+def test_last_error_is_readable_only_by_the_owner_and_the_admin(ex, example_dsn, mallory, roles):
+    with _as(example_dsn, mallory) as m:
+        m.execute("create or replace function mal.f(ids bigint[]) returns table (id bigint, v text)"
+                  " language plpgsql as $$ begin raise exception 'mallory''s private error'; end $$")
+    assert result(ex, "lockstep.recompute(%s)", "mine")["outcome"] == "failed"
+    other = roles("exam_owner", OWNER_GRANTS, ALL_LOCKSTEP_DML)
+    lsowner = roles("lockstep_owner", login=False)
+    _lockstep_owned_by(ex, lsowner)
+    admin = roles("lockstep_admin", ADMIN_GRANTS, lsowner=lsowner)
+    query = "select last_error from lockstep.status where job = 'mine'"
+    for role, visible in ((mallory, True), (admin, True), (other, False)):
+        with _as(example_dsn, role) as c:
+            rows = c.execute(query).fetchall()
+        assert (rows == [("mallory's private error",)]) if visible else (rows == []), (role, rows)
+
+
+def test_runner_that_cannot_act_as_the_owner_refuses_the_job(ex, example_dsn, roles):
+    """A runner that sees every job (a lockstep admin) and holds every right on the job's tables, but is not
+    a member of the owner role: the job fails with the reason, with backoff, and nothing is written."""
+    owner = roles("exam_owner", OWNER_GRANTS, login=False)
+    ex.execute(sql.SQL("update lockstep.job set owner = {} where job = 'exam_keys'").format(sql.Literal(owner)))
+    lsowner = roles("lockstep_owner", login=False)
+    _lockstep_owned_by(ex, lsowner)
+    runner = roles("lockstep_runner", ADMIN_GRANTS, ["grant usage on schema example to {role}",
+                                                     "grant all on all tables in schema example to {role}"],
+                   lsowner=lsowner)
+    ex.execute("update example.exam set title = 'refused' where id = 1")
+    with _as(example_dsn, runner) as r:
+        res = result(r, "lockstep.work(%s)", "exam_keys")
+        assert res["outcome"] == "failed" and f'may not act as role "{owner}"' in res["error"], res
+        ex.execute("update lockstep.job_state set next_run_at = now()")
+        res = result(r, "lockstep.run(%s)", "exam_keys")
+        assert (res["action"], res["outcome"]) == ("recompute", "failed") and "may not act" in res["error"], res
+    last_error, backoff, failures = ex.execute(
+        "select last_error, next_run_at > now() + interval '30 minutes', consecutive_failures"
+        " from lockstep.job_state where job = 'exam_keys'"
+    ).fetchone()
+    assert f'grant {owner} to {runner}' in last_error or "may not act" in last_error
+    assert backoff and failures == 2
+    assert ex.execute("select count(*) from example.exam_key where key = 'refused'").fetchone()[0] == 0
+    assert ex.execute("select count(*) from lockstep.queue where key = '1'").fetchone()[0] == 1
+
+
+def test_runner_that_does_not_serve_the_owner_is_refused_by_name(ex, example_dsn, roles):
+    owner = roles("exam_owner", OWNER_GRANTS, login=False)
+    runner = roles("lockstep_runner", RUNNER_GRANTS, attrs="noinherit", owner=owner)
+    # exam_keys is root's: this runner does not see it in due(), and refuses it by name
+    with _as(example_dsn, runner) as r:
+        assert r.execute("select job from lockstep.due()").fetchall() == []
+        with raises_sqlstate("42501", match="may not act as role"):
+            r.execute("select lockstep.run('exam_keys')")
+
+
+def test_job_of_a_dropped_role_is_not_run_even_by_a_superuser(ex):
+    ex.execute("update lockstep.job set owner = 'no_such_role_h3' where job = 'exam_keys'")
+    ex.execute("update example.exam set title = 'orphan' where id = 1")
+    res = result(ex, "lockstep.work(%s)", "exam_keys")
+    assert res["outcome"] == "failed" and "which does not exist" in res["error"], res
+    assert ex.execute("select count(*) from example.exam_key where key = 'orphan'").fetchone()[0] == 0
+
+
+def test_parent_key_of_a_domain_type_is_refused(ex, example_dsn, mallory):
+    """Keys are cast to the parent key type outside the owner's sandbox: a domain's CHECK would run there."""
+    ex.execute("create domain public.dkey as bigint check (value > 0)")
+    ex.execute("create table public.dparent (id public.dkey primary key)")
+    ex.execute("create table public.dchild (pid public.dkey references public.dparent, primary key (pid))")
+    ex.execute("create function public.dcompute(ids public.dkey[]) returns table (pid public.dkey)"
+               " language sql as 'select id from public.dparent where ids is null or id = any(ids)'")
+    with raises_sqlstate("LSD04", match="domain"):
+        ex.execute("select lockstep.define_derived('d', 'public.dchild', 'public.dcompute(public.dkey[])',"
+                   " parent => 'public.dparent')")
+    with _as(example_dsn, mallory) as m:
+        with raises_sqlstate("42501", match="row-level security"):
+            m.execute("update lockstep.job set key_type = 'public.dkey'::regtype where job = 'mine'")
+
+
+def test_trampoline_is_executable_by_its_owner_only(ex, example_dsn, mallory, roles):
+    assert result(ex, "lockstep.recompute(%s)", "mine")["outcome"] == "done"
+    name, acl = ex.execute(
+        "select proname, proacl::text from pg_proc where pronamespace = pg_my_temp_schema()"
+        " and proname like 'lockstep\\_as\\_%'"
+    ).fetchone()
+    assert acl == "{" + f"{mallory}=X/{mallory}" + "}"
+    other = roles("exam_owner", OWNER_GRANTS)
+    ex.execute(sql.SQL("set role {}").format(sql.Identifier(other)))
+    with raises_sqlstate("42501"):
+        ex.execute(sql.SQL("select * from pg_temp.{}(null, null)").format(sql.Identifier(name)))
+    ex.execute("reset role")
