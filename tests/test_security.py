@@ -8,6 +8,7 @@ Behaviour that needs a SQL change is marked ``xfail(strict=True)`` with the prop
 
 from __future__ import annotations
 
+import logging
 import secrets
 import subprocess
 import sys
@@ -20,6 +21,8 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from runner.lab import example
 from tests.util import raises_sqlstate, result, snapshot
+
+log = logging.getLogger(__name__)
 
 # The role recipes of docs/security.md, one privilege per line: test_recipe_grant_is_needed removes each
 # line in turn and shows the role's work then fails; test_recipes_are_enough does the work with exactly these.
@@ -111,14 +114,18 @@ def roles(example_dsn: str) -> Iterator[Callable[..., str]]:
     def _make(recipe: str, *grant_lists: list[str], login: bool = True, attrs: str = "", **names: str) -> str:
         name = f"{recipe}_{secrets.token_hex(4)}"
         admin.execute(
-            sql.SQL("create role {} " + ("login" if login else "nologin") + " " + attrs).format(sql.Identifier(name))
+            sql.SQL("create role {} " + ("login" if login else "nologin") + " " + attrs).format(
+                sql.Identifier(name)
+            )
         )
         made.append(name)
         idents = {k: sql.Identifier(v) for k, v in names.items()}
         for grants in grant_lists:
             for g in grants:
                 admin.execute(
-                    sql.SQL(g).format(role=sql.Identifier(name), db=sql.Identifier(dbname(example_dsn)), **idents)
+                    sql.SQL(g).format(
+                        role=sql.Identifier(name), db=sql.Identifier(dbname(example_dsn)), **idents
+                    )
                 )
         return name
 
@@ -133,8 +140,10 @@ def roles(example_dsn: str) -> Iterator[Callable[..., str]]:
 def app_writes(ex: psycopg.Connection) -> None:
     """Some app changes of every kind: edit, new item, delete, new parent."""
     ex.execute("update example.exam set title = 'alpha beta gamma ' || id where id between 1 and 15")
-    ex.execute("insert into example.exam_item (exam_id, body) select id, 'delta epsilon' from example.exam"
-               " where id between 16 and 25")
+    ex.execute(
+        "insert into example.exam_item (exam_id, body) select id, 'delta epsilon' from example.exam"
+        " where id between 16 and 25"
+    )
     ex.execute("delete from example.exam where id between 26 and 30")
     ex.execute("select example.seed(5, 1001)")
 
@@ -154,9 +163,7 @@ def test_every_function_is_security_invoker_with_a_pinned_search_path(conn):
     assert len(rows) > 20
     definer = [name for name, secdef, _ in rows if secdef]
     assert definer == [], f"SECURITY DEFINER functions: {definer}"
-    unpinned = [
-        name for name, _, config in rows if "search_path=pg_catalog, pg_temp" not in (config or [])
-    ]
+    unpinned = [name for name, _, config in rows if "search_path=pg_catalog, pg_temp" not in (config or [])]
     assert unpinned == [], f"functions without SET search_path = pg_catalog, pg_temp: {unpinned}"
 
 
@@ -208,7 +215,9 @@ def _lockstep_owned_by(ex: psycopg.Connection, role: str) -> None:
     """Give schema lockstep and its tables to role, as if `lockstep migrate` had run as it."""
     ex.execute(sql.SQL("alter schema lockstep owner to {}").format(sql.Identifier(role)))
     for t in ("job", "job_state", "queue", "key_failure", "status", "parked_keys", "failing_keys"):
-        ex.execute(sql.SQL("alter table {} owner to {}").format(sql.Identifier("lockstep", t), sql.Identifier(role)))
+        ex.execute(
+            sql.SQL("alter table {} owner to {}").format(sql.Identifier("lockstep", t), sql.Identifier(role))
+        )
 
 
 def recipe_scenario(ex: psycopg.Connection, dsn: str, roles, without: tuple[str, int] | None = None) -> None:
@@ -233,7 +242,9 @@ def recipe_scenario(ex: psycopg.Connection, dsn: str, roles, without: tuple[str,
     _lockstep_owned_by(ex, lsowner)
     owner = roles("exam_owner", grants("owner"))
     for t in ("exam", "exam_item"):
-        ex.execute(sql.SQL("alter table {} owner to {}").format(sql.Identifier("example", t), sql.Identifier(owner)))
+        ex.execute(
+            sql.SQL("alter table {} owner to {}").format(sql.Identifier("example", t), sql.Identifier(owner))
+        )
     runner = roles("lockstep_runner", grants("runner"), attrs="noinherit", owner=owner)
     app = roles("lockstep_app", grants("app"))
     admin = roles("lockstep_admin", grants("admin"), lsowner=lsowner)
@@ -245,7 +256,8 @@ def recipe_scenario(ex: psycopg.Connection, dsn: str, roles, without: tuple[str,
     side = psycopg.connect(dsn)  # superuser, in a transaction: holds a parent the recompute must skip
     try:
         o.execute(
-            "select lockstep.define_derived('exam_keys', 'example.exam_key', 'example.exam_key_compute(bigint[])',"
+            "select lockstep.define_derived('exam_keys', 'example.exam_key',"
+            " 'example.exam_key_compute(bigint[])',"
             " parent => 'example.exam', parent_column => 'exam_id', every => '1 day')"
         )
         o.execute("select lockstep.watch('exam_keys', 'example.exam', 'id')")
@@ -272,7 +284,9 @@ def recipe_scenario(ex: psycopg.Connection, dsn: str, roles, without: tuple[str,
         assert example.divergence(ex) == (0, 0)
 
         for c, who in ((o, "owner"), (r, "runner"), (ad, "admin")):
-            rows = c.execute("select last_outcome, last_error from lockstep.status where job = 'exam_keys'").fetchall()
+            rows = c.execute(
+                "select last_outcome, last_error from lockstep.status where job = 'exam_keys'"
+            ).fetchall()
             _check(rows == [("done", None)], f"{who} reads status {rows}")
         ad.execute("select lockstep.set_max_attempts('exam_keys', 3)")  # another role's job
         o.execute("select lockstep.set_max_attempts('exam_keys', 4)")
@@ -290,21 +304,35 @@ def test_recipes_are_enough(ex, example_dsn, roles):
 @pytest.mark.parametrize(
     ("recipe", "index"),
     [(name, i) for name, grants in RECIPES.items() for i in range(len(grants))],
-    ids=[f"{name}-{g.split(' to ')[0].removeprefix('grant ')}" for name, grants in RECIPES.items() for g in grants],
+    ids=[
+        f"{name}-{g.split(' to ')[0].removeprefix('grant ')}"
+        for name, grants in RECIPES.items()
+        for g in grants
+    ],
 )
 def test_recipe_grant_is_needed(ex, example_dsn, roles, recipe, index):
     with pytest.raises((psycopg.errors.InsufficientPrivilege, Refused)) as info:
         recipe_scenario(ex, example_dsn, roles, without=(recipe, index))
     text = str(info.value)
+    log.info("without %r: %s", RECIPES[recipe][index], text.splitlines()[0])
     assert isinstance(info.value, psycopg.errors.InsufficientPrivilege) or "permission denied" in text, text
 
 
 def test_least_privilege_runner_as_a_cli_process(ex, example_dsn, roles):
     """`lockstep run --once` with the runner recipe: the job runs as its owner, the runner has no right on
     the job's tables."""
-    owner = roles("exam_owner", OWNER_GRANTS, EXAMPLE_OWNER_GRANTS, ["grant select on example.exam, example.exam_item to {role}",
-                                                                      "grant update (id) on example.exam to {role}"])
-    ex.execute(sql.SQL("update lockstep.job set owner = {} where job = 'exam_keys'").format(sql.Literal(owner)))
+    owner = roles(
+        "exam_owner",
+        OWNER_GRANTS,
+        EXAMPLE_OWNER_GRANTS,
+        [
+            "grant select on example.exam, example.exam_item to {role}",
+            "grant update (id) on example.exam to {role}",
+        ],
+    )
+    ex.execute(
+        sql.SQL("update lockstep.job set owner = {} where job = 'exam_keys'").format(sql.Literal(owner))
+    )
     runner = roles("lockstep_runner", RUNNER_GRANTS, attrs="noinherit", owner=owner)
     app_writes(ex)
     ex.execute("update lockstep.job_state set next_run_at = now()")  # the recompute is due as well
@@ -322,8 +350,15 @@ def test_least_privilege_runner_as_a_cli_process(ex, example_dsn, roles):
 
 def test_owner_without_update_on_the_parent_cannot_pin_it(ex, example_dsn, roles):
     """FOR KEY SHARE needs UPDATE on some column of the parent: without it the keys fail (and are kept)."""
-    owner = roles("exam_owner", OWNER_GRANTS, EXAMPLE_OWNER_GRANTS, ["grant select on example.exam, example.exam_item to {role}"])
-    ex.execute(sql.SQL("update lockstep.job set owner = {} where job = 'exam_keys'").format(sql.Literal(owner)))
+    owner = roles(
+        "exam_owner",
+        OWNER_GRANTS,
+        EXAMPLE_OWNER_GRANTS,
+        ["grant select on example.exam, example.exam_item to {role}"],
+    )
+    ex.execute(
+        sql.SQL("update lockstep.job set owner = {} where job = 'exam_keys'").format(sql.Literal(owner))
+    )
     ex.execute("update example.exam set title = 'iota kappa' where id between 1 and 3")
     outcome, error = ex.execute("select outcome, error from lockstep.work('exam_keys')").fetchone()
     assert "permission denied for table exam" in error
@@ -362,7 +397,9 @@ def test_runner_reads_the_status_of_the_jobs_it_runs(ex, example_dsn, roles):
     p = lockstep_cli("status", "--dsn", as_role(example_dsn, runner))
     assert p.returncode == 0, p.stderr
     assert "exam_keys" not in p.stdout  # owned by root, whom this runner does not serve
-    ex.execute(sql.SQL("update lockstep.job set owner = {} where job = 'exam_keys'").format(sql.Literal(owner)))
+    ex.execute(
+        sql.SQL("update lockstep.job set owner = {} where job = 'exam_keys'").format(sql.Literal(owner))
+    )
     p = lockstep_cli("status", "--dsn", as_role(example_dsn, runner))
     assert p.returncode == 0, p.stderr
     assert "exam_keys" in p.stdout
@@ -521,13 +558,13 @@ def _bank(ex: psycopg.Connection) -> list[tuple]:
 
 
 @pytest.fixture
-def mallory(ex, roles) -> str:
+def mallory(ex, example_dsn, roles) -> str:
     """A job owner with every DML privilege on lockstep's tables and a schema of its own, mal; no right on
     schema bank or on public.secret."""
     ex.execute(BANK)
     m = roles("mallory", OWNER_GRANTS, ALL_LOCKSTEP_DML)
     ex.execute(sql.SQL("create schema mal authorization {}").format(sql.Identifier(m)))
-    with _as(dsn_of(ex), m) as c:
+    with _as(example_dsn, m) as c:
         c.execute("create table mal.t (id bigint primary key, v text)")
         c.execute("create table mal.loot (v text)")
         c.execute(
@@ -538,24 +575,27 @@ def mallory(ex, roles) -> str:
     return m
 
 
-def dsn_of(c: psycopg.Connection) -> str:
-    return make_conninfo(c.info.dsn, user="root") if "user=" not in c.info.dsn else c.info.dsn
-
-
 def test_retarget_through_direct_dml_is_refused_at_run_time(ex, example_dsn, mallory):
     """mallory points its own job at bank.accounts by hand; the superuser runner runs it as mallory."""
     oid = ex.execute("select 'bank.accounts'::regclass::oid").fetchone()[0]
     with _as(example_dsn, mallory) as m:
         m.execute("drop function mal.f(bigint[])")  # same shape as bank.accounts
-        m.execute("create function mal.f(ids bigint[]) returns table (id bigint, balance integer)"
-                  " language sql as 'select 1::bigint, 0'")
-        m.execute("update lockstep.job set target = %s::oid::regclass, columns = '{id,balance}' where job = 'mine'",
-                  [oid])
+        m.execute(
+            "create function mal.f(ids bigint[]) returns table (id bigint, balance integer)"
+            " language sql as 'select 1::bigint, 0'"
+        )
+        m.execute(
+            "update lockstep.job set target = %s::oid::regclass, columns = '{id,balance}' where job = 'mine'",
+            [oid],
+        )
     before = _bank(ex)
     res = result(ex, "lockstep.recompute(%s)", "mine")
     assert res["outcome"] == "failed" and "permission denied" in res["error"], res
     assert _bank(ex) == before
-    assert "permission denied" in ex.execute("select last_error from lockstep.job_state where job = 'mine'").fetchone()[0]
+    assert (
+        "permission denied"
+        in ex.execute("select last_error from lockstep.job_state where job = 'mine'").fetchone()[0]
+    )
 
 
 def test_forged_job_calling_a_revoked_function_is_refused(ex, example_dsn, mallory):
@@ -575,8 +615,10 @@ def test_another_owners_job_cannot_be_stalled_emptied_or_forged(ex, example_dsn,
     """exam_keys belongs to root; mallory holds every DML privilege on lockstep's tables."""
     ex.execute("update example.exam set title = 'x y z' where id between 1 and 3")
     ex.execute("update example.exam set title = 'poison' where id = 4")
-    ex.execute("insert into lockstep.key_failure (job, key, attempts, last_error, retry_at) values"
-               " ('exam_keys', '4', 1, 'root''s private error', now())")
+    ex.execute(
+        "insert into lockstep.key_failure (job, key, attempts, last_error, retry_at) values"
+        " ('exam_keys', '4', 1, 'root''s private error', now())"
+    )
     before = snapshot(ex)
     with _as(example_dsn, mallory) as m:
         stmts = [
@@ -595,8 +637,10 @@ def test_another_owners_job_cannot_be_stalled_emptied_or_forged(ex, example_dsn,
         for stmt in stmts:
             assert m.execute(stmt).fetchall() == [], stmt
         with raises_sqlstate("42501", match="row-level security"):
-            m.execute("insert into lockstep.key_failure (job, key, attempts, retry_at, parked)"
-                      " values ('exam_keys', '1', 99, 'infinity', true)")
+            m.execute(
+                "insert into lockstep.key_failure (job, key, attempts, retry_at, parked)"
+                " values ('exam_keys', '1', 99, 'infinity', true)"
+            )
     assert snapshot(ex) == before
 
 
@@ -609,18 +653,30 @@ def test_another_owners_job_cannot_be_stalled_emptied_or_forged(ex, example_dsn,
         "raise exception 'leak: %', (select string_agg(s.v, ',') from public.secret s);",
         # tries to get the runner's rights back first
         "reset role; return query select 1::bigint, s.v from public.secret s;",
-        "execute format('set role %I', session_user); return query select 1::bigint, s.v from public.secret s;",
+        "execute format('set role %I', session_user);"
+        " return query select 1::bigint, s.v from public.secret s;",
         "set session authorization default; return query select 1::bigint, s.v from public.secret s;",
         # leaves something that runs later, in the runner's session: a deferred trigger, a search_path,
         # a prepared statement, a WITH HOLD cursor
         "insert into mal.later values (1); return query select 1::bigint, 'x'::text;",
-        "perform set_config('search_path', 'mal, pg_catalog', false); return query select 1::bigint, 'x'::text;",
+        "perform set_config('search_path', 'mal, pg_catalog', false);"
+        " return query select 1::bigint, 'x'::text;",
         "deallocate victim; prepare victim as insert into mal.loot select v from public.secret;"
         " return query select 1::bigint, 'x'::text;",
-        "execute 'declare c cursor with hold for select mal.steal()'; return query select 1::bigint, 'x'::text;",
+        "execute 'declare c cursor with hold for select mal.steal()';"
+        " return query select 1::bigint, 'x'::text;",
     ],
-    ids=["select", "raise", "reset-role", "set-role", "session-authorization", "deferred-trigger",
-         "search-path", "prepared-statement", "hold-cursor"],
+    ids=[
+        "select",
+        "raise",
+        "reset-role",
+        "set-role",
+        "session-authorization",
+        "deferred-trigger",
+        "search-path",
+        "prepared-statement",
+        "hold-cursor",
+    ],
 )
 def test_compute_reading_a_secret_run_by_a_superuser_leaks_nothing(ex, example_dsn, mallory, body):
     with _as(example_dsn, mallory) as m:
@@ -629,15 +685,23 @@ def test_compute_reading_a_secret_run_by_a_superuser_leaks_nothing(ex, example_d
             "create function mal.steal() returns int language plpgsql"
             " as $$ begin insert into mal.loot select v from public.secret; return 1; end $$"
         )
-        m.execute("create function mal.now() returns timestamptz language plpgsql"
-                  " as $$ begin perform mal.steal(); return pg_catalog.now(); end $$")
-        m.execute("create function mal.grab() returns trigger language plpgsql"
-                  " as $$ begin perform mal.steal(); return null; end $$")
+        m.execute(
+            "create function mal.now() returns timestamptz language plpgsql"
+            " as $$ begin perform mal.steal(); return pg_catalog.now(); end $$"
+        )
+        m.execute(
+            "create function mal.grab() returns trigger language plpgsql"
+            " as $$ begin perform mal.steal(); return null; end $$"
+        )
         m.execute("create table mal.later (v int)")
-        m.execute("create constraint trigger grab after insert on mal.later deferrable initially deferred"
-                  " for each row execute function mal.grab()")
-        m.execute(f"create or replace function mal.f(ids bigint[]) returns table (id bigint, v text)"
-                  f" language plpgsql as $$ begin {body} end $$")
+        m.execute(
+            "create constraint trigger grab after insert on mal.later deferrable initially deferred"
+            " for each row execute function mal.grab()"
+        )
+        m.execute(
+            f"create or replace function mal.f(ids bigint[]) returns table (id bigint, v text)"
+            f" language plpgsql as $$ begin {body} end $$"
+        )
     ex.execute("prepare victim as select 1")
     res = result(ex, "lockstep.recompute(%s)", "mine")
     # later, in the same (superuser) session
@@ -649,7 +713,9 @@ def test_compute_reading_a_secret_run_by_a_superuser_leaks_nothing(ex, example_d
         pass  # dropped: the job's code had replaced it
     ex.execute("close all")
     if res["outcome"] == "failed":
-        assert any(s in res["error"] for s in ("permission denied", "security-definer", "prepared", "WITH HOLD")), res
+        assert any(
+            s in res["error"] for s in ("permission denied", "security-definer", "prepared", "WITH HOLD")
+        ), res
     leaked = ex.execute(
         "select (select count(*) from mal.loot)"
         " + (select count(*) from mal.t where v like '%s3cr3t%')"
@@ -662,8 +728,10 @@ def test_compute_reading_a_secret_run_by_a_superuser_leaks_nothing(ex, example_d
 
 def test_compute_runs_as_its_owner_and_the_role_is_restored(ex, example_dsn, mallory):
     with _as(example_dsn, mallory) as m:
-        m.execute("create or replace function mal.f(ids bigint[]) returns table (id bigint, v text)"
-                  " language plpgsql as $$ begin return query select 1::bigint, current_user::text; end $$")
+        m.execute(
+            "create or replace function mal.f(ids bigint[]) returns table (id bigint, v text)"
+            " language plpgsql as $$ begin return query select 1::bigint, current_user::text; end $$"
+        )
     with psycopg.connect(example_dsn) as tx:  # in one transaction
         assert result(tx, "lockstep.recompute(%s)", "mine")["outcome"] == "done"
         assert tx.execute("select current_user, current_setting('role')").fetchone() == ("root", "none")
@@ -674,8 +742,10 @@ def test_compute_runs_as_its_owner_and_the_role_is_restored(ex, example_dsn, mal
         tx.rollback()
     # and after an error
     with _as(example_dsn, mallory) as m:
-        m.execute("create or replace function mal.f(ids bigint[]) returns table (id bigint, v text)"
-                  " language plpgsql as $$ begin raise exception 'mallory''s own error'; end $$")
+        m.execute(
+            "create or replace function mal.f(ids bigint[]) returns table (id bigint, v text)"
+            " language plpgsql as $$ begin raise exception 'mallory''s own error'; end $$"
+        )
     res = result(ex, "lockstep.recompute(%s)", "mine")
     assert res["outcome"] == "failed" and "mallory's own error" in res["error"]
     assert ex.execute("select current_user, current_setting('role')").fetchone() == ("root", "none")
@@ -683,8 +753,10 @@ def test_compute_runs_as_its_owner_and_the_role_is_restored(ex, example_dsn, mal
 
 def test_last_error_is_readable_only_by_the_owner_and_the_admin(ex, example_dsn, mallory, roles):
     with _as(example_dsn, mallory) as m:
-        m.execute("create or replace function mal.f(ids bigint[]) returns table (id bigint, v text)"
-                  " language plpgsql as $$ begin raise exception 'mallory''s private error'; end $$")
+        m.execute(
+            "create or replace function mal.f(ids bigint[]) returns table (id bigint, v text)"
+            " language plpgsql as $$ begin raise exception 'mallory''s private error'; end $$"
+        )
     assert result(ex, "lockstep.recompute(%s)", "mine")["outcome"] == "failed"
     other = roles("exam_owner", OWNER_GRANTS, ALL_LOCKSTEP_DML)
     lsowner = roles("lockstep_owner", login=False)
@@ -701,24 +773,31 @@ def test_runner_that_cannot_act_as_the_owner_refuses_the_job(ex, example_dsn, ro
     """A runner that sees every job (a lockstep admin) and holds every right on the job's tables, but is not
     a member of the owner role: the job fails with the reason, with backoff, and nothing is written."""
     owner = roles("exam_owner", OWNER_GRANTS, login=False)
-    ex.execute(sql.SQL("update lockstep.job set owner = {} where job = 'exam_keys'").format(sql.Literal(owner)))
+    ex.execute(
+        sql.SQL("update lockstep.job set owner = {} where job = 'exam_keys'").format(sql.Literal(owner))
+    )
     lsowner = roles("lockstep_owner", login=False)
     _lockstep_owned_by(ex, lsowner)
-    runner = roles("lockstep_runner", ADMIN_GRANTS, ["grant usage on schema example to {role}",
-                                                     "grant all on all tables in schema example to {role}"],
-                   lsowner=lsowner)
+    runner = roles(
+        "lockstep_runner",
+        ADMIN_GRANTS,
+        ["grant usage on schema example to {role}", "grant all on all tables in schema example to {role}"],
+        lsowner=lsowner,
+    )
     ex.execute("update example.exam set title = 'refused' where id = 1")
     with _as(example_dsn, runner) as r:
         res = result(r, "lockstep.work(%s)", "exam_keys")
         assert res["outcome"] == "failed" and f'may not act as role "{owner}"' in res["error"], res
         ex.execute("update lockstep.job_state set next_run_at = now()")
         res = result(r, "lockstep.run(%s)", "exam_keys")
-        assert (res["action"], res["outcome"]) == ("recompute", "failed") and "may not act" in res["error"], res
+        assert (res["action"], res["outcome"]) == ("recompute", "failed") and "may not act" in res["error"], (
+            res
+        )
     last_error, backoff, failures = ex.execute(
         "select last_error, next_run_at > now() + interval '30 minutes', consecutive_failures"
         " from lockstep.job_state where job = 'exam_keys'"
     ).fetchone()
-    assert f'grant {owner} to {runner}' in last_error or "may not act" in last_error
+    assert f"grant {owner} to {runner}" in last_error or "may not act" in last_error
     assert backoff and failures == 2
     assert ex.execute("select count(*) from example.exam_key where key = 'refused'").fetchone()[0] == 0
     assert ex.execute("select count(*) from lockstep.queue where key = '1'").fetchone()[0] == 1
@@ -747,11 +826,15 @@ def test_parent_key_of_a_domain_type_is_refused(ex, example_dsn, mallory):
     ex.execute("create domain public.dkey as bigint check (value > 0)")
     ex.execute("create table public.dparent (id public.dkey primary key)")
     ex.execute("create table public.dchild (pid public.dkey references public.dparent, primary key (pid))")
-    ex.execute("create function public.dcompute(ids public.dkey[]) returns table (pid public.dkey)"
-               " language sql as 'select id from public.dparent where ids is null or id = any(ids)'")
+    ex.execute(
+        "create function public.dcompute(ids public.dkey[]) returns table (pid public.dkey)"
+        " language sql as 'select id from public.dparent where ids is null or id = any(ids)'"
+    )
     with raises_sqlstate("LSD04", match="domain"):
-        ex.execute("select lockstep.define_derived('d', 'public.dchild', 'public.dcompute(public.dkey[])',"
-                   " parent => 'public.dparent')")
+        ex.execute(
+            "select lockstep.define_derived('d', 'public.dchild', 'public.dcompute(public.dkey[])',"
+            " parent => 'public.dparent')"
+        )
     with _as(example_dsn, mallory) as m:
         with raises_sqlstate("42501", match="row-level security"):
             m.execute("update lockstep.job set key_type = 'public.dkey'::regtype where job = 'mine'")
