@@ -349,13 +349,20 @@ def test_least_privilege_runner_as_a_cli_process(ex, example_dsn, roles):
 
 
 def test_owner_without_update_on_the_parent_cannot_pin_it(ex, example_dsn, roles):
-    """FOR KEY SHARE needs UPDATE on some column of the parent: without it the keys fail (and are kept)."""
+    """FOR KEY SHARE needs UPDATE on some column of the parent: define_derived refuses the job, and a job
+    given to such an owner by hand fails its keys at run time (they are kept)."""
     owner = roles(
         "exam_owner",
         OWNER_GRANTS,
         EXAMPLE_OWNER_GRANTS,
         ["grant select on example.exam, example.exam_item to {role}"],
     )
+    with _as(example_dsn, owner) as o:
+        with raises_sqlstate("42501", match="lacks UPDATE on parent"):
+            o.execute(
+                "select lockstep.define_derived('mine', 'example.exam_key',"
+                " 'example.exam_key_compute(bigint[])', parent => 'example.exam')"
+            )
     ex.execute(
         sql.SQL("update lockstep.job set owner = {} where job = 'exam_keys'").format(sql.Literal(owner))
     )
@@ -852,3 +859,31 @@ def test_trampoline_is_executable_by_its_owner_only(ex, example_dsn, mallory, ro
     with raises_sqlstate("42501"):
         ex.execute(sql.SQL("select * from pg_temp.{}(null, null)").format(sql.Identifier(name)))
     ex.execute("reset role")
+
+
+def test_owner_with_a_hostile_role_name(ex, example_dsn, roles):
+    """The owner's name is a value (set_config, %I in hints), the trampoline's name is built from its oid."""
+    owner = roles(
+        "o\"w;ner' x",
+        OWNER_GRANTS,
+        EXAMPLE_OWNER_GRANTS,
+        [
+            "grant select on example.exam, example.exam_item to {role}",
+            "grant update (id) on example.exam to {role}",
+        ],
+        login=False,
+    )
+    ex.execute("update lockstep.job set owner = %s where job = 'exam_keys'", [owner])
+    ex.execute("update example.exam set title = 'hostile owner' where id = 1")
+    assert result(ex, "lockstep.work(%s)", "exam_keys")["outcome"] == "done"
+    assert example.divergence(ex) == (0, 0)
+    runner = roles("lockstep_runner", RUNNER_GRANTS[:-2], login=True)  # serves nobody
+    ex.execute("update example.exam set title = 'refused again' where id = 1")
+    with _as(example_dsn, runner) as r:
+        with raises_sqlstate("42501", match="may not act as role") as info:
+            r.execute("select lockstep.run('exam_keys')")
+    grant = ex.execute("select format('grant %%I to %%I', %s::text, %s::text)", [owner, runner]).fetchone()[0]
+    assert (
+        info.value.diag.message_hint
+        == f"A job runs with its owner's rights only: {grant} (docs/security.md)."
+    )

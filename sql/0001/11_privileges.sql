@@ -89,7 +89,8 @@ create policy queue_delete on lockstep.queue for delete
     using (job in (select j.job from lockstep.job j where lockstep._may_manage(j.owner)));
 
 -- lockstep._check_privileges(target, fn, parent): the calling role may itself run fn and read and write
--- target (and read parent); else 42501 and nothing is defined.
+-- target (and read and pin parent: SELECT, and UPDATE on a column for FOR KEY SHARE); else 42501 and
+-- nothing is defined. The job will run with exactly these rights (as its owner).
 -- locks: nothing.
 create function lockstep._check_privileges(target regclass, fn regprocedure, parent regclass) returns void
 language plpgsql stable
@@ -112,6 +113,12 @@ begin
     end if;
     if parent is not null and not pg_catalog.has_table_privilege(parent, 'SELECT') then
         raise exception 'lockstep: role "%" lacks SELECT on %', current_user, parent using errcode = '42501';
+    end if;
+    if parent is not null and not pg_catalog.has_any_column_privilege(parent, 'UPDATE') then
+        raise exception 'lockstep: role "%" lacks UPDATE on parent % (on any column)', current_user, parent
+            using errcode = '42501',
+                  hint = pg_catalog.format('The write phase pins parents with FOR KEY SHARE, which needs UPDATE on one '
+                                           'column: grant update (<its key column>) on %s to %I.', parent, current_user);
     end if;
     if parent is not null and not lockstep._safe_key_type(
             (select a.atttypid from pg_catalog.pg_constraint con
