@@ -672,6 +672,10 @@ def test_another_owners_job_cannot_be_stalled_emptied_or_forged(ex, example_dsn,
         " return query select 1::bigint, 'x'::text;",
         "execute 'declare c cursor with hold for select mal.steal()';"
         " return query select 1::bigint, 'x'::text;",
+        # the same, in place of the session's own: same name (and text)
+        "deallocate victim; execute 'prepare victim as select 1'; return query select 1::bigint, 'x'::text;",
+        "execute 'close keep'; execute 'declare keep cursor with hold for select mal.steal()';"
+        " return query select 1::bigint, 'x'::text;",
     ],
     ids=[
         "select",
@@ -683,6 +687,8 @@ def test_another_owners_job_cannot_be_stalled_emptied_or_forged(ex, example_dsn,
         "search-path",
         "prepared-statement",
         "hold-cursor",
+        "re-prepared-statement",
+        "swapped-hold-cursor",
     ],
 )
 def test_compute_reading_a_secret_run_by_a_superuser_leaks_nothing(ex, example_dsn, mallory, body):
@@ -710,7 +716,9 @@ def test_compute_reading_a_secret_run_by_a_superuser_leaks_nothing(ex, example_d
             f" language plpgsql as $$ begin {body} end $$"
         )
     ex.execute("prepare victim as select 1")
+    ex.execute("declare keep cursor with hold for select 1")
     res = result(ex, "lockstep.recompute(%s)", "mine")
+    log.info("%s: %s %s", body, res["outcome"], res["error"])
     # later, in the same (superuser) session
     assert ex.execute("select current_user, current_setting('role')").fetchone() == ("root", "none")
     ex.execute("select now()")

@@ -207,14 +207,12 @@ as $$
 declare
     v_sql text;
     v_stmts text[];
-    v_now text[];
-    v_cursors bigint;
+    v_cursors text[];
     p lockstep._pass;
 begin
     if sandboxed then
-        select pg_catalog.array_agg(s.name || ' ' || s.statement order by s.name) into v_stmts
-        from pg_catalog.pg_prepared_statements s;
-        select pg_catalog.count(*) into v_cursors from pg_catalog.pg_cursors c where c.is_holdable;
+        v_stmts := lockstep._prepared();
+        v_cursors := lockstep._held_cursors();
     end if;
     if j.kind = 'job' then
         -- by the stored regprocedure: a function dropped or made ambiguous since define_job fails the run
@@ -227,12 +225,10 @@ begin
         perform pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', false);
         set constraints all immediate;
         perform pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', false);
-        if (select pg_catalog.count(*) from pg_catalog.pg_cursors c where c.is_holdable) operator(pg_catalog.>) v_cursors then
+        if lockstep._held_cursors() is distinct from v_cursors then
             raise exception 'lockstep: job "%" left a WITH HOLD cursor open', j.job using errcode = '42501';
         end if;
-        select pg_catalog.array_agg(s.name || ' ' || s.statement order by s.name) into v_now
-        from pg_catalog.pg_prepared_statements s;
-        if v_now is distinct from v_stmts then
+        if lockstep._prepared() is distinct from v_stmts then
             -- prepared statements are not transactional: drop what the job's code prepared or replaced
             perform lockstep._deallocate_changed(v_stmts);
             raise exception 'lockstep: job "%" changed the session''s prepared statements', j.job using errcode = '42501';
@@ -242,7 +238,29 @@ begin
 end;
 $$;
 
--- lockstep._deallocate_changed(kept): deallocate every prepared statement not in kept ("name statement").
+-- lockstep._prepared(): the session's prepared statements (name, prepare time, parameter types, text): a
+-- statement dropped, replaced or re-prepared by a job's code shows as a difference.
+-- locks: nothing.
+create function lockstep._prepared() returns text[]
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select pg_catalog.array_agg(pg_catalog.concat_ws(' ', s.name, s.prepare_time, s.parameter_types, s.statement)
+                                order by s.name)
+    from pg_catalog.pg_prepared_statements s;
+$$;
+
+-- lockstep._held_cursors(): the session's WITH HOLD cursors (name, creation time).
+-- locks: nothing.
+create function lockstep._held_cursors() returns text[]
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select pg_catalog.array_agg(pg_catalog.concat_ws(' ', c.name, c.creation_time) order by c.name)
+    from pg_catalog.pg_cursors c where c.is_holdable;
+$$;
+
+-- lockstep._deallocate_changed(kept): deallocate every prepared statement not in kept (as lockstep._prepared).
 -- locks: nothing.
 create function lockstep._deallocate_changed(kept text[]) returns void
 language plpgsql
@@ -252,7 +270,8 @@ declare
     v name;
 begin
     for v in select s.name from pg_catalog.pg_prepared_statements s
-             where not (s.name || ' ' || s.statement) = any(coalesce(kept, '{}')) loop
+             where not pg_catalog.concat_ws(' ', s.name, s.prepare_time, s.parameter_types, s.statement)
+                       = any(coalesce(kept, '{}')) loop
         execute pg_catalog.format('deallocate %I', v);
     end loop;
 end;
