@@ -672,8 +672,7 @@ def test_another_owners_job_cannot_be_stalled_emptied_or_forged(ex, example_dsn,
         " return query select 1::bigint, 'x'::text;",
         "execute 'declare c cursor with hold for select mal.steal()';"
         " return query select 1::bigint, 'x'::text;",
-        # the same, in place of the session's own: same name (and text)
-        "deallocate victim; execute 'prepare victim as select 1'; return query select 1::bigint, 'x'::text;",
+        # the same, in place of the session's own (same name)
         "execute 'close keep'; execute 'declare keep cursor with hold for select mal.steal()';"
         " return query select 1::bigint, 'x'::text;",
     ],
@@ -687,7 +686,6 @@ def test_another_owners_job_cannot_be_stalled_emptied_or_forged(ex, example_dsn,
         "search-path",
         "prepared-statement",
         "hold-cursor",
-        "re-prepared-statement",
         "swapped-hold-cursor",
     ],
 )
@@ -715,7 +713,7 @@ def test_compute_reading_a_secret_run_by_a_superuser_leaks_nothing(ex, example_d
             f"create or replace function mal.f(ids bigint[]) returns table (id bigint, v text)"
             f" language plpgsql as $$ begin {body} end $$"
         )
-    ex.execute("prepare victim as select 1")
+    ex.execute("prepare victim as select now()")
     ex.execute("declare keep cursor with hold for select 1")
     res = result(ex, "lockstep.recompute(%s)", "mine")
     log.info("%s: %s %s", body, res["outcome"], res["error"])
@@ -895,3 +893,20 @@ def test_owner_with_a_hostile_role_name(ex, example_dsn, roles):
         info.value.diag.message_hint
         == f"A job runs with its owner's rights only: {grant} (docs/security.md)."
     )
+
+
+def test_job_code_may_not_replace_the_sessions_prepared_statements(ex, example_dsn, mallory):
+    """Even re-prepared with the same name and text (it may resolve differently): refused, and dropped."""
+    with _as(example_dsn, mallory) as m:
+        m.execute(
+            "create or replace function mal.f(ids bigint[]) returns table (id bigint, v text)"
+            " language plpgsql as $$ begin deallocate victim; execute 'prepare victim as select 1';"
+            " return query select 1::bigint, 'x'::text; end $$"
+        )
+    ex.execute("prepare victim as select 1")
+    ex.execute("prepare bystander as select 2")
+    res = result(ex, "lockstep.recompute(%s)", "mine")
+    assert res["outcome"] == "failed" and "changed the session's prepared statements" in res["error"], res
+    with raises_sqlstate("26000"):
+        ex.execute("execute victim")
+    assert ex.execute("execute bystander").fetchone() == (2,)
