@@ -8,6 +8,7 @@ Behaviour that needs a SQL change is marked ``xfail(strict=True)`` with the prop
 
 from __future__ import annotations
 
+import logging
 import secrets
 import subprocess
 import sys
@@ -19,42 +20,79 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from runner.lab import example
-from tests.util import raises_sqlstate
+from tests.util import raises_sqlstate, result, snapshot
 
-# what `lockstep run` needs, besides the job's own tables (see runner_grants)
-RUNNER_LOCKSTEP_GRANTS = [
+log = logging.getLogger(__name__)
+
+# The role recipes of docs/security.md, one privilege per line: test_recipe_grant_is_needed removes each
+# line in turn and shows the role's work then fails; test_recipes_are_enough does the work with exactly these.
+# {owner} is the job owner role, {lsowner} the role owning lockstep's tables. The tests revoke TEMP on the
+# database from PUBLIC first, so the TEMP grant is shown needed too.
+
+# the job owner: defines, watches, retries and drops its jobs; its jobs run with its rights. It owns the
+# watched tables (watch and drop_job are DDL on them).
+OWNER_GRANTS = [
     "grant usage on schema lockstep to {role}",
-    "grant execute on all functions in schema lockstep to {role}",
-    "grant select, insert, update, delete on lockstep.job_state, lockstep.queue, lockstep.key_failure"
-    " to {role}",
     "grant select on lockstep.job to {role}",
-    "grant temp on database {db} to {role}",
+    "grant insert on lockstep.job to {role}",
+    "grant update on lockstep.job to {role}",  # define_* upsert (ON CONFLICT DO UPDATE), set_max_attempts
+    "grant delete on lockstep.job to {role}",  # drop_job
+    "grant select on lockstep.job_state to {role}",
+    "grant insert on lockstep.job_state to {role}",  # define_* creates the status row
+    "grant select on lockstep.queue to {role}",
+    "grant insert on lockstep.queue to {role}",  # enqueue, retry
+    "grant delete on lockstep.queue to {role}",  # drop_job
+    "grant select on lockstep.key_failure to {role}",
+    "grant delete on lockstep.key_failure to {role}",  # retry
+    "grant select on lockstep.status to {role}",
+    "grant select on lockstep.failing_keys to {role}",
+    "grant temp on database {db} to {role}",  # the compute/write work tables and its trampoline
 ]
-# what the example job exam_keys needs: read its sources, write its target, and UPDATE on one column of
-# the parent because the write phase pins parents with SELECT ... FOR KEY SHARE (row-locking clauses need
-# UPDATE on at least one column of the table; a column grant is enough).
-EXAMPLE_RUNNER_GRANTS = [
+# ... and the example job's own tables (the owner owns example.exam and example.exam_item)
+EXAMPLE_OWNER_GRANTS = [
     "grant usage on schema example to {role}",
-    "grant select on example.exam, example.exam_item to {role}",
-    "grant update (id) on example.exam to {role}",
-    "grant select, insert, update, delete on example.exam_key to {role}",
+    "grant select on example.exam_key to {role}",
+    "grant insert on example.exam_key to {role}",
+    "grant update on example.exam_key to {role}",
+    "grant delete on example.exam_key to {role}",
 ]
-# an application role that writes the watched tables: its statement triggers enqueue as that role
-# (enqueue looks for the job and checks whether the queue was empty before it inserts).
+# the runner (`lockstep run`): lockstep's bookkeeping, and membership in each job owner role: it runs each
+# job as its owner (SET ROLE), so it needs no right on the jobs' tables. NOINHERIT: the membership only
+# lets it switch to the owner, it does not give the runner the owner's rights.
+RUNNER_GRANTS = [
+    "grant usage on schema lockstep to {role}",
+    "grant select on lockstep.job to {role}",
+    "grant select on lockstep.job_state to {role}",
+    "grant update on lockstep.job_state to {role}",
+    "grant select on lockstep.queue to {role}",
+    "grant insert on lockstep.queue to {role}",  # a recompute re-queues the parents it had to skip
+    "grant update on lockstep.queue to {role}",  # a skipped key is retried a second later
+    "grant delete on lockstep.queue to {role}",
+    "grant select on lockstep.key_failure to {role}",
+    "grant insert on lockstep.key_failure to {role}",
+    "grant update on lockstep.key_failure to {role}",
+    "grant delete on lockstep.key_failure to {role}",
+    "grant {owner} to {role}",
+    "grant select on lockstep.status to {role}",  # `lockstep status`, metrics
+]
+# an application role that writes the watched tables: its statement triggers enqueue as that role.
 APP_GRANTS = [
     "grant usage on schema lockstep to {role}",
-    "grant select on lockstep.job to {role}",
-    "grant select, insert on lockstep.queue to {role}",
+    "grant select on lockstep.job to {role}",  # enqueue looks the job up
+    "grant select (job) on lockstep.queue to {role}",  # whether the job's queue was empty (NOTIFY)
+    "grant insert on lockstep.queue to {role}",
 ]
 EXAMPLE_APP_GRANTS = [
     "grant usage on schema example to {role}",
-    "grant select, insert, update, delete on example.exam, example.exam_item to {role}",
+    "grant select on example.exam to {role}",
+    "grant update on example.exam to {role}",
+    "grant delete on example.exam to {role}",
+    "grant insert on example.exam_item to {role}",
 ]
-# a role that defines and drops jobs (its own), and may run them by hand
+# the lockstep admin: sees and manages every job. A member of the role that owns lockstep's tables (the
+# role `lockstep migrate` ran as), or a superuser.
 ADMIN_GRANTS = [
-    "grant usage on schema lockstep to {role}",
-    "grant select, insert, update, delete on all tables in schema lockstep to {role}",
-    "grant temp on database {db} to {role}",
+    "grant {lsowner} to {role}",
 ]
 
 
@@ -68,26 +106,32 @@ def as_role(dsn: str, role: str) -> str:
 
 @pytest.fixture
 def roles(example_dsn: str) -> Iterator[Callable[..., str]]:
-    """``roles(recipe, *grant_lists, login=True) -> name``: a new role in the cluster with these grants."""
+    """``roles(recipe, *grant_lists, login=True, attrs="", **names) -> name``: a new role in the cluster with
+    these grants; ``{role}`` is the new role, ``{db}`` the database, other ``{x}`` the role names given."""
     made: list[str] = []
     admin = psycopg.connect(example_dsn, autocommit=True)
 
-    def _make(recipe: str, *grant_lists: list[str], login: bool = True) -> str:
+    def _make(recipe: str, *grant_lists: list[str], login: bool = True, attrs: str = "", **names: str) -> str:
         name = f"{recipe}_{secrets.token_hex(4)}"
         admin.execute(
-            sql.SQL("create role {} " + ("login" if login else "nologin")).format(sql.Identifier(name))
+            sql.SQL("create role {} " + ("login" if login else "nologin") + " " + attrs).format(
+                sql.Identifier(name)
+            )
         )
         made.append(name)
+        idents = {k: sql.Identifier(v) for k, v in names.items()}
         for grants in grant_lists:
             for g in grants:
                 admin.execute(
-                    sql.SQL(g).format(role=sql.Identifier(name), db=sql.Identifier(dbname(example_dsn)))
+                    sql.SQL(g).format(
+                        role=sql.Identifier(name), db=sql.Identifier(dbname(example_dsn)), **idents
+                    )
                 )
         return name
 
     yield _make
     for name in reversed(made):
-        admin.execute(sql.SQL("drop owned by {}").format(sql.Identifier(name)))
+        admin.execute(sql.SQL("drop owned by {} cascade").format(sql.Identifier(name)))
     for name in reversed(made):
         admin.execute(sql.SQL("drop role {}").format(sql.Identifier(name)))
     admin.close()
@@ -96,8 +140,10 @@ def roles(example_dsn: str) -> Iterator[Callable[..., str]]:
 def app_writes(ex: psycopg.Connection) -> None:
     """Some app changes of every kind: edit, new item, delete, new parent."""
     ex.execute("update example.exam set title = 'alpha beta gamma ' || id where id between 1 and 15")
-    ex.execute("insert into example.exam_item (exam_id, body) select id, 'delta epsilon' from example.exam"
-               " where id between 16 and 25")
+    ex.execute(
+        "insert into example.exam_item (exam_id, body) select id, 'delta epsilon' from example.exam"
+        " where id between 16 and 25"
+    )
     ex.execute("delete from example.exam where id between 26 and 30")
     ex.execute("select example.seed(5, 1001)")
 
@@ -117,9 +163,7 @@ def test_every_function_is_security_invoker_with_a_pinned_search_path(conn):
     assert len(rows) > 20
     definer = [name for name, secdef, _ in rows if secdef]
     assert definer == [], f"SECURITY DEFINER functions: {definer}"
-    unpinned = [
-        name for name, _, config in rows if "search_path=pg_catalog, pg_temp" not in (config or [])
-    ]
+    unpinned = [name for name, _, config in rows if "search_path=pg_catalog, pg_temp" not in (config or [])]
     assert unpinned == [], f"functions without SET search_path = pg_catalog, pg_temp: {unpinned}"
 
 
@@ -133,37 +177,197 @@ def test_lockstep_objects_have_default_acls_only(conn):
     assert conn.execute("select nspacl from pg_namespace where nspname = 'lockstep'").fetchone()[0] is None
 
 
-# the runner role ---------------------------------------------------------------------------------------
+# the recipes, end to end -------------------------------------------------------------------------------
+
+RECIPES = {
+    "owner": OWNER_GRANTS + EXAMPLE_OWNER_GRANTS,
+    "runner": RUNNER_GRANTS,
+    "app": APP_GRANTS + EXAMPLE_APP_GRANTS,
+    "admin": ADMIN_GRANTS,
+}
 
 
-def test_least_privilege_runner_completes_a_workload(ex, example_dsn, roles):
-    runner = roles("lockstep_runner", RUNNER_LOCKSTEP_GRANTS, EXAMPLE_RUNNER_GRANTS)
+class Refused(Exception):
+    """A step of a role's work did not do what it should (a failed run, a row it should see missing)."""
+
+
+def _check(ok: bool, what: str) -> None:
+    if not ok:
+        raise Refused(what)
+
+
+def _run(r: psycopg.Connection, job: str) -> dict:
+    res = result(r, "lockstep.run(%s)", job)
+    _check(res["outcome"] != "failed", f"run failed: {res['error']}")
+    return res
+
+
+def _drain(r: psycopg.Connection, job: str) -> None:
+    """Worker passes until no ready key is left (bounded)."""
+    for _ in range(20):
+        res = _run(r, job)
+        if not (res["outcome"] == "done" and res["more"]):
+            return
+    raise AssertionError("queue not drained in 20 passes")
+
+
+def _lockstep_owned_by(ex: psycopg.Connection, role: str) -> None:
+    """Give schema lockstep and its tables to role, as if `lockstep migrate` had run as it."""
+    ex.execute(sql.SQL("alter schema lockstep owner to {}").format(sql.Identifier(role)))
+    for t in ("job", "job_state", "queue", "key_failure", "status", "parked_keys", "failing_keys"):
+        ex.execute(
+            sql.SQL("alter table {} owner to {}").format(sql.Identifier("lockstep", t), sql.Identifier(role))
+        )
+
+
+def recipe_scenario(ex: psycopg.Connection, dsn: str, roles, without: tuple[str, int] | None = None) -> None:
+    """Every role does its work with exactly its recipe (minus one grant: ``without = (recipe, index)``).
+
+    The owner defines and watches exam_keys; the app writes; the runner recomputes (one parent held by
+    another session, so it is skipped and re-queued) and drains the queue; a poison key fails, the app
+    fixes it and the owner retries it; owner, runner and admin read the status; the admin changes the job,
+    the owner drops it. Raises on the first step that fails (42501 or Refused).
+    """
+
+    def grants(recipe: str) -> list[str]:
+        g = list(RECIPES[recipe])
+        if without and without[0] == recipe:
+            del g[without[1]]
+        return g
+
+    ex.execute(sql.SQL("revoke temp on database {} from public").format(sql.Identifier(dbname(dsn))))
+    ex.execute("select lockstep.drop_job('exam_keys')")
+    ex.execute("alter table example.exam_key add constraint no_poison check (key <> 'poison')")
+    lsowner = roles("lockstep_owner", login=False)
+    _lockstep_owned_by(ex, lsowner)
+    owner = roles("exam_owner", grants("owner"))
+    for t in ("exam", "exam_item"):
+        ex.execute(
+            sql.SQL("alter table {} owner to {}").format(sql.Identifier("example", t), sql.Identifier(owner))
+        )
+    runner = roles("lockstep_runner", grants("runner"), attrs="noinherit", owner=owner)
+    app = roles("lockstep_app", grants("app"))
+    admin = roles("lockstep_admin", grants("admin"), lsowner=lsowner)
+
+    o = psycopg.connect(as_role(dsn, owner), autocommit=True)
+    r = psycopg.connect(as_role(dsn, runner), autocommit=True)
+    a = psycopg.connect(as_role(dsn, app), autocommit=True)
+    ad = psycopg.connect(as_role(dsn, admin), autocommit=True)
+    side = psycopg.connect(dsn)  # superuser, in a transaction: holds a parent the recompute must skip
+    try:
+        o.execute(
+            "select lockstep.define_derived('exam_keys', 'example.exam_key',"
+            " 'example.exam_key_compute(bigint[])',"
+            " parent => 'example.exam', parent_column => 'exam_id', every => '1 day')"
+        )
+        o.execute("select lockstep.watch('exam_keys', 'example.exam', 'id')")
+        o.execute("select lockstep.watch('exam_keys', 'example.exam_item', 'exam_id')")
+
+        a.execute("update example.exam set title = 'alpha beta gamma ' || id where id between 1 and 5")
+        a.execute("insert into example.exam_item (exam_id, body) values (8, 'delta epsilon')")
+        a.execute("delete from example.exam where id = 9")
+        side.execute("select 1 from example.exam where id = 3 for update")
+        res = _run(r, "exam_keys")  # due since define: the recompute
+        _check((res["action"], res["outcome"]) == ("recompute", "done"), f"recompute: {res}")
+        assert res["skipped"] == 1, res
+        side.rollback()
+        _drain(r, "exam_keys")
+
+        a.execute("update example.exam set title = 'poison pill' where id = 7")
+        res = _run(r, "exam_keys")
+        _check(res["error"] is not None and "no_poison" in res["error"], f"poison: {res}")
+        failing = o.execute("select key from lockstep.failing_keys where job = 'exam_keys'").fetchall()
+        _check(failing == [("7",)], f"owner sees failing keys {failing}")
+        a.execute("update example.exam set title = 'cured' where id = 7")
+        _check(o.execute("select lockstep.retry('exam_keys')").fetchone()[0] == 1, "retry")
+        _drain(r, "exam_keys")
+        assert example.divergence(ex) == (0, 0)
+
+        for c, who in ((o, "owner"), (r, "runner"), (ad, "admin")):
+            rows = c.execute(
+                "select last_outcome, last_error from lockstep.status where job = 'exam_keys'"
+            ).fetchall()
+            _check(rows == [("done", None)], f"{who} reads status {rows}")
+        ad.execute("select lockstep.set_max_attempts('exam_keys', 3)")  # another role's job
+        o.execute("select lockstep.set_max_attempts('exam_keys', 4)")
+        o.execute("select lockstep.drop_job('exam_keys')")
+        assert ex.execute("select count(*) from lockstep.job").fetchone()[0] == 0
+    finally:
+        for c in (o, r, a, ad, side):
+            c.close()
+
+
+def test_recipes_are_enough(ex, example_dsn, roles):
+    recipe_scenario(ex, example_dsn, roles)
+
+
+@pytest.mark.parametrize(
+    ("recipe", "index"),
+    [(name, i) for name, grants in RECIPES.items() for i in range(len(grants))],
+    ids=[
+        f"{name}-{g.split(' to ')[0].removeprefix('grant ')}"
+        for name, grants in RECIPES.items()
+        for g in grants
+    ],
+)
+def test_recipe_grant_is_needed(ex, example_dsn, roles, recipe, index):
+    with pytest.raises((psycopg.errors.InsufficientPrivilege, Refused)) as info:
+        recipe_scenario(ex, example_dsn, roles, without=(recipe, index))
+    text = str(info.value)
+    log.info("without %r: %s", RECIPES[recipe][index], text.splitlines()[0])
+    assert isinstance(info.value, psycopg.errors.InsufficientPrivilege) or "permission denied" in text, text
+
+
+def test_least_privilege_runner_as_a_cli_process(ex, example_dsn, roles):
+    """`lockstep run --once` with the runner recipe: the job runs as its owner, the runner has no right on
+    the job's tables."""
+    owner = roles(
+        "exam_owner",
+        OWNER_GRANTS,
+        EXAMPLE_OWNER_GRANTS,
+        [
+            "grant select on example.exam, example.exam_item to {role}",
+            "grant update (id) on example.exam to {role}",
+        ],
+    )
+    ex.execute(
+        sql.SQL("update lockstep.job set owner = {} where job = 'exam_keys'").format(sql.Literal(owner))
+    )
+    runner = roles("lockstep_runner", RUNNER_GRANTS, attrs="noinherit", owner=owner)
     app_writes(ex)
     ex.execute("update lockstep.job_state set next_run_at = now()")  # the recompute is due as well
-    assert ex.execute("select count(*) from lockstep.queue").fetchone()[0] > 0
     p = lockstep_cli("run", "--once", "--dsn", as_role(example_dsn, runner))
     assert p.returncode == 0, p.stderr
     assert "Traceback" not in p.stderr and "ERROR" not in p.stderr, p.stderr
     assert "exam_keys recompute done" in p.stderr, p.stderr
+    with psycopg.connect(as_role(example_dsn, runner), autocommit=True) as r:
+        _drain(r, "exam_keys")
+        with raises_sqlstate("42501"):
+            r.execute("select count(*) from example.exam_key")  # it never had the job's rights itself
     assert example.divergence(ex) == (0, 0)
     assert ex.execute("select count(*) from lockstep.key_failure").fetchone()[0] == 0
-    # the worker pass too, as that role, from SQL
-    app_writes_again = "update example.exam set body = 'zeta eta theta' where id between 40 and 45"
-    ex.execute(app_writes_again)
-    with psycopg.connect(as_role(example_dsn, runner), autocommit=True) as r:
-        assert r.execute("select current_user").fetchone()[0] == runner
-        row = r.execute("select outcome, error from lockstep.work('exam_keys')").fetchone()
-    assert row == ("done", None)
-    assert example.divergence(ex) == (0, 0)
 
 
-def test_runner_without_update_on_the_parent_cannot_pin_it(ex, example_dsn, roles):
-    """FOR KEY SHARE needs UPDATE on some column of the parent: without it the keys fail (and are kept)."""
-    no_update = [g for g in EXAMPLE_RUNNER_GRANTS if "update (id)" not in g]
-    runner = roles("lockstep_runner", RUNNER_LOCKSTEP_GRANTS, no_update)
+def test_owner_without_update_on_the_parent_cannot_pin_it(ex, example_dsn, roles):
+    """FOR KEY SHARE needs UPDATE on some column of the parent: define_derived refuses the job, and a job
+    given to such an owner by hand fails its keys at run time (they are kept)."""
+    owner = roles(
+        "exam_owner",
+        OWNER_GRANTS,
+        EXAMPLE_OWNER_GRANTS,
+        ["grant select on example.exam, example.exam_item to {role}"],
+    )
+    with _as(example_dsn, owner) as o:
+        with raises_sqlstate("42501", match="lacks UPDATE on parent"):
+            o.execute(
+                "select lockstep.define_derived('mine', 'example.exam_key',"
+                " 'example.exam_key_compute(bigint[])', parent => 'example.exam')"
+            )
+    ex.execute(
+        sql.SQL("update lockstep.job set owner = {} where job = 'exam_keys'").format(sql.Literal(owner))
+    )
     ex.execute("update example.exam set title = 'iota kappa' where id between 1 and 3")
-    with psycopg.connect(as_role(example_dsn, runner), autocommit=True) as r:
-        outcome, error = r.execute("select outcome, error from lockstep.work('exam_keys')").fetchone()
+    outcome, error = ex.execute("select outcome, error from lockstep.work('exam_keys')").fetchone()
     assert "permission denied for table exam" in error
     failed = ex.execute("select key, last_error from lockstep.key_failure order by key::int").fetchall()
     assert [k for k, _ in failed] == ["1", "2", "3"]
@@ -173,14 +377,14 @@ def test_runner_without_update_on_the_parent_cannot_pin_it(ex, example_dsn, role
 def test_runner_cannot_touch_tables_it_was_not_granted(ex, example_dsn, roles):
     ex.execute("create table public.secret (v text)")
     ex.execute("insert into public.secret values ('s3cr3t')")
-    runner = roles("lockstep_runner", RUNNER_LOCKSTEP_GRANTS, EXAMPLE_RUNNER_GRANTS)
+    owner = roles("exam_owner", OWNER_GRANTS, login=False)
+    runner = roles("lockstep_runner", RUNNER_GRANTS, attrs="noinherit", owner=owner)
     with psycopg.connect(as_role(example_dsn, runner), autocommit=True) as r:
         for stmt in [
             "select * from public.secret",
             "insert into public.secret values ('x')",
             "delete from public.secret",
-            "update example.exam set title = 'x'",  # only column id is granted
-            "delete from example.exam",
+            "select * from example.exam",
             "insert into lockstep.job (job, kind, lock_group, call, every, backoff)"
             " values ('x', 'job', 'x', 'pg_catalog.now()', '1 minute', '1 hour')",
             "create table public.mine (v int)",
@@ -190,15 +394,18 @@ def test_runner_cannot_touch_tables_it_was_not_granted(ex, example_dsn, roles):
         with raises_sqlstate("42501"):
             r.execute("select lockstep.drop_job('exam_keys')")
         with raises_sqlstate("42501"):
-            r.execute("select * from lockstep.status")  # `lockstep status` needs: grant select on the views
+            r.execute("select * from lockstep.failing_keys")  # not in its recipe
     assert ex.execute("select v from public.secret").fetchall() == [("s3cr3t",)]
 
 
-def test_runner_with_status_grant_can_read_status(ex, example_dsn, roles):
-    runner = roles(
-        "lockstep_runner",
-        RUNNER_LOCKSTEP_GRANTS,
-        ["grant select on lockstep.status, lockstep.parked_keys, lockstep.failing_keys to {role}"],
+def test_runner_reads_the_status_of_the_jobs_it_runs(ex, example_dsn, roles):
+    owner = roles("exam_owner", OWNER_GRANTS, login=False)
+    runner = roles("lockstep_runner", RUNNER_GRANTS, attrs="noinherit", owner=owner)
+    p = lockstep_cli("status", "--dsn", as_role(example_dsn, runner))
+    assert p.returncode == 0, p.stderr
+    assert "exam_keys" not in p.stdout  # owned by root, whom this runner does not serve
+    ex.execute(
+        sql.SQL("update lockstep.job set owner = {} where job = 'exam_keys'").format(sql.Literal(owner))
     )
     p = lockstep_cli("status", "--dsn", as_role(example_dsn, runner))
     assert p.returncode == 0, p.stderr
@@ -209,14 +416,17 @@ def test_runner_with_status_grant_can_read_status(ex, example_dsn, roles):
 
 
 def test_app_role_enqueues_through_triggers(ex, example_dsn, roles):
-    app = roles("lockstep_app", APP_GRANTS, EXAMPLE_APP_GRANTS)
+    app = roles("lockstep_app", APP_GRANTS, EXAMPLE_APP_GRANTS, ["grant insert on example.exam to {role}"])
     with psycopg.connect(as_role(example_dsn, app), autocommit=True) as a:
         a.execute("update example.exam set title = 'lambda mu' where id = 7")
         a.execute("insert into example.exam_item (exam_id, body) values (8, 'nu xi omicron')")
         a.execute("delete from example.exam where id = 9")  # exam_key rows go by the FK cascade
         a.execute("insert into example.exam (id, title, body) values (5000, 'pi rho', 'sigma tau')")
         assert a.execute("select lockstep.enqueue('exam_keys', array[10::bigint])").fetchone()[0] == 1
-        # but it is not a runner and cannot redefine the job
+        # it sees that the queue has rows, not which keys
+        with raises_sqlstate("42501"):
+            a.execute("select key from lockstep.queue")
+        # and it is not a runner and cannot redefine the job
         with raises_sqlstate("42501"):
             a.execute("select lockstep.work('exam_keys')")
         with raises_sqlstate("42501"):
@@ -227,6 +437,18 @@ def test_app_role_enqueues_through_triggers(ex, example_dsn, roles):
     assert keys == {"7", "8", "9", "10", "5000"}
     ex.execute("select lockstep.work('exam_keys')")
     assert example.divergence(ex) == (0, 0)
+
+
+def test_app_enqueue_notifies_only_when_the_queue_was_empty(ex, example_dsn, roles, connect):
+    """The app cannot read the job's queue keys, but still sees whether it was empty (NOTIFY only then)."""
+    app = roles("lockstep_app", APP_GRANTS, EXAMPLE_APP_GRANTS)
+    listener = connect(example_dsn)
+    listener.execute("listen lockstep")
+    with psycopg.connect(as_role(example_dsn, app), autocommit=True) as a:
+        a.execute("update example.exam set title = 'one' where id = 1")
+        a.execute("update example.exam set title = 'two' where id = 2")
+    payloads = [n.payload for n in listener.notifies(timeout=0.5, stop_after=2)]
+    assert payloads == ["exam_keys"]
 
 
 def test_app_role_without_queue_grant_cannot_write_watched_tables(ex, example_dsn, roles):
@@ -247,11 +469,11 @@ def _define_noop(c: psycopg.Connection, job: str = "owned") -> None:
 
 @pytest.fixture
 def owners(ex, roles):
-    """(owner, other, member): admin roles; member is a member of owner, other is not."""
+    """(owner, other, member): job owner roles; member is a member of owner, other is not."""
     ex.execute("create function public.lockstep_noop() returns void language sql as 'select'")
-    owner = roles("lockstep_admin", ADMIN_GRANTS)
-    other = roles("lockstep_admin", ADMIN_GRANTS)
-    member = roles("lockstep_admin", ADMIN_GRANTS)
+    owner = roles("exam_owner", OWNER_GRANTS)
+    other = roles("exam_owner", OWNER_GRANTS)
+    member = roles("exam_owner", OWNER_GRANTS)
     ex.execute(sql.SQL("grant {} to {}").format(sql.Identifier(owner), sql.Identifier(member)))
     return owner, other, member
 
@@ -292,16 +514,399 @@ def test_ownership_cannot_be_taken_with_plain_dml(ex, example_dsn, owners):
     assert taken == []
 
 
+def test_own_job_cannot_be_given_to_another_role_or_to_no_role(ex, example_dsn, owners):
+    """RLS WITH CHECK: an owner may only name a role it is a member of (the job would run as that role)."""
+    owner, other, _ = owners
+    with psycopg.connect(as_role(example_dsn, owner), autocommit=True) as o:
+        _define_noop(o)
+        for new_owner in (other, "root", "no_such_role_" + secrets.token_hex(4)):
+            with raises_sqlstate("42501", match="row-level security"):
+                o.execute("update lockstep.job set owner = %s where job = 'owned'", [new_owner])
+    assert ex.execute("select owner from lockstep.job where job = 'owned'").fetchone()[0] == owner
+
+
 def test_define_derived_refuses_a_target_the_caller_cannot_write(ex, example_dsn, roles):
     ex.execute(
         "create function public.no_keys(ids bigint[])"
         " returns table (exam_id bigint, key text, weight integer)"
         " language sql stable as 'select null::bigint, null::text, null::integer where false'"
     )
-    admin = roles("lockstep_admin", ADMIN_GRANTS, ["grant usage on schema example to {role}"])
+    admin = roles("exam_owner", OWNER_GRANTS, ["grant usage on schema example to {role}"])
     with psycopg.connect(as_role(example_dsn, admin), autocommit=True) as a:
         with raises_sqlstate("42501"):
             a.execute(
                 "select lockstep.define_derived('wipe', 'example.exam_key', 'public.no_keys(bigint[])',"
                 " parent => 'example.exam', parent_column => 'exam_id')"
             )
+
+
+# attacks: each one worked while compute and call ran with the runner's rights and only lockstep.job had
+# row-level security ------------------------------------------------------------------------------------
+
+BANK = """
+create schema bank;
+create table bank.accounts (id bigint primary key, balance integer not null);
+insert into bank.accounts select g, 100 from generate_series(1, 5) g;
+create function bank.close_all() returns void language sql as 'delete from bank.accounts';
+revoke execute on function bank.close_all() from public;
+create table public.secret (v text);
+insert into public.secret values ('s3cr3t');
+"""
+# every DML privilege on lockstep's tables (what the old admin recipe granted)
+ALL_LOCKSTEP_DML = ["grant select, insert, update, delete on all tables in schema lockstep to {role}"]
+
+
+def _as(dsn: str, role: str) -> psycopg.Connection:
+    return psycopg.connect(as_role(dsn, role), autocommit=True)
+
+
+def _bank(ex: psycopg.Connection) -> list[tuple]:
+    return ex.execute("select id, balance from bank.accounts order by id").fetchall()
+
+
+@pytest.fixture
+def mallory(ex, example_dsn, roles) -> str:
+    """A job owner with every DML privilege on lockstep's tables and a schema of its own, mal; no right on
+    schema bank or on public.secret."""
+    ex.execute(BANK)
+    m = roles("mallory", OWNER_GRANTS, ALL_LOCKSTEP_DML)
+    ex.execute(sql.SQL("create schema mal authorization {}").format(sql.Identifier(m)))
+    with _as(example_dsn, m) as c:
+        c.execute("create table mal.t (id bigint primary key, v text)")
+        c.execute("create table mal.loot (v text)")
+        c.execute(
+            "create function mal.f(ids bigint[]) returns table (id bigint, v text) language plpgsql"
+            " as $$ begin return query select 1::bigint, 'harmless'::text; end $$"
+        )
+        c.execute("select lockstep.define_derived('mine', 'mal.t', 'mal.f(bigint[])')")
+    return m
+
+
+def test_retarget_through_direct_dml_is_refused_at_run_time(ex, example_dsn, mallory):
+    """mallory points its own job at bank.accounts by hand; the superuser runner runs it as mallory."""
+    oid = ex.execute("select 'bank.accounts'::regclass::oid").fetchone()[0]
+    with _as(example_dsn, mallory) as m:
+        m.execute("drop function mal.f(bigint[])")  # same shape as bank.accounts
+        m.execute(
+            "create function mal.f(ids bigint[]) returns table (id bigint, balance integer)"
+            " language sql as 'select 1::bigint, 0'"
+        )
+        m.execute(
+            "update lockstep.job set target = %s::oid::regclass, columns = '{id,balance}' where job = 'mine'",
+            [oid],
+        )
+    before = _bank(ex)
+    res = result(ex, "lockstep.recompute(%s)", "mine")
+    assert res["outcome"] == "failed" and "permission denied" in res["error"], res
+    assert _bank(ex) == before
+    assert (
+        "permission denied"
+        in ex.execute("select last_error from lockstep.job_state where job = 'mine'").fetchone()[0]
+    )
+
+
+def test_forged_job_calling_a_revoked_function_is_refused(ex, example_dsn, mallory):
+    with _as(example_dsn, mallory) as m:
+        m.execute(
+            "insert into lockstep.job (job, kind, lock_group, call, every, backoff)"
+            " values ('forged', 'job', 'forged', 'bank.close_all()', '1 minute', '1 hour')"
+        )
+        m.execute("insert into lockstep.job_state (job) values ('forged')")
+    before = _bank(ex)
+    res = result(ex, "lockstep.run(%s)", "forged")
+    assert res["outcome"] == "failed" and "permission denied" in res["error"], res
+    assert _bank(ex) == before
+
+
+def test_another_owners_job_cannot_be_stalled_emptied_or_forged(ex, example_dsn, mallory):
+    """exam_keys belongs to root; mallory holds every DML privilege on lockstep's tables."""
+    ex.execute("update example.exam set title = 'x y z' where id between 1 and 3")
+    ex.execute("update example.exam set title = 'poison' where id = 4")
+    ex.execute(
+        "insert into lockstep.key_failure (job, key, attempts, last_error, retry_at) values"
+        " ('exam_keys', '4', 1, 'root''s private error', now())"
+    )
+    before = snapshot(ex)
+    with _as(example_dsn, mallory) as m:
+        stmts = [
+            "update lockstep.job_state set next_run_at = 'infinity' where job = 'exam_keys' returning job",
+            "update lockstep.queue set ready_at = 'infinity' where job = 'exam_keys' returning key",
+            "delete from lockstep.queue where job = 'exam_keys' returning key",
+            "update lockstep.key_failure set parked = true where job = 'exam_keys' returning key",
+            "delete from lockstep.key_failure where job = 'exam_keys' returning key",
+            "delete from lockstep.job where job = 'exam_keys' returning job",
+            "select last_error from lockstep.job_state where job = 'exam_keys'",
+            "select last_error from lockstep.key_failure where job = 'exam_keys'",
+            "select key from lockstep.queue where job = 'exam_keys'",
+            "select last_error from lockstep.status where job = 'exam_keys'",
+            "select last_error from lockstep.failing_keys where job = 'exam_keys'",
+        ]
+        for stmt in stmts:
+            assert m.execute(stmt).fetchall() == [], stmt
+        with raises_sqlstate("42501", match="row-level security"):
+            m.execute(
+                "insert into lockstep.key_failure (job, key, attempts, retry_at, parked)"
+                " values ('exam_keys', '1', 99, 'infinity', true)"
+            )
+    assert snapshot(ex) == before
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        # reads the secret into the target
+        "return query select 1::bigint, s.v from public.secret s;",
+        # raises it
+        "raise exception 'leak: %', (select string_agg(s.v, ',') from public.secret s);",
+        # tries to get the runner's rights back first
+        "reset role; return query select 1::bigint, s.v from public.secret s;",
+        "execute format('set role %I', session_user);"
+        " return query select 1::bigint, s.v from public.secret s;",
+        "set session authorization default; return query select 1::bigint, s.v from public.secret s;",
+        # leaves something that runs later, in the runner's session: a deferred trigger, a search_path,
+        # a prepared statement, a WITH HOLD cursor
+        "insert into mal.later values (1); return query select 1::bigint, 'x'::text;",
+        "perform set_config('search_path', 'mal, pg_catalog', false);"
+        " return query select 1::bigint, 'x'::text;",
+        "deallocate victim; prepare victim as insert into mal.loot select v from public.secret;"
+        " return query select 1::bigint, 'x'::text;",
+        "execute 'declare c cursor with hold for select mal.steal()';"
+        " return query select 1::bigint, 'x'::text;",
+        # the same, in place of the session's own (same name)
+        "execute 'close keep'; execute 'declare keep cursor with hold for select mal.steal()';"
+        " return query select 1::bigint, 'x'::text;",
+    ],
+    ids=[
+        "select",
+        "raise",
+        "reset-role",
+        "set-role",
+        "session-authorization",
+        "deferred-trigger",
+        "search-path",
+        "prepared-statement",
+        "hold-cursor",
+        "swapped-hold-cursor",
+    ],
+)
+def test_compute_reading_a_secret_run_by_a_superuser_leaks_nothing(ex, example_dsn, mallory, body):
+    with _as(example_dsn, mallory) as m:
+        # what runs later, as whoever is current then: each copies the secret into mal.loot
+        m.execute(
+            "create function mal.steal() returns int language plpgsql"
+            " as $$ begin insert into mal.loot select v from public.secret; return 1; end $$"
+        )
+        m.execute(
+            "create function mal.now() returns timestamptz language plpgsql"
+            " as $$ begin perform mal.steal(); return pg_catalog.now(); end $$"
+        )
+        m.execute(
+            "create function mal.grab() returns trigger language plpgsql"
+            " as $$ begin perform mal.steal(); return null; end $$"
+        )
+        m.execute("create table mal.later (v int)")
+        m.execute(
+            "create constraint trigger grab after insert on mal.later deferrable initially deferred"
+            " for each row execute function mal.grab()"
+        )
+        m.execute(
+            f"create or replace function mal.f(ids bigint[]) returns table (id bigint, v text)"
+            f" language plpgsql as $$ begin {body} end $$"
+        )
+    ex.execute("prepare victim as select now()")
+    ex.execute("declare keep cursor with hold for select 1")
+    res = result(ex, "lockstep.recompute(%s)", "mine")
+    log.info("%s: %s %s", body, res["outcome"], res["error"])
+    # later, in the same (superuser) session
+    assert ex.execute("select current_user, current_setting('role')").fetchone() == ("root", "none")
+    ex.execute("select now()")
+    try:
+        ex.execute("execute victim")
+    except psycopg.errors.InvalidSqlStatementName:
+        pass  # dropped: the job's code had replaced it
+    ex.execute("close all")
+    if res["outcome"] == "failed":
+        assert any(
+            s in res["error"] for s in ("permission denied", "security-definer", "prepared", "WITH HOLD")
+        ), res
+    leaked = ex.execute(
+        "select (select count(*) from mal.loot)"
+        " + (select count(*) from mal.t where v like '%s3cr3t%')"
+        " + (select count(*) from lockstep.status s where s::text like '%s3cr3t%')"
+        " + (select count(*) from lockstep.job_state s where s::text like '%s3cr3t%')"
+        " + (select count(*) from lockstep.failing_keys s where s::text like '%s3cr3t%')"
+    ).fetchone()[0]
+    assert leaked == 0, res
+
+
+def test_compute_runs_as_its_owner_and_the_role_is_restored(ex, example_dsn, mallory):
+    with _as(example_dsn, mallory) as m:
+        m.execute(
+            "create or replace function mal.f(ids bigint[]) returns table (id bigint, v text)"
+            " language plpgsql as $$ begin return query select 1::bigint, current_user::text; end $$"
+        )
+    with psycopg.connect(example_dsn) as tx:  # in one transaction
+        assert result(tx, "lockstep.recompute(%s)", "mine")["outcome"] == "done"
+        assert tx.execute("select current_user, current_setting('role')").fetchone() == ("root", "none")
+        assert tx.execute("select v from mal.t").fetchall() == [(mallory,)]
+        tx.execute("set role " + sql.Identifier(mallory).as_string(tx))  # a caller's own SET ROLE is kept
+        assert result(tx, "lockstep.recompute(%s)", "mine")["outcome"] == "done"
+        assert tx.execute("select current_user").fetchone()[0] == mallory
+        tx.rollback()
+    # and after an error
+    with _as(example_dsn, mallory) as m:
+        m.execute(
+            "create or replace function mal.f(ids bigint[]) returns table (id bigint, v text)"
+            " language plpgsql as $$ begin raise exception 'mallory''s own error'; end $$"
+        )
+    res = result(ex, "lockstep.recompute(%s)", "mine")
+    assert res["outcome"] == "failed" and "mallory's own error" in res["error"]
+    assert ex.execute("select current_user, current_setting('role')").fetchone() == ("root", "none")
+
+
+def test_last_error_is_readable_only_by_the_owner_and_the_admin(ex, example_dsn, mallory, roles):
+    with _as(example_dsn, mallory) as m:
+        m.execute(
+            "create or replace function mal.f(ids bigint[]) returns table (id bigint, v text)"
+            " language plpgsql as $$ begin raise exception 'mallory''s private error'; end $$"
+        )
+    assert result(ex, "lockstep.recompute(%s)", "mine")["outcome"] == "failed"
+    other = roles("exam_owner", OWNER_GRANTS, ALL_LOCKSTEP_DML)
+    lsowner = roles("lockstep_owner", login=False)
+    _lockstep_owned_by(ex, lsowner)
+    admin = roles("lockstep_admin", ADMIN_GRANTS, lsowner=lsowner)
+    query = "select last_error from lockstep.status where job = 'mine'"
+    for role, visible in ((mallory, True), (admin, True), (other, False)):
+        with _as(example_dsn, role) as c:
+            rows = c.execute(query).fetchall()
+        assert (rows == [("mallory's private error",)]) if visible else (rows == []), (role, rows)
+
+
+def test_runner_that_cannot_act_as_the_owner_refuses_the_job(ex, example_dsn, roles):
+    """A runner that sees every job (a lockstep admin) and holds every right on the job's tables, but is not
+    a member of the owner role: the job fails with the reason, with backoff, and nothing is written."""
+    owner = roles("exam_owner", OWNER_GRANTS, login=False)
+    ex.execute(
+        sql.SQL("update lockstep.job set owner = {} where job = 'exam_keys'").format(sql.Literal(owner))
+    )
+    lsowner = roles("lockstep_owner", login=False)
+    _lockstep_owned_by(ex, lsowner)
+    runner = roles(
+        "lockstep_runner",
+        ADMIN_GRANTS,
+        ["grant usage on schema example to {role}", "grant all on all tables in schema example to {role}"],
+        lsowner=lsowner,
+    )
+    ex.execute("update example.exam set title = 'refused' where id = 1")
+    with _as(example_dsn, runner) as r:
+        res = result(r, "lockstep.work(%s)", "exam_keys")
+        assert res["outcome"] == "failed" and f'may not act as role "{owner}"' in res["error"], res
+        ex.execute("update lockstep.job_state set next_run_at = now()")
+        res = result(r, "lockstep.run(%s)", "exam_keys")
+        assert (res["action"], res["outcome"]) == ("recompute", "failed") and "may not act" in res["error"], (
+            res
+        )
+    last_error, backoff, failures = ex.execute(
+        "select last_error, next_run_at > now() + interval '30 minutes', consecutive_failures"
+        " from lockstep.job_state where job = 'exam_keys'"
+    ).fetchone()
+    assert f"grant {owner} to {runner}" in last_error or "may not act" in last_error
+    assert backoff and failures == 2
+    assert ex.execute("select count(*) from example.exam_key where key = 'refused'").fetchone()[0] == 0
+    assert ex.execute("select count(*) from lockstep.queue where key = '1'").fetchone()[0] == 1
+
+
+def test_runner_that_does_not_serve_the_owner_is_refused_by_name(ex, example_dsn, roles):
+    owner = roles("exam_owner", OWNER_GRANTS, login=False)
+    runner = roles("lockstep_runner", RUNNER_GRANTS, attrs="noinherit", owner=owner)
+    # exam_keys is root's: this runner does not see it in due(), and refuses it by name
+    with _as(example_dsn, runner) as r:
+        assert r.execute("select job from lockstep.due()").fetchall() == []
+        with raises_sqlstate("42501", match="may not act as role"):
+            r.execute("select lockstep.run('exam_keys')")
+
+
+def test_job_of_a_dropped_role_is_not_run_even_by_a_superuser(ex):
+    ex.execute("update lockstep.job set owner = 'no_such_role_h3' where job = 'exam_keys'")
+    ex.execute("update example.exam set title = 'orphan' where id = 1")
+    res = result(ex, "lockstep.work(%s)", "exam_keys")
+    assert res["outcome"] == "failed" and "which does not exist" in res["error"], res
+    assert ex.execute("select count(*) from example.exam_key where key = 'orphan'").fetchone()[0] == 0
+
+
+def test_parent_key_of_a_domain_type_is_refused(ex, example_dsn, mallory):
+    """Keys are cast to the parent key type outside the owner's sandbox: a domain's CHECK would run there."""
+    ex.execute("create domain public.dkey as bigint check (value > 0)")
+    ex.execute("create table public.dparent (id public.dkey primary key)")
+    ex.execute("create table public.dchild (pid public.dkey references public.dparent, primary key (pid))")
+    ex.execute(
+        "create function public.dcompute(ids public.dkey[]) returns table (pid public.dkey)"
+        " language sql as 'select id from public.dparent where ids is null or id = any(ids)'"
+    )
+    with raises_sqlstate("LSD04", match="domain"):
+        ex.execute(
+            "select lockstep.define_derived('d', 'public.dchild', 'public.dcompute(public.dkey[])',"
+            " parent => 'public.dparent')"
+        )
+    with _as(example_dsn, mallory) as m:
+        with raises_sqlstate("42501", match="row-level security"):
+            m.execute("update lockstep.job set key_type = 'public.dkey'::regtype where job = 'mine'")
+
+
+def test_trampoline_is_executable_by_its_owner_only(ex, example_dsn, mallory, roles):
+    assert result(ex, "lockstep.recompute(%s)", "mine")["outcome"] == "done"
+    name, acl = ex.execute(
+        "select proname, proacl::text from pg_proc where pronamespace = pg_my_temp_schema()"
+        " and proname like 'lockstep\\_as\\_%'"
+    ).fetchone()
+    assert acl == "{" + f"{mallory}=X/{mallory}" + "}"
+    other = roles("exam_owner", OWNER_GRANTS)
+    ex.execute(sql.SQL("set role {}").format(sql.Identifier(other)))
+    with raises_sqlstate("42501"):
+        ex.execute(sql.SQL("select * from pg_temp.{}(null, null)").format(sql.Identifier(name)))
+    ex.execute("reset role")
+
+
+def test_owner_with_a_hostile_role_name(ex, example_dsn, roles):
+    """The owner's name is a value (set_config, %I in hints), the trampoline's name is built from its oid."""
+    owner = roles(
+        "o\"w;ner' x",
+        OWNER_GRANTS,
+        EXAMPLE_OWNER_GRANTS,
+        [
+            "grant select on example.exam, example.exam_item to {role}",
+            "grant update (id) on example.exam to {role}",
+        ],
+        login=False,
+    )
+    ex.execute("update lockstep.job set owner = %s where job = 'exam_keys'", [owner])
+    ex.execute("update example.exam set title = 'hostile owner' where id = 1")
+    assert result(ex, "lockstep.work(%s)", "exam_keys")["outcome"] == "done"
+    assert example.divergence(ex) == (0, 0)
+    runner = roles("lockstep_runner", RUNNER_GRANTS[:-2], login=True)  # serves nobody
+    ex.execute("update example.exam set title = 'refused again' where id = 1")
+    with _as(example_dsn, runner) as r:
+        with raises_sqlstate("42501", match="may not act as role") as info:
+            r.execute("select lockstep.run('exam_keys')")
+    grant = ex.execute("select format('grant %%I to %%I', %s::text, %s::text)", [owner, runner]).fetchone()[0]
+    assert (
+        info.value.diag.message_hint
+        == f"A job runs with its owner's rights only: {grant} (docs/security.md)."
+    )
+
+
+def test_job_code_may_not_replace_the_sessions_prepared_statements(ex, example_dsn, mallory):
+    """Even re-prepared with the same name and text (it may resolve differently): refused, and dropped."""
+    with _as(example_dsn, mallory) as m:
+        m.execute(
+            "create or replace function mal.f(ids bigint[]) returns table (id bigint, v text)"
+            " language plpgsql as $$ begin deallocate victim; execute 'prepare victim as select 1';"
+            " return query select 1::bigint, 'x'::text; end $$"
+        )
+    ex.execute("prepare victim as select 1")
+    ex.execute("prepare bystander as select 2")
+    res = result(ex, "lockstep.recompute(%s)", "mine")
+    assert res["outcome"] == "failed" and "changed the session's prepared statements" in res["error"], res
+    with raises_sqlstate("26000"):
+        ex.execute("execute victim")
+    assert ex.execute("execute bystander").fetchone() == (2,)

@@ -5,14 +5,17 @@
 --   22004  a NULL argument or a NULL key
 --   22023  an invalid value (empty name, non-positive interval or batch, bad trigger arguments)
 --   25000  run / work / recompute called in a transaction that is not READ COMMITTED (checked first)
---   42501  redefining a job owned by another role
+--   42501  insufficient privilege: redefining a job owned by another role; running a job whose owner the
+--          session may not act as (or whose owner role is gone; recorded in last_error, never run with
+--          the runner's rights); a job's code leaving a WITH HOLD cursor or changed prepared statements
 --   42725  a call of the job's or the compute function by name would be ambiguous (an overload accepts it)
 --   LSJ01  unknown job
 --   LSJ02  the job is of the wrong kind for this call (generic vs derived, no parent)
 --   LSD01  target table has no primary key
 --   LSD02  compute function signature does not match (argument count or type, return type)
 --   LSD03  compute columns do not match the target's
---   LSD04  parent / parent_column invalid, or the parent FK's ON DELETE action would fail the app's deletes
+--   LSD04  parent / parent_column invalid, or the parent FK's ON DELETE action would fail the app's deletes,
+--          or the parent's key is of a domain or composite type
 --   LSD05  compute returned invalid rows (duplicate or NULL primary key)
 --   LSD06  a foreign key lockstep cannot write through without waiting: a target FK column with a default
 --          compute does not return; a referencing FK ON DELETE NO ACTION / RESTRICT / SET DEFAULT, more

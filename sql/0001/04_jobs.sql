@@ -119,6 +119,8 @@ end;
 $$;
 
 -- lockstep._call(job): run a generic job's function once, under the group lock, recording the outcome.
+-- The function runs as the job's owner (lockstep._as_owner); a caller that may not act as the owner gets
+-- a failed run with the reason in last_error, never a run with its own rights.
 -- locks: the group lock (try; busy if taken); then whatever the job's function locks; the status row last.
 create function lockstep._call(j lockstep.job, only_if_due boolean) returns lockstep.result
 language plpgsql
@@ -128,7 +130,6 @@ declare
     s lockstep.job_state;
     v_started timestamptz;
     v_err text;
-    v_sql text;
 begin
     if not lockstep._try_lock(j.lock_group) then
         return lockstep._result('busy', j.job, 'call');
@@ -140,9 +141,7 @@ begin
     end if;
     v_started := clock_timestamp();
     begin
-        -- by the stored regprocedure: a function dropped or made ambiguous since define_job fails the run
-        v_sql := pg_catalog.format('select %s()', lockstep._callable(j.call::regprocedure, 0));
-        execute v_sql;
+        perform lockstep._as_owner(j, null);
     exception
         when query_canceled then
             if not lockstep._is_statement_timeout(v_started) then
@@ -174,6 +173,10 @@ declare
 begin
     perform lockstep._check_isolation('lockstep.run()');
     select * into s from lockstep.job_state st where st.job = j.job;
+    if not found then
+        -- its status row is hidden from this role (row-level security): a runner not serving the owner
+        perform lockstep._check_act_as(j);
+    end if;
     if j.kind = 'job' then
         if s.next_run_at > now() then
             return lockstep._result(lockstep._not_due(s), j.job, 'call');

@@ -544,7 +544,9 @@ end;
 $$;
 
 -- lockstep._apply(j, keys): compute, diff and write for the parents in keys (NULL: all). The only path by
--- which lockstep writes a derived table.
+-- which lockstep writes a derived table. It runs as the job's owner: called by another role, it comes back
+-- here through lockstep._as_owner (SET LOCAL ROLE owner, in the owner's SECURITY DEFINER trampoline), or
+-- raises 42501 if that role may not act as the owner.
 -- locks: as lockstep._write (the compute phase takes no row lock).
 create function lockstep._apply(j lockstep.job, keys text[]) returns lockstep._pass
 language plpgsql
@@ -554,6 +556,9 @@ declare
     v_t0 timestamptz := clock_timestamp();
     p lockstep._pass;
 begin
+    if j.owner is distinct from current_user then
+        return lockstep._as_owner(j, keys);
+    end if;
     perform lockstep._compute_into(j, keys);
     p := lockstep._write(j, keys);
     p.compute_ms := extract(epoch from clock_timestamp() - v_t0) * 1000 - p.write_ms;

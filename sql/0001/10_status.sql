@@ -1,7 +1,7 @@
 -- lockstep 0001: what operators and the runner read. Views and the runner's due query; nothing here locks.
 
 -- one row per job.
-create view lockstep.status as
+create view lockstep.status with (security_invoker = true) as
 select j.job,
        j.kind,
        j.lock_group,
@@ -35,13 +35,13 @@ from lockstep.job j
 join lockstep.job_state s on s.job = j.job;
 
 -- keys set aside after max_attempts failures; lockstep.retry(job, keys) puts them back.
-create view lockstep.parked_keys as
+create view lockstep.parked_keys with (security_invoker = true) as
 select f.job, f.key, f.attempts, f.last_error, f.first_failed_at, f.last_failed_at
 from lockstep.key_failure f
 where f.parked;
 
 -- every failing key: parked, or waiting for its next attempt.
-create view lockstep.failing_keys as
+create view lockstep.failing_keys with (security_invoker = true) as
 select f.job, f.key, f.attempts, f.last_error, f.first_failed_at, f.last_failed_at, f.retry_at, f.parked
 from lockstep.key_failure f;
 

@@ -1,10 +1,24 @@
--- lockstep 0001: who may define, change and drop jobs.
--- lockstep's functions are SECURITY INVOKER: a role that defines jobs needs DML on lockstep.job. Row-level
--- security keeps it to its own jobs (or those of roles it is a member of), and define_* refuse a target,
--- parent or function the calling role could not use itself, so no role can make the runner's privileges
--- work for it. Superusers and the schema's owner bypass row-level security, as usual.
+-- lockstep 0001: who may define, change, see and run jobs.
+-- lockstep's functions are SECURITY INVOKER: a role that defines jobs needs DML on lockstep's tables.
+-- Row-level security on every lockstep table keeps each role to the jobs it manages (its own, those of
+-- roles it is a member of; the lockstep admin: every job), and a job's compute or call runs as the job's
+-- owner, never with the rights of whoever runs it, so no role can make lockstep do more than it could do
+-- itself. Superusers and the tables' owner bypass row-level security, as usual. docs/security.md has the
+-- role recipes.
 
--- lockstep._may_manage(owner): the current role may change a job owned by owner.
+-- lockstep._is_admin(): the current role is a lockstep admin: a member of the role owning lockstep's
+-- tables (the role `lockstep migrate` ran as; it bypasses row-level security as their owner), or a superuser.
+-- locks: nothing.
+create function lockstep._is_admin() returns boolean
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select pg_catalog.pg_has_role(current_user, c.relowner, 'MEMBER')
+    from pg_catalog.pg_class c where c.oid = 'lockstep.job'::pg_catalog.regclass;
+$$;
+
+-- lockstep._may_manage(owner): the current role may see and change the rows of a job owned by owner:
+-- it is owner, a member of owner, or a lockstep admin. A job whose owner role is gone may be taken over.
 -- locks: nothing.
 create function lockstep._may_manage(owner name) returns boolean
 language sql stable
@@ -12,18 +26,71 @@ set search_path = pg_catalog, pg_temp
 as $$
     select case when owner = current_user then true
                 when not exists (select from pg_catalog.pg_roles r where r.rolname = owner) then true
-                else pg_catalog.pg_has_role(current_user, owner, 'MEMBER') end;
+                else pg_catalog.pg_has_role(current_user, owner, 'MEMBER') or lockstep._is_admin() end;
 $$;
 
+-- lockstep._may_own(owner): a registry row written by the current role may name owner: an existing role
+-- the current role is, or is a member of (or any role, for an admin).
+-- locks: nothing.
+create function lockstep._may_own(owner name) returns boolean
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select exists (select from pg_catalog.pg_roles r where r.rolname = owner)
+       and (pg_catalog.pg_has_role(current_user, owner, 'MEMBER') or lockstep._is_admin());
+$$;
+
+-- lockstep._safe_key_type(t): t may be a parent key type: a base or enum type. Casting a queued key to
+-- it runs no user code (a domain's CHECK or a composite's column types could), and lockstep casts keys
+-- as the runner and as the application, outside the owner's sandbox.
+-- locks: nothing.
+create function lockstep._safe_key_type(t regtype) returns boolean
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select t is null or exists (select from pg_catalog.pg_type ty where ty.oid = t and ty.typtype in ('b', 'e'));
+$$;
+
+-- the registry: readable by every role granted SELECT (applications look their jobs up); rows are
+-- written only for an owner the writer may act as, with a key type that runs no code.
 alter table lockstep.job enable row level security;
 create policy job_read on lockstep.job for select using (true);
-create policy job_insert on lockstep.job for insert with check (owner = current_user);
+create policy job_insert on lockstep.job for insert
+    with check (owner = current_user and lockstep._safe_key_type(key_type));
 create policy job_update on lockstep.job for update
-    using (lockstep._may_manage(owner)) with check (lockstep._may_manage(owner));
+    using (lockstep._may_manage(owner)) with check (lockstep._may_own(owner) and lockstep._safe_key_type(key_type));
 create policy job_delete on lockstep.job for delete using (lockstep._may_manage(owner));
 
+-- status rows and failures (they hold last_error): only the jobs the role manages, for every command.
+-- The subquery is uncorrelated: planned once per query as a hashed subplan, not once per row.
+alter table lockstep.job_state enable row level security;
+create policy job_state_own on lockstep.job_state for all
+    using (job in (select j.job from lockstep.job j where lockstep._may_manage(j.owner)))
+    with check (job in (select j.job from lockstep.job j where lockstep._may_manage(j.owner)));
+
+alter table lockstep.key_failure enable row level security;
+create policy key_failure_own on lockstep.key_failure for all
+    using (job in (select j.job from lockstep.job j where lockstep._may_manage(j.owner)))
+    with check (job in (select j.job from lockstep.job j where lockstep._may_manage(j.owner)));
+
+-- the queue: any role granted INSERT may append (applications enqueue through triggers running as
+-- themselves); only the jobs a role manages may be read, updated or deleted. A role granted SELECT on
+-- the job column alone (the application recipe) sees that every job's rows exist, not their keys: enqueue
+-- checks whether the job's queue was empty, to NOTIFY runners only then.
+alter table lockstep.queue enable row level security;
+create policy queue_append on lockstep.queue for insert with check (true);
+create policy queue_read on lockstep.queue for select
+    using (job in (select j.job from lockstep.job j where lockstep._may_manage(j.owner))
+           or not pg_catalog.has_column_privilege('lockstep.queue'::pg_catalog.regclass, 'key', 'SELECT'));
+create policy queue_update on lockstep.queue for update
+    using (job in (select j.job from lockstep.job j where lockstep._may_manage(j.owner)))
+    with check (job in (select j.job from lockstep.job j where lockstep._may_manage(j.owner)));
+create policy queue_delete on lockstep.queue for delete
+    using (job in (select j.job from lockstep.job j where lockstep._may_manage(j.owner)));
+
 -- lockstep._check_privileges(target, fn, parent): the calling role may itself run fn and read and write
--- target (and read parent); else 42501 and nothing is defined.
+-- target (and read and pin parent: SELECT, and UPDATE on a column for FOR KEY SHARE); else 42501 and
+-- nothing is defined. The job will run with exactly these rights (as its owner).
 -- locks: nothing.
 create function lockstep._check_privileges(target regclass, fn regprocedure, parent regclass) returns void
 language plpgsql stable
@@ -47,5 +114,189 @@ begin
     if parent is not null and not pg_catalog.has_table_privilege(parent, 'SELECT') then
         raise exception 'lockstep: role "%" lacks SELECT on %', current_user, parent using errcode = '42501';
     end if;
+    if parent is not null and not pg_catalog.has_any_column_privilege(parent, 'UPDATE') then
+        raise exception 'lockstep: role "%" lacks UPDATE on parent % (on any column)', current_user, parent
+            using errcode = '42501',
+                  hint = pg_catalog.format('The write phase pins parents with FOR KEY SHARE, which needs UPDATE on one '
+                                           'column: grant update (<its key column>) on %s to %I.', parent, current_user);
+    end if;
+    if parent is not null and not lockstep._safe_key_type(
+            (select a.atttypid from pg_catalog.pg_constraint con
+             join pg_catalog.pg_attribute a on a.attrelid = con.conrelid and a.attnum = con.conkey[1]
+             where con.conrelid = parent and con.contype = 'p')) then
+        raise exception 'lockstep: the primary key of parent % is of a domain or composite type', parent
+            using errcode = 'LSD04',
+                  hint = 'lockstep casts queued keys outside the job owner''s rights; use a base type (bigint, text, uuid, ...).';
+    end if;
+end;
+$$;
+
+-- jobs run as their owner ---------------------------------------------------------------------------------
+-- The runner switches to the job's owner (SET LOCAL ROLE: its login role must be a member of the owner
+-- role; superusers may act for anyone) and runs the compute and write phase, or the generic job's call,
+-- inside a SECURITY DEFINER trampoline owned by the owner: inside it, the owner's code (compute or call,
+-- the target's triggers, defaults, policies) can neither RESET nor SET ROLE back to the runner. The role
+-- is restored on return; on error, the (sub)transaction's rollback restores it.
+
+-- lockstep._check_act_as(j): the session may act as j's owner; else 42501 with what to grant.
+-- locks: nothing.
+create function lockstep._check_act_as(j lockstep.job) returns void
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if not exists (select from pg_catalog.pg_roles r where r.rolname = j.owner) then
+        raise exception 'lockstep: job "%" is owned by role "%", which does not exist; it is not run', j.job, j.owner
+            using errcode = '42501',
+                  hint = 'A job runs with its owner''s rights only. Drop it and define it again as the role it should run as.';
+    end if;
+    if not pg_catalog.pg_has_role(session_user, j.owner, 'MEMBER') then
+        raise exception 'lockstep: role "%" may not act as role "%", the owner of job "%"; it is not run',
+            session_user, j.owner, j.job
+            using errcode = '42501',
+                  hint = pg_catalog.format('A job runs with its owner''s rights only: grant %I to %I (docs/security.md).',
+                                           j.owner, session_user);
+    end if;
+end;
+$$;
+
+-- lockstep._trampoline(): name of this session's SECURITY DEFINER trampoline owned by the current role,
+-- created (in pg_temp, EXECUTE for its owner only) on first use. Only a function owned by the current
+-- role with exactly the expected definition is used, so another role's objects cannot stand in for it.
+-- locks: nothing (creates a temporary function once per session and role).
+create function lockstep._trampoline() returns text
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_me oid := (select r.oid from pg_catalog.pg_roles r where r.rolname = current_user);
+    v_src text := ' begin return lockstep._owner_run(j, keys, true); end ';
+    v_name name;
+begin
+    select p.proname into v_name
+    from pg_catalog.pg_proc p
+    where p.pronamespace = pg_catalog.pg_my_temp_schema() and p.proname like 'lockstep\_as\_%'
+      and p.proowner = v_me and p.prosecdef and p.prosrc = v_src and p.prokind = 'f'
+      and p.prolang = (select l.oid from pg_catalog.pg_language l where l.lanname = 'plpgsql')
+      and p.proargtypes = pg_catalog.array_to_string(array['lockstep.job'::regtype::oid, 'text[]'::regtype::oid], ' ')::oidvector
+      and p.prorettype = 'lockstep._pass'::regtype
+      and p.proconfig = array['search_path=pg_catalog, pg_temp']
+      and p.proacl = array[pg_catalog.makeaclitem(v_me, v_me, 'EXECUTE', false)]
+    limit 1;
+    if v_name is null then
+        v_name := pg_catalog.format('lockstep_as_%s_%s', v_me, pg_catalog.substr(pg_catalog.md5(pg_catalog.random()::text), 1, 8));
+        execute pg_catalog.format(
+            'create function pg_temp.%I(j lockstep.job, keys text[]) returns lockstep._pass language plpgsql '
+            'security definer set search_path = pg_catalog, pg_temp as %L', v_name, v_src);
+        execute pg_catalog.format('revoke all on function pg_temp.%I(lockstep.job, text[]) from public', v_name);
+    end if;
+    return v_name;
+end;
+$$;
+
+-- lockstep._owner_run(j, keys, sandboxed): the part of a run that executes the owner's code: the generic
+-- job's call, or lockstep._apply(j, keys) for a derived job. sandboxed (inside the trampoline): afterwards,
+-- what the owner's code could leave behind for the runner's session is undone or refused: deferred
+-- triggers fire now (as the owner), a WITH HOLD cursor or a changed prepared statement is an error, and
+-- search_path is set back to lockstep's (a plain SET by the owner's code would outlive the function).
+-- locks: as the job's function or lockstep._apply.
+create function lockstep._owner_run(j lockstep.job, keys text[], sandboxed boolean) returns lockstep._pass
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_sql text;
+    v_stmts text[];
+    v_cursors text[];
+    p lockstep._pass;
+begin
+    if sandboxed then
+        v_stmts := lockstep._prepared();
+        v_cursors := lockstep._held_cursors();
+    end if;
+    if j.kind = 'job' then
+        -- by the stored regprocedure: a function dropped or made ambiguous since define_job fails the run
+        v_sql := pg_catalog.format('select %s()', lockstep._callable(j.call::regprocedure, 0));
+        execute v_sql;
+    else
+        p := lockstep._apply(j, keys);
+    end if;
+    if sandboxed then
+        perform pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', false);
+        set constraints all immediate;
+        perform pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', false);
+        if lockstep._held_cursors() is distinct from v_cursors then
+            raise exception 'lockstep: job "%" left a WITH HOLD cursor open', j.job using errcode = '42501';
+        end if;
+        if lockstep._prepared() is distinct from v_stmts then
+            -- prepared statements are not transactional: drop what the job's code prepared or replaced
+            perform lockstep._deallocate_changed(v_stmts);
+            raise exception 'lockstep: job "%" changed the session''s prepared statements', j.job using errcode = '42501';
+        end if;
+    end if;
+    return p;
+end;
+$$;
+
+-- lockstep._prepared(): the session's prepared statements (name, prepare time, parameter types, text): a
+-- statement dropped, replaced or re-prepared by a job's code shows as a difference.
+-- locks: nothing.
+create function lockstep._prepared() returns text[]
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select pg_catalog.array_agg(pg_catalog.concat_ws(' ', s.name, s.prepare_time, s.parameter_types, s.statement)
+                                order by s.name)
+    from pg_catalog.pg_prepared_statements s;
+$$;
+
+-- lockstep._held_cursors(): the session's WITH HOLD cursors (name, creation time).
+-- locks: nothing.
+create function lockstep._held_cursors() returns text[]
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select pg_catalog.array_agg(pg_catalog.concat_ws(' ', c.name, c.creation_time) order by c.name)
+    from pg_catalog.pg_cursors c where c.is_holdable;
+$$;
+
+-- lockstep._deallocate_changed(kept): deallocate every prepared statement not in kept (as lockstep._prepared).
+-- locks: nothing.
+create function lockstep._deallocate_changed(kept text[]) returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v name;
+begin
+    for v in select s.name from pg_catalog.pg_prepared_statements s
+             where not pg_catalog.concat_ws(' ', s.name, s.prepare_time, s.parameter_types, s.statement)
+                       = any(coalesce(kept, '{}')) loop
+        execute pg_catalog.format('deallocate %I', v);
+    end loop;
+end;
+$$;
+
+-- lockstep._as_owner(j, keys): run the owner's part of j (lockstep._owner_run) as j's owner. Already the
+-- owner: directly. Else: check the session may act as the owner (42501 otherwise: the job is refused,
+-- never run with the caller's rights), SET LOCAL ROLE owner, call the owner's trampoline, restore the role.
+-- locks: as lockstep._owner_run.
+create function lockstep._as_owner(j lockstep.job, keys text[]) returns lockstep._pass
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_role text;
+    p lockstep._pass;
+begin
+    if j.owner = current_user then
+        return lockstep._owner_run(j, keys, false);
+    end if;
+    perform lockstep._check_act_as(j);
+    v_role := pg_catalog.current_setting('role');
+    perform pg_catalog.set_config('role', j.owner, true);
+    execute pg_catalog.format('select * from pg_temp.%I($1, $2)', lockstep._trampoline()) into p using j, keys;
+    perform pg_catalog.set_config('role', v_role, true);
+    return p;
 end;
 $$;
