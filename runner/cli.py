@@ -20,7 +20,7 @@ error boundary.
 from __future__ import annotations
 
 import functools
-import json
+import json as jsonlib
 import logging
 
 import click
@@ -173,7 +173,7 @@ class _JsonFormatter(logging.Formatter):
         out.update(getattr(record, "fields", None) or {})
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str)
+        return jsonlib.dumps(out, default=str)
 
 
 def _setup_logging(fmt: str = "text", level: int = logging.INFO) -> None:
@@ -195,7 +195,7 @@ def _setup_logging(fmt: str = "text", level: int = logging.INFO) -> None:
 
 
 def _echo_json(value) -> None:
-    click.echo(json.dumps(value, indent=2, default=str))
+    click.echo(jsonlib.dumps(value, indent=2, default=str))
 
 
 # -- commands ------------------------------------------------------------------------------------------------
@@ -225,9 +225,9 @@ MIGRATE_ACTIONS = ("upgrade", "downgrade", "current", "check")
     help="Target revision [upgrade: head; downgrade: required, e.g. base or lockstep_0001].",
 )
 @option("--sql", is_flag=True, help="upgrade/downgrade: print the SQL script, do not connect (psql -f).")
-@option("--json", "as_json", is_flag=True, help="current/check: print the result as JSON.")
+@option("--json", is_flag=True, help="current/check: print the result as JSON.")
 @log_options
-def migrate(action: str, dsn: str | None, revision: str | None, sql: bool, as_json: bool) -> None:
+def migrate(action: str, dsn: str | None, revision: str | None, sql: bool, json: bool) -> None:
     """Install, upgrade, downgrade or inspect the lockstep schema (version table lockstep_alembic_version).
 
     \b
@@ -242,9 +242,9 @@ def migrate(action: str, dsn: str | None, revision: str | None, sql: bool, as_js
     if action in ("current", "check"):
         if sql or revision is not None:
             raise click.UsageError(f"migrate {action} takes no --sql / --revision")
-        _migrate_report(action, migrations.current(dsn), migrations.head(), as_json)
+        _migrate_report(action, migrations.current(dsn), migrations.head(), json)
         return
-    if as_json:
+    if json:
         raise click.UsageError("--json is for migrate current / check")
     if action == "upgrade" and (revision or "").strip().lower() == "base":
         raise click.UsageError("an upgrade never goes down: `lockstep migrate downgrade --revision base`")
@@ -261,9 +261,9 @@ def migrate(action: str, dsn: str | None, revision: str | None, sql: bool, as_js
             click.echo(f"lockstep schema: already at {now}", err=True)
 
 
-def _migrate_report(action: str, current: tuple[str, ...], head: str, as_json: bool) -> None:
+def _migrate_report(action: str, current: tuple[str, ...], head: str, json: bool) -> None:
     at_head = current == (head,)
-    if as_json:
+    if json:
         _echo_json({"current": list(current), "head": head, "at_head": at_head})
     elif action == "current" or at_head:
         state = "head" if at_head else f"head is {head}"
@@ -276,7 +276,7 @@ def _migrate_report(action: str, current: tuple[str, ...], head: str, as_json: b
 
 @main.command()
 @dsn_option
-@option("--job", "jobs", multiple=True, metavar="NAME", help="Run only this job (repeatable) [default: all].")
+@option("--job", multiple=True, metavar="NAME", help="Run only this job (repeatable) [default: all].")
 @option("--once", is_flag=True, help="Run what is due now, then exit (1 if any run failed).")
 @option(
     "--tick",
@@ -316,7 +316,7 @@ def _migrate_report(action: str, current: tuple[str, ...], head: str, as_json: b
 @log_options
 def run(
     dsn: str | None,
-    jobs: tuple[str, ...],
+    job: tuple[str, ...],
     once: bool,
     tick: float,
     no_listen: bool,
@@ -342,7 +342,7 @@ def run(
     _setup_logging(log_format, log_level(logging.INFO))
     opts = loop.Options(
         dsn=dsn,
-        jobs=list(jobs) or None,
+        jobs=list(job) or None,
         once=once,
         tick=tick,
         listen=not no_listen,
@@ -355,14 +355,14 @@ def run(
         "connection check %s; metrics %s",
         __version__,
         describe(dsn),
-        ", ".join(jobs) or "all",
+        ", ".join(job) or "all",
         "once" if once else "loop",
         tick,
         "off" if no_listen else "on",
         "off" if no_prepare else "auto",
         connection_check_interval or "server's",
         metrics,
-        extra={"fields": {"version": __version__, "jobs": list(jobs), "once": once, "metrics": metrics}},
+        extra={"fields": {"version": __version__, "jobs": list(job), "once": once, "metrics": metrics}},
     )
     raise SystemExit(loop.run(opts, metrics_port, metrics_host))
 
@@ -382,9 +382,9 @@ def _connect(dsn: str | None, app_name: str):
 
 @main.command()
 @dsn_option
-@option("--json", "as_json", is_flag=True, help="Print all columns of lockstep.status as a JSON array.")
+@option("--json", is_flag=True, help="Print all columns of lockstep.status as a JSON array.")
 @log_options
-def status(dsn: str | None, as_json: bool) -> None:
+def status(dsn: str | None, json: bool) -> None:
     """Show lockstep.status. Exit 0 healthy; 1 when a job is failing, has parked keys or is flagged for a
     full recompute; 3 no server answered; 4 no lockstep schema (or database, role)."""
     from runner import db
@@ -393,7 +393,7 @@ def status(dsn: str | None, as_json: bool) -> None:
     _setup_logging(level=log_level(logging.WARNING))
     with _connect(dsn, "lockstep-status") as conn:
         rows = db.status(conn)
-    click.echo(st.to_json(rows) if as_json else st.to_table(rows))
+    click.echo(st.to_json(rows) if json else st.to_table(rows))
     raise SystemExit(st.exit_code(rows))
 
 
@@ -401,9 +401,9 @@ def status(dsn: str | None, as_json: bool) -> None:
 @click.argument("job")
 @click.argument("keys", nargs=-1)
 @dsn_option
-@option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@option("--json", is_flag=True, help="Print the result as JSON.")
 @log_options
-def retry(job: str, keys: tuple[str, ...], dsn: str | None, as_json: bool) -> None:
+def retry(job: str, keys: tuple[str, ...], dsn: str | None, json: bool) -> None:
     """Put failing or parked keys of JOB back in its queue (all of them when no KEYS are given).
 
     Calls lockstep.retry(job [, keys]); KEYS are cast to the job's parent key type.
@@ -413,7 +413,7 @@ def retry(job: str, keys: tuple[str, ...], dsn: str | None, as_json: bool) -> No
     _setup_logging(level=log_level(logging.WARNING))
     with _connect(dsn, "lockstep-retry") as conn:
         n = db.retry(conn, job, list(keys) or None)
-    if as_json:
+    if json:
         _echo_json({"job": job, "requeued": n})
     else:
         click.echo(f"{job}: {n} key{'' if n == 1 else 's'} back in the queue")
@@ -422,9 +422,9 @@ def retry(job: str, keys: tuple[str, ...], dsn: str | None, as_json: bool) -> No
 @main.command()
 @click.argument("job")
 @dsn_option
-@option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@option("--json", is_flag=True, help="Print the result as JSON.")
 @log_options
-def drop(job: str, dsn: str | None, as_json: bool) -> None:
+def drop(job: str, dsn: str | None, json: bool) -> None:
     """Remove JOB: its definition, state, queue, key failures and enqueue triggers (lockstep.drop_job).
 
     The derived table and its rows stay.
@@ -434,7 +434,7 @@ def drop(job: str, dsn: str | None, as_json: bool) -> None:
     _setup_logging(level=log_level(logging.WARNING))
     with _connect(dsn, "lockstep-drop") as conn:
         db.drop_job(conn, job)
-    if as_json:
+    if json:
         _echo_json({"job": job, "dropped": True})
     else:
         click.echo(f"{job}: dropped")
@@ -453,7 +453,7 @@ def drop(job: str, dsn: str | None, as_json: bool) -> None:
 @option("--database", default="lockstep_demo", show_default=True, help="Database to (re)create.")
 @option("--clients", default=4, show_default=True, help="Application client threads.")
 @option("--keep", is_flag=True, help="Keep the demo database at the end.")
-@option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of the report.")
+@option("--json", is_flag=True, help="Print the result as JSON instead of the report.")
 @option("--json-file", metavar="FILE", default=None, help="Also write the result as JSON to FILE.")
 @log_options
 def demo(
@@ -465,7 +465,7 @@ def demo(
     database: str,
     clients: int,
     keep: bool,
-    as_json: bool,
+    json: bool,
     json_file: str | None,
 ) -> None:
     """See it work: runners and app clients on the example, then the naive jobs on the same workload.
@@ -496,7 +496,7 @@ def demo(
     if json_file is not None:
         with open(json_file, "w") as f:
             f.write(demo_mod.to_json(result) + "\n")
-    click.echo(demo_mod.to_json(result) if as_json else demo_mod.render(result))
+    click.echo(demo_mod.to_json(result) if json else demo_mod.render(result))
     raise SystemExit(0 if result["ok"] else 1)
 
 
@@ -504,10 +504,10 @@ def demo(
 @dsn_option
 @option("--parents", default=50000, show_default=True, help="Parents (exams) in the example.")
 @option("--sections", default="recompute,queue", show_default=True, help="Comma-separated sections.")
-@option("--json", "as_json", is_flag=True, help="Print the whole result as JSON instead of the tables.")
+@option("--json", is_flag=True, help="Print the whole result as JSON instead of the tables.")
 @option("--json-file", metavar="FILE", default=None, help="Also write the result as JSON to FILE.")
 @log_options
-def bench(dsn: str | None, parents: int, sections: str, as_json: bool, json_file: str | None) -> None:
+def bench(dsn: str | None, parents: int, sections: str, json: bool, json_file: str | None) -> None:
     """Benchmark lockstep against the naive patterns in a database of its own (the DSN is the admin one)."""
     from runner.lab import bench as bench_mod
 
@@ -516,7 +516,7 @@ def bench(dsn: str | None, parents: int, sections: str, as_json: bool, json_file
     if json_file is not None:
         with open(json_file, "w") as f:
             f.write(bench_mod.to_json(result) + "\n")
-    click.echo(bench_mod.to_json(result) if as_json else bench_mod.render(result))
+    click.echo(bench_mod.to_json(result) if json else bench_mod.render(result))
 
 
 @main.command()
@@ -527,7 +527,7 @@ def bench(dsn: str | None, parents: int, sections: str, as_json: bool, json_file
 @option("--runners", default=2, show_default=True, help="`lockstep run` processes.")
 @option("--every", default="3 seconds", show_default=True, help="Full recompute interval.")
 @option("--keep", is_flag=True, help="Keep the storm database (lockstep_storm_<pid>).")
-@option("--json", "as_json", is_flag=True, help="Print the whole result as JSON instead of the report.")
+@option("--json", is_flag=True, help="Print the whole result as JSON instead of the report.")
 @log_options
 def storm(
     dsn: str | None,
@@ -537,12 +537,12 @@ def storm(
     runners: int,
     every: str,
     keep: bool,
-    as_json: bool,
+    json: bool,
 ) -> None:
     """App transactions and runners at once in a database of its own; exit 1 if an invariant fails."""
     from runner.lab import storm as storm_mod
 
     _setup_logging(level=log_level(logging.WARNING))
     result = storm_mod.run(dsn, seconds, parents, clients, runners, every, keep)
-    click.echo(storm_mod.to_json(result) if as_json else storm_mod.render(result))
+    click.echo(storm_mod.to_json(result) if json else storm_mod.render(result))
     raise SystemExit(0 if result["ok"] else 1)

@@ -82,7 +82,7 @@ _PERMANENT_MESSAGES = (
             r"invalid command-line argument for server process|unrecognized configuration parameter"
             r"|invalid value for parameter"
         ),
-        "fix the options / PGOPTIONS setting (e.g. use `--connection-check-interval 1s` instead of PGOPTIONS)",
+        "fix the options / PGOPTIONS setting (use `--connection-check-interval 1s` instead of PGOPTIONS)",
     ),
 )
 _PERMANENT_SQLSTATES = {

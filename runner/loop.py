@@ -116,6 +116,7 @@ class Runner:
         self.pid = db.backend_pid(conn)
         if self.opts.listen and not self.opts.once:
             db.listen(conn)
+        log.debug("connected: backend pid %s, database %s", self.pid, conn.info.dbname)
 
     def _close(self) -> None:
         if self.conn is not None:
