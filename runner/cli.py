@@ -490,7 +490,7 @@ def demo(
     try:
         result = demo_mod.run(opts)
     except demo_mod.NoServer as exc:
-        raise Failure(str(exc), codes.EXIT_UNREACHABLE) from exc
+        raise Failure(str(exc), codes.EXIT_SETUP if exc.answered else codes.EXIT_UNREACHABLE) from exc
     except RuntimeError as exc:
         raise Failure(str(exc)) from exc
     if json_file is not None:

@@ -67,7 +67,14 @@ CONSUME_KEYS_SQL = "delete from lockstep.queue where job = %s and id = any(%s)"
 
 
 class NoServer(RuntimeError):
-    """The server the demo was told to use (or the one that answered) cannot be used; nothing started."""
+    """The server the demo was told to use (or the one that answered) cannot be used; nothing started.
+
+    ``answered``: a server answered with an error (login refused, missing database), not just silence.
+    """
+
+    def __init__(self, message: str, answered: bool = False) -> None:
+        super().__init__(message)
+        self.answered = answered
 
 
 def _sqlstate(exc: BaseException) -> str:
@@ -142,7 +149,8 @@ def pick_server(opts: Options, say) -> Server:
             given = "the given DSN" if admin else (", ".join(configured) or "libpq's defaults")
             raise NoServer(
                 f"cannot use the server at {_describe(admin)} ({given}): {why}. "
-                "Fix the connection, or run `lockstep demo --embedded` for a throw-away embedded server"
+                "Fix the connection, or run `lockstep demo --embedded` for a throw-away embedded server",
+                answered=answered,
             )
         say(f"no PostgreSQL server answers at {_describe(admin)} ({why})")
     say(_embedded_plan())
