@@ -352,7 +352,8 @@ def installed_wheel(tmp_path_factory: pytest.TempPathFactory):
         done = subprocess.run([str(c) for c in cmd], cwd=tmp, capture_output=True, text=True)
         assert done.returncode == 0, f"{cmd} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
 
-    run(sys.executable, "-m", "build", "--wheel", "--outdir", tmp / "dist", root)
+    # README "Install": python3 -m pip wheel --no-deps --wheel-dir dist .   (here with absolute paths)
+    run(sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", tmp / "dist", root)
     (wheel,) = (tmp / "dist").glob("pg_lockstep-*.whl")
     venv.EnvBuilder(with_pip=True).create(tmp / "venv")
     bin_dir = tmp / "venv" / "bin"

@@ -183,7 +183,9 @@ def test_container_recipe_installs_this_distribution():
     assert cmd[0] == "run"
     main.commands["run"].make_context("lockstep run", cmd[1:])  # parses (raises on a bad option)
     # the docker run lines parse too
-    for line in re.findall(r"(?ms)^docker run .*?(?<!\\)$", text + (ROOT / "README.md").read_text()):
+    docker_runs = re.findall(r"(?ms)^docker run .*?(?<!\\)$", text + (ROOT / "README.md").read_text())
+    assert len(docker_runs) >= 2, docker_runs
+    for line in docker_runs:
         words = shlex.split(line.replace("\\\n", " "))
         i = words.index("lockstep")
         main.commands[words[i + 1]].make_context("lockstep", words[i + 2 :])

@@ -334,6 +334,7 @@ class Demo:
         self.tty = hasattr(out, "isatty") and out.isatty()
         self.width = 0
         self._plain_at = -PLAIN_EVERY
+        self._phase = ""
 
     # -- output
     def say(self, msg: str) -> None:
@@ -486,6 +487,8 @@ class Demo:
             while (elapsed := time.monotonic() - t0) < self.opts.naive_seconds:
                 self._progress("naive", elapsed, self.opts.naive_seconds, conn, ph, naive=jobs)
                 time.sleep(0.25)
+            self._progress("naive", time.monotonic() - t0, self.opts.naive_seconds, conn, ph, naive=jobs,
+                           final=True)
         finally:
             stop.set()
             self._clear()
@@ -533,10 +536,12 @@ class Demo:
             errs = sum(ph.app.errors.values())
         runs = " ".join(f"{k} {v}" for k, v in sorted(outcomes.items())) or "none yet"
         p99s = "-" if p99 is None else f"{p99:.1f} ms"
+        first = name != self._phase  # the first line of a phase is never held back
+        self._phase = name
         self._line(
             f"[{name} {elapsed:4.0f}/{total:g} s] runs: {runs} | queue {depth} | "
             f"app tx {n} (p99 {p99s}, errors {errs})",
-            force=final,
+            force=final or first,
         )
 
     def run(self) -> dict[str, Any]:
