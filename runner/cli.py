@@ -123,7 +123,9 @@ dsn_option = option(
 def _remember_level(ctx: click.Context, param: click.Parameter, value):
     meta = ctx.find_root().meta
     if param.name == "log_level" and value is not None:
-        meta["lockstep.log_level"] = value
+        from_env = ctx.get_parameter_source("log_level") == click.core.ParameterSource.ENVIRONMENT
+        if not (from_env and "lockstep.log_level" in meta):  # `lockstep --log-level X run` wins over the env
+            meta["lockstep.log_level"] = value
     elif param.name == "verbose" and value:
         meta["lockstep.verbose"] = meta.get("lockstep.verbose", 0) + value
     return value
@@ -137,7 +139,7 @@ def log_options(f):
         count=True,
         expose_value=False,
         callback=_remember_level,
-        envvar="LOCKSTEP_VERBOSE",
+        allow_from_autoenv=False,
         show_envvar=False,
         help="More log output (repeatable); --log-level wins.",
     )(f)
@@ -242,7 +244,9 @@ def migrate(action: str, dsn: str | None, revision: str | None, sql: bool, json:
     if action in ("current", "check"):
         if sql or revision is not None:
             raise click.UsageError(f"migrate {action} takes no --sql / --revision")
-        _migrate_report(action, migrations.current(dsn), migrations.head(), json)
+        current = migrations.current(dsn)
+        elsewhere = not current and _schema_exists(dsn)
+        _migrate_report(action, current, migrations.head(), json, elsewhere)
         return
     if json:
         raise click.UsageError("--json is for migrate current / check")
@@ -261,10 +265,26 @@ def migrate(action: str, dsn: str | None, revision: str | None, sql: bool, json:
             click.echo(f"lockstep schema: already at {now}", err=True)
 
 
-def _migrate_report(action: str, current: tuple[str, ...], head: str, json: bool) -> None:
+def _schema_exists(dsn: str | None) -> bool:
+    from runner import db
+
+    with db.connect(dsn, app_name="lockstep-migrate") as conn:
+        return db.lockstep_installed(conn)
+
+
+def _migrate_report(action: str, current: tuple[str, ...], head: str, json: bool, elsewhere: bool) -> None:
+    """``elsewhere``: no revision in lockstep_alembic_version, yet the schema exists (a host's Alembic)."""
     at_head = current == (head,)
     if json:
-        _echo_json({"current": list(current), "head": head, "at_head": at_head})
+        out = {"current": list(current), "head": head, "at_head": at_head}
+        if elsewhere:
+            out["schema_without_lockstep_alembic_version"] = True
+        _echo_json(out)
+    elif elsewhere:
+        click.echo(
+            "the lockstep schema exists, but lockstep_alembic_version records no revision: it is managed by "
+            "your application's Alembic (see `alembic current`; README: moving to your application's Alembic)"
+        )
     elif action == "current" or at_head:
         state = "head" if at_head else f"head is {head}"
         click.echo(f"{', '.join(current) or 'base (not installed)'} ({state})")

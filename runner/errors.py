@@ -85,6 +85,13 @@ _PERMANENT_MESSAGES = (
         "fix the options / PGOPTIONS setting (use `--connection-check-interval 1s` instead of PGOPTIONS)",
     ),
 )
+_PERMANENT_MESSAGES += (
+    (
+        re.compile(r"unsupported startup parameter"),
+        "a pooler (PgBouncer) refuses startup options: set client_connection_check_interval on the role "
+        "(alter role ... set ...) instead of --connection-check-interval / PGOPTIONS",
+    ),
+)
 _PERMANENT_SQLSTATES = {
     "3F000": MIGRATE_HINT,  # invalid_schema_name: schema "lockstep" does not exist
     "42P01": MIGRATE_HINT,  # undefined_table: relation "lockstep.status" does not exist

@@ -349,6 +349,9 @@ def test_lockstep_migrate_on_a_host_installed_schema_says_so(empty_dsn, tmp_path
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and "alembic upgrade heads" in errors[0], done.stderr
+    current = _cli("migrate", "current", "--dsn", empty_dsn)
+    assert current.returncode == 0 and "managed by your application's Alembic" in current.stdout, current
+    assert "base (not installed)" not in current.stdout
 
 
 @pytest.mark.slow
