@@ -163,8 +163,10 @@ def _embedded_plan() -> str:
     data = Path.cwd() / DEMO_DIR / "pgdata"
     plan = f"starting an embedded PostgreSQL (pgserver package): data in {data}, server stopped at the end"
     if hasattr(os, "geteuid") and os.geteuid() == 0:
-        plan += ("; running as root, so pgserver runs PostgreSQL as the system user 'pgserver', which it "
-                 "creates with useradd if missing")
+        plan += (
+            "; running as root, so pgserver runs PostgreSQL as the system user 'pgserver', which it "
+            "creates with useradd if missing"
+        )
     return plan
 
 
@@ -487,8 +489,9 @@ class Demo:
             while (elapsed := time.monotonic() - t0) < self.opts.naive_seconds:
                 self._progress("naive", elapsed, self.opts.naive_seconds, conn, ph, naive=jobs)
                 time.sleep(0.25)
-            self._progress("naive", time.monotonic() - t0, self.opts.naive_seconds, conn, ph, naive=jobs,
-                           final=True)
+            self._progress(
+                "naive", time.monotonic() - t0, self.opts.naive_seconds, conn, ph, naive=jobs, final=True
+            )
         finally:
             stop.set()
             self._clear()
