@@ -2,11 +2,13 @@
 
 Connection, first match wins: ``Config.attributes["dsn"]`` (set by ``runner.migrate``), ``-x dsn=...``,
 ``$DATABASE_URL``, else libpq's own defaults (PGHOST, PGDATABASE, ...). Any libpq connection string works:
-a URL (``postgresql://``, ``postgres://`` or SQLAlchemy's ``postgresql+psycopg://``) or ``key=value``.
+a URL (``postgresql://``, ``postgres://`` or SQLAlchemy's ``postgresql+DRIVER://``) or ``key=value``
+(``runner.dsn``, the parser every ``lockstep`` command uses).
 
 Online, the whole upgrade is one transaction that first takes
 ``pg_advisory_xact_lock(hashtextextended('lockstep:migrate', 0))``, before Alembic reads the current
-version: a concurrent upgrader waits, then finds the schema at head and does nothing.
+version: a concurrent upgrader waits, then finds the schema at head and does nothing. Each revision takes
+the same lock again (it stacks), which is what protects a host application's Alembic running our branch.
 """
 
 from __future__ import annotations
@@ -26,17 +28,16 @@ if config.config_file_name is not None:  # the `alembic` command with alembic.in
 
 
 def libpq_conninfo() -> str:
-    """The connection string to hand to libpq ('' means libpq's defaults)."""
+    """The connection string to hand to libpq ('' means libpq's defaults), via runner.dsn's one parser."""
+    from runner.dsn import normalize
+
     dsn = (
         config.attributes.get("dsn")
         or context.get_x_argument(as_dictionary=True).get("dsn")
         or os.environ.get("DATABASE_URL")
         or ""
     )
-    for prefix in ("postgresql+psycopg://", "postgresql+psycopg2://", "postgres://"):
-        if dsn.startswith(prefix):
-            return "postgresql://" + dsn[len(prefix) :]
-    return dsn
+    return normalize(dsn)
 
 
 def run_migrations_offline() -> None:

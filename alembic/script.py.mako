@@ -3,6 +3,8 @@
 Revision ID: ${up_revision}
 Revises: ${down_revision | comma,n}
 Create Date: ${create_date}
+
+Create with `alembic revision --rev-id lockstep_NNNN -m "..."` (namespaced ids; the SQL goes in sql/NNNN/).
 """
 
 from alembic import op
@@ -14,10 +16,14 @@ down_revision = ${repr(down_revision)}
 branch_labels = ${repr(branch_labels)}
 depends_on = ${repr(depends_on)}
 
+MIGRATE_LOCK = "select pg_advisory_xact_lock(hashtextextended('lockstep:migrate', 0))"
+
 
 def upgrade() -> None:
-    sqlfiles.apply(op, ${repr(up_revision)}, "up")
+    op.execute(MIGRATE_LOCK)  # also when a host application's Alembic runs this revision
+    sqlfiles.apply(op, ${repr(up_revision.removeprefix("lockstep_"))}, "up")
 
 
 def downgrade() -> None:
-    sqlfiles.apply(op, ${repr(up_revision)}, "down")
+    op.execute(MIGRATE_LOCK)
+    sqlfiles.apply(op, ${repr(up_revision.removeprefix("lockstep_"))}, "down")

@@ -1,16 +1,37 @@
 """The ``lockstep`` command. Commands stay thin: they parse options and call one function.
 
-Adding a command: define it with ``@main.command()`` (reuse ``dsn_option``); errors listed in
-``_user_errors()`` are turned into a one-line ``Error: ...`` by ``_Group.invoke``, the only error boundary.
+Conventions (README "Command line"), the same for every command:
+
+- ``-h`` / ``--help``; ``--log-level LEVEL`` and ``-v`` (repeatable), before or after the command name;
+- every option can also come from the environment: ``LOCKSTEP_<COMMAND>_<OPTION>`` (click's
+  ``auto_envvar_prefix``, e.g. ``LOCKSTEP_RUN_TICK=0.5``), ``LOCKSTEP_LOG_LEVEL`` for the log level, and
+  ``--dsn`` from ``LOCKSTEP_DSN``, else ``DATABASE_URL``, else libpq's own defaults (PGHOST, ...);
+- ``--dsn`` takes every form :mod:`runner.dsn` accepts (libpq key=value, URL, ``postgresql+driver://``);
+- ``--json`` always means: print the command's result as JSON on stdout instead of text;
+- exit codes (:mod:`runner.errors`): 0 ok/healthy, 1 unhealthy or failed, 2 usage error, 3 no server
+  answered, 4 permanent setup error (database, role or lockstep schema missing, login refused, bad
+  server options), with a hint.
+
+Adding a command: define it with ``@main.command()`` (reuse ``dsn_option`` and ``log_options``); errors
+listed in ``_user_errors()`` are turned into a one-line ``Error: ...`` by ``_Group.invoke``, the only
+error boundary.
 """
 
 from __future__ import annotations
 
+import functools
+import json as jsonlib
 import logging
 
 import click
 
 from runner import __version__
+from runner import errors as codes
+
+log = logging.getLogger("lockstep.cli")
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "LOCKSTEP", "max_content_width": 110}
+LEVELS = ("debug", "info", "warning", "error")
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -18,15 +39,34 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from alembic.util import CommandError
     from sqlalchemy.exc import SQLAlchemyError
 
+    from runner.migrate import MigrateError
     from runner.sqlfiles import SqlFilesError
 
-    return (psycopg.Error, SQLAlchemyError, CommandError, SqlFilesError, OSError)
+    return (psycopg.Error, SQLAlchemyError, CommandError, SqlFilesError, MigrateError, OSError)
 
 
-def _message(exc: BaseException) -> str:
+class Failure(click.ClickException):
+    """``Error: <message>`` on stderr, and this exit code."""
+
+    def __init__(self, message: str, exit_code: int = codes.EXIT_UNHEALTHY) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def _failure(exc: BaseException) -> Failure:
+    """One line for any user-facing error, with the exit code and hint its kind calls for."""
+    import psycopg
+
     orig = getattr(exc, "orig", None)  # sqlalchemy.exc.DBAPIError wraps the psycopg error
-    text = str(orig if orig is not None else exc).strip()
-    return text or type(exc).__name__
+    err = orig if isinstance(orig, BaseException) else exc
+    lines = [ln.strip() for ln in str(err).strip().splitlines() if ln.strip()]
+    text = lines[0] if lines else type(err).__name__
+    hint = codes.permanent_hint(err)
+    if hint is not None:
+        return Failure(f"{text} (hint: {hint})", codes.EXIT_SETUP)
+    if isinstance(err, psycopg.OperationalError):
+        return Failure(text, codes.EXIT_UNREACHABLE)
+    return Failure(text)
 
 
 class _Group(click.Group):
@@ -36,59 +76,96 @@ class _Group(click.Group):
         except click.ClickException:
             raise
         except _user_errors() as exc:
-            raise click.ClickException(_message(exc)) from exc
+            raise _failure(exc) from exc
 
 
-dsn_option = click.option(
+class _Option(click.Option):
+    """Options show their environment variable in --help."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("show_envvar", True)
+        super().__init__(*args, **kwargs)
+
+
+option = functools.partial(click.option, cls=_Option)
+
+
+class DsnType(click.ParamType):
+    """A connection string, normalized by runner.dsn (the ``+driver`` suffix dropped); unparseable: exit 2."""
+
+    name = "dsn"
+
+    def convert(self, value, param, ctx):
+        from runner.dsn import DsnError, normalize
+
+        if value is None:
+            return None
+        try:
+            return normalize(value)
+        except DsnError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+dsn_option = option(
     "--dsn",
-    envvar="DATABASE_URL",
-    metavar="URL",
+    envvar=["LOCKSTEP_DSN", "DATABASE_URL"],
+    type=DsnType(),
+    metavar="DSN",
     default=None,
-    help="PostgreSQL connection string [env DATABASE_URL; default: libpq's PGHOST, PGDATABASE, ...].",
+    help="PostgreSQL connection string: libpq key=value, postgresql:// URL or postgresql+driver:// "
+    "[default: libpq's PGHOST, PGDATABASE, ...].",
 )
 
 
-@click.group(cls=_Group)
-@click.version_option(__version__, prog_name="lockstep")
-def main() -> None:
-    """lockstep: keep derived tables up to date from background jobs, without deadlocks."""
+# -- logging -----------------------------------------------------------------------------------------------
 
 
-@main.command()
-@dsn_option
-@click.option("--sql", is_flag=True, help="Print the SQL script instead of connecting (for psql -f).")
-@click.option("--revision", default="head", show_default=True, help="Target revision.")
-@click.option(
-    "--downgrade",
-    "downgrade_to",
-    metavar="REV",
-    default=None,
-    hidden=True,
-    help="Downgrade to REV instead (e.g. base); with --sql, REV must be FROM:TO.",
-)
-def migrate(dsn: str | None, sql: bool, revision: str, downgrade_to: str | None) -> None:
-    """Install or upgrade the lockstep schema (Alembic, version table lockstep_alembic_version)."""
-    from runner import migrate as migrations
+def _remember_level(ctx: click.Context, param: click.Parameter, value):
+    meta = ctx.find_root().meta
+    if param.name == "log_level" and value is not None:
+        from_env = ctx.get_parameter_source("log_level") == click.core.ParameterSource.ENVIRONMENT
+        if not (from_env and "lockstep.log_level" in meta):  # `lockstep --log-level X run` wins over the env
+            meta["lockstep.log_level"] = value
+    elif param.name == "verbose" and value:
+        meta["lockstep.verbose"] = meta.get("lockstep.verbose", 0) + value
+    return value
 
-    if not sql:
-        logging.basicConfig(level=logging.WARNING, format="%(message)s")
-        logging.getLogger("alembic.runtime.migration").setLevel(logging.INFO)
-    if downgrade_to is not None:
-        outcome = migrations.migrate(dsn, downgrade_to, sql=sql, downgrade=True)
-    else:
-        outcome = migrations.migrate(dsn, revision, sql=sql)
-    if outcome is not None:
-        now = ", ".join(outcome.after) or "base"
-        if outcome.changed:
-            click.echo(f"lockstep schema: {', '.join(outcome.before) or 'base'} -> {now}", err=True)
-        else:
-            click.echo(f"lockstep schema: already at {now}", err=True)
+
+def log_options(f):
+    """``--log-level`` and ``-v``; accepted before the command name too (``lockstep -v run``)."""
+    f = option(
+        "-v",
+        "--verbose",
+        count=True,
+        expose_value=False,
+        callback=_remember_level,
+        allow_from_autoenv=False,
+        show_envvar=False,
+        help="More log output (repeatable); --log-level wins.",
+    )(f)
+    f = option(
+        "--log-level",
+        type=click.Choice(LEVELS, case_sensitive=False),
+        default=None,
+        expose_value=False,
+        callback=_remember_level,
+        envvar="LOCKSTEP_LOG_LEVEL",
+        help="Log level of lockstep's own messages [default: info for run, warning otherwise].",
+    )(f)
+    return f
+
+
+def log_level(default: int) -> int:
+    """The level asked for on the command line (or LOCKSTEP_LOG_LEVEL), else ``default`` lowered per -v."""
+    meta = click.get_current_context().find_root().meta
+    named = meta.get("lockstep.log_level")
+    if named is not None:
+        return getattr(logging, named.upper())
+    return max(logging.DEBUG, default - 10 * meta.get("lockstep.verbose", 0))
 
 
 class _JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        import json
-
         out = {
             "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
             "level": record.levelname.lower(),
@@ -98,13 +175,19 @@ class _JsonFormatter(logging.Formatter):
         out.update(getattr(record, "fields", None) or {})
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str)
+        return jsonlib.dumps(out, default=str)
 
 
-def _setup_logging(fmt: str, level: int = logging.INFO) -> None:
+def _setup_logging(fmt: str = "text", level: int = logging.INFO) -> None:
+    """lockstep's loggers at ``level``, everything else (alembic, psycopg...) at WARNING.
+
+    ``fmt``: ``text`` (time, level, message), ``json`` (one object per line) or ``plain`` (message only).
+    """
     handler = logging.StreamHandler()
     if fmt == "json":
         handler.setFormatter(_JsonFormatter())
+    elif fmt == "plain":
+        handler.setFormatter(logging.Formatter("%(message)s"))
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
     root = logging.getLogger()
@@ -113,127 +196,373 @@ def _setup_logging(fmt: str, level: int = logging.INFO) -> None:
     logging.getLogger("lockstep").setLevel(level)
 
 
+def _echo_json(value) -> None:
+    click.echo(jsonlib.dumps(value, indent=2, default=str))
+
+
+# -- commands ------------------------------------------------------------------------------------------------
+
+
+@click.group(cls=_Group, context_settings=CONTEXT)
+@click.version_option(__version__, "-V", "--version", prog_name="lockstep")
+@log_options
+def main() -> None:
+    """lockstep: keep derived tables up to date from background jobs, without deadlocks.
+
+    Exit codes: 0 ok, 1 unhealthy or failed, 2 usage error, 3 no server answered, 4 permanent setup
+    error (database, role or lockstep schema missing...; the message has a hint).
+    """
+
+
+MIGRATE_ACTIONS = ("upgrade", "downgrade", "current", "check")
+
+
 @main.command()
+@click.argument("action", required=False, default="upgrade", type=click.Choice(MIGRATE_ACTIONS))
 @dsn_option
-@click.option(
-    "--job", "jobs", multiple=True, metavar="NAME", help="Run only this job (repeatable) [default: all]."
+@option(
+    "--revision",
+    default=None,
+    metavar="REV",
+    help="Target revision [upgrade: head; downgrade: required, e.g. base or lockstep_0001].",
 )
-@click.option("--once", is_flag=True, help="Run what is due now, then exit (1 if any run failed).")
-@click.option("--tick", type=click.FloatRange(min=0.01), default=1.0, show_default=True,
-              help="Longest sleep between looks at the schedule, in seconds.")
-@click.option("--no-listen", is_flag=True, help="Do not LISTEN for new queued keys (poll every tick only).")
-@click.option("--no-prepare", is_flag=True,
-              help="No server-side prepared statements (transaction poolers; automatic on port 6432).")
-@click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True)
-@click.option("--metrics-port", type=int, default=None, metavar="N",
-              help="Serve Prometheus metrics on this port (needs prometheus_client).")
-def run(dsn: str | None, jobs: tuple[str, ...], once: bool, tick: float, no_listen: bool, no_prepare: bool,
-        log_format: str, metrics_port: int | None) -> None:
-    """Run due jobs in a loop (or --once). SIGTERM/SIGINT: finish the current call and exit 0."""
-    from runner import loop
+@option("--sql", is_flag=True, help="upgrade/downgrade: print the SQL script, do not connect (psql -f).")
+@option("--json", is_flag=True, help="current/check: print the result as JSON.")
+@log_options
+def migrate(action: str, dsn: str | None, revision: str | None, sql: bool, json: bool) -> None:
+    """Install, upgrade, downgrade or inspect the lockstep schema (version table lockstep_alembic_version).
 
-    if dsn is not None:
-        import psycopg
-        from psycopg.conninfo import conninfo_to_dict
+    \b
+    lockstep migrate                         upgrade to the newest revision (head)
+    lockstep migrate downgrade --revision base   remove lockstep entirely
+    lockstep migrate current                 the revision installed (nothing is changed)
+    lockstep migrate check                   exit 0 at head, 1 when an upgrade is due
+    """
+    from runner import migrate as migrations
 
-        try:
-            conninfo_to_dict(dsn)
-        except psycopg.ProgrammingError as exc:
-            raise click.BadParameter(str(exc), param_hint="--dsn") from exc
-    _setup_logging(log_format)
-    opts = loop.Options(dsn=dsn, jobs=list(jobs) or None, once=once, tick=tick, listen=not no_listen,
-                        prepare=False if no_prepare else None)
-    raise SystemExit(loop.run(opts, metrics_port))
+    _setup_logging("plain", log_level(logging.WARNING))
+    if action in ("current", "check"):
+        if sql or revision is not None:
+            raise click.UsageError(f"migrate {action} takes no --sql / --revision")
+        current = migrations.current(dsn)
+        elsewhere = not current and _schema_exists(dsn)
+        _migrate_report(action, current, migrations.head(), json, elsewhere)
+        return
+    if json:
+        raise click.UsageError("--json is for migrate current / check")
+    if action == "upgrade" and (revision or "").strip().lower() == "base":
+        raise click.UsageError("an upgrade never goes down: `lockstep migrate downgrade --revision base`")
+    if action == "downgrade" and revision is None:
+        raise click.UsageError("migrate downgrade needs --revision (e.g. base: remove lockstep)")
+    if not sql:
+        logging.getLogger("alembic.runtime.migration").setLevel(log_level(logging.INFO))
+    outcome = migrations.migrate(dsn, revision or "head", sql=sql, downgrade=action == "downgrade")
+    if outcome is not None:
+        now = ", ".join(outcome.after) or "base"
+        if outcome.changed:
+            click.echo(f"lockstep schema: {', '.join(outcome.before) or 'base'} -> {now}", err=True)
+        else:
+            click.echo(f"lockstep schema: already at {now}", err=True)
+
+
+def _schema_exists(dsn: str | None) -> bool:
+    from runner import db
+
+    with db.connect(dsn, app_name="lockstep-migrate") as conn:
+        return db.lockstep_installed(conn)
+
+
+def _migrate_report(action: str, current: tuple[str, ...], head: str, json: bool, elsewhere: bool) -> None:
+    """``elsewhere``: no revision in lockstep_alembic_version, yet the schema exists (a host's Alembic)."""
+    at_head = current == (head,)
+    if json:
+        out = {"current": list(current), "head": head, "at_head": at_head}
+        if elsewhere:
+            out["schema_without_lockstep_alembic_version"] = True
+        _echo_json(out)
+    elif elsewhere:
+        click.echo(
+            "the lockstep schema exists, but lockstep_alembic_version records no revision: it is managed by "
+            "your application's Alembic (see `alembic current`; README: moving to your application's Alembic)"
+        )
+    elif action == "current" or at_head:
+        state = "head" if at_head else f"head is {head}"
+        click.echo(f"{', '.join(current) or 'base (not installed)'} ({state})")
+    else:
+        click.echo(f"lockstep schema: {', '.join(current) or 'base'}, head is {head}: run `lockstep migrate`")
+    if action == "check" and not at_head:
+        raise SystemExit(codes.EXIT_UNHEALTHY)
 
 
 @main.command()
 @dsn_option
-@click.option("--json", "as_json", is_flag=True, help="All columns of lockstep.status, as a JSON array.")
-def status(dsn: str | None, as_json: bool) -> None:
-    """Show lockstep.status. Exit code 1 when a job is failing or has parked keys, else 0."""
+@option("--job", multiple=True, metavar="NAME", help="Run only this job (repeatable) [default: all].")
+@option("--once", is_flag=True, help="Run what is due now, then exit (1 if any run failed).")
+@option(
+    "--tick",
+    type=click.FloatRange(min=0.01),
+    default=1.0,
+    show_default=True,
+    help="Longest sleep between looks at the schedule, in seconds.",
+)
+@option("--no-listen", is_flag=True, help="Do not LISTEN for new queued keys (poll every tick only).")
+@option(
+    "--no-prepare",
+    is_flag=True,
+    help="No server-side prepared statements (transaction poolers; automatic on port 6432).",
+)
+@option(
+    "--connection-check-interval",
+    metavar="TIME",
+    default=None,
+    help="Set client_connection_check_interval (e.g. 1s) on the runner's sessions, so a killed "
+    "runner's backend stops at once (direct connections; behind PgBouncer set it on the role).",
+)
+@option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    metavar="N",
+    help="Serve Prometheus metrics on this port (needs prometheus_client).",
+)
+@option(
+    "--metrics-host",
+    default="0.0.0.0",
+    show_default=True,
+    metavar="ADDR",
+    help="Address the metrics server binds to (e.g. 127.0.0.1).",
+)
+@log_options
+def run(
+    dsn: str | None,
+    job: tuple[str, ...],
+    once: bool,
+    tick: float,
+    no_listen: bool,
+    no_prepare: bool,
+    connection_check_interval: str | None,
+    log_format: str,
+    metrics_port: int | None,
+    metrics_host: str,
+) -> None:
+    """Run due jobs in a loop (or --once). SIGTERM/SIGINT: finish the current call and exit 0.
+
+    Exits at once with code 4 (and a hint) when the database, the role or the lockstep schema does not
+    exist; connection losses and server restarts are retried with backoff. --once: 1 if a run failed,
+    3 if no server answered.
+    """
+    from runner import db, loop
+    from runner.dsn import describe
+
+    if connection_check_interval is not None and not db.CHECK_INTERVAL.match(connection_check_interval):
+        raise click.BadParameter(
+            "expected a PostgreSQL time such as 1s or 500ms", param_hint="--connection-check-interval"
+        )
+    _setup_logging(log_format, log_level(logging.INFO))
+    opts = loop.Options(
+        dsn=dsn,
+        jobs=list(job) or None,
+        once=once,
+        tick=tick,
+        listen=not no_listen,
+        prepare=False if no_prepare else None,
+        check_interval=connection_check_interval,
+    )
+    metrics = f"http://{metrics_host}:{metrics_port}/metrics" if metrics_port is not None else "off"
+    log.info(
+        "lockstep %s run starting: %s; jobs %s; %s; tick %gs; listen %s; prepared statements %s; "
+        "connection check %s; metrics %s",
+        __version__,
+        describe(dsn),
+        ", ".join(job) or "all",
+        "once" if once else "loop",
+        tick,
+        "off" if no_listen else "on",
+        "off" if no_prepare else "auto",
+        connection_check_interval or "server's",
+        metrics,
+        extra={"fields": {"version": __version__, "jobs": list(job), "once": once, "metrics": metrics}},
+    )
+    raise SystemExit(loop.run(opts, metrics_port, metrics_host))
+
+
+def _connect(dsn: str | None, app_name: str):
+    """A short connection for the one-shot commands; a missing lockstep schema is exit 4 with a hint."""
+    from runner import db
+
+    conn = db.connect(dsn, app_name=app_name)
+    if not db.lockstep_installed(conn):
+        name = conn.info.dbname
+        conn.close()
+        message = f'database "{name}" has no lockstep schema (hint: {codes.MIGRATE_HINT})'
+        raise Failure(message, codes.EXIT_SETUP)
+    return conn
+
+
+@main.command()
+@dsn_option
+@option("--json", is_flag=True, help="Print all columns of lockstep.status as a JSON array.")
+@log_options
+def status(dsn: str | None, json: bool) -> None:
+    """Show lockstep.status. Exit 0 healthy; 1 when a job is failing, has parked keys or is flagged for a
+    full recompute; 3 no server answered; 4 no lockstep schema (or database, role)."""
     from runner import db
     from runner import status as st
 
-    with db.connect(dsn, app_name="lockstep-status") as conn:
+    _setup_logging(level=log_level(logging.WARNING))
+    with _connect(dsn, "lockstep-status") as conn:
         rows = db.status(conn)
-    click.echo(st.to_json(rows) if as_json else st.to_table(rows))
-    raise SystemExit(1 if st.unhealthy(rows) else 0)
+    click.echo(st.to_json(rows) if json else st.to_table(rows))
+    raise SystemExit(st.exit_code(rows))
+
+
+@main.command()
+@click.argument("job")
+@click.argument("keys", nargs=-1)
+@dsn_option
+@option("--json", is_flag=True, help="Print the result as JSON.")
+@log_options
+def retry(job: str, keys: tuple[str, ...], dsn: str | None, json: bool) -> None:
+    """Put failing or parked keys of JOB back in its queue (all of them when no KEYS are given).
+
+    Calls lockstep.retry(job [, keys]); KEYS are cast to the job's parent key type.
+    """
+    from runner import db
+
+    _setup_logging(level=log_level(logging.WARNING))
+    with _connect(dsn, "lockstep-retry") as conn:
+        n = db.retry(conn, job, list(keys) or None)
+    if json:
+        _echo_json({"job": job, "requeued": n})
+    else:
+        click.echo(f"{job}: {n} key{'' if n == 1 else 's'} back in the queue")
+
+
+@main.command()
+@click.argument("job")
+@dsn_option
+@option("--json", is_flag=True, help="Print the result as JSON.")
+@log_options
+def drop(job: str, dsn: str | None, json: bool) -> None:
+    """Remove JOB: its definition, state, queue, key failures and enqueue triggers (lockstep.drop_job).
+
+    The derived table and its rows stay.
+    """
+    from runner import db
+
+    _setup_logging(level=log_level(logging.WARNING))
+    with _connect(dsn, "lockstep-drop") as conn:
+        db.drop_job(conn, job)
+    if json:
+        _echo_json({"job": job, "dropped": True})
+    else:
+        click.echo(f"{job}: dropped")
 
 
 @main.command()
 @dsn_option
-@click.option("--parents", default=50000, show_default=True, help="Exams in the example.")
-@click.option("--seconds", default=60.0, show_default=True, help="Length of the lockstep phase.")
-@click.option("--naive-seconds", default=15.0, show_default=True, help="Length of the naive phase (0: skip).")
-@click.option("--embedded", is_flag=True,
-              help="Use an embedded PostgreSQL (pgserver, data in .lockstep-demo/) even if a server answers.")
-@click.option("--database", default="lockstep_demo", show_default=True, help="Database to (re)create.")
-@click.option("--clients", default=4, show_default=True, help="Application client threads.")
-@click.option("--keep", is_flag=True, help="Keep the demo database at the end.")
-@click.option("--json", "json_out", metavar="FILE", default=None, help="Also write the result as JSON here.")
-def demo(dsn: str | None, parents: int, seconds: float, naive_seconds: float, embedded: bool, database: str,
-         clients: int, keep: bool, json_out: str | None) -> None:
+@option("--parents", default=50000, show_default=True, help="Exams in the example.")
+@option("--seconds", default=60.0, show_default=True, help="Length of the lockstep phase.")
+@option("--naive-seconds", default=15.0, show_default=True, help="Length of the naive phase (0: skip).")
+@option(
+    "--embedded",
+    is_flag=True,
+    help="Use an embedded PostgreSQL (pgserver, data in .lockstep-demo/) even if a server answers.",
+)
+@option("--database", default="lockstep_demo", show_default=True, help="Database to (re)create.")
+@option("--clients", default=4, show_default=True, help="Application client threads.")
+@option("--keep", is_flag=True, help="Keep the demo database at the end.")
+@option("--json", is_flag=True, help="Print the result as JSON instead of the report.")
+@option("--json-file", metavar="FILE", default=None, help="Also write the result as JSON to FILE.")
+@log_options
+def demo(
+    dsn: str | None,
+    parents: int,
+    seconds: float,
+    naive_seconds: float,
+    embedded: bool,
+    database: str,
+    clients: int,
+    keep: bool,
+    json: bool,
+    json_file: str | None,
+) -> None:
     """See it work: runners and app clients on the example, then the naive jobs on the same workload.
 
-    The DSN is the admin one (its database is not touched); without a server, an embedded one is started.
-    Exit code 0 when lockstep had 0 deadlocks and converged.
+    The DSN is the admin one (its database is not touched). Without --dsn, DATABASE_URL nor PG*
+    settings and with no server answering, an embedded one is started (it says so first); an explicit
+    DSN that fails is an error. Exit code 0 when lockstep had 0 deadlocks and converged.
     """
     from runner.lab import demo as demo_mod
 
-    opts = demo_mod.Options(dsn=dsn, parents=parents, seconds=seconds, naive_seconds=naive_seconds,
-                            embedded=embedded, database=database, clients=clients, keep=keep)
+    _setup_logging(level=log_level(logging.WARNING))
+    opts = demo_mod.Options(
+        dsn=dsn,
+        parents=parents,
+        seconds=seconds,
+        naive_seconds=naive_seconds,
+        embedded=embedded,
+        database=database,
+        clients=clients,
+        keep=keep,
+    )
     try:
         result = demo_mod.run(opts)
+    except demo_mod.NoServer as exc:
+        raise Failure(str(exc), codes.EXIT_SETUP if exc.answered else codes.EXIT_UNREACHABLE) from exc
     except RuntimeError as exc:
-        raise click.ClickException(str(exc)) from exc
-    if json_out is not None:
-        with open(json_out, "w") as f:
+        raise Failure(str(exc)) from exc
+    if json_file is not None:
+        with open(json_file, "w") as f:
             f.write(demo_mod.to_json(result) + "\n")
-    click.echo(demo_mod.render(result))
+    click.echo(demo_mod.to_json(result) if json else demo_mod.render(result))
     raise SystemExit(0 if result["ok"] else 1)
 
 
 @main.command()
 @dsn_option
-@click.option("--parents", default=50000, show_default=True, help="Parents (exams) in the example.")
-@click.option("--sections", default="recompute,queue", show_default=True, help="Comma-separated sections.")
-@click.option(
-    "--json",
-    "json_out",
-    is_flag=False,
-    flag_value="-",
-    default=None,
-    metavar="[FILE]",
-    help="Write the whole result as JSON: to stdout instead of the tables, or to FILE besides them.",
-)
-def bench(dsn: str | None, parents: int, sections: str, json_out: str | None) -> None:
+@option("--parents", default=50000, show_default=True, help="Parents (exams) in the example.")
+@option("--sections", default="recompute,queue", show_default=True, help="Comma-separated sections.")
+@option("--json", is_flag=True, help="Print the whole result as JSON instead of the tables.")
+@option("--json-file", metavar="FILE", default=None, help="Also write the result as JSON to FILE.")
+@log_options
+def bench(dsn: str | None, parents: int, sections: str, json: bool, json_file: str | None) -> None:
     """Benchmark lockstep against the naive patterns in a database of its own (the DSN is the admin one)."""
     from runner.lab import bench as bench_mod
 
+    _setup_logging(level=log_level(logging.WARNING))
     result = bench_mod.run(dsn, parents, tuple(s.strip() for s in sections.split(",") if s.strip()))
-    if json_out == "-":
-        click.echo(bench_mod.to_json(result))
-        return
-    if json_out is not None:
-        with open(json_out, "w") as f:
+    if json_file is not None:
+        with open(json_file, "w") as f:
             f.write(bench_mod.to_json(result) + "\n")
-    click.echo(bench_mod.render(result))
+    click.echo(bench_mod.to_json(result) if json else bench_mod.render(result))
 
 
 @main.command()
 @dsn_option
-@click.option("--seconds", default=60.0, show_default=True, help="How long the application clients run.")
-@click.option("--parents", default=2000, show_default=True, help="Parents (exams) in the example.")
-@click.option("--clients", default=4, show_default=True, help="Application client threads.")
-@click.option("--runners", default=2, show_default=True, help="`lockstep run` processes.")
-@click.option("--every", default="3 seconds", show_default=True, help="Full recompute interval.")
-@click.option("--keep", is_flag=True, help="Keep the storm database (lockstep_storm_<pid>).")
-@click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON.")
-def storm(dsn: str | None, seconds: float, parents: int, clients: int, runners: int, every: str, keep: bool,
-          as_json: bool) -> None:
+@option("--seconds", default=60.0, show_default=True, help="How long the application clients run.")
+@option("--parents", default=2000, show_default=True, help="Parents (exams) in the example.")
+@option("--clients", default=4, show_default=True, help="Application client threads.")
+@option("--runners", default=2, show_default=True, help="`lockstep run` processes.")
+@option("--every", default="3 seconds", show_default=True, help="Full recompute interval.")
+@option("--keep", is_flag=True, help="Keep the storm database (lockstep_storm_<pid>).")
+@option("--json", is_flag=True, help="Print the whole result as JSON instead of the report.")
+@log_options
+def storm(
+    dsn: str | None,
+    seconds: float,
+    parents: int,
+    clients: int,
+    runners: int,
+    every: str,
+    keep: bool,
+    json: bool,
+) -> None:
     """App transactions and runners at once in a database of its own; exit 1 if an invariant fails."""
     from runner.lab import storm as storm_mod
 
+    _setup_logging(level=log_level(logging.WARNING))
     result = storm_mod.run(dsn, seconds, parents, clients, runners, every, keep)
-    click.echo(storm_mod.to_json(result) if as_json else storm_mod.render(result))
+    click.echo(storm_mod.to_json(result) if json else storm_mod.render(result))
     raise SystemExit(0 if result["ok"] else 1)

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import datetime as dt
+import os
+import re
 from dataclasses import dataclass
 
 import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import dict_row
+
+from runner import dsn as dsns
 
 APP_NAME = "lockstep-runner"
 CHANNEL = "lockstep"
@@ -40,24 +44,48 @@ class Due:
     wait: float | None  # seconds from the server's now() until due_at (<= 0: due now; None: never)
 
 
+CHECK_INTERVAL = re.compile(r"^\d+(us|ms|s|min|h)?$")  # a PostgreSQL time value, e.g. 1s, 500ms, 0
+
+
 def looks_like_pooler(dsn: str | None) -> bool:
     try:
-        port = conninfo_to_dict(dsn or "").get("port")
-    except psycopg.ProgrammingError:
+        port = conninfo_to_dict(dsns.normalize(dsn)).get("port")
+    except (psycopg.ProgrammingError, dsns.DsnError):
         return False
     return str(port) in POOLER_PORTS if port is not None else False
 
 
+def _options(conninfo: str, check_interval: str) -> str:
+    """The libpq ``options`` of ``conninfo`` (else $PGOPTIONS) plus client_connection_check_interval."""
+    if not CHECK_INTERVAL.match(check_interval):
+        raise ValueError(f"not a PostgreSQL time value: {check_interval!r} (e.g. 1s, 500ms)")
+    given = conninfo_to_dict(conninfo).get("options") or os.environ.get("PGOPTIONS", "")
+    return f"{given} -c client_connection_check_interval={check_interval}".strip()
+
+
 def connect(
-    dsn: str | None, *, prepare: bool | None = None, app_name: str = APP_NAME, connect_timeout: int = 10
+    dsn: str | None,
+    *,
+    prepare: bool | None = None,
+    app_name: str = APP_NAME,
+    connect_timeout: int = 10,
+    check_interval: str | None = None,
 ) -> psycopg.Connection:
-    """An autocommit connection named ``app_name``. prepare=None: off when the port looks like a pooler."""
+    """An autocommit connection named ``app_name``. prepare=None: off when the port looks like a pooler.
+
+    ``dsn``: any form :func:`runner.dsn.normalize` accepts. ``check_interval`` (e.g. ``"1s"``): sets
+    ``client_connection_check_interval`` for the session through the startup packet's ``options``
+    (added to those of the DSN or $PGOPTIONS), so no shell or unit file has to quote ``-c ...``.
+    """
+    conninfo = dsns.normalize(dsn)
     if prepare is None:
-        prepare = not looks_like_pooler(dsn)
+        prepare = not looks_like_pooler(conninfo)
     kwargs: dict = {"autocommit": True, "application_name": app_name, "connect_timeout": connect_timeout}
     if not prepare:
         kwargs["prepare_threshold"] = None
-    return psycopg.connect(dsn or "", **kwargs)
+    if check_interval is not None:
+        kwargs["options"] = _options(conninfo, check_interval)
+    return psycopg.connect(conninfo, **kwargs)
 
 
 def listen(conn: psycopg.Connection) -> None:
@@ -128,3 +156,28 @@ def cancel(conn: psycopg.Connection) -> None:
         safe(timeout=5.0)
     else:
         conn.cancel()
+
+
+def lockstep_installed(conn: psycopg.Connection) -> bool:
+    """Whether the lockstep schema exists in the connected database."""
+    return conn.execute("select to_regnamespace('lockstep') is not null").fetchone()[0]
+
+
+def retry(conn: psycopg.Connection, job: str, keys: list[str] | None) -> int:
+    """``lockstep.retry(job [, keys])``: failing or parked keys back in the queue; how many were.
+
+    ``keys`` come as text (from the command line) and are cast to the job's parent key type, which
+    ``lockstep.retry`` checks; an unknown job raises lockstep's own LSJ01 error.
+    """
+    if keys is None:
+        return conn.execute("select lockstep.retry(%s)", [job]).fetchone()[0]
+    row = conn.execute("select key_type::text from lockstep.job where job = %s", [job]).fetchone()
+    key_type = row[0] if row is not None and row[0] is not None else "text"
+    # key_type is regtype output (quoted by PostgreSQL), never user input
+    query = sql.SQL("select lockstep.retry(%s, %s::text[]::{}[])").format(sql.SQL(key_type))
+    return conn.execute(query, [job, keys]).fetchone()[0]
+
+
+def drop_job(conn: psycopg.Connection, job: str) -> None:
+    """``lockstep.drop_job(job)``: the job, its state, queue, failures and triggers."""
+    conn.execute("select lockstep.drop_job(%s)", [job])

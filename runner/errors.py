@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import psycopg
 from psycopg import errors as e
@@ -50,3 +51,72 @@ class Backoff:
 
     def reset(self) -> None:
         self.attempt = 0
+
+
+# Exit codes of every ``lockstep`` command (README "Exit codes"; tests/test_cli_exit_codes.py).
+EXIT_OK = 0  # healthy / done
+EXIT_UNHEALTHY = 1  # status: a job failing, parked keys or flagged; run --once: a run failed; other errors
+EXIT_USAGE = 2  # bad option or unparseable connection string (click's usage error)
+EXIT_UNREACHABLE = 3  # no server answered (refused, timeout, no socket): may be transient
+EXIT_SETUP = 4  # permanent start-up error: database, role or lockstep schema missing, refused login...
+
+MIGRATE_HINT = "install or upgrade the lockstep schema with `lockstep migrate` (same --dsn)"
+
+# Start-up failures that retrying cannot fix: (pattern in libpq's message or SQLSTATE, what it means, hint).
+_PERMANENT_MESSAGES = (
+    (
+        re.compile(r'database "[^"]*" does not exist'),
+        "check the database name in --dsn / DATABASE_URL / PGDATABASE (createdb, or CREATE DATABASE)",
+    ),
+    (re.compile(r'role "[^"]*" does not exist'), "check the user in --dsn / DATABASE_URL / PGUSER"),
+    (
+        re.compile(r"password authentication failed|authentication failed for user|no pg_hba\.conf entry"),
+        "check the password (~/.pgpass, PGPASSFILE, PGPASSWORD) and the server's pg_hba.conf",
+    ),
+    (
+        re.compile(r"is not permitted to log in|permission denied for database"),
+        "grant the role LOGIN and CONNECT on the database (docs/security.md)",
+    ),
+    (
+        re.compile(
+            r"invalid command-line argument for server process|unrecognized configuration parameter"
+            r"|invalid value for parameter"
+        ),
+        "fix the options / PGOPTIONS setting (use `--connection-check-interval 1s` instead of PGOPTIONS)",
+    ),
+)
+_PERMANENT_MESSAGES += (
+    (
+        re.compile(r"unsupported startup parameter"),
+        "a pooler (PgBouncer) refuses startup options: set client_connection_check_interval on the role "
+        "(alter role ... set ...) instead of --connection-check-interval / PGOPTIONS",
+    ),
+)
+_PERMANENT_SQLSTATES = {
+    "3F000": MIGRATE_HINT,  # invalid_schema_name: schema "lockstep" does not exist
+    "42P01": MIGRATE_HINT,  # undefined_table: relation "lockstep.status" does not exist
+    "42883": MIGRATE_HINT,  # undefined_function: lockstep.due(...) missing (schema older than this runner)
+    "42501": "grant the runner role its privileges on schema lockstep (docs/security.md)",
+    "3D000": "check the database name",  # invalid_catalog_name
+    "28000": "check the user and pg_hba.conf",  # invalid_authorization_specification
+    "28P01": "check the password",  # invalid_password
+}
+
+
+def permanent_hint(exc: BaseException) -> str | None:
+    """The hint for a start-up error that retrying cannot fix (missing database, role or lockstep schema,
+    refused login, bad server options), or None when the error may be transient (server down, restarting,
+    network) or is not a database error."""
+    if not isinstance(exc, psycopg.Error):
+        return None
+    state = getattr(exc, "sqlstate", None)
+    if state in _PERMANENT_SQLSTATES:
+        return _PERMANENT_SQLSTATES[state]
+    if isinstance(exc, psycopg.OperationalError) and state is None:
+        # libpq reports connection failures without a SQLSTATE: only the server's FATAL text says why
+        text = str(exc)
+        if "FATAL" in text:
+            for pattern, hint in _PERMANENT_MESSAGES:
+                if pattern.search(text):
+                    return hint
+    return None

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import psycopg
 
 from runner import db
-from runner.errors import Backoff, describe, is_transient
+from runner.errors import EXIT_SETUP, EXIT_UNREACHABLE, Backoff, describe, is_transient, permanent_hint
 
 log = logging.getLogger("lockstep.runner")
 
@@ -28,12 +28,13 @@ class Options:
     listen: bool = True
     prepare: bool | None = None
     drain_limit: int = DRAIN_LIMIT
+    check_interval: str | None = None  # client_connection_check_interval for the runner's sessions
 
 
 class Metrics:
     """Prometheus counters when prometheus_client is importable and a port is given; no-ops otherwise."""
 
-    def __init__(self, port: int | None = None):
+    def __init__(self, port: int | None = None, host: str = "0.0.0.0"):
         self.enabled = False
         if port is None:
             return
@@ -47,7 +48,7 @@ class Metrics:
         self.depth = p.Gauge("lockstep_queue_depth", "Ready keys queued per job", ["job"])
         self.parked = p.Gauge("lockstep_parked_keys", "Keys set aside after max_attempts failures", ["job"])
         self.retries = p.Counter("lockstep_runner_retries", "Transient errors retried with backoff")
-        p.start_http_server(port)
+        p.start_http_server(port, addr=host)
         self.enabled = True
 
     def run(self, job: str, outcome: str, seconds: float) -> None:
@@ -84,6 +85,7 @@ class Runner:
         self._job_errors: dict[str, _JobError] = {}
         self._depths_at = 0.0
         self._unknown: set[str] = set()
+        self.started = False  # a tick succeeded: from then on every database error is retried
 
     # signals -------------------------------------------------------------------------------------------
     def install_signals(self) -> None:
@@ -109,11 +111,12 @@ class Runner:
     # connection ----------------------------------------------------------------------------------------
     def _connect(self) -> None:
         self._close()
-        conn = db.connect(self.opts.dsn, prepare=self.opts.prepare)
+        conn = db.connect(self.opts.dsn, prepare=self.opts.prepare, check_interval=self.opts.check_interval)
         self.conn = conn
         self.pid = db.backend_pid(conn)
         if self.opts.listen and not self.opts.once:
             db.listen(conn)
+        log.debug("connected: backend pid %s, database %s", self.pid, conn.info.dbname)
 
     def _close(self) -> None:
         if self.conn is not None:
@@ -128,24 +131,36 @@ class Runner:
         return self.run_once() if self.opts.once else self.run_forever()
 
     def run_once(self) -> int:
-        """Run what is due now (draining queues): 0 if all went well, 1 if a run failed, 3 if the database
-        could not be reached at start-up."""
+        """Run what is due now (draining queues): 0 if all went well, 1 if a run failed, 3 if no server
+        answered at start-up, 4 on a permanent start-up error (missing database, role or schema...)."""
         try:
             self._connect()
         except psycopg.OperationalError as exc:
-            log.error("cannot connect: %s", describe(exc))
             self._close()
-            return 3
+            if self._refuse_to_start(exc):
+                return EXIT_SETUP
+            log.error("cannot connect: %s", describe(exc))
+            return EXIT_UNREACHABLE
         try:
             for _ in range(1000):
                 if self.stopping or not self._tick(sleep=False):
                     break
         except psycopg.Error as exc:
+            if self._refuse_to_start(exc):
+                return EXIT_SETUP
             log.error("database error: %s", describe(exc))
             return 1
         finally:
             self._close()
         return 1 if self.any_failed else 0
+
+    def _refuse_to_start(self, exc: psycopg.Error) -> bool:
+        """Before the first good tick, an error retrying cannot fix: log it with its hint, True."""
+        hint = None if self.started else permanent_hint(exc)
+        if hint is None:
+            return False
+        log.error("cannot start: %s; hint: %s", describe(exc), hint, extra={"fields": {"hint": hint}})
+        return True
 
     def run_forever(self) -> int:
         backoff = Backoff()
@@ -155,6 +170,7 @@ class Runner:
                 if self.conn is None or self.conn.closed or self.conn.broken:
                     self._connect()
                 self._tick(sleep=True)
+                self.started = True
                 if trouble is not None:
                     log.info(
                         "recovered after %s retr%s; backend pid %s",
@@ -165,6 +181,9 @@ class Runner:
                     trouble = None
                     backoff.reset()
             except psycopg.Error as exc:
+                if self._refuse_to_start(exc):
+                    self._close()
+                    return EXIT_SETUP
                 if trouble is None:
                     trouble = describe(exc)
                     log.warning("%s; retrying with backoff", trouble)
@@ -309,7 +328,7 @@ class Runner:
                 time.sleep(min(left, SLICE))
 
 
-def run(opts: Options, metrics_port: int | None = None) -> int:
-    runner = Runner(opts, Metrics(metrics_port))
+def run(opts: Options, metrics_port: int | None = None, metrics_host: str = "0.0.0.0") -> int:
+    runner = Runner(opts, Metrics(metrics_port, metrics_host))
     runner.install_signals()
     return runner.run()

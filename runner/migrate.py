@@ -11,9 +11,16 @@ from typing import TextIO
 
 from alembic import command
 from alembic.config import Config
+from alembic.runtime.environment import EnvironmentContext
 from alembic.script import ScriptDirectory
 
 from runner.paths import alembic_dir
+
+VERSION_TABLE = "lockstep_alembic_version"
+
+
+class MigrateError(RuntimeError):
+    """A migrate request that would not do what it says (e.g. an upgrade to a lower revision)."""
 
 
 @dataclass(frozen=True)
@@ -59,7 +66,13 @@ def migrate(
 
     With ``sql=True`` nothing connects: the SQL script is written to ``output`` (default stdout) and
     None is returned; offline downgrades need a ``from:to`` revision range (Alembic's rule).
+    An upgrade never goes down: ``revision="base"``, or a revision below the current one, raises
+    MigrateError (before changing anything) instead of reporting "already at".
     """
+    if not downgrade and revision.strip().lower() == "base":
+        raise MigrateError(
+            "an upgrade to base would remove nothing: use `lockstep migrate downgrade --revision base`"
+        )
     cfg = config(dsn, output)
     if downgrade:
         command.downgrade(cfg, revision, sql=sql)
@@ -67,4 +80,32 @@ def migrate(
         command.upgrade(cfg, revision, sql=sql)
     if sql:
         return None
-    return Outcome(tuple(cfg.attributes["before"]), tuple(cfg.attributes["after"]))
+    outcome = Outcome(tuple(cfg.attributes["before"]), tuple(cfg.attributes["after"]))
+    if not downgrade and not outcome.changed:
+        target = _resolve(revision)
+        if target is not None and target not in outcome.after:
+            now = ", ".join(outcome.after) or "base"
+            raise MigrateError(
+                f"the schema is at {now}, above {target}: an upgrade never goes down; "
+                f"use `lockstep migrate downgrade --revision {revision}`"
+            )
+    return outcome
+
+
+def _resolve(revision: str) -> str | None:
+    """The revision id ``revision`` names (None for head/heads or relative forms)."""
+    if revision in ("head", "heads") or revision.startswith(("+", "-")) or "@" in revision:
+        return None
+    script = ScriptDirectory.from_config(config())
+    rev = script.get_revision(revision)
+    return rev.revision if rev is not None else None
+
+
+def current(dsn: str | None) -> tuple[str, ...]:
+    """The revisions recorded in lockstep_alembic_version (empty: none). Changes nothing; waits for a
+    migration in progress (it takes the migrate lock)."""
+    cfg = config(dsn)
+    script = ScriptDirectory.from_config(cfg)
+    with EnvironmentContext(cfg, script, fn=lambda rev, context: [], dont_mutate=True):
+        script.run_env()
+    return tuple(cfg.attributes["before"])

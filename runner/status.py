@@ -39,8 +39,25 @@ def to_json(rows: list[dict]) -> str:
 
 
 def unhealthy(rows: list[dict]) -> bool:
-    """Any job failing (consecutive_failures > 0) or with parked keys."""
-    return any((r.get("consecutive_failures") or 0) > 0 or (r.get("parked_keys") or 0) > 0 for r in rows)
+    """Any job failing (consecutive_failures > 0), with parked keys, or flagged for a full recompute
+    (``needs_recompute`` set: a trigger could not enqueue; the column exists once sql/0001 has it)."""
+    return any(
+        (r.get("consecutive_failures") or 0) > 0
+        or (r.get("parked_keys") or 0) > 0
+        or r.get("needs_recompute") is not None
+        for r in rows
+    )
+
+
+def exit_code(rows: list[dict]) -> int:
+    """``lockstep status``'s exit code for these rows: 0 healthy, 1 unhealthy (runner.errors.EXIT_*).
+
+    The other codes come before any row is read: 2 usage error, 3 no server answered, 4 permanent
+    setup error (database, role or lockstep schema missing...).
+    """
+    from runner.errors import EXIT_OK, EXIT_UNHEALTHY
+
+    return EXIT_UNHEALTHY if unhealthy(rows) else EXIT_OK
 
 
 def _cell(value) -> str:

@@ -334,3 +334,28 @@ def runners(tmp_path):
     yield _start
     for r in started:
         r.kill()
+
+
+@pytest.fixture(scope="session")
+def installed_wheel(tmp_path_factory: pytest.TempPathFactory):
+    """``(bin_dir, wheel)``: the wheel built from this checkout (once per session), installed non-editable
+    in a fresh venv. Used by tests/test_wheel.py, the README worked example and the host-Alembic tests."""
+    import subprocess
+    import sys
+    import venv
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    tmp = tmp_path_factory.mktemp("wheel")
+
+    def run(*cmd) -> None:
+        done = subprocess.run([str(c) for c in cmd], cwd=tmp, capture_output=True, text=True)
+        assert done.returncode == 0, f"{cmd} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
+
+    # README "Install": python3 -m pip wheel --no-deps --wheel-dir dist .   (here with absolute paths)
+    run(sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", tmp / "dist", root)
+    (wheel,) = (tmp / "dist").glob("pg_lockstep-*.whl")
+    venv.EnvBuilder(with_pip=True).create(tmp / "venv")
+    bin_dir = tmp / "venv" / "bin"
+    run(bin_dir / "python", "-m", "pip", "install", "--quiet", "--disable-pip-version-check", wheel)
+    return bin_dir, wheel

@@ -1,7 +1,9 @@
 """The ``lockstep`` command on bad input: an exit code and one clear line on stderr, never a traceback.
 
-Each case runs the real console entry point (``python -m runner``) with a timeout. Behaviour that the
-issue asks for is asserted here: exit 2 for a bad option or DSN, 3 for an unreachable server with ``--once``.
+Each case runs the real console entry point (``python -m runner``) with a timeout. The exit codes
+(README "Command line"): 2 for a bad option or DSN, 3 when no server answered, 4 for a permanent setup
+error (no lockstep schema...), always with one ``Error:`` / ERROR line; ``lockstep run``'s INFO start-up
+line is not an error line.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ def error_lines(p: subprocess.CompletedProcess) -> list[str]:
     return [
         line
         for line in p.stderr.splitlines()
-        if line.strip() and not line.startswith(("\t", " ", "Usage:", "Try ", "LINE ", "HINT:"))
+        if line.strip()
+        and not line.startswith(("\t", " ", "Usage:", "Try ", "LINE ", "HINT:"))
+        and " INFO " not in line
     ]
 
 
@@ -81,7 +85,7 @@ def test_run_once_unknown_job_exits_1_with_one_line(dsn):
 
 def test_run_once_without_the_schema_says_so(empty_dsn):
     p = lockstep("run", "--once", "--dsn", empty_dsn)
-    assert_clean(p, 1, 'schema "lockstep" does not exist')
+    assert_clean(p, 4, 'schema "lockstep" does not exist', "hint:", "lockstep migrate")
 
 
 def test_unknown_option_is_a_usage_error():
@@ -92,20 +96,21 @@ def test_unknown_option_is_a_usage_error():
 # status ------------------------------------------------------------------------------------------------
 
 
-def test_status_unreachable_server_exits_1_with_one_error_line():
+def test_status_unreachable_server_exits_3_with_one_error_line():
     p = lockstep("status", "--dsn", UNREACHABLE)
-    line = assert_clean(p, 1, "Error: connection failed", "Connection refused")
+    line = assert_clean(p, 3, "Error: connection failed", "Connection refused")
     assert line.startswith("Error: ")
 
 
 def test_status_not_a_dsn():
     p = lockstep("status", "--dsn", "not a dsn")
-    assert_clean(p, 1, "Error: ", "connection info string")
+    assert_clean(p, 2, "Error: ", "--dsn", "connection info string")
 
 
 def test_status_without_the_schema(empty_dsn):
     p = lockstep("status", "--dsn", empty_dsn)
-    assert_clean(p, 1, "Error: ", "lockstep.status")
+    assert_clean(p, 4, "Error: ", "has no lockstep schema", "hint:", "lockstep migrate")
+    assert 'relation "lockstep.status" does not exist' not in p.stderr
 
 
 # migrate -----------------------------------------------------------------------------------------------
@@ -127,6 +132,6 @@ def test_migrate_unknown_revision_changes_nothing(empty_dsn):
 def test_migrate_unreachable_server():
     p = lockstep("migrate", "--dsn", UNREACHABLE)
     assert "Traceback" not in p.stderr, p.stderr
-    assert p.returncode == 1, p.stderr
+    assert p.returncode == 3, p.stderr
     errors = [line for line in p.stderr.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and "Connection refused" in errors[0], p.stderr

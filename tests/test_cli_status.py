@@ -55,7 +55,8 @@ def test_status_json_matches_the_view_and_exit_code_flips_on_failure(conn, dsn):
     assert status(dsn).returncode == 1
 
 
-def test_status_reports_a_connection_error_in_one_line(empty_dsn):
+def test_status_without_the_schema_is_a_setup_error_with_a_hint(empty_dsn):
     p = status(empty_dsn)
-    assert p.returncode == 1
+    assert p.returncode == 4
     assert p.stderr.startswith("Error: ") and "Traceback" not in p.stderr, p.stderr
+    assert "lockstep migrate" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr

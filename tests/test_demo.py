@@ -27,8 +27,8 @@ def _demo(args: list[str], tmp_path: Path, small: list[str] = SMALL, timeout: fl
     out = tmp_path / "demo.json"
     started = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "runner", "demo", *small, "--json", str(out), *args],
-        capture_output=True,  # bytes: text mode would turn the progress line's \r into \n
+        [sys.executable, "-m", "runner", "demo", *small, "--json-file", str(out), *args],
+        capture_output=True,  # bytes: text mode would turn a \r into \n
         timeout=timeout,
         cwd=tmp_path,
     )
@@ -56,8 +56,12 @@ def _check(r: dict, stderr: str, seconds: float = 8, naive_seconds: float = 4) -
     # the naive phase ran with the same clients; what it did wrong is reported, not asserted
     assert naive is not None and naive["app_transactions"] > 0 and naive["seconds"] >= naive_seconds
     assert sum(naive["job_runs"].values()) > 0
-    # one refreshed progress line per phase on stderr
-    assert "\r[lockstep " in stderr and "\r[naive " in stderr
+    # stderr is a pipe, not a terminal: plain progress lines (no carriage return), the last of each phase too
+    assert "\r" not in stderr
+    lines = stderr.splitlines()
+    assert any(ln.startswith("[lockstep ") and f"/{seconds:g} s]" in ln for ln in lines), stderr
+    assert any(ln.startswith("[naive ") for ln in lines), stderr
+    assert len([ln for ln in lines if ln.startswith("[lockstep ")]) <= seconds / 5 + 2  # one every 5 s
 
 
 def test_demo_test_server(admin_dsn, tmp_path):
@@ -83,3 +87,107 @@ def test_demo_embedded():
         assert not (pgdata / "postmaster.pid").exists()  # stopped at the end
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+# --- which server: fall back to the embedded one only when nothing answers and nothing was configured ---
+
+
+class _Said(list):
+    def __call__(self, msg: str) -> None:
+        self.append(msg)
+
+
+@pytest.fixture
+def no_libpq_env(monkeypatch):
+    for var in ("PGHOST", "PGHOSTADDR", "PGPORT", "PGSERVICE", "DATABASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _fake_embedded(monkeypatch, said: list[str]) -> list[str]:
+    from runner.lab import demo
+
+    started: list[str] = []
+
+    class Srv:
+        def get_uri(self) -> str:
+            return "postgresql://embedded"
+
+    def start(base):
+        started.append(f"started after {len(said)} messages")
+        return Srv()
+
+    monkeypatch.setattr(demo, "start_embedded", start)
+    return started
+
+
+def test_fallback_only_when_nothing_answers_and_nothing_was_configured(monkeypatch, no_libpq_env):
+    from runner.lab import demo
+
+    said = _Said()
+    started = _fake_embedded(monkeypatch, said)
+    monkeypatch.setattr(demo, "_answers", lambda dsn: ("connection refused", False))
+    server = demo.pick_server(demo.Options(dsn=None), said)
+    assert server.admin_dsn == "postgresql://embedded"
+    # it said what it will do before doing it: where the data goes, that it is stopped at the end
+    assert started == ["started after 2 messages"]
+    assert said[0].startswith("no PostgreSQL server answers at libpq defaults")
+    assert "embedded PostgreSQL" in said[1] and ".lockstep-demo/pgdata" in said[1] and "stopped" in said[1]
+
+
+@pytest.mark.parametrize(
+    "dsn, env, answered",
+    [
+        ("postgresql://root@127.0.0.1:1/x", {}, False),  # an explicit --dsn that fails
+        (None, {"PGHOST": "db.example"}, False),  # libpq configured to a server that is down
+        (None, {}, True),  # a server answered, with an error (authentication, missing database)
+    ],
+    ids=["explicit dsn", "PGHOST", "server answered"],
+)
+def test_no_fallback_when_a_server_was_given_or_answered(monkeypatch, no_libpq_env, dsn, env, answered):
+    from runner.lab import demo
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    said = _Said()
+    started = _fake_embedded(monkeypatch, said)
+    monkeypatch.setattr(
+        demo, "_answers", lambda d: ('FATAL:  password authentication failed for user "x"', answered)
+    )
+    with pytest.raises(demo.NoServer, match="--embedded"):
+        demo.pick_server(demo.Options(dsn=dsn), said)
+    assert started == [] and said == []
+
+
+def test_as_root_the_plan_says_pgserver_creates_a_user(monkeypatch):
+    from runner.lab import demo
+
+    monkeypatch.setattr(demo.os, "geteuid", lambda: 0)
+    assert "system user 'pgserver'" in demo._embedded_plan()
+    monkeypatch.setattr(demo.os, "geteuid", lambda: 1000)
+    assert "pgserver'" not in demo._embedded_plan()
+
+
+def test_demo_with_a_failing_dsn_exits_3_without_starting_anything(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "runner", "demo", "--dsn", "postgresql://nobody@127.0.0.1:1/x"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stderr.startswith("Error: cannot use the server at") and "Traceback" not in proc.stderr
+    assert not (tmp_path / ".lockstep-demo").exists()
+
+
+def test_demo_against_a_server_that_refuses_exits_without_fallback(admin_dsn, tmp_path):
+    bad = admin_dsn.rsplit("/", 1)[0] + f"/{RUN_TAG}_no_such_db"
+    proc = subprocess.run(
+        [sys.executable, "-m", "runner", "demo", "--dsn", bad],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 4 and "does not exist" in proc.stderr, proc.stderr  # it answered: not transient
+    assert not (tmp_path / ".lockstep-demo").exists()

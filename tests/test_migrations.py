@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import psycopg
+import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from util import pg_binary
 
@@ -187,72 +188,193 @@ def test_host_alembic_version_is_never_touched(empty_dsn):
     assert versions(empty_dsn) == [HEAD]
 
 
-def test_host_application_alembic_installs_lockstep_branch(empty_dsn, tmp_path: Path):
-    """README way (b): the host's own Alembic, with lockstep's versions folder in version_locations."""
+HOST_ENV_PY = """
+from alembic import context
+from sqlalchemy import create_engine, pool
+
+engine = create_engine(context.config.get_main_option("sqlalchemy.url"), poolclass=pool.NullPool)
+with engine.connect() as connection:
+    context.configure(connection=connection)
+    with context.begin_transaction():
+        context.run_migrations()
+"""
+
+HOST_REVISION = """
+from alembic import op
+revision = {rev!r}
+down_revision = None
+branch_labels = ("app",)
+depends_on = None
+def upgrade():
+    op.execute("create table app_thing (id int primary key)")
+def downgrade():
+    op.execute("drop table app_thing")
+"""
+
+
+def host_project(tmp_path: Path, dsn: str, lockstep_versions: str, host_rev: str = "h001") -> Path:
+    """A host application's Alembic project (README way (b)): its own plain env.py and one revision
+    (branch ``app``), lockstep's versions in version_locations; returns its alembic.ini."""
     host = tmp_path / "host"
     (host / "versions").mkdir(parents=True)
-    (host / "env.py").write_text(
-        textwrap.dedent(
-            """
-            from alembic import context
-            from sqlalchemy import create_engine, pool
-
-            engine = create_engine(context.config.get_main_option("sqlalchemy.url"), poolclass=pool.NullPool)
-            with engine.connect() as connection:
-                context.configure(connection=connection)
-                with context.begin_transaction():
-                    context.run_migrations()
-            """
-        )
+    (host / "env.py").write_text(HOST_ENV_PY)
+    (host / "script.py.mako").write_text(
+        "revision = ${repr(up_revision)}\ndown_revision = ${repr(down_revision)}\n"
+        "def upgrade():\n    pass\ndef downgrade():\n    pass\n"
     )
-    (host / "script.py.mako").write_text("")
-    (host / "versions" / "h001_app.py").write_text(
-        textwrap.dedent(
-            """
-            from alembic import op
-            revision = "h001"
-            down_revision = None
-            branch_labels = ("app",)
-            depends_on = None
-            def upgrade():
-                op.execute("create table app_thing (id int primary key)")
-            def downgrade():
-                op.execute("drop table app_thing")
-            """
-        )
-    )
-    url = "postgresql+psycopg://" + empty_dsn.split("://", 1)[1]
-    (tmp_path / "alembic.ini").write_text(
+    (host / "versions" / f"{host_rev}_app.py").write_text(HOST_REVISION.format(rev=host_rev))
+    url = "postgresql+psycopg://" + dsn.split("://", 1)[1]
+    ini = tmp_path / "alembic.ini"
+    ini.write_text(
         textwrap.dedent(
             f"""
             [alembic]
             script_location = %(here)s/host
-            path_separator = os
-            version_locations = %(here)s/host/versions{os.pathsep}{paths.alembic_dir() / "versions"}
+            path_separator = space
+            version_locations = %(here)s/host/versions {lockstep_versions}
             sqlalchemy.url = {url.replace("%", "%%")}
             """
         )
     )
+    return ini
 
-    def alembic(*args: str) -> None:
-        subprocess.run(
-            [sys.executable, "-m", "alembic", "-c", str(tmp_path / "alembic.ini"), *args],
-            cwd=tmp_path,
-            check=True,
-            capture_output=True,
-            text=True,
-        )
 
-    alembic("upgrade", "lockstep@head")
+def host_alembic(ini: Path, *args: str, python: str | Path = sys.executable, check: bool = True):
+    done = subprocess.run(
+        [str(python), "-m", "alembic", "-c", str(ini), *args],
+        cwd=ini.parent,
+        capture_output=True,
+        text=True,
+    )
+    if check:
+        assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def host_versions(dsn: str) -> set[str]:
+    with psycopg.connect(dsn) as c:
+        return {r[0] for r in c.execute("select version_num from alembic_version")}
+
+
+def test_revision_ids_are_namespaced():
+    script_dir = paths.alembic_dir() / "versions"
+    assert HEAD == "lockstep_0001"
+    assert sorted(p.name for p in script_dir.glob("*.py")) == ["lockstep_0001_core.py"]
+
+
+def test_host_application_alembic_installs_lockstep_branch(empty_dsn, tmp_path: Path):
+    """README way (b): the host's own Alembic, with lockstep's versions folder in version_locations."""
+    ini = host_project(tmp_path, empty_dsn, str(paths.alembic_dir() / "versions"))
+    host_alembic(ini, "upgrade", "lockstep@head")
     with psycopg.connect(empty_dsn) as c:
         assert c.execute("select version_num from alembic_version").fetchall() == [(HEAD,)]
         assert c.execute("select to_regnamespace('lockstep') is not null").fetchone()[0]
         assert c.execute("select to_regclass('lockstep_alembic_version')").fetchone()[0] is None
-    alembic("upgrade", "heads")
-    alembic("downgrade", "lockstep@base")
+    host_alembic(ini, "upgrade", "heads")
+    assert host_versions(empty_dsn) == {HEAD, "h001"}
+    host_alembic(ini, "downgrade", "lockstep@base")
     with psycopg.connect(empty_dsn) as c:
         assert c.execute("select version_num from alembic_version").fetchall() == [("h001",)]
         assert c.execute(LEFTOVERS).fetchall() == []
+
+
+def test_host_revision_named_0001_coexists_with_lockstep(empty_dsn, tmp_path: Path):
+    """A host revision id '0001' (lockstep's old id): both revisions are kept and installed, no warning."""
+    ini = host_project(tmp_path, empty_dsn, str(paths.alembic_dir() / "versions"), host_rev="0001")
+    done = host_alembic(ini, "heads")
+    assert "present more than once" not in done.stderr, done.stderr
+    assert {line.split()[0] for line in done.stdout.splitlines()} == {"0001", HEAD}
+    host_alembic(ini, "upgrade", "heads")
+    assert host_versions(empty_dsn) == {"0001", HEAD}
+
+
+def test_host_alembic_takes_the_migrate_lock(empty_dsn, tmp_path: Path, connect):
+    """A host env.py that takes no lock: lockstep's revision takes it itself, so the host upgrade waits
+    while another session holds the migrate lock (e.g. a `lockstep migrate` in progress)."""
+    ini = host_project(tmp_path, empty_dsn, str(paths.alembic_dir() / "versions"))
+    holder = connect(empty_dsn)
+    holder.execute(f"select pg_advisory_lock({MIGRATE_LOCK_KEY})")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "alembic", "-c", str(ini), "upgrade", "lockstep@head"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, "the host's upgrade ran while the migrate lock was held"
+            assert time.monotonic() < deadline, "the host's upgrade never waited on the migrate lock"
+            waiting = holder.execute(
+                "select count(*) from pg_locks l join pg_database d on d.oid = l.database"
+                " where l.locktype = 'advisory' and not l.granted and d.datname = current_database()"
+            ).fetchone()[0]
+            if waiting:
+                break
+            time.sleep(0.05)
+        assert one(empty_dsn, "select to_regnamespace('lockstep')") is None
+    finally:
+        holder.execute(f"select pg_advisory_unlock({MIGRATE_LOCK_KEY})")
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out + err
+    assert host_versions(empty_dsn) == {HEAD}
+
+
+def test_moving_from_lockstep_migrate_to_host_alembic(empty_dsn, tmp_path: Path):
+    """README: without `stamp` the host's upgrade stops with one clear line and changes nothing; with the
+    README's commands (stamp, drop lockstep_alembic_version, upgrade heads) it goes through."""
+    migrate(empty_dsn)
+    ini = host_project(tmp_path, empty_dsn, str(paths.alembic_dir() / "versions"))
+    done = host_alembic(ini, "upgrade", "heads", check=False)
+    said = done.stdout + done.stderr  # alembic prints "FAILED: ..." on stdout
+    assert done.returncode != 0
+    assert "Traceback" not in said and "DuplicateSchema" not in said, said
+    assert f"alembic stamp {HEAD}" in said and "drop table lockstep_alembic_version" in said, said
+    assert len([line for line in said.splitlines() if line.startswith("FAILED:")]) == 1, said
+    assert one(empty_dsn, "select to_regclass('public.app_thing')") is None  # one transaction: rolled back
+
+    host_alembic(ini, "stamp", HEAD)
+    with psycopg.connect(empty_dsn, autocommit=True) as c:
+        c.execute("drop table lockstep_alembic_version")
+    host_alembic(ini, "upgrade", "heads")
+    assert host_versions(empty_dsn) == {HEAD, "h001"}
+    assert one(empty_dsn, "select to_regclass('public.app_thing') is not null")
+
+
+def test_lockstep_migrate_on_a_host_installed_schema_says_so(empty_dsn, tmp_path: Path):
+    ini = host_project(tmp_path, empty_dsn, str(paths.alembic_dir() / "versions"))
+    host_alembic(ini, "upgrade", "lockstep@head")
+    done = _cli("migrate", "--dsn", empty_dsn)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "alembic upgrade heads" in errors[0], done.stderr
+    current = _cli("migrate", "current", "--dsn", empty_dsn)
+    assert current.returncode == 0 and "managed by your application's Alembic" in current.stdout, current
+    assert "base (not installed)" not in current.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_host_alembic_package_form_from_the_wheel(installed_wheel, empty_dsn, tmp_path: Path):
+    """README way (b) as written: version_locations `runner:_alembic/versions` (package resource, no
+    site-packages path), `upgrade heads`, `alembic revision --version-path` into the host's folder."""
+    bin_dir, _ = installed_wheel
+    ini = host_project(tmp_path, empty_dsn, "runner:_alembic/versions")
+    python = bin_dir / "python"
+    host_alembic(ini, "upgrade", "heads", python=python)
+    assert host_versions(empty_dsn) == {HEAD, "h001"}
+    assert one(empty_dsn, "select to_regclass('lockstep_alembic_version')") is None
+
+    versions = tmp_path / "host" / "versions"
+    host_alembic(ini, "revision", "-m", "next", "--head", "app@head", python=python)
+    assert len(list(versions.glob("*_next.py"))) == 1  # next to the host's head, never in lockstep's folder
+    without = host_alembic(ini, "revision", "-m", "first", "--head", "base", python=python, check=False)
+    assert without.returncode != 0 and "--version-path" in without.stdout + without.stderr
+    host_alembic(
+        ini, "revision", "-m", "first", "--head", "base", "--version-path", str(versions), python=python
+    )
+    assert len(list(versions.glob("*_first.py"))) == 1
 
 
 def test_connection_string_spellings(empty_dsn):
@@ -290,7 +412,7 @@ def test_cli_dsn_from_database_url_then_libpq_defaults(empty_dsn, make_db):
 
 def test_cli_reports_errors_in_one_line(tmp_path):
     done = _cli("migrate", "--dsn", f"postgresql://nobody@/nowhere?host={tmp_path}")
-    assert done.returncode == 1
+    assert done.returncode == 3  # no server answered
     assert done.stderr.startswith("Error: ") and "Traceback" not in done.stderr, done.stderr
 
 

@@ -1,17 +1,23 @@
 """README.md's code blocks run (doctest-style).
 
-- Every fenced ```sql block is executed, in file order, in one fresh database made from the example
-  template (lockstep + example app + job exam_keys), each block as one simple-query batch, autocommit.
+- The "Worked example" section runs word for word, in order, from the wheel installed in a fresh venv
+  (conftest ``installed_wheel``), in a scratch database: its ```sh blocks as one bash script, each ```sql
+  block through ``psql -v ON_ERROR_STOP=1``; the database name is the only substitution (so runs can
+  overlap), and the results its comments claim are checked in the output.
+- Every fenced ```sql block is executed, in file order, in one fresh database with lockstep installed
+  (the editable package), each block as one simple-query batch, autocommit.
   A later block sees what earlier blocks did. All failures are reported together, with line numbers.
 - Every ```sh block line that starts with ``lockstep `` or ``make `` is checked, never executed:
   ``lockstep SUB ARGS`` is parsed by the real click command (options, types, choices) and
   ``lockstep SUB --help`` must exit 0; ``make TARGET VAR=...`` must pass ``make -n`` (dry run).
 - Skip a block by putting this on the line right before its fence (a reason is required):
       <!-- readme-test: skip (why it cannot run) -->
+- Every relative link points to a file inside the repository.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -22,6 +28,8 @@ from pathlib import Path
 import click
 import psycopg
 import pytest
+from conftest import RUN_TAG, drop_database
+from psycopg.conninfo import conninfo_to_dict
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -114,11 +122,11 @@ def _failed_results(cur: psycopg.Cursor) -> list[str]:
             return out
 
 
-def test_readme_sql_blocks_run(example_dsn):
+def test_readme_sql_blocks_run(dsn):
     blocks = [b for b in BLOCKS if b.lang == "sql"]
     failures: list[str] = []
     ran = 0
-    with psycopg.connect(example_dsn, autocommit=True) as conn:
+    with psycopg.connect(dsn, autocommit=True) as conn:
         for b in blocks:
             if b.skip is not None:
                 continue
@@ -217,3 +225,102 @@ def test_commands_split():
         (12, ["make", "test", "PYTEST_ARGS=-k m -x"]),
         (14, ["lockstep", "run", "--once"]),
     ]
+
+
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+@pytest.mark.parametrize("doc", ["README.md", *sorted(p.name for p in (ROOT / "docs").glob("*.md"))])
+def test_relative_links_stay_in_the_repository(doc):
+    path = ROOT / doc if doc == "README.md" else ROOT / "docs" / doc
+    bad = []
+    for target in LINK.findall(path.read_text()):
+        if re.match(r"^[a-z]+:", target):  # https:, mailto:
+            continue
+        resolved = (path.parent / target).resolve()
+        if not resolved.is_relative_to(ROOT) or not resolved.exists():
+            bad.append(target)
+    assert not bad, f"{doc}: links outside the repository or to missing files: {bad}"
+
+
+def _section(title: str) -> str:
+    text = README.read_text()
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end != -1 else len(text)]
+
+
+def worked_example_script(dbname: str) -> str:
+    """The Worked example section as one bash script: sh blocks verbatim, sql blocks through psql."""
+    section = _section("Worked example")
+    parts = ["set -e"]
+    for b in parse(section):
+        if b.skip is not None:
+            continue
+        if b.lang == "sh":
+            parts.append(b.text)
+        elif b.lang == "sql":
+            parts.append(f"psql -X -v ON_ERROR_STOP=1 <<'README_SQL'\n{b.text}\nREADME_SQL")
+        else:
+            raise AssertionError(f"Worked example: a ```{b.lang} block the test cannot run")
+    script = "\n".join(parts)
+    assert script.count("lockstep_example") == 1, "the database name must be given once (export PGDATABASE)"
+    return script.replace("lockstep_example", dbname)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_readme_worked_example_runs_word_for_word_from_the_wheel(installed_wheel, admin_dsn, tmp_path):
+    bin_dir, _ = installed_wheel
+    dbname = f"{RUN_TAG}_readme"
+    info = conninfo_to_dict(admin_dsn)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PG", "LOCKSTEP_")) and k not in ("DATABASE_URL", "VIRTUAL_ENV", "PYTHONPATH")
+    }
+    env.update(
+        PATH=f"{bin_dir}{os.pathsep}/usr/bin{os.pathsep}/bin",
+        PGHOST=info.get("host", ""),
+        PGPORT=str(info.get("port", 5432)),
+        PGUSER=info.get("user", ""),
+    )
+    try:
+        p = subprocess.run(
+            ["bash", "-c", worked_example_script(dbname)],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        drop_database(dbname)
+    out, err = p.stdout, p.stderr
+    assert p.returncode == 0, out + err
+    # what the README's comments claim, in the order it claims it
+    claims = [
+        (r"done\s*\|\s*15\s*\|\s*0\s*\|\s*0\s*$", "recompute: done, 15 rows inserted"),
+        (r"^\s*1\s*\|\s*linear\s*\|\s*4\s*$", "e.g. 1 linear 4"),
+        (r"^UPDATE 1$", "the update touches exam 1's item"),
+        (r"^\s*exam_keys\s*\|\s*1\s*$", "queue depth 1 after the update"),
+        (r"done\s*\|\s*1\s*\|\s*0\s*\|\s*0\s*\|\s*f\s*$", "work: done, 1 inserted"),
+        (r"^\s*eigenvalues\s*\|\s*1\s*$", "now with eigenvalues 1"),
+        (r"\|\s*3\s*$", "exam_stats: today, 3"),
+        (r"^\s*exam_keys\s*\|\s*4\s*$", "queue depth 4 before the runner"),
+    ]
+    pos = 0
+    for pattern, claim in claims:
+        m = re.compile(pattern, re.MULTILINE).search(out, pos)
+        assert m, f"README claims {claim!r}; not found after offset {pos} in:\n{out[pos:]}"
+        pos = m.end()
+    assert "exam_keys work done: +4 ~0 -0" in err, err  # `lockstep run --once` did the queued work
+    status_rows = [
+        ln.split() for ln in out[pos:].splitlines() if ln.startswith(("exam_keys ", "exam_stats "))
+    ]
+    assert [(r[0], r[2], r[3], r[4], r[5]) for r in status_rows] == [
+        ("exam_keys", "0", "0", "0", "done"),
+        ("exam_stats", "0", "0", "0", "done"),
+    ], out  # lockstep status: queue drained, nothing parked or failing
+    with psycopg.connect(admin_dsn) as c:  # the README's dropdb ran
+        assert c.execute("select count(*) from pg_database where datname = %s", [dbname]).fetchone()[0] == 0

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
-import venv
 import zipfile
 from pathlib import Path
 
@@ -26,21 +24,20 @@ def run(*cmd: str | Path, cwd: Path, env: dict[str, str] | None = None) -> str:
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """bin/ folder of a fresh venv with the wheel built from this checkout."""
-    tmp = tmp_path_factory.mktemp("wheel")
-    run(sys.executable, "-m", "build", "--wheel", "--outdir", tmp / "dist", ROOT, cwd=tmp)
-    (wheel,) = (tmp / "dist").glob("lockstep-*.whl")
-
+def installed(installed_wheel: tuple[Path, Path]) -> Path:
+    """bin/ folder of a fresh venv with the wheel built from this checkout (conftest, once per session)."""
+    bin_dir, wheel = installed_wheel
+    assert wheel.name.startswith("pg_lockstep-"), "distribution name pg-lockstep (lockstep is taken)"
     names = zipfile.ZipFile(wheel).namelist()
-    assert "runner/_alembic/env.py" in names and "runner/_alembic/versions/0001_core.py" in names
+    assert "runner/_alembic/env.py" in names and "runner/_alembic/versions/lockstep_0001_core.py" in names
     assert any(n.startswith("runner/_sql/0001/") and n.endswith(".sql") for n in names)
     assert not [n for n in names if n.split("/")[0] in ("alembic", "sql")], "would shadow the alembic library"
     assert not [n for n in names if "__pycache__" in n]
-
-    venv.EnvBuilder(with_pip=True).create(tmp / "venv")
-    bin_dir = tmp / "venv" / "bin"
-    run(bin_dir / "python", "-m", "pip", "install", "--quiet", "--disable-pip-version-check", wheel, cwd=tmp)
+    metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
+    assert "\nName: pg-lockstep\n" in zipfile.ZipFile(wheel).read(metadata).decode()
+    entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    assert "lockstep = runner.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert (bin_dir / "lockstep").exists(), "the console script is installed next to the venv's python"
     return bin_dir
 
 

@@ -1,8 +1,10 @@
 """``lockstep demo``: see lockstep work, then see the naive jobs fail, on the same workload.
 
-1. Picks a server: the admin DSN (``--dsn``, ``DATABASE_URL`` or libpq's defaults) if it answers within 2 s,
-   else (or with ``--embedded``) an embedded PostgreSQL from the ``pgserver`` package, its data in
-   ``.lockstep-demo/pgdata``, stopped at the end.
+1. Picks a server: the admin DSN (``--dsn``, ``DATABASE_URL`` or libpq's defaults) if it answers within 2 s.
+   With ``--embedded``, or when no connection was configured (no DSN, no PGHOST/PGPORT/PGSERVICE) and
+   nothing answers at libpq's defaults, an embedded PostgreSQL from the ``pgserver`` package, its data in
+   ``.lockstep-demo/pgdata``, stopped at the end; it says so before starting it. A configured server
+   that fails, or any server that answers with an error (authentication, missing database), is an error.
 2. Recreates database ``lockstep_demo`` (``--database``), migrates lockstep, installs the example with
    ``--parents`` exams and runs one ``lockstep.recompute``.
 3. lockstep phase (``--seconds``): two ``lockstep run --tick 0.2 --log-format json`` processes, and
@@ -43,6 +45,7 @@ EVERY = "5 seconds"  # the example job's full-recompute period during the demo
 CLIENTS = 4
 PAUSE = 0.01  # think time of an application client between transactions, seconds
 DRAIN_TIMEOUT = 120.0
+PLAIN_EVERY = 5.0  # seconds between progress lines when stderr is not a terminal
 
 DEADLOCKS_SQL = "select deadlocks from pg_stat_database where datname = current_database()"
 OTHER_BACKENDS_SQL = (
@@ -61,6 +64,17 @@ TAKE_KEYS_SQL = (
     " (select id, key from lockstep.queue where job = %s order by id limit 500) q"
 )
 CONSUME_KEYS_SQL = "delete from lockstep.queue where job = %s and id = any(%s)"
+
+
+class NoServer(RuntimeError):
+    """The server the demo was told to use (or the one that answered) cannot be used; nothing started.
+
+    ``answered``: a server answered with an error (login refused, missing database), not just silence.
+    """
+
+    def __init__(self, message: str, answered: bool = False) -> None:
+        super().__init__(message)
+        self.answered = answered
 
 
 def _sqlstate(exc: BaseException) -> str:
@@ -94,13 +108,18 @@ class Server:
             self.embedded = None
 
 
-def _answers(dsn: str) -> str | None:
-    """None if a server accepts a connection within 2 s, else why not (one line)."""
+LIBPQ_WHERE = ("PGHOST", "PGHOSTADDR", "PGPORT", "PGSERVICE")  # set: the user said which server to use
+
+
+def _answers(dsn: str) -> tuple[str | None, bool]:
+    """(None, True) if a server accepts a connection within 2 s, else (why not in one line, whether a
+    server answered at all: an authentication or missing-database error is an answer)."""
     try:
         with psycopg.connect(dsn, connect_timeout=2, autocommit=True):
-            return None
+            return None, True
     except psycopg.Error as exc:
-        return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        text = " ".join(str(exc).split())
+        return (text or type(exc).__name__), "FATAL" in text
 
 
 def start_embedded(base: Path) -> Any:
@@ -111,7 +130,7 @@ def start_embedded(base: Path) -> Any:
     except ImportError as exc:
         raise RuntimeError(
             "no PostgreSQL server answers and the embedded one needs the pgserver package: "
-            "pip install 'lockstep[demo]' (or pgserver), or give --dsn"
+            "pip install 'pg-lockstep[demo]' (or pgserver), or give --dsn"
         ) from exc
     base.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():
@@ -122,12 +141,33 @@ def start_embedded(base: Path) -> Any:
 def pick_server(opts: Options, say) -> Server:
     if not opts.embedded:
         admin = opts.dsn or ""
-        why = _answers(admin)
+        why, answered = _answers(admin)
         if why is None:
             return Server(admin, note=f"server: {_describe(admin)}")
-        say(f"no server answers at {_describe(admin)} ({why}); starting an embedded one")
+        configured = [v for v in LIBPQ_WHERE if os.environ.get(v)]
+        if admin or configured or answered:
+            given = "the given DSN" if admin else (", ".join(configured) or "libpq's defaults")
+            raise NoServer(
+                f"cannot use the server at {_describe(admin)} ({given}): {why}. "
+                "Fix the connection, or run `lockstep demo --embedded` for a throw-away embedded server",
+                answered=answered,
+            )
+        say(f"no PostgreSQL server answers at {_describe(admin)} ({why})")
+    say(_embedded_plan())
     srv = start_embedded(Path.cwd() / DEMO_DIR)
     return Server(srv.get_uri(), srv, note=f"server: embedded pgserver, data in {DEMO_DIR}/pgdata")
+
+
+def _embedded_plan() -> str:
+    """What starting the embedded server will do, said before doing it."""
+    data = Path.cwd() / DEMO_DIR / "pgdata"
+    plan = f"starting an embedded PostgreSQL (pgserver package): data in {data}, server stopped at the end"
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        plan += (
+            "; running as root, so pgserver runs PostgreSQL as the system user 'pgserver', which it "
+            "creates with useradd if missing"
+        )
+    return plan
 
 
 def _describe(dsn: str) -> str:
@@ -295,14 +335,23 @@ class Demo:
         self.opts, self.out = opts, out
         self.tty = hasattr(out, "isatty") and out.isatty()
         self.width = 0
+        self._plain_at = -PLAIN_EVERY
+        self._phase = ""
 
     # -- output
     def say(self, msg: str) -> None:
         self._clear()
         print(f"[demo] {msg}", file=self.out, flush=True)
 
-    def _line(self, msg: str) -> None:
-        """The one refreshed progress line (carriage return, padded over the previous one)."""
+    def _line(self, msg: str, force: bool = False) -> None:
+        """The one refreshed progress line (carriage return, padded over the previous one) on a terminal;
+        elsewhere (a pipe, a log file) one plain line every PLAIN_EVERY seconds."""
+        if not self.tty:
+            now = time.monotonic()
+            if force or now - self._plain_at >= PLAIN_EVERY:
+                self._plain_at = now
+                print(msg, file=self.out, flush=True)
+            return
         pad = max(0, self.width - len(msg))
         self.out.write("\r" + msg + " " * pad)
         self.out.flush()
@@ -385,7 +434,7 @@ class Demo:
             for c in clients:
                 c.join()
         ph.seconds = time.monotonic() - t0
-        self._progress("lockstep", ph.seconds, self.opts.seconds, conn, ph, runners=runners)
+        self._progress("lockstep", ph.seconds, self.opts.seconds, conn, ph, runners=runners, final=True)
         self._clear()
         # let the runners drain what the app left in the queue
         self.say("app clients stopped; letting the runners drain the queue")
@@ -440,6 +489,9 @@ class Demo:
             while (elapsed := time.monotonic() - t0) < self.opts.naive_seconds:
                 self._progress("naive", elapsed, self.opts.naive_seconds, conn, ph, naive=jobs)
                 time.sleep(0.25)
+            self._progress(
+                "naive", time.monotonic() - t0, self.opts.naive_seconds, conn, ph, naive=jobs, final=True
+            )
         finally:
             stop.set()
             self._clear()
@@ -469,6 +521,7 @@ class Demo:
         ph: Phase,
         runners: list[RunnerProcess] | None = None,
         naive: list[NaiveJob] | None = None,
+        final: bool = False,
     ) -> None:
         try:
             depth = conn.execute(QUEUE_DEPTH_SQL, [JOB]).fetchone()[0]
@@ -486,9 +539,12 @@ class Demo:
             errs = sum(ph.app.errors.values())
         runs = " ".join(f"{k} {v}" for k, v in sorted(outcomes.items())) or "none yet"
         p99s = "-" if p99 is None else f"{p99:.1f} ms"
+        first = name != self._phase  # the first line of a phase is never held back
+        self._phase = name
         self._line(
             f"[{name} {elapsed:4.0f}/{total:g} s] runs: {runs} | queue {depth} | "
-            f"app tx {n} (p99 {p99s}, errors {errs})"
+            f"app tx {n} (p99 {p99s}, errors {errs})",
+            force=final or first,
         )
 
     def run(self) -> dict[str, Any]:

@@ -1,0 +1,241 @@
+"""CLI conventions (README "Command line"): -h, --log-level / -v, LOCKSTEP_* environment variables,
+one meaning for --json, migrate sub-actions that do what they say, --metrics-host, the start-up log line,
+`lockstep retry` and `lockstep drop`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import psycopg
+import pytest
+
+from runner.cli import main
+from runner.migrate import head
+
+HEAD = head()
+
+
+def lockstep(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
+    base = {
+        k: v for k, v in os.environ.items() if k != "DATABASE_URL" and not k.startswith(("PG", "LOCKSTEP_"))
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "runner", *args],
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+# -h ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cmd", [[], *[[name] for name in sorted(main.commands)]])
+def test_short_help_everywhere(cmd):
+    p = lockstep(*cmd, "-h")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("Usage: lockstep"), p.stdout
+    assert p.stdout == lockstep(*cmd, "--help").stdout
+
+
+def test_help_shows_the_environment_variables():
+    out = lockstep("run", "-h").stdout
+    for var in (
+        "LOCKSTEP_RUN_TICK",
+        "LOCKSTEP_RUN_METRICS_HOST",
+        "LOCKSTEP_RUN_CONNECTION_CHECK_INTERVAL",
+        "LOCKSTEP_DSN",
+        "DATABASE_URL",
+        "LOCKSTEP_LOG_LEVEL",
+    ):
+        assert var in out, var
+
+
+# logging -------------------------------------------------------------------------------------------------
+
+
+def test_start_up_line_without_the_password(dsn):
+    rest = dsn.split("://", 1)[1].split("@", 1)
+    with_password = f"postgresql://{rest[0]}:s3cret@{rest[1]}"  # trust authentication ignores it
+    p = lockstep("run", "--once", "--dsn", with_password)
+    assert p.returncode == 0, p.stderr
+    (line,) = [ln for ln in p.stderr.splitlines() if "run starting" in ln]
+    assert " INFO lockstep 0.1.0 run starting: " in line and "password=***" in line, line
+    assert "s3cret" not in p.stderr
+    assert "jobs all; once;" in line and "metrics off" in line
+
+
+def test_log_level_and_verbose(dsn):
+    quiet = lockstep("--log-level", "warning", "run", "--once", "--dsn", dsn)
+    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
+    assert lockstep("run", "--once", "--dsn", dsn, LOCKSTEP_LOG_LEVEL="warning").stderr == ""
+    assert lockstep("run", "--once", "--dsn", dsn, "--log-level", "WARNING").stderr == ""
+
+    default = lockstep("run", "--once", "--dsn", dsn).stderr
+    assert "run starting" in default and "connected: backend pid" not in default
+    for args in (["-v", "run", "--once"], ["run", "-v", "--once"], ["--log-level", "debug", "run", "--once"]):
+        p = lockstep(*args, "--dsn", dsn)
+        assert p.returncode == 0 and " DEBUG connected: backend pid " in p.stderr, (args, p.stderr)
+    # --log-level wins over -v
+    assert "DEBUG" not in lockstep("-v", "run", "--once", "--log-level", "info", "--dsn", dsn).stderr
+
+
+# LOCKSTEP_* environment variables ------------------------------------------------------------------------
+
+
+def test_options_from_lockstep_variables(dsn):
+    p = lockstep("run", "--once", "--dsn", dsn, LOCKSTEP_RUN_JOB="no_such_job")
+    assert p.returncode == 1 and "job no_such_job does not exist" in p.stderr, p.stderr
+
+    p = lockstep("run", "--once", "--dsn", dsn, LOCKSTEP_RUN_TICK="0")
+    assert p.returncode == 2 and "Invalid value for '--tick'" in p.stderr, p.stderr  # from LOCKSTEP_RUN_TICK
+
+    # the command line wins over the variable
+    assert lockstep("run", "--once", "--tick", "1", "--dsn", dsn, LOCKSTEP_RUN_TICK="0").returncode == 0
+
+    p = lockstep("status", "--json", LOCKSTEP_DSN=dsn, LOCKSTEP_STATUS_JSON="1")
+    assert p.returncode == 0 and json.loads(p.stdout) == [], p.stdout + p.stderr
+
+
+def test_connection_check_interval_reaches_the_session(dsn, tmp_path):
+    """--connection-check-interval sets the setting through the startup options (nothing for a unit file
+    or a shell to split); checked on the runner's own backend while it runs a job."""
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute("create table public.seen (setting text)")
+        c.execute(
+            "create function public.record() returns void language sql as"
+            " $$ insert into public.seen select current_setting('client_connection_check_interval') $$"
+        )
+        c.execute("select lockstep.define_job('rec', 'public.record()', every => '1 hour')")
+    p = lockstep(
+        "run", "--once", "--connection-check-interval", "1500ms", "--dsn", dsn, PGOPTIONS="-c work_mem=8MB"
+    )
+    assert p.returncode == 0, p.stderr
+    with psycopg.connect(dsn) as c:
+        assert c.execute("select setting from public.seen").fetchall() == [("1500ms",)]
+    bad = lockstep("run", "--once", "--connection-check-interval", "1 s; drop", "--dsn", dsn)
+    assert bad.returncode == 2 and "--connection-check-interval" in bad.stderr
+
+
+def test_metrics_host_binds_that_address():
+    code = (
+        "import socket, psutil, sys\n"
+        "from runner.loop import Metrics\n"
+        "s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; s.close()\n"
+        "Metrics(port, *sys.argv[1:])\n"
+        "print([(c.laddr.ip, c.laddr.port == port) for c in psutil.Process().net_connections('tcp')"
+        " if c.status == 'LISTEN'])\n"
+    )
+    local = subprocess.run(
+        [sys.executable, "-c", code, "127.0.0.1"], capture_output=True, text=True, check=True
+    )
+    assert local.stdout.strip() == "[('127.0.0.1', True)]"
+    default = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert default.stdout.strip() == "[('0.0.0.0', True)]"
+
+
+# --json --------------------------------------------------------------------------------------------------
+
+
+def test_json_means_json_on_stdout_everywhere(example_dsn):
+    outputs = {
+        "status": lockstep("status", "--json", "--dsn", example_dsn),
+        "migrate current": lockstep("migrate", "current", "--json", "--dsn", example_dsn),
+        "migrate check": lockstep("migrate", "check", "--json", "--dsn", example_dsn),
+        "retry": lockstep("retry", "exam_keys", "--json", "--dsn", example_dsn),
+        "drop": lockstep("drop", "exam_keys", "--json", "--dsn", example_dsn),
+    }
+    parsed = {}
+    for name, p in outputs.items():
+        assert p.returncode == 0, (name, p.stderr)
+        parsed[name] = json.loads(p.stdout)
+    assert [r["job"] for r in parsed["status"]] == ["exam_keys"]
+    assert (
+        parsed["migrate current"]
+        == parsed["migrate check"]
+        == {"current": [HEAD], "head": HEAD, "at_head": True}
+    )
+    assert parsed["retry"] == {"job": "exam_keys", "requeued": 0}
+    assert parsed["drop"] == {"job": "exam_keys", "dropped": True}
+    for cmd in ("demo", "bench", "storm"):  # the lab commands: the same flag, no file argument
+        opt = next(o for o in main.commands[cmd].params if o.name == "json")
+        assert opt.is_flag and opt.opts == ["--json"]
+
+
+# migrate sub-actions -------------------------------------------------------------------------------------
+
+
+def test_migrate_actions_do_what_they_say(empty_dsn):
+    def schema() -> bool:
+        with psycopg.connect(empty_dsn) as c:
+            return c.execute("select to_regnamespace('lockstep') is not null").fetchone()[0]
+
+    p = lockstep("migrate", "current", "--dsn", empty_dsn)
+    assert (p.returncode, p.stdout.strip()) == (0, f"base (not installed) (head is {HEAD})")
+    p = lockstep("migrate", "check", "--dsn", empty_dsn)
+    assert p.returncode == 1 and "run `lockstep migrate`" in p.stdout
+    assert not schema()  # current and check change nothing
+
+    assert lockstep("migrate", "--dsn", empty_dsn).returncode == 0
+    assert lockstep("migrate", "current", "--dsn", empty_dsn).stdout.strip() == f"{HEAD} (head)"
+    assert lockstep("migrate", "check", "--dsn", empty_dsn).returncode == 0
+
+    # an upgrade to base is not "already at": it is refused, and changes nothing
+    p = lockstep("migrate", "--revision", "base", "--dsn", empty_dsn)
+    assert p.returncode == 2 and "already at" not in p.stderr and "downgrade --revision base" in p.stderr
+    assert schema()
+    p = lockstep("migrate", "downgrade", "--dsn", empty_dsn)
+    assert p.returncode == 2 and "needs --revision" in p.stderr
+    assert schema()
+
+    p = lockstep("migrate", "downgrade", "--revision", "base", "--dsn", empty_dsn)
+    assert p.returncode == 0 and f"lockstep schema: {HEAD} -> base" in p.stderr, p.stderr
+    assert not schema()
+    assert lockstep("migrate", "current", "--dsn", empty_dsn).stdout.startswith("base (not installed)")
+
+
+def test_migrate_upgrade_never_goes_down_in_python(empty_dsn):
+    from runner.migrate import MigrateError, migrate
+
+    migrate(empty_dsn)
+    with pytest.raises(MigrateError, match="downgrade"):
+        migrate(empty_dsn, "base")
+
+
+# retry / drop --------------------------------------------------------------------------------------------
+
+
+def test_retry_and_drop(ex, example_dsn):
+    ex.execute(
+        "insert into lockstep.key_failure (job, key, attempts, last_error, retry_at, parked)"
+        " values ('exam_keys', '5', 5, 'boom', now(), true), ('exam_keys', '6', 5, 'boom', now(), true)"
+    )
+    assert lockstep("status", "--dsn", example_dsn).returncode == 1  # parked keys: unhealthy
+
+    p = lockstep("retry", "exam_keys", "5", "--dsn", example_dsn)
+    assert (p.returncode, p.stdout.strip()) == (0, "exam_keys: 1 key back in the queue"), p.stderr
+    assert ex.execute("select key from lockstep.queue where job = 'exam_keys'").fetchall() == [("5",)]
+    assert ex.execute("select key from lockstep.parked_keys").fetchall() == [("6",)]
+
+    p = lockstep("retry", "exam_keys", "not-a-number", "--dsn", example_dsn)
+    assert p.returncode == 1 and p.stderr.startswith("Error: ") and "Traceback" not in p.stderr, p.stderr
+
+    p = lockstep("retry", "exam_keys", "--dsn", example_dsn)
+    assert (p.returncode, p.stdout.strip()) == (0, "exam_keys: 1 key back in the queue")
+    assert lockstep("status", "--dsn", example_dsn).returncode == 0
+
+    p = lockstep("retry", "no_such_job", "--dsn", example_dsn)
+    assert p.returncode == 1 and 'unknown job "no_such_job"' in p.stderr
+
+    triggers = "select count(*) from pg_trigger where tgname ilike '%lockstep%'"
+    assert ex.execute(triggers).fetchone()[0] > 0
+    p = lockstep("drop", "exam_keys", "--dsn", example_dsn)
+    assert (p.returncode, p.stdout.strip()) == (0, "exam_keys: dropped"), p.stderr
+    assert ex.execute("select count(*) from lockstep.job").fetchone()[0] == 0
+    assert ex.execute(triggers).fetchone()[0] == 0
+    assert ex.execute("select count(*) from example.exam_key").fetchone()[0] > 0  # the table's rows stay
+    assert lockstep("drop", "exam_keys", "--dsn", example_dsn).returncode == 1
