@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
+import subprocess
+import sys
 
 import psycopg
 import pytest
@@ -11,6 +14,7 @@ from isolation import Spec
 from psycopg.rows import dict_row
 
 from runner.lab import example
+from runner.status import jsonable
 from tests.util import raises_sqlstate, result
 
 JOBS = """
@@ -273,3 +277,51 @@ def test_the_example_job_still_converges_with_history_on(ex):
         pass
     assert example.divergence(ex) == (0, 0)
     assert {r["outcome"] for r in logged(ex)} == {"done"}
+
+
+# lockstep status --history ------------------------------------------------------------------------------
+
+
+def cli(dsn: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "runner", "status", "--dsn", dsn, *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+def test_status_history_shows_the_newest_runs_oldest_first(ex, example_dsn):
+    ex.execute(JOBS)
+    for _ in range(3):
+        run_due(ex, "ok")
+    run_due(ex, "boom")
+    p = cli(example_dsn, "--history")
+    assert p.returncode == 0, p.stderr  # a failed run in the history is not an unhealthy exit
+    header, *lines = p.stdout.splitlines()
+    assert header.split() == [
+        "finished_at", "job", "action", "outcome", "duration_ms", "inserted", "updated", "deleted",
+        "skipped", "failed_keys", "error",
+    ]  # fmt: skip
+    assert [ln.split()[2:5] for ln in lines] == [["ok", "call", "done"]] * 3 + [["boom", "call", "failed"]]
+    assert lines[-1].endswith("boom: disk on fire")
+
+    p = cli(example_dsn, "--history", "--json", "--job", "ok", "--limit", "2")
+    assert p.returncode == 0, p.stderr
+    got = json.loads(p.stdout)
+    want = [{k: jsonable(v) for k, v in r.items()} for r in logged(ex, "ok")[-2:]]
+    assert [r["id"] for r in got] == [r["id"] for r in want]
+    assert all(g[k] == w[k] for g, w in zip(got, want, strict=True) for k in g)
+    assert {"id", "job", "outcome", "duration_ms", "error", "owner", "role", "run_no"} <= set(got[0])
+
+    assert cli(example_dsn, "--history", "--job", "nope").stdout.strip() == "no runs in lockstep.run_log"
+    p = cli(example_dsn, "--job", "ok")
+    assert p.returncode == 2 and "--job goes with --history" in p.stderr
+
+
+def test_status_history_for_a_role_that_may_not_read_it_is_a_one_line_error(ex, example_dsn, make_roles):
+    nobody = make_roles(example_dsn, "nobody", "grant usage on schema lockstep to {role}")
+    p = cli(as_role(example_dsn, nobody), "--history")
+    assert p.returncode == 1
+    assert p.stderr.startswith("Error: permission denied for table run_log"), p.stderr
+    assert "Traceback" not in p.stderr
