@@ -9,7 +9,7 @@ import sys
 
 import psycopg
 import pytest
-from history_roles import as_role, make_roles_fixture  # noqa: F401  (the make_roles fixture)
+from history_fixtures import as_role, make_roles_fixture  # noqa: F401  (the make_roles fixture)
 from isolation import Spec
 from psycopg.rows import dict_row
 

@@ -10,47 +10,11 @@ import json
 import threading
 from collections.abc import Callable, Iterator
 
-import psycopg
 import pytest
-from history_roles import as_role, make_roles_fixture  # noqa: F401  (the make_roles fixture)
+from history_fixtures import as_role, make_roles_fixture, setup_workload  # noqa: F401  (make_roles)
 
 from runner import web
 from tests.util import snapshot
-
-POISON = """
-alter function example.exam_key_compute(bigint[]) rename to exam_key_compute_orig;
-create function example.exam_key_compute(keys bigint[])
-returns table (exam_id bigint, key text, weight integer) language plpgsql
-set search_path = pg_catalog, pg_temp as $$
-begin
-    if keys && array[13, 42]::bigint[] then
-        raise exception 'exam %: title is not valid text',
-            (select min(k) from unnest(keys) k where k in (13, 42));
-    end if;
-    return query select * from example.exam_key_compute_orig(keys);
-end $$;
-"""
-
-JOBS = """
-create function public.ok() returns void language sql as $$ select $$;
-create function public.boom() returns void language plpgsql
-    as $$ begin raise exception 'boom: the disk is on fire'; end $$;
-select lockstep.define_job('ok', 'public.ok()', every => '1 hour');
-select lockstep.define_job('boom', 'public.boom()', lock_group => 'alarms', every => '10 minutes');
-"""
-
-
-def setup_workload(ex: psycopg.Connection) -> None:
-    """Jobs ok (done), boom (failed); exam_keys with one parked key (42), one failing key (13) and 30
-    queued keys; a few runs in the history."""
-    ex.execute(JOBS)
-    ex.execute(POISON)
-    ex.execute("select lockstep.run('ok')")
-    ex.execute("select lockstep.run('boom')")
-    ex.execute("select lockstep.enqueue('exam_keys', array[13, 42, 7, 8]::bigint[])")
-    ex.execute("select lockstep.work('exam_keys')")
-    ex.execute("update lockstep.key_failure set parked = true where key = '42'")
-    ex.execute("select lockstep.enqueue('exam_keys', array(select generate_series(100, 129))::bigint[])")
 
 
 @pytest.fixture
@@ -275,3 +239,23 @@ def test_a_role_with_no_privilege_at_all_still_gets_the_page(example_dsn, make_r
     data = json.loads(request(addr, path="/data.json")[2])
     assert sorted(data["errors"]) == ["due", "keys", "runs", "status"]
     assert data["jobs"] == [] and data["runs"] == []
+
+
+VIEWER = [  # the viewer recipe of docs/web.md
+    "grant usage on schema lockstep to {role}",
+    "grant select on lockstep.status, lockstep.parked_keys, lockstep.failing_keys, lockstep.run_log"
+    " to {role}",
+    "grant select on lockstep.job, lockstep.job_state, lockstep.queue, lockstep.key_failure to {role}",
+]
+
+
+def test_the_documented_viewer_role_reads_every_section(ex, example_dsn, make_roles, server):
+    setup_workload(ex)
+    owner = make_roles(example_dsn, "owner")
+    viewer = make_roles(example_dsn, "viewer", *VIEWER, member_of=(owner,))
+    ex.execute("update lockstep.job set owner = %s where job = 'boom'", [owner])
+    ex.execute("update lockstep.run_log set owner = %s where job = 'boom'", [owner])
+    data = json.loads(request(server(as_role(example_dsn, viewer)), path="/data.json")[2])
+    assert data["errors"] == {}
+    assert data["totals"]["queue_depth"] == 31 and data["keys_total"] == 2
+    assert [r["job"] for r in data["runs"]] == ["boom"]  # row security: its owner role's runs only
