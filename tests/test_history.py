@@ -111,9 +111,30 @@ def test_max_per_job_keeps_the_newest_runs_of_each_job(ex):
     run_due(ex, "boom")
     assert [r["run_no"] for r in logged(ex, "ok")] == [6, 7, 8]
     assert [r["run_no"] for r in logged(ex, "boom")] == [1]  # other jobs keep their own three
+    # a lower limit applies to the rows already there at once
+    ex.execute("select lockstep.set_run_log_retention(max_per_job => 2)")
+    assert [r["run_no"] for r in logged(ex, "ok")] == [7, 8]
+    run_due(ex, "ok")
+    assert [r["run_no"] for r in logged(ex, "ok")] == [8, 9]
     ex.execute("select lockstep.set_run_log_retention(max_per_job => 0)")  # stop logging
+    assert logged(ex) == []
     run_due(ex, "ok")
     assert logged(ex, "ok") == []
+
+
+def test_a_run_prunes_only_at_its_jobs_boundary(ex):
+    """The per-job prune looks at the 10 run numbers just past the limit, never further down (there lie
+    the dead index entries of earlier prunes); rows below that window go by age."""
+    ex.execute(JOBS)
+    ex.execute("select lockstep.set_run_log_retention(max_per_job => 5)")
+    ex.execute("update lockstep.job_state set runs = 100 where job = 'ok'")
+    ex.execute(
+        "insert into lockstep.run_log (job, owner, lock_group, kind, action, outcome, started_at,"
+        " finished_at, duration_ms, run_no) select 'ok', 'root', 'ok', 'job', 'call', 'done', now(), now(),"
+        " 1, g from generate_series(81, 100) g"
+    )
+    run_due(ex, "ok")  # run 101: keeps 97..101, prunes 86..96 at most 10 of them, oldest first
+    assert [r["run_no"] for r in logged(ex, "ok")] == [*range(81, 87), *range(97, 102)]
 
 
 def test_expired_runs_are_pruned_a_bounded_number_per_run(ex):
