@@ -21,6 +21,7 @@ import ipaddress
 import json
 import logging
 import signal
+import socket
 import threading
 from collections import deque
 from collections.abc import Iterable
@@ -615,7 +616,10 @@ class _Handler(BaseHTTPRequestHandler):
 def make_server(opts: Options, sampler: Sampler | None = None) -> ThreadingHTTPServer:
     """A server bound to (opts.host, opts.port), not yet serving."""
     handler = type("Handler", (_Handler,), {"options": opts, "sampler": sampler or Sampler()})
-    server = ThreadingHTTPServer((opts.host, opts.port), handler)
+    server_cls = ThreadingHTTPServer
+    if ":" in opts.host:  # an IPv6 address such as ::1
+        server_cls = type("Server6", (ThreadingHTTPServer,), {"address_family": socket.AF_INET6})
+    server = server_cls((opts.host.strip("[]"), opts.port), handler)
     server.daemon_threads = True
     return server
 

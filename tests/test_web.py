@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 
@@ -179,6 +181,25 @@ def test_head_unknown_paths_and_foreign_host_headers(example_dsn, server):
 
 def test_default_options_bind_to_localhost():
     assert (web.Options().host, web.Options().port) == ("127.0.0.1", 8765)
+
+
+def test_ipv6_loopback(example_dsn, server):
+    try:
+        addr = server(example_dsn, host="::1")
+    except OSError as exc:  # no IPv6 on this machine
+        pytest.skip(f"cannot bind ::1: {exc}")
+    host, port = addr.rsplit(":", 1)
+    assert request(f"[{host}]:{port}")[0] == 200
+
+
+def test_a_malformed_dsn_is_refused_at_start():
+    p = subprocess.run(
+        [sys.executable, "-m", "runner", "web", "--dsn", "nonsense", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert p.returncode == 2 and "Invalid value for --dsn" in p.stderr, p.stderr
 
 
 def test_an_unreachable_database_gives_a_503_page_that_keeps_refreshing(server, example_dsn):

@@ -139,6 +139,7 @@ def test_the_page_in_chromium_while_a_runner_works(ex, example_dsn, runners, bro
         what="the runner to run boom and tick",
     )
     url = web_server(example_dsn, "--refresh", "1")
+    assert url.startswith("http://127.0.0.1:")  # the default --host
 
     browser.get(url)
     # the page reloads itself every second: an element read mid-reload is gone or stale, read it again
