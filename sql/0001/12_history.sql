@@ -42,8 +42,7 @@ create table lockstep.run_log (
 ) with (
     -- rows are deleted at the rate they are inserted, from the low end of both indexes: vacuum every
     -- 1000 dead rows, so a prune's index scan never steps over a long run of dead entries first.
-    autovacuum_vacuum_scale_factor = 0, autovacuum_vacuum_threshold = 1000,
-    autovacuum_vacuum_insert_scale_factor = 0, autovacuum_vacuum_insert_threshold = 1000
+    autovacuum_vacuum_scale_factor = 0, autovacuum_vacuum_threshold = 1000
 );
 
 create index run_log_job_run_no_idx on lockstep.run_log (job, run_no);
