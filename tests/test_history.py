@@ -222,7 +222,7 @@ def test_each_role_sees_and_writes_only_the_runs_of_jobs_it_may_manage(ex, examp
 
 def test_a_runner_without_privileges_on_run_log_still_runs_the_job(ex, example_dsn, make_roles):
     """Logging never fails a run: no grant on run_log means a WARNING and no row, the run is done."""
-    owner = make_roles(example_dsn, "owner")
+    owner = make_roles(example_dsn, "owner", "grant usage on schema lockstep to {role}")  # jobs run as it
     runner = make_roles(
         example_dsn,
         "runner",
@@ -237,7 +237,8 @@ def test_a_runner_without_privileges_on_run_log_still_runs_the_job(ex, example_d
     notices: list[str] = []
     with psycopg.connect(as_role(example_dsn, runner), autocommit=True) as c:
         c.add_notice_handler(lambda d: notices.append(f"{d.severity}: {d.message_primary}"))
-        assert run_due(c, "ok")["outcome"] == "done"
+        r0 = run_due(c, "ok")
+        assert r0["outcome"] == "done", r0["error"]
         assert notices == [
             'WARNING: lockstep: run of job "ok" not logged in lockstep.run_log: '
             "permission denied for table setting"
