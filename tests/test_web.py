@@ -199,7 +199,7 @@ def test_a_malformed_dsn_is_refused_at_start():
         text=True,
         timeout=30,
     )
-    assert p.returncode == 2 and "Invalid value for --dsn" in p.stderr, p.stderr
+    assert p.returncode == 2 and "Invalid value for '--dsn'" in p.stderr, p.stderr
 
 
 def test_an_unreachable_database_gives_a_503_page_that_keeps_refreshing(server, example_dsn):
