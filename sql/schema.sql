@@ -826,6 +826,7 @@ begin
         last_error = case when v_failed then error else null end,
         runs = s.runs + 1
     where s.job = j.job;
+    perform lockstep._log_run(j, action, outcome, started, p, error);
 end;
 $$;
 
@@ -1052,6 +1053,45 @@ begin
 end;
 $_$;
 
+CREATE FUNCTION lockstep._log_run(j lockstep.job, action text, outcome text, started timestamp with time zone, p lockstep._pass DEFAULT NULL::lockstep._pass, error text DEFAULT NULL::text) RETURNS void
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    s lockstep.job_state;
+    v_keep interval;
+    v_max integer;
+begin
+    begin
+        select t.run_log_keep, t.run_log_max_per_job into v_keep, v_max from lockstep.setting t;
+        v_keep := coalesce(v_keep, interval '14 days');   -- the setting row deleted: the defaults
+        v_max := coalesce(v_max, 1000);
+        select * into s from lockstep.job_state st where st.job = j.job;
+        if v_max > 0 then
+            insert into lockstep.run_log (job, owner, lock_group, kind, action, outcome, started_at,
+                                          finished_at, duration_ms, compute_ms, write_ms, inserted, updated,
+                                          deleted, skipped, gone, failed_keys, error, run_no)
+            values (j.job, j.owner, j.lock_group, j.kind, action, outcome, started,
+                    coalesce(s.last_finished_at, clock_timestamp()),
+                    coalesce(s.last_duration_ms, extract(epoch from clock_timestamp() - started) * 1000),
+                    p.compute_ms, p.write_ms,
+                    coalesce(p.inserted, 0), coalesce(p.updated, 0), coalesce(p.deleted, 0),
+                    coalesce(cardinality(p.skipped), 0), coalesce(p.gone, 0),
+                    coalesce(cardinality(p.failed), 0),
+                    coalesce(error, case when cardinality(p.failed) > 0 then
+                        pg_catalog.format('%s key(s) failed, first %s: %s',
+                                          cardinality(p.failed), p.failed[1], p.errors[1]) end),
+                    coalesce(s.runs, 0));
+        end if;
+        perform lockstep._prune_run_log(j.job, coalesce(s.runs, 0), v_keep, v_max);
+    exception when others then
+        raise warning 'lockstep: run of job "%" not logged in lockstep.run_log: %', j.job, sqlerrm
+            using hint = 'The role running jobs needs SELECT on lockstep.setting and SELECT, INSERT, DELETE '
+                         'on lockstep.run_log.';
+    end;
+end;
+$$;
+
 CREATE FUNCTION lockstep._may_manage(owner name) RETURNS boolean
     LANGUAGE sql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -1231,6 +1271,27 @@ CREATE FUNCTION lockstep._proc_columns(f regprocedure) RETURNS TABLE(name name, 
     join pg_catalog.pg_attribute att on att.attrelid = ty.typrelid and att.attnum > 0 and not att.attisdropped
     where p.oid = f and p.proallargtypes is null
     order by 3;
+$$;
+
+CREATE FUNCTION lockstep._prune_run_log(job text, run_no bigint, keep interval, max_per_job integer) RETURNS void
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
+    AS $$
+begin
+    if not pg_catalog.pg_try_advisory_xact_lock(pg_catalog.hashtext('lockstep'), pg_catalog.hashtext('run_log')) then
+        return;
+    end if;
+    delete from lockstep.run_log l
+    where l.id in (select o.id from lockstep.run_log o
+                   where o.finished_at < now() - keep order by o.finished_at limit 10);
+    delete from lockstep.run_log l
+    where l.id in (select o.id from lockstep.run_log o
+                   where o.job = _prune_run_log.job
+                     and o.run_no > _prune_run_log.run_no - max_per_job - 10
+                     and o.run_no <= _prune_run_log.run_no - max_per_job
+                   order by o.run_no limit 10);
+end;
 $$;
 
 CREATE FUNCTION lockstep._queue_job(job text) RETURNS lockstep.job
@@ -1839,6 +1900,45 @@ begin
 end;
 $$;
 
+CREATE TABLE lockstep.setting (
+    only_row boolean DEFAULT true NOT NULL,
+    run_log_keep interval DEFAULT '14 days'::interval NOT NULL,
+    run_log_max_per_job integer DEFAULT 1000 NOT NULL,
+    CONSTRAINT setting_only_row_check CHECK (only_row),
+    CONSTRAINT setting_run_log_keep_check CHECK ((run_log_keep > '00:00:00'::interval)),
+    CONSTRAINT setting_run_log_max_per_job_check CHECK ((run_log_max_per_job >= 0))
+);
+
+CREATE FUNCTION lockstep.set_run_log_retention(keep interval DEFAULT NULL::interval, max_per_job integer DEFAULT NULL::integer) RETURNS lockstep.setting
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    s lockstep.setting;
+begin
+    if keep is not null and keep <= interval '0' then
+        raise exception 'lockstep: run_log_keep must be a positive interval (got %)', keep
+            using errcode = '22023', hint = 'For example interval ''7 days''.';
+    end if;
+    if max_per_job is not null and max_per_job < 0 then
+        raise exception 'lockstep: run_log_max_per_job must be >= 0 (got %)', max_per_job
+            using errcode = '22023', hint = '0 stops logging runs (the rows already logged are pruned).';
+    end if;
+    perform pg_catalog.pg_advisory_xact_lock(pg_catalog.hashtext('lockstep'), pg_catalog.hashtext('run_log'));
+    insert into lockstep.setting as t (only_row, run_log_keep, run_log_max_per_job)
+    values (true, coalesce(keep, interval '14 days'), coalesce(max_per_job, 1000))
+    on conflict (only_row) do update
+        set run_log_keep = coalesce(set_run_log_retention.keep, t.run_log_keep),
+            run_log_max_per_job = coalesce(set_run_log_retention.max_per_job, t.run_log_max_per_job)
+    returning * into s;
+    delete from lockstep.run_log r where r.finished_at < now() - s.run_log_keep;
+    delete from lockstep.run_log r
+    using lockstep.job_state st
+    where st.job = r.job and r.run_no <= st.runs - s.run_log_max_per_job;
+    return s;
+end;
+$$;
+
 CREATE FUNCTION lockstep.unwatch(job text, source regclass) RETURNS void
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -1951,6 +2051,41 @@ ALTER TABLE lockstep.queue ALTER COLUMN id ADD GENERATED ALWAYS AS IDENTITY (
     CACHE 1
 );
 
+CREATE TABLE lockstep.run_log (
+    id bigint NOT NULL,
+    job text NOT NULL,
+    owner name NOT NULL,
+    lock_group text NOT NULL,
+    kind text NOT NULL,
+    action text NOT NULL,
+    outcome text NOT NULL,
+    started_at timestamp with time zone NOT NULL,
+    finished_at timestamp with time zone NOT NULL,
+    duration_ms double precision NOT NULL,
+    compute_ms double precision,
+    write_ms double precision,
+    inserted bigint DEFAULT 0 NOT NULL,
+    updated bigint DEFAULT 0 NOT NULL,
+    deleted bigint DEFAULT 0 NOT NULL,
+    skipped bigint DEFAULT 0 NOT NULL,
+    gone bigint DEFAULT 0 NOT NULL,
+    failed_keys bigint DEFAULT 0 NOT NULL,
+    error text,
+    run_no bigint NOT NULL,
+    role name DEFAULT CURRENT_USER NOT NULL,
+    pid integer DEFAULT pg_backend_pid() NOT NULL
+)
+WITH (autovacuum_vacuum_scale_factor='0', autovacuum_vacuum_threshold='1000');
+
+ALTER TABLE lockstep.run_log ALTER COLUMN id ADD GENERATED ALWAYS AS IDENTITY (
+    SEQUENCE NAME lockstep.run_log_id_seq
+    START WITH 1
+    INCREMENT BY 1
+    NO MINVALUE
+    NO MAXVALUE
+    CACHE 1
+);
+
 CREATE VIEW lockstep.status WITH (security_invoker='true') AS
  SELECT j.job,
     j.kind,
@@ -2001,7 +2136,17 @@ ALTER TABLE ONLY lockstep.key_failure
 ALTER TABLE ONLY lockstep.queue
     ADD CONSTRAINT queue_pkey PRIMARY KEY (job, id);
 
+ALTER TABLE ONLY lockstep.run_log
+    ADD CONSTRAINT run_log_pkey PRIMARY KEY (id);
+
+ALTER TABLE ONLY lockstep.setting
+    ADD CONSTRAINT setting_pkey PRIMARY KEY (only_row);
+
 CREATE INDEX queue_job_key_idx ON lockstep.queue USING btree (job, key);
+
+CREATE INDEX run_log_finished_at_idx ON lockstep.run_log USING btree (finished_at);
+
+CREATE INDEX run_log_job_run_no_idx ON lockstep.run_log USING btree (job, run_no);
 
 ALTER TABLE ONLY lockstep.job_state
     ADD CONSTRAINT job_state_job_fkey FOREIGN KEY (job) REFERENCES lockstep.job(job) ON DELETE CASCADE;
@@ -2052,3 +2197,11 @@ CREATE POLICY queue_update ON lockstep.queue FOR UPDATE USING ((job IN ( SELECT 
   WHERE lockstep._may_manage(j.owner)))) WITH CHECK ((job IN ( SELECT j.job
    FROM lockstep.job j
   WHERE lockstep._may_manage(j.owner))));
+
+ALTER TABLE lockstep.run_log ENABLE ROW LEVEL SECURITY;
+
+CREATE POLICY run_log_delete ON lockstep.run_log FOR DELETE USING (lockstep._may_manage(owner));
+
+CREATE POLICY run_log_insert ON lockstep.run_log FOR INSERT WITH CHECK (lockstep._may_manage(owner));
+
+CREATE POLICY run_log_read ON lockstep.run_log FOR SELECT USING (lockstep._may_manage(owner));
