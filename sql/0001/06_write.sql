@@ -1,54 +1,131 @@
 -- lockstep 0001: the compute phase and the one write path (lockstep._write), shared by the periodic
 -- recompute and the queue worker.
+--
+-- Work tables. The compute phase and the diff go through session-level temp tables, one set per job
+-- shape, created at first use in a session and then reused (no CREATE, DROP or ANALYZE per run, so no
+-- catalog rows are written and no catalog full-page image lands in the WAL):
+--   pg_temp.lockstep_desired_<s>  compute's rows (j.columns)
+--   pg_temp.lockstep_gone_<s>     j.columns, lockstep_parent text, lockstep_ctid tid
+--   pg_temp.lockstep_put_<s>      j.columns, lockstep_parent text, lockstep_old_parent text,
+--                                 lockstep_new boolean, lockstep_ctid tid
+--   pg_temp.lockstep_locked_<s>   j.target_key
+-- <s> (lockstep._tmp_setup) hashes the target, the name, type, typmod and collation of each of j.columns,
+-- j.target_key, the layout version below and current_user: another shape, a retyped column or another
+-- role gets other tables, never a mismatch. They are ON COMMIT DELETE ROWS, so every transaction starts
+-- with them empty whichever client or job used the server connection before (PgBouncer transaction
+-- pooling); a run empties them again before filling them (several runs in one transaction). DISCARD ALL
+-- or DISCARD TEMP (a pooler's server_reset_query) drops them: the next run creates them again.
+-- lockstep._tmp(j, what) names them ('desired', 'gone', 'put', 'locked').
+-- Changing the lockstep_* columns above: change them in lockstep._tmp_setup, bump its layout version.
 
--- lockstep._compute_into(j, keys): fill pg_temp.lockstep_desired with compute(keys) (NULL: all), keep only
--- rows of the parents in keys, reject duplicate or NULL primary keys, and ANALYZE it.
+-- lockstep._tmp_setup(j): make sure this session has the work tables of j's shape; remember their suffix
+-- for this transaction (lockstep._tmp reads it) and return it.
+-- locks: nothing outside pg_temp (the first time in a session: creates the tables).
+create function lockstep._tmp_setup(j lockstep.job) returns text
+language plpgsql
+set search_path = pg_catalog, pg_temp
+set client_min_messages = warning
+as $$
+declare
+    v_layout constant text := 'v1 parent,ctid | parent,old_parent,new,ctid';
+    v_s text;
+    v_cols text;
+begin
+    select pg_catalog.left(pg_catalog.md5(pg_catalog.concat_ws('|', j.target::oid, v_layout, current_user,
+                    j.target_key::text,
+                    pg_catalog.string_agg(pg_catalog.concat_ws(' ', a.attname, a.atttypid, a.atttypmod, a.attcollation),
+                                          ',' order by u.o))), 16),
+           pg_catalog.string_agg(pg_catalog.format('t.%I', u.c), ', ' order by u.o)
+    into v_s, v_cols
+    from pg_catalog.unnest(j.columns) with ordinality u(c, o)
+    left join pg_catalog.pg_attribute a on a.attrelid = j.target and a.attname = u.c and not a.attisdropped;
+    if pg_catalog.to_regclass(pg_catalog.format('pg_temp.%I', 'lockstep_locked_' || v_s)) is null then
+        execute pg_catalog.format('create temp table if not exists %I on commit delete rows as '
+                                  'select %s from %s t with no data', 'lockstep_desired_' || v_s, v_cols, j.target);
+        execute pg_catalog.format('create temp table if not exists %I on commit delete rows as '
+                                  'select %s, null::text as lockstep_parent, null::tid as lockstep_ctid '
+                                  'from %s t with no data', 'lockstep_gone_' || v_s, v_cols, j.target);
+        execute pg_catalog.format('create temp table if not exists %I on commit delete rows as '
+                                  'select %s, null::text as lockstep_parent, null::text as lockstep_old_parent, '
+                                  'null::boolean as lockstep_new, null::tid as lockstep_ctid '
+                                  'from %s t with no data', 'lockstep_put_' || v_s, v_cols, j.target);
+        execute pg_catalog.format('create temp table if not exists %I on commit delete rows as '
+                                  'select %s from %s t with no data', 'lockstep_locked_' || v_s,
+                                  lockstep._cols(j.target_key, 't'), j.target);
+    end if;
+    perform pg_catalog.set_config('lockstep.tmp', v_s, true);
+    perform pg_catalog.set_config('lockstep.tmp_job', j.job, true);
+    return v_s;
+end;
+$$;
+
+-- lockstep._tmp(j, what): the name (in pg_temp) of j's work table what: desired, gone, put or locked.
+-- locks: nothing (as lockstep._tmp_setup when this transaction has not set them up for j yet).
+create function lockstep._tmp(j lockstep.job, what text) returns text
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_s text := pg_catalog.current_setting('lockstep.tmp', true);
+begin
+    if coalesce(v_s, '') = '' or pg_catalog.current_setting('lockstep.tmp_job', true) is distinct from j.job then
+        v_s := lockstep._tmp_setup(j);
+    end if;
+    return 'lockstep_' || what || '_' || v_s;
+end;
+$$;
+
+-- lockstep._compute_into(j, keys): fill j's desired work table with compute(keys) (NULL: all), keeping only
+-- rows of the parents in keys, and reject duplicate or NULL primary keys. Returns the number of rows.
+-- No ANALYZE: the planner sizes the table by its pages, which is right for the hash joins of a big diff,
+-- and the diff of a few keys probes by index whatever the estimate.
 -- JIT is off in lockstep's compute and write functions: their queries are short, and JIT compilation,
 -- triggered by a bad estimate, cost more than the query itself in measurements (200 ms for a 500-key pass).
 -- locks: no row locks (whatever the compute function reads, under MVCC).
-create function lockstep._compute_into(j lockstep.job, keys text[]) returns void
+create function lockstep._compute_into(j lockstep.job, keys text[]) returns bigint
 language plpgsql
 set search_path = pg_catalog, pg_temp
 set client_min_messages = warning
 set jit = off
 as $$
 declare
-    v_cols text := lockstep._cols(j.columns);
-    v_pk text := lockstep._cols(j.target_key);
+    v_desired text := lockstep._tmp(j, 'desired');
     v_fn text;
     v_arg text;
     v_bad text;
+    v_null boolean;
+    n bigint;
 begin
-    select lockstep._callable(p.oid, 1), pg_catalog.format_type(p.proargtypes[0], null) into v_fn, v_arg
-    from pg_catalog.pg_proc p where p.oid = j.compute::regprocedure;
-    drop table if exists pg_temp.lockstep_desired;
-    execute pg_catalog.format('create temp table lockstep_desired on commit drop as select %s from %s limit 0',
-                              v_cols, j.target);
-    execute pg_catalog.format('insert into pg_temp.lockstep_desired (%1$s) select %1$s from %2$s($1::%3$s)',
-                              v_cols, v_fn, v_arg) using keys;
-    if keys is not null then
-        execute pg_catalog.format('delete from pg_temp.lockstep_desired where not coalesce(%I = any($1::%s), false)',
-                                  j.parent_column, lockstep._array_type(j.key_type)) using keys;
-    end if;
-    execute pg_catalog.format('select row(%s)::text from pg_temp.lockstep_desired where %s limit 1',
-                              v_pk, (select pg_catalog.string_agg(pg_catalog.format('%I is null', k), ' or ')
-                                     from pg_catalog.unnest(j.target_key) k)) into v_bad;
-    if v_bad is not null then
+    select pg_catalog.format('%I.%I', n.nspname, p.proname), pg_catalog.format_type(p.proargtypes[0], null)
+    into v_fn, v_arg
+    from pg_catalog.pg_proc p join pg_catalog.pg_namespace n on n.oid = p.pronamespace
+    where p.oid = j.compute::regprocedure;
+    -- emptied first: an earlier run in this transaction (a bisection step) may have filled it
+    -- the subset filter is kept out of compute (offset 0): pushed into it, it can spoil its plan
+    execute pg_catalog.format('with e as (delete from pg_temp.%1$I) insert into pg_temp.%1$I (%2$s) '
+                              'select %2$s from (select * from %3$s($1::%4$s) offset 0) f %5$s',
+                              v_desired, lockstep._cols(j.columns), v_fn, v_arg,
+                              case when keys is not null then pg_catalog.format('where f.%I = any($1::%s)',
+                                   j.parent_column, lockstep._array_type(j.key_type)) else '' end) using keys;
+    get diagnostics n = row_count;
+    execute pg_catalog.format('select row(%1$s)::text, bool_or(%2$s) from pg_temp.%3$I group by %1$s '
+                              'having count(*) > 1 or bool_or(%2$s) order by 2 desc limit 1',
+                              lockstep._cols(j.target_key),
+                              (select pg_catalog.string_agg(pg_catalog.format('%I is null', k), ' or ')
+                               from pg_catalog.unnest(j.target_key) k), v_desired) into v_bad, v_null;
+    if v_null then
         raise exception 'lockstep: compute function % returned a NULL primary key %', j.compute, v_bad
             using errcode = 'LSD05';
-    end if;
-    execute pg_catalog.format('select row(%1$s)::text from pg_temp.lockstep_desired group by %1$s having count(*) > 1 limit 1',
-                              v_pk) into v_bad;
-    if v_bad is not null then
+    elsif v_bad is not null then
         raise exception 'lockstep: compute function % returned more than one row for primary key % of %',
             j.compute, v_bad, j.target using errcode = 'LSD05';
     end if;
-    analyze pg_temp.lockstep_desired;
+    return n;
 end;
 $$;
 
--- lockstep._drop_rows(tbl, cond, keys): delete from a pg_temp work table the rows matching cond (with $1 =
--- keys) and return the parent keys of the rows removed.
+-- lockstep._drop_rows(tbl, cond, keys): delete from a pg_temp work table (alias w) the rows matching cond
+-- (with $1 = keys) and return the parent keys of the rows removed.
 -- locks: nothing outside pg_temp.
 create function lockstep._drop_rows(tbl text, cond text, keys text[] default null) returns text[]
 language plpgsql
@@ -57,23 +134,24 @@ as $$
 declare
     v text[];
 begin
-    execute pg_catalog.format('with d as (delete from pg_temp.%I where %s returning lockstep_parent) '
+    execute pg_catalog.format('with d as (delete from pg_temp.%I w where %s returning lockstep_parent) '
                               'select coalesce(array_agg(distinct lockstep_parent) filter (where lockstep_parent is not null), ''{}'') from d',
                               tbl, cond) into v using keys;
     return v;
 end;
 $$;
 
--- lockstep._diff(j, keys): the difference between pg_temp.lockstep_desired (filled by _compute_into) and
+-- lockstep._diff(j, keys): the difference between j's desired work table (filled by _compute_into) and
 -- the target, restricted to the parents in keys (NULL: the whole table), without any row lock.
--- Fills pg_temp.lockstep_gone (current rows compute no longer returns) and pg_temp.lockstep_put (rows new
--- or changed by IS DISTINCT FROM), each with the row's parent key (lockstep_parent) and the current row's
--- ctid (lockstep_ctid); lockstep_put also has lockstep_old_parent and lockstep_new. Returns how many rows
--- the two hold. For a job without a parent, lockstep_parent is the row's primary key as text: what the
--- write steps return for a row they skip, so skipped counts rows there.
--- For a subset, current rows are copied by one index probe per parent key (the lateral subquery is not
--- flattened, so a stale estimate right after a big fill cannot turn it into a scan of the whole target).
--- locks: no row locks (reads the target under MVCC); creates pg_temp tables.
+-- Fills j's gone work table (current rows compute no longer returns) and put work table (rows new or
+-- changed by IS DISTINCT FROM), each with the row's parent key (lockstep_parent) and the current row's
+-- ctid (lockstep_ctid); put also has lockstep_old_parent and lockstep_new (see lockstep._tmp for the
+-- names). Empties the locked work table. Returns how many rows gone and put hold.
+-- One statement: for a subset, the current rows are read once (a CTE) by one index probe per parent key
+-- (the lateral subquery is not flattened, so no estimate can turn it into a scan of the whole target); a
+-- row compute returns that no current row of those parents has is looked up by primary key (it may exist
+-- under another parent: it moves).
+-- locks: no row locks (reads the target under MVCC); writes only pg_temp work tables.
 create function lockstep._diff(j lockstep.job, keys text[]) returns bigint
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -81,65 +159,64 @@ set client_min_messages = warning
 set jit = off
 as $$
 declare
+    v_cols text := lockstep._cols(j.columns);
+    v_dcols text := lockstep._cols(j.columns, 'd');
     v_tcols text := lockstep._cols(j.columns, 't');
-    v_tpar text := 'null::text';
+    v_ccols text := lockstep._cols(j.columns, 'c');
+    v_gone text := lockstep._tmp(j, 'gone');
+    v_put text := lockstep._tmp(j, 'put');
+    v_cur text := pg_catalog.format('%s t', j.target);
+    v_par text := 'null::text';
+    v_cpar text := 'null::text';
     v_dpar text := 'null::text';
-    v_cur text := j.target::text;
-    v_ctid text := 't.ctid';
-    v_gone bigint;
-    v_put bigint;
+    v_moved text := '';
+    v_old text := 'c.lockstep_ctid';
+    v_new text := 'c.lockstep_ctid is null';
+    v_oldpar text;
+    n bigint;
 begin
     if j.parent_column is not null then
-        v_tpar := pg_catalog.format('t.%I::text', j.parent_column);
+        v_par := pg_catalog.format('%I::text', j.parent_column);
+        v_cpar := pg_catalog.format('c.%I::text', j.parent_column);
         v_dpar := pg_catalog.format('d.%I::text', j.parent_column);
     else
         v_tpar := pg_catalog.format('row(%s)::text', lockstep._cols(j.target_key, 't'));
         v_dpar := pg_catalog.format('row(%s)::text', lockstep._cols(j.target_key, 'd'));
     end if;
-    drop table if exists pg_temp.lockstep_current, pg_temp.lockstep_gone, pg_temp.lockstep_put,
-                         pg_temp.lockstep_locked;
+    v_oldpar := v_cpar;
     if keys is not null and j.parent_column is not null then
-        execute pg_catalog.format(
-            'create temp table lockstep_current on commit drop as '
-            'select t.* from pg_catalog.unnest($1::%s) k(v), '
-            'lateral (select %s, t.ctid as lockstep_ctid from %s t where t.%I = k.v offset 0) t',
-            lockstep._array_type(j.key_type), v_tcols, j.target, j.parent_column) using keys;
-        analyze pg_temp.lockstep_current;
-        v_cur := 'pg_temp.lockstep_current';
-        v_ctid := 't.lockstep_ctid';
+        v_cur := pg_catalog.format('pg_catalog.unnest($1::%s) k(v), lateral (select %s, t.ctid as lockstep_ctid '
+                                   'from %s t where t.%I = k.v offset 0) t',
+                                   lockstep._array_type(j.key_type), v_tcols, j.target, j.parent_column);
+        v_moved := pg_catalog.format('left join lateral (select t.%I::text as p, t.ctid from %s t '
+                                     'where c.lockstep_ctid is null and %s offset 0) m on true',
+                                     j.parent_column, j.target, lockstep._eq(j.target_key, 't', 'd'));
+        v_old := 'coalesce(c.lockstep_ctid, m.ctid)';
+        v_new := 'c.lockstep_ctid is null and m.ctid is null';
+        v_oldpar := pg_catalog.format('coalesce(%s, m.p)', v_cpar);
+    else
+        v_cur := pg_catalog.format('(select %s, t.ctid as lockstep_ctid from %s t) t', v_tcols, j.target);
     end if;
     execute pg_catalog.format(
-        'create temp table lockstep_gone on commit drop as '
-        'select %1$s, %2$s as lockstep_parent, %5$s as lockstep_ctid from %3$s t '
-        'where not exists (select from pg_temp.lockstep_desired d where %4$s)',
-        v_tcols, v_tpar, v_cur, lockstep._eq(j.target_key, 'd', 't'), v_ctid);
-    get diagnostics v_gone = row_count;
-    execute pg_catalog.format(
-        'create temp table lockstep_put on commit drop as '
-        'select %1$s, %2$s as lockstep_parent, %3$s as lockstep_old_parent, t.ctid is null as lockstep_new, '
-        '%7$s as lockstep_ctid '
-        'from pg_temp.lockstep_desired d left join %4$s t on %5$s '
-        'where t.ctid is null or (%1$s) is distinct from (%6$s)',
-        lockstep._cols(j.columns, 'd'), v_dpar, v_tpar, v_cur, lockstep._eq(j.target_key, 'd', 't'), v_tcols, v_ctid);
-    get diagnostics v_put = row_count;
-    if v_cur <> j.target::text then
-        -- a row taken for new may exist under another parent (it moves): probe the target by primary key
-        execute pg_catalog.format(
-            'update pg_temp.lockstep_put p set lockstep_new = false, lockstep_old_parent = t.%1$I::text, '
-            'lockstep_ctid = t.ctid '
-            'from %2$s t where p.lockstep_new and %3$s',
-            j.parent_column, j.target, lockstep._eq(j.target_key, 'p', 't'));
-    end if;
-    if v_gone > 0 or v_put > 0 then
-        analyze pg_temp.lockstep_gone;
-        analyze pg_temp.lockstep_put;
-    end if;
-    return v_gone + v_put;
+        'with e1 as (delete from pg_temp.%1$I), e2 as (delete from pg_temp.%2$I), e3 as (delete from pg_temp.%3$I), '
+        'c as %16$s (select * from %4$s), '
+        'g as (insert into pg_temp.%1$I (%5$s, lockstep_parent, lockstep_ctid) '
+        '      select %6$s, %7$s, c.lockstep_ctid from c where not exists (select from pg_temp.%8$I d where %9$s) '
+        '      returning 1), '
+        'p as (insert into pg_temp.%2$I (%5$s, lockstep_parent, lockstep_old_parent, lockstep_new, lockstep_ctid) '
+        '      select %10$s, %11$s, %12$s, %13$s, %14$s '
+        '      from pg_temp.%8$I d left join c on %9$s %15$s '
+        '      where c.lockstep_ctid is null or (%10$s) is distinct from (%6$s) returning 1) '
+        'select (select count(*) from g) + (select count(*) from p)',
+        v_gone, v_put, lockstep._tmp(j, 'locked'), v_cur, v_cols, v_ccols, v_cpar, lockstep._tmp(j, 'desired'),
+        lockstep._eq(j.target_key, 'd', 'c'), v_dcols, v_dpar, v_oldpar, v_new, v_old, v_moved,
+        case when v_moved = '' then 'not materialized' else 'materialized' end) into n using keys;
+    return n;
 end;
 $$;
 
--- lockstep._pin_parents(j): write step 1. Pin the parent of every row in pg_temp.lockstep_gone and
--- pg_temp.lockstep_put (its new and its old parent); rows whose parent could not be pinned are dropped
+-- lockstep._pin_parents(j): write step 1. Pin the parent of every row in j's gone and put
+-- work tables (its new and its old parent); rows whose parent could not be pinned are dropped
 -- from both. Returns the parent keys left out.
 -- locks: the parent rows, FOR KEY SHARE SKIP LOCKED, in parent-key order (a parent an application holds,
 -- e.g. one being deleted, is skipped, never waited for).
@@ -155,10 +232,11 @@ begin
     if j.parent is null then
         return '{}';
     end if;
-    execute 'select coalesce(array_agg(distinct k), ''{}'') from ('
-            '  select lockstep_parent from pg_temp.lockstep_gone'
-            '  union all select lockstep_parent from pg_temp.lockstep_put'
-            '  union all select lockstep_old_parent from pg_temp.lockstep_put) s(k) where k is not null'
+    execute pg_catalog.format('select coalesce(array_agg(distinct k), ''{}'') from ('
+            '  select lockstep_parent from pg_temp.%1$I'
+            '  union all select lockstep_parent from pg_temp.%2$I'
+            '  union all select lockstep_old_parent from pg_temp.%2$I) s(k) where k is not null',
+            lockstep._tmp(j, 'gone'), lockstep._tmp(j, 'put'))
         into v_need;
     execute pg_catalog.format(
         'select coalesce(array_agg(k), ''{}'') from ('
@@ -167,8 +245,8 @@ begin
         j.parent_key, j.parent, lockstep._array_type(j.key_type)) into v_pinned using v_need;
     v_skip := array(select pg_catalog.unnest(v_need) except select pg_catalog.unnest(v_pinned));
     if cardinality(v_skip) > 0 then
-        perform lockstep._drop_rows('lockstep_gone', 'lockstep_parent = any($1)', v_skip);
-        v_skip := v_skip || lockstep._drop_rows('lockstep_put',
+        perform lockstep._drop_rows(lockstep._tmp(j, 'gone'), 'lockstep_parent = any($1)', v_skip);
+        v_skip := v_skip || lockstep._drop_rows(lockstep._tmp(j, 'put'),
             'lockstep_parent = any($1) or lockstep_old_parent = any($1)', v_skip);
     end if;
     return v_skip;
@@ -176,10 +254,8 @@ end;
 $$;
 
 -- lockstep._pin_refs(j): write step 2. Pin the rows the target's other foreign keys reference, for every
--- row in pg_temp.lockstep_put and pg_temp.lockstep_gone; rows whose referenced row could not be pinned
--- are dropped. Returns the parent keys of the rows dropped. A foreign key whose columns compute does not
--- all return is one whose missing columns are always NULL (_check_target_fks, also run here for keys
--- added after define_derived): no FK check looks anything up for it.
+-- row in j's put and gone work tables; rows whose referenced row could not be pinned
+-- are dropped. Returns the parent keys of the rows dropped.
 -- locks: the referenced rows, FOR KEY SHARE SKIP LOCKED, one constraint at a time in constraint-name
 -- order, each in key order.
 create function lockstep._pin_refs(j lockstep.job) returns text[]
@@ -210,16 +286,17 @@ begin
         execute pg_catalog.format(
             'create temp table lockstep_ref on commit drop as '
             'select %1$s from %2$s r where (%1$s) in ('
-            '  select %3$s from pg_temp.lockstep_put where %4$s'
-            '  union select %3$s from pg_temp.lockstep_gone where %4$s) '
+            '  select %3$s from pg_temp.%5$I where %4$s'
+            '  union select %3$s from pg_temp.%6$I where %4$s) '
             'order by %1$s for key share skip locked',
             lockstep._cols(c.rk, 'r'), c.ref, lockstep._cols(c.fk),
-            (select pg_catalog.string_agg(pg_catalog.format('%I is not null', x), ' and ') from pg_catalog.unnest(c.fk) x));
+            (select pg_catalog.string_agg(pg_catalog.format('%I is not null', x), ' and ') from pg_catalog.unnest(c.fk) x),
+            lockstep._tmp(j, 'put'), lockstep._tmp(j, 'gone'));
         v_unpinned := pg_catalog.format(
             '(%s) is not null and not exists (select from pg_temp.lockstep_ref r where (%s) = (%s))',
             lockstep._cols(c.fk), lockstep._cols(c.rk, 'r'), lockstep._cols(c.fk));
-        v_skip := v_skip || lockstep._drop_rows('lockstep_put', v_unpinned)
-                         || lockstep._drop_rows('lockstep_gone', v_unpinned);
+        v_skip := v_skip || lockstep._drop_rows(lockstep._tmp(j, 'put'), v_unpinned)
+                         || lockstep._drop_rows(lockstep._tmp(j, 'gone'), v_unpinned);
     end loop;
     return v_skip;
 end;
@@ -227,10 +304,7 @@ $$;
 
 -- lockstep._lock_rows(j): write step 3a. Lock the existing target rows about to be deleted or updated,
 -- found by their ctid (a TID scan); a row that is locked, or whose ctid no longer holds its key, is dropped
--- from pg_temp.lockstep_gone / lockstep_put. Returns the parent keys of the rows dropped.
--- A partitioned target (or one with inheritance children) has one ctid space per partition: the same
--- ctid names a row of another parent in another partition, so there the rows found by ctid are also
--- matched by primary key before they are locked (the primary key is unique across partitions).
+-- from j's gone / put work tables. Returns the parent keys of the rows dropped.
 -- locks: those target rows, FOR UPDATE SKIP LOCKED, in primary-key order.
 create function lockstep._lock_rows(j lockstep.job) returns text[]
 language plpgsql
@@ -248,198 +322,23 @@ begin
             lockstep._cols(j.target_key, 't'), lockstep._cols(j.target_key));
     end if;
     execute pg_catalog.format(
-        'create temp table lockstep_locked on commit drop as '
+        'insert into pg_temp.%3$I '
         'select %1$s from %2$s t where t.ctid = any(array('
-        '  select lockstep_ctid from pg_temp.lockstep_gone'
-        '  union all select lockstep_ctid from pg_temp.lockstep_put where not lockstep_new))%3$s '
+        '  select lockstep_ctid from pg_temp.%4$I'
+        '  union all select lockstep_ctid from pg_temp.%5$I where not lockstep_new)) '
         'order by %1$s for update of t skip locked',
-        lockstep._cols(j.target_key, 't'), j.target, v_mine);
-    v_unlocked := pg_catalog.format('not exists (select from pg_temp.lockstep_locked l where %s)',
-                                    lockstep._eq(j.target_key, 'l', 'lockstep_gone'));
-    v_skip := lockstep._drop_rows('lockstep_gone', v_unlocked);
-    v_unlocked := pg_catalog.format('not lockstep_new and not exists (select from pg_temp.lockstep_locked l where %s)',
-                                    lockstep._eq(j.target_key, 'l', 'lockstep_put'));
-    return v_skip || lockstep._drop_rows('lockstep_put', v_unlocked);
+        lockstep._cols(j.target_key, 't'), j.target, lockstep._tmp(j, 'locked'), lockstep._tmp(j, 'gone'),
+        lockstep._tmp(j, 'put'));
+    v_unlocked := pg_catalog.format('not exists (select from pg_temp.%I l where %s)',
+                                    lockstep._tmp(j, 'locked'), lockstep._eq(j.target_key, 'l', 'w'));
+    v_skip := lockstep._drop_rows(lockstep._tmp(j, 'gone'), v_unlocked);
+    v_unlocked := pg_catalog.format('not lockstep_new and not exists (select from pg_temp.%I l where %s)',
+                                    lockstep._tmp(j, 'locked'), lockstep._eq(j.target_key, 'l', 'w'));
+    return v_skip || lockstep._drop_rows(lockstep._tmp(j, 'put'), v_unlocked);
 end;
 $$;
 
--- lockstep._referencing(rel, key, cols): the foreign keys that reference rel (rows of other tables, or of
--- rel itself, that a delete of rel's rows acts on), with the columns to join on, the referencing table's
--- primary key (lock order) and whether the action deletes (CASCADE: its rows are deleted in turn) or
--- updates (SET NULL). Raises LSD06 for what lockstep cannot delete through without waiting or failing:
--- ON DELETE NO ACTION / RESTRICT (the delete would fail with 23503 while referenced), SET DEFAULT (its FK
--- check locks a row lockstep did not pin), SET NULL on columns that are referenced in turn, and, when rel
--- is the target (key, cols given), a key on columns compute writes (the update would run its ON UPDATE
--- action); 42501 when the role cannot lock the referencing rows (SELECT and UPDATE).
--- Used by _check_referencing (define_derived refuses) and _lock_level (a key added later fails the run).
--- locks: nothing.
-create function lockstep._referencing(rel regclass, key name[] default null, cols name[] default null)
-returns table (conname name, refrel regclass, fk name[], rk name[], ord name[], deletes boolean)
-language plpgsql stable
-set search_path = pg_catalog, pg_temp
-as $$
-declare
-    c record;
-begin
-    for c in
-        select con.conname, con.conrelid::regclass as refrel, con.confdeltype,
-               lockstep._attnames(con.conrelid, con.conkey) as fk, lockstep._attnames(con.confrelid, con.confkey) as rk,
-               (select lockstep._attnames(pk.conrelid, pk.conkey) from pg_catalog.pg_constraint pk
-                where pk.conrelid = con.conrelid and pk.contype = 'p') as ord,
-               (select x.conrelid::regclass::text from pg_catalog.pg_constraint x
-                where x.confrelid = con.conrelid and x.contype = 'f' and x.conparentid = 0
-                  and x.confkey && coalesce(con.confdelsetcols, con.conkey)
-                order by x.conname limit 1) as setnull_referenced
-        from pg_catalog.pg_constraint con
-        where con.confrelid = rel and con.contype = 'f' and con.conparentid = 0
-        order by con.conname
-    loop
-        if c.confdeltype not in ('c', 'n') then
-            raise exception 'lockstep: foreign key % of % references % ON DELETE %', c.conname, c.refrel, rel,
-                    case c.confdeltype when 'a' then 'NO ACTION' when 'r' then 'RESTRICT' else 'SET DEFAULT' end
-                using errcode = 'LSD06',
-                      hint = 'lockstep deletes derived rows compute no longer returns: declare the key ON DELETE CASCADE '
-                             'or ON DELETE SET NULL, so the delete acts on rows lockstep locks first (skipping any the '
-                             'application holds).';
-        elsif c.confdeltype = 'n' and c.setnull_referenced is not null then
-            raise exception 'lockstep: foreign key % of % to % is ON DELETE SET NULL on columns % references', c.conname,
-                    c.refrel, rel, c.setnull_referenced
-                using errcode = 'LSD06', hint = 'Make it ON DELETE CASCADE, or reference other columns.';
-        elsif not (pg_catalog.has_table_privilege(c.refrel, 'SELECT') and pg_catalog.has_table_privilege(c.refrel, 'UPDATE')) then
-            raise exception 'lockstep: role "%" may not lock rows of %, which references % (foreign key %)', current_user,
-                    c.refrel, rel, c.conname
-                using errcode = '42501',
-                      hint = 'lockstep locks the referencing rows FOR UPDATE SKIP LOCKED before a delete: grant SELECT, UPDATE.';
-        elsif exists (select from pg_catalog.unnest(c.rk) r where r = any(cols) and not r = any(key)) then
-            raise exception 'lockstep: foreign key % of % references columns % of % that compute writes', c.conname,
-                    c.refrel, c.rk, rel
-                using errcode = 'LSD06', hint = 'Reference the target''s primary key.';
-        end if;
-        conname := c.conname; refrel := c.refrel; fk := c.fk; rk := c.rk; ord := c.ord; deletes := c.confdeltype = 'c';
-        return next;
-    end loop;
-end;
-$$;
-
--- lockstep._check_referencing(target, key, cols): every foreign key a delete of target rows acts on, at
--- any depth (through ON DELETE CASCADE, cycles included), is one lockstep can lock through (_referencing).
--- locks: nothing.
-create function lockstep._check_referencing(target regclass, key name[], cols name[]) returns void
-language plpgsql stable
-set search_path = pg_catalog, pg_temp
-as $$
-declare
-    v_seen oid[] := array[target::oid];
-    v_front oid[] := array[target::oid];
-    v_next oid[];
-    c record;
-begin
-    while cardinality(v_front) > 0 loop
-        v_next := '{}';
-        for c in
-            select r.refrel, r.deletes
-            from pg_catalog.unnest(v_front) f(rel),
-                 lateral lockstep._referencing(f.rel::regclass, case when f.rel = target then key end,
-                                               case when f.rel = target then cols end) r
-        loop
-            if c.deletes and not c.refrel::oid = any(v_seen) then
-                v_seen := v_seen || c.refrel::oid;
-                v_next := v_next || c.refrel::oid;
-            end if;
-        end loop;
-        v_front := v_next;
-    end loop;
-end;
-$$;
-
--- lockstep._lock_level(t, depth): lock the rows referencing the rows of table t at this depth of
--- pg_temp.lockstep_doomed (rows the delete will remove), add them at depth + 1 (each row once), and return
--- the roots (target rows) of which a referencing row could not be locked.
--- locks: the referencing rows, FOR UPDATE SKIP LOCKED, one foreign key at a time in constraint-name order,
--- each in the referencing table's primary-key order (ctid order without one).
-create function lockstep._lock_level(t regclass, depth integer) returns text[]
-language plpgsql
-set search_path = pg_catalog, pg_temp
-as $$
-declare
-    c record;
-    v_from text;
-    v_blocked text[] := '{}';
-    v_part text[];
-begin
-    for c in select * from lockstep._referencing(t) loop
-        -- rows of t at this depth, found by ctid (a TID scan), then the rows referencing them
-        v_from := pg_catalog.format(
-            'from %1$s p join pg_temp.lockstep_doomed d on d.lockstep_rel = p.tableoid and d.lockstep_ctid = p.ctid '
-            'and d.lockstep_depth = $1 and d.lockstep_table = $2 and d.lockstep_deletes '
-            'join %2$s n on (%3$s) = (%4$s) '
-            'where p.ctid = any(array(select lockstep_ctid from pg_temp.lockstep_doomed '
-            '                         where lockstep_depth = $1 and lockstep_table = $2 and lockstep_deletes))',
-            t, c.refrel, lockstep._cols(c.fk, 'n'), lockstep._cols(c.rk, 'p'));
-        execute pg_catalog.format(
-            'with l as (select d.lockstep_root, n.tableoid as rel, n.ctid as tid %1$s '
-            '  and not exists (select from pg_temp.lockstep_doomed x where x.lockstep_rel = n.tableoid and x.lockstep_ctid = n.ctid) '
-            '  order by %2$s for update of n skip locked) '
-            'insert into pg_temp.lockstep_doomed '
-            'select distinct on (rel, tid) lockstep_root, rel, tid, $3, $4, $1 + 1 from l',
-            v_from, coalesce(lockstep._cols(c.ord, 'n'), 'n.ctid'))
-            using depth, t, c.refrel, c.deletes;
-        execute pg_catalog.format(
-            'select array_agg(distinct d.lockstep_root) %s and not exists (select from pg_temp.lockstep_doomed x '
-            'where x.lockstep_rel = n.tableoid and x.lockstep_ctid = n.ctid)', v_from)
-            into v_part using depth, t;
-        v_blocked := v_blocked || coalesce(v_part, '{}');
-    end loop;
-    return v_blocked;
-end;
-$$;
-
--- lockstep._lock_referencing(j): write step 3a'. Lock the rows the delete of the target rows in
--- pg_temp.lockstep_gone acts on through foreign keys that reference the target (ON DELETE CASCADE / SET
--- NULL), and through the cascade on, level by level (pg_temp.lockstep_doomed). A target row of which any
--- such row could not be locked (an application holds it) is not deleted: dropped from lockstep_gone, its
--- parent key returned (re-queued like any skipped parent). No new referencing row can appear meanwhile:
--- inserting one takes FOR KEY SHARE on the row it references, which lockstep already holds FOR UPDATE.
--- locks: the referencing rows, FOR UPDATE SKIP LOCKED, level by level, each as _lock_level.
-create function lockstep._lock_referencing(j lockstep.job) returns text[]
-language plpgsql
-set search_path = pg_catalog, pg_temp
-as $$
-declare
-    v_blocked text[] := '{}';
-    v_depth integer := 0;
-    v_t regclass;
-begin
-    if not exists (select from pg_temp.lockstep_gone)
-       or not exists (select from lockstep._referencing(j.target, j.target_key, j.columns)) then
-        return '{}';
-    end if;
-    drop table if exists pg_temp.lockstep_doomed;
-    execute pg_catalog.format(
-        'create temp table lockstep_doomed on commit drop as '
-        'select row(%1$s)::text as lockstep_root, t.tableoid as lockstep_rel, t.ctid as lockstep_ctid, '
-        '$1::regclass as lockstep_table, true as lockstep_deletes, 0 as lockstep_depth '
-        'from pg_temp.lockstep_gone g join %2$s t on %3$s',
-        lockstep._cols(j.target_key, 'g'), j.target, lockstep._eq(j.target_key, 't', 'g')) using j.target;
-    while exists (select from pg_temp.lockstep_doomed d where d.lockstep_depth = v_depth) loop
-        if v_depth > 100 then
-            raise exception 'lockstep: the delete of % cascades more than 100 levels deep', j.target using errcode = 'LSD06';
-        end if;
-        for v_t in select distinct d.lockstep_table from pg_temp.lockstep_doomed d
-                   where d.lockstep_depth = v_depth and d.lockstep_deletes order by 1 loop
-            v_blocked := v_blocked || lockstep._lock_level(v_t, v_depth);
-        end loop;
-        v_depth := v_depth + 1;
-    end loop;
-    if cardinality(v_blocked) = 0 then
-        return '{}';
-    end if;
-    return lockstep._drop_rows('lockstep_gone', pg_catalog.format('row(%s)::text = any($1)', lockstep._cols(j.target_key)),
-                               v_blocked);
-end;
-$$;
-
--- lockstep._delete_rows(j): write step 3b. Delete the target rows in pg_temp.lockstep_gone (locked by
+-- lockstep._delete_rows(j): write step 3b. Delete the target rows in j's gone work table (locked by
 -- _lock_rows). Returns how many.
 -- locks: those target rows (already held).
 create function lockstep._delete_rows(j lockstep.job) returns bigint
@@ -449,15 +348,15 @@ as $$
 declare
     n bigint;
 begin
-    execute pg_catalog.format('delete from %s t using pg_temp.lockstep_gone g where %s',
-                              j.target, lockstep._eq(j.target_key, 't', 'g'));
+    execute pg_catalog.format('delete from %s t using pg_temp.%I g where %s',
+                              j.target, lockstep._tmp(j, 'gone'), lockstep._eq(j.target_key, 't', 'g'));
     get diagnostics n = row_count;
     return n;
 end;
 $$;
 
 -- lockstep._upsert_rows(j): write step 3c. One INSERT ... ON CONFLICT DO UPDATE ... WHERE IS DISTINCT FROM
--- of pg_temp.lockstep_put, in primary-key order.
+-- of j's put work table, in primary-key order.
 -- locks: the target rows it inserts (new) or updates (already held by _lock_rows).
 create function lockstep._upsert_rows(j lockstep.job, out inserted bigint, out updated bigint)
 language plpgsql
@@ -475,16 +374,17 @@ begin
             lockstep._cols(v_rest, 't'), lockstep._cols(v_rest, 'excluded'));
     end if;
     execute pg_catalog.format(
-        'insert into %1$s as t (%2$s) select %2$s from pg_temp.lockstep_put order by %3$s on conflict (%3$s) %4$s',
-        j.target, lockstep._cols(j.columns), lockstep._cols(j.target_key), v_action);
+        'insert into %1$s as t (%2$s) select %2$s from pg_temp.%5$I order by %3$s on conflict (%3$s) %4$s',
+        j.target, lockstep._cols(j.columns), lockstep._cols(j.target_key), v_action, lockstep._tmp(j, 'put'));
     get diagnostics n = row_count;
-    execute 'select count(*) from pg_temp.lockstep_put where lockstep_new' into v_new;
+    execute pg_catalog.format('select count(*) from pg_temp.%I where lockstep_new', lockstep._tmp(j, 'put'))
+        into v_new;
     inserted := least(n, v_new);
     updated := n - inserted;
 end;
 $$;
 
--- lockstep._write(j, keys): THE write path. Apply pg_temp.lockstep_desired (filled by _compute_into) to
+-- lockstep._write(j, keys): THE write path. Apply j's desired work table (filled by _compute_into) to
 -- the target, restricted to the parents in keys (NULL: the whole table). Used by recompute and by work.
 -- First the difference, without any row lock (_diff); then the write phase, in this order, never waiting
 -- for any lock:
