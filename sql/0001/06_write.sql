@@ -1,22 +1,26 @@
 -- lockstep 0001: the compute phase and the one write path (lockstep._write), shared by the periodic
 -- recompute and the queue worker.
 --
--- Work tables. The compute phase and the diff go through session-level temp tables, one set per job
--- shape, created at first use in a session and then reused (no CREATE, DROP or ANALYZE per run, so no
--- catalog rows are written and no catalog full-page image lands in the WAL):
---   pg_temp.lockstep_desired_<s>  compute's rows (j.columns)
+-- Work tables. The diff goes into session-level temp tables, one set per job shape, created at first use
+-- in a session and then reused: no CREATE, DROP or ANALYZE per run, so no catalog row is written and no
+-- catalog full-page image lands in the WAL.
 --   pg_temp.lockstep_gone_<s>     j.columns, lockstep_parent text, lockstep_ctid tid
 --   pg_temp.lockstep_put_<s>      j.columns, lockstep_parent text, lockstep_old_parent text,
 --                                 lockstep_new boolean, lockstep_ctid tid
 --   pg_temp.lockstep_locked_<s>   j.target_key
--- <s> (lockstep._tmp_setup) hashes the target, the name, type, typmod and collation of each of j.columns,
--- j.target_key, the layout version below and current_user: another shape, a retyped column or another
--- role gets other tables, never a mismatch. They are ON COMMIT DELETE ROWS, so every transaction starts
--- with them empty whichever client or job used the server connection before (PgBouncer transaction
--- pooling); a run empties them again before filling them (several runs in one transaction). DISCARD ALL
--- or DISCARD TEMP (a pooler's server_reset_query) drops them: the next run creates them again.
--- lockstep._tmp(j, what) names them ('desired', 'gone', 'put', 'locked').
--- Changing the lockstep_* columns above: change them in lockstep._tmp_setup, bump its layout version.
+-- lockstep._tmp(j, what) names them ('gone', 'put', 'locked'). <s> (lockstep._tmp_setup) hashes the
+-- target, the name, type, typmod and collation of each of j.columns, j.target_key, the layout version
+-- below and current_user: another shape, a retyped column or another role gets other tables, never a
+-- mismatch. Compute's rows are not stored in a table: the diff reads them from a CTE.
+-- Pooler-safe (PgBouncer transaction pooling: consecutive transactions of one server connection serve
+-- other clients and jobs): a run empties the tables before it fills them, and lockstep._apply empties
+-- them again before it returns, so no row outlives the transaction that wrote it, whoever uses the
+-- connection next. DISCARD ALL / DISCARD TEMP (a pooler's server_reset_query) drops them; the next run
+-- creates them again. They are emptied by DELETE, not ON COMMIT DELETE ROWS (measured: that truncates
+-- every such table of the session at every commit, 0.3-0.7 ms each, and sends a shared invalidation per
+-- table) and not TRUNCATE (a new relfilenode: catalog writes, ~50 KB of WAL). Autovacuum never visits
+-- temp tables, so once their dead rows pass lockstep._tmp_clear's threshold they are truncated, once.
+-- Changing the lockstep_* columns above: change them in lockstep._tmp_setup and bump its layout version.
 
 -- lockstep._tmp_setup(j): make sure this session has the work tables of j's shape; remember their suffix
 -- for this transaction (lockstep._tmp reads it) and return it.
@@ -27,31 +31,30 @@ set search_path = pg_catalog, pg_temp
 set client_min_messages = warning
 as $$
 declare
-    v_layout constant text := 'v1 parent,ctid | parent,old_parent,new,ctid';
+    v_layout constant text := 'v2 parent,ctid | parent,old_parent,new,ctid';
     v_s text;
     v_cols text;
+    v_key text;
 begin
     select pg_catalog.left(pg_catalog.md5(pg_catalog.concat_ws('|', j.target::oid, v_layout, current_user,
                     j.target_key::text,
                     pg_catalog.string_agg(pg_catalog.concat_ws(' ', a.attname, a.atttypid, a.atttypmod, a.attcollation),
                                           ',' order by u.o))), 16),
-           pg_catalog.string_agg(pg_catalog.format('t.%I', u.c), ', ' order by u.o)
-    into v_s, v_cols
+           pg_catalog.string_agg(pg_catalog.format('t.%I', u.c), ', ' order by u.o),
+           (select pg_catalog.string_agg(pg_catalog.format('t.%I', k), ', ') from pg_catalog.unnest(j.target_key) k)
+    into v_s, v_cols, v_key
     from pg_catalog.unnest(j.columns) with ordinality u(c, o)
     left join pg_catalog.pg_attribute a on a.attrelid = j.target and a.attname = u.c and not a.attisdropped;
     if pg_catalog.to_regclass(pg_catalog.format('pg_temp.%I', 'lockstep_locked_' || v_s)) is null then
-        execute pg_catalog.format('create temp table if not exists %I on commit delete rows as '
-                                  'select %s from %s t with no data', 'lockstep_desired_' || v_s, v_cols, j.target);
-        execute pg_catalog.format('create temp table if not exists %I on commit delete rows as '
+        execute pg_catalog.format('create temp table if not exists %I as '
                                   'select %s, null::text as lockstep_parent, null::tid as lockstep_ctid '
                                   'from %s t with no data', 'lockstep_gone_' || v_s, v_cols, j.target);
-        execute pg_catalog.format('create temp table if not exists %I on commit delete rows as '
+        execute pg_catalog.format('create temp table if not exists %I as '
                                   'select %s, null::text as lockstep_parent, null::text as lockstep_old_parent, '
                                   'null::boolean as lockstep_new, null::tid as lockstep_ctid '
                                   'from %s t with no data', 'lockstep_put_' || v_s, v_cols, j.target);
-        execute pg_catalog.format('create temp table if not exists %I on commit delete rows as '
-                                  'select %s from %s t with no data', 'lockstep_locked_' || v_s,
-                                  lockstep._cols(j.target_key, 't'), j.target);
+        execute pg_catalog.format('create temp table if not exists %I as select %s from %s t with no data',
+                                  'lockstep_locked_' || v_s, v_key, j.target);
     end if;
     perform pg_catalog.set_config('lockstep.tmp', v_s, true);
     perform pg_catalog.set_config('lockstep.tmp_job', j.job, true);
@@ -59,7 +62,7 @@ begin
 end;
 $$;
 
--- lockstep._tmp(j, what): the name (in pg_temp) of j's work table what: desired, gone, put or locked.
+-- lockstep._tmp(j, what): the name (in pg_temp) of j's work table what: gone, put or locked.
 -- locks: nothing (as lockstep._tmp_setup when this transaction has not set them up for j yet).
 create function lockstep._tmp(j lockstep.job, what text) returns text
 language plpgsql
@@ -75,52 +78,25 @@ begin
 end;
 $$;
 
--- lockstep._compute_into(j, keys): fill j's desired work table with compute(keys) (NULL: all), keeping only
--- rows of the parents in keys, and reject duplicate or NULL primary keys. Returns the number of rows.
--- No ANALYZE: the planner sizes the table by its pages, which is right for the hash joins of a big diff,
--- and the diff of a few keys probes by index whatever the estimate.
--- JIT is off in lockstep's compute and write functions: their queries are short, and JIT compilation,
--- triggered by a bad estimate, cost more than the query itself in measurements (200 ms for a 500-key pass).
--- locks: no row locks (whatever the compute function reads, under MVCC).
-create function lockstep._compute_into(j lockstep.job, keys text[]) returns bigint
+-- lockstep._tmp_clear(j): empty j's work tables: DELETE, or TRUNCATE once their dead rows pass 1 MB (a
+-- scan of them would cost more than the catalog write; only after big diffs, never after a no-op run).
+-- locks: nothing outside pg_temp.
+create function lockstep._tmp_clear(j lockstep.job) returns void
 language plpgsql
 set search_path = pg_catalog, pg_temp
-set client_min_messages = warning
-set jit = off
 as $$
 declare
-    v_desired text := lockstep._tmp(j, 'desired');
-    v_fn text;
-    v_arg text;
-    v_bad text;
-    v_null boolean;
-    n bigint;
+    v_gone text := lockstep._tmp(j, 'gone');
+    v_put text := lockstep._tmp(j, 'put');
+    v_locked text := lockstep._tmp(j, 'locked');
 begin
-    select pg_catalog.format('%I.%I', n.nspname, p.proname), pg_catalog.format_type(p.proargtypes[0], null)
-    into v_fn, v_arg
-    from pg_catalog.pg_proc p join pg_catalog.pg_namespace n on n.oid = p.pronamespace
-    where p.oid = j.compute::regprocedure;
-    -- emptied first: an earlier run in this transaction (a bisection step) may have filled it
-    -- the subset filter is kept out of compute (offset 0): pushed into it, it can spoil its plan
-    execute pg_catalog.format('with e as (delete from pg_temp.%1$I) insert into pg_temp.%1$I (%2$s) '
-                              'select %2$s from (select * from %3$s($1::%4$s) offset 0) f %5$s',
-                              v_desired, lockstep._cols(j.columns), v_fn, v_arg,
-                              case when keys is not null then pg_catalog.format('where f.%I = any($1::%s)',
-                                   j.parent_column, lockstep._array_type(j.key_type)) else '' end) using keys;
-    get diagnostics n = row_count;
-    execute pg_catalog.format('select row(%1$s)::text, bool_or(%2$s) from pg_temp.%3$I group by %1$s '
-                              'having count(*) > 1 or bool_or(%2$s) order by 2 desc limit 1',
-                              lockstep._cols(j.target_key),
-                              (select pg_catalog.string_agg(pg_catalog.format('%I is null', k), ' or ')
-                               from pg_catalog.unnest(j.target_key) k), v_desired) into v_bad, v_null;
-    if v_null then
-        raise exception 'lockstep: compute function % returned a NULL primary key %', j.compute, v_bad
-            using errcode = 'LSD05';
-    elsif v_bad is not null then
-        raise exception 'lockstep: compute function % returned more than one row for primary key % of %',
-            j.compute, v_bad, j.target using errcode = 'LSD05';
+    if pg_catalog.pg_relation_size(pg_catalog.format('pg_temp.%I', v_gone)::regclass)
+       + pg_catalog.pg_relation_size(pg_catalog.format('pg_temp.%I', v_put)::regclass) > 1048576 then
+        execute pg_catalog.format('truncate pg_temp.%I, pg_temp.%I, pg_temp.%I', v_gone, v_put, v_locked);
+    else
+        execute pg_catalog.format('with a as (delete from pg_temp.%I), b as (delete from pg_temp.%I) '
+                                  'delete from pg_temp.%I', v_gone, v_put, v_locked);
     end if;
-    return n;
 end;
 $$;
 
@@ -141,17 +117,22 @@ begin
 end;
 $$;
 
--- lockstep._diff(j, keys): the difference between j's desired work table (filled by _compute_into) and
--- the target, restricted to the parents in keys (NULL: the whole table), without any row lock.
+-- lockstep._diff(j, keys): compute(keys) (NULL: all parents) and its difference with the target,
+-- restricted to the parents in keys, without any row lock, in one statement. Compute's rows (only those of
+-- the parents in keys) are read once (a materialized CTE); a duplicate or NULL primary key raises LSD05.
 -- Fills j's gone work table (current rows compute no longer returns) and put work table (rows new or
 -- changed by IS DISTINCT FROM), each with the row's parent key (lockstep_parent) and the current row's
--- ctid (lockstep_ctid); put also has lockstep_old_parent and lockstep_new (see lockstep._tmp for the
--- names). Empties the locked work table. Returns how many rows gone and put hold.
--- One statement: for a subset, the current rows are read once (a CTE) by one index probe per parent key
--- (the lateral subquery is not flattened, so no estimate can turn it into a scan of the whole target); a
--- row compute returns that no current row of those parents has is looked up by primary key (it may exist
--- under another parent: it moves).
--- locks: no row locks (reads the target under MVCC); writes only pg_temp work tables.
+-- ctid (lockstep_ctid); put also has lockstep_old_parent and lockstep_new (see lockstep._tmp). Empties the
+-- locked work table. Returns how many rows gone and put hold.
+-- For a subset, the current rows are read once (a CTE) by one index probe per parent key (the lateral
+-- subquery is not flattened, so no estimate can turn it into a scan of the whole target); a computed row
+-- that no current row of those parents has is looked up by primary key (it may exist under another parent:
+-- it moves). No ANALYZE anywhere: a few keys are probed by index whatever the estimates, and a whole-table
+-- diff is hash joins sized by the relations. compute is kept from seeing the subset filter (offset 0):
+-- pushed into it, the filter spoiled its plan (measured: a sequential scan instead of index scans).
+-- JIT is off in lockstep's compute and write functions: their queries are short, and JIT compilation,
+-- triggered by a bad estimate, cost more than the query itself in measurements (200 ms for a 500-key pass).
+-- locks: no row locks (compute reads and the target is read under MVCC); writes only pg_temp work tables.
 create function lockstep._diff(j lockstep.job, keys text[]) returns bigint
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -159,24 +140,35 @@ set client_min_messages = warning
 set jit = off
 as $$
 declare
-    v_cols text := lockstep._cols(j.columns);
-    v_dcols text := lockstep._cols(j.columns, 'd');
-    v_tcols text := lockstep._cols(j.columns, 't');
-    v_ccols text := lockstep._cols(j.columns, 'c');
-    v_gone text := lockstep._tmp(j, 'gone');
-    v_put text := lockstep._tmp(j, 'put');
-    v_cur text := pg_catalog.format('%s t', j.target);
-    v_par text := 'null::text';
+    f record;
+    v_subset boolean := keys is not null and j.parent_column is not null;
+    v_cur text;
+    v_moved text := '';
     v_cpar text := 'null::text';
     v_dpar text := 'null::text';
-    v_moved text := '';
-    v_old text := 'c.lockstep_ctid';
-    v_new text := 'c.lockstep_ctid is null';
     v_oldpar text;
+    v_new text := 'c.lockstep_ctid is null';
+    v_old text := 'c.lockstep_ctid';
     n bigint;
+    v_bad text;
+    v_null boolean;
 begin
+    perform lockstep._tmp_setup(j);
+    select (select pg_catalog.string_agg(pg_catalog.quote_ident(c), ', ' order by o) from pg_catalog.unnest(j.columns) with ordinality u(c, o)) as cols,
+           (select pg_catalog.string_agg('d.' || pg_catalog.quote_ident(c), ', ' order by o) from pg_catalog.unnest(j.columns) with ordinality u(c, o)) as dcols,
+           (select pg_catalog.string_agg('c.' || pg_catalog.quote_ident(c), ', ' order by o) from pg_catalog.unnest(j.columns) with ordinality u(c, o)) as ccols,
+           (select pg_catalog.string_agg('t.' || pg_catalog.quote_ident(c), ', ' order by o) from pg_catalog.unnest(j.columns) with ordinality u(c, o)) as tcols,
+           (select pg_catalog.string_agg(pg_catalog.quote_ident(k), ', ' order by o) from pg_catalog.unnest(j.target_key) with ordinality u(k, o)) as pk,
+           (select pg_catalog.string_agg(pg_catalog.format('%I is null', k), ' or ' order by o) from pg_catalog.unnest(j.target_key) with ordinality u(k, o)) as pknull,
+           (select pg_catalog.string_agg(pg_catalog.format('d.%1$I = c.%1$I', k), ' and ' order by o) from pg_catalog.unnest(j.target_key) with ordinality u(k, o)) as dc,
+           (select pg_catalog.string_agg(pg_catalog.format('t.%1$I = d.%1$I', k), ' and ' order by o) from pg_catalog.unnest(j.target_key) with ordinality u(k, o)) as td,
+           (select pg_catalog.format('%I.%I', n.nspname, p.proname) from pg_catalog.pg_proc p join pg_catalog.pg_namespace n on n.oid = p.pronamespace
+            where p.oid = j.compute::regprocedure) as fn,
+           (select pg_catalog.format_type(p.proargtypes[0], null) from pg_catalog.pg_proc p where p.oid = j.compute::regprocedure) as arg,
+           (select pg_catalog.format_type(t.typarray, null) from pg_catalog.pg_type t where t.oid = j.key_type) as arr,
+           lockstep._tmp(j, 'gone') as gone, lockstep._tmp(j, 'put') as put, lockstep._tmp(j, 'locked') as locked
+    into f;
     if j.parent_column is not null then
-        v_par := pg_catalog.format('%I::text', j.parent_column);
         v_cpar := pg_catalog.format('c.%I::text', j.parent_column);
         v_dpar := pg_catalog.format('d.%I::text', j.parent_column);
     else
@@ -184,33 +176,42 @@ begin
         v_dpar := pg_catalog.format('row(%s)::text', lockstep._cols(j.target_key, 'd'));
     end if;
     v_oldpar := v_cpar;
-    if keys is not null and j.parent_column is not null then
-        v_cur := pg_catalog.format('pg_catalog.unnest($1::%s) k(v), lateral (select %s, t.ctid as lockstep_ctid '
-                                   'from %s t where t.%I = k.v offset 0) t',
-                                   lockstep._array_type(j.key_type), v_tcols, j.target, j.parent_column);
+    if v_subset then
+        v_cur := pg_catalog.format('select t.* from pg_catalog.unnest($1::%s) k(v), lateral (select %s, t.ctid as lockstep_ctid '
+                                   'from %s t where t.%I = k.v offset 0) t', f.arr, f.tcols, j.target, j.parent_column);
         v_moved := pg_catalog.format('left join lateral (select t.%I::text as p, t.ctid from %s t '
                                      'where c.lockstep_ctid is null and %s offset 0) m on true',
-                                     j.parent_column, j.target, lockstep._eq(j.target_key, 't', 'd'));
+                                     j.parent_column, j.target, f.td);
         v_old := 'coalesce(c.lockstep_ctid, m.ctid)';
         v_new := 'c.lockstep_ctid is null and m.ctid is null';
-        v_oldpar := pg_catalog.format('coalesce(%s, m.p)', v_cpar);
+        v_oldpar := pg_catalog.format('coalesce(%s, m.p)', v_oldpar);
     else
-        v_cur := pg_catalog.format('(select %s, t.ctid as lockstep_ctid from %s t) t', v_tcols, j.target);
+        v_cur := pg_catalog.format('select %s, t.ctid as lockstep_ctid from %s t', f.tcols, j.target);
     end if;
     execute pg_catalog.format(
         'with e1 as (delete from pg_temp.%1$I), e2 as (delete from pg_temp.%2$I), e3 as (delete from pg_temp.%3$I), '
-        'c as %16$s (select * from %4$s), '
-        'g as (insert into pg_temp.%1$I (%5$s, lockstep_parent, lockstep_ctid) '
-        '      select %6$s, %7$s, c.lockstep_ctid from c where not exists (select from pg_temp.%8$I d where %9$s) '
-        '      returning 1), '
-        'p as (insert into pg_temp.%2$I (%5$s, lockstep_parent, lockstep_old_parent, lockstep_new, lockstep_ctid) '
-        '      select %10$s, %11$s, %12$s, %13$s, %14$s '
-        '      from pg_temp.%8$I d left join c on %9$s %15$s '
-        '      where c.lockstep_ctid is null or (%10$s) is distinct from (%6$s) returning 1) '
-        'select (select count(*) from g) + (select count(*) from p)',
-        v_gone, v_put, lockstep._tmp(j, 'locked'), v_cur, v_cols, v_ccols, v_cpar, lockstep._tmp(j, 'desired'),
-        lockstep._eq(j.target_key, 'd', 'c'), v_dcols, v_dpar, v_oldpar, v_new, v_old, v_moved,
-        case when v_moved = '' then 'not materialized' else 'materialized' end) into n using keys;
+        'd as materialized (select %4$s from (select * from %5$s($1::%6$s) offset 0) d %7$s), '
+        'x as (select row(%8$s)::text as k, bool_or(%9$s) as n from d group by %8$s '
+        '      having count(*) > 1 or bool_or(%9$s) order by 2 desc limit 1), '
+        'c as %10$s (%11$s), '
+        'g as (insert into pg_temp.%1$I (%4$s, lockstep_parent, lockstep_ctid) '
+        '      select %12$s, %13$s, c.lockstep_ctid from c where not exists (select from d where %14$s) returning 1), '
+        'p as (insert into pg_temp.%2$I (%4$s, lockstep_parent, lockstep_old_parent, lockstep_new, lockstep_ctid) '
+        '      select %15$s, %16$s, %17$s, %18$s, %19$s from d left join c on %14$s %20$s '
+        '      where c.lockstep_ctid is null or (%15$s) is distinct from (%12$s) returning 1) '
+        'select (select count(*) from g) + (select count(*) from p), (select k from x), (select n from x)',
+        f.gone, f.put, f.locked, f.cols, f.fn, f.arg,
+        case when v_subset then pg_catalog.format('where d.%I = any($1::%s)', j.parent_column, f.arr) else '' end,
+        f.pk, f.pknull, case when v_subset then 'materialized' else 'not materialized' end, v_cur,
+        f.ccols, v_cpar, f.dc, f.dcols, v_dpar, v_oldpar, v_new, v_old, v_moved)
+        into n, v_bad, v_null using keys;
+    if v_null then
+        raise exception 'lockstep: compute function % returned a NULL primary key %', j.compute, v_bad
+            using errcode = 'LSD05';
+    elsif v_bad is not null then
+        raise exception 'lockstep: compute function % returned more than one row for primary key % of %',
+            j.compute, v_bad, j.target using errcode = 'LSD05';
+    end if;
     return n;
 end;
 $$;
@@ -384,9 +385,9 @@ begin
 end;
 $$;
 
--- lockstep._write(j, keys): THE write path. Apply j's desired work table (filled by _compute_into) to
--- the target, restricted to the parents in keys (NULL: the whole table). Used by recompute and by work.
--- First the difference, without any row lock (_diff); then the write phase, in this order, never waiting
+-- lockstep._write(j, keys): THE write path. Apply compute(keys) to the target, restricted to the parents
+-- in keys (NULL: the whole table). Used by recompute and by work.
+-- First compute and the difference, without any row lock (_diff); then the write phase, in this order, never waiting
 -- for any lock:
 --   1. _pin_parents: parents of every row about to be deleted, inserted or updated;
 --   2. _pin_refs: rows referenced through the target's other foreign keys;
@@ -443,10 +444,8 @@ begin
 end;
 $$;
 
--- lockstep._apply(j, keys): compute, diff and write for the parents in keys (NULL: all). The only path by
--- which lockstep writes a derived table. It runs as the job's owner: called by another role, it comes back
--- here through lockstep._as_owner (SET LOCAL ROLE owner, in the owner's SECURITY DEFINER trampoline), or
--- raises 42501 if that role may not act as the owner.
+-- lockstep._apply(j, keys): compute, diff and write for the parents in keys (NULL: all), then empty the
+-- work tables. The only path by which lockstep writes a derived table.
 -- locks: as lockstep._write (the compute phase takes no row lock).
 create function lockstep._apply(j lockstep.job, keys text[]) returns lockstep._pass
 language plpgsql
@@ -456,11 +455,8 @@ declare
     v_t0 timestamptz := clock_timestamp();
     p lockstep._pass;
 begin
-    if j.owner is distinct from current_user then
-        return lockstep._as_owner(j, keys);
-    end if;
-    perform lockstep._compute_into(j, keys);
     p := lockstep._write(j, keys);
+    perform lockstep._tmp_clear(j);  -- no row outlives this call (pooled connections: see lockstep._tmp)
     p.compute_ms := extract(epoch from clock_timestamp() - v_t0) * 1000 - p.write_ms;
     return p;
 end;
