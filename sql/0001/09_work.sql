@@ -100,9 +100,10 @@ $$;
 --          (key_failure rows with attempts = 0): bisection across passes, each probe with a whole
 --          statement's time;
 --   retry: ready failing keys (attempts >= 1), each tried alone (a slow key then fails alone);
---   batch: the keys of the oldest ready entries, up to batch distinct keys that have no key_failure row.
+--   batch: the keys of the oldest ready entries, up to batch distinct keys that have no key_failure row;
+--          full: batch entries were taken (more may be ready).
 -- locks: nothing.
-create function lockstep._claim(j lockstep.job, batch integer, out keys text[], out kind text)
+create function lockstep._claim(j lockstep.job, batch integer, out keys text[], out kind text, out full boolean)
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
@@ -127,7 +128,7 @@ begin
         return;
     end if;
     -- entries appended after this snapshot stay queued for the next pass
-    select array_agg(distinct c.key) into keys
+    select array_agg(distinct c.key), count(*) >= batch into keys, full
     from (select q.key from lockstep.queue q
           where q.job = j.job and q.ready_at <= now()
             and not exists (select from lockstep.key_failure f where f.job = q.job and f.key = q.key)
@@ -345,7 +346,8 @@ begin
     if lockstep._group_due(j.lock_group) then
         return lockstep._result('busy', j.job, 'work', null, 'a periodic job of the lock group is due');
     end if;
-    if not lockstep._has_ready(j) then
+    select * into c from lockstep._claim(j, batch);  -- takes no lock: idle costs one look
+    if c.keys is null then
         return lockstep._result('idle', j.job, 'work');
     end if;
     if not lockstep._try_lock(j.lock_group) then
@@ -358,13 +360,14 @@ begin
         if v_err is not null then
             return lockstep._failed(j, 'work', v_started, v_err);
         end if;
-    end if;
-    select * into c from lockstep._claim(j, batch);
-    if c.keys is null then
-        return lockstep._result('idle', j.job, 'work');
+        select * into c from lockstep._claim(j, batch);
     end if;
     -- every visible entry of those keys goes with them (a key enqueued many times is computed once)
+    -- (under the group lock: a worker that held it before us may have done some of them)
     select array_agg(q.id) into v_ids from lockstep.queue q where q.job = j.job and q.key = any(c.keys);
+    if v_ids is null then
+        return lockstep._result('idle', j.job, 'work');
+    end if;
     select * into r from lockstep._readable(j, c.keys);
     select * into a from lockstep._attempt(j, coalesce(r.canon, '{}'), c.kind);
     if a.job_error is not null then
@@ -372,7 +375,8 @@ begin
     end if;
     v_err := lockstep._settle(j, c.kind, r.raw, v_ids, a.p, r.bad, r.errors);
     perform lockstep._finish(j, 'work', 'done', v_started, a.p, null);
-    return lockstep._result('done', j.job, 'work', a.p, v_err, lockstep._has_ready(j));
+    return lockstep._result('done', j.job, 'work', a.p, v_err,
+                            (c.kind <> 'batch' or c.full) and lockstep._has_ready(j));
 end;
 $$;
 
