@@ -7,8 +7,7 @@
 --   pg_temp.lockstep_gone_<s>     j.columns, lockstep_parent text, lockstep_ctid tid
 --   pg_temp.lockstep_put_<s>      j.columns, lockstep_parent text, lockstep_old_parent text,
 --                                 lockstep_new boolean, lockstep_ctid tid
---   pg_temp.lockstep_locked_<s>   j.target_key
--- lockstep._tmp(j, what) names them ('gone', 'put', 'locked'). <s> (lockstep._tmp_setup) hashes the
+-- lockstep._tmp(j, what) names them ('gone', 'put'). <s> (lockstep._tmp_setup) hashes the
 -- target, the name, type, typmod and collation of each of j.columns, j.target_key, the layout version
 -- below and current_user: another shape, a retyped column or another role gets other tables, never a
 -- mismatch. Compute's rows are not stored in a table: the diff reads them from a CTE.
@@ -31,21 +30,19 @@ set search_path = pg_catalog, pg_temp
 set client_min_messages = warning
 as $$
 declare
-    v_layout constant text := 'v2 parent,ctid | parent,old_parent,new,ctid';
+    v_layout constant text := 'v3 parent,ctid | parent,old_parent,new,ctid';
     v_s text;
     v_cols text;
-    v_key text;
 begin
     select pg_catalog.left(pg_catalog.md5(pg_catalog.concat_ws('|', j.target::oid, v_layout, current_user,
                     j.target_key::text,
                     pg_catalog.string_agg(pg_catalog.concat_ws(' ', a.attname, a.atttypid, a.atttypmod, a.attcollation),
                                           ',' order by u.o))), 16),
-           pg_catalog.string_agg(pg_catalog.format('t.%I', u.c), ', ' order by u.o),
-           (select pg_catalog.string_agg(pg_catalog.format('t.%I', k), ', ') from pg_catalog.unnest(j.target_key) k)
-    into v_s, v_cols, v_key
+           pg_catalog.string_agg(pg_catalog.format('t.%I', u.c), ', ' order by u.o)
+    into v_s, v_cols
     from pg_catalog.unnest(j.columns) with ordinality u(c, o)
     left join pg_catalog.pg_attribute a on a.attrelid = j.target and a.attname = u.c and not a.attisdropped;
-    if pg_catalog.to_regclass(pg_catalog.format('pg_temp.%I', 'lockstep_locked_' || v_s)) is null then
+    if pg_catalog.to_regclass(pg_catalog.format('pg_temp.%I', 'lockstep_put_' || v_s)) is null then
         execute pg_catalog.format('create temp table if not exists %I as '
                                   'select %s, null::text as lockstep_parent, null::tid as lockstep_ctid '
                                   'from %s t with no data', 'lockstep_gone_' || v_s, v_cols, j.target);
@@ -53,8 +50,6 @@ begin
                                   'select %s, null::text as lockstep_parent, null::text as lockstep_old_parent, '
                                   'null::boolean as lockstep_new, null::tid as lockstep_ctid '
                                   'from %s t with no data', 'lockstep_put_' || v_s, v_cols, j.target);
-        execute pg_catalog.format('create temp table if not exists %I as select %s from %s t with no data',
-                                  'lockstep_locked_' || v_s, v_key, j.target);
     end if;
     perform pg_catalog.set_config('lockstep.tmp', v_s, true);
     perform pg_catalog.set_config('lockstep.tmp_job', j.job, true);
@@ -62,7 +57,7 @@ begin
 end;
 $$;
 
--- lockstep._tmp(j, what): the name (in pg_temp) of j's work table what: gone, put or locked.
+-- lockstep._tmp(j, what): the name (in pg_temp) of j's work table what: gone or put.
 -- locks: nothing (as lockstep._tmp_setup when this transaction has not set them up for j yet).
 create function lockstep._tmp(j lockstep.job, what text) returns text
 language plpgsql
@@ -88,14 +83,12 @@ as $$
 declare
     v_gone text := lockstep._tmp(j, 'gone');
     v_put text := lockstep._tmp(j, 'put');
-    v_locked text := lockstep._tmp(j, 'locked');
 begin
     if pg_catalog.pg_relation_size(pg_catalog.format('pg_temp.%I', v_gone)::regclass)
        + pg_catalog.pg_relation_size(pg_catalog.format('pg_temp.%I', v_put)::regclass) > 1048576 then
-        execute pg_catalog.format('truncate pg_temp.%I, pg_temp.%I, pg_temp.%I', v_gone, v_put, v_locked);
+        execute pg_catalog.format('truncate pg_temp.%I, pg_temp.%I', v_gone, v_put);
     else
-        execute pg_catalog.format('with a as (delete from pg_temp.%I), b as (delete from pg_temp.%I) '
-                                  'delete from pg_temp.%I', v_gone, v_put, v_locked);
+        execute pg_catalog.format('with a as (delete from pg_temp.%I) delete from pg_temp.%I', v_gone, v_put);
     end if;
 end;
 $$;
@@ -122,8 +115,8 @@ $$;
 -- the parents in keys) are read once (a materialized CTE); a duplicate or NULL primary key raises LSD05.
 -- Fills j's gone work table (current rows compute no longer returns) and put work table (rows new or
 -- changed by IS DISTINCT FROM), each with the row's parent key (lockstep_parent) and the current row's
--- ctid (lockstep_ctid); put also has lockstep_old_parent and lockstep_new (see lockstep._tmp). Empties the
--- locked work table. Returns how many rows gone and put hold.
+-- ctid (lockstep_ctid); put also has lockstep_old_parent and lockstep_new (see lockstep._tmp). Returns
+-- how many rows gone and put hold.
 -- For a subset, the current rows are read once (a CTE) by one index probe per parent key (the lateral
 -- subquery is not flattened, so no estimate can turn it into a scan of the whole target); a computed row
 -- that no current row of those parents has is looked up by primary key (it may exist under another parent:
@@ -166,7 +159,7 @@ begin
             where p.oid = j.compute::regprocedure) as fn,
            (select pg_catalog.format_type(p.proargtypes[0], null) from pg_catalog.pg_proc p where p.oid = j.compute::regprocedure) as arg,
            (select pg_catalog.format_type(t.typarray, null) from pg_catalog.pg_type t where t.oid = j.key_type) as arr,
-           lockstep._tmp(j, 'gone') as gone, lockstep._tmp(j, 'put') as put, lockstep._tmp(j, 'locked') as locked
+           lockstep._tmp(j, 'gone') as gone, lockstep._tmp(j, 'put') as put
     into f;
     if j.parent_column is not null then
         v_cpar := pg_catalog.format('c.%I::text', j.parent_column);
@@ -189,18 +182,18 @@ begin
         v_cur := pg_catalog.format('select %s, t.ctid as lockstep_ctid from %s t', f.tcols, j.target);
     end if;
     execute pg_catalog.format(
-        'with e1 as (delete from pg_temp.%1$I), e2 as (delete from pg_temp.%2$I), e3 as (delete from pg_temp.%3$I), '
-        'd as materialized (select %4$s from (select * from %5$s($1::%6$s) offset 0) d %7$s), '
-        'x as (select row(%8$s)::text as k, bool_or(%9$s) as n from d group by %8$s '
-        '      having count(*) > 1 or bool_or(%9$s) order by 2 desc limit 1), '
-        'c as %10$s (%11$s), '
-        'g as (insert into pg_temp.%1$I (%4$s, lockstep_parent, lockstep_ctid) '
-        '      select %12$s, %13$s, c.lockstep_ctid from c where not exists (select from d where %14$s) returning 1), '
-        'p as (insert into pg_temp.%2$I (%4$s, lockstep_parent, lockstep_old_parent, lockstep_new, lockstep_ctid) '
-        '      select %15$s, %16$s, %17$s, %18$s, %19$s from d left join c on %14$s %20$s '
-        '      where c.lockstep_ctid is null or (%15$s) is distinct from (%12$s) returning 1) '
+        'with e1 as (delete from pg_temp.%1$I), e2 as (delete from pg_temp.%2$I), '
+        'd as materialized (select %3$s from (select * from %4$s($1::%5$s) offset 0) d %6$s), '
+        'x as (select row(%7$s)::text as k, bool_or(%8$s) as n from d group by %7$s '
+        '      having count(*) > 1 or bool_or(%8$s) order by 2 desc limit 1), '
+        'c as %9$s (%10$s), '
+        'g as (insert into pg_temp.%1$I (%3$s, lockstep_parent, lockstep_ctid) '
+        '      select %11$s, %12$s, c.lockstep_ctid from c where not exists (select from d where %13$s) returning 1), '
+        'p as (insert into pg_temp.%2$I (%3$s, lockstep_parent, lockstep_old_parent, lockstep_new, lockstep_ctid) '
+        '      select %14$s, %15$s, %16$s, %17$s, %18$s from d left join c on %13$s %19$s '
+        '      where c.lockstep_ctid is null or (%14$s) is distinct from (%11$s) returning 1) '
         'select (select count(*) from g) + (select count(*) from p), (select k from x), (select n from x)',
-        f.gone, f.put, f.locked, f.cols, f.fn, f.arg,
+        f.gone, f.put, f.cols, f.fn, f.arg,
         case when v_subset then pg_catalog.format('where d.%I = any($1::%s)', j.parent_column, f.arr) else '' end,
         f.pk, f.pknull, case when v_subset then 'materialized' else 'not materialized' end, v_cur,
         f.ccols, v_cpar, f.dc, f.dcols, v_dpar, v_oldpar, v_new, v_old, v_moved)
@@ -233,17 +226,16 @@ begin
     if j.parent is null then
         return '{}';
     end if;
-    execute pg_catalog.format('select coalesce(array_agg(distinct k), ''{}'') from ('
-            '  select lockstep_parent from pg_temp.%1$I'
-            '  union all select lockstep_parent from pg_temp.%2$I'
-            '  union all select lockstep_old_parent from pg_temp.%2$I) s(k) where k is not null',
-            lockstep._tmp(j, 'gone'), lockstep._tmp(j, 'put'))
-        into v_need;
     execute pg_catalog.format(
-        'select coalesce(array_agg(k), ''{}'') from ('
-        '  select %1$I::text as k from %2$s where %1$I = any($1::%3$s)'
-        '  order by %1$I for key share skip locked) s',
-        j.parent_key, j.parent, lockstep._array_type(j.key_type)) into v_pinned using v_need;
+        'with n as (select coalesce(array_agg(distinct k), ''{}'') as a from ('
+        '  select lockstep_parent from pg_temp.%1$I'
+        '  union all select lockstep_parent from pg_temp.%2$I'
+        '  union all select lockstep_old_parent from pg_temp.%2$I) s(k) where k is not null), '
+        'p as (select %3$I::text as k from %4$s where %3$I = any((select n.a from n)::%5$s) '
+        '      order by %3$I for key share skip locked) '
+        'select n.a, (select coalesce(array_agg(p.k), ''{}'') from p) from n',
+        lockstep._tmp(j, 'gone'), lockstep._tmp(j, 'put'), j.parent_key, j.parent, lockstep._array_type(j.key_type))
+        into v_need, v_pinned;
     v_skip := array(select pg_catalog.unnest(v_need) except select pg_catalog.unnest(v_pinned));
     if cardinality(v_skip) > 0 then
         perform lockstep._drop_rows(lockstep._tmp(j, 'gone'), 'lockstep_parent = any($1)', v_skip);
@@ -312,30 +304,23 @@ language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_unlocked text;
     v_skip text[];
     v_mine text := '';
 begin
-    if exists (select from pg_catalog.pg_class c where c.oid = j.target and (c.relkind = 'p' or c.relhassubclass)) then
-        v_mine := pg_catalog.format(
-            ' and (%1$s) in (select %2$s from pg_temp.lockstep_gone'
-            '  union all select %2$s from pg_temp.lockstep_put where not lockstep_new)',
-            lockstep._cols(j.target_key, 't'), lockstep._cols(j.target_key));
-    end if;
+    -- one statement: the rows locked (l), then the rows of gone and put that are not among them dropped
     execute pg_catalog.format(
-        'insert into pg_temp.%3$I '
-        'select %1$s from %2$s t where t.ctid = any(array('
-        '  select lockstep_ctid from pg_temp.%4$I'
-        '  union all select lockstep_ctid from pg_temp.%5$I where not lockstep_new)) '
-        'order by %1$s for update of t skip locked',
-        lockstep._cols(j.target_key, 't'), j.target, lockstep._tmp(j, 'locked'), lockstep._tmp(j, 'gone'),
-        lockstep._tmp(j, 'put'));
-    v_unlocked := pg_catalog.format('not exists (select from pg_temp.%I l where %s)',
-                                    lockstep._tmp(j, 'locked'), lockstep._eq(j.target_key, 'l', 'w'));
-    v_skip := lockstep._drop_rows(lockstep._tmp(j, 'gone'), v_unlocked);
-    v_unlocked := pg_catalog.format('not lockstep_new and not exists (select from pg_temp.%I l where %s)',
-                                    lockstep._tmp(j, 'locked'), lockstep._eq(j.target_key, 'l', 'w'));
-    return v_skip || lockstep._drop_rows(lockstep._tmp(j, 'put'), v_unlocked);
+        'with l as materialized (select %1$s from %2$s t where t.ctid = any(array('
+        '  select lockstep_ctid from pg_temp.%3$I'
+        '  union all select lockstep_ctid from pg_temp.%4$I where not lockstep_new)) '
+        '  order by %1$s for update of t skip locked), '
+        'dg as (delete from pg_temp.%3$I w where not exists (select from l where %5$s) returning lockstep_parent), '
+        'dp as (delete from pg_temp.%4$I w where not lockstep_new and not exists (select from l where %5$s) '
+        '       returning lockstep_parent) '
+        'select coalesce(array_agg(distinct k) filter (where k is not null), ''{}'') '
+        'from (select * from dg union all select * from dp) s(k)',
+        lockstep._cols(j.target_key, 't'), j.target, lockstep._tmp(j, 'gone'), lockstep._tmp(j, 'put'),
+        lockstep._eq(j.target_key, 'l', 'w')) into v_skip;
+    return v_skip;
 end;
 $$;
 
@@ -375,11 +360,11 @@ begin
             lockstep._cols(v_rest, 't'), lockstep._cols(v_rest, 'excluded'));
     end if;
     execute pg_catalog.format(
-        'insert into %1$s as t (%2$s) select %2$s from pg_temp.%5$I order by %3$s on conflict (%3$s) %4$s',
-        j.target, lockstep._cols(j.columns), lockstep._cols(j.target_key), v_action, lockstep._tmp(j, 'put'));
-    get diagnostics n = row_count;
-    execute pg_catalog.format('select count(*) from pg_temp.%I where lockstep_new', lockstep._tmp(j, 'put'))
-        into v_new;
+        'with u as (insert into %1$s as t (%2$s) select %2$s from pg_temp.%5$I order by %3$s on conflict (%3$s) %4$s '
+        '           returning 1) '
+        'select (select count(*) from u), (select count(*) from pg_temp.%5$I where lockstep_new)',
+        j.target, lockstep._cols(j.columns), lockstep._cols(j.target_key), v_action, lockstep._tmp(j, 'put'))
+        into n, v_new;
     inserted := least(n, v_new);
     updated := n - inserted;
 end;
