@@ -69,6 +69,7 @@ KINDS: dict[str, tuple[str, ...]] = {
         "test_schema",
         "test_security",
         "test_sqlfiles",
+        "test_worker_faults",
     ),
 }
 

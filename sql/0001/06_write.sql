@@ -116,7 +116,8 @@ $$;
 -- Fills j's gone work table (current rows compute no longer returns) and put work table (rows new or
 -- changed by IS DISTINCT FROM), each with the row's parent key (lockstep_parent) and the current row's
 -- ctid (lockstep_ctid); put also has lockstep_old_parent and lockstep_new (see lockstep._tmp). Returns
--- how many rows gone and put hold.
+-- how many rows gone and put hold. For a job without a parent, lockstep_parent is the row's primary key as
+-- text: what the write steps return for a row they skip, so skipped counts rows there.
 -- For a subset, the current rows are read once (a CTE) by one index probe per parent key (the lateral
 -- subquery is not flattened, so no estimate can turn it into a scan of the whole target); a computed row
 -- that no current row of those parents has is looked up by primary key (it may exist under another parent:
@@ -155,8 +156,7 @@ begin
            (select pg_catalog.string_agg(pg_catalog.format('%I is null', k), ' or ' order by o) from pg_catalog.unnest(j.target_key) with ordinality u(k, o)) as pknull,
            (select pg_catalog.string_agg(pg_catalog.format('d.%1$I = c.%1$I', k), ' and ' order by o) from pg_catalog.unnest(j.target_key) with ordinality u(k, o)) as dc,
            (select pg_catalog.string_agg(pg_catalog.format('t.%1$I = d.%1$I', k), ' and ' order by o) from pg_catalog.unnest(j.target_key) with ordinality u(k, o)) as td,
-           (select pg_catalog.format('%I.%I', n.nspname, p.proname) from pg_catalog.pg_proc p join pg_catalog.pg_namespace n on n.oid = p.pronamespace
-            where p.oid = j.compute::regprocedure) as fn,
+           (select lockstep._callable(p.oid, 1) from pg_catalog.pg_proc p where p.oid = j.compute::regprocedure) as fn,
            (select pg_catalog.format_type(p.proargtypes[0], null) from pg_catalog.pg_proc p where p.oid = j.compute::regprocedure) as arg,
            (select pg_catalog.format_type(t.typarray, null) from pg_catalog.pg_type t where t.oid = j.key_type) as arr,
            lockstep._tmp(j, 'gone') as gone, lockstep._tmp(j, 'put') as put
@@ -164,8 +164,8 @@ begin
     if j.parent_column is not null then
         v_cpar := pg_catalog.format('c.%I::text', j.parent_column);
         v_dpar := pg_catalog.format('d.%I::text', j.parent_column);
-    else
-        v_tpar := pg_catalog.format('row(%s)::text', lockstep._cols(j.target_key, 't'));
+    else  -- no parent: the row's primary key, which the write steps return for a row they skip
+        v_cpar := pg_catalog.format('row(%s)::text', lockstep._cols(j.target_key, 'c'));
         v_dpar := pg_catalog.format('row(%s)::text', lockstep._cols(j.target_key, 'd'));
     end if;
     v_oldpar := v_cpar;
@@ -248,7 +248,9 @@ $$;
 
 -- lockstep._pin_refs(j): write step 2. Pin the rows the target's other foreign keys reference, for every
 -- row in j's put and gone work tables; rows whose referenced row could not be pinned
--- are dropped. Returns the parent keys of the rows dropped.
+-- are dropped. Returns the parent keys of the rows dropped. A foreign key whose columns compute does not
+-- all return is one whose missing columns are always NULL (_check_target_fks, also run here for keys
+-- added after define_derived): no FK check looks anything up for it.
 -- locks: the referenced rows, FOR KEY SHARE SKIP LOCKED, one constraint at a time in constraint-name
 -- order, each in key order.
 create function lockstep._pin_refs(j lockstep.job) returns text[]
@@ -298,6 +300,9 @@ $$;
 -- lockstep._lock_rows(j): write step 3a. Lock the existing target rows about to be deleted or updated,
 -- found by their ctid (a TID scan); a row that is locked, or whose ctid no longer holds its key, is dropped
 -- from j's gone / put work tables. Returns the parent keys of the rows dropped.
+-- A partitioned target (or one with inheritance children) has one ctid space per partition: the same
+-- ctid names a row of another parent in another partition, so there the rows found by ctid are also
+-- matched by primary key before they are locked (the primary key is unique across partitions).
 -- locks: those target rows, FOR UPDATE SKIP LOCKED, in primary-key order.
 create function lockstep._lock_rows(j lockstep.job) returns text[]
 language plpgsql
@@ -307,11 +312,18 @@ declare
     v_skip text[];
     v_mine text := '';
 begin
+    if exists (select from pg_catalog.pg_class c where c.oid = j.target and (c.relkind = 'p' or c.relhassubclass)) then
+        v_mine := pg_catalog.format(
+            ' and (%1$s) in (select %2$s from pg_temp.%3$I'
+            '  union all select %2$s from pg_temp.%4$I where not lockstep_new)',
+            lockstep._cols(j.target_key, 't'), lockstep._cols(j.target_key), lockstep._tmp(j, 'gone'),
+            lockstep._tmp(j, 'put'));
+    end if;
     -- one statement: the rows locked (l), then the rows of gone and put that are not among them dropped
     execute pg_catalog.format(
         'with l as materialized (select %1$s from %2$s t where t.ctid = any(array('
         '  select lockstep_ctid from pg_temp.%3$I'
-        '  union all select lockstep_ctid from pg_temp.%4$I where not lockstep_new)) '
+        '  union all select lockstep_ctid from pg_temp.%4$I where not lockstep_new))%6$s '
         '  order by %1$s for update of t skip locked), '
         'dg as (delete from pg_temp.%3$I w where not exists (select from l where %5$s) returning lockstep_parent), '
         'dp as (delete from pg_temp.%4$I w where not lockstep_new and not exists (select from l where %5$s) '
@@ -319,8 +331,189 @@ begin
         'select coalesce(array_agg(distinct k) filter (where k is not null), ''{}'') '
         'from (select * from dg union all select * from dp) s(k)',
         lockstep._cols(j.target_key, 't'), j.target, lockstep._tmp(j, 'gone'), lockstep._tmp(j, 'put'),
-        lockstep._eq(j.target_key, 'l', 'w')) into v_skip;
+        lockstep._eq(j.target_key, 'l', 'w'), v_mine) into v_skip;
     return v_skip;
+end;
+$$;
+
+-- lockstep._referencing(rel, key, cols): the foreign keys that reference rel (rows of other tables, or of
+-- rel itself, that a delete of rel's rows acts on), with the columns to join on, the referencing table's
+-- primary key (lock order) and whether the action deletes (CASCADE: its rows are deleted in turn) or
+-- updates (SET NULL). Raises LSD06 for what lockstep cannot delete through without waiting or failing:
+-- ON DELETE NO ACTION / RESTRICT (the delete would fail with 23503 while referenced), SET DEFAULT (its FK
+-- check locks a row lockstep did not pin), SET NULL on columns that are referenced in turn, and, when rel
+-- is the target (key, cols given), a key on columns compute writes (the update would run its ON UPDATE
+-- action); 42501 when the role cannot lock the referencing rows (SELECT and UPDATE).
+-- Used by _check_referencing (define_derived refuses) and _lock_level (a key added later fails the run).
+-- locks: nothing.
+create function lockstep._referencing(rel regclass, key name[] default null, cols name[] default null)
+returns table (conname name, refrel regclass, fk name[], rk name[], ord name[], deletes boolean)
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    c record;
+begin
+    for c in
+        select con.conname, con.conrelid::regclass as refrel, con.confdeltype,
+               lockstep._attnames(con.conrelid, con.conkey) as fk, lockstep._attnames(con.confrelid, con.confkey) as rk,
+               (select lockstep._attnames(pk.conrelid, pk.conkey) from pg_catalog.pg_constraint pk
+                where pk.conrelid = con.conrelid and pk.contype = 'p') as ord,
+               (select x.conrelid::regclass::text from pg_catalog.pg_constraint x
+                where x.confrelid = con.conrelid and x.contype = 'f' and x.conparentid = 0
+                  and x.confkey && coalesce(con.confdelsetcols, con.conkey)
+                order by x.conname limit 1) as setnull_referenced
+        from pg_catalog.pg_constraint con
+        where con.confrelid = rel and con.contype = 'f' and con.conparentid = 0
+        order by con.conname
+    loop
+        if c.confdeltype not in ('c', 'n') then
+            raise exception 'lockstep: foreign key % of % references % ON DELETE %', c.conname, c.refrel, rel,
+                    case c.confdeltype when 'a' then 'NO ACTION' when 'r' then 'RESTRICT' else 'SET DEFAULT' end
+                using errcode = 'LSD06',
+                      hint = 'lockstep deletes derived rows compute no longer returns: declare the key ON DELETE CASCADE '
+                             'or ON DELETE SET NULL, so the delete acts on rows lockstep locks first (skipping any the '
+                             'application holds).';
+        elsif c.confdeltype = 'n' and c.setnull_referenced is not null then
+            raise exception 'lockstep: foreign key % of % to % is ON DELETE SET NULL on columns % references', c.conname,
+                    c.refrel, rel, c.setnull_referenced
+                using errcode = 'LSD06', hint = 'Make it ON DELETE CASCADE, or reference other columns.';
+        elsif not (pg_catalog.has_table_privilege(c.refrel, 'SELECT') and pg_catalog.has_table_privilege(c.refrel, 'UPDATE')) then
+            raise exception 'lockstep: role "%" may not lock rows of %, which references % (foreign key %)', current_user,
+                    c.refrel, rel, c.conname
+                using errcode = '42501',
+                      hint = 'lockstep locks the referencing rows FOR UPDATE SKIP LOCKED before a delete: grant SELECT, UPDATE.';
+        elsif exists (select from pg_catalog.unnest(c.rk) r where r = any(cols) and not r = any(key)) then
+            raise exception 'lockstep: foreign key % of % references columns % of % that compute writes', c.conname,
+                    c.refrel, c.rk, rel
+                using errcode = 'LSD06', hint = 'Reference the target''s primary key.';
+        end if;
+        conname := c.conname; refrel := c.refrel; fk := c.fk; rk := c.rk; ord := c.ord; deletes := c.confdeltype = 'c';
+        return next;
+    end loop;
+end;
+$$;
+
+-- lockstep._check_referencing(target, key, cols): every foreign key a delete of target rows acts on, at
+-- any depth (through ON DELETE CASCADE, cycles included), is one lockstep can lock through (_referencing).
+-- locks: nothing.
+create function lockstep._check_referencing(target regclass, key name[], cols name[]) returns void
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_seen oid[] := array[target::oid];
+    v_front oid[] := array[target::oid];
+    v_next oid[];
+    c record;
+begin
+    while cardinality(v_front) > 0 loop
+        v_next := '{}';
+        for c in
+            select r.refrel, r.deletes
+            from pg_catalog.unnest(v_front) f(rel),
+                 lateral lockstep._referencing(f.rel::regclass, case when f.rel = target then key end,
+                                               case when f.rel = target then cols end) r
+        loop
+            if c.deletes and not c.refrel::oid = any(v_seen) then
+                v_seen := v_seen || c.refrel::oid;
+                v_next := v_next || c.refrel::oid;
+            end if;
+        end loop;
+        v_front := v_next;
+    end loop;
+end;
+$$;
+
+-- lockstep._lock_level(t, depth): lock the rows referencing the rows of table t at this depth of
+-- pg_temp.lockstep_doomed (rows the delete will remove), add them at depth + 1 (each row once), and return
+-- the roots (target rows) of which a referencing row could not be locked.
+-- locks: the referencing rows, FOR UPDATE SKIP LOCKED, one foreign key at a time in constraint-name order,
+-- each in the referencing table's primary-key order (ctid order without one).
+create function lockstep._lock_level(t regclass, depth integer) returns text[]
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    c record;
+    v_from text;
+    v_blocked text[] := '{}';
+    v_part text[];
+begin
+    for c in select * from lockstep._referencing(t) loop
+        -- rows of t at this depth, found by ctid (a TID scan), then the rows referencing them
+        v_from := pg_catalog.format(
+            'from %1$s p join pg_temp.lockstep_doomed d on d.lockstep_rel = p.tableoid and d.lockstep_ctid = p.ctid '
+            'and d.lockstep_depth = $1 and d.lockstep_table = $2 and d.lockstep_deletes '
+            'join %2$s n on (%3$s) = (%4$s) '
+            'where p.ctid = any(array(select lockstep_ctid from pg_temp.lockstep_doomed '
+            '                         where lockstep_depth = $1 and lockstep_table = $2 and lockstep_deletes))',
+            t, c.refrel, lockstep._cols(c.fk, 'n'), lockstep._cols(c.rk, 'p'));
+        execute pg_catalog.format(
+            'with l as (select d.lockstep_root, n.tableoid as rel, n.ctid as tid %1$s '
+            '  and not exists (select from pg_temp.lockstep_doomed x where x.lockstep_rel = n.tableoid and x.lockstep_ctid = n.ctid) '
+            '  order by %2$s for update of n skip locked) '
+            'insert into pg_temp.lockstep_doomed '
+            'select distinct on (rel, tid) lockstep_root, rel, tid, $3, $4, $1 + 1 from l',
+            v_from, coalesce(lockstep._cols(c.ord, 'n'), 'n.ctid'))
+            using depth, t, c.refrel, c.deletes;
+        execute pg_catalog.format(
+            'select array_agg(distinct d.lockstep_root) %s and not exists (select from pg_temp.lockstep_doomed x '
+            'where x.lockstep_rel = n.tableoid and x.lockstep_ctid = n.ctid)', v_from)
+            into v_part using depth, t;
+        v_blocked := v_blocked || coalesce(v_part, '{}');
+    end loop;
+    return v_blocked;
+end;
+$$;
+
+-- lockstep._lock_referencing(j): write step 3a'. Lock the rows the delete of the target rows in
+-- j's gone work table acts on through foreign keys that reference the target (ON DELETE CASCADE / SET
+-- NULL), and through the cascade on, level by level (pg_temp.lockstep_doomed). A target row of which any
+-- such row could not be locked (an application holds it) is not deleted: dropped from the gone work table, its
+-- parent key returned (re-queued like any skipped parent). No new referencing row can appear meanwhile:
+-- inserting one takes FOR KEY SHARE on the row it references, which lockstep already holds FOR UPDATE.
+-- locks: the referencing rows, FOR UPDATE SKIP LOCKED, level by level, each as _lock_level.
+create function lockstep._lock_referencing(j lockstep.job) returns text[]
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_blocked text[] := '{}';
+    v_depth integer := 0;
+    v_t regclass;
+    v_any boolean;
+begin
+    if not exists (select from lockstep._referencing(j.target, j.target_key, j.columns)) then
+        return '{}';
+    end if;
+    execute pg_catalog.format('select exists (select from pg_temp.%I)', lockstep._tmp(j, 'gone')) into v_any;
+    if not v_any then
+        return '{}';
+    end if;
+    drop table if exists pg_temp.lockstep_doomed;
+    execute pg_catalog.format(
+        'create temp table lockstep_doomed on commit drop as '
+        'select row(%1$s)::text as lockstep_root, t.tableoid as lockstep_rel, t.ctid as lockstep_ctid, '
+        '$1::regclass as lockstep_table, true as lockstep_deletes, 0 as lockstep_depth '
+        'from pg_temp.%4$I g join %2$s t on %3$s',
+        lockstep._cols(j.target_key, 'g'), j.target, lockstep._eq(j.target_key, 't', 'g'), lockstep._tmp(j, 'gone'))
+        using j.target;
+    while exists (select from pg_temp.lockstep_doomed d where d.lockstep_depth = v_depth) loop
+        if v_depth > 100 then
+            raise exception 'lockstep: the delete of % cascades more than 100 levels deep', j.target using errcode = 'LSD06';
+        end if;
+        for v_t in select distinct d.lockstep_table from pg_temp.lockstep_doomed d
+                   where d.lockstep_depth = v_depth and d.lockstep_deletes order by 1 loop
+            v_blocked := v_blocked || lockstep._lock_level(v_t, v_depth);
+        end loop;
+        v_depth := v_depth + 1;
+    end loop;
+    if cardinality(v_blocked) = 0 then
+        return '{}';
+    end if;
+    return lockstep._drop_rows(lockstep._tmp(j, 'gone'),
+                               pg_catalog.format('row(%s)::text = any($1)', lockstep._cols(j.target_key)), v_blocked);
 end;
 $$;
 
@@ -409,8 +602,9 @@ begin
     v_skip := v_skip || lockstep._lock_referencing(j);
     if j.parent is not null and cardinality(v_skip) > 0 then
         -- a parent's rows are written together or not at all: none of a skipped parent's rows is written
-        perform lockstep._drop_rows('lockstep_gone', 'lockstep_parent = any($1)', v_skip);
-        perform lockstep._drop_rows('lockstep_put', 'lockstep_parent = any($1) or lockstep_old_parent = any($1)', v_skip);
+        perform lockstep._drop_rows(lockstep._tmp(j, 'gone'), 'lockstep_parent = any($1)', v_skip);
+        perform lockstep._drop_rows(lockstep._tmp(j, 'put'), 'lockstep_parent = any($1) or lockstep_old_parent = any($1)',
+                                    v_skip);
     end if;
     p.deleted := lockstep._delete_rows(j);
     select u.inserted, u.updated into p.inserted, p.updated from lockstep._upsert_rows(j) u;
@@ -430,7 +624,9 @@ end;
 $$;
 
 -- lockstep._apply(j, keys): compute, diff and write for the parents in keys (NULL: all), then empty the
--- work tables. The only path by which lockstep writes a derived table.
+-- work tables. The only path by which lockstep writes a derived table. It runs as the job's owner: called by another role, it comes back
+-- here through lockstep._as_owner (SET LOCAL ROLE owner, in the owner's SECURITY DEFINER trampoline), or
+-- raises 42501 if that role may not act as the owner.
 -- locks: as lockstep._write (the compute phase takes no row lock).
 create function lockstep._apply(j lockstep.job, keys text[]) returns lockstep._pass
 language plpgsql
@@ -440,6 +636,9 @@ declare
     v_t0 timestamptz := clock_timestamp();
     p lockstep._pass;
 begin
+    if j.owner is distinct from current_user then
+        return lockstep._as_owner(j, keys);
+    end if;
     p := lockstep._write(j, keys);
     perform lockstep._tmp_clear(j);  -- no row outlives this call (pooled connections: see lockstep._tmp)
     p.compute_ms := extract(epoch from clock_timestamp() - v_t0) * 1000 - p.write_ms;
