@@ -1537,15 +1537,12 @@ begin
                                   'where r::%s::text = any($2)', j.key_type) into v_skip using raw, v_skip;
     end if;
     v_leave := v_leave || bad;  -- their entries stay, shown as parked
+    -- every statement runs even when it has no row to change: a missing privilege fails every pass at once,
+    -- not the first pass that needs it
     delete from lockstep.queue q where q.job = j.job and q.id = any(ids) and q.key <> all(v_leave);
-    if cardinality(v_skip) > 0 then
-        -- a parent an application holds is retried a second later, not in a hot loop
-        update lockstep.queue q set ready_at = now() + interval '1 second'
-        where q.job = j.job and q.id = any(ids) and q.key = any(v_skip);
-    end if;
-    if kind = 'batch' and cardinality(v_leave) = 0 then
-        return null;  -- the keys of a batch have no key_failure row (lockstep._claim), and none is added
-    end if;
+    -- a parent an application holds is retried a second later, not in a hot loop
+    update lockstep.queue q set ready_at = now() + interval '1 second'
+    where q.job = j.job and q.id = any(ids) and q.key = any(v_skip);
     delete from lockstep.key_failure f
     where f.job = j.job and ((f.key = any(raw) and f.key <> all(v_leave))
                              -- a probe timed out: the other suspects are cleared, its keys stay suspects
