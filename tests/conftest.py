@@ -70,6 +70,7 @@ KINDS: dict[str, tuple[str, ...]] = {
         "test_schema",
         "test_security",
         "test_sqlfiles",
+        "test_worker_faults",
     ),
 }
 
