@@ -125,6 +125,28 @@ create table lockstep.queue (
 
 create index queue_job_key_idx on lockstep.queue (job, key);
 
+-- the queue churns (every worker pass deletes what it processed): vacuum it after a thousand dead rows, not
+-- after 20 % of the table, and without cost delay (it is small). Autovacuum still visits a database at most
+-- once per autovacuum_naptime (default 1 min); pages the worker reads are pruned as it goes meanwhile.
+alter table lockstep.queue set (
+    autovacuum_vacuum_scale_factor = 0, autovacuum_vacuum_threshold = 1000,
+    autovacuum_vacuum_insert_scale_factor = 0, autovacuum_vacuum_insert_threshold = 10000,
+    autovacuum_analyze_scale_factor = 0, autovacuum_analyze_threshold = 10000,
+    autovacuum_vacuum_cost_delay = 0);
+
+-- jobs to recompute in full because a trigger could not enqueue (unknown job, no queue, a column gone, a
+-- key that does not convert): append-only, written by lockstep._flag with an INSERT (application roles may
+-- insert, never update), deleted by lockstep._clear_flag after a recompute whose snapshot saw them (xid).
+-- No foreign key and no unique constraint: a flag never waits and never fails.
+create table lockstep.recompute_flag (
+    job         text not null,
+    flagged_at  timestamptz not null default now(),
+    problem     text not null,
+    xid         xid8 not null default pg_catalog.pg_current_xact_id()
+);
+
+create index recompute_flag_job_idx on lockstep.recompute_flag (job, flagged_at);
+
 -- keys whose computation failed: retried with exponential backoff, parked after max_attempts.
 create table lockstep.key_failure (
     job             text not null references lockstep.job (job) on delete cascade,
