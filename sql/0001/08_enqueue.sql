@@ -93,19 +93,21 @@ as $$
                    where c.casttarget = target and c.castcontext = 'i');
 $$;
 
--- lockstep._check_key_type(j, t, what): values of t (an element type) can stand for the job's parent key:
--- see lockstep._castable. Else LSQ01.
+-- lockstep._check_key_type(j, t, what): t (an element type) can stand for the job's parent key.
+-- Same type, or same type category (integer for bigint, varchar for text): values are cast, and a value
+-- that does not fit raises (at the call: enqueue and retry take keys from a caller who sees the error).
 -- locks: nothing.
 create function lockstep._check_key_type(j lockstep.job, t regtype, what text) returns void
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
 begin
-    if t is null or not lockstep._castable(t, j.key_type) then
+    if t is distinct from j.key_type
+       and (select typcategory from pg_catalog.pg_type where oid = t)
+           is distinct from (select typcategory from pg_catalog.pg_type where oid = j.key_type) then
         raise exception 'lockstep: % is %, but the parent key %.% of job "%" is %', what, coalesce(t::text, 'not an array'),
             j.parent, j.parent_key, j.job, j.key_type
-            using errcode = 'LSQ01',
-                  hint = pg_catalog.format('Use a %s column (or a type with an implicit cast to it).', j.key_type);
+            using errcode = 'LSQ01', hint = pg_catalog.format('Pass an array of %s.', j.key_type);
     end if;
 end;
 $$;
@@ -132,7 +134,8 @@ begin
     if pg_catalog.array_position(keys, null) is not null then
         raise exception 'lockstep: keys must not contain NULL (job "%")', j.job using errcode = '22004';
     end if;
-    execute pg_catalog.format('select array_agg(k::%s::text) from pg_catalog.unnest($1) k', j.key_type)
+    -- through text (canonical here): 1.5 for a bigint key is an error, not a rounded 2
+    execute pg_catalog.format('select array_agg(k::text::%s::text) from pg_catalog.unnest($1) k', j.key_type)
         into v using keys;
     return coalesce(v, '{}');
 end;
@@ -382,8 +385,8 @@ begin
         end if;
         select a.atttypid into v_type from pg_catalog.pg_attribute a
         where a.attrelid = w.rel and a.attname = w.key_column and a.attnum > 0 and not a.attisdropped;
-        if v_type is null or not lockstep._castable(v_type, key_type)
-           or exists (select from lockstep.job x where x.job = _check_watchers.job and x.key_type <> key_type) then
+        if v_type is null or not lockstep._castable(v_type, _check_watchers.key_type)
+           or exists (select from lockstep.job x where x.job = _check_watchers.job and x.key_type <> _check_watchers.key_type) then
             raise exception 'lockstep: job "%" is fed by trigger % on % (column %, %), which does not fit the new parent key type %',
                 job, w.tgname, w.rel, w.key_column, coalesce(v_type::text, 'missing'), key_type
                 using errcode = 'LSQ01',
@@ -419,7 +422,14 @@ begin
     if v_type is null then
         raise exception 'lockstep: table % has no column %', source, key_column using errcode = '42703';
     end if;
-    perform lockstep._check_key_type(j, v_type, pg_catalog.format('%s.%s', source, key_column));
+    -- a trigger cannot report a value that does not convert (numeric 3.5 for a bigint key): only lossless
+    -- conversions are accepted here
+    if not lockstep._castable(v_type, j.key_type) then
+        raise exception 'lockstep: %.% is %, which does not always convert to the parent key type % of job "%"',
+            source, key_column, v_type, j.key_type, j.job
+            using errcode = 'LSQ01',
+                  hint = pg_catalog.format('Watch a %s column (or one of a type with an implicit cast to it).', j.key_type);
+    end if;
     -- the fast path (a third argument) where the column's JSON text is the key's canonical text
     v_fast := v_type::text = any(lockstep._fast_types()) and j.key_type::text = any(lockstep._fast_types());
     perform lockstep.unwatch(job, source);
