@@ -120,7 +120,15 @@ class Runner:
         conn = db.connect(self.opts.dsn, prepare=self.opts.prepare, check_interval=self.opts.check_interval)
         self.conn = conn
         self.pid = db.backend_pid(conn)
-        self._sequence = db.queue_sequence(conn) if self.opts.listen and not self.opts.once else None
+        self._sequence = None
+        if self.opts.listen and not self.opts.once:
+            try:
+                sequence = db.queue_sequence(conn)
+                if sequence is not None:
+                    db.queue_mark(conn, sequence)
+                    self._sequence = sequence
+            except psycopg.errors.InsufficientPrivilege as exc:
+                log.warning("cannot read the queue's sequence (%s); waking every --tick only", describe(exc))
         log.debug("connected: backend pid %s, database %s", self.pid, conn.info.dbname)
 
     def _close(self) -> None:

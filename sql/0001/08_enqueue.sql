@@ -182,45 +182,42 @@ begin
 end;
 $$;
 
--- lockstep._trigger_sql(job, column, rel, new_table, old_table): the slow path's query: the canonical keys
--- of the transition tables, or a problem (why it cannot be read). Looks up the job (the fast path never
--- does): unknown job, no queue, column missing, or a column type that does not convert are problems.
+-- lockstep._trigger_problem(job, key_column, rel, op, new_table, old_table): why the general path of
+-- lockstep.enqueue_trigger cannot enqueue (NULL: it can), and the job's key type. One static query: the
+-- job (unknown, no queue), the column (gone, renamed, or of a type that does not always convert: only the
+-- same type, a domain over it or an implicit cast), the transition tables the operation needs.
 -- locks: nothing.
-create function lockstep._trigger_sql(job text, key_column text, rel oid, new_table name, old_table name,
-                                      out sql text, out problem text)
+create function lockstep._trigger_problem(job text, key_column text, rel oid, op text, new_table name,
+                                          old_table name, out problem text, out key_type regtype)
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    j lockstep.job;
+    v_queue boolean;
     v_type regtype;
-    v_part text[] := '{}';
-    t name;
+    v_conv boolean;
 begin
-    select * into j from lockstep.job x where x.job = _trigger_sql.job;
-    if not found then
-        problem := 'unknown job';
-    elsif j.kind <> 'derived' or j.parent is null then
-        problem := 'the job has no parent, so it has no queue';
-    end if;
-    select a.atttypid into v_type from pg_catalog.pg_attribute a
-    where a.attrelid = rel and a.attname = key_column and a.attnum > 0 and not a.attisdropped;
-    if problem is null and v_type is null then
-        problem := pg_catalog.format('table %s has no column %I', rel::regclass, key_column);
-    elsif problem is null and not lockstep._castable(v_type, j.key_type) then
-        problem := pg_catalog.format('column %s.%I is %s, which does not always convert to the key type %s',
-                                     rel::regclass, key_column, v_type, j.key_type);
-    end if;
-    if problem is not null then
+    if (op in ('INSERT', 'UPDATE') and new_table is null) or (op in ('UPDATE', 'DELETE') and old_table is null) then
+        problem := pg_catalog.format('the trigger on %s has no %s transition table (REFERENCING ... TABLE AS)',
+                                     rel::regclass, case when new_table is null and op <> 'DELETE' then 'NEW' else 'OLD' end);
         return;
     end if;
-    foreach t in array array[new_table, old_table] loop
-        if t is not null then
-            v_part := v_part || pg_catalog.format('select %I::%s k from %I', key_column, j.key_type, t);
-        end if;
-    end loop;
-    sql := pg_catalog.format('select lockstep._canon(pg_catalog.array_agg(k)) from (%s) s',
-                             pg_catalog.array_to_string(v_part, ' union all '));
+    select j.key_type, case when j.job is not null then j.kind = 'derived' and j.parent is not null end, a.atttypid,
+           a.atttypid = j.key_type or t.typbasetype = j.key_type
+           or exists (select from pg_catalog.pg_cast c
+                      where c.castsource in (a.atttypid, t.typbasetype) and c.casttarget = j.key_type
+                        and c.castcontext = 'i')
+    into key_type, v_queue, v_type, v_conv
+    from (values (1)) one(x)
+    left join lockstep.job j on j.job = _trigger_problem.job
+    left join pg_catalog.pg_attribute a
+        on a.attrelid = rel and a.attname = key_column and a.attnum > 0 and not a.attisdropped
+    left join pg_catalog.pg_type t on t.oid = a.atttypid;
+    problem := case when v_queue is null then 'unknown job'
+                    when not v_queue then 'the job has no parent, so it has no queue'
+                    when v_type is null then pg_catalog.format('table %s has no column %I', rel::regclass, key_column)
+                    when not v_conv then pg_catalog.format('column %s.%I is %s, which does not always convert to the key type %s',
+                                                           rel::regclass, key_column, v_type, key_type) end;
 end;
 $$;
 
@@ -229,7 +226,8 @@ $$;
 -- key, and (written by lockstep.watch, optional) the parent key type. Keys are enqueued once per statement.
 -- Fast path (lockstep.watch's triggers: transition tables lockstep_new / lockstep_old, a key type whose text
 -- is the same under every setting): one static INSERT, no read of lockstep's tables. Anything else takes the
--- slow path (EXECUTE). Never raises: where it cannot enqueue it flags the job (lockstep._flag).
+-- general path (checks with one static query, then one EXECUTE). Never raises: where it cannot enqueue it
+-- flags the job (lockstep._flag).
 -- locks: the insert into lockstep.queue (or lockstep.recompute_flag): nothing a worker or a recompute holds.
 create function lockstep.enqueue_trigger() returns trigger
 language plpgsql
@@ -238,7 +236,7 @@ as $$
 declare
     v_new name;
     v_old name;
-    v_keys text[];
+    v_type regtype;
     v_sql text;
     v_problem text;
     n bigint;
@@ -277,25 +275,18 @@ begin
             return null;
         end if;
     end if;
-    -- the slow path
+    -- the general path: any transition-table names, any key type (EXECUTE)
     if tg_level <> 'STATEMENT' or tg_when <> 'AFTER' or tg_nargs not in (2, 3) then
         v_problem := 'lockstep.enqueue_trigger() must be used in AFTER ... FOR EACH STATEMENT triggers with '
                      'arguments (job, key column)';
     elsif tg_op = 'TRUNCATE' then
         v_problem := 'TRUNCATE: a statement without transition tables';
-    elsif (tg_op in ('INSERT', 'UPDATE') and v_new is null) or (tg_op in ('UPDATE', 'DELETE') and v_old is null) then
-        v_problem := pg_catalog.format('trigger %I on %s has no %s transition table (REFERENCING ... TABLE AS)',
-                                       tg_name, tg_relid::regclass,
-                                       case when v_new is null and tg_op <> 'DELETE' then 'NEW' else 'OLD' end);
     else
-        select s.sql, s.problem into v_sql, v_problem
-        from lockstep._trigger_sql(tg_argv[0], tg_argv[1], tg_relid,
-                                   case when tg_op <> 'DELETE' then v_new end,
-                                   case when tg_op <> 'INSERT' then v_old end) s;
-    end if;
-    if v_problem is null then
-        begin
-            execute v_sql into v_keys;   -- reads only: the subtransaction gets no transaction id
+        v_new := case when tg_op <> 'DELETE' then v_new end;
+        v_old := case when tg_op <> 'INSERT' then v_old end;
+        begin  -- reads only: the subtransaction gets no transaction id
+            select x.problem, x.key_type into v_problem, v_type
+            from lockstep._trigger_problem(tg_argv[0], tg_argv[1], tg_relid, tg_op, v_new, v_old) x;
         exception when others then
             get stacked diagnostics v_problem = message_text;
         end;
@@ -304,7 +295,21 @@ begin
         perform lockstep._flag(case when tg_nargs > 0 then tg_argv[0] end, v_problem);
         return null;
     end if;
-    insert into lockstep.queue (job, key) select tg_argv[0], k from pg_catalog.unnest(v_keys) with ordinality u(k, o) order by o;
+    -- checked above: the column exists and converts without loss, so this cannot fail (no subtransaction:
+    -- a write in one would take a subtransaction id per statement)
+    v_sql := pg_catalog.concat_ws(' union all ',
+        case when v_new is not null then pg_catalog.format('select %I::%s k from %I', tg_argv[1], v_type, v_new) end,
+        case when v_old is not null then pg_catalog.format('select %I::%s k from %I', tg_argv[1], v_type, v_old) end);
+    if v_type::text = any(lockstep._fast_types()) then  -- text the same under every setting
+        execute pg_catalog.format('insert into lockstep.queue (job, key) select $1, k::text '
+                                  'from (select distinct k from (%s) s where k is not null) d order by k', v_sql)
+            using tg_argv[0];
+    else
+        execute pg_catalog.format('insert into lockstep.queue (job, key) select $1, k from pg_catalog.unnest('
+                                  '(select lockstep._canon(pg_catalog.array_agg(k)) from (%s) s)) with ordinality u(k, o) '
+                                  'order by o', v_sql)
+            using tg_argv[0];
+    end if;
     return null;
 end;
 $$;
