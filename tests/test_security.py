@@ -44,6 +44,8 @@ OWNER_GRANTS = [
     "grant delete on lockstep.queue to {role}",  # drop_job
     "grant select on lockstep.key_failure to {role}",
     "grant delete on lockstep.key_failure to {role}",  # retry
+    "grant select on lockstep.recompute_flag to {role}",  # lockstep.status shows the flags
+    "grant delete on lockstep.recompute_flag to {role}",  # drop_job
     "grant select on lockstep.status to {role}",
     "grant select on lockstep.failing_keys to {role}",
     "grant temp on database {db} to {role}",  # the compute/write work tables and its trampoline
@@ -72,6 +74,8 @@ RUNNER_GRANTS = [
     "grant insert on lockstep.key_failure to {role}",
     "grant update on lockstep.key_failure to {role}",
     "grant delete on lockstep.key_failure to {role}",
+    "grant select on lockstep.recompute_flag to {role}",  # due() and run(): a flagged job's recompute is due
+    "grant delete on lockstep.recompute_flag to {role}",  # a recompute clears the flags it covered
     "grant {owner} to {role}",
     "grant select on lockstep.status to {role}",  # `lockstep status`, metrics
 ]
@@ -79,7 +83,6 @@ RUNNER_GRANTS = [
 APP_GRANTS = [
     "grant usage on schema lockstep to {role}",
     "grant select on lockstep.job to {role}",  # enqueue looks the job up
-    "grant select (job) on lockstep.queue to {role}",  # whether the job's queue was empty (NOTIFY)
     "grant insert on lockstep.queue to {role}",
 ]
 EXAMPLE_APP_GRANTS = [
