@@ -21,7 +21,7 @@ from pathlib import Path
 import psycopg
 import pytest
 from psycopg.conninfo import make_conninfo
-from util import raises_sqlstate, snapshot
+from util import pg_bindir, raises_sqlstate, snapshot
 
 from runner.migrate import migrate
 
@@ -288,17 +288,7 @@ def test_a_trigger_that_cannot_enqueue_flags_the_job_with_an_insert_only(app, co
 # -- the hostile application catalogue ---------------------------------------------------------------------
 
 
-def _pg_bindir() -> Path:
-    try:
-        out = subprocess.run(
-            ["pg_config", "--bindir"], capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-    except OSError:
-        out = ""
-    return Path(os.environ.get("LOCKSTEP_PG_BIN") or out or "/usr/lib/postgresql/15/bin")
-
-
-BIN = _pg_bindir()
+BIN = pg_bindir() or Path("/nonexistent")  # pg_config --bindir, or env LOCKSTEP_PG_BIN
 
 
 def _free_port() -> int:

@@ -62,7 +62,7 @@ set search_path = pg_catalog, pg_temp
 as $$
     select j.job, j.lock_group,
            least(s.next_run_at,
-                 case when s.consecutive_failures = 0
+                 case when j.kind = 'derived' and s.consecutive_failures = 0
                        and exists (select from lockstep.recompute_flag f where f.job = j.job) then now() end,
                  case when j.parent is not null and lockstep._has_ready(j)
                       then greatest(now(), coalesce(s.retry_at, now())) end,
