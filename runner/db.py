@@ -104,6 +104,25 @@ def queue_mark(conn: psycopg.Connection, sequence: str) -> int | None:
     return conn.execute("select pg_sequence_last_value(%s::regclass)", [sequence]).fetchone()[0]
 
 
+def may_vacuum_queue(conn: psycopg.Connection) -> bool:
+    """The runner's role may VACUUM lockstep.queue (owner, member of the owner, database owner, superuser)."""
+    row = conn.execute(
+        "select pg_has_role(c.relowner, 'USAGE') or d.datdba = u.oid or u.rolsuper"
+        " from pg_class c, pg_namespace n, pg_roles u, pg_database d"
+        " where n.nspname = 'lockstep' and c.relnamespace = n.oid and c.relname = 'queue'"
+        " and u.rolname = current_user"
+        " and d.datname = current_database()"
+    ).fetchone()
+    return bool(row and row[0])
+
+
+def vacuum_queue(conn: psycopg.Connection) -> None:
+    """VACUUM the queue (its dead rows: every pass deletes what it processed). SKIP_LOCKED: never waits for
+    another runner's vacuum; the queue's vacuum_truncate = false: never an ACCESS EXCLUSIVE lock, so an
+    enqueuing application never waits for it."""
+    conn.execute("vacuum (skip_locked) lockstep.queue")
+
+
 def backend_pid(conn: psycopg.Connection) -> int:
     return conn.info.backend_pid
 

@@ -19,6 +19,7 @@ log = logging.getLogger("lockstep.runner")
 DRAIN_LIMIT = 50  # consecutive calls of one job in a tick (outcome done, more) before the others' turn
 SLICE = 0.25  # longest uninterrupted wait, so a signal is noticed quickly
 POLL = 0.1  # how often a sleeping runner looks at the queue's sequence (wake-up latency)
+VACUUM_EVERY = 10.0  # seconds between two VACUUMs of the queue by a runner that worked meanwhile
 RECHECK = 1.0  # after the sequence moved: look at the schedule every POLL this long (the enqueuer may not
 # have committed yet when the sequence moved)
 
@@ -88,6 +89,8 @@ class Runner:
         self._sequence: str | None = None
         self._mark: int | None = None
         self._recheck_until = 0.0
+        self._may_vacuum = False
+        self._vacuum_at = time.monotonic()
         self._job_errors: dict[str, _JobError] = {}
         self._depths_at = 0.0
         self._unknown: set[str] = set()
@@ -120,6 +123,9 @@ class Runner:
         conn = db.connect(self.opts.dsn, prepare=self.opts.prepare, check_interval=self.opts.check_interval)
         self.conn = conn
         self.pid = db.backend_pid(conn)
+        self._may_vacuum = db.may_vacuum_queue(conn)
+        if not self._may_vacuum:
+            log.info("not the queue's owner: autovacuum alone cleans lockstep.queue")
         self._sequence = None
         if self.opts.listen and not self.opts.once:
             try:
@@ -231,6 +237,8 @@ class Runner:
                 continue
             progressed |= self._drain(row.job)
         self._update_depths()
+        if progressed:
+            self._vacuum()
         if progressed or not sleep or self.stopping:
             return progressed
         waits = [r.wait for r in rows if r.wait is not None and r.wait > 0]
@@ -320,6 +328,13 @@ class Runner:
                 fields["ms"],
                 extra={"fields": fields},
             )
+
+    def _vacuum(self) -> None:
+        """Every VACUUM_EVERY seconds of work, VACUUM the queue: it churns (every pass deletes what it
+        processed) faster than autovacuum visits it (at most once per autovacuum_naptime, or never)."""
+        if self._may_vacuum and self.conn is not None and time.monotonic() - self._vacuum_at > VACUUM_EVERY:
+            self._vacuum_at = time.monotonic()
+            db.vacuum_queue(self.conn)
 
     def _update_depths(self) -> None:
         if self.metrics.enabled and self.conn is not None and time.monotonic() - self._depths_at > 5:

@@ -455,3 +455,33 @@ def test_hostile_application_catalogue(twopc_dsn):
     # drop_job took the user's own triggers too (they name the job)
     assert [enqueue_triggers(admin, t) for t in ("app.acc", "app.txn", "app.ledger", "app.day")] == [[]] * 4
     admin.close()
+
+
+# -- issue 17: the queue stays small under churn ---------------------------------------------------------
+
+
+def test_a_runner_that_owns_the_queue_vacuums_it_without_locking_writers_out(app, connect):
+    from runner import db
+
+    for _ in range(3):
+        app.execute("update app.acc set bal = bal + 1")
+        drain(app, "band")
+    assert db.may_vacuum_queue(app)  # the tests' superuser
+    writer = connect(autocommit=False)
+    writer.execute("update app.acc set bal = bal + 1 where aid = 1")  # holds RowExclusiveLock on the queue
+    db.vacuum_queue(app)  # does not wait for it
+    writer.commit()
+    options = app.execute(
+        "select reloptions from pg_class where oid = 'lockstep.queue'::regclass"
+    ).fetchone()[0]
+    assert (
+        "vacuum_truncate=false" in options
+    )  # no vacuum takes the ACCESS EXCLUSIVE lock enqueuers would wait for
+    role = f"ls_not_owner_{os.getpid()}"
+    app.execute(f"create role {role}")
+    try:
+        app.execute(f"set role {role}")
+        assert not db.may_vacuum_queue(app)
+    finally:
+        app.execute("reset role")
+        app.execute(f"drop role {role}")

@@ -126,9 +126,12 @@ create table lockstep.queue (
 create index queue_job_key_idx on lockstep.queue (job, key);
 
 -- the queue churns (every worker pass deletes what it processed): vacuum it after a thousand dead rows, not
--- after 20 % of the table, and without cost delay (it is small). Autovacuum still visits a database at most
--- once per autovacuum_naptime (default 1 min); pages the worker reads are pruned as it goes meanwhile.
+-- after 20 % of the table, and without cost delay (it is small). Autovacuum visits a database at most once
+-- per autovacuum_naptime (default 1 min), or never (autovacuum = off), so runners that may also VACUUM it
+-- every 10 s while they work. vacuum_truncate = false: no vacuum ever takes the ACCESS EXCLUSIVE lock that
+-- truncating the file needs, so an enqueuing application never waits for one.
 alter table lockstep.queue set (
+    vacuum_truncate = false,
     autovacuum_vacuum_scale_factor = 0, autovacuum_vacuum_threshold = 1000,
     autovacuum_vacuum_insert_scale_factor = 0, autovacuum_vacuum_insert_threshold = 10000,
     autovacuum_analyze_scale_factor = 0, autovacuum_analyze_threshold = 10000,
