@@ -40,6 +40,7 @@ def test_oltp_section_tiny(admin_dsn):
     ls = r["lockstep"]
     assert ls["converged"] and ls["divergence"] == 0 and ls["queue_left"] == 0
     assert ls["keys_enqueued"] >= ls["transactions"]  # one key per UPDATE pgbench_accounts
+    assert ls["trigger_us_per_update"] is not None
     assert ls["worker_passes"] > 0 and ls["worker_ms_per_key"] > 0
     assert ls["queue_lag_max_s"] is not None and ls["queue_depth_max"] is not None
     assert r["tps_pct_of_base"] > 0 and r["added_ms_per_update"] is not None and r["wal_ratio"] > 0

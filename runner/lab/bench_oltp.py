@@ -11,6 +11,7 @@ twice:
 Reported for both: tps, average latency, the ``UPDATE pgbench_accounts`` latency (``pgbench -r``), WAL per
 transaction (``pg_current_wal_lsn()`` difference / transactions; for lockstep until the queue drained, so
 it includes the worker's writes); for lockstep also: tps as % of base, the added ms per UPDATE, the
+server time the trigger adds to one single-row UPDATE (against an unwatched twin table, in one DO block), the
 worker's ms per queued key (its passes' time from the runners' JSON logs / keys enqueued), the queue's lag
 (oldest entry, sampled every 0.5 s), its size, how long it took to drain after the load, and convergence
 (account_band equals its compute). The machine may be shared: compare the two rows of one run.
@@ -72,6 +73,33 @@ LAG_SQL = (
     "select coalesce(extract(epoch from clock_timestamp() - min(enqueued_at)), 0)::float8, count(*),"
     " pg_total_relation_size('lockstep.queue') from lockstep.queue"
 )
+# server time one watched UPDATE pays for the trigger: single-row updates of pgbench_accounts (watched)
+# against an unwatched twin, alternating in chunks of 1,000, the min of 10 chunks each
+TRIGGER_US_SQL = """
+create table public.accounts_twin as select * from public.pgbench_accounts where aid <= 20000;
+alter table public.accounts_twin add primary key (aid);
+analyze public.accounts_twin;
+create temp table trigger_us (us float8);
+do $$
+declare t0 timestamptz; i int; c int; k int; a float8 := 1e9; b float8 := 1e9;
+begin
+    for c in 1..10 loop
+        t0 := clock_timestamp();
+        for i in 1..1000 loop
+            k := 1 + (c * 1000 + i) * 7919 % 20000;
+            update public.accounts_twin set abalance = abalance + 1 where aid = k;
+        end loop;
+        a := least(a, extract(epoch from clock_timestamp() - t0) * 1e3);
+        t0 := clock_timestamp();
+        for i in 1..1000 loop
+            k := 1 + (c * 1000 + i) * 7919 % 20000;
+            update public.pgbench_accounts set abalance = abalance + 1 where aid = k;
+        end loop;
+        b := least(b, extract(epoch from clock_timestamp() - t0) * 1e3);
+    end loop;
+    insert into trigger_us values (b - a);
+end $$;
+"""
 SEQ_SQL = "select coalesce(pg_sequence_last_value(pg_get_serial_sequence('lockstep.queue', 'id')), 0)"
 
 Progress = Callable[[str], None]
@@ -155,6 +183,9 @@ class Oltp:
         self.progress("lockstep: install, define account_band, watch, recompute")
         migrate(self.dsn)
         self.conn.execute(DERIVED_SQL)
+        self.conn.execute(TRIGGER_US_SQL)
+        trigger_us = self.conn.execute("select us from trigger_us").fetchone()[0]
+        self.conn.execute("delete from lockstep.queue")
         self.conn.execute("select lockstep.recompute(%s)", [JOB])
         self.conn.execute("vacuum analyze public.account_band")
         self.conn.execute("checkpoint")
@@ -207,6 +238,7 @@ class Oltp:
         shutil.rmtree(logdir, ignore_errors=True)
         lags = sorted(s[0] for s in samples)
         r.update(
+            trigger_us_per_update=trigger_us,
             keys_enqueued=keys,
             worker_passes=passes,
             worker_ms=work_ms,
@@ -287,6 +319,8 @@ def render(r: dict[str, Any]) -> str:
         f"  lockstep tps: {_f(r['tps_pct_of_base'], '{:.1f}')} % of base (target >= 75 %);"
         f" added per UPDATE: {_f(r['added_ms_per_update'], '{:.3f}')} ms (target <= 0.1);"
         f" WAL {_f(r['wal_ratio'])}x base (target <= 2)",
+        f"  trigger: {_f(ls['trigger_us_per_update'], '{:.1f}')} µs server time per watched single-row UPDATE"
+        " (target <= 20)",
         f"  worker: {_f(ls['worker_ms_per_key'], '{:.3f}')} ms per queued key ({ls['keys_enqueued']:,} keys,"
         f" {ls['worker_passes']} passes, {_f(ls['worker_ms'], '{:,.0f}')} ms)",
         f"  queue: oldest entry p50 {_f(ls['queue_lag_p50_s'])} s, max {_f(ls['queue_lag_max_s'])} s"
