@@ -82,7 +82,6 @@ RUNNER_GRANTS = [
 # an application role that writes the watched tables: its statement triggers enqueue as that role.
 APP_GRANTS = [
     "grant usage on schema lockstep to {role}",
-    "grant select on lockstep.job to {role}",  # enqueue looks the job up
     "grant insert on lockstep.queue to {role}",
 ]
 EXAMPLE_APP_GRANTS = [
