@@ -19,6 +19,7 @@ TABLE_COLUMNS = (
     "consecutive_failures",
     "next_run_at",
     "runs",
+    "needs_recompute",
     "last_error",
 )
 

@@ -41,7 +41,7 @@ from runner.lab.scratch import percentile
 JOB = example.JOB
 LEVELS = (0, 1, 100)  # % of parents changed
 METHODS = ("naive", "seed", "lockstep", "matview")
-SECTIONS = ("recompute", "queue")
+SECTIONS = ("recompute", "queue", "oltp")  # oltp: runner.lab.bench_oltp (pgbench; not run by default)
 
 METHOD_CALL = {
     "naive": "select example.naive_recompute()",
@@ -503,6 +503,12 @@ def run(
     unknown = set(sections) - set(SECTIONS)
     if unknown:
         raise ValueError(f"unknown sections: {', '.join(sorted(unknown))}")
+    if "oltp" in sections:  # a database of its own (pgbench's tables), sized by LOCKSTEP_OLTP_* variables
+        from runner.lab import bench_oltp
+
+        oltp = {"oltp": bench_oltp.run(admin_dsn, progress)}
+        if set(sections) == {"oltp"}:
+            return oltp
     name = f"lockstep_bench_{os.getpid()}"
     try:
         progress(f"create database {name}")
@@ -518,7 +524,7 @@ def run(
         finally:
             bench.close()
         progress("done")
-        return result
+        return {**result, **oltp} if "oltp" in sections else result
     finally:
         scratch.drop_database(admin_dsn or "", name)
 
@@ -528,6 +534,10 @@ def _f(v: Any, fmt: str = "{:.1f}") -> str:
 
 
 def render(r: dict[str, Any]) -> str:
+    if "machine" not in r:  # the oltp section alone
+        from runner.lab import bench_oltp
+
+        return bench_oltp.render(r["oltp"])
     m = r["machine"]
     lines = [
         f"machine: {m['nproc']} CPUs, {m['ram_gb']} GB RAM, PostgreSQL {m['postgresql']}; "
@@ -636,6 +646,10 @@ def render(r: dict[str, Any]) -> str:
                     f"{q[f'noop_{what}_wal_repeated']:,} B ({q[f'noop_{what}_fpi_repeated']} FPI) / "
                     f"{q[f'noop_{what}_catalog_rows_repeated']} rows"
                 )
+    if "oltp" in r:
+        from runner.lab import bench_oltp
+
+        lines += ["", bench_oltp.render(r["oltp"])]
     return "\n".join(lines)
 
 

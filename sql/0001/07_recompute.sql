@@ -11,6 +11,7 @@ declare
     s lockstep.job_state;
     v_started timestamptz;
     v_err text;
+    v_snap pg_snapshot;
     p lockstep._pass;
 begin
     if not lockstep._try_lock(j.lock_group) then
@@ -22,6 +23,7 @@ begin
         return lockstep._result(lockstep._not_due(s), j.job, 'recompute');
     end if;
     v_started := clock_timestamp();
+    v_snap := pg_catalog.pg_current_snapshot();  -- flags this snapshot sees are covered by this recompute
     begin
         p := lockstep._apply(j, null);
     exception
@@ -38,6 +40,7 @@ begin
     if j.parent is not null and cardinality(p.skipped) > 0 then
         perform lockstep._enqueue_text(j, p.skipped);
     end if;
+    perform lockstep._clear_flag(j, v_snap);
     perform lockstep._finish(j, 'recompute', 'done', v_started, p);
     return lockstep._result('done', j.job, 'recompute', p);
 end;
@@ -48,6 +51,9 @@ $$;
 create function lockstep.recompute(job text) returns lockstep.result
 language plpgsql
 set search_path = pg_catalog, pg_temp
+set datestyle = 'ISO, YMD'
+set intervalstyle = 'postgres'
+set extra_float_digits = 1
 as $$
 begin
     perform lockstep._check_isolation('lockstep.recompute()');
