@@ -266,7 +266,8 @@ VIEWER = [  # the viewer recipe of docs/web.md
     "grant usage on schema lockstep to {role}",
     "grant select on lockstep.status, lockstep.parked_keys, lockstep.failing_keys, lockstep.run_log"
     " to {role}",
-    "grant select on lockstep.job, lockstep.job_state, lockstep.queue, lockstep.key_failure to {role}",
+    "grant select on lockstep.job, lockstep.job_state, lockstep.queue, lockstep.key_failure,"
+    " lockstep.recompute_flag to {role}",
 ]
 
 
