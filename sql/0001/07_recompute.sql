@@ -1,8 +1,129 @@
--- lockstep 0001: the periodic full recompute.
+-- lockstep 0001: the periodic full recompute, applied in bounded batches.
+--
+-- A recompute computes every parent (compute(NULL)) and diffs the whole target without any row lock. If
+-- the difference touches more than the job's batch_parents parents, it writes only the first batch_parents
+-- of them (in parent-key order) and hands the others to the queue in the same transaction, where worker
+-- passes recompute them fresh, batch_parents at most per transaction. So no transaction holds row locks
+-- for longer than one batch, whatever the size of the change; the hand-off is as durable as the batch it
+-- commits with (nothing is lost if the runner dies between batches), and every later batch is computed from
+-- a fresh snapshot (an application change is never overwritten by older rows). If the whole-table pass
+-- fails while an empty pass works, some parents are poison: every parent is handed to the queue, where the
+-- worker's bisection isolates, retries and parks the failing ones and writes all the others.
 
--- lockstep._recompute(j, only_if_due): the full recompute under the group lock.
--- locks: the group lock (try: busy if taken); then as lockstep._write for the whole table; then the
--- queue (skipped parents appended); the job's status row last.
+-- lockstep._limit_batch(j, budget): write step 0. Keep in pg_temp.lockstep_gone / lockstep_put only the
+-- rows of the first budget changed parents, in parent-key order (a row moving between parents stays if
+-- either is kept; rows without a parent always stay), and return the other changed parents, in key order.
+-- They are also left in pg_temp.lockstep_rest (key text, ON COMMIT DROP), created only when the difference
+-- exceeds the budget, for the caller to hand to the queue. budget NULL, or a job without a parent: no limit.
+-- locks: nothing outside pg_temp.
+create function lockstep._limit_batch(j lockstep.job, budget integer) returns text[]
+language plpgsql
+set search_path = pg_catalog, pg_temp
+set client_min_messages = warning
+set jit = off
+as $$
+declare
+    v_changed bigint;
+begin
+    if budget is null or j.parent is null then
+        return '{}';
+    end if;
+    execute 'select count(*) from (select lockstep_parent from pg_temp.lockstep_gone'
+            '  union select lockstep_parent from pg_temp.lockstep_put'
+            '  union select lockstep_old_parent from pg_temp.lockstep_put) s(k) where k is not null'
+        into v_changed;
+    if v_changed <= budget then
+        return '{}';
+    end if;
+    drop table if exists pg_temp.lockstep_rest;
+    execute pg_catalog.format(
+        'create temp table lockstep_rest on commit drop as '
+        'select k::text as key from (select distinct k::%1$s as k from ('
+        '  select lockstep_parent from pg_temp.lockstep_gone'
+        '  union all select lockstep_parent from pg_temp.lockstep_put'
+        '  union all select lockstep_old_parent from pg_temp.lockstep_put) s(k) where k is not null) s '
+        'order by k offset $1', j.key_type) using budget;
+    analyze pg_temp.lockstep_rest;
+    delete from pg_temp.lockstep_gone g
+    where exists (select from pg_temp.lockstep_rest r where r.key = g.lockstep_parent);
+    delete from pg_temp.lockstep_put p
+    where (p.lockstep_parent is not null or p.lockstep_old_parent is not null)
+      and (p.lockstep_parent is null or exists (select from pg_temp.lockstep_rest r where r.key = p.lockstep_parent))
+      and (p.lockstep_old_parent is null
+           or exists (select from pg_temp.lockstep_rest r where r.key = p.lockstep_old_parent));
+    analyze pg_temp.lockstep_gone;
+    analyze pg_temp.lockstep_put;
+    return array(select r.key from pg_temp.lockstep_rest r);
+end;
+$$;
+
+-- lockstep._hand_off(j, keys, total): queue keys for the worker as the rest of a recompute that changed
+-- total parents, and record the queue ids of the hand-off in the job's status row (lockstep.status shows
+-- recompute_done / recompute_total from it until the worker has taken them all). keys empty: record that no
+-- recompute is spread over transactions.
+-- locks: appends to lockstep.queue; the job's lockstep.job_state row (FOR NO KEY UPDATE, by the update).
+create function lockstep._hand_off(j lockstep.job, keys text[], total bigint) returns bigint
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_before bigint;
+    n bigint := 0;
+begin
+    if cardinality(keys) > 0 then
+        select coalesce(max(q.id), 0) into v_before from lockstep.queue q where q.job = j.job;
+        n := lockstep._enqueue_text(j, keys);
+    end if;
+    update lockstep.job_state s set
+        recompute_total = case when n > 0 then total end,
+        recompute_queue_from = case when n > 0 then (select min(q.id) from lockstep.queue q
+                                                     where q.job = j.job and q.id > v_before) end,
+        recompute_queue_to = case when n > 0 then (select max(q.id) from lockstep.queue q
+                                                   where q.job = j.job and q.id > v_before) end
+    where s.job = j.job
+      and (n > 0 or s.recompute_total is not null);
+    return n;
+end;
+$$;
+
+-- lockstep._recompute_failed(j, started, error): the whole-table pass raised error. If an empty pass
+-- raises too (or the job has no parent), the job itself is broken: a failed run with its backoff. Otherwise
+-- some parents are poison: every parent is handed to the queue, where the worker's bisection isolates,
+-- retries and parks the failing ones (lockstep.failing_keys / parked_keys) and writes all the others; the
+-- recompute is done (no backoff) and reports the error.
+-- locks: the group lock is already held; the empty pass as lockstep._write (no row lock: nothing to write);
+-- then as lockstep._hand_off; the job's status row last.
+create function lockstep._recompute_failed(j lockstep.job, started timestamptz, error text)
+returns lockstep.result
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_keys text[];
+    n bigint;
+begin
+    if j.parent is null then
+        return lockstep._failed(j, 'recompute', started, error);
+    end if;
+    begin
+        perform lockstep._apply(j, '{}'::text[]);
+    exception when others then
+        return lockstep._failed(j, 'recompute', started, error);
+    end;
+    execute pg_catalog.format('select coalesce(array_agg(%1$I::text order by %1$I), ''{}'') from %2$s',
+                              j.parent_key, j.parent) into v_keys;
+    n := lockstep._hand_off(j, v_keys, cardinality(v_keys));
+    perform lockstep._finish(j, 'recompute', 'done', started);
+    return lockstep._result('done', j.job, 'recompute', null,
+        pg_catalog.format('the whole-table pass failed (%s); its %s parents were handed to the worker, which '
+                          'isolates the failing ones (lockstep.failing_keys)', error, n), n > 0);
+end;
+$$;
+
+-- lockstep._recompute(j, only_if_due): the full recompute under the group lock, writing at most
+-- j.batch_parents parents in this transaction and handing the rest to the queue (see the top of this file).
+-- locks: the group lock (try: busy if taken); then as lockstep._write for the first batch of the difference;
+-- then the queue (skipped parents and the rest appended); the job's status row last.
 create function lockstep._recompute(j lockstep.job, only_if_due boolean) returns lockstep.result
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -11,6 +132,8 @@ declare
     s lockstep.job_state;
     v_started timestamptz;
     v_err text;
+    v_rest text[] := '{}';
+    n bigint := 0;
     p lockstep._pass;
 begin
     if not lockstep._try_lock(j.lock_group) then
@@ -33,13 +156,17 @@ begin
             return lockstep._failed(j, 'recompute', v_started, v_err);
         when others then
             get stacked diagnostics v_err = message_text;
-            return lockstep._failed(j, 'recompute', v_started, v_err);
+            return lockstep._recompute_failed(j, v_started, v_err);
     end;
-    if j.parent is not null and cardinality(p.skipped) > 0 then
-        perform lockstep._enqueue_text(j, p.skipped);
+    if pg_catalog.to_regclass('pg_temp.lockstep_rest') is not null then
+        v_rest := array(select r.key from pg_temp.lockstep_rest r);
+    end if;
+    if j.parent is not null then
+        n := lockstep._hand_off(j, p.skipped || v_rest,
+                                case when cardinality(v_rest) > 0 then j.batch_parents + cardinality(v_rest) end);
     end if;
     perform lockstep._finish(j, 'recompute', 'done', v_started, p);
-    return lockstep._result('done', j.job, 'recompute', p);
+    return lockstep._result('done', j.job, 'recompute', p, null, cardinality(v_rest) > 0);
 end;
 $$;
 
@@ -52,5 +179,27 @@ as $$
 begin
     perform lockstep._check_isolation('lockstep.recompute()');
     return lockstep._recompute(lockstep._job(job, 'derived'), false);
+end;
+$$;
+
+-- lockstep.set_batch_parents(job, batch_parents): parents written per transaction (default 1000): a
+-- recompute writes at most this many and hands the rest to the queue; a runner's worker pass claims at most
+-- min(500, batch_parents). Smaller: shorter row locks, more transactions.
+-- locks: the job's registry row.
+create function lockstep.set_batch_parents(job text, batch_parents integer) returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    j lockstep.job := lockstep._queue_job(job);
+begin
+    if batch_parents is null or batch_parents < 1 then
+        raise exception 'lockstep: batch_parents must be a positive integer (got %)',
+            coalesce(batch_parents::text, 'NULL')
+            using errcode = '22023', hint = 'The default is 1000 parents per transaction.';
+    end if;
+    perform lockstep._check_owner(j);
+    update lockstep.job x set batch_parents = set_batch_parents.batch_parents, updated_at = now()
+    where x.job = j.job;
 end;
 $$;
