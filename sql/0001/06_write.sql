@@ -516,9 +516,9 @@ begin
         p.compute_ms := extract(epoch from clock_timestamp() - v_t0) * 1000;
         return p;  -- nothing to write: no lock taken at all
     end if;
+    perform lockstep._limit_batch(j, case when keys is null then j.batch_parents end);  -- 07_recompute.sql
     v_t1 := clock_timestamp();
     p.compute_ms := extract(epoch from v_t1 - v_t0) * 1000;
-    perform lockstep._limit_batch(j, case when keys is null then j.batch_parents end);  -- 07_recompute.sql
     v_skip := lockstep._pin_parents(j);
     v_skip := v_skip || lockstep._pin_refs(j);
     v_skip := v_skip || lockstep._lock_rows(j);

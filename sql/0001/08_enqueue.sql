@@ -18,7 +18,7 @@ begin
     v_empty := not exists (select from lockstep.queue q where q.job = j.job);
     execute pg_catalog.format(
         'insert into lockstep.queue (job, key) '
-        'select $1, k::text from (select distinct k from pg_catalog.unnest($2::%s) k where k is not null) s order by k',
+        'select $1, s.k::text from (select distinct k from pg_catalog.unnest($2::%s) k where k is not null) s order by s.k',
         lockstep._array_type(j.key_type)) using j.job, keys;
     get diagnostics n = row_count;
     if v_empty and n > 0 then
