@@ -32,18 +32,22 @@ def test_bench_small_json(admin_dsn):
     for level in LEVELS:
         per = r["recompute"][f"{level}%"]
         assert per["changed_parents"] == 300 * level // 100
+        assert per["bare_compute_ms"] > 0
         for method in METHODS:
             m = per[method]
-            assert m["total_ms"] > 0 and m["wal_lsn"] >= 0 and m["wal_own"] >= 0
-            assert m["rows"] is not None and m["rows"] >= 0
+            assert m["total_ms"] > 0 and m["wal_lsn"] >= 0
+            # the naive and seed patterns may die (40P01) against the app deleting exams they rewrite
+            assert m["error"] is not None or (m["rows"] >= 0 and m["wal_own"] >= 0)
             assert m["app_delete"]["n"] >= 1 and m["app_delete"]["max_ms"] >= m["app_delete"]["p50_ms"] > 0
+            rw = m["app_delete_rewritten"]
+            assert (rw is None) == (level == 0) and (rw is None or rw["n"] >= 1)
         ls = per["lockstep"]
         assert ls["error"] is None and ls["deadlocks"] == 0 and not ls["app_delete"]["errors"]
-        assert ls["lockstep"]["outcome"] == "done"
-        assert 0 <= ls["lock_ms"] <= ls["total_ms"] and ls["compute_ms"] >= 0
+        assert level == 0 or not ls["app_delete_rewritten"]["errors"]
+        assert ls["lockstep"]["outcome"] == "done" and ls["transactions"] >= 1
+        assert 0 <= ls["max_lock_ms"] <= ls["lock_ms"] <= ls["total_ms"] and ls["compute_ms"] >= 0
         if level:
-            # every method writes the same diff (the matview's is its own rows)
-            assert ls["rows"] > 0 and per["seed"]["rows"] == ls["rows"]
+            assert ls["rows"] > 0
     noop = r["recompute"]["0%"]
     assert noop["lockstep"]["rows"] == 0 and noop["seed"]["rows"] == 0 and noop["matview"]["rows"] == 0
     assert noop["naive"]["rows"] > 0  # deletes and reinserts everything

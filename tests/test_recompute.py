@@ -133,9 +133,14 @@ def test_recompute_failure_is_recorded_with_backoff_and_writes_nothing(ex):
         language sql as $$ select * from example.exam_key_compute(ids) $$;
         """
     )
-    ex.execute(f"select lockstep.define_derived('{JOB}', 'example.exam_key', 'example.picky(bigint[])', 'example.exam')")
-    ex.execute("create or replace function example.picky(ids bigint[]) returns table (exam_id bigint, key text,"
-               " weight integer) language plpgsql as $$ begin raise exception 'short_keys: broken'; end $$")
+    ex.execute(
+        f"select lockstep.define_derived('{JOB}', 'example.exam_key', 'example.picky(bigint[])',"
+        " 'example.exam')"
+    )
+    ex.execute(
+        "create or replace function example.picky(ids bigint[]) returns table (exam_id bigint, key text,"
+        " weight integer) language plpgsql as $$ begin raise exception 'short_keys: broken'; end $$"
+    )
     r = result(ex, f"lockstep.recompute('{JOB}')")
     assert r["outcome"] == "failed"
     assert "short_keys" in r["error"]
