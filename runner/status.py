@@ -10,6 +10,7 @@ TABLE_COLUMNS = (
     "job",
     "kind",
     "queue_depth",
+    "recompute",  # done/total parents of a recompute spread over several transactions
     "parked_keys",
     "failing_keys",
     "last_outcome",
@@ -71,9 +72,17 @@ def _cell(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _progress(r: dict) -> str | None:
+    """'done/total' while a recompute is spread over several transactions (lockstep.status), else None."""
+    if r.get("recompute_total") is None:
+        return None
+    return f"{r.get('recompute_done')}/{r['recompute_total']}"
+
+
 def to_table(rows: list[dict]) -> str:
     if not rows:
         return "no jobs"
+    rows = [{**r, "recompute": _progress(r)} for r in rows]
     cells = [[_cell(r.get(c)) for c in TABLE_COLUMNS] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(TABLE_COLUMNS)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(TABLE_COLUMNS, widths, strict=True)).rstrip()]
