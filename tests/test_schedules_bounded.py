@@ -309,7 +309,7 @@ def test_set_batch_parents_checks_its_arguments(ex, conn):
         ex.execute(f"select lockstep.set_batch_parents('{JOB}', null)")
     with raises_sqlstate("LSJ01"):
         ex.execute("select lockstep.set_batch_parents('nope', 10)")
-    assert ex.execute(f"select batch_parents from lockstep.job where job = '{JOB}'").fetchone()[0] == 1000
+    assert ex.execute(f"select batch_parents from lockstep.job where job = '{JOB}'").fetchone()[0] == 500
 
 
 # -- kill -9 between batches (a real runner process) -------------------------------------------------------

@@ -84,9 +84,9 @@ create table lockstep.job (
     backoff         interval not null check (backoff > interval '0'),
     max_attempts    integer not null default 5 check (max_attempts > 0),
     -- parents written per transaction: a recompute whose difference touches more parents writes the first
-    -- batch_parents (in parent-key order) and hands the rest to the queue; a runner's worker pass claims at
-    -- most this many (lockstep.set_batch_parents).
-    batch_parents   integer not null default 1000 check (batch_parents > 0),
+    -- batch_parents (in parent-key order) and hands the rest to the queue; a worker pass of lockstep.run()
+    -- claims this many (lockstep.set_batch_parents).
+    batch_parents   integer not null default 500 check (batch_parents > 0),
     owner           name not null default current_user,
     created_at      timestamptz not null default now(),
     updated_at      timestamptz not null default now(),

@@ -160,7 +160,7 @@ $$;
 
 -- lockstep.run(job): what the runner calls. Runs whatever part of the job is due:
 --   generic job: its function, if due (not_due / backoff otherwise);
---   derived job: the periodic recompute if due, else a worker pass over up to min(500, batch_parents)
+--   derived job: the periodic recompute if due, else a worker pass over up to batch_parents (default 500)
 --   queued parents (idle if none).
 -- locks: nothing while looking for work; then as lockstep._call, lockstep.recompute or lockstep.work.
 create function lockstep.run(job text) returns lockstep.result
@@ -190,7 +190,7 @@ begin
     if j.parent is null then
         return lockstep._result(lockstep._not_due(s), j.job, 'recompute');
     end if;
-    r := lockstep._work(j, least(500, j.batch_parents));
+    r := lockstep._work(j, j.batch_parents);
     if r.outcome = 'idle' and lockstep._not_due(s) = 'backoff' then
         r.outcome := 'backoff';
     end if;

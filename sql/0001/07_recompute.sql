@@ -15,6 +15,7 @@
 -- either is kept; rows without a parent always stay), and return the other changed parents, in key order.
 -- They are also left in pg_temp.lockstep_rest (key text, ON COMMIT DROP), created only when the difference
 -- exceeds the budget, for the caller to hand to the queue. budget NULL, or a job without a parent: no limit.
+-- The two tables are rewritten compactly (truncate and refill), so the write steps scan only the batch.
 -- locks: nothing outside pg_temp.
 create function lockstep._limit_batch(j lockstep.job, budget integer) returns text[]
 language plpgsql
@@ -44,13 +45,24 @@ begin
         '  union all select lockstep_old_parent from pg_temp.lockstep_put) s(k) where k is not null) s '
         'order by k offset $1', j.key_type) using budget;
     analyze pg_temp.lockstep_rest;
-    delete from pg_temp.lockstep_gone g
-    where exists (select from pg_temp.lockstep_rest r where r.key = g.lockstep_parent);
-    delete from pg_temp.lockstep_put p
-    where (p.lockstep_parent is not null or p.lockstep_old_parent is not null)
-      and (p.lockstep_parent is null or exists (select from pg_temp.lockstep_rest r where r.key = p.lockstep_parent))
-      and (p.lockstep_old_parent is null
-           or exists (select from pg_temp.lockstep_rest r where r.key = p.lockstep_old_parent));
+    -- keep the batch's rows, compacted (a DELETE would leave the write steps scanning every dead row)
+    drop table if exists pg_temp.lockstep_keep;
+    create temp table lockstep_keep on commit drop as
+    select * from pg_temp.lockstep_gone g
+    where not exists (select from pg_temp.lockstep_rest r where r.key = g.lockstep_parent);
+    truncate pg_temp.lockstep_gone;
+    insert into pg_temp.lockstep_gone select * from pg_temp.lockstep_keep;
+    drop table pg_temp.lockstep_keep;
+    create temp table lockstep_keep on commit drop as
+    select * from pg_temp.lockstep_put p
+    where (p.lockstep_parent is null and p.lockstep_old_parent is null)
+       or (p.lockstep_parent is not null
+           and not exists (select from pg_temp.lockstep_rest r where r.key = p.lockstep_parent))
+       or (p.lockstep_old_parent is not null
+           and not exists (select from pg_temp.lockstep_rest r where r.key = p.lockstep_old_parent));
+    truncate pg_temp.lockstep_put;
+    insert into pg_temp.lockstep_put select * from pg_temp.lockstep_keep;
+    drop table pg_temp.lockstep_keep;
     analyze pg_temp.lockstep_gone;
     analyze pg_temp.lockstep_put;
     return array(select r.key from pg_temp.lockstep_rest r);
@@ -182,9 +194,9 @@ begin
 end;
 $$;
 
--- lockstep.set_batch_parents(job, batch_parents): parents written per transaction (default 1000): a
--- recompute writes at most this many and hands the rest to the queue; a runner's worker pass claims at most
--- min(500, batch_parents). Smaller: shorter row locks, more transactions.
+-- lockstep.set_batch_parents(job, batch_parents): parents written per transaction (default 500): a
+-- recompute writes at most this many and hands the rest to the queue, and a worker pass of lockstep.run()
+-- claims this many. Smaller: shorter row locks, more transactions.
 -- locks: the job's registry row.
 create function lockstep.set_batch_parents(job text, batch_parents integer) returns void
 language plpgsql
@@ -196,7 +208,7 @@ begin
     if batch_parents is null or batch_parents < 1 then
         raise exception 'lockstep: batch_parents must be a positive integer (got %)',
             coalesce(batch_parents::text, 'NULL')
-            using errcode = '22023', hint = 'The default is 1000 parents per transaction.';
+            using errcode = '22023', hint = 'The default is 500 parents per transaction.';
     end if;
     perform lockstep._check_owner(j);
     update lockstep.job x set batch_parents = set_batch_parents.batch_parents, updated_at = now()
