@@ -4,7 +4,8 @@ A recompute whose difference touches more than the job's batch_parents parents w
 parent-key order) and hands the others to the queue, where worker passes recompute them fresh, one bounded
 transaction each. The schedules show what that changes for an application (it never waits for a batch it
 is not in), and that the guarantees still hold: no lost update, convergence, nothing lost on kill -9
-between batches, rule 7, skipped parents retried, poison parents isolated, 0 deadlocks.
+between batches (tests/test_runner_bounded.py), rule 7, skipped parents retried, poison parents isolated,
+0 deadlocks.
 
 Session s1 is lockstep (deadlock_timeout 100ms: the victim if a cycle ever formed), s2 the application,
 s3 a gate holding lockstep's compute open. Every test gets a fresh copy of the example (200 exams).
@@ -12,13 +13,9 @@ s3 a gate holding lockstep's compute open. Every test gets a fresh copy of the e
 
 from __future__ import annotations
 
-import signal
-from pathlib import Path
-
 import psycopg
 import pytest
-from isolation import Spec, wait_for_lock_wait
-from runner_procs import Runner, runner_backends, wait_for
+from isolation import Spec
 from util import raises_sqlstate, result
 
 from runner.lab.example import JOB, divergence
@@ -310,53 +307,3 @@ def test_set_batch_parents_checks_its_arguments(ex, conn):
     with raises_sqlstate("LSJ01"):
         ex.execute("select lockstep.set_batch_parents('nope', 10)")
     assert ex.execute(f"select batch_parents from lockstep.job where job = '{JOB}'").fetchone()[0] == 500
-
-
-# -- kill -9 between batches (a real runner process) -------------------------------------------------------
-
-KILL_GATE = 747474
-# the first INSERT into the target (the recompute's batch) passes; later ones wait for the test's lock
-GATE_AFTER_FIRST_SQL = f"""
-create sequence example.target_inserts;
-create function example.gate_after_first() returns trigger language plpgsql as $$
-begin
-    if nextval('example.target_inserts') > 1 then
-        perform pg_catalog.pg_advisory_xact_lock_shared({KILL_GATE});
-    end if;
-    return null;
-end $$;
-create trigger gate_after_first after insert on example.exam_key
-    for each statement execute function example.gate_after_first();
-"""
-
-
-def test_kill_9_between_batches_then_one_run_converges(ex, connect, example_dsn, tmp_path: Path):
-    ex.execute(f"select lockstep.set_batch_parents('{JOB}', 20)")
-    _rewrite(ex, list(range(1, 101)))
-    ex.execute(GATE_AFTER_FIRST_SQL)
-    holder = connect(example_dsn)
-    holder.execute("select pg_advisory_lock(%s)", [KILL_GATE])
-    ex.execute(f"update lockstep.job_state set next_run_at = now() where job = '{JOB}'")
-    r = Runner(example_dsn, ["--tick", "0.2", "--log-format", "json"], tmp_path / "killed.log")
-    try:
-        pid = wait_for(lambda: runner_backends(ex), what="runner backend")[0]
-        # today: the recompute writes all 100 parents in one transaction and nothing waits at the gate
-        lw = wait_for_lock_wait(ex, pid=pid, abort_if=lambda: r.proc.poll() is not None, timeout=20)
-        assert holder.info.backend_pid in lw.blockers
-    finally:
-        r.proc.send_signal(signal.SIGKILL)
-        r.wait(10)
-    # batch 1 is committed with its hand-off; batch 2 (a worker pass) dies with the runner's backend
-    ex.execute("select pg_terminate_backend(%s)", [pid])
-    wait_for(
-        lambda: not ex.execute("select 1 from pg_stat_activity where pid = %s", [pid]).fetchone(),
-        what="backend gone",
-    )
-    holder.execute("select pg_advisory_unlock(%s)", [KILL_GATE])
-    assert ex.execute(STATUS_SQL).fetchone() == (20, 100)
-    assert _queued(ex) == list(range(21, 101))
-    one = Runner(example_dsn, ["--once", "--log-format", "json"], tmp_path / "after.log")
-    assert one.wait(60) == 0, one.stderr
-    assert [x["action"] for x in one.json_lines() if "outcome" in x] == ["work"] * 4
-    assert _queued(ex) == [] and divergence(ex) == (0, 0)
-    assert ex.execute(STATUS_SQL).fetchone() == (None, None)
