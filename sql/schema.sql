@@ -57,10 +57,12 @@ CREATE TABLE lockstep.job (
     every interval NOT NULL,
     backoff interval NOT NULL,
     max_attempts integer DEFAULT 5 NOT NULL,
+    batch_parents integer DEFAULT 500 NOT NULL,
     owner name DEFAULT CURRENT_USER NOT NULL,
     created_at timestamp with time zone DEFAULT now() NOT NULL,
     updated_at timestamp with time zone DEFAULT now() NOT NULL,
     CONSTRAINT job_backoff_check CHECK ((backoff > '00:00:00'::interval)),
+    CONSTRAINT job_batch_parents_check CHECK ((batch_parents > 0)),
     CONSTRAINT job_check CHECK (((kind = 'job'::text) = (call IS NOT NULL))),
     CONSTRAINT job_check1 CHECK (((kind = 'derived'::text) = ((target IS NOT NULL) AND (compute IS NOT NULL)))),
     CONSTRAINT job_every_check CHECK ((every > '00:00:00'::interval)),
@@ -78,9 +80,6 @@ declare
     v_t0 timestamptz := clock_timestamp();
     p lockstep._pass;
 begin
-    if j.owner is distinct from current_user then
-        return lockstep._as_owner(j, keys);
-    end if;
     perform lockstep._compute_into(j, keys);
     p := lockstep._write(j, keys);
     p.compute_ms := extract(epoch from clock_timestamp() - v_t0) * 1000 - p.write_ms;
@@ -95,34 +94,6 @@ CREATE FUNCTION lockstep._array_type(t regtype) RETURNS text
     select pg_catalog.format_type(typarray, null) from pg_catalog.pg_type where oid = t;
 $$;
 
-CREATE FUNCTION lockstep._as_owner(j lockstep.job, keys text[]) RETURNS lockstep._pass
-    LANGUAGE plpgsql
-    SET search_path TO 'pg_catalog', 'pg_temp'
-    AS $_$
-declare
-    v_role text;
-    p lockstep._pass;
-begin
-    if j.owner = current_user then
-        return lockstep._owner_run(j, keys, false);
-    end if;
-    perform lockstep._check_act_as(j);
-    v_role := pg_catalog.current_setting('role');
-    perform pg_catalog.set_config('role', j.owner, true);
-    execute pg_catalog.format('select * from pg_temp.%I($1, $2)', lockstep._trampoline()) into p using j, keys;
-    perform pg_catalog.set_config('role', v_role, true);
-    return p;
-end;
-$_$;
-
-CREATE FUNCTION lockstep._attnames(rel oid, attnums smallint[]) RETURNS name[]
-    LANGUAGE sql STABLE
-    SET search_path TO 'pg_catalog', 'pg_temp'
-    AS $$
-    select array(select a.attname from pg_catalog.unnest(attnums) with ordinality k(n, o)
-                 join pg_catalog.pg_attribute a on a.attrelid = rel and a.attnum = k.n order by k.o);
-$$;
-
 CREATE FUNCTION lockstep._call(j lockstep.job, only_if_due boolean) RETURNS lockstep.result
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -131,6 +102,7 @@ declare
     s lockstep.job_state;
     v_started timestamptz;
     v_err text;
+    v_sql text;
 begin
     if not lockstep._try_lock(j.lock_group) then
         return lockstep._result('busy', j.job, 'call');
@@ -140,9 +112,12 @@ begin
     if only_if_due and s.next_run_at > now() then
         return lockstep._result(lockstep._not_due(s), j.job, 'call');
     end if;
+    select pg_catalog.format('select %I.%I()', n.nspname, p.proname) into v_sql
+    from pg_catalog.pg_proc p join pg_catalog.pg_namespace n on n.oid = p.pronamespace
+    where p.oid = j.call::regprocedure;
     v_started := clock_timestamp();
     begin
-        perform lockstep._as_owner(j, null);
+        execute v_sql;
     exception
         when query_canceled then
             if not lockstep._is_statement_timeout(v_started) then
@@ -156,141 +131,6 @@ begin
     end;
     perform lockstep._finish(j, 'call', 'done', v_started);
     return lockstep._result('done', j.job, 'call');
-end;
-$$;
-
-CREATE FUNCTION lockstep._callable(f regprocedure, nargs integer) RETURNS text
-    LANGUAGE plpgsql STABLE
-    SET search_path TO 'pg_catalog', 'pg_temp'
-    AS $$
-declare
-    p pg_catalog.pg_proc;
-    v_other text;
-begin
-    select * into p from pg_catalog.pg_proc x where x.oid = f;
-    select pg_catalog.string_agg(q.oid::regprocedure::text, ', ' order by q.oid) into v_other
-    from pg_catalog.pg_proc q
-    where q.pronamespace = p.pronamespace and q.proname = p.proname and q.oid <> p.oid
-      and q.pronargs >= nargs and q.pronargs - q.pronargdefaults <= nargs
-      and (q.proargtypes::oid[])[0:nargs - 1] = (p.proargtypes::oid[])[0:nargs - 1];
-    if v_other is not null then
-        raise exception 'lockstep: a call of % with % argument(s) is ambiguous: % accepts it too', f, nargs, v_other
-            using errcode = '42725',
-                  hint = 'PostgreSQL resolves calls by name, and lockstep calls jobs and compute functions with no '
-                         'argument (a job) or one (compute): rename or drop the overload, or define the job with another function.';
-    end if;
-    return pg_catalog.format('%I.%I', (select n.nspname from pg_catalog.pg_namespace n where n.oid = p.pronamespace),
-                             p.proname);
-end;
-$$;
-
-CREATE FUNCTION lockstep._check_act_as(j lockstep.job) RETURNS void
-    LANGUAGE plpgsql STABLE
-    SET search_path TO 'pg_catalog', 'pg_temp'
-    AS $$
-begin
-    if not exists (select from pg_catalog.pg_roles r where r.rolname = j.owner) then
-        raise exception 'lockstep: job "%" is owned by role "%", which does not exist; it is not run', j.job, j.owner
-            using errcode = '42501',
-                  hint = 'A job runs with its owner''s rights only. Drop it and define it again as the role it should run as.';
-    end if;
-    if not pg_catalog.pg_has_role(session_user, j.owner, 'MEMBER') then
-        raise exception 'lockstep: role "%" may not act as role "%", the owner of job "%"; it is not run',
-            session_user, j.owner, j.job
-            using errcode = '42501',
-                  hint = pg_catalog.format('A job runs with its owner''s rights only: grant %I to %I (docs/security.md).',
-                                           j.owner, session_user);
-    end if;
-end;
-$$;
-
-CREATE FUNCTION lockstep._check_columns(target regclass, compute regprocedure, key name[], cols name[]) RETURNS void
-    LANGUAGE plpgsql STABLE
-    SET search_path TO 'pg_catalog', 'pg_temp'
-    AS $$
-declare
-    v_col record;
-    v_err text;
-begin
-    for v_col in
-        select c.name, c.type, a.atttypid, a.attgenerated, count(*) over (partition by c.name) as dup
-        from lockstep._proc_columns(compute) c
-        left join pg_catalog.pg_attribute a
-            on a.attrelid = target and a.attname = c.name and a.attnum > 0 and not a.attisdropped
-        order by c.ord
-    loop
-        if v_col.dup > 1 then
-            raise exception 'lockstep: compute function % returns column % twice', compute, v_col.name using errcode = 'LSD03';
-        elsif v_col.atttypid is null then
-            raise exception 'lockstep: compute function % returns column %, which target % does not have', compute, v_col.name, target
-                using errcode = 'LSD03';
-        elsif v_col.atttypid <> v_col.type then
-            raise exception 'lockstep: column %: compute function % returns %, target % has %', v_col.name, compute,
-                v_col.type::regtype, target, v_col.atttypid::regtype using errcode = 'LSD03';
-        elsif v_col.attgenerated <> '' then
-            raise exception 'lockstep: column % of % is generated; compute must not return it', v_col.name, target
-                using errcode = 'LSD03';
-        elsif v_col.name like 'lockstep\_%' then
-            raise exception 'lockstep: column names starting with lockstep_ are reserved (%)', v_col.name using errcode = 'LSD03';
-        end if;
-        begin
-            execute pg_catalog.format('select null::%s is distinct from null::%s', v_col.type::regtype, v_col.type::regtype);
-        exception when undefined_function then
-            raise exception 'lockstep: column % has type %, which has no equality operator', v_col.name, v_col.type::regtype
-                using errcode = 'LSD03', hint = 'lockstep compares rows with IS DISTINCT FROM; use jsonb rather than json.';
-        end;
-    end loop;
-    select array_agg(k) into v_err from pg_catalog.unnest(key) k where not k = any(cols);
-    if v_err is not null then
-        raise exception 'lockstep: compute function % does not return the target''s primary-key column(s) %', compute, v_err
-            using errcode = 'LSD03';
-    end if;
-    select pg_catalog.string_agg(a.attname, ', ') into v_err
-    from pg_catalog.pg_attribute a
-    where a.attrelid = target and a.attnum > 0 and not a.attisdropped and a.attnotnull and not a.atthasdef
-      and a.attidentity = '' and a.attgenerated = '' and not a.attname = any(cols);
-    if v_err is not null then
-        raise exception 'lockstep: target % has NOT NULL column(s) % without default that compute function % does not return',
-            target, v_err, compute using errcode = 'LSD03';
-    end if;
-end;
-$$;
-
-CREATE FUNCTION lockstep._check_compute(compute regprocedure) RETURNS name[]
-    LANGUAGE plpgsql STABLE
-    SET search_path TO 'pg_catalog', 'pg_temp'
-    AS $$
-declare
-    p pg_catalog.pg_proc;
-    v_cols name[];
-begin
-    select * into p from pg_catalog.pg_proc where oid = compute;
-    if p.prokind <> 'f' or not p.proretset or p.pronargs <> 1 then
-        raise exception 'lockstep: compute function % must be a function of one array argument returning a set of rows', compute
-            using errcode = 'LSD02',
-                  hint = 'e.g. create function f(keys bigint[]) returns table (...) or returns setof target_table';
-    end if;
-    select array_agg(c.name order by c.ord) into v_cols from lockstep._proc_columns(compute) c;
-    if v_cols is null then
-        raise exception 'lockstep: compute function % must return named columns (returns table (...) or setof a table type)', compute
-            using errcode = 'LSD02';
-    end if;
-    return v_cols;
-end;
-$$;
-
-CREATE FUNCTION lockstep._check_isolation(what text) RETURNS void
-    LANGUAGE plpgsql STABLE
-    SET search_path TO 'pg_catalog', 'pg_temp'
-    AS $$
-begin
-    if pg_catalog.current_setting('transaction_isolation') not in ('read committed', 'read uncommitted') then
-        raise exception 'lockstep: % needs a READ COMMITTED transaction, this one is %', what,
-            pg_catalog.upper(pg_catalog.current_setting('transaction_isolation'))
-            using errcode = '25000',
-                  hint = 'Call it in its own transaction: begin isolation level read committed; select ...; commit; '
-                         '(the runner does this whatever default_transaction_isolation says).';
-    end if;
 end;
 $$;
 
@@ -321,110 +161,6 @@ begin
 end;
 $$;
 
-CREATE FUNCTION lockstep._check_parent(target regclass, compute regprocedure, cols name[], parent regclass, INOUT parent_column name, OUT parent_key name, OUT key_type regtype) RETURNS record
-    LANGUAGE plpgsql STABLE
-    SET search_path TO 'pg_catalog', 'pg_temp'
-    AS $$
-declare
-    v_fks name[];
-    v_arg oid := (select p.proargtypes[0] from pg_catalog.pg_proc p where p.oid = compute);
-begin
-    if parent is null and parent_column is not null then
-        raise exception 'lockstep: parent_column % given without parent', parent_column using errcode = 'LSD04';
-    end if;
-    if parent is null then
-        if not exists (select from pg_catalog.pg_type t where t.oid = v_arg and t.typcategory = 'A') then
-            raise exception 'lockstep: compute function % must take an array argument (it is called with NULL: all rows)', compute
-                using errcode = 'LSD02';
-        end if;
-        return;
-    end if;
-    if not exists (select from pg_catalog.pg_class c where c.oid = parent and c.relkind in ('r', 'p')) then
-        raise exception 'lockstep: parent % is not a table', parent using errcode = '42809';
-    end if;
-    select a.attname, a.atttypid into parent_key, key_type
-    from pg_catalog.pg_constraint con
-    join pg_catalog.pg_attribute a on a.attrelid = con.conrelid and a.attnum = con.conkey[1]
-    where con.conrelid = parent and con.contype = 'p' and cardinality(con.conkey) = 1;
-    if parent_key is null then
-        raise exception 'lockstep: parent % needs a single-column primary key', parent
-            using errcode = 'LSD04', hint = 'Multi-column parent keys are not supported; use the parent''s surrogate key.';
-    end if;
-    select array_agg(a.attname order by a.attname) into v_fks
-    from pg_catalog.pg_constraint con
-    join pg_catalog.pg_attribute a on a.attrelid = con.conrelid and a.attnum = con.conkey[1]
-    join pg_catalog.pg_attribute pa on pa.attrelid = con.confrelid and pa.attnum = con.confkey[1]
-    where con.conrelid = target and con.confrelid = parent and con.contype = 'f'
-      and cardinality(con.conkey) = 1 and pa.attname = parent_key;
-    if parent_column is null then
-        if cardinality(v_fks) is distinct from 1 then
-            raise exception 'lockstep: cannot infer parent_column: % has % single-column foreign keys to %(%)',
-                target, coalesce(cardinality(v_fks), 0), parent, parent_key
-                using errcode = 'LSD04', hint = 'Pass parent_column => ''...'' naming a column with a foreign key to the parent.';
-        end if;
-        parent_column := v_fks[1];
-    elsif not exists (select from pg_catalog.pg_attribute a
-                      where a.attrelid = target and a.attname = parent_column and a.attnum > 0 and not a.attisdropped) then
-        raise exception 'lockstep: target % has no column %', target, parent_column using errcode = 'LSD04';
-    elsif not parent_column = any(coalesce(v_fks, '{}')) then
-        raise exception 'lockstep: %.% does not reference %(%) through a foreign key', target, parent_column, parent, parent_key
-            using errcode = 'LSD04',
-                  hint = 'lockstep pins parents with the lock an FK check takes; add the foreign key.';
-    end if;
-    if not parent_column = any(cols) then
-        raise exception 'lockstep: compute function % does not return the parent column %', compute, parent_column
-            using errcode = 'LSD03';
-    end if;
-    if v_arg <> (select t.typarray from pg_catalog.pg_type t where t.oid = key_type) then
-        raise exception 'lockstep: compute function % takes %, but the parent key %.% is %: it must take %[]',
-            compute, v_arg::regtype, parent, parent_key, key_type, key_type using errcode = 'LSD02';
-    end if;
-end;
-$$;
-
-CREATE FUNCTION lockstep._check_parent_delete(target regclass, parent regclass) RETURNS void
-    LANGUAGE plpgsql STABLE
-    SET search_path TO 'pg_catalog', 'pg_temp'
-    AS $$
-declare
-    c record;
-begin
-    for c in
-        select con.conname, con.confdeltype, coalesce(con.confrelid = parent, false) as is_parent, con.confrelid::regclass as ref,
-               lockstep._attnames(con.conrelid, con.conkey) as cols,
-               exists (select from pg_catalog.pg_attribute a
-                       where a.attrelid = con.conrelid and a.attnum = any(coalesce(con.confdelsetcols, con.conkey))
-                         and a.attnotnull and (con.confdeltype = 'n' or not a.atthasdef)) as cannot
-        from pg_catalog.pg_constraint con
-        where con.conrelid = target and con.contype = 'f' and con.conparentid = 0 and con.confdeltype <> 'c'
-        order by con.conname
-    loop
-        if not c.is_parent then
-            if c.confdeltype in ('a', 'r') then
-                raise warning 'lockstep: foreign key % of % to % is ON DELETE %: an application delete of a row of % '
-                              'fails while derived rows still reference it', c.conname, target, c.ref,
-                              case c.confdeltype when 'a' then 'NO ACTION' else 'RESTRICT' end, c.ref;
-            end if;
-        elsif c.confdeltype in ('a', 'r') or c.cannot then
-            raise exception 'lockstep: foreign key % of %(%) to % is ON DELETE %: once lockstep writes derived rows, '
-                            'the application''s deletes of their parents fail', c.conname, target, c.cols, parent,
-                    case c.confdeltype when 'a' then 'NO ACTION' when 'r' then 'RESTRICT'
-                                       when 'n' then 'SET NULL (on a NOT NULL column)'
-                                       else 'SET DEFAULT (on a NOT NULL column without default)' end
-                using errcode = 'LSD04',
-                      hint = pg_catalog.format('alter table %s drop constraint %I, add foreign key (%s) references %s on delete cascade;',
-                                               target, c.conname, lockstep._cols(c.cols), parent);
-        else
-            raise warning 'lockstep: foreign key % of %(%) to % is ON DELETE %: an application delete of a parent keeps '
-                          'its derived rows (%), and lockstep removes them only at the next recompute', c.conname, target,
-                          c.cols, parent, case c.confdeltype when 'n' then 'SET NULL' else 'SET DEFAULT' end,
-                          case c.confdeltype when 'n' then 'their parent column set to NULL' else 'moved to the default parent' end
-                using hint = 'ON DELETE CASCADE deletes them with the parent.';
-        end if;
-    end loop;
-end;
-$$;
-
 CREATE FUNCTION lockstep._check_privileges(target regclass, fn regprocedure, parent regclass) RETURNS void
     LANGUAGE plpgsql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -447,48 +183,6 @@ begin
     if parent is not null and not pg_catalog.has_table_privilege(parent, 'SELECT') then
         raise exception 'lockstep: role "%" lacks SELECT on %', current_user, parent using errcode = '42501';
     end if;
-    if parent is not null and not pg_catalog.has_any_column_privilege(parent, 'UPDATE') then
-        raise exception 'lockstep: role "%" lacks UPDATE on parent % (on any column)', current_user, parent
-            using errcode = '42501',
-                  hint = pg_catalog.format('The write phase pins parents with FOR KEY SHARE, which needs UPDATE on one '
-                                           'column: grant update (<its key column>) on %s to %I.', parent, current_user);
-    end if;
-    if parent is not null and not lockstep._safe_key_type(
-            (select a.atttypid from pg_catalog.pg_constraint con
-             join pg_catalog.pg_attribute a on a.attrelid = con.conrelid and a.attnum = con.conkey[1]
-             where con.conrelid = parent and con.contype = 'p')) then
-        raise exception 'lockstep: the primary key of parent % is of a domain or composite type', parent
-            using errcode = 'LSD04',
-                  hint = 'lockstep casts queued keys outside the job owner''s rights; use a base type (bigint, text, uuid, ...).';
-    end if;
-end;
-$$;
-
-CREATE FUNCTION lockstep._check_referencing(target regclass, key name[], cols name[]) RETURNS void
-    LANGUAGE plpgsql STABLE
-    SET search_path TO 'pg_catalog', 'pg_temp'
-    AS $$
-declare
-    v_seen oid[] := array[target::oid];
-    v_front oid[] := array[target::oid];
-    v_next oid[];
-    c record;
-begin
-    while cardinality(v_front) > 0 loop
-        v_next := '{}';
-        for c in
-            select r.refrel, r.deletes
-            from pg_catalog.unnest(v_front) f(rel),
-                 lateral lockstep._referencing(f.rel::regclass, case when f.rel = target then key end,
-                                               case when f.rel = target then cols end) r
-        loop
-            if c.deletes and not c.refrel::oid = any(v_seen) then
-                v_seen := v_seen || c.refrel::oid;
-                v_next := v_next || c.refrel::oid;
-            end if;
-        end loop;
-        v_front := v_next;
-    end loop;
 end;
 $$;
 
@@ -507,68 +201,6 @@ begin
         raise exception 'lockstep: every and backoff must be positive intervals (got every %, backoff %)',
             every, backoff using errcode = '22023';
     end if;
-end;
-$$;
-
-CREATE FUNCTION lockstep._check_target(target regclass, compute regprocedure, parent regclass) RETURNS name[]
-    LANGUAGE plpgsql STABLE
-    SET search_path TO 'pg_catalog', 'pg_temp'
-    AS $$
-declare
-    v_key name[];
-begin
-    if target is null or compute is null then
-        raise exception 'lockstep: target and compute must not be NULL' using errcode = '22004';
-    end if;
-    if not exists (select from pg_catalog.pg_class c where c.oid = target and c.relkind in ('r', 'p')) then
-        raise exception 'lockstep: target % is not a table', target using errcode = '42809';
-    end if;
-    perform lockstep._check_privileges(target, compute, parent);
-    select lockstep._attnames(con.conrelid, con.conkey) into v_key
-    from pg_catalog.pg_constraint con
-    where con.conrelid = target and con.contype = 'p';
-    if v_key is null then
-        raise exception 'lockstep: target % has no primary key', target
-            using errcode = 'LSD01', hint = 'lockstep uses the primary key as the identity of a derived row; add one.';
-    end if;
-    return v_key;
-end;
-$$;
-
-CREATE FUNCTION lockstep._check_target_fks(target regclass, cols name[]) RETURNS void
-    LANGUAGE plpgsql STABLE
-    SET search_path TO 'pg_catalog', 'pg_temp'
-    AS $$
-declare
-    c record;
-begin
-    select con.conname into c from pg_catalog.pg_constraint con
-    where con.conrelid = target and con.confrelid = target and con.contype = 'f' and con.conparentid = 0
-    order by con.conname limit 1;
-    if found then
-        raise exception 'lockstep: target % references itself (foreign key %)', target, c.conname
-            using errcode = 'LSD06',
-                  hint = 'lockstep pins referenced rows before it inserts, and a row inserted in the same pass is not '
-                         'there yet; keep such links in another table.';
-    end if;
-    for c in
-        select con.conname, con.confrelid::regclass as ref, a.attname
-        from pg_catalog.pg_constraint con
-        join pg_catalog.pg_attribute a on a.attrelid = con.conrelid and a.attnum = any(con.conkey)
-        join pg_catalog.pg_type t on t.oid = a.atttypid
-        where con.conrelid = target and con.contype = 'f' and con.conparentid = 0
-          and not a.attname = any(cols)
-          and (a.atthasdef or a.attgenerated <> '' or a.attidentity <> '' or t.typdefaultbin is not null)
-        order by con.conname, a.attnum
-        limit 1
-    loop
-        raise exception 'lockstep: column % of % (foreign key % to %) gets a value compute does not return',
-            c.attname, target, c.conname, c.ref
-            using errcode = 'LSD06',
-                  hint = pg_catalog.format('lockstep pins the rows an insert references before it writes, and can only '
-                                           'pin values it has: return %I from the compute function (or drop its default).',
-                                           c.attname);
-    end loop;
 end;
 $$;
 
@@ -594,8 +226,10 @@ declare
     v_arg text;
     v_bad text;
 begin
-    select lockstep._callable(p.oid, 1), pg_catalog.format_type(p.proargtypes[0], null) into v_fn, v_arg
-    from pg_catalog.pg_proc p where p.oid = j.compute::regprocedure;
+    select pg_catalog.format('%I.%I', n.nspname, p.proname), pg_catalog.format_type(p.proargtypes[0], null)
+    into v_fn, v_arg
+    from pg_catalog.pg_proc p join pg_catalog.pg_namespace n on n.oid = p.pronamespace
+    where p.oid = j.compute::regprocedure;
     drop table if exists pg_temp.lockstep_desired;
     execute pg_catalog.format('create temp table lockstep_desired on commit drop as select %s from %s limit 0',
                               v_cols, j.target);
@@ -621,21 +255,6 @@ begin
     analyze pg_temp.lockstep_desired;
 end;
 $_$;
-
-CREATE FUNCTION lockstep._deallocate_changed(kept text[]) RETURNS void
-    LANGUAGE plpgsql
-    SET search_path TO 'pg_catalog', 'pg_temp'
-    AS $$
-declare
-    v name;
-begin
-    for v in select s.name from pg_catalog.pg_prepared_statements s
-             where not pg_catalog.concat_ws(' ', s.name, s.prepare_time, s.parameter_types, s.statement)
-                       = any(coalesce(kept, '{}')) loop
-        execute pg_catalog.format('deallocate %I', v);
-    end loop;
-end;
-$$;
 
 CREATE FUNCTION lockstep._delete_rows(j lockstep.job) RETURNS bigint
     LANGUAGE plpgsql
@@ -669,9 +288,6 @@ begin
     if j.parent_column is not null then
         v_tpar := pg_catalog.format('t.%I::text', j.parent_column);
         v_dpar := pg_catalog.format('d.%I::text', j.parent_column);
-    else
-        v_tpar := pg_catalog.format('row(%s)::text', lockstep._cols(j.target_key, 't'));
-        v_dpar := pg_catalog.format('row(%s)::text', lockstep._cols(j.target_key, 'd'));
     end if;
     drop table if exists pg_temp.lockstep_current, pg_temp.lockstep_gone, pg_temp.lockstep_put,
                          pg_temp.lockstep_locked;
@@ -729,31 +345,6 @@ begin
 end;
 $$;
 
-CREATE FUNCTION lockstep._dry_run(compute regprocedure, key_type regtype) RETURNS void
-    LANGUAGE plpgsql
-    SET search_path TO 'pg_catalog', 'pg_temp'
-    AS $_$
-declare
-    v_err text;
-begin
-    if key_type is null then
-        return;
-    end if;
-    execute pg_catalog.format('select count(*) from %s($1::%s)', lockstep._callable(compute, 1),
-                              lockstep._array_type(key_type))
-        using '{}'::text[];
-    raise exception using errcode = 'LSDRY';  -- roll back whatever the dry run did
-exception when sqlstate 'LSDRY' then
-    null;
-when others then
-    get stacked diagnostics v_err = message_text;
-    raise exception 'lockstep: compute function % failed on an empty key array: %', compute, v_err
-        using errcode = 'LSD02',
-              hint = 'lockstep runs compute with search_path = pg_catalog, pg_temp: schema-qualify table names '
-                     'or give the function its own SET search_path.';
-end;
-$_$;
-
 CREATE FUNCTION lockstep._enqueue_text(j lockstep.job, keys text[]) RETURNS bigint
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -768,7 +359,7 @@ begin
     v_empty := not exists (select from lockstep.queue q where q.job = j.job);
     execute pg_catalog.format(
         'insert into lockstep.queue (job, key) '
-        'select $1, k::text from (select distinct k from pg_catalog.unnest($2::%s) k where k is not null) s order by k',
+        'select $1, s.k::text from (select distinct k from pg_catalog.unnest($2::%s) k where k is not null) s order by s.k',
         lockstep._array_type(j.key_type)) using j.job, keys;
     get diagnostics n = row_count;
     if v_empty and n > 0 then
@@ -840,6 +431,30 @@ CREATE FUNCTION lockstep._group_due(lock_group text) RETURNS boolean
           and s.next_run_at > now() - interval '1 minute');
 $$;
 
+CREATE FUNCTION lockstep._hand_off(j lockstep.job, keys text[], total bigint) RETURNS bigint
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    v_before bigint;
+    n bigint := 0;
+begin
+    if cardinality(keys) > 0 then
+        select coalesce(max(q.id), 0) into v_before from lockstep.queue q where q.job = j.job;
+        n := lockstep._enqueue_text(j, keys);
+    end if;
+    update lockstep.job_state s set
+        recompute_total = case when n > 0 then total end,
+        recompute_queue_from = case when n > 0 then (select min(q.id) from lockstep.queue q
+                                                     where q.job = j.job and q.id > v_before) end,
+        recompute_queue_to = case when n > 0 then (select max(q.id) from lockstep.queue q
+                                                   where q.job = j.job and q.id > v_before) end
+    where s.job = j.job
+      and (n > 0 or s.recompute_total is not null);
+    return n;
+end;
+$$;
+
 CREATE FUNCTION lockstep._has_ready(j lockstep.job) RETURNS boolean
     LANGUAGE sql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -849,22 +464,6 @@ CREATE FUNCTION lockstep._has_ready(j lockstep.job) RETURNS boolean
         where q.job = j.job and q.ready_at <= now()
           and not exists (select from lockstep.key_failure f
                           where f.job = q.job and f.key = q.key and (f.parked or f.retry_at > now())));
-$$;
-
-CREATE FUNCTION lockstep._held_cursors() RETURNS text[]
-    LANGUAGE sql STABLE
-    SET search_path TO 'pg_catalog', 'pg_temp'
-    AS $$
-    select pg_catalog.array_agg(pg_catalog.concat_ws(' ', c.name, c.creation_time) order by c.name)
-    from pg_catalog.pg_cursors c where c.is_holdable;
-$$;
-
-CREATE FUNCTION lockstep._is_admin() RETURNS boolean
-    LANGUAGE sql STABLE
-    SET search_path TO 'pg_catalog', 'pg_temp'
-    AS $$
-    select pg_catalog.pg_has_role(current_user, c.relowner, 'MEMBER')
-    from pg_catalog.pg_class c where c.oid = 'lockstep.job'::pg_catalog.regclass;
 $$;
 
 CREATE FUNCTION lockstep._is_statement_timeout(started timestamp with time zone) RETURNS boolean
@@ -946,78 +545,55 @@ begin
 end;
 $_$;
 
-CREATE FUNCTION lockstep._lock_level(t regclass, depth integer) RETURNS text[]
+CREATE FUNCTION lockstep._limit_batch(j lockstep.job, budget integer) RETURNS text[]
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
+    SET client_min_messages TO 'warning'
+    SET jit TO 'off'
     AS $_$
 declare
-    c record;
-    v_from text;
-    v_blocked text[] := '{}';
-    v_part text[];
+    v_changed bigint;
 begin
-    for c in select * from lockstep._referencing(t) loop
-        -- rows of t at this depth, found by ctid (a TID scan), then the rows referencing them
-        v_from := pg_catalog.format(
-            'from %1$s p join pg_temp.lockstep_doomed d on d.lockstep_rel = p.tableoid and d.lockstep_ctid = p.ctid '
-            'and d.lockstep_depth = $1 and d.lockstep_table = $2 and d.lockstep_deletes '
-            'join %2$s n on (%3$s) = (%4$s) '
-            'where p.ctid = any(array(select lockstep_ctid from pg_temp.lockstep_doomed '
-            '                         where lockstep_depth = $1 and lockstep_table = $2 and lockstep_deletes))',
-            t, c.refrel, lockstep._cols(c.fk, 'n'), lockstep._cols(c.rk, 'p'));
-        execute pg_catalog.format(
-            'with l as (select d.lockstep_root, n.tableoid as rel, n.ctid as tid %1$s '
-            '  and not exists (select from pg_temp.lockstep_doomed x where x.lockstep_rel = n.tableoid and x.lockstep_ctid = n.ctid) '
-            '  order by %2$s for update of n skip locked) '
-            'insert into pg_temp.lockstep_doomed '
-            'select distinct on (rel, tid) lockstep_root, rel, tid, $3, $4, $1 + 1 from l',
-            v_from, coalesce(lockstep._cols(c.ord, 'n'), 'n.ctid'))
-            using depth, t, c.refrel, c.deletes;
-        execute pg_catalog.format(
-            'select array_agg(distinct d.lockstep_root) %s and not exists (select from pg_temp.lockstep_doomed x '
-            'where x.lockstep_rel = n.tableoid and x.lockstep_ctid = n.ctid)', v_from)
-            into v_part using depth, t;
-        v_blocked := v_blocked || coalesce(v_part, '{}');
-    end loop;
-    return v_blocked;
-end;
-$_$;
-
-CREATE FUNCTION lockstep._lock_referencing(j lockstep.job) RETURNS text[]
-    LANGUAGE plpgsql
-    SET search_path TO 'pg_catalog', 'pg_temp'
-    AS $_$
-declare
-    v_blocked text[] := '{}';
-    v_depth integer := 0;
-    v_t regclass;
-begin
-    if not exists (select from pg_temp.lockstep_gone)
-       or not exists (select from lockstep._referencing(j.target, j.target_key, j.columns)) then
+    if budget is null or j.parent is null then
         return '{}';
     end if;
-    drop table if exists pg_temp.lockstep_doomed;
+    execute 'select count(*) from (select lockstep_parent from pg_temp.lockstep_gone'
+            '  union select lockstep_parent from pg_temp.lockstep_put'
+            '  union select lockstep_old_parent from pg_temp.lockstep_put) s(k) where k is not null'
+        into v_changed;
+    if v_changed <= budget then
+        return '{}';
+    end if;
+    drop table if exists pg_temp.lockstep_rest;
     execute pg_catalog.format(
-        'create temp table lockstep_doomed on commit drop as '
-        'select row(%1$s)::text as lockstep_root, t.tableoid as lockstep_rel, t.ctid as lockstep_ctid, '
-        '$1::regclass as lockstep_table, true as lockstep_deletes, 0 as lockstep_depth '
-        'from pg_temp.lockstep_gone g join %2$s t on %3$s',
-        lockstep._cols(j.target_key, 'g'), j.target, lockstep._eq(j.target_key, 't', 'g')) using j.target;
-    while exists (select from pg_temp.lockstep_doomed d where d.lockstep_depth = v_depth) loop
-        if v_depth > 100 then
-            raise exception 'lockstep: the delete of % cascades more than 100 levels deep', j.target using errcode = 'LSD06';
-        end if;
-        for v_t in select distinct d.lockstep_table from pg_temp.lockstep_doomed d
-                   where d.lockstep_depth = v_depth and d.lockstep_deletes order by 1 loop
-            v_blocked := v_blocked || lockstep._lock_level(v_t, v_depth);
-        end loop;
-        v_depth := v_depth + 1;
-    end loop;
-    if cardinality(v_blocked) = 0 then
-        return '{}';
-    end if;
-    return lockstep._drop_rows('lockstep_gone', pg_catalog.format('row(%s)::text = any($1)', lockstep._cols(j.target_key)),
-                               v_blocked);
+        'create temp table lockstep_rest on commit drop as '
+        'select k::text as key from (select distinct k::%1$s as k from ('
+        '  select lockstep_parent from pg_temp.lockstep_gone'
+        '  union all select lockstep_parent from pg_temp.lockstep_put'
+        '  union all select lockstep_old_parent from pg_temp.lockstep_put) s(k) where k is not null) s '
+        'order by k offset $1', j.key_type) using budget;
+    analyze pg_temp.lockstep_rest;
+    -- keep the batch's rows, compacted (a DELETE would leave the write steps scanning every dead row)
+    drop table if exists pg_temp.lockstep_keep;
+    create temp table lockstep_keep on commit drop as
+    select * from pg_temp.lockstep_gone g
+    where not exists (select from pg_temp.lockstep_rest r where r.key = g.lockstep_parent);
+    truncate pg_temp.lockstep_gone;
+    insert into pg_temp.lockstep_gone select * from pg_temp.lockstep_keep;
+    drop table pg_temp.lockstep_keep;
+    create temp table lockstep_keep on commit drop as
+    select * from pg_temp.lockstep_put p
+    where (p.lockstep_parent is null and p.lockstep_old_parent is null)
+       or (p.lockstep_parent is not null
+           and not exists (select from pg_temp.lockstep_rest r where r.key = p.lockstep_parent))
+       or (p.lockstep_old_parent is not null
+           and not exists (select from pg_temp.lockstep_rest r where r.key = p.lockstep_old_parent));
+    truncate pg_temp.lockstep_put;
+    insert into pg_temp.lockstep_put select * from pg_temp.lockstep_keep;
+    drop table pg_temp.lockstep_keep;
+    analyze pg_temp.lockstep_gone;
+    analyze pg_temp.lockstep_put;
+    return array(select r.key from pg_temp.lockstep_rest r);
 end;
 $_$;
 
@@ -1028,21 +604,14 @@ CREATE FUNCTION lockstep._lock_rows(j lockstep.job) RETURNS text[]
 declare
     v_unlocked text;
     v_skip text[];
-    v_mine text := '';
 begin
-    if exists (select from pg_catalog.pg_class c where c.oid = j.target and (c.relkind = 'p' or c.relhassubclass)) then
-        v_mine := pg_catalog.format(
-            ' and (%1$s) in (select %2$s from pg_temp.lockstep_gone'
-            '  union all select %2$s from pg_temp.lockstep_put where not lockstep_new)',
-            lockstep._cols(j.target_key, 't'), lockstep._cols(j.target_key));
-    end if;
     execute pg_catalog.format(
         'create temp table lockstep_locked on commit drop as '
         'select %1$s from %2$s t where t.ctid = any(array('
         '  select lockstep_ctid from pg_temp.lockstep_gone'
-        '  union all select lockstep_ctid from pg_temp.lockstep_put where not lockstep_new))%3$s '
+        '  union all select lockstep_ctid from pg_temp.lockstep_put where not lockstep_new)) '
         'order by %1$s for update of t skip locked',
-        lockstep._cols(j.target_key, 't'), j.target, v_mine);
+        lockstep._cols(j.target_key, 't'), j.target);
     v_unlocked := pg_catalog.format('not exists (select from pg_temp.lockstep_locked l where %s)',
                                     lockstep._eq(j.target_key, 'l', 'lockstep_gone'));
     v_skip := lockstep._drop_rows('lockstep_gone', v_unlocked);
@@ -1058,15 +627,7 @@ CREATE FUNCTION lockstep._may_manage(owner name) RETURNS boolean
     AS $$
     select case when owner = current_user then true
                 when not exists (select from pg_catalog.pg_roles r where r.rolname = owner) then true
-                else pg_catalog.pg_has_role(current_user, owner, 'MEMBER') or lockstep._is_admin() end;
-$$;
-
-CREATE FUNCTION lockstep._may_own(owner name) RETURNS boolean
-    LANGUAGE sql STABLE
-    SET search_path TO 'pg_catalog', 'pg_temp'
-    AS $$
-    select exists (select from pg_catalog.pg_roles r where r.rolname = owner)
-       and (pg_catalog.pg_has_role(current_user, owner, 'MEMBER') or lockstep._is_admin());
+                else pg_catalog.pg_has_role(current_user, owner, 'MEMBER') end;
 $$;
 
 CREATE TABLE lockstep.job_state (
@@ -1084,7 +645,10 @@ CREATE TABLE lockstep.job_state (
     last_skipped bigint,
     consecutive_failures integer DEFAULT 0 NOT NULL,
     last_error text,
-    runs bigint DEFAULT 0 NOT NULL
+    runs bigint DEFAULT 0 NOT NULL,
+    recompute_total bigint,
+    recompute_queue_from bigint,
+    recompute_queue_to bigint
 );
 
 CREATE FUNCTION lockstep._not_due(s lockstep.job_state) RETURNS text
@@ -1092,44 +656,6 @@ CREATE FUNCTION lockstep._not_due(s lockstep.job_state) RETURNS text
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
     select case when s.consecutive_failures > 0 and s.last_outcome = 'failed' then 'backoff' else 'not_due' end;
-$$;
-
-CREATE FUNCTION lockstep._owner_run(j lockstep.job, keys text[], sandboxed boolean) RETURNS lockstep._pass
-    LANGUAGE plpgsql
-    SET search_path TO 'pg_catalog', 'pg_temp'
-    AS $$
-declare
-    v_sql text;
-    v_stmts text[];
-    v_cursors text[];
-    p lockstep._pass;
-begin
-    if sandboxed then
-        v_stmts := lockstep._prepared();
-        v_cursors := lockstep._held_cursors();
-    end if;
-    if j.kind = 'job' then
-        -- by the stored regprocedure: a function dropped or made ambiguous since define_job fails the run
-        v_sql := pg_catalog.format('select %s()', lockstep._callable(j.call::regprocedure, 0));
-        execute v_sql;
-    else
-        p := lockstep._apply(j, keys);
-    end if;
-    if sandboxed then
-        perform pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', false);
-        set constraints all immediate;
-        perform pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', false);
-        if lockstep._held_cursors() is distinct from v_cursors then
-            raise exception 'lockstep: job "%" left a WITH HOLD cursor open', j.job using errcode = '42501';
-        end if;
-        if lockstep._prepared() is distinct from v_stmts then
-            -- prepared statements are not transactional: drop what the job's code prepared or replaced
-            perform lockstep._deallocate_changed(v_stmts);
-            raise exception 'lockstep: job "%" changed the session''s prepared statements', j.job using errcode = '42501';
-        end if;
-    end if;
-    return p;
-end;
 $$;
 
 CREATE FUNCTION lockstep._pin_parents(j lockstep.job) RETURNS text[]
@@ -1173,7 +699,6 @@ declare
     v_unpinned text;
     c record;
 begin
-    perform lockstep._check_target_fks(j.target, j.columns);
     for c in
         select con.conname, con.confrelid::regclass as ref,
                array(select a.attname from pg_catalog.unnest(con.conkey) with ordinality k(n, o)
@@ -1206,15 +731,6 @@ begin
     return v_skip;
 end;
 $_$;
-
-CREATE FUNCTION lockstep._prepared() RETURNS text[]
-    LANGUAGE sql STABLE
-    SET search_path TO 'pg_catalog', 'pg_temp'
-    AS $$
-    select pg_catalog.array_agg(pg_catalog.concat_ws(' ', s.name, s.prepare_time, s.parameter_types, s.statement)
-                                order by s.name)
-    from pg_catalog.pg_prepared_statements s;
-$$;
 
 CREATE FUNCTION lockstep._proc_columns(f regprocedure) RETURNS TABLE(name name, type oid, ord bigint)
     LANGUAGE sql STABLE
@@ -1256,6 +772,8 @@ declare
     s lockstep.job_state;
     v_started timestamptz;
     v_err text;
+    v_rest text[] := '{}';
+    n bigint := 0;
     p lockstep._pass;
 begin
     if not lockstep._try_lock(j.lock_group) then
@@ -1278,62 +796,45 @@ begin
             return lockstep._failed(j, 'recompute', v_started, v_err);
         when others then
             get stacked diagnostics v_err = message_text;
-            return lockstep._failed(j, 'recompute', v_started, v_err);
+            return lockstep._recompute_failed(j, v_started, v_err);
     end;
-    if j.parent is not null and cardinality(p.skipped) > 0 then
-        perform lockstep._enqueue_text(j, p.skipped);
+    if pg_catalog.to_regclass('pg_temp.lockstep_rest') is not null then
+        v_rest := array(select r.key from pg_temp.lockstep_rest r);
+    end if;
+    if j.parent is not null then
+        n := lockstep._hand_off(j, p.skipped || v_rest,
+                                case when cardinality(v_rest) > 0 then j.batch_parents + cardinality(v_rest) end);
     end if;
     perform lockstep._finish(j, 'recompute', 'done', v_started, p);
-    return lockstep._result('done', j.job, 'recompute', p);
+    return lockstep._result('done', j.job, 'recompute', p, null, cardinality(v_rest) > 0);
 end;
 $$;
 
-CREATE FUNCTION lockstep._referencing(rel regclass, key name[] DEFAULT NULL::name[], cols name[] DEFAULT NULL::name[]) RETURNS TABLE(conname name, refrel regclass, fk name[], rk name[], ord name[], deletes boolean)
-    LANGUAGE plpgsql STABLE
+CREATE FUNCTION lockstep._recompute_failed(j lockstep.job, started timestamp with time zone, error text) RETURNS lockstep.result
+    LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
-    AS $$
+    AS $_$
 declare
-    c record;
+    v_keys text[];
+    n bigint;
 begin
-    for c in
-        select con.conname, con.conrelid::regclass as refrel, con.confdeltype,
-               lockstep._attnames(con.conrelid, con.conkey) as fk, lockstep._attnames(con.confrelid, con.confkey) as rk,
-               (select lockstep._attnames(pk.conrelid, pk.conkey) from pg_catalog.pg_constraint pk
-                where pk.conrelid = con.conrelid and pk.contype = 'p') as ord,
-               (select x.conrelid::regclass::text from pg_catalog.pg_constraint x
-                where x.confrelid = con.conrelid and x.contype = 'f' and x.conparentid = 0
-                  and x.confkey && coalesce(con.confdelsetcols, con.conkey)
-                order by x.conname limit 1) as setnull_referenced
-        from pg_catalog.pg_constraint con
-        where con.confrelid = rel and con.contype = 'f' and con.conparentid = 0
-        order by con.conname
-    loop
-        if c.confdeltype not in ('c', 'n') then
-            raise exception 'lockstep: foreign key % of % references % ON DELETE %', c.conname, c.refrel, rel,
-                    case c.confdeltype when 'a' then 'NO ACTION' when 'r' then 'RESTRICT' else 'SET DEFAULT' end
-                using errcode = 'LSD06',
-                      hint = 'lockstep deletes derived rows compute no longer returns: declare the key ON DELETE CASCADE '
-                             'or ON DELETE SET NULL, so the delete acts on rows lockstep locks first (skipping any the '
-                             'application holds).';
-        elsif c.confdeltype = 'n' and c.setnull_referenced is not null then
-            raise exception 'lockstep: foreign key % of % to % is ON DELETE SET NULL on columns % references', c.conname,
-                    c.refrel, rel, c.setnull_referenced
-                using errcode = 'LSD06', hint = 'Make it ON DELETE CASCADE, or reference other columns.';
-        elsif not (pg_catalog.has_table_privilege(c.refrel, 'SELECT') and pg_catalog.has_table_privilege(c.refrel, 'UPDATE')) then
-            raise exception 'lockstep: role "%" may not lock rows of %, which references % (foreign key %)', current_user,
-                    c.refrel, rel, c.conname
-                using errcode = '42501',
-                      hint = 'lockstep locks the referencing rows FOR UPDATE SKIP LOCKED before a delete: grant SELECT, UPDATE.';
-        elsif exists (select from pg_catalog.unnest(c.rk) r where r = any(cols) and not r = any(key)) then
-            raise exception 'lockstep: foreign key % of % references columns % of % that compute writes', c.conname,
-                    c.refrel, c.rk, rel
-                using errcode = 'LSD06', hint = 'Reference the target''s primary key.';
-        end if;
-        conname := c.conname; refrel := c.refrel; fk := c.fk; rk := c.rk; ord := c.ord; deletes := c.confdeltype = 'c';
-        return next;
-    end loop;
+    if j.parent is null then
+        return lockstep._failed(j, 'recompute', started, error);
+    end if;
+    begin
+        perform lockstep._apply(j, '{}'::text[]);
+    exception when others then
+        return lockstep._failed(j, 'recompute', started, error);
+    end;
+    execute pg_catalog.format('select coalesce(array_agg(%1$I::text order by %1$I), ''{}'') from %2$s',
+                              j.parent_key, j.parent) into v_keys;
+    n := lockstep._hand_off(j, v_keys, cardinality(v_keys));
+    perform lockstep._finish(j, 'recompute', 'done', started);
+    return lockstep._result('done', j.job, 'recompute', null,
+        pg_catalog.format('the whole-table pass failed (%s); its %s parents were handed to the worker, which '
+                          'isolates the failing ones (lockstep.failing_keys)', error, n), n > 0);
 end;
-$$;
+$_$;
 
 CREATE FUNCTION lockstep._result(outcome text, job text, action text, p lockstep._pass DEFAULT NULL::lockstep._pass, error text DEFAULT NULL::text, more boolean DEFAULT false) RETURNS lockstep.result
     LANGUAGE sql IMMUTABLE
@@ -1357,72 +858,9 @@ begin
                where f.job = j.job and (keys is null or f.key = any(keys)) returning f.key)
     select array_agg(d.key) into v_keys from d;
     perform lockstep._enqueue_text(j, v_keys);
+    update lockstep.job_state s set retry_at = null, next_run_at = least(s.next_run_at, now())
+    where s.job = j.job and s.consecutive_failures > 0 and s.last_outcome = 'failed';
     return coalesce(cardinality(v_keys), 0);
-end;
-$$;
-
-CREATE FUNCTION lockstep._safe_key_type(t regtype) RETURNS boolean
-    LANGUAGE sql STABLE
-    SET search_path TO 'pg_catalog', 'pg_temp'
-    AS $$
-    select t is null or exists (select from pg_catalog.pg_type ty where ty.oid = t and ty.typtype in ('b', 'e'));
-$$;
-
-CREATE FUNCTION lockstep._save_derived(job text, target regclass, compute regprocedure, parent regclass, parent_column name, parent_key name, key_type regtype, target_key name[], columns name[], lock_group text, every interval, backoff interval) RETURNS void
-    LANGUAGE plpgsql
-    SET search_path TO 'pg_catalog', 'pg_temp'
-    AS $$
-declare
-    old lockstep.job;
-begin
-    select * into old from lockstep.job j where j.job = _save_derived.job;
-    if found then
-        perform lockstep._check_owner(old);
-        if old.kind <> 'derived' then
-            raise exception 'lockstep: job "%" is a generic job; use lockstep.define_job() or drop it first', job
-                using errcode = 'LSJ02';
-        end if;
-    end if;
-    insert into lockstep.job as j (job, kind, lock_group, target, compute, parent, parent_column, parent_key,
-                                   key_type, target_key, columns, every, backoff)
-    values (job, 'derived', coalesce(lock_group, job), target, compute::text, parent, parent_column, parent_key,
-            key_type, target_key, columns, every, backoff)
-    on conflict on constraint job_pkey do update
-        set lock_group = excluded.lock_group, target = excluded.target, compute = excluded.compute,
-            parent = excluded.parent, parent_column = excluded.parent_column, parent_key = excluded.parent_key,
-            key_type = excluded.key_type, target_key = excluded.target_key, columns = excluded.columns,
-            every = excluded.every, backoff = excluded.backoff, updated_at = now();
-    insert into lockstep.job_state (job) values (job) on conflict do nothing;
-end;
-$$;
-
-CREATE FUNCTION lockstep._trampoline() RETURNS text
-    LANGUAGE plpgsql
-    SET search_path TO 'pg_catalog', 'pg_temp'
-    AS $$
-declare
-    v_me oid := (select r.oid from pg_catalog.pg_roles r where r.rolname = current_user);
-    v_src text := ' begin return lockstep._owner_run(j, keys, true); end ';
-    v_name name;
-begin
-    select p.proname into v_name
-    from pg_catalog.pg_proc p
-    where p.pronamespace = pg_catalog.pg_my_temp_schema() and p.proname like 'lockstep\_as\_%'
-      and p.proowner = v_me and p.prosecdef and p.prosrc = v_src and p.prokind = 'f'
-      and p.prolang = (select l.oid from pg_catalog.pg_language l where l.lanname = 'plpgsql')
-      and p.proargtypes = pg_catalog.array_to_string(array['lockstep.job'::regtype::oid, 'text[]'::regtype::oid], ' ')::oidvector
-      and p.prorettype = 'lockstep._pass'::regtype
-      and p.proconfig = array['search_path=pg_catalog, pg_temp']
-      and p.proacl = array[pg_catalog.makeaclitem(v_me, v_me, 'EXECUTE', false)]
-    limit 1;
-    if v_name is null then
-        v_name := pg_catalog.format('lockstep_as_%s_%s', v_me, pg_catalog.substr(pg_catalog.md5(pg_catalog.random()::text), 1, 8));
-        execute pg_catalog.format(
-            'create function pg_temp.%I(j lockstep.job, keys text[]) returns lockstep._pass language plpgsql '
-            'security definer set search_path = pg_catalog, pg_temp as %L', v_name, v_src);
-        execute pg_catalog.format('revoke all on function pg_temp.%I(lockstep.job, text[]) from public', v_name);
-    end if;
-    return v_name;
 end;
 $$;
 
@@ -1464,22 +902,6 @@ begin
     updated := n - inserted;
 end;
 $_$;
-
-CREATE FUNCTION lockstep._warn_index(target regclass, parent_column name) RETURNS void
-    LANGUAGE plpgsql STABLE
-    SET search_path TO 'pg_catalog', 'pg_temp'
-    AS $$
-begin
-    if parent_column is not null and not exists (
-            select from pg_catalog.pg_index i
-            where i.indrelid = target and i.indkey[0] = (select a.attnum from pg_catalog.pg_attribute a
-                                                         where a.attrelid = target and a.attname = parent_column)) then
-        raise warning 'lockstep: no index on %(%): every worker pass and every cascade delete will scan %',
-            target, parent_column, target
-            using hint = pg_catalog.format('create index on %s (%I);', target, parent_column);
-    end if;
-end;
-$$;
 
 CREATE FUNCTION lockstep._work(j lockstep.job, batch integer) RETURNS lockstep.result
     LANGUAGE plpgsql
@@ -1583,17 +1005,12 @@ begin
         p.compute_ms := extract(epoch from clock_timestamp() - v_t0) * 1000;
         return p;  -- nothing to write: no lock taken at all
     end if;
+    perform lockstep._limit_batch(j, case when keys is null then j.batch_parents end);  -- 07_recompute.sql
     v_t1 := clock_timestamp();
     p.compute_ms := extract(epoch from v_t1 - v_t0) * 1000;
     v_skip := lockstep._pin_parents(j);
     v_skip := v_skip || lockstep._pin_refs(j);
     v_skip := v_skip || lockstep._lock_rows(j);
-    v_skip := v_skip || lockstep._lock_referencing(j);
-    if j.parent is not null and cardinality(v_skip) > 0 then
-        -- a parent's rows are written together or not at all: none of a skipped parent's rows is written
-        perform lockstep._drop_rows('lockstep_gone', 'lockstep_parent = any($1)', v_skip);
-        perform lockstep._drop_rows('lockstep_put', 'lockstep_parent = any($1) or lockstep_old_parent = any($1)', v_skip);
-    end if;
     p.deleted := lockstep._delete_rows(j);
     select u.inserted, u.updated into p.inserted, p.updated from lockstep._upsert_rows(j) u;
     -- skipped parents: those that still exist go back to the queue; the others were deleted meanwhile
@@ -1614,27 +1031,192 @@ $_$;
 CREATE FUNCTION lockstep.define_derived(job text, target regclass, compute regprocedure, parent regclass DEFAULT NULL::regclass, parent_column name DEFAULT NULL::name, lock_group text DEFAULT NULL::text, every interval DEFAULT '00:01:00'::interval, backoff interval DEFAULT '01:00:00'::interval) RETURNS void
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
-    AS $$
+    AS $_$
 declare
+    p pg_catalog.pg_proc;
+    old lockstep.job;
     v_key name[];
     v_cols name[];
-    v_par record;
+    v_parent_key name;
+    v_key_type regtype;
+    v_arg regtype;
+    v_col record;
+    v_fks name[];
+    v_err text;
 begin
     perform lockstep._check_schedule(job, lock_group, every, backoff);
-    v_key := lockstep._check_target(target, compute, parent);
-    v_cols := lockstep._check_compute(compute);
-    select * into v_par from lockstep._check_parent(target, compute, v_cols, parent, parent_column);
-    perform lockstep._check_columns(target, compute, v_key, v_cols);
-    perform lockstep._check_target_fks(target, v_cols);
-    perform lockstep._check_referencing(target, v_key, v_cols);
-    perform lockstep._check_parent_delete(target, parent);
-    perform lockstep._callable(compute, 1);
-    perform lockstep._warn_index(target, v_par.parent_column);
-    perform lockstep._dry_run(compute, v_par.key_type);
-    perform lockstep._save_derived(job, target, compute, parent, v_par.parent_column, v_par.parent_key,
-                                   v_par.key_type, v_key, v_cols, lock_group, every, backoff);
+    if target is null or compute is null then
+        raise exception 'lockstep: target and compute must not be NULL' using errcode = '22004';
+    end if;
+    if not exists (select from pg_catalog.pg_class c where c.oid = target and c.relkind in ('r', 'p')) then
+        raise exception 'lockstep: target % is not a table', target using errcode = '42809';
+    end if;
+    perform lockstep._check_privileges(target, compute, parent);
+
+    -- the target's primary key
+    select array_agg(a.attname order by k.o) into v_key
+    from pg_catalog.pg_constraint con,
+         pg_catalog.unnest(con.conkey) with ordinality as k(n, o)
+    join pg_catalog.pg_attribute a on a.attrelid = target and a.attnum = k.n
+    where con.conrelid = target and con.contype = 'p';
+    if v_key is null then
+        raise exception 'lockstep: target % has no primary key', target
+            using errcode = 'LSD01', hint = 'lockstep uses the primary key as the identity of a derived row; add one.';
+    end if;
+
+    -- the compute function: one array argument, returns a set of rows with named columns
+    select * into p from pg_catalog.pg_proc where oid = compute;
+    if p.prokind <> 'f' or not p.proretset or p.pronargs <> 1 then
+        raise exception 'lockstep: compute function % must be a function of one array argument returning a set of rows', compute
+            using errcode = 'LSD02',
+                  hint = 'e.g. create function f(keys bigint[]) returns table (...) or returns setof target_table';
+    end if;
+    v_arg := p.proargtypes[0];
+    select array_agg(c.name order by c.ord) into v_cols from lockstep._proc_columns(compute) c;
+    if v_cols is null then
+        raise exception 'lockstep: compute function % must return named columns (returns table (...) or setof a table type)', compute
+            using errcode = 'LSD02';
+    end if;
+
+    -- parent, parent_column and the key type
+    if parent is null and parent_column is not null then
+        raise exception 'lockstep: parent_column % given without parent', parent_column using errcode = 'LSD04';
+    end if;
+    if parent is not null then
+        if not exists (select from pg_catalog.pg_class c where c.oid = parent and c.relkind in ('r', 'p')) then
+            raise exception 'lockstep: parent % is not a table', parent using errcode = '42809';
+        end if;
+        select a.attname, a.atttypid into v_parent_key, v_key_type
+        from pg_catalog.pg_constraint con
+        join pg_catalog.pg_attribute a on a.attrelid = con.conrelid and a.attnum = con.conkey[1]
+        where con.conrelid = parent and con.contype = 'p' and cardinality(con.conkey) = 1;
+        if v_parent_key is null then
+            raise exception 'lockstep: parent % needs a single-column primary key', parent
+                using errcode = 'LSD04', hint = 'Multi-column parent keys are not supported; use the parent''s surrogate key.';
+        end if;
+        select array_agg(a.attname order by a.attname) into v_fks
+        from pg_catalog.pg_constraint con
+        join pg_catalog.pg_attribute a on a.attrelid = con.conrelid and a.attnum = con.conkey[1]
+        join pg_catalog.pg_attribute pa on pa.attrelid = con.confrelid and pa.attnum = con.confkey[1]
+        where con.conrelid = target and con.confrelid = parent and con.contype = 'f'
+          and cardinality(con.conkey) = 1 and pa.attname = v_parent_key;
+        if parent_column is null then
+            if cardinality(v_fks) is distinct from 1 then
+                raise exception 'lockstep: cannot infer parent_column: % has % single-column foreign keys to %(%)',
+                    target, coalesce(cardinality(v_fks), 0), parent, v_parent_key
+                    using errcode = 'LSD04', hint = 'Pass parent_column => ''...'' naming a column with a foreign key to the parent.';
+            end if;
+            parent_column := v_fks[1];
+        elsif not exists (select from pg_catalog.pg_attribute a
+                          where a.attrelid = target and a.attname = parent_column and a.attnum > 0 and not a.attisdropped) then
+            raise exception 'lockstep: target % has no column %', target, parent_column using errcode = 'LSD04';
+        elsif not parent_column = any(coalesce(v_fks, '{}')) then
+            raise exception 'lockstep: %.% does not reference %(%) through a foreign key', target, parent_column, parent, v_parent_key
+                using errcode = 'LSD04',
+                      hint = 'lockstep pins parents with the lock an FK check takes; add the foreign key.';
+        end if;
+        if not parent_column = any(v_cols) then
+            raise exception 'lockstep: compute function % does not return the parent column %', compute, parent_column
+                using errcode = 'LSD03';
+        end if;
+        if v_arg <> (select t.typarray from pg_catalog.pg_type t where t.oid = v_key_type) then
+            raise exception 'lockstep: compute function % takes %, but the parent key %.% is %: it must take %[]',
+                compute, v_arg, parent, v_parent_key, v_key_type, v_key_type using errcode = 'LSD02';
+        end if;
+    elsif not exists (select from pg_catalog.pg_type t where t.oid = v_arg and t.typcategory = 'A') then
+        raise exception 'lockstep: compute function % must take an array argument (it is called with NULL: all rows)', compute
+            using errcode = 'LSD02';
+    end if;
+
+    -- compute's columns against the target's
+    for v_col in
+        select c.name, c.type, a.atttypid, a.attgenerated, count(*) over (partition by c.name) as dup
+        from lockstep._proc_columns(compute) c
+        left join pg_catalog.pg_attribute a
+            on a.attrelid = target and a.attname = c.name and a.attnum > 0 and not a.attisdropped
+        order by c.ord
+    loop
+        if v_col.dup > 1 then
+            raise exception 'lockstep: compute function % returns column % twice', compute, v_col.name using errcode = 'LSD03';
+        elsif v_col.atttypid is null then
+            raise exception 'lockstep: compute function % returns column %, which target % does not have', compute, v_col.name, target
+                using errcode = 'LSD03';
+        elsif v_col.atttypid <> v_col.type then
+            raise exception 'lockstep: column %: compute function % returns %, target % has %', v_col.name, compute,
+                v_col.type::regtype, target, v_col.atttypid::regtype using errcode = 'LSD03';
+        elsif v_col.attgenerated <> '' then
+            raise exception 'lockstep: column % of % is generated; compute must not return it', v_col.name, target
+                using errcode = 'LSD03';
+        elsif v_col.name like 'lockstep\_%' then
+            raise exception 'lockstep: column names starting with lockstep_ are reserved (%)', v_col.name using errcode = 'LSD03';
+        end if;
+        begin
+            execute pg_catalog.format('select null::%s is distinct from null::%s', v_col.type::regtype, v_col.type::regtype);
+        exception when undefined_function then
+            raise exception 'lockstep: column % has type %, which has no equality operator', v_col.name, v_col.type::regtype
+                using errcode = 'LSD03', hint = 'lockstep compares rows with IS DISTINCT FROM; use jsonb rather than json.';
+        end;
+    end loop;
+    select array_agg(k) into v_err from pg_catalog.unnest(v_key) k where not k = any(v_cols);
+    if v_err is not null then
+        raise exception 'lockstep: compute function % does not return the target''s primary-key column(s) %', compute, v_err
+            using errcode = 'LSD03';
+    end if;
+    select pg_catalog.string_agg(a.attname, ', ') into v_err
+    from pg_catalog.pg_attribute a
+    where a.attrelid = target and a.attnum > 0 and not a.attisdropped and a.attnotnull and not a.atthasdef
+      and a.attidentity = '' and a.attgenerated = '' and not a.attname = any(v_cols);
+    if v_err is not null then
+        raise exception 'lockstep: target % has NOT NULL column(s) % without default that compute function % does not return',
+            target, v_err, compute using errcode = 'LSD03';
+    end if;
+
+    if parent is not null and not exists (
+            select from pg_catalog.pg_index i
+            where i.indrelid = target and i.indkey[0] = (select a.attnum from pg_catalog.pg_attribute a
+                                                         where a.attrelid = target and a.attname = parent_column)) then
+        raise warning 'lockstep: no index on %(%): every worker pass and every cascade delete will scan %',
+            target, parent_column, target
+            using hint = pg_catalog.format('create index on %s (%I);', target, parent_column);
+    end if;
+
+    -- a dry run on no keys: catches what only execution shows (e.g. tables the function cannot see)
+    if parent is not null then
+        begin
+            execute pg_catalog.format('select count(*) from %s($1::%s)', compute::regproc, lockstep._array_type(v_key_type))
+                using '{}'::text[];
+            raise exception using errcode = 'LSDRY';  -- roll back whatever the dry run did
+        exception when sqlstate 'LSDRY' then
+            null;
+        when others then
+            get stacked diagnostics v_err = message_text;
+            raise exception 'lockstep: compute function % failed on an empty key array: %', compute, v_err
+                using errcode = 'LSD02',
+                      hint = 'lockstep runs compute with search_path = pg_catalog, pg_temp: schema-qualify table names '
+                             'or give the function its own SET search_path.';
+        end;
+    end if;
+
+    select * into old from lockstep.job j where j.job = define_derived.job;
+    if found then
+        perform lockstep._check_owner(old);
+        if old.kind <> 'derived' then
+            raise exception 'lockstep: job "%" is a generic job; use lockstep.define_job() or drop it first', job
+                using errcode = 'LSJ02';
+        end if;
+    end if;
+    insert into lockstep.job as j (job, kind, lock_group, target, compute, parent, parent_column, parent_key,
+                                   key_type, target_key, columns, every, backoff)
+    values (job, 'derived', coalesce(lock_group, job), target, compute::text, parent, parent_column, v_parent_key,
+            v_key_type, v_key, v_cols, every, backoff)
+    on conflict on constraint job_pkey do update
+        set lock_group = excluded.lock_group, target = excluded.target, compute = excluded.compute,
+            parent = excluded.parent, parent_column = excluded.parent_column, parent_key = excluded.parent_key,
+            key_type = excluded.key_type, target_key = excluded.target_key, columns = excluded.columns,
+            every = excluded.every, backoff = excluded.backoff, updated_at = now();
+    insert into lockstep.job_state (job) values (job) on conflict do nothing;
 end;
-$$;
+$_$;
 
 CREATE FUNCTION lockstep.define_job(job text, call regprocedure, lock_group text DEFAULT NULL::text, every interval DEFAULT '00:01:00'::interval, backoff interval DEFAULT '01:00:00'::interval) RETURNS void
     LANGUAGE plpgsql
@@ -1658,7 +1240,6 @@ begin
         raise exception 'lockstep: % needs % argument(s); a job function must be callable with none',
             call, p.pronargs - p.pronargdefaults using errcode = 'LSD02';
     end if;
-    perform lockstep._callable(call, 0);
     select * into old from lockstep.job j where j.job = define_job.job;
     if found then
         perform lockstep._check_owner(old);
@@ -1764,7 +1345,6 @@ CREATE FUNCTION lockstep.recompute(job text) RETURNS lockstep.result
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
 begin
-    perform lockstep._check_isolation('lockstep.recompute()');
     return lockstep._recompute(lockstep._job(job, 'derived'), false);
 end;
 $$;
@@ -1798,12 +1378,7 @@ declare
     s lockstep.job_state;
     r lockstep.result;
 begin
-    perform lockstep._check_isolation('lockstep.run()');
     select * into s from lockstep.job_state st where st.job = j.job;
-    if not found then
-        -- its status row is hidden from this role (row-level security): a runner not serving the owner
-        perform lockstep._check_act_as(j);
-    end if;
     if j.kind = 'job' then
         if s.next_run_at > now() then
             return lockstep._result(lockstep._not_due(s), j.job, 'call');
@@ -1816,11 +1391,29 @@ begin
     if j.parent is null then
         return lockstep._result(lockstep._not_due(s), j.job, 'recompute');
     end if;
-    r := lockstep._work(j, 500);
+    r := lockstep._work(j, j.batch_parents);
     if r.outcome = 'idle' and lockstep._not_due(s) = 'backoff' then
         r.outcome := 'backoff';
     end if;
     return r;
+end;
+$$;
+
+CREATE FUNCTION lockstep.set_batch_parents(job text, batch_parents integer) RETURNS void
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    j lockstep.job := lockstep._queue_job(job);
+begin
+    if batch_parents is null or batch_parents < 1 then
+        raise exception 'lockstep: batch_parents must be a positive integer (got %)',
+            coalesce(batch_parents::text, 'NULL')
+            using errcode = '22023', hint = 'The default is 500 parents per transaction.';
+    end if;
+    perform lockstep._check_owner(j);
+    update lockstep.job x set batch_parents = set_batch_parents.batch_parents, updated_at = now()
+    where x.job = j.job;
 end;
 $$;
 
@@ -1893,7 +1486,6 @@ CREATE FUNCTION lockstep.work(job text, batch integer DEFAULT 500) RETURNS locks
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
 begin
-    perform lockstep._check_isolation('lockstep.work()');
     if batch is null or batch < 1 then
         raise exception 'lockstep: batch must be a positive integer (got %)', coalesce(batch::text, 'NULL')
             using errcode = '22023';
@@ -1913,7 +1505,7 @@ CREATE TABLE lockstep.key_failure (
     parked boolean DEFAULT false NOT NULL
 );
 
-CREATE VIEW lockstep.failing_keys WITH (security_invoker='true') AS
+CREATE VIEW lockstep.failing_keys AS
  SELECT f.job,
     f.key,
     f.attempts,
@@ -1924,7 +1516,7 @@ CREATE VIEW lockstep.failing_keys WITH (security_invoker='true') AS
     f.parked
    FROM lockstep.key_failure f;
 
-CREATE VIEW lockstep.parked_keys WITH (security_invoker='true') AS
+CREATE VIEW lockstep.parked_keys AS
  SELECT f.job,
     f.key,
     f.attempts,
@@ -1951,7 +1543,7 @@ ALTER TABLE lockstep.queue ALTER COLUMN id ADD GENERATED ALWAYS AS IDENTITY (
     CACHE 1
 );
 
-CREATE VIEW lockstep.status WITH (security_invoker='true') AS
+CREATE VIEW lockstep.status AS
  SELECT j.job,
     j.kind,
     j.lock_group,
@@ -1985,9 +1577,22 @@ CREATE VIEW lockstep.status WITH (security_invoker='true') AS
     j.parent,
     j.every,
     j.backoff,
-    j.max_attempts
-   FROM (lockstep.job j
-     JOIN lockstep.job_state s ON ((s.job = j.job)));
+    j.max_attempts,
+        CASE
+            WHEN (h.todo > 0) THEN (s.recompute_total - h.todo)
+            ELSE NULL::bigint
+        END AS recompute_done,
+        CASE
+            WHEN (h.todo > 0) THEN s.recompute_total
+            ELSE NULL::bigint
+        END AS recompute_total
+   FROM ((lockstep.job j
+     JOIN lockstep.job_state s ON ((s.job = j.job)))
+     LEFT JOIN LATERAL ( SELECT count(DISTINCT q.key) AS todo
+           FROM lockstep.queue q
+          WHERE ((s.recompute_total IS NOT NULL) AND (q.job = j.job) AND ((q.id >= s.recompute_queue_from) AND (q.id <= s.recompute_queue_to)) AND (NOT (EXISTS ( SELECT
+                   FROM lockstep.key_failure f
+                  WHERE ((f.job = q.job) AND (f.key = q.key) AND f.parked)))))) h ON (true));
 
 ALTER TABLE ONLY lockstep.job
     ADD CONSTRAINT job_pkey PRIMARY KEY (job);
@@ -2013,42 +1618,8 @@ ALTER TABLE lockstep.job ENABLE ROW LEVEL SECURITY;
 
 CREATE POLICY job_delete ON lockstep.job FOR DELETE USING (lockstep._may_manage(owner));
 
-CREATE POLICY job_insert ON lockstep.job FOR INSERT WITH CHECK (((owner = CURRENT_USER) AND lockstep._safe_key_type(key_type)));
+CREATE POLICY job_insert ON lockstep.job FOR INSERT WITH CHECK ((owner = CURRENT_USER));
 
 CREATE POLICY job_read ON lockstep.job FOR SELECT USING (true);
 
-ALTER TABLE lockstep.job_state ENABLE ROW LEVEL SECURITY;
-
-CREATE POLICY job_state_own ON lockstep.job_state USING ((job IN ( SELECT j.job
-   FROM lockstep.job j
-  WHERE lockstep._may_manage(j.owner)))) WITH CHECK ((job IN ( SELECT j.job
-   FROM lockstep.job j
-  WHERE lockstep._may_manage(j.owner))));
-
-CREATE POLICY job_update ON lockstep.job FOR UPDATE USING (lockstep._may_manage(owner)) WITH CHECK ((lockstep._may_own(owner) AND lockstep._safe_key_type(key_type)));
-
-ALTER TABLE lockstep.key_failure ENABLE ROW LEVEL SECURITY;
-
-CREATE POLICY key_failure_own ON lockstep.key_failure USING ((job IN ( SELECT j.job
-   FROM lockstep.job j
-  WHERE lockstep._may_manage(j.owner)))) WITH CHECK ((job IN ( SELECT j.job
-   FROM lockstep.job j
-  WHERE lockstep._may_manage(j.owner))));
-
-ALTER TABLE lockstep.queue ENABLE ROW LEVEL SECURITY;
-
-CREATE POLICY queue_append ON lockstep.queue FOR INSERT WITH CHECK (true);
-
-CREATE POLICY queue_delete ON lockstep.queue FOR DELETE USING ((job IN ( SELECT j.job
-   FROM lockstep.job j
-  WHERE lockstep._may_manage(j.owner))));
-
-CREATE POLICY queue_read ON lockstep.queue FOR SELECT USING (((job IN ( SELECT j.job
-   FROM lockstep.job j
-  WHERE lockstep._may_manage(j.owner))) OR (NOT has_column_privilege(('lockstep.queue'::regclass)::oid, 'key'::text, 'SELECT'::text))));
-
-CREATE POLICY queue_update ON lockstep.queue FOR UPDATE USING ((job IN ( SELECT j.job
-   FROM lockstep.job j
-  WHERE lockstep._may_manage(j.owner)))) WITH CHECK ((job IN ( SELECT j.job
-   FROM lockstep.job j
-  WHERE lockstep._may_manage(j.owner))));
+CREATE POLICY job_update ON lockstep.job FOR UPDATE USING (lockstep._may_manage(owner)) WITH CHECK (lockstep._may_manage(owner));

@@ -7,8 +7,10 @@ is not in), and that the guarantees still hold: no lost update, convergence, not
 between batches (tests/test_runner_bounded.py), rule 7, skipped parents retried, poison parents isolated,
 0 deadlocks.
 
-Session s1 is lockstep (deadlock_timeout 100ms: the victim if a cycle ever formed), s2 the application,
-s3 a gate holding lockstep's compute open. Every test gets a fresh copy of the example (200 exams).
+Each schedule's whole trace is compared with tests/expected/schedules_bounded/<test>.out
+(``expected_trace``; rewrite with --update-expected). Session s1 is lockstep (deadlock_timeout 1s: the
+victim if a cycle ever formed), s2 the application, s3 a gate holding lockstep's compute open. Every test
+gets a fresh copy of the example (200 exams).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from util import raises_sqlstate, result
 from runner.lab.example import JOB, divergence
 
 SESSIONS = {
-    "s1": ["set deadlock_timeout = '100ms'"],
+    "s1": ["set deadlock_timeout = '1s'"],
     "s2": ["set deadlock_timeout = '10s'"],
     "s3": ["set deadlock_timeout = '10s'"],
 }
@@ -101,7 +103,9 @@ def spec(ex: psycopg.Connection, example_dsn: str) -> Spec:
 # -- the application does not wait for a batch it is not in -----------------------------------------------
 
 
-def test_app_deletes_a_parent_of_the_next_batch_while_a_batch_is_written_without_waiting(spec, ex):
+def test_app_deletes_a_parent_of_the_next_batch_while_a_batch_is_written_without_waiting(
+    spec, ex, expected_trace
+):
     ex.execute(f"select lockstep.set_batch_parents('{JOB}', 2)")
     _rewrite(ex, [3, 5, 7, 9, 11])
     spec.step("s2del7", "s2", "delete from example.exam where id = 7;")
@@ -110,13 +114,13 @@ def test_app_deletes_a_parent_of_the_next_batch_while_a_batch_is_written_without
     deadlocks = _deadlocks(ex)
     # property: batch 1 = exams 3 and 5 (parent-key order), written and held until s1 commits; the app
     # deletes exam 7, of batch 2, meanwhile and does not wait (today: the one transaction holds all five).
-    r = spec.run(["s1begin", "s1recompute", "s2begin", "s2del7", "s2c", "s1c"])
+    r1 = r = spec.run(["s1begin", "s1recompute", "s2begin", "s2del7", "s2c", "s1c"])
     assert r.rows("s1recompute") == [("done", 0, True)], r.trace
     assert not r.waited("s2del7") and not r.waited("s2c"), r.trace
     assert ex.execute(STATUS_SQL).fetchone() == (2, 5)
     assert _queued(ex) == [7, 9, 11]  # the hand-off, and the app's own enqueue of 7
     # property: the same for batch k+1 while batch k is a worker pass (exams 7 and 9; 11 is the next one)
-    r = spec.run(["s1begin", "s1run", "s2begin", "s2del11", "s2c", "s1c"])
+    r2 = r = spec.run(["s1begin", "s1run", "s2begin", "s2del11", "s2c", "s1c"])
     assert r.rows("s1run") == [("work", "done", True)], r.trace
     assert not r.waited("s2del11") and not r.waited("s2c"), r.trace
     assert ex.execute(STATUS_SQL).fetchone() == (4, 5)
@@ -124,6 +128,7 @@ def test_app_deletes_a_parent_of_the_next_batch_while_a_batch_is_written_without
     _rewrite(ex, [3, 13, 15], "again")
     r = spec.run(["s1begin", "s1recompute", "s2begin", "s2del3", "s1c", "s2c"])
     assert r.waited("s2del3") and r.blocked_by("s2del3") == ["s1"] and r.error("s2del3") is None, r.trace
+    expected_trace(r1, r2, r)
     _drain(ex)
     assert ex.execute(STATUS_SQL).fetchone() == (None, None)
     assert divergence(ex) == (0, 0)
@@ -170,7 +175,7 @@ def test_a_due_recompute_is_not_starved_by_its_own_hand_off(ex):
 # -- no lost update, skipped parents retried -----------------------------------------------------------------
 
 
-def test_app_change_after_the_snapshot_is_queued_again_and_converges(spec, ex):
+def test_app_change_after_the_snapshot_is_queued_again_and_converges(spec, ex, expected_trace):
     ex.execute(GATED_COMPUTE)
     ex.execute(f"select lockstep.set_batch_parents('{JOB}', 2)")
     _rewrite(ex, [3, 5, 7, 9])
@@ -183,6 +188,7 @@ def test_app_change_after_the_snapshot_is_queued_again_and_converges(spec, ex):
     assert r.waited("s1recompute") and r.blocked_by("s1recompute") == ["s3"], r.trace
     assert not r.waited("s2edit") and not r.waited("s2c")
     assert r.rows("s1recompute") == [("done", 0, True)], r.trace
+    expected_trace(r)
     # exam 3 got older rows, but it is queued again (the app's trigger), so it is not lost
     assert (
         ex.execute("select count(*) from example.exam_key where exam_id = 3 and key = 'lateword'").fetchone()[
@@ -201,7 +207,7 @@ def test_app_change_after_the_snapshot_is_queued_again_and_converges(spec, ex):
     assert divergence(ex) == (0, 0)
 
 
-def test_a_skipped_parent_of_a_batch_is_retried(spec, ex):
+def test_a_skipped_parent_of_a_batch_is_retried(spec, ex, expected_trace):
     ex.execute(f"select lockstep.set_batch_parents('{JOB}', 2)")
     _rewrite(ex, [3, 5, 7])
     spec.step("s2hold3", "s2", "select id from example.exam where id = 3 for update;", show_rows=False)
@@ -209,6 +215,7 @@ def test_a_skipped_parent_of_a_batch_is_retried(spec, ex):
     # property: the app holds exam 3 (of batch 1); lockstep skips it without waiting, queues it with the rest
     r = spec.run(["s2begin", "s2hold3", "s1begin", "s1recompute", "s1c", "s2rollback"])
     assert not r.waited("s1recompute") and r.rows("s1recompute") == [("done", 1, True)], r.trace
+    expected_trace(r)
     assert _queued(ex) == [3, 7]
     ex.execute("update lockstep.queue set ready_at = now()")  # a skipped key waits a second: not here
     _drain(ex)
