@@ -40,19 +40,23 @@ from runner.lab.scratch import percentile
 
 JOB = example.JOB
 LEVELS = (0, 1, 100)  # % of parents changed
-METHODS = ("naive", "seed", "lockstep", "matview")
+# lockstep_1tx: lockstep's recompute with no batch limit (one transaction, as before batch_parents)
+METHODS = ("naive", "seed", "lockstep", "lockstep_1tx", "matview")
+LOCKSTEP_METHODS = ("lockstep", "lockstep_1tx")
 SECTIONS = ("recompute", "queue", "scaling")
 
 METHOD_CALL = {
     "naive": "select example.naive_recompute()",
     "seed": "select example.seed_recompute()",
     "lockstep": "insert into pg_temp.bench_result select * from lockstep.recompute('exam_keys')",
+    "lockstep_1tx": "insert into pg_temp.bench_result select * from lockstep.recompute('exam_keys')",
     "matview": "select public.bench_refresh()",
 }
 METHOD_TARGET = {
     "naive": "example.exam_key",
     "seed": "example.exam_key",
     "lockstep": "example.exam_key",
+    "lockstep_1tx": "example.exam_key",
     "matview": "public.bench_mv",
 }
 EXPLAIN_WAL = "explain (analyze, wal, timing off, costs off, format json) "
@@ -216,7 +220,7 @@ class Bench:
         out["wal_lsn"] = int(c.execute(LSN_DIFF_SQL, [lsn0]).fetchone()[0])
         out["app_delete"] = _latencies(app)
         out["app_delete_rewritten"] = _latencies(rewritten) if rewritten is not None else None
-        if method != "lockstep":
+        if method not in LOCKSTEP_METHODS:
             out["lock_ms"] = out["max_lock_ms"] = out["total_ms"] if method == "naive" else None
         time.sleep(0.05)
         out["deadlocks"] = self._deadlocks() - deadlocks0
@@ -243,14 +247,19 @@ class Bench:
         """Run one method, each of its transactions under EXPLAIN (ANALYZE, WAL); lockstep: the recompute,
         then lockstep.run() (the runner's call) until the parents it handed to the queue are done."""
         c = self.conn
-        call, txns = METHOD_CALL[method], []
+        call, txns, locks = METHOD_CALL[method], [], []
         while True:
             c.execute(CLEAR_RESULT_SQL)
+            c.execute(FLUSH_STATS_SQL)  # pg_stat_xact_* would also count the previous transactions
             with c.transaction():
+                if method == "lockstep_1tx":
+                    c.execute(UNBOUNDED_SQL)
                 plan = c.execute(EXPLAIN_WAL + call).fetchone()[0]
                 rows = int(c.execute(XACT_ROWS_SQL, [METHOD_TARGET[method]]).fetchone()[0])
+                if method == "lockstep_1tx":
+                    c.execute(DEFAULT_BATCH_SQL)
             txns.append((plan[0]["Plan"], rows))
-            if method != "lockstep":
+            if method not in LOCKSTEP_METHODS:
                 break
             row = c.execute(READ_RESULT_SQL).fetchone()
             keys = ("outcome", "inserted", "updated", "deleted", "skipped", "compute_ms", "write_ms")
@@ -264,10 +273,14 @@ class Bench:
             out["compute_ms"] += row[5]
             out["lock_ms"] += row[6]
             out["max_lock_ms"] = max(out["max_lock_ms"], row[6])
+            locks.append(row[6])
             if not c.execute(HANDED_OFF_SQL).fetchone()[0]:
                 break
             call = RUN_INTO_SQL
         out["transactions"] = len(txns)
+        if locks:
+            out["lock_ms_p50"] = percentile(locks, 0.5)
+            out["max_lock_txn"] = locks.index(max(locks)) + 1  # 1: the recompute's own batch
         out["wal_own"] = sum(int(p.get("WAL Bytes", 0)) for p, _ in txns)
         out["wal_fpi"] = sum(int(p.get("WAL FPI", 0)) for p, _ in txns)
         out["rows"] = sum(r for _, r in txns)
@@ -291,7 +304,7 @@ class Bench:
                     c.execute(CHANGE_SQL, [ids])
                 c.execute(CLEAR_QUEUE_SQL)
                 c.execute(VACUUM_SQL)
-                if method == "lockstep":
+                if method == "lockstep":  # beside the two lockstep methods
                     t0 = time.perf_counter()
                     c.execute(BARE_COMPUTE_SQL)
                     per["bare_compute_ms"] = (time.perf_counter() - t0) * 1000
@@ -415,8 +428,14 @@ def summarize(rec: dict[str, Any]) -> dict[str, Any]:
                 for m in METHODS
             }
         if ls.get("max_lock_ms") is not None:
+            one = per.get("lockstep_1tx", {})
             s[f"lockstep_bounds_{level}"] = {
                 "max_lock_ms": ls["max_lock_ms"],
+                "lock_ms_p50": ls.get("lock_ms_p50"),
+                "max_lock_txn": ls.get("max_lock_txn"),
+                "one_txn_lock_ms": one.get("lock_ms"),
+                "one_txn_total_ms": one.get("total_ms"),
+                "total_vs_one_txn": ls["total_ms"] / one["total_ms"] if one.get("total_ms") else None,
                 "transactions": ls.get("transactions"),
                 "total_ms": ls["total_ms"],
                 "bare_compute_ms": per.get("bare_compute_ms"),
@@ -617,7 +636,11 @@ def _render_summary(summary: dict[str, Any], lines: list[str]) -> None:
             lines.append(
                 f"  lockstep, {level}: longest row-lock time of one transaction "
                 f"{_f(v['max_lock_ms'])} ms{tgt} "
-                f"over {v['transactions']} transaction(s); converged in {_f(v['total_ms'])} ms = "
+                f"(transaction {v.get('max_lock_txn')} of {v['transactions']}; "
+                f"median {_f(v.get('lock_ms_p50'))} ms; "
+                f"one unbounded transaction: {_f(v.get('one_txn_lock_ms'))} ms); "
+                f"converged in {_f(v['total_ms'])} ms = {_f(v.get('total_vs_one_txn'), '{:.2f}')} x "
+                f"the one-transaction recompute ({_f(v.get('one_txn_total_ms'))} ms; target <= 2) = "
                 f"{_f(v['total_vs_bare'], '{:.2f}')} x the bare compute ({_f(v['bare_compute_ms'])} ms)"
             )
         else:
