@@ -431,27 +431,20 @@ CREATE FUNCTION lockstep._group_due(lock_group text) RETURNS boolean
           and s.next_run_at > now() - interval '1 minute');
 $$;
 
-CREATE FUNCTION lockstep._hand_off(j lockstep.job, keys text[], total bigint) RETURNS bigint
+CREATE FUNCTION lockstep._hand_off(j lockstep.job, keys text[], before bigint, total bigint) RETURNS void
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
-declare
-    v_before bigint;
-    n bigint := 0;
 begin
-    if cardinality(keys) > 0 then
-        select coalesce(max(q.id), 0) into v_before from lockstep.queue q where q.job = j.job;
-        n := lockstep._enqueue_text(j, keys);
-    end if;
+    perform lockstep._enqueue_text(j, keys);
     update lockstep.job_state s set
-        recompute_total = case when n > 0 then total end,
-        recompute_queue_from = case when n > 0 then (select min(q.id) from lockstep.queue q
-                                                     where q.job = j.job and q.id > v_before) end,
-        recompute_queue_to = case when n > 0 then (select max(q.id) from lockstep.queue q
-                                                   where q.job = j.job and q.id > v_before) end
+        recompute_total = total,
+        recompute_queue_from = case when total is not null then (select min(q.id) from lockstep.queue q
+                                                                 where q.job = j.job and q.id > before) end,
+        recompute_queue_to = case when total is not null then (select max(q.id) from lockstep.queue q
+                                                               where q.job = j.job and q.id > before) end
     where s.job = j.job
-      and (n > 0 or s.recompute_total is not null);
-    return n;
+      and (total is not null or s.recompute_total is not null);
 end;
 $$;
 
@@ -545,7 +538,7 @@ begin
 end;
 $_$;
 
-CREATE FUNCTION lockstep._limit_batch(j lockstep.job, budget integer) RETURNS text[]
+CREATE FUNCTION lockstep._limit_batch(j lockstep.job, budget integer) RETURNS bigint
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET client_min_messages TO 'warning'
@@ -555,14 +548,14 @@ declare
     v_changed bigint;
 begin
     if budget is null or j.parent is null then
-        return '{}';
+        return 0;
     end if;
     execute 'select count(*) from (select lockstep_parent from pg_temp.lockstep_gone'
             '  union select lockstep_parent from pg_temp.lockstep_put'
             '  union select lockstep_old_parent from pg_temp.lockstep_put) s(k) where k is not null'
         into v_changed;
     if v_changed <= budget then
-        return '{}';
+        return 0;
     end if;
     drop table if exists pg_temp.lockstep_rest;
     execute pg_catalog.format(
@@ -593,7 +586,7 @@ begin
     drop table pg_temp.lockstep_keep;
     analyze pg_temp.lockstep_gone;
     analyze pg_temp.lockstep_put;
-    return array(select r.key from pg_temp.lockstep_rest r);
+    return lockstep._enqueue_text(j, array(select r.key from pg_temp.lockstep_rest r));
 end;
 $_$;
 
@@ -772,8 +765,8 @@ declare
     s lockstep.job_state;
     v_started timestamptz;
     v_err text;
-    v_rest text[] := '{}';
-    n bigint := 0;
+    v_before bigint;
+    v_rest bigint := 0;
     p lockstep._pass;
 begin
     if not lockstep._try_lock(j.lock_group) then
@@ -785,6 +778,7 @@ begin
         return lockstep._result(lockstep._not_due(s), j.job, 'recompute');
     end if;
     v_started := clock_timestamp();
+    select coalesce(max(q.id), 0) into v_before from lockstep.queue q where q.job = j.job;
     begin
         p := lockstep._apply(j, null);
     exception
@@ -798,15 +792,15 @@ begin
             get stacked diagnostics v_err = message_text;
             return lockstep._recompute_failed(j, v_started, v_err);
     end;
+    -- the rest of the difference was handed to the queue before the write (_limit_batch)
     if pg_catalog.to_regclass('pg_temp.lockstep_rest') is not null then
-        v_rest := array(select r.key from pg_temp.lockstep_rest r);
+        select count(*) into v_rest from pg_temp.lockstep_rest;
     end if;
     if j.parent is not null then
-        n := lockstep._hand_off(j, p.skipped || v_rest,
-                                case when cardinality(v_rest) > 0 then j.batch_parents + cardinality(v_rest) end);
+        perform lockstep._hand_off(j, p.skipped, v_before, case when v_rest > 0 then j.batch_parents + v_rest end);
     end if;
     perform lockstep._finish(j, 'recompute', 'done', v_started, p);
-    return lockstep._result('done', j.job, 'recompute', p, null, cardinality(v_rest) > 0);
+    return lockstep._result('done', j.job, 'recompute', p, null, v_rest > 0);
 end;
 $$;
 
@@ -816,7 +810,7 @@ CREATE FUNCTION lockstep._recompute_failed(j lockstep.job, started timestamp wit
     AS $_$
 declare
     v_keys text[];
-    n bigint;
+    v_before bigint;
 begin
     if j.parent is null then
         return lockstep._failed(j, 'recompute', started, error);
@@ -828,11 +822,13 @@ begin
     end;
     execute pg_catalog.format('select coalesce(array_agg(%1$I::text order by %1$I), ''{}'') from %2$s',
                               j.parent_key, j.parent) into v_keys;
-    n := lockstep._hand_off(j, v_keys, cardinality(v_keys));
+    select coalesce(max(q.id), 0) into v_before from lockstep.queue q where q.job = j.job;
+    perform lockstep._hand_off(j, v_keys, v_before, nullif(cardinality(v_keys), 0));
     perform lockstep._finish(j, 'recompute', 'done', started);
     return lockstep._result('done', j.job, 'recompute', null,
         pg_catalog.format('the whole-table pass failed (%s); its %s parents were handed to the worker, which '
-                          'isolates the failing ones (lockstep.failing_keys)', error, n), n > 0);
+                          'isolates the failing ones (lockstep.failing_keys)', error, cardinality(v_keys)),
+        cardinality(v_keys) > 0);
 end;
 $_$;
 

@@ -487,8 +487,8 @@ $$;
 -- lockstep._write(j, keys): THE write path. Apply pg_temp.lockstep_desired (filled by _compute_into) to
 -- the target, restricted to the parents in keys (NULL: the whole table). Used by recompute and by work.
 -- First the difference, without any row lock (_diff), cut to the first j.batch_parents parents when keys is
--- NULL (_limit_batch: the recompute hands the rest to the queue); then the write phase, in this order,
--- never waiting for any lock:
+-- NULL (_limit_batch: the rest is handed to the queue, before any row lock); then the write phase, in this
+-- order, never waiting for any lock:
 --   1. _pin_parents: parents of every row about to be deleted, inserted or updated;
 --   2. _pin_refs: rows referenced through the target's other foreign keys;
 --   3. _lock_rows, _lock_referencing, _delete_rows, _upsert_rows: the target rows, in primary-key order

@@ -12,12 +12,14 @@
 
 -- lockstep._limit_batch(j, budget): write step 0. Keep in pg_temp.lockstep_gone / lockstep_put only the
 -- rows of the first budget changed parents, in parent-key order (a row moving between parents stays if
--- either is kept; rows without a parent always stay), and return the other changed parents, in key order.
--- They are also left in pg_temp.lockstep_rest (key text, ON COMMIT DROP), created only when the difference
--- exceeds the budget, for the caller to hand to the queue. budget NULL, or a job without a parent: no limit.
--- The two tables are rewritten compactly (truncate and refill), so the write steps scan only the batch.
--- locks: nothing outside pg_temp.
-create function lockstep._limit_batch(j lockstep.job, budget integer) returns text[]
+-- either is kept; rows without a parent always stay), and hand the other changed parents to the queue, in
+-- key order, before any row lock is taken. Returns how many it handed off; they are also listed in
+-- pg_temp.lockstep_rest (key text, ON COMMIT DROP), created only when the difference exceeds the budget.
+-- budget NULL, or a job without a parent: no limit. The two tables are rewritten compactly (truncate and
+-- refill), so the write steps scan only the batch.
+-- locks: appends to lockstep.queue (as lockstep._enqueue_text: no lock anyone else holds); nothing else
+-- outside pg_temp.
+create function lockstep._limit_batch(j lockstep.job, budget integer) returns bigint
 language plpgsql
 set search_path = pg_catalog, pg_temp
 set client_min_messages = warning
@@ -27,14 +29,14 @@ declare
     v_changed bigint;
 begin
     if budget is null or j.parent is null then
-        return '{}';
+        return 0;
     end if;
     execute 'select count(*) from (select lockstep_parent from pg_temp.lockstep_gone'
             '  union select lockstep_parent from pg_temp.lockstep_put'
             '  union select lockstep_old_parent from pg_temp.lockstep_put) s(k) where k is not null'
         into v_changed;
     if v_changed <= budget then
-        return '{}';
+        return 0;
     end if;
     drop table if exists pg_temp.lockstep_rest;
     execute pg_catalog.format(
@@ -65,36 +67,29 @@ begin
     drop table pg_temp.lockstep_keep;
     analyze pg_temp.lockstep_gone;
     analyze pg_temp.lockstep_put;
-    return array(select r.key from pg_temp.lockstep_rest r);
+    return lockstep._enqueue_text(j, array(select r.key from pg_temp.lockstep_rest r));
 end;
 $$;
 
--- lockstep._hand_off(j, keys, total): queue keys for the worker as the rest of a recompute that changed
--- total parents, and record the queue ids of the hand-off in the job's status row (lockstep.status shows
--- recompute_done / recompute_total from it until the worker has taken them all). keys empty: record that no
--- recompute is spread over transactions.
+-- lockstep._hand_off(j, keys, before, total): queue keys (the parents the write skipped, or every parent)
+-- and record the recompute's hand-off in the job's status row: total parents changed and the range of queue
+-- ids above before (the job's highest id when the recompute started), from which lockstep.status derives
+-- recompute_done until the worker has taken them all. total NULL: no recompute is spread over transactions.
 -- locks: appends to lockstep.queue; the job's lockstep.job_state row (FOR NO KEY UPDATE, by the update).
-create function lockstep._hand_off(j lockstep.job, keys text[], total bigint) returns bigint
+create function lockstep._hand_off(j lockstep.job, keys text[], before bigint, total bigint) returns void
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
-declare
-    v_before bigint;
-    n bigint := 0;
 begin
-    if cardinality(keys) > 0 then
-        select coalesce(max(q.id), 0) into v_before from lockstep.queue q where q.job = j.job;
-        n := lockstep._enqueue_text(j, keys);
-    end if;
+    perform lockstep._enqueue_text(j, keys);
     update lockstep.job_state s set
-        recompute_total = case when n > 0 then total end,
-        recompute_queue_from = case when n > 0 then (select min(q.id) from lockstep.queue q
-                                                     where q.job = j.job and q.id > v_before) end,
-        recompute_queue_to = case when n > 0 then (select max(q.id) from lockstep.queue q
-                                                   where q.job = j.job and q.id > v_before) end
+        recompute_total = total,
+        recompute_queue_from = case when total is not null then (select min(q.id) from lockstep.queue q
+                                                                 where q.job = j.job and q.id > before) end,
+        recompute_queue_to = case when total is not null then (select max(q.id) from lockstep.queue q
+                                                               where q.job = j.job and q.id > before) end
     where s.job = j.job
-      and (n > 0 or s.recompute_total is not null);
-    return n;
+      and (total is not null or s.recompute_total is not null);
 end;
 $$;
 
@@ -112,7 +107,7 @@ set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_keys text[];
-    n bigint;
+    v_before bigint;
 begin
     if j.parent is null then
         return lockstep._failed(j, 'recompute', started, error);
@@ -124,18 +119,21 @@ begin
     end;
     execute pg_catalog.format('select coalesce(array_agg(%1$I::text order by %1$I), ''{}'') from %2$s',
                               j.parent_key, j.parent) into v_keys;
-    n := lockstep._hand_off(j, v_keys, cardinality(v_keys));
+    select coalesce(max(q.id), 0) into v_before from lockstep.queue q where q.job = j.job;
+    perform lockstep._hand_off(j, v_keys, v_before, nullif(cardinality(v_keys), 0));
     perform lockstep._finish(j, 'recompute', 'done', started);
     return lockstep._result('done', j.job, 'recompute', null,
         pg_catalog.format('the whole-table pass failed (%s); its %s parents were handed to the worker, which '
-                          'isolates the failing ones (lockstep.failing_keys)', error, n), n > 0);
+                          'isolates the failing ones (lockstep.failing_keys)', error, cardinality(v_keys)),
+        cardinality(v_keys) > 0);
 end;
 $$;
 
 -- lockstep._recompute(j, only_if_due): the full recompute under the group lock, writing at most
 -- j.batch_parents parents in this transaction and handing the rest to the queue (see the top of this file).
--- locks: the group lock (try: busy if taken); then as lockstep._write for the first batch of the difference;
--- then the queue (skipped parents and the rest appended); the job's status row last.
+-- locks: the group lock (try: busy if taken); then as lockstep._write for the first batch of the difference
+-- (the rest appended to the queue before its first row lock); then the queue (skipped parents appended);
+-- the job's status row last.
 create function lockstep._recompute(j lockstep.job, only_if_due boolean) returns lockstep.result
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -144,8 +142,8 @@ declare
     s lockstep.job_state;
     v_started timestamptz;
     v_err text;
-    v_rest text[] := '{}';
-    n bigint := 0;
+    v_before bigint;
+    v_rest bigint := 0;
     p lockstep._pass;
 begin
     if not lockstep._try_lock(j.lock_group) then
@@ -157,6 +155,7 @@ begin
         return lockstep._result(lockstep._not_due(s), j.job, 'recompute');
     end if;
     v_started := clock_timestamp();
+    select coalesce(max(q.id), 0) into v_before from lockstep.queue q where q.job = j.job;
     begin
         p := lockstep._apply(j, null);
     exception
@@ -170,15 +169,15 @@ begin
             get stacked diagnostics v_err = message_text;
             return lockstep._recompute_failed(j, v_started, v_err);
     end;
+    -- the rest of the difference was handed to the queue before the write (_limit_batch)
     if pg_catalog.to_regclass('pg_temp.lockstep_rest') is not null then
-        v_rest := array(select r.key from pg_temp.lockstep_rest r);
+        select count(*) into v_rest from pg_temp.lockstep_rest;
     end if;
     if j.parent is not null then
-        n := lockstep._hand_off(j, p.skipped || v_rest,
-                                case when cardinality(v_rest) > 0 then j.batch_parents + cardinality(v_rest) end);
+        perform lockstep._hand_off(j, p.skipped, v_before, case when v_rest > 0 then j.batch_parents + v_rest end);
     end if;
     perform lockstep._finish(j, 'recompute', 'done', v_started, p);
-    return lockstep._result('done', j.job, 'recompute', p, null, cardinality(v_rest) > 0);
+    return lockstep._result('done', j.job, 'recompute', p, null, v_rest > 0);
 end;
 $$;
 
