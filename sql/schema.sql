@@ -94,6 +94,14 @@ CREATE FUNCTION lockstep._array_type(t regtype) RETURNS text
     select pg_catalog.format_type(typarray, null) from pg_catalog.pg_type where oid = t;
 $$;
 
+CREATE FUNCTION lockstep._attnames(rel oid, attnums smallint[]) RETURNS name[]
+    LANGUAGE sql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+    select array(select a.attname from pg_catalog.unnest(attnums) with ordinality k(n, o)
+                 join pg_catalog.pg_attribute a on a.attrelid = rel and a.attnum = k.n order by k.o);
+$$;
+
 CREATE FUNCTION lockstep._call(j lockstep.job, only_if_due boolean) RETURNS lockstep.result
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -112,11 +120,10 @@ begin
     if only_if_due and s.next_run_at > now() then
         return lockstep._result(lockstep._not_due(s), j.job, 'call');
     end if;
-    select pg_catalog.format('select %I.%I()', n.nspname, p.proname) into v_sql
-    from pg_catalog.pg_proc p join pg_catalog.pg_namespace n on n.oid = p.pronamespace
-    where p.oid = j.call::regprocedure;
     v_started := clock_timestamp();
     begin
+        -- by the stored regprocedure: a function dropped or made ambiguous since define_job fails the run
+        v_sql := pg_catalog.format('select %s()', lockstep._callable(j.call::regprocedure, 0));
         execute v_sql;
     exception
         when query_canceled then
@@ -131,6 +138,121 @@ begin
     end;
     perform lockstep._finish(j, 'call', 'done', v_started);
     return lockstep._result('done', j.job, 'call');
+end;
+$$;
+
+CREATE FUNCTION lockstep._callable(f regprocedure, nargs integer) RETURNS text
+    LANGUAGE plpgsql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    p pg_catalog.pg_proc;
+    v_other text;
+begin
+    select * into p from pg_catalog.pg_proc x where x.oid = f;
+    select pg_catalog.string_agg(q.oid::regprocedure::text, ', ' order by q.oid) into v_other
+    from pg_catalog.pg_proc q
+    where q.pronamespace = p.pronamespace and q.proname = p.proname and q.oid <> p.oid
+      and q.pronargs >= nargs and q.pronargs - q.pronargdefaults <= nargs
+      and (q.proargtypes::oid[])[0:nargs - 1] = (p.proargtypes::oid[])[0:nargs - 1];
+    if v_other is not null then
+        raise exception 'lockstep: a call of % with % argument(s) is ambiguous: % accepts it too', f, nargs, v_other
+            using errcode = '42725',
+                  hint = 'PostgreSQL resolves calls by name, and lockstep calls jobs and compute functions with no '
+                         'argument (a job) or one (compute): rename or drop the overload, or define the job with another function.';
+    end if;
+    return pg_catalog.format('%I.%I', (select n.nspname from pg_catalog.pg_namespace n where n.oid = p.pronamespace),
+                             p.proname);
+end;
+$$;
+
+CREATE FUNCTION lockstep._check_columns(target regclass, compute regprocedure, key name[], cols name[]) RETURNS void
+    LANGUAGE plpgsql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    v_col record;
+    v_err text;
+begin
+    for v_col in
+        select c.name, c.type, a.atttypid, a.attgenerated, count(*) over (partition by c.name) as dup
+        from lockstep._proc_columns(compute) c
+        left join pg_catalog.pg_attribute a
+            on a.attrelid = target and a.attname = c.name and a.attnum > 0 and not a.attisdropped
+        order by c.ord
+    loop
+        if v_col.dup > 1 then
+            raise exception 'lockstep: compute function % returns column % twice', compute, v_col.name using errcode = 'LSD03';
+        elsif v_col.atttypid is null then
+            raise exception 'lockstep: compute function % returns column %, which target % does not have', compute, v_col.name, target
+                using errcode = 'LSD03';
+        elsif v_col.atttypid <> v_col.type then
+            raise exception 'lockstep: column %: compute function % returns %, target % has %', v_col.name, compute,
+                v_col.type::regtype, target, v_col.atttypid::regtype using errcode = 'LSD03';
+        elsif v_col.attgenerated <> '' then
+            raise exception 'lockstep: column % of % is generated; compute must not return it', v_col.name, target
+                using errcode = 'LSD03';
+        elsif v_col.name like 'lockstep\_%' then
+            raise exception 'lockstep: column names starting with lockstep_ are reserved (%)', v_col.name using errcode = 'LSD03';
+        end if;
+        begin
+            execute pg_catalog.format('select null::%s is distinct from null::%s', v_col.type::regtype, v_col.type::regtype);
+        exception when undefined_function then
+            raise exception 'lockstep: column % has type %, which has no equality operator', v_col.name, v_col.type::regtype
+                using errcode = 'LSD03', hint = 'lockstep compares rows with IS DISTINCT FROM; use jsonb rather than json.';
+        end;
+    end loop;
+    select array_agg(k) into v_err from pg_catalog.unnest(key) k where not k = any(cols);
+    if v_err is not null then
+        raise exception 'lockstep: compute function % does not return the target''s primary-key column(s) %', compute, v_err
+            using errcode = 'LSD03';
+    end if;
+    select pg_catalog.string_agg(a.attname, ', ') into v_err
+    from pg_catalog.pg_attribute a
+    where a.attrelid = target and a.attnum > 0 and not a.attisdropped and a.attnotnull and not a.atthasdef
+      and a.attidentity = '' and a.attgenerated = '' and not a.attname = any(cols);
+    if v_err is not null then
+        raise exception 'lockstep: target % has NOT NULL column(s) % without default that compute function % does not return',
+            target, v_err, compute using errcode = 'LSD03';
+    end if;
+end;
+$$;
+
+CREATE FUNCTION lockstep._check_compute(compute regprocedure) RETURNS name[]
+    LANGUAGE plpgsql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    p pg_catalog.pg_proc;
+    v_cols name[];
+begin
+    select * into p from pg_catalog.pg_proc where oid = compute;
+    if p.prokind <> 'f' or not p.proretset or p.pronargs <> 1 then
+        raise exception 'lockstep: compute function % must be a function of one array argument returning a set of rows', compute
+            using errcode = 'LSD02',
+                  hint = 'e.g. create function f(keys bigint[]) returns table (...) or returns setof target_table';
+    end if;
+    select array_agg(c.name order by c.ord) into v_cols from lockstep._proc_columns(compute) c;
+    if v_cols is null then
+        raise exception 'lockstep: compute function % must return named columns (returns table (...) or setof a table type)', compute
+            using errcode = 'LSD02';
+    end if;
+    return v_cols;
+end;
+$$;
+
+CREATE FUNCTION lockstep._check_isolation(what text) RETURNS void
+    LANGUAGE plpgsql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+begin
+    if pg_catalog.current_setting('transaction_isolation') not in ('read committed', 'read uncommitted') then
+        raise exception 'lockstep: % needs a READ COMMITTED transaction, this one is %', what,
+            pg_catalog.upper(pg_catalog.current_setting('transaction_isolation'))
+            using errcode = '25000',
+                  hint = 'Call it in its own transaction: begin isolation level read committed; select ...; commit; '
+                         '(the runner does this whatever default_transaction_isolation says).';
+    end if;
 end;
 $$;
 
@@ -161,6 +283,110 @@ begin
 end;
 $$;
 
+CREATE FUNCTION lockstep._check_parent(target regclass, compute regprocedure, cols name[], parent regclass, INOUT parent_column name, OUT parent_key name, OUT key_type regtype) RETURNS record
+    LANGUAGE plpgsql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    v_fks name[];
+    v_arg oid := (select p.proargtypes[0] from pg_catalog.pg_proc p where p.oid = compute);
+begin
+    if parent is null and parent_column is not null then
+        raise exception 'lockstep: parent_column % given without parent', parent_column using errcode = 'LSD04';
+    end if;
+    if parent is null then
+        if not exists (select from pg_catalog.pg_type t where t.oid = v_arg and t.typcategory = 'A') then
+            raise exception 'lockstep: compute function % must take an array argument (it is called with NULL: all rows)', compute
+                using errcode = 'LSD02';
+        end if;
+        return;
+    end if;
+    if not exists (select from pg_catalog.pg_class c where c.oid = parent and c.relkind in ('r', 'p')) then
+        raise exception 'lockstep: parent % is not a table', parent using errcode = '42809';
+    end if;
+    select a.attname, a.atttypid into parent_key, key_type
+    from pg_catalog.pg_constraint con
+    join pg_catalog.pg_attribute a on a.attrelid = con.conrelid and a.attnum = con.conkey[1]
+    where con.conrelid = parent and con.contype = 'p' and cardinality(con.conkey) = 1;
+    if parent_key is null then
+        raise exception 'lockstep: parent % needs a single-column primary key', parent
+            using errcode = 'LSD04', hint = 'Multi-column parent keys are not supported; use the parent''s surrogate key.';
+    end if;
+    select array_agg(a.attname order by a.attname) into v_fks
+    from pg_catalog.pg_constraint con
+    join pg_catalog.pg_attribute a on a.attrelid = con.conrelid and a.attnum = con.conkey[1]
+    join pg_catalog.pg_attribute pa on pa.attrelid = con.confrelid and pa.attnum = con.confkey[1]
+    where con.conrelid = target and con.confrelid = parent and con.contype = 'f'
+      and cardinality(con.conkey) = 1 and pa.attname = parent_key;
+    if parent_column is null then
+        if cardinality(v_fks) is distinct from 1 then
+            raise exception 'lockstep: cannot infer parent_column: % has % single-column foreign keys to %(%)',
+                target, coalesce(cardinality(v_fks), 0), parent, parent_key
+                using errcode = 'LSD04', hint = 'Pass parent_column => ''...'' naming a column with a foreign key to the parent.';
+        end if;
+        parent_column := v_fks[1];
+    elsif not exists (select from pg_catalog.pg_attribute a
+                      where a.attrelid = target and a.attname = parent_column and a.attnum > 0 and not a.attisdropped) then
+        raise exception 'lockstep: target % has no column %', target, parent_column using errcode = 'LSD04';
+    elsif not parent_column = any(coalesce(v_fks, '{}')) then
+        raise exception 'lockstep: %.% does not reference %(%) through a foreign key', target, parent_column, parent, parent_key
+            using errcode = 'LSD04',
+                  hint = 'lockstep pins parents with the lock an FK check takes; add the foreign key.';
+    end if;
+    if not parent_column = any(cols) then
+        raise exception 'lockstep: compute function % does not return the parent column %', compute, parent_column
+            using errcode = 'LSD03';
+    end if;
+    if v_arg <> (select t.typarray from pg_catalog.pg_type t where t.oid = key_type) then
+        raise exception 'lockstep: compute function % takes %, but the parent key %.% is %: it must take %[]',
+            compute, v_arg::regtype, parent, parent_key, key_type, key_type using errcode = 'LSD02';
+    end if;
+end;
+$$;
+
+CREATE FUNCTION lockstep._check_parent_delete(target regclass, parent regclass) RETURNS void
+    LANGUAGE plpgsql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    c record;
+begin
+    for c in
+        select con.conname, con.confdeltype, coalesce(con.confrelid = parent, false) as is_parent, con.confrelid::regclass as ref,
+               lockstep._attnames(con.conrelid, con.conkey) as cols,
+               exists (select from pg_catalog.pg_attribute a
+                       where a.attrelid = con.conrelid and a.attnum = any(coalesce(con.confdelsetcols, con.conkey))
+                         and a.attnotnull and (con.confdeltype = 'n' or not a.atthasdef)) as cannot
+        from pg_catalog.pg_constraint con
+        where con.conrelid = target and con.contype = 'f' and con.conparentid = 0 and con.confdeltype <> 'c'
+        order by con.conname
+    loop
+        if not c.is_parent then
+            if c.confdeltype in ('a', 'r') then
+                raise warning 'lockstep: foreign key % of % to % is ON DELETE %: an application delete of a row of % '
+                              'fails while derived rows still reference it', c.conname, target, c.ref,
+                              case c.confdeltype when 'a' then 'NO ACTION' else 'RESTRICT' end, c.ref;
+            end if;
+        elsif c.confdeltype in ('a', 'r') or c.cannot then
+            raise exception 'lockstep: foreign key % of %(%) to % is ON DELETE %: once lockstep writes derived rows, '
+                            'the application''s deletes of their parents fail', c.conname, target, c.cols, parent,
+                    case c.confdeltype when 'a' then 'NO ACTION' when 'r' then 'RESTRICT'
+                                       when 'n' then 'SET NULL (on a NOT NULL column)'
+                                       else 'SET DEFAULT (on a NOT NULL column without default)' end
+                using errcode = 'LSD04',
+                      hint = pg_catalog.format('alter table %s drop constraint %I, add foreign key (%s) references %s on delete cascade;',
+                                               target, c.conname, lockstep._cols(c.cols), parent);
+        else
+            raise warning 'lockstep: foreign key % of %(%) to % is ON DELETE %: an application delete of a parent keeps '
+                          'its derived rows (%), and lockstep removes them only at the next recompute', c.conname, target,
+                          c.cols, parent, case c.confdeltype when 'n' then 'SET NULL' else 'SET DEFAULT' end,
+                          case c.confdeltype when 'n' then 'their parent column set to NULL' else 'moved to the default parent' end
+                using hint = 'ON DELETE CASCADE deletes them with the parent.';
+        end if;
+    end loop;
+end;
+$$;
+
 CREATE FUNCTION lockstep._check_privileges(target regclass, fn regprocedure, parent regclass) RETURNS void
     LANGUAGE plpgsql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -186,6 +412,34 @@ begin
 end;
 $$;
 
+CREATE FUNCTION lockstep._check_referencing(target regclass, key name[], cols name[]) RETURNS void
+    LANGUAGE plpgsql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    v_seen oid[] := array[target::oid];
+    v_front oid[] := array[target::oid];
+    v_next oid[];
+    c record;
+begin
+    while cardinality(v_front) > 0 loop
+        v_next := '{}';
+        for c in
+            select r.refrel, r.deletes
+            from pg_catalog.unnest(v_front) f(rel),
+                 lateral lockstep._referencing(f.rel::regclass, case when f.rel = target then key end,
+                                               case when f.rel = target then cols end) r
+        loop
+            if c.deletes and not c.refrel::oid = any(v_seen) then
+                v_seen := v_seen || c.refrel::oid;
+                v_next := v_next || c.refrel::oid;
+            end if;
+        end loop;
+        v_front := v_next;
+    end loop;
+end;
+$$;
+
 CREATE FUNCTION lockstep._check_schedule(job text, lock_group text, every interval, backoff interval) RETURNS void
     LANGUAGE plpgsql IMMUTABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -201,6 +455,68 @@ begin
         raise exception 'lockstep: every and backoff must be positive intervals (got every %, backoff %)',
             every, backoff using errcode = '22023';
     end if;
+end;
+$$;
+
+CREATE FUNCTION lockstep._check_target(target regclass, compute regprocedure, parent regclass) RETURNS name[]
+    LANGUAGE plpgsql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    v_key name[];
+begin
+    if target is null or compute is null then
+        raise exception 'lockstep: target and compute must not be NULL' using errcode = '22004';
+    end if;
+    if not exists (select from pg_catalog.pg_class c where c.oid = target and c.relkind in ('r', 'p')) then
+        raise exception 'lockstep: target % is not a table', target using errcode = '42809';
+    end if;
+    perform lockstep._check_privileges(target, compute, parent);
+    select lockstep._attnames(con.conrelid, con.conkey) into v_key
+    from pg_catalog.pg_constraint con
+    where con.conrelid = target and con.contype = 'p';
+    if v_key is null then
+        raise exception 'lockstep: target % has no primary key', target
+            using errcode = 'LSD01', hint = 'lockstep uses the primary key as the identity of a derived row; add one.';
+    end if;
+    return v_key;
+end;
+$$;
+
+CREATE FUNCTION lockstep._check_target_fks(target regclass, cols name[]) RETURNS void
+    LANGUAGE plpgsql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    c record;
+begin
+    select con.conname into c from pg_catalog.pg_constraint con
+    where con.conrelid = target and con.confrelid = target and con.contype = 'f' and con.conparentid = 0
+    order by con.conname limit 1;
+    if found then
+        raise exception 'lockstep: target % references itself (foreign key %)', target, c.conname
+            using errcode = 'LSD06',
+                  hint = 'lockstep pins referenced rows before it inserts, and a row inserted in the same pass is not '
+                         'there yet; keep such links in another table.';
+    end if;
+    for c in
+        select con.conname, con.confrelid::regclass as ref, a.attname
+        from pg_catalog.pg_constraint con
+        join pg_catalog.pg_attribute a on a.attrelid = con.conrelid and a.attnum = any(con.conkey)
+        join pg_catalog.pg_type t on t.oid = a.atttypid
+        where con.conrelid = target and con.contype = 'f' and con.conparentid = 0
+          and not a.attname = any(cols)
+          and (a.atthasdef or a.attgenerated <> '' or a.attidentity <> '' or t.typdefaultbin is not null)
+        order by con.conname, a.attnum
+        limit 1
+    loop
+        raise exception 'lockstep: column % of % (foreign key % to %) gets a value compute does not return',
+            c.attname, target, c.conname, c.ref
+            using errcode = 'LSD06',
+                  hint = pg_catalog.format('lockstep pins the rows an insert references before it writes, and can only '
+                                           'pin values it has: return %I from the compute function (or drop its default).',
+                                           c.attname);
+    end loop;
 end;
 $$;
 
@@ -226,10 +542,8 @@ declare
     v_arg text;
     v_bad text;
 begin
-    select pg_catalog.format('%I.%I', n.nspname, p.proname), pg_catalog.format_type(p.proargtypes[0], null)
-    into v_fn, v_arg
-    from pg_catalog.pg_proc p join pg_catalog.pg_namespace n on n.oid = p.pronamespace
-    where p.oid = j.compute::regprocedure;
+    select lockstep._callable(p.oid, 1), pg_catalog.format_type(p.proargtypes[0], null) into v_fn, v_arg
+    from pg_catalog.pg_proc p where p.oid = j.compute::regprocedure;
     drop table if exists pg_temp.lockstep_desired;
     execute pg_catalog.format('create temp table lockstep_desired on commit drop as select %s from %s limit 0',
                               v_cols, j.target);
@@ -288,6 +602,9 @@ begin
     if j.parent_column is not null then
         v_tpar := pg_catalog.format('t.%I::text', j.parent_column);
         v_dpar := pg_catalog.format('d.%I::text', j.parent_column);
+    else
+        v_tpar := pg_catalog.format('row(%s)::text', lockstep._cols(j.target_key, 't'));
+        v_dpar := pg_catalog.format('row(%s)::text', lockstep._cols(j.target_key, 'd'));
     end if;
     drop table if exists pg_temp.lockstep_current, pg_temp.lockstep_gone, pg_temp.lockstep_put,
                          pg_temp.lockstep_locked;
@@ -344,6 +661,31 @@ begin
     return v;
 end;
 $$;
+
+CREATE FUNCTION lockstep._dry_run(compute regprocedure, key_type regtype) RETURNS void
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $_$
+declare
+    v_err text;
+begin
+    if key_type is null then
+        return;
+    end if;
+    execute pg_catalog.format('select count(*) from %s($1::%s)', lockstep._callable(compute, 1),
+                              lockstep._array_type(key_type))
+        using '{}'::text[];
+    raise exception using errcode = 'LSDRY';  -- roll back whatever the dry run did
+exception when sqlstate 'LSDRY' then
+    null;
+when others then
+    get stacked diagnostics v_err = message_text;
+    raise exception 'lockstep: compute function % failed on an empty key array: %', compute, v_err
+        using errcode = 'LSD02',
+              hint = 'lockstep runs compute with search_path = pg_catalog, pg_temp: schema-qualify table names '
+                     'or give the function its own SET search_path.';
+end;
+$_$;
 
 CREATE FUNCTION lockstep._enqueue_text(j lockstep.job, keys text[]) RETURNS bigint
     LANGUAGE plpgsql
@@ -590,6 +932,81 @@ begin
 end;
 $_$;
 
+CREATE FUNCTION lockstep._lock_level(t regclass, depth integer) RETURNS text[]
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $_$
+declare
+    c record;
+    v_from text;
+    v_blocked text[] := '{}';
+    v_part text[];
+begin
+    for c in select * from lockstep._referencing(t) loop
+        -- rows of t at this depth, found by ctid (a TID scan), then the rows referencing them
+        v_from := pg_catalog.format(
+            'from %1$s p join pg_temp.lockstep_doomed d on d.lockstep_rel = p.tableoid and d.lockstep_ctid = p.ctid '
+            'and d.lockstep_depth = $1 and d.lockstep_table = $2 and d.lockstep_deletes '
+            'join %2$s n on (%3$s) = (%4$s) '
+            'where p.ctid = any(array(select lockstep_ctid from pg_temp.lockstep_doomed '
+            '                         where lockstep_depth = $1 and lockstep_table = $2 and lockstep_deletes))',
+            t, c.refrel, lockstep._cols(c.fk, 'n'), lockstep._cols(c.rk, 'p'));
+        execute pg_catalog.format(
+            'with l as (select d.lockstep_root, n.tableoid as rel, n.ctid as tid %1$s '
+            '  and not exists (select from pg_temp.lockstep_doomed x where x.lockstep_rel = n.tableoid and x.lockstep_ctid = n.ctid) '
+            '  order by %2$s for update of n skip locked) '
+            'insert into pg_temp.lockstep_doomed '
+            'select distinct on (rel, tid) lockstep_root, rel, tid, $3, $4, $1 + 1 from l',
+            v_from, coalesce(lockstep._cols(c.ord, 'n'), 'n.ctid'))
+            using depth, t, c.refrel, c.deletes;
+        execute pg_catalog.format(
+            'select array_agg(distinct d.lockstep_root) %s and not exists (select from pg_temp.lockstep_doomed x '
+            'where x.lockstep_rel = n.tableoid and x.lockstep_ctid = n.ctid)', v_from)
+            into v_part using depth, t;
+        v_blocked := v_blocked || coalesce(v_part, '{}');
+    end loop;
+    return v_blocked;
+end;
+$_$;
+
+CREATE FUNCTION lockstep._lock_referencing(j lockstep.job) RETURNS text[]
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $_$
+declare
+    v_blocked text[] := '{}';
+    v_depth integer := 0;
+    v_t regclass;
+begin
+    if not exists (select from pg_temp.lockstep_gone)
+       or not exists (select from lockstep._referencing(j.target, j.target_key, j.columns)) then
+        return '{}';
+    end if;
+    drop table if exists pg_temp.lockstep_doomed;
+    execute pg_catalog.format(
+        'create temp table lockstep_doomed on commit drop as '
+        'select row(%1$s)::text as lockstep_root, t.tableoid as lockstep_rel, t.ctid as lockstep_ctid, '
+        '$1::regclass as lockstep_table, true as lockstep_deletes, 0 as lockstep_depth '
+        'from pg_temp.lockstep_gone g join %2$s t on %3$s',
+        lockstep._cols(j.target_key, 'g'), j.target, lockstep._eq(j.target_key, 't', 'g')) using j.target;
+    while exists (select from pg_temp.lockstep_doomed d where d.lockstep_depth = v_depth) loop
+        if v_depth > 100 then
+            raise exception 'lockstep: the delete of % cascades more than 100 levels deep', j.target using errcode = 'LSD06';
+        end if;
+        for v_t in select distinct d.lockstep_table from pg_temp.lockstep_doomed d
+                   where d.lockstep_depth = v_depth and d.lockstep_deletes order by 1 loop
+            v_blocked := v_blocked || lockstep._lock_level(v_t, v_depth);
+        end loop;
+        v_depth := v_depth + 1;
+    end loop;
+    if cardinality(v_blocked) = 0 then
+        return '{}';
+    end if;
+    return lockstep._drop_rows('lockstep_gone', pg_catalog.format('row(%s)::text = any($1)', lockstep._cols(j.target_key)),
+                               v_blocked);
+end;
+$_$;
+
 CREATE FUNCTION lockstep._lock_rows(j lockstep.job) RETURNS text[]
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -597,14 +1014,21 @@ CREATE FUNCTION lockstep._lock_rows(j lockstep.job) RETURNS text[]
 declare
     v_unlocked text;
     v_skip text[];
+    v_mine text := '';
 begin
+    if exists (select from pg_catalog.pg_class c where c.oid = j.target and (c.relkind = 'p' or c.relhassubclass)) then
+        v_mine := pg_catalog.format(
+            ' and (%1$s) in (select %2$s from pg_temp.lockstep_gone'
+            '  union all select %2$s from pg_temp.lockstep_put where not lockstep_new)',
+            lockstep._cols(j.target_key, 't'), lockstep._cols(j.target_key));
+    end if;
     execute pg_catalog.format(
         'create temp table lockstep_locked on commit drop as '
         'select %1$s from %2$s t where t.ctid = any(array('
         '  select lockstep_ctid from pg_temp.lockstep_gone'
-        '  union all select lockstep_ctid from pg_temp.lockstep_put where not lockstep_new)) '
+        '  union all select lockstep_ctid from pg_temp.lockstep_put where not lockstep_new))%3$s '
         'order by %1$s for update of t skip locked',
-        lockstep._cols(j.target_key, 't'), j.target);
+        lockstep._cols(j.target_key, 't'), j.target, v_mine);
     v_unlocked := pg_catalog.format('not exists (select from pg_temp.lockstep_locked l where %s)',
                                     lockstep._eq(j.target_key, 'l', 'lockstep_gone'));
     v_skip := lockstep._drop_rows('lockstep_gone', v_unlocked);
@@ -692,6 +1116,7 @@ declare
     v_unpinned text;
     c record;
 begin
+    perform lockstep._check_target_fks(j.target, j.columns);
     for c in
         select con.conname, con.confrelid::regclass as ref,
                array(select a.attname from pg_catalog.unnest(con.conkey) with ordinality k(n, o)
@@ -832,6 +1257,53 @@ begin
 end;
 $_$;
 
+CREATE FUNCTION lockstep._referencing(rel regclass, key name[] DEFAULT NULL::name[], cols name[] DEFAULT NULL::name[]) RETURNS TABLE(conname name, refrel regclass, fk name[], rk name[], ord name[], deletes boolean)
+    LANGUAGE plpgsql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    c record;
+begin
+    for c in
+        select con.conname, con.conrelid::regclass as refrel, con.confdeltype,
+               lockstep._attnames(con.conrelid, con.conkey) as fk, lockstep._attnames(con.confrelid, con.confkey) as rk,
+               (select lockstep._attnames(pk.conrelid, pk.conkey) from pg_catalog.pg_constraint pk
+                where pk.conrelid = con.conrelid and pk.contype = 'p') as ord,
+               (select x.conrelid::regclass::text from pg_catalog.pg_constraint x
+                where x.confrelid = con.conrelid and x.contype = 'f' and x.conparentid = 0
+                  and x.confkey && coalesce(con.confdelsetcols, con.conkey)
+                order by x.conname limit 1) as setnull_referenced
+        from pg_catalog.pg_constraint con
+        where con.confrelid = rel and con.contype = 'f' and con.conparentid = 0
+        order by con.conname
+    loop
+        if c.confdeltype not in ('c', 'n') then
+            raise exception 'lockstep: foreign key % of % references % ON DELETE %', c.conname, c.refrel, rel,
+                    case c.confdeltype when 'a' then 'NO ACTION' when 'r' then 'RESTRICT' else 'SET DEFAULT' end
+                using errcode = 'LSD06',
+                      hint = 'lockstep deletes derived rows compute no longer returns: declare the key ON DELETE CASCADE '
+                             'or ON DELETE SET NULL, so the delete acts on rows lockstep locks first (skipping any the '
+                             'application holds).';
+        elsif c.confdeltype = 'n' and c.setnull_referenced is not null then
+            raise exception 'lockstep: foreign key % of % to % is ON DELETE SET NULL on columns % references', c.conname,
+                    c.refrel, rel, c.setnull_referenced
+                using errcode = 'LSD06', hint = 'Make it ON DELETE CASCADE, or reference other columns.';
+        elsif not (pg_catalog.has_table_privilege(c.refrel, 'SELECT') and pg_catalog.has_table_privilege(c.refrel, 'UPDATE')) then
+            raise exception 'lockstep: role "%" may not lock rows of %, which references % (foreign key %)', current_user,
+                    c.refrel, rel, c.conname
+                using errcode = '42501',
+                      hint = 'lockstep locks the referencing rows FOR UPDATE SKIP LOCKED before a delete: grant SELECT, UPDATE.';
+        elsif exists (select from pg_catalog.unnest(c.rk) r where r = any(cols) and not r = any(key)) then
+            raise exception 'lockstep: foreign key % of % references columns % of % that compute writes', c.conname,
+                    c.refrel, c.rk, rel
+                using errcode = 'LSD06', hint = 'Reference the target''s primary key.';
+        end if;
+        conname := c.conname; refrel := c.refrel; fk := c.fk; rk := c.rk; ord := c.ord; deletes := c.confdeltype = 'c';
+        return next;
+    end loop;
+end;
+$$;
+
 CREATE FUNCTION lockstep._result(outcome text, job text, action text, p lockstep._pass DEFAULT NULL::lockstep._pass, error text DEFAULT NULL::text, more boolean DEFAULT false) RETURNS lockstep.result
     LANGUAGE sql IMMUTABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -857,6 +1329,34 @@ begin
     update lockstep.job_state s set retry_at = null, next_run_at = least(s.next_run_at, now())
     where s.job = j.job and s.consecutive_failures > 0 and s.last_outcome = 'failed';
     return coalesce(cardinality(v_keys), 0);
+end;
+$$;
+
+CREATE FUNCTION lockstep._save_derived(job text, target regclass, compute regprocedure, parent regclass, parent_column name, parent_key name, key_type regtype, target_key name[], columns name[], lock_group text, every interval, backoff interval) RETURNS void
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    old lockstep.job;
+begin
+    select * into old from lockstep.job j where j.job = _save_derived.job;
+    if found then
+        perform lockstep._check_owner(old);
+        if old.kind <> 'derived' then
+            raise exception 'lockstep: job "%" is a generic job; use lockstep.define_job() or drop it first', job
+                using errcode = 'LSJ02';
+        end if;
+    end if;
+    insert into lockstep.job as j (job, kind, lock_group, target, compute, parent, parent_column, parent_key,
+                                   key_type, target_key, columns, every, backoff)
+    values (job, 'derived', coalesce(lock_group, job), target, compute::text, parent, parent_column, parent_key,
+            key_type, target_key, columns, every, backoff)
+    on conflict on constraint job_pkey do update
+        set lock_group = excluded.lock_group, target = excluded.target, compute = excluded.compute,
+            parent = excluded.parent, parent_column = excluded.parent_column, parent_key = excluded.parent_key,
+            key_type = excluded.key_type, target_key = excluded.target_key, columns = excluded.columns,
+            every = excluded.every, backoff = excluded.backoff, updated_at = now();
+    insert into lockstep.job_state (job) values (job) on conflict do nothing;
 end;
 $$;
 
@@ -898,6 +1398,22 @@ begin
     updated := n - inserted;
 end;
 $_$;
+
+CREATE FUNCTION lockstep._warn_index(target regclass, parent_column name) RETURNS void
+    LANGUAGE plpgsql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+begin
+    if parent_column is not null and not exists (
+            select from pg_catalog.pg_index i
+            where i.indrelid = target and i.indkey[0] = (select a.attnum from pg_catalog.pg_attribute a
+                                                         where a.attrelid = target and a.attname = parent_column)) then
+        raise warning 'lockstep: no index on %(%): every worker pass and every cascade delete will scan %',
+            target, parent_column, target
+            using hint = pg_catalog.format('create index on %s (%I);', target, parent_column);
+    end if;
+end;
+$$;
 
 CREATE FUNCTION lockstep._work(j lockstep.job, batch integer) RETURNS lockstep.result
     LANGUAGE plpgsql
@@ -1007,6 +1523,12 @@ begin
     v_skip := lockstep._pin_parents(j);
     v_skip := v_skip || lockstep._pin_refs(j);
     v_skip := v_skip || lockstep._lock_rows(j);
+    v_skip := v_skip || lockstep._lock_referencing(j);
+    if j.parent is not null and cardinality(v_skip) > 0 then
+        -- a parent's rows are written together or not at all: none of a skipped parent's rows is written
+        perform lockstep._drop_rows('lockstep_gone', 'lockstep_parent = any($1)', v_skip);
+        perform lockstep._drop_rows('lockstep_put', 'lockstep_parent = any($1) or lockstep_old_parent = any($1)', v_skip);
+    end if;
     p.deleted := lockstep._delete_rows(j);
     select u.inserted, u.updated into p.inserted, p.updated from lockstep._upsert_rows(j) u;
     -- skipped parents: those that still exist go back to the queue; the others were deleted meanwhile
@@ -1027,192 +1549,27 @@ $_$;
 CREATE FUNCTION lockstep.define_derived(job text, target regclass, compute regprocedure, parent regclass DEFAULT NULL::regclass, parent_column name DEFAULT NULL::name, lock_group text DEFAULT NULL::text, every interval DEFAULT '00:01:00'::interval, backoff interval DEFAULT '01:00:00'::interval) RETURNS void
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
-    AS $_$
+    AS $$
 declare
-    p pg_catalog.pg_proc;
-    old lockstep.job;
     v_key name[];
     v_cols name[];
-    v_parent_key name;
-    v_key_type regtype;
-    v_arg regtype;
-    v_col record;
-    v_fks name[];
-    v_err text;
+    v_par record;
 begin
     perform lockstep._check_schedule(job, lock_group, every, backoff);
-    if target is null or compute is null then
-        raise exception 'lockstep: target and compute must not be NULL' using errcode = '22004';
-    end if;
-    if not exists (select from pg_catalog.pg_class c where c.oid = target and c.relkind in ('r', 'p')) then
-        raise exception 'lockstep: target % is not a table', target using errcode = '42809';
-    end if;
-    perform lockstep._check_privileges(target, compute, parent);
-
-    -- the target's primary key
-    select array_agg(a.attname order by k.o) into v_key
-    from pg_catalog.pg_constraint con,
-         pg_catalog.unnest(con.conkey) with ordinality as k(n, o)
-    join pg_catalog.pg_attribute a on a.attrelid = target and a.attnum = k.n
-    where con.conrelid = target and con.contype = 'p';
-    if v_key is null then
-        raise exception 'lockstep: target % has no primary key', target
-            using errcode = 'LSD01', hint = 'lockstep uses the primary key as the identity of a derived row; add one.';
-    end if;
-
-    -- the compute function: one array argument, returns a set of rows with named columns
-    select * into p from pg_catalog.pg_proc where oid = compute;
-    if p.prokind <> 'f' or not p.proretset or p.pronargs <> 1 then
-        raise exception 'lockstep: compute function % must be a function of one array argument returning a set of rows', compute
-            using errcode = 'LSD02',
-                  hint = 'e.g. create function f(keys bigint[]) returns table (...) or returns setof target_table';
-    end if;
-    v_arg := p.proargtypes[0];
-    select array_agg(c.name order by c.ord) into v_cols from lockstep._proc_columns(compute) c;
-    if v_cols is null then
-        raise exception 'lockstep: compute function % must return named columns (returns table (...) or setof a table type)', compute
-            using errcode = 'LSD02';
-    end if;
-
-    -- parent, parent_column and the key type
-    if parent is null and parent_column is not null then
-        raise exception 'lockstep: parent_column % given without parent', parent_column using errcode = 'LSD04';
-    end if;
-    if parent is not null then
-        if not exists (select from pg_catalog.pg_class c where c.oid = parent and c.relkind in ('r', 'p')) then
-            raise exception 'lockstep: parent % is not a table', parent using errcode = '42809';
-        end if;
-        select a.attname, a.atttypid into v_parent_key, v_key_type
-        from pg_catalog.pg_constraint con
-        join pg_catalog.pg_attribute a on a.attrelid = con.conrelid and a.attnum = con.conkey[1]
-        where con.conrelid = parent and con.contype = 'p' and cardinality(con.conkey) = 1;
-        if v_parent_key is null then
-            raise exception 'lockstep: parent % needs a single-column primary key', parent
-                using errcode = 'LSD04', hint = 'Multi-column parent keys are not supported; use the parent''s surrogate key.';
-        end if;
-        select array_agg(a.attname order by a.attname) into v_fks
-        from pg_catalog.pg_constraint con
-        join pg_catalog.pg_attribute a on a.attrelid = con.conrelid and a.attnum = con.conkey[1]
-        join pg_catalog.pg_attribute pa on pa.attrelid = con.confrelid and pa.attnum = con.confkey[1]
-        where con.conrelid = target and con.confrelid = parent and con.contype = 'f'
-          and cardinality(con.conkey) = 1 and pa.attname = v_parent_key;
-        if parent_column is null then
-            if cardinality(v_fks) is distinct from 1 then
-                raise exception 'lockstep: cannot infer parent_column: % has % single-column foreign keys to %(%)',
-                    target, coalesce(cardinality(v_fks), 0), parent, v_parent_key
-                    using errcode = 'LSD04', hint = 'Pass parent_column => ''...'' naming a column with a foreign key to the parent.';
-            end if;
-            parent_column := v_fks[1];
-        elsif not exists (select from pg_catalog.pg_attribute a
-                          where a.attrelid = target and a.attname = parent_column and a.attnum > 0 and not a.attisdropped) then
-            raise exception 'lockstep: target % has no column %', target, parent_column using errcode = 'LSD04';
-        elsif not parent_column = any(coalesce(v_fks, '{}')) then
-            raise exception 'lockstep: %.% does not reference %(%) through a foreign key', target, parent_column, parent, v_parent_key
-                using errcode = 'LSD04',
-                      hint = 'lockstep pins parents with the lock an FK check takes; add the foreign key.';
-        end if;
-        if not parent_column = any(v_cols) then
-            raise exception 'lockstep: compute function % does not return the parent column %', compute, parent_column
-                using errcode = 'LSD03';
-        end if;
-        if v_arg <> (select t.typarray from pg_catalog.pg_type t where t.oid = v_key_type) then
-            raise exception 'lockstep: compute function % takes %, but the parent key %.% is %: it must take %[]',
-                compute, v_arg, parent, v_parent_key, v_key_type, v_key_type using errcode = 'LSD02';
-        end if;
-    elsif not exists (select from pg_catalog.pg_type t where t.oid = v_arg and t.typcategory = 'A') then
-        raise exception 'lockstep: compute function % must take an array argument (it is called with NULL: all rows)', compute
-            using errcode = 'LSD02';
-    end if;
-
-    -- compute's columns against the target's
-    for v_col in
-        select c.name, c.type, a.atttypid, a.attgenerated, count(*) over (partition by c.name) as dup
-        from lockstep._proc_columns(compute) c
-        left join pg_catalog.pg_attribute a
-            on a.attrelid = target and a.attname = c.name and a.attnum > 0 and not a.attisdropped
-        order by c.ord
-    loop
-        if v_col.dup > 1 then
-            raise exception 'lockstep: compute function % returns column % twice', compute, v_col.name using errcode = 'LSD03';
-        elsif v_col.atttypid is null then
-            raise exception 'lockstep: compute function % returns column %, which target % does not have', compute, v_col.name, target
-                using errcode = 'LSD03';
-        elsif v_col.atttypid <> v_col.type then
-            raise exception 'lockstep: column %: compute function % returns %, target % has %', v_col.name, compute,
-                v_col.type::regtype, target, v_col.atttypid::regtype using errcode = 'LSD03';
-        elsif v_col.attgenerated <> '' then
-            raise exception 'lockstep: column % of % is generated; compute must not return it', v_col.name, target
-                using errcode = 'LSD03';
-        elsif v_col.name like 'lockstep\_%' then
-            raise exception 'lockstep: column names starting with lockstep_ are reserved (%)', v_col.name using errcode = 'LSD03';
-        end if;
-        begin
-            execute pg_catalog.format('select null::%s is distinct from null::%s', v_col.type::regtype, v_col.type::regtype);
-        exception when undefined_function then
-            raise exception 'lockstep: column % has type %, which has no equality operator', v_col.name, v_col.type::regtype
-                using errcode = 'LSD03', hint = 'lockstep compares rows with IS DISTINCT FROM; use jsonb rather than json.';
-        end;
-    end loop;
-    select array_agg(k) into v_err from pg_catalog.unnest(v_key) k where not k = any(v_cols);
-    if v_err is not null then
-        raise exception 'lockstep: compute function % does not return the target''s primary-key column(s) %', compute, v_err
-            using errcode = 'LSD03';
-    end if;
-    select pg_catalog.string_agg(a.attname, ', ') into v_err
-    from pg_catalog.pg_attribute a
-    where a.attrelid = target and a.attnum > 0 and not a.attisdropped and a.attnotnull and not a.atthasdef
-      and a.attidentity = '' and a.attgenerated = '' and not a.attname = any(v_cols);
-    if v_err is not null then
-        raise exception 'lockstep: target % has NOT NULL column(s) % without default that compute function % does not return',
-            target, v_err, compute using errcode = 'LSD03';
-    end if;
-
-    if parent is not null and not exists (
-            select from pg_catalog.pg_index i
-            where i.indrelid = target and i.indkey[0] = (select a.attnum from pg_catalog.pg_attribute a
-                                                         where a.attrelid = target and a.attname = parent_column)) then
-        raise warning 'lockstep: no index on %(%): every worker pass and every cascade delete will scan %',
-            target, parent_column, target
-            using hint = pg_catalog.format('create index on %s (%I);', target, parent_column);
-    end if;
-
-    -- a dry run on no keys: catches what only execution shows (e.g. tables the function cannot see)
-    if parent is not null then
-        begin
-            execute pg_catalog.format('select count(*) from %s($1::%s)', compute::regproc, lockstep._array_type(v_key_type))
-                using '{}'::text[];
-            raise exception using errcode = 'LSDRY';  -- roll back whatever the dry run did
-        exception when sqlstate 'LSDRY' then
-            null;
-        when others then
-            get stacked diagnostics v_err = message_text;
-            raise exception 'lockstep: compute function % failed on an empty key array: %', compute, v_err
-                using errcode = 'LSD02',
-                      hint = 'lockstep runs compute with search_path = pg_catalog, pg_temp: schema-qualify table names '
-                             'or give the function its own SET search_path.';
-        end;
-    end if;
-
-    select * into old from lockstep.job j where j.job = define_derived.job;
-    if found then
-        perform lockstep._check_owner(old);
-        if old.kind <> 'derived' then
-            raise exception 'lockstep: job "%" is a generic job; use lockstep.define_job() or drop it first', job
-                using errcode = 'LSJ02';
-        end if;
-    end if;
-    insert into lockstep.job as j (job, kind, lock_group, target, compute, parent, parent_column, parent_key,
-                                   key_type, target_key, columns, every, backoff)
-    values (job, 'derived', coalesce(lock_group, job), target, compute::text, parent, parent_column, v_parent_key,
-            v_key_type, v_key, v_cols, every, backoff)
-    on conflict on constraint job_pkey do update
-        set lock_group = excluded.lock_group, target = excluded.target, compute = excluded.compute,
-            parent = excluded.parent, parent_column = excluded.parent_column, parent_key = excluded.parent_key,
-            key_type = excluded.key_type, target_key = excluded.target_key, columns = excluded.columns,
-            every = excluded.every, backoff = excluded.backoff, updated_at = now();
-    insert into lockstep.job_state (job) values (job) on conflict do nothing;
+    v_key := lockstep._check_target(target, compute, parent);
+    v_cols := lockstep._check_compute(compute);
+    select * into v_par from lockstep._check_parent(target, compute, v_cols, parent, parent_column);
+    perform lockstep._check_columns(target, compute, v_key, v_cols);
+    perform lockstep._check_target_fks(target, v_cols);
+    perform lockstep._check_referencing(target, v_key, v_cols);
+    perform lockstep._check_parent_delete(target, parent);
+    perform lockstep._callable(compute, 1);
+    perform lockstep._warn_index(target, v_par.parent_column);
+    perform lockstep._dry_run(compute, v_par.key_type);
+    perform lockstep._save_derived(job, target, compute, parent, v_par.parent_column, v_par.parent_key,
+                                   v_par.key_type, v_key, v_cols, lock_group, every, backoff);
 end;
-$_$;
+$$;
 
 CREATE FUNCTION lockstep.define_job(job text, call regprocedure, lock_group text DEFAULT NULL::text, every interval DEFAULT '00:01:00'::interval, backoff interval DEFAULT '01:00:00'::interval) RETURNS void
     LANGUAGE plpgsql
@@ -1236,6 +1593,7 @@ begin
         raise exception 'lockstep: % needs % argument(s); a job function must be callable with none',
             call, p.pronargs - p.pronargdefaults using errcode = 'LSD02';
     end if;
+    perform lockstep._callable(call, 0);
     select * into old from lockstep.job j where j.job = define_job.job;
     if found then
         perform lockstep._check_owner(old);
@@ -1341,6 +1699,7 @@ CREATE FUNCTION lockstep.recompute(job text) RETURNS lockstep.result
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
 begin
+    perform lockstep._check_isolation('lockstep.recompute()');
     return lockstep._recompute(lockstep._job(job, 'derived'), false);
 end;
 $$;
@@ -1374,6 +1733,7 @@ declare
     s lockstep.job_state;
     r lockstep.result;
 begin
+    perform lockstep._check_isolation('lockstep.run()');
     select * into s from lockstep.job_state st where st.job = j.job;
     if j.kind = 'job' then
         if s.next_run_at > now() then
@@ -1482,6 +1842,7 @@ CREATE FUNCTION lockstep.work(job text, batch integer DEFAULT 500) RETURNS locks
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
 begin
+    perform lockstep._check_isolation('lockstep.work()');
     if batch is null or batch < 1 then
         raise exception 'lockstep: batch must be a positive integer (got %)', coalesce(batch::text, 'NULL')
             using errcode = '22023';
