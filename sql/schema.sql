@@ -80,6 +80,9 @@ declare
     v_t0 timestamptz := clock_timestamp();
     p lockstep._pass;
 begin
+    if j.owner is distinct from current_user then
+        return lockstep._as_owner(j, keys);
+    end if;
     perform lockstep._compute_into(j, keys);
     p := lockstep._write(j, keys);
     p.compute_ms := extract(epoch from clock_timestamp() - v_t0) * 1000 - p.write_ms;
@@ -93,6 +96,26 @@ CREATE FUNCTION lockstep._array_type(t regtype) RETURNS text
     AS $$
     select pg_catalog.format_type(typarray, null) from pg_catalog.pg_type where oid = t;
 $$;
+
+CREATE FUNCTION lockstep._as_owner(j lockstep.job, keys text[]) RETURNS lockstep._pass
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $_$
+declare
+    v_role text;
+    p lockstep._pass;
+begin
+    if j.owner = current_user then
+        return lockstep._owner_run(j, keys, false);
+    end if;
+    perform lockstep._check_act_as(j);
+    v_role := pg_catalog.current_setting('role');
+    perform pg_catalog.set_config('role', j.owner, true);
+    execute pg_catalog.format('select * from pg_temp.%I($1, $2)', lockstep._trampoline()) into p using j, keys;
+    perform pg_catalog.set_config('role', v_role, true);
+    return p;
+end;
+$_$;
 
 CREATE FUNCTION lockstep._attnames(rel oid, attnums smallint[]) RETURNS name[]
     LANGUAGE sql STABLE
@@ -110,7 +133,6 @@ declare
     s lockstep.job_state;
     v_started timestamptz;
     v_err text;
-    v_sql text;
 begin
     if not lockstep._try_lock(j.lock_group) then
         return lockstep._result('busy', j.job, 'call');
@@ -122,9 +144,7 @@ begin
     end if;
     v_started := clock_timestamp();
     begin
-        -- by the stored regprocedure: a function dropped or made ambiguous since define_job fails the run
-        v_sql := pg_catalog.format('select %s()', lockstep._callable(j.call::regprocedure, 0));
-        execute v_sql;
+        perform lockstep._as_owner(j, null);
     exception
         when query_canceled then
             if not lockstep._is_statement_timeout(v_started) then
@@ -163,6 +183,26 @@ begin
     end if;
     return pg_catalog.format('%I.%I', (select n.nspname from pg_catalog.pg_namespace n where n.oid = p.pronamespace),
                              p.proname);
+end;
+$$;
+
+CREATE FUNCTION lockstep._check_act_as(j lockstep.job) RETURNS void
+    LANGUAGE plpgsql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+begin
+    if not exists (select from pg_catalog.pg_roles r where r.rolname = j.owner) then
+        raise exception 'lockstep: job "%" is owned by role "%", which does not exist; it is not run', j.job, j.owner
+            using errcode = '42501',
+                  hint = 'A job runs with its owner''s rights only. Drop it and define it again as the role it should run as.';
+    end if;
+    if not pg_catalog.pg_has_role(session_user, j.owner, 'MEMBER') then
+        raise exception 'lockstep: role "%" may not act as role "%", the owner of job "%"; it is not run',
+            session_user, j.owner, j.job
+            using errcode = '42501',
+                  hint = pg_catalog.format('A job runs with its owner''s rights only: grant %I to %I (docs/security.md).',
+                                           j.owner, session_user);
+    end if;
 end;
 $$;
 
@@ -409,6 +449,20 @@ begin
     if parent is not null and not pg_catalog.has_table_privilege(parent, 'SELECT') then
         raise exception 'lockstep: role "%" lacks SELECT on %', current_user, parent using errcode = '42501';
     end if;
+    if parent is not null and not pg_catalog.has_any_column_privilege(parent, 'UPDATE') then
+        raise exception 'lockstep: role "%" lacks UPDATE on parent % (on any column)', current_user, parent
+            using errcode = '42501',
+                  hint = pg_catalog.format('The write phase pins parents with FOR KEY SHARE, which needs UPDATE on one '
+                                           'column: grant update (<its key column>) on %s to %I.', parent, current_user);
+    end if;
+    if parent is not null and not lockstep._safe_key_type(
+            (select a.atttypid from pg_catalog.pg_constraint con
+             join pg_catalog.pg_attribute a on a.attrelid = con.conrelid and a.attnum = con.conkey[1]
+             where con.conrelid = parent and con.contype = 'p')) then
+        raise exception 'lockstep: the primary key of parent % is of a domain or composite type', parent
+            using errcode = 'LSD04',
+                  hint = 'lockstep casts queued keys outside the job owner''s rights; use a base type (bigint, text, uuid, ...).';
+    end if;
 end;
 $$;
 
@@ -569,6 +623,21 @@ begin
     analyze pg_temp.lockstep_desired;
 end;
 $_$;
+
+CREATE FUNCTION lockstep._deallocate_changed(kept text[]) RETURNS void
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    v name;
+begin
+    for v in select s.name from pg_catalog.pg_prepared_statements s
+             where not pg_catalog.concat_ws(' ', s.name, s.prepare_time, s.parameter_types, s.statement)
+                       = any(coalesce(kept, '{}')) loop
+        execute pg_catalog.format('deallocate %I', v);
+    end loop;
+end;
+$$;
 
 CREATE FUNCTION lockstep._delete_rows(j lockstep.job) RETURNS bigint
     LANGUAGE plpgsql
@@ -799,6 +868,22 @@ CREATE FUNCTION lockstep._has_ready(j lockstep.job) RETURNS boolean
         where q.job = j.job and q.ready_at <= now()
           and not exists (select from lockstep.key_failure f
                           where f.job = q.job and f.key = q.key and (f.parked or f.retry_at > now())));
+$$;
+
+CREATE FUNCTION lockstep._held_cursors() RETURNS text[]
+    LANGUAGE sql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+    select pg_catalog.array_agg(pg_catalog.concat_ws(' ', c.name, c.creation_time) order by c.name)
+    from pg_catalog.pg_cursors c where c.is_holdable;
+$$;
+
+CREATE FUNCTION lockstep._is_admin() RETURNS boolean
+    LANGUAGE sql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+    select pg_catalog.pg_has_role(current_user, c.relowner, 'MEMBER')
+    from pg_catalog.pg_class c where c.oid = 'lockstep.job'::pg_catalog.regclass;
 $$;
 
 CREATE FUNCTION lockstep._is_statement_timeout(started timestamp with time zone) RETURNS boolean
@@ -1044,7 +1129,15 @@ CREATE FUNCTION lockstep._may_manage(owner name) RETURNS boolean
     AS $$
     select case when owner = current_user then true
                 when not exists (select from pg_catalog.pg_roles r where r.rolname = owner) then true
-                else pg_catalog.pg_has_role(current_user, owner, 'MEMBER') end;
+                else pg_catalog.pg_has_role(current_user, owner, 'MEMBER') or lockstep._is_admin() end;
+$$;
+
+CREATE FUNCTION lockstep._may_own(owner name) RETURNS boolean
+    LANGUAGE sql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+    select exists (select from pg_catalog.pg_roles r where r.rolname = owner)
+       and (pg_catalog.pg_has_role(current_user, owner, 'MEMBER') or lockstep._is_admin());
 $$;
 
 CREATE TABLE lockstep.job_state (
@@ -1073,6 +1166,44 @@ CREATE FUNCTION lockstep._not_due(s lockstep.job_state) RETURNS text
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
     select case when s.consecutive_failures > 0 and s.last_outcome = 'failed' then 'backoff' else 'not_due' end;
+$$;
+
+CREATE FUNCTION lockstep._owner_run(j lockstep.job, keys text[], sandboxed boolean) RETURNS lockstep._pass
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    v_sql text;
+    v_stmts text[];
+    v_cursors text[];
+    p lockstep._pass;
+begin
+    if sandboxed then
+        v_stmts := lockstep._prepared();
+        v_cursors := lockstep._held_cursors();
+    end if;
+    if j.kind = 'job' then
+        -- by the stored regprocedure: a function dropped or made ambiguous since define_job fails the run
+        v_sql := pg_catalog.format('select %s()', lockstep._callable(j.call::regprocedure, 0));
+        execute v_sql;
+    else
+        p := lockstep._apply(j, keys);
+    end if;
+    if sandboxed then
+        perform pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', false);
+        set constraints all immediate;
+        perform pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', false);
+        if lockstep._held_cursors() is distinct from v_cursors then
+            raise exception 'lockstep: job "%" left a WITH HOLD cursor open', j.job using errcode = '42501';
+        end if;
+        if lockstep._prepared() is distinct from v_stmts then
+            -- prepared statements are not transactional: drop what the job's code prepared or replaced
+            perform lockstep._deallocate_changed(v_stmts);
+            raise exception 'lockstep: job "%" changed the session''s prepared statements', j.job using errcode = '42501';
+        end if;
+    end if;
+    return p;
+end;
 $$;
 
 CREATE FUNCTION lockstep._pin_parents(j lockstep.job) RETURNS text[]
@@ -1149,6 +1280,15 @@ begin
     return v_skip;
 end;
 $_$;
+
+CREATE FUNCTION lockstep._prepared() RETURNS text[]
+    LANGUAGE sql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+    select pg_catalog.array_agg(pg_catalog.concat_ws(' ', s.name, s.prepare_time, s.parameter_types, s.statement)
+                                order by s.name)
+    from pg_catalog.pg_prepared_statements s;
+$$;
 
 CREATE FUNCTION lockstep._proc_columns(f regprocedure) RETURNS TABLE(name name, type oid, ord bigint)
     LANGUAGE sql STABLE
@@ -1332,6 +1472,13 @@ begin
 end;
 $$;
 
+CREATE FUNCTION lockstep._safe_key_type(t regtype) RETURNS boolean
+    LANGUAGE sql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+    select t is null or exists (select from pg_catalog.pg_type ty where ty.oid = t and ty.typtype in ('b', 'e'));
+$$;
+
 CREATE FUNCTION lockstep._save_derived(job text, target regclass, compute regprocedure, parent regclass, parent_column name, parent_key name, key_type regtype, target_key name[], columns name[], lock_group text, every interval, backoff interval) RETURNS void
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -1357,6 +1504,36 @@ begin
             key_type = excluded.key_type, target_key = excluded.target_key, columns = excluded.columns,
             every = excluded.every, backoff = excluded.backoff, updated_at = now();
     insert into lockstep.job_state (job) values (job) on conflict do nothing;
+end;
+$$;
+
+CREATE FUNCTION lockstep._trampoline() RETURNS text
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    v_me oid := (select r.oid from pg_catalog.pg_roles r where r.rolname = current_user);
+    v_src text := ' begin return lockstep._owner_run(j, keys, true); end ';
+    v_name name;
+begin
+    select p.proname into v_name
+    from pg_catalog.pg_proc p
+    where p.pronamespace = pg_catalog.pg_my_temp_schema() and p.proname like 'lockstep\_as\_%'
+      and p.proowner = v_me and p.prosecdef and p.prosrc = v_src and p.prokind = 'f'
+      and p.prolang = (select l.oid from pg_catalog.pg_language l where l.lanname = 'plpgsql')
+      and p.proargtypes = pg_catalog.array_to_string(array['lockstep.job'::regtype::oid, 'text[]'::regtype::oid], ' ')::oidvector
+      and p.prorettype = 'lockstep._pass'::regtype
+      and p.proconfig = array['search_path=pg_catalog, pg_temp']
+      and p.proacl = array[pg_catalog.makeaclitem(v_me, v_me, 'EXECUTE', false)]
+    limit 1;
+    if v_name is null then
+        v_name := pg_catalog.format('lockstep_as_%s_%s', v_me, pg_catalog.substr(pg_catalog.md5(pg_catalog.random()::text), 1, 8));
+        execute pg_catalog.format(
+            'create function pg_temp.%I(j lockstep.job, keys text[]) returns lockstep._pass language plpgsql '
+            'security definer set search_path = pg_catalog, pg_temp as %L', v_name, v_src);
+        execute pg_catalog.format('revoke all on function pg_temp.%I(lockstep.job, text[]) from public', v_name);
+    end if;
+    return v_name;
 end;
 $$;
 
@@ -1735,6 +1912,10 @@ declare
 begin
     perform lockstep._check_isolation('lockstep.run()');
     select * into s from lockstep.job_state st where st.job = j.job;
+    if not found then
+        -- its status row is hidden from this role (row-level security): a runner not serving the owner
+        perform lockstep._check_act_as(j);
+    end if;
     if j.kind = 'job' then
         if s.next_run_at > now() then
             return lockstep._result(lockstep._not_due(s), j.job, 'call');
@@ -1862,7 +2043,7 @@ CREATE TABLE lockstep.key_failure (
     parked boolean DEFAULT false NOT NULL
 );
 
-CREATE VIEW lockstep.failing_keys AS
+CREATE VIEW lockstep.failing_keys WITH (security_invoker='true') AS
  SELECT f.job,
     f.key,
     f.attempts,
@@ -1873,7 +2054,7 @@ CREATE VIEW lockstep.failing_keys AS
     f.parked
    FROM lockstep.key_failure f;
 
-CREATE VIEW lockstep.parked_keys AS
+CREATE VIEW lockstep.parked_keys WITH (security_invoker='true') AS
  SELECT f.job,
     f.key,
     f.attempts,
@@ -1900,7 +2081,7 @@ ALTER TABLE lockstep.queue ALTER COLUMN id ADD GENERATED ALWAYS AS IDENTITY (
     CACHE 1
 );
 
-CREATE VIEW lockstep.status AS
+CREATE VIEW lockstep.status WITH (security_invoker='true') AS
  SELECT j.job,
     j.kind,
     j.lock_group,
@@ -1975,8 +2156,42 @@ ALTER TABLE lockstep.job ENABLE ROW LEVEL SECURITY;
 
 CREATE POLICY job_delete ON lockstep.job FOR DELETE USING (lockstep._may_manage(owner));
 
-CREATE POLICY job_insert ON lockstep.job FOR INSERT WITH CHECK ((owner = CURRENT_USER));
+CREATE POLICY job_insert ON lockstep.job FOR INSERT WITH CHECK (((owner = CURRENT_USER) AND lockstep._safe_key_type(key_type)));
 
 CREATE POLICY job_read ON lockstep.job FOR SELECT USING (true);
 
-CREATE POLICY job_update ON lockstep.job FOR UPDATE USING (lockstep._may_manage(owner)) WITH CHECK (lockstep._may_manage(owner));
+ALTER TABLE lockstep.job_state ENABLE ROW LEVEL SECURITY;
+
+CREATE POLICY job_state_own ON lockstep.job_state USING ((job IN ( SELECT j.job
+   FROM lockstep.job j
+  WHERE lockstep._may_manage(j.owner)))) WITH CHECK ((job IN ( SELECT j.job
+   FROM lockstep.job j
+  WHERE lockstep._may_manage(j.owner))));
+
+CREATE POLICY job_update ON lockstep.job FOR UPDATE USING (lockstep._may_manage(owner)) WITH CHECK ((lockstep._may_own(owner) AND lockstep._safe_key_type(key_type)));
+
+ALTER TABLE lockstep.key_failure ENABLE ROW LEVEL SECURITY;
+
+CREATE POLICY key_failure_own ON lockstep.key_failure USING ((job IN ( SELECT j.job
+   FROM lockstep.job j
+  WHERE lockstep._may_manage(j.owner)))) WITH CHECK ((job IN ( SELECT j.job
+   FROM lockstep.job j
+  WHERE lockstep._may_manage(j.owner))));
+
+ALTER TABLE lockstep.queue ENABLE ROW LEVEL SECURITY;
+
+CREATE POLICY queue_append ON lockstep.queue FOR INSERT WITH CHECK (true);
+
+CREATE POLICY queue_delete ON lockstep.queue FOR DELETE USING ((job IN ( SELECT j.job
+   FROM lockstep.job j
+  WHERE lockstep._may_manage(j.owner))));
+
+CREATE POLICY queue_read ON lockstep.queue FOR SELECT USING (((job IN ( SELECT j.job
+   FROM lockstep.job j
+  WHERE lockstep._may_manage(j.owner))) OR (NOT has_column_privilege(('lockstep.queue'::regclass)::oid, 'key'::text, 'SELECT'::text))));
+
+CREATE POLICY queue_update ON lockstep.queue FOR UPDATE USING ((job IN ( SELECT j.job
+   FROM lockstep.job j
+  WHERE lockstep._may_manage(j.owner)))) WITH CHECK ((job IN ( SELECT j.job
+   FROM lockstep.job j
+  WHERE lockstep._may_manage(j.owner))));
