@@ -1013,7 +1013,9 @@ begin
     drop table pg_temp.lockstep_keep;
     analyze pg_temp.lockstep_gone;
     analyze pg_temp.lockstep_put;
-    return lockstep._enqueue_text(j, array(select r.key from pg_temp.lockstep_rest r));
+    v_changed := lockstep._enqueue_text(j, array(select r.key from pg_temp.lockstep_rest r));
+    perform pg_catalog.set_config('lockstep.handed_off', v_changed::text, true);
+    return v_changed;
 end;
 $_$;
 
@@ -1330,6 +1332,7 @@ declare
     s lockstep.job_state;
     v_started timestamptz;
     v_err text;
+    v_state text;
     v_before bigint;
     v_rest bigint := 0;
     p lockstep._pass;
@@ -1344,6 +1347,7 @@ begin
     end if;
     v_started := clock_timestamp();
     select coalesce(max(q.id), 0) into v_before from lockstep.queue q where q.job = j.job;
+    perform pg_catalog.set_config('lockstep.handed_off', '0', true);
     begin
         p := lockstep._apply(j, null);
     exception
@@ -1354,13 +1358,11 @@ begin
             get stacked diagnostics v_err = message_text;
             return lockstep._failed(j, 'recompute', v_started, v_err);
         when others then
-            get stacked diagnostics v_err = message_text;
-            return lockstep._recompute_failed(j, v_started, v_err);
+            get stacked diagnostics v_err = message_text, v_state = returned_sqlstate;
+            return lockstep._recompute_failed(j, v_started, v_err, v_state);
     end;
     -- the rest of the difference was handed to the queue before the write (_limit_batch)
-    if pg_catalog.to_regclass('pg_temp.lockstep_rest') is not null then
-        select count(*) into v_rest from pg_temp.lockstep_rest;
-    end if;
+    v_rest := coalesce(nullif(pg_catalog.current_setting('lockstep.handed_off', true), ''), '0')::bigint;
     if j.parent is not null then
         perform lockstep._hand_off(j, p.skipped, v_before, case when v_rest > 0 then j.batch_parents + v_rest end);
     end if;
@@ -1369,7 +1371,7 @@ begin
 end;
 $$;
 
-CREATE FUNCTION lockstep._recompute_failed(j lockstep.job, started timestamp with time zone, error text) RETURNS lockstep.result
+CREATE FUNCTION lockstep._recompute_failed(j lockstep.job, started timestamp with time zone, error text, sqlstate text) RETURNS lockstep.result
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $_$
@@ -1377,7 +1379,7 @@ declare
     v_keys text[];
     v_before bigint;
 begin
-    if j.parent is null then
+    if j.parent is null or sqlstate like '42%' or (sqlstate like 'LSD%' and sqlstate <> 'LSD05') then
         return lockstep._failed(j, 'recompute', started, error);
     end if;
     begin

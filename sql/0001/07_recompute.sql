@@ -13,8 +13,9 @@
 -- lockstep._limit_batch(j, budget): write step 0. Keep in pg_temp.lockstep_gone / lockstep_put only the
 -- rows of the first budget changed parents, in parent-key order (a row moving between parents stays if
 -- either is kept; rows without a parent always stay), and hand the other changed parents to the queue, in
--- key order, before any row lock is taken. Returns how many it handed off; they are also listed in
--- pg_temp.lockstep_rest (key text, ON COMMIT DROP), created only when the difference exceeds the budget.
+-- key order, before any row lock is taken. Returns how many it handed off, also left in the transaction's
+-- setting lockstep.handed_off for the recompute (it runs as the job's owner, whose temp tables the caller
+-- may not read); they are listed in pg_temp.lockstep_rest (key text, ON COMMIT DROP).
 -- budget NULL, or a job without a parent: no limit. The two tables are rewritten compactly (truncate and
 -- refill), so the write steps scan only the batch.
 -- locks: appends to lockstep.queue (as lockstep._enqueue_text: no lock anyone else holds); nothing else
@@ -67,7 +68,9 @@ begin
     drop table pg_temp.lockstep_keep;
     analyze pg_temp.lockstep_gone;
     analyze pg_temp.lockstep_put;
-    return lockstep._enqueue_text(j, array(select r.key from pg_temp.lockstep_rest r));
+    v_changed := lockstep._enqueue_text(j, array(select r.key from pg_temp.lockstep_rest r));
+    perform pg_catalog.set_config('lockstep.handed_off', v_changed::text, true);
+    return v_changed;
 end;
 $$;
 
@@ -93,14 +96,15 @@ begin
 end;
 $$;
 
--- lockstep._recompute_failed(j, started, error): the whole-table pass raised error. If an empty pass
--- raises too (or the job has no parent), the job itself is broken: a failed run with its backoff. Otherwise
--- some parents are poison: every parent is handed to the queue, where the worker's bisection isolates,
+-- lockstep._recompute_failed(j, started, error, sqlstate): the whole-table pass raised error. If it is a
+-- definition error (SQLSTATE class 42, or LSD01-LSD06 but LSD05: the target, its keys or its foreign keys,
+-- whatever the parent), or an empty pass raises too, or the job has no parent, the job itself is broken: a
+-- failed run with its backoff. Otherwise some parents are poison: every parent is handed to the queue, where the worker's bisection isolates,
 -- retries and parks the failing ones (lockstep.failing_keys / parked_keys) and writes all the others; the
 -- recompute is done (no backoff) and reports the error.
 -- locks: the group lock is already held; the empty pass as lockstep._write (no row lock: nothing to write);
 -- then as lockstep._hand_off; the job's status row last.
-create function lockstep._recompute_failed(j lockstep.job, started timestamptz, error text)
+create function lockstep._recompute_failed(j lockstep.job, started timestamptz, error text, sqlstate text)
 returns lockstep.result
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -109,7 +113,7 @@ declare
     v_keys text[];
     v_before bigint;
 begin
-    if j.parent is null then
+    if j.parent is null or sqlstate like '42%' or (sqlstate like 'LSD%' and sqlstate <> 'LSD05') then
         return lockstep._failed(j, 'recompute', started, error);
     end if;
     begin
@@ -142,6 +146,7 @@ declare
     s lockstep.job_state;
     v_started timestamptz;
     v_err text;
+    v_state text;
     v_before bigint;
     v_rest bigint := 0;
     p lockstep._pass;
@@ -156,6 +161,7 @@ begin
     end if;
     v_started := clock_timestamp();
     select coalesce(max(q.id), 0) into v_before from lockstep.queue q where q.job = j.job;
+    perform pg_catalog.set_config('lockstep.handed_off', '0', true);
     begin
         p := lockstep._apply(j, null);
     exception
@@ -166,13 +172,11 @@ begin
             get stacked diagnostics v_err = message_text;
             return lockstep._failed(j, 'recompute', v_started, v_err);
         when others then
-            get stacked diagnostics v_err = message_text;
-            return lockstep._recompute_failed(j, v_started, v_err);
+            get stacked diagnostics v_err = message_text, v_state = returned_sqlstate;
+            return lockstep._recompute_failed(j, v_started, v_err, v_state);
     end;
     -- the rest of the difference was handed to the queue before the write (_limit_batch)
-    if pg_catalog.to_regclass('pg_temp.lockstep_rest') is not null then
-        select count(*) into v_rest from pg_temp.lockstep_rest;
-    end if;
+    v_rest := coalesce(nullif(pg_catalog.current_setting('lockstep.handed_off', true), ''), '0')::bigint;
     if j.parent is not null then
         perform lockstep._hand_off(j, p.skipped, v_before, case when v_rest > 0 then j.batch_parents + v_rest end);
     end if;
