@@ -10,7 +10,6 @@ TABLE_COLUMNS = (
     "job",
     "kind",
     "queue_depth",
-    "recompute",  # done/total parents of a recompute spread over several transactions
     "parked_keys",
     "failing_keys",
     "last_outcome",
@@ -20,6 +19,7 @@ TABLE_COLUMNS = (
     "consecutive_failures",
     "next_run_at",
     "runs",
+    "recompute",  # done/total parents of a recompute spread over several transactions
     "last_error",
 )
 
