@@ -403,14 +403,29 @@ def _connect(dsn: str | None, app_name: str):
 @main.command()
 @dsn_option
 @option("--json", is_flag=True, help="Print all columns of lockstep.status as a JSON array.")
+@option("--history", is_flag=True, help="Show the newest runs from lockstep.run_log instead (exit 0).")
+@option("--job", default=None, metavar="NAME", help="With --history: only this job's runs.")
+@option(
+    "--limit",
+    type=click.IntRange(min=1),
+    default=50,
+    show_default=True,
+    help="With --history: how many runs.",
+)
 @log_options
-def status(dsn: str | None, json: bool) -> None:
+def status(dsn: str | None, json: bool, history: bool, job: str | None, limit: int) -> None:
     """Show lockstep.status. Exit 0 healthy; 1 when a job is failing, has parked keys or is flagged for a
-    full recompute; 3 no server answered; 4 no lockstep schema (or database, role)."""
+    full recompute; 3 no server answered; 4 no lockstep schema (or database, role).
+    --history: the newest runs of lockstep.run_log, oldest first (exit 0)."""
     from runner import db
     from runner import status as st
 
     _setup_logging(level=log_level(logging.WARNING))
+    if history:
+        _status_history(dsn, json, job, limit)
+        return
+    if job is not None:
+        raise click.UsageError("--job goes with --history")
     with _connect(dsn, "lockstep-status") as conn:
         rows = db.status(conn)
     click.echo(st.to_json(rows) if json else st.to_table(rows))
@@ -566,3 +581,47 @@ def storm(
     result = storm_mod.run(dsn, seconds, parents, clients, runners, every, keep)
     click.echo(storm_mod.to_json(result) if json else storm_mod.render(result))
     raise SystemExit(0 if result["ok"] else 1)
+
+
+# ---- run history and the web page (issue 16) ------------------------------------------------------------
+
+
+def _status_history(dsn: str | None, as_json: bool, job: str | None, limit: int) -> None:
+    """`lockstep status --history`: the newest runs, oldest first (rows hidden by row security are absent)."""
+    from runner import db
+    from runner import status as st
+
+    with _connect(dsn, "lockstep-status") as conn:
+        rows = db.history(conn, job, limit)
+    click.echo(st.to_json(rows) if as_json else st.history_table(rows))
+
+
+@main.command()
+@dsn_option
+@option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address to listen on (anything but a loopback address exposes the page).",
+)
+@option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=8765,
+    show_default=True,
+    help="Port to listen on (0: any free port, printed at start).",
+)
+@option(
+    "--refresh",
+    type=click.IntRange(min=1),
+    default=5,
+    show_default=True,
+    help="Seconds between the page's own reloads.",
+)
+@log_options
+def web(dsn: str | None, host: str, port: int, refresh: int) -> None:
+    """Serve a read-only status page: jobs, queue, failing keys, recent runs. Ctrl-C or SIGTERM stops it."""
+    from runner import web as web_mod
+
+    _setup_logging("text", log_level(logging.INFO))
+    raise SystemExit(web_mod.serve(web_mod.Options(dsn=dsn, host=host, port=port, refresh=refresh)))

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import datetime as dt
+import importlib.resources
+import logging
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import psycopg
 from psycopg import sql
@@ -13,6 +15,8 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import dict_row
 
 from runner import dsn as dsns
+
+log = logging.getLogger("lockstep.db")
 
 APP_NAME = "lockstep-runner"
 CHANNEL = "lockstep"
@@ -181,3 +185,65 @@ def retry(conn: psycopg.Connection, job: str, keys: list[str] | None) -> int:
 def drop_job(conn: psycopg.Connection, job: str) -> None:
     """``lockstep.drop_job(job)``: the job, its state, queue, failures and triggers."""
     conn.execute("select lockstep.drop_job(%s)", [job])
+
+
+# run history and the web page (issue 16) -------------------------------------------------------------
+
+
+def query(name: str) -> str:
+    """The text of ``runner/queries/<name>.sql`` (shipped in the package)."""
+    return (importlib.resources.files("runner") / "queries" / f"{name}.sql").read_text(encoding="utf-8")
+
+
+def history(conn: psycopg.Connection, job: str | None = None, limit: int = 50) -> list[dict]:
+    """The newest ``limit`` rows of lockstep.run_log (of ``job``, or of every job), oldest first."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute(query("history"), {"job": job, "limit": limit}).fetchall()
+
+
+@dataclass
+class Section:
+    """What one query of the web page returned, or why the current role could not read it."""
+
+    rows: list[dict] = field(default_factory=list)
+    error: str | None = None
+    sqlstate: str | None = None
+
+
+# name -> (SQL, parameters); each one read on its own (a savepoint), so one unreadable view or missing
+# table leaves the others intact.
+def _web_queries(runs: int, keys: int) -> dict[str, tuple[str, dict]]:
+    return {
+        "context": (
+            "select current_database() as database, current_user as role, now() as now,"
+            " current_setting('server_version') as server_version",
+            {},
+        ),
+        "status": ("select * from lockstep.status order by job", {}),
+        "due": ("select d.job, d.due_at from lockstep.due() d", {}),
+        "keys": (query("web_keys"), {"limit": keys}),
+        "runs": (query("web_runs"), {"limit": runs}),
+    }
+
+
+def web_page(conn: psycopg.Connection, runs: int = 200, keys: int = 50) -> dict[str, Section]:
+    """Everything the web page shows, read in one read-only transaction (one snapshot per section).
+
+    A section the role may not read (42501), or that does not exist in this schema version (42P01,
+    42703, 42883), or that is too slow (57014, the connection's statement_timeout) comes back with its
+    error instead of rows; a broken connection raises.
+    """
+    out: dict[str, Section] = {}
+    with conn.transaction():
+        conn.execute("set transaction read only")
+        conn.execute("set local statement_timeout = '5s'")  # a page never hangs on a slow section
+        for name, (sql, params) in _web_queries(runs, keys).items():
+            try:
+                with conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
+                    out[name] = Section(cur.execute(sql, params).fetchall())
+            except psycopg.DatabaseError as exc:
+                if conn.broken:
+                    raise
+                log.info("web: section %s not readable: %s", name, exc)
+                out[name] = Section(error=str(exc).strip().splitlines()[0], sqlstate=exc.sqlstate)
+    return out

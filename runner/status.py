@@ -79,12 +79,32 @@ def _progress(r: dict) -> str | None:
     return f"{r.get('recompute_done')}/{r['recompute_total']}"
 
 
-def to_table(rows: list[dict]) -> str:
+def to_table(rows: list[dict], columns: tuple[str, ...] = TABLE_COLUMNS, empty: str = "no jobs") -> str:
     if not rows:
-        return "no jobs"
+        return empty
     rows = [{**r, "recompute": _progress(r)} for r in rows]
-    cells = [[_cell(r.get(c)) for c in TABLE_COLUMNS] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(TABLE_COLUMNS)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(TABLE_COLUMNS, widths, strict=True)).rstrip()]
+    cells = [[_cell(r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip()]
     lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in cells]
     return "\n".join(lines)
+
+
+# `lockstep status --history`: rows of lockstep.run_log, oldest first
+HISTORY_COLUMNS = (
+    "finished_at",
+    "job",
+    "action",
+    "outcome",
+    "duration_ms",
+    "inserted",
+    "updated",
+    "deleted",
+    "skipped",
+    "failed_keys",
+    "error",
+)
+
+
+def history_table(rows: list[dict]) -> str:
+    return to_table(rows, HISTORY_COLUMNS, empty="no runs in lockstep.run_log")

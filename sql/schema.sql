@@ -83,8 +83,8 @@ begin
     if j.owner is distinct from current_user then
         return lockstep._as_owner(j, keys);
     end if;
-    perform lockstep._compute_into(j, keys);
     p := lockstep._write(j, keys);
+    perform lockstep._tmp_clear(j);  -- no row outlives this call (pooled connections: see lockstep._tmp)
     p.compute_ms := extract(epoch from clock_timestamp() - v_t0) * 1000 - p.write_ms;
     return p;
 end;
@@ -116,6 +116,43 @@ begin
     return p;
 end;
 $_$;
+
+CREATE FUNCTION lockstep._attempt(j lockstep.job, keys text[], kind text, OUT p lockstep._pass, OUT job_error text) RETURNS record
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    k text;
+    t record;
+begin
+    p := row(0, 0, 0, '{}', 0, 0, 0, '{}', '{}');
+    if cardinality(keys) = 0 then
+        return;
+    end if;
+    if kind = 'retry' then
+        foreach k in array keys loop
+            p := lockstep._add(p, lockstep._isolate(j, array[k]));
+        end loop;
+        return;
+    end if;
+    select * into t from lockstep._try(j, keys);
+    if t.error is null and kind = 'batch' and lockstep._timed_out() is not null then
+        job_error := pg_catalog.format('lockstep: statement timeout on a batch of %s keys (%s); the next pass '
+                                       'checks the job with an empty pass, then bisects the batch',
+                                       cardinality(keys), pg_catalog.current_setting('lockstep.timed_out_error', true));
+        return;
+    elsif t.error is null then
+        p := t.p;
+        return;
+    end if;
+    -- the job itself is broken (every key would fail) or some keys are poison: an empty pass tells.
+    if (select e.error from lockstep._try(j, '{}'::text[]) e) is not null or lockstep._timed_out() is not null then
+        job_error := t.error;
+        return;
+    end if;
+    p := lockstep._isolate(j, keys, t.error);
+end;
+$$;
 
 CREATE FUNCTION lockstep._attnames(rel oid, attnums smallint[]) RETURNS name[]
     LANGUAGE sql STABLE
@@ -574,6 +611,64 @@ begin
 end;
 $$;
 
+CREATE FUNCTION lockstep._check_timed_out(j lockstep.job, batch integer) RETURNS text
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    t record;
+begin
+    select * into t from lockstep._try(j, '{}'::text[]);
+    if lockstep._timed_out() is not null then
+        return pg_catalog.format('lockstep: statement timeout on an empty pass (%s): the job itself is too slow',
+                                 pg_catalog.current_setting('lockstep.timed_out_error', true));
+    elsif t.error is not null then
+        return t.error;
+    end if;
+    insert into lockstep.key_failure (job, key, attempts, last_error, retry_at)
+    select j.job, k, 0, 'lockstep: in a batch that timed out; being bisected', now()
+    from lockstep._claim(j, batch) c, pg_catalog.unnest(c.keys) k
+    where c.kind = 'batch'
+    order by k
+    on conflict do nothing;
+    return null;
+end;
+$$;
+
+CREATE FUNCTION lockstep._claim(j lockstep.job, batch integer, OUT keys text[], OUT kind text, OUT "full" boolean) RETURNS record
+    LANGUAGE plpgsql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+begin
+    select array_agg(f.key order by f.key) into keys
+    from (select f.key from lockstep.key_failure f
+          where f.job = j.job and f.attempts = 0 and not f.parked and f.retry_at <= now()
+            and exists (select from lockstep.queue q where q.job = f.job and q.key = f.key)
+          order by f.key limit 2 * batch) f;
+    if keys is not null then
+        keys := keys[1:(cardinality(keys) + 1) / 2];
+        kind := 'probe';
+        return;
+    end if;
+    select array_agg(f.key order by f.key) into keys
+    from (select f.key from lockstep.key_failure f
+          where f.job = j.job and f.attempts > 0 and not f.parked and f.retry_at <= now()
+            and exists (select from lockstep.queue q where q.job = f.job and q.key = f.key)
+          order by f.retry_at, f.key limit batch) f;
+    if keys is not null then
+        kind := 'retry';
+        return;
+    end if;
+    -- entries appended after this snapshot stay queued for the next pass
+    select array_agg(distinct c.key), count(*) >= batch into keys, full
+    from (select q.key from lockstep.queue q
+          where q.job = j.job and q.ready_at <= now()
+            and not exists (select from lockstep.key_failure f where f.job = q.job and f.key = q.key)
+          order by q.id limit batch) c;
+    kind := 'batch';
+end;
+$$;
+
 CREATE FUNCTION lockstep._cols(cols name[], alias text DEFAULT NULL::text) RETURNS text
     LANGUAGE sql IMMUTABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -582,47 +677,6 @@ CREATE FUNCTION lockstep._cols(cols name[], alias text DEFAULT NULL::text) RETUR
                                  ', ' order by o)
     from pg_catalog.unnest(cols) with ordinality as u(c, o);
 $$;
-
-CREATE FUNCTION lockstep._compute_into(j lockstep.job, keys text[]) RETURNS void
-    LANGUAGE plpgsql
-    SET search_path TO 'pg_catalog', 'pg_temp'
-    SET client_min_messages TO 'warning'
-    SET jit TO 'off'
-    AS $_$
-declare
-    v_cols text := lockstep._cols(j.columns);
-    v_pk text := lockstep._cols(j.target_key);
-    v_fn text;
-    v_arg text;
-    v_bad text;
-begin
-    select lockstep._callable(p.oid, 1), pg_catalog.format_type(p.proargtypes[0], null) into v_fn, v_arg
-    from pg_catalog.pg_proc p where p.oid = j.compute::regprocedure;
-    drop table if exists pg_temp.lockstep_desired;
-    execute pg_catalog.format('create temp table lockstep_desired on commit drop as select %s from %s limit 0',
-                              v_cols, j.target);
-    execute pg_catalog.format('insert into pg_temp.lockstep_desired (%1$s) select %1$s from %2$s($1::%3$s)',
-                              v_cols, v_fn, v_arg) using keys;
-    if keys is not null then
-        execute pg_catalog.format('delete from pg_temp.lockstep_desired where not coalesce(%I = any($1::%s), false)',
-                                  j.parent_column, lockstep._array_type(j.key_type)) using keys;
-    end if;
-    execute pg_catalog.format('select row(%s)::text from pg_temp.lockstep_desired where %s limit 1',
-                              v_pk, (select pg_catalog.string_agg(pg_catalog.format('%I is null', k), ' or ')
-                                     from pg_catalog.unnest(j.target_key) k)) into v_bad;
-    if v_bad is not null then
-        raise exception 'lockstep: compute function % returned a NULL primary key %', j.compute, v_bad
-            using errcode = 'LSD05';
-    end if;
-    execute pg_catalog.format('select row(%1$s)::text from pg_temp.lockstep_desired group by %1$s having count(*) > 1 limit 1',
-                              v_pk) into v_bad;
-    if v_bad is not null then
-        raise exception 'lockstep: compute function % returned more than one row for primary key % of %',
-            j.compute, v_bad, j.target using errcode = 'LSD05';
-    end if;
-    analyze pg_temp.lockstep_desired;
-end;
-$_$;
 
 CREATE FUNCTION lockstep._deallocate_changed(kept text[]) RETURNS void
     LANGUAGE plpgsql
@@ -646,8 +700,8 @@ CREATE FUNCTION lockstep._delete_rows(j lockstep.job) RETURNS bigint
 declare
     n bigint;
 begin
-    execute pg_catalog.format('delete from %s t using pg_temp.lockstep_gone g where %s',
-                              j.target, lockstep._eq(j.target_key, 't', 'g'));
+    execute pg_catalog.format('delete from %s t using pg_temp.%I g where %s',
+                              j.target, lockstep._tmp(j, 'gone'), lockstep._eq(j.target_key, 't', 'g'));
     get diagnostics n = row_count;
     return n;
 end;
@@ -660,60 +714,78 @@ CREATE FUNCTION lockstep._diff(j lockstep.job, keys text[]) RETURNS bigint
     SET jit TO 'off'
     AS $_$
 declare
-    v_tcols text := lockstep._cols(j.columns, 't');
-    v_tpar text := 'null::text';
+    f record;
+    v_subset boolean := keys is not null and j.parent_column is not null;
+    v_cur text;
+    v_moved text := '';
+    v_cpar text := 'null::text';
     v_dpar text := 'null::text';
-    v_cur text := j.target::text;
-    v_ctid text := 't.ctid';
-    v_gone bigint;
-    v_put bigint;
+    v_oldpar text;
+    v_new text := 'c.lockstep_ctid is null';
+    v_old text := 'c.lockstep_ctid';
+    n bigint;
+    v_bad text;
+    v_null boolean;
 begin
+    perform lockstep._tmp_setup(j);
+    select (select pg_catalog.string_agg(pg_catalog.quote_ident(c), ', ' order by o) from pg_catalog.unnest(j.columns) with ordinality u(c, o)) as cols,
+           (select pg_catalog.string_agg('d.' || pg_catalog.quote_ident(c), ', ' order by o) from pg_catalog.unnest(j.columns) with ordinality u(c, o)) as dcols,
+           (select pg_catalog.string_agg('c.' || pg_catalog.quote_ident(c), ', ' order by o) from pg_catalog.unnest(j.columns) with ordinality u(c, o)) as ccols,
+           (select pg_catalog.string_agg('t.' || pg_catalog.quote_ident(c), ', ' order by o) from pg_catalog.unnest(j.columns) with ordinality u(c, o)) as tcols,
+           (select pg_catalog.string_agg(pg_catalog.quote_ident(k), ', ' order by o) from pg_catalog.unnest(j.target_key) with ordinality u(k, o)) as pk,
+           (select pg_catalog.string_agg(pg_catalog.format('%I is null', k), ' or ' order by o) from pg_catalog.unnest(j.target_key) with ordinality u(k, o)) as pknull,
+           (select pg_catalog.string_agg(pg_catalog.format('d.%1$I = c.%1$I', k), ' and ' order by o) from pg_catalog.unnest(j.target_key) with ordinality u(k, o)) as dc,
+           (select pg_catalog.string_agg(pg_catalog.format('t.%1$I = d.%1$I', k), ' and ' order by o) from pg_catalog.unnest(j.target_key) with ordinality u(k, o)) as td,
+           (select lockstep._callable(p.oid, 1) from pg_catalog.pg_proc p where p.oid = j.compute::regprocedure) as fn,
+           (select pg_catalog.format_type(p.proargtypes[0], null) from pg_catalog.pg_proc p where p.oid = j.compute::regprocedure) as arg,
+           (select pg_catalog.format_type(t.typarray, null) from pg_catalog.pg_type t where t.oid = j.key_type) as arr,
+           lockstep._tmp(j, 'gone') as gone, lockstep._tmp(j, 'put') as put
+    into f;
     if j.parent_column is not null then
-        v_tpar := pg_catalog.format('t.%I::text', j.parent_column);
+        v_cpar := pg_catalog.format('c.%I::text', j.parent_column);
         v_dpar := pg_catalog.format('d.%I::text', j.parent_column);
-    else
-        v_tpar := pg_catalog.format('row(%s)::text', lockstep._cols(j.target_key, 't'));
+    else  -- no parent: the row's primary key, which the write steps return for a row they skip
+        v_cpar := pg_catalog.format('row(%s)::text', lockstep._cols(j.target_key, 'c'));
         v_dpar := pg_catalog.format('row(%s)::text', lockstep._cols(j.target_key, 'd'));
     end if;
-    drop table if exists pg_temp.lockstep_current, pg_temp.lockstep_gone, pg_temp.lockstep_put,
-                         pg_temp.lockstep_locked;
-    if keys is not null and j.parent_column is not null then
-        execute pg_catalog.format(
-            'create temp table lockstep_current on commit drop as '
-            'select t.* from pg_catalog.unnest($1::%s) k(v), '
-            'lateral (select %s, t.ctid as lockstep_ctid from %s t where t.%I = k.v offset 0) t',
-            lockstep._array_type(j.key_type), v_tcols, j.target, j.parent_column) using keys;
-        analyze pg_temp.lockstep_current;
-        v_cur := 'pg_temp.lockstep_current';
-        v_ctid := 't.lockstep_ctid';
+    v_oldpar := v_cpar;
+    if v_subset then
+        v_cur := pg_catalog.format('select t.* from pg_catalog.unnest($1::%s) k(v), lateral (select %s, t.ctid as lockstep_ctid '
+                                   'from %s t where t.%I = k.v offset 0) t', f.arr, f.tcols, j.target, j.parent_column);
+        v_moved := pg_catalog.format('left join lateral (select t.%I::text as p, t.ctid from %s t '
+                                     'where c.lockstep_ctid is null and %s offset 0) m on true',
+                                     j.parent_column, j.target, f.td);
+        v_old := 'coalesce(c.lockstep_ctid, m.ctid)';
+        v_new := 'c.lockstep_ctid is null and m.ctid is null';
+        v_oldpar := pg_catalog.format('coalesce(%s, m.p)', v_oldpar);
+    else
+        v_cur := pg_catalog.format('select %s, t.ctid as lockstep_ctid from %s t', f.tcols, j.target);
     end if;
     execute pg_catalog.format(
-        'create temp table lockstep_gone on commit drop as '
-        'select %1$s, %2$s as lockstep_parent, %5$s as lockstep_ctid from %3$s t '
-        'where not exists (select from pg_temp.lockstep_desired d where %4$s)',
-        v_tcols, v_tpar, v_cur, lockstep._eq(j.target_key, 'd', 't'), v_ctid);
-    get diagnostics v_gone = row_count;
-    execute pg_catalog.format(
-        'create temp table lockstep_put on commit drop as '
-        'select %1$s, %2$s as lockstep_parent, %3$s as lockstep_old_parent, t.ctid is null as lockstep_new, '
-        '%7$s as lockstep_ctid '
-        'from pg_temp.lockstep_desired d left join %4$s t on %5$s '
-        'where t.ctid is null or (%1$s) is distinct from (%6$s)',
-        lockstep._cols(j.columns, 'd'), v_dpar, v_tpar, v_cur, lockstep._eq(j.target_key, 'd', 't'), v_tcols, v_ctid);
-    get diagnostics v_put = row_count;
-    if v_cur <> j.target::text then
-        -- a row taken for new may exist under another parent (it moves): probe the target by primary key
-        execute pg_catalog.format(
-            'update pg_temp.lockstep_put p set lockstep_new = false, lockstep_old_parent = t.%1$I::text, '
-            'lockstep_ctid = t.ctid '
-            'from %2$s t where p.lockstep_new and %3$s',
-            j.parent_column, j.target, lockstep._eq(j.target_key, 'p', 't'));
+        'with e1 as (delete from pg_temp.%1$I), e2 as (delete from pg_temp.%2$I), '
+        'd as materialized (select %3$s from (select * from %4$s($1::%5$s) offset 0) d %6$s), '
+        'x as (select row(%7$s)::text as k, bool_or(%8$s) as n from d group by %7$s '
+        '      having count(*) > 1 or bool_or(%8$s) order by 2 desc limit 1), '
+        'c as %9$s (%10$s), '
+        'g as (insert into pg_temp.%1$I (%3$s, lockstep_parent, lockstep_ctid) '
+        '      select %11$s, %12$s, c.lockstep_ctid from c where not exists (select from d where %13$s) returning 1), '
+        'p as (insert into pg_temp.%2$I (%3$s, lockstep_parent, lockstep_old_parent, lockstep_new, lockstep_ctid) '
+        '      select %14$s, %15$s, %16$s, %17$s, %18$s from d left join c on %13$s %19$s '
+        '      where c.lockstep_ctid is null or (%14$s) is distinct from (%11$s) returning 1) '
+        'select (select count(*) from g) + (select count(*) from p), (select k from x), (select n from x)',
+        f.gone, f.put, f.cols, f.fn, f.arg,
+        case when v_subset then pg_catalog.format('where d.%I = any($1::%s)', j.parent_column, f.arr) else '' end,
+        f.pk, f.pknull, case when v_subset then 'materialized' else 'not materialized' end, v_cur,
+        f.ccols, v_cpar, f.dc, f.dcols, v_dpar, v_oldpar, v_new, v_old, v_moved)
+        into n, v_bad, v_null using keys;
+    if v_null then
+        raise exception 'lockstep: compute function % returned a NULL primary key %', j.compute, v_bad
+            using errcode = 'LSD05';
+    elsif v_bad is not null then
+        raise exception 'lockstep: compute function % returned more than one row for primary key % of %',
+            j.compute, v_bad, j.target using errcode = 'LSD05';
     end if;
-    if v_gone > 0 or v_put > 0 then
-        analyze pg_temp.lockstep_gone;
-        analyze pg_temp.lockstep_put;
-    end if;
-    return v_gone + v_put;
+    return n;
 end;
 $_$;
 
@@ -724,7 +796,7 @@ CREATE FUNCTION lockstep._drop_rows(tbl text, cond text, keys text[] DEFAULT NUL
 declare
     v text[];
 begin
-    execute pg_catalog.format('with d as (delete from pg_temp.%I where %s returning lockstep_parent) '
+    execute pg_catalog.format('with d as (delete from pg_temp.%I w where %s returning lockstep_parent) '
                               'select coalesce(array_agg(distinct lockstep_parent) filter (where lockstep_parent is not null), ''{}'') from d',
                               tbl, cond) into v using keys;
     return v;
@@ -828,6 +900,7 @@ begin
         last_error = case when v_failed then error else null end,
         runs = s.runs + 1
     where s.job = j.job;
+    perform lockstep._log_run(j, action, outcome, started, p, error);
 end;
 $$;
 
@@ -860,14 +933,16 @@ end;
 $$;
 
 CREATE FUNCTION lockstep._has_ready(j lockstep.job) RETURNS boolean
-    LANGUAGE sql STABLE
+    LANGUAGE plpgsql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
-    select exists (
+begin
+    return exists (
         select from lockstep.queue q
         where q.job = j.job and q.ready_at <= now()
           and not exists (select from lockstep.key_failure f
                           where f.job = q.job and f.key = q.key and (f.parked or f.retry_at > now())));
+end;
 $$;
 
 CREATE FUNCTION lockstep._held_cursors() RETURNS text[]
@@ -902,13 +977,17 @@ CREATE FUNCTION lockstep._isolate(j lockstep.job, keys text[], error text DEFAUL
 declare
     n integer := cardinality(keys);
     v_err text := error;
+    t record;
 begin
+    if lockstep._timed_out() is not null then
+        return row(0, 0, 0, keys, 0, 0, 0, '{}', '{}')::lockstep._pass;
+    end if;
     if v_err is null then
-        begin
-            return lockstep._apply(j, keys);
-        exception when others then
-            get stacked diagnostics v_err = message_text;
-        end;
+        select * into t from lockstep._try(j, keys);
+        if t.error is null then
+            return t.p;
+        end if;
+        v_err := t.error;
     end if;
     if n = 1 then
         return row(0, 0, 0, '{}', 0, 0, 0, keys, array[v_err])::lockstep._pass;
@@ -972,14 +1051,16 @@ CREATE FUNCTION lockstep._limit_batch(j lockstep.job, budget integer) RETURNS bi
     SET jit TO 'off'
     AS $_$
 declare
+    v_gone text := lockstep._tmp(j, 'gone');
+    v_put text := lockstep._tmp(j, 'put');
     v_changed bigint;
 begin
     if budget is null or j.parent is null then
         return 0;
     end if;
-    execute 'select count(*) from (select lockstep_parent from pg_temp.lockstep_gone'
-            '  union select lockstep_parent from pg_temp.lockstep_put'
-            '  union select lockstep_old_parent from pg_temp.lockstep_put) s(k) where k is not null'
+    execute pg_catalog.format(
+        'select count(*) from (select lockstep_parent from pg_temp.%1$I union select lockstep_parent from pg_temp.%2$I'
+        '  union select lockstep_old_parent from pg_temp.%2$I) s(k) where k is not null', v_gone, v_put)
         into v_changed;
     if v_changed <= budget then
         return 0;
@@ -988,31 +1069,31 @@ begin
     execute pg_catalog.format(
         'create temp table lockstep_rest on commit drop as '
         'select k::text as key from (select distinct k::%1$s as k from ('
-        '  select lockstep_parent from pg_temp.lockstep_gone'
-        '  union all select lockstep_parent from pg_temp.lockstep_put'
-        '  union all select lockstep_old_parent from pg_temp.lockstep_put) s(k) where k is not null) s '
-        'order by k offset $1', j.key_type) using budget;
+        '  select lockstep_parent from pg_temp.%2$I'
+        '  union all select lockstep_parent from pg_temp.%3$I'
+        '  union all select lockstep_old_parent from pg_temp.%3$I) s(k) where k is not null) s '
+        'order by k offset $1', j.key_type, v_gone, v_put) using budget;
     analyze pg_temp.lockstep_rest;
     -- keep the batch's rows, compacted (a DELETE would leave the write steps scanning every dead row)
     drop table if exists pg_temp.lockstep_keep;
-    create temp table lockstep_keep on commit drop as
-    select * from pg_temp.lockstep_gone g
-    where not exists (select from pg_temp.lockstep_rest r where r.key = g.lockstep_parent);
-    truncate pg_temp.lockstep_gone;
-    insert into pg_temp.lockstep_gone select * from pg_temp.lockstep_keep;
+    execute pg_catalog.format(
+        'create temp table lockstep_keep on commit drop as select * from pg_temp.%I g '
+        'where not exists (select from pg_temp.lockstep_rest r where r.key = g.lockstep_parent)', v_gone);
+    execute pg_catalog.format('truncate pg_temp.%1$I; insert into pg_temp.%1$I select * from pg_temp.lockstep_keep',
+                              v_gone);
     drop table pg_temp.lockstep_keep;
-    create temp table lockstep_keep on commit drop as
-    select * from pg_temp.lockstep_put p
-    where (p.lockstep_parent is null and p.lockstep_old_parent is null)
-       or (p.lockstep_parent is not null
-           and not exists (select from pg_temp.lockstep_rest r where r.key = p.lockstep_parent))
-       or (p.lockstep_old_parent is not null
-           and not exists (select from pg_temp.lockstep_rest r where r.key = p.lockstep_old_parent));
-    truncate pg_temp.lockstep_put;
-    insert into pg_temp.lockstep_put select * from pg_temp.lockstep_keep;
+    execute pg_catalog.format(
+        'create temp table lockstep_keep on commit drop as select * from pg_temp.%I p '
+        'where (p.lockstep_parent is null and p.lockstep_old_parent is null)'
+        '   or (p.lockstep_parent is not null'
+        '       and not exists (select from pg_temp.lockstep_rest r where r.key = p.lockstep_parent))'
+        '   or (p.lockstep_old_parent is not null'
+        '       and not exists (select from pg_temp.lockstep_rest r where r.key = p.lockstep_old_parent))', v_put);
+    execute pg_catalog.format('truncate pg_temp.%1$I; insert into pg_temp.%1$I select * from pg_temp.lockstep_keep',
+                              v_put);
     drop table pg_temp.lockstep_keep;
-    analyze pg_temp.lockstep_gone;
-    analyze pg_temp.lockstep_put;
+    execute pg_catalog.format('analyze pg_temp.%I', v_gone);
+    execute pg_catalog.format('analyze pg_temp.%I', v_put);
     v_changed := lockstep._enqueue_text(j, array(select r.key from pg_temp.lockstep_rest r));
     perform pg_catalog.set_config('lockstep.handed_off', v_changed::text, true);
     return v_changed;
@@ -1064,9 +1145,13 @@ declare
     v_blocked text[] := '{}';
     v_depth integer := 0;
     v_t regclass;
+    v_any boolean;
 begin
-    if not exists (select from pg_temp.lockstep_gone)
-       or not exists (select from lockstep._referencing(j.target, j.target_key, j.columns)) then
+    if not exists (select from lockstep._referencing(j.target, j.target_key, j.columns)) then
+        return '{}';
+    end if;
+    execute pg_catalog.format('select exists (select from pg_temp.%I)', lockstep._tmp(j, 'gone')) into v_any;
+    if not v_any then
         return '{}';
     end if;
     drop table if exists pg_temp.lockstep_doomed;
@@ -1074,8 +1159,9 @@ begin
         'create temp table lockstep_doomed on commit drop as '
         'select row(%1$s)::text as lockstep_root, t.tableoid as lockstep_rel, t.ctid as lockstep_ctid, '
         '$1::regclass as lockstep_table, true as lockstep_deletes, 0 as lockstep_depth '
-        'from pg_temp.lockstep_gone g join %2$s t on %3$s',
-        lockstep._cols(j.target_key, 'g'), j.target, lockstep._eq(j.target_key, 't', 'g')) using j.target;
+        'from pg_temp.%4$I g join %2$s t on %3$s',
+        lockstep._cols(j.target_key, 'g'), j.target, lockstep._eq(j.target_key, 't', 'g'), lockstep._tmp(j, 'gone'))
+        using j.target;
     while exists (select from pg_temp.lockstep_doomed d where d.lockstep_depth = v_depth) loop
         if v_depth > 100 then
             raise exception 'lockstep: the delete of % cascades more than 100 levels deep', j.target using errcode = 'LSD06';
@@ -1089,8 +1175,8 @@ begin
     if cardinality(v_blocked) = 0 then
         return '{}';
     end if;
-    return lockstep._drop_rows('lockstep_gone', pg_catalog.format('row(%s)::text = any($1)', lockstep._cols(j.target_key)),
-                               v_blocked);
+    return lockstep._drop_rows(lockstep._tmp(j, 'gone'),
+                               pg_catalog.format('row(%s)::text = any($1)', lockstep._cols(j.target_key)), v_blocked);
 end;
 $_$;
 
@@ -1099,31 +1185,71 @@ CREATE FUNCTION lockstep._lock_rows(j lockstep.job) RETURNS text[]
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $_$
 declare
-    v_unlocked text;
     v_skip text[];
     v_mine text := '';
 begin
     if exists (select from pg_catalog.pg_class c where c.oid = j.target and (c.relkind = 'p' or c.relhassubclass)) then
         v_mine := pg_catalog.format(
-            ' and (%1$s) in (select %2$s from pg_temp.lockstep_gone'
-            '  union all select %2$s from pg_temp.lockstep_put where not lockstep_new)',
-            lockstep._cols(j.target_key, 't'), lockstep._cols(j.target_key));
+            ' and (%1$s) in (select %2$s from pg_temp.%3$I'
+            '  union all select %2$s from pg_temp.%4$I where not lockstep_new)',
+            lockstep._cols(j.target_key, 't'), lockstep._cols(j.target_key), lockstep._tmp(j, 'gone'),
+            lockstep._tmp(j, 'put'));
     end if;
+    -- one statement: the rows locked (l), then the rows of gone and put that are not among them dropped
     execute pg_catalog.format(
-        'create temp table lockstep_locked on commit drop as '
-        'select %1$s from %2$s t where t.ctid = any(array('
-        '  select lockstep_ctid from pg_temp.lockstep_gone'
-        '  union all select lockstep_ctid from pg_temp.lockstep_put where not lockstep_new))%3$s '
-        'order by %1$s for update of t skip locked',
-        lockstep._cols(j.target_key, 't'), j.target, v_mine);
-    v_unlocked := pg_catalog.format('not exists (select from pg_temp.lockstep_locked l where %s)',
-                                    lockstep._eq(j.target_key, 'l', 'lockstep_gone'));
-    v_skip := lockstep._drop_rows('lockstep_gone', v_unlocked);
-    v_unlocked := pg_catalog.format('not lockstep_new and not exists (select from pg_temp.lockstep_locked l where %s)',
-                                    lockstep._eq(j.target_key, 'l', 'lockstep_put'));
-    return v_skip || lockstep._drop_rows('lockstep_put', v_unlocked);
+        'with l as materialized (select %1$s from %2$s t where t.ctid = any(array('
+        '  select lockstep_ctid from pg_temp.%3$I'
+        '  union all select lockstep_ctid from pg_temp.%4$I where not lockstep_new))%6$s '
+        '  order by %1$s for update of t skip locked), '
+        'dg as (delete from pg_temp.%3$I w where not exists (select from l where %5$s) returning lockstep_parent), '
+        'dp as (delete from pg_temp.%4$I w where not lockstep_new and not exists (select from l where %5$s) '
+        '       returning lockstep_parent) '
+        'select coalesce(array_agg(distinct k) filter (where k is not null), ''{}'') '
+        'from (select * from dg union all select * from dp) s(k)',
+        lockstep._cols(j.target_key, 't'), j.target, lockstep._tmp(j, 'gone'), lockstep._tmp(j, 'put'),
+        lockstep._eq(j.target_key, 'l', 'w'), v_mine) into v_skip;
+    return v_skip;
 end;
 $_$;
+
+CREATE FUNCTION lockstep._log_run(j lockstep.job, action text, outcome text, started timestamp with time zone, p lockstep._pass DEFAULT NULL::lockstep._pass, error text DEFAULT NULL::text) RETURNS void
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    s lockstep.job_state;
+    v_keep interval;
+    v_max integer;
+begin
+    begin
+        select t.run_log_keep, t.run_log_max_per_job into v_keep, v_max from lockstep.setting t;
+        v_keep := coalesce(v_keep, interval '14 days');   -- the setting row deleted: the defaults
+        v_max := coalesce(v_max, 1000);
+        select * into s from lockstep.job_state st where st.job = j.job;
+        if v_max > 0 then
+            insert into lockstep.run_log (job, owner, lock_group, kind, action, outcome, started_at,
+                                          finished_at, duration_ms, compute_ms, write_ms, inserted, updated,
+                                          deleted, skipped, gone, failed_keys, error, run_no)
+            values (j.job, j.owner, j.lock_group, j.kind, action, outcome, started,
+                    coalesce(s.last_finished_at, clock_timestamp()),
+                    coalesce(s.last_duration_ms, extract(epoch from clock_timestamp() - started) * 1000),
+                    p.compute_ms, p.write_ms,
+                    coalesce(p.inserted, 0), coalesce(p.updated, 0), coalesce(p.deleted, 0),
+                    coalesce(cardinality(p.skipped), 0), coalesce(p.gone, 0),
+                    coalesce(cardinality(p.failed), 0),
+                    coalesce(error, case when cardinality(p.failed) > 0 then
+                        pg_catalog.format('%s key(s) failed, first %s: %s',
+                                          cardinality(p.failed), p.failed[1], p.errors[1]) end),
+                    coalesce(s.runs, 0));
+        end if;
+        perform lockstep._prune_run_log(j.job, coalesce(s.runs, 0), v_keep, v_max);
+    exception when others then
+        raise warning 'lockstep: run of job "%" not logged in lockstep.run_log: %', j.job, sqlerrm
+            using hint = 'The role running jobs needs SELECT on lockstep.setting and SELECT, INSERT, DELETE '
+                         'on lockstep.run_log.';
+    end;
+end;
+$$;
 
 CREATE FUNCTION lockstep._may_manage(owner name) RETURNS boolean
     LANGUAGE sql STABLE
@@ -1220,20 +1346,20 @@ begin
     if j.parent is null then
         return '{}';
     end if;
-    execute 'select coalesce(array_agg(distinct k), ''{}'') from ('
-            '  select lockstep_parent from pg_temp.lockstep_gone'
-            '  union all select lockstep_parent from pg_temp.lockstep_put'
-            '  union all select lockstep_old_parent from pg_temp.lockstep_put) s(k) where k is not null'
-        into v_need;
     execute pg_catalog.format(
-        'select coalesce(array_agg(k), ''{}'') from ('
-        '  select %1$I::text as k from %2$s where %1$I = any($1::%3$s)'
-        '  order by %1$I for key share skip locked) s',
-        j.parent_key, j.parent, lockstep._array_type(j.key_type)) into v_pinned using v_need;
+        'with n as (select coalesce(array_agg(distinct k), ''{}'') as a from ('
+        '  select lockstep_parent from pg_temp.%1$I'
+        '  union all select lockstep_parent from pg_temp.%2$I'
+        '  union all select lockstep_old_parent from pg_temp.%2$I) s(k) where k is not null), '
+        'p as (select %3$I::text as k from %4$s where %3$I = any((select n.a from n)::%5$s) '
+        '      order by %3$I for key share skip locked) '
+        'select n.a, (select coalesce(array_agg(p.k), ''{}'') from p) from n',
+        lockstep._tmp(j, 'gone'), lockstep._tmp(j, 'put'), j.parent_key, j.parent, lockstep._array_type(j.key_type))
+        into v_need, v_pinned;
     v_skip := array(select pg_catalog.unnest(v_need) except select pg_catalog.unnest(v_pinned));
     if cardinality(v_skip) > 0 then
-        perform lockstep._drop_rows('lockstep_gone', 'lockstep_parent = any($1)', v_skip);
-        v_skip := v_skip || lockstep._drop_rows('lockstep_put',
+        perform lockstep._drop_rows(lockstep._tmp(j, 'gone'), 'lockstep_parent = any($1)', v_skip);
+        v_skip := v_skip || lockstep._drop_rows(lockstep._tmp(j, 'put'),
             'lockstep_parent = any($1) or lockstep_old_parent = any($1)', v_skip);
     end if;
     return v_skip;
@@ -1268,16 +1394,17 @@ begin
         execute pg_catalog.format(
             'create temp table lockstep_ref on commit drop as '
             'select %1$s from %2$s r where (%1$s) in ('
-            '  select %3$s from pg_temp.lockstep_put where %4$s'
-            '  union select %3$s from pg_temp.lockstep_gone where %4$s) '
+            '  select %3$s from pg_temp.%5$I where %4$s'
+            '  union select %3$s from pg_temp.%6$I where %4$s) '
             'order by %1$s for key share skip locked',
             lockstep._cols(c.rk, 'r'), c.ref, lockstep._cols(c.fk),
-            (select pg_catalog.string_agg(pg_catalog.format('%I is not null', x), ' and ') from pg_catalog.unnest(c.fk) x));
+            (select pg_catalog.string_agg(pg_catalog.format('%I is not null', x), ' and ') from pg_catalog.unnest(c.fk) x),
+            lockstep._tmp(j, 'put'), lockstep._tmp(j, 'gone'));
         v_unpinned := pg_catalog.format(
             '(%s) is not null and not exists (select from pg_temp.lockstep_ref r where (%s) = (%s))',
             lockstep._cols(c.fk), lockstep._cols(c.rk, 'r'), lockstep._cols(c.fk));
-        v_skip := v_skip || lockstep._drop_rows('lockstep_put', v_unpinned)
-                         || lockstep._drop_rows('lockstep_gone', v_unpinned);
+        v_skip := v_skip || lockstep._drop_rows(lockstep._tmp(j, 'put'), v_unpinned)
+                         || lockstep._drop_rows(lockstep._tmp(j, 'gone'), v_unpinned);
     end loop;
     return v_skip;
 end;
@@ -1309,6 +1436,27 @@ CREATE FUNCTION lockstep._proc_columns(f regprocedure) RETURNS TABLE(name name, 
     order by 3;
 $$;
 
+CREATE FUNCTION lockstep._prune_run_log(job text, run_no bigint, keep interval, max_per_job integer) RETURNS void
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
+    AS $$
+begin
+    if not pg_catalog.pg_try_advisory_xact_lock(pg_catalog.hashtext('lockstep'), pg_catalog.hashtext('run_log')) then
+        return;
+    end if;
+    delete from lockstep.run_log l
+    where l.id in (select o.id from lockstep.run_log o
+                   where o.finished_at < now() - keep order by o.finished_at limit 10);
+    delete from lockstep.run_log l
+    where l.id in (select o.id from lockstep.run_log o
+                   where o.job = _prune_run_log.job
+                     and o.run_no > _prune_run_log.run_no - max_per_job - 10
+                     and o.run_no <= _prune_run_log.run_no - max_per_job
+                   order by o.run_no limit 10);
+end;
+$$;
+
 CREATE FUNCTION lockstep._queue_job(job text) RETURNS lockstep.job
     LANGUAGE plpgsql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -1323,6 +1471,39 @@ begin
     return j;
 end;
 $$;
+
+CREATE FUNCTION lockstep._readable(j lockstep.job, keys text[], OUT canon text[], OUT raw text[], OUT bad text[], OUT errors text[]) RETURNS record
+    LANGUAGE plpgsql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $_$
+declare
+    k text;
+    v_err text;
+begin
+    bad := '{}';
+    errors := '{}';
+    begin
+        execute pg_catalog.format('select array_agg(v::text order by v) from (select distinct r::%s as v '
+                                  'from pg_catalog.unnest($1::text[]) r) s', j.key_type) into canon using keys;
+        raw := keys;
+        return;
+    exception when others then
+        null;  -- some key does not read back: find which, one by one
+    end;
+    raw := '{}';
+    foreach k in array keys loop
+        begin
+            execute pg_catalog.format('select $1::%s', j.key_type) using k;
+            raw := raw || k;
+        exception when others then
+            get stacked diagnostics v_err = message_text;
+            bad := bad || k;
+            errors := errors || pg_catalog.format('lockstep: queued key cannot be read as %s: %s', j.key_type, v_err);
+        end;
+    end loop;
+    select r.canon, r.raw into canon, raw from lockstep._readable(j, raw) r;
+end;
+$_$;
 
 CREATE FUNCTION lockstep._recompute(j lockstep.job, only_if_due boolean) RETURNS lockstep.result
     LANGUAGE plpgsql
@@ -1509,6 +1690,147 @@ begin
 end;
 $$;
 
+CREATE FUNCTION lockstep._settle(j lockstep.job, kind text, raw text[], ids bigint[], p lockstep._pass, bad text[], bad_errors text[]) RETURNS text
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $_$
+declare
+    v_susp text[] := coalesce(lockstep._timed_out(), '{}');
+    v_terr text := pg_catalog.current_setting('lockstep.timed_out_error', true);
+    v_leave text[];
+    v_skip text[] := p.skipped;
+begin
+    if cardinality(v_susp) = 1 then  -- a key that is slow alone fails like a poison key
+        p.failed := p.failed || v_susp;
+        p.errors := p.errors || v_terr;
+        v_susp := '{}';
+    end if;
+    v_leave := p.failed || v_skip || v_susp;
+    if cardinality(v_leave) > 0 then  -- the queued (raw) text of those keys
+        execute pg_catalog.format('select coalesce(array_agg(r), ''{}'') from pg_catalog.unnest($1) r '
+                                  'where r::%s::text = any($2)', j.key_type) into v_leave using raw, v_leave;
+        execute pg_catalog.format('select coalesce(array_agg(r), ''{}'') from pg_catalog.unnest($1) r '
+                                  'where r::%s::text = any($2)', j.key_type) into v_skip using raw, v_skip;
+    end if;
+    v_leave := v_leave || bad;  -- their entries stay, shown as parked
+    -- every statement runs even when it has no row to change: a missing privilege fails every pass at once,
+    -- not the first pass that needs it
+    delete from lockstep.queue q where q.job = j.job and q.id = any(ids) and q.key <> all(v_leave);
+    -- a parent an application holds is retried a second later, not in a hot loop
+    update lockstep.queue q set ready_at = now() + interval '1 second'
+    where q.job = j.job and q.id = any(ids) and q.key = any(v_skip);
+    delete from lockstep.key_failure f
+    where f.job = j.job and ((f.key = any(raw) and f.key <> all(v_leave))
+                             -- a probe timed out: the other suspects are cleared, its keys stay suspects
+                             or (kind = 'probe' and cardinality(v_susp) > 0 and f.attempts = 0 and not f.parked
+                                 and f.retry_at <= now() and f.key <> all(v_susp)));
+    insert into lockstep.key_failure as f (job, key, attempts, last_error, retry_at, parked)
+    select j.job, x.k, x.a, x.e, x.r, x.p
+    from (select k, 1 as a, e, now() + least(j.backoff, interval '2 seconds') as r, j.max_attempts <= 1 as p
+          from unnest(p.failed, p.errors) as u(k, e)
+          union all
+          select k, 0, pg_catalog.format('%s (one of %s keys computed together; being bisected)', v_terr,
+                                         cardinality(v_susp)),
+                 now() + least(j.backoff, greatest(interval '1 second',
+                                                   pg_catalog.current_setting('statement_timeout')::interval)), false
+          from unnest(v_susp) k
+          union all
+          select k, j.max_attempts, e, now(), true from unnest(bad, bad_errors) as u(k, e)) x
+    order by x.k
+    on conflict (job, key) do update
+        set attempts = case when excluded.attempts = 0 then f.attempts
+                            else greatest(f.attempts + 1, excluded.attempts) end,
+            last_error = excluded.last_error, last_failed_at = now(),
+            retry_at = case when excluded.attempts = 0 then excluded.retry_at
+                            else now() + least(j.backoff, interval '1 second' * power(2, least(f.attempts + 1, 20))) end,
+            parked = excluded.parked or (excluded.attempts > 0 and f.attempts + 1 >= j.max_attempts);
+    if cardinality(p.failed) + cardinality(bad) + cardinality(v_susp) = 0 then
+        return null;
+    end if;
+    return pg_catalog.concat_ws('; ',
+        case when cardinality(p.failed) > 0 then
+            pg_catalog.format('%s key(s) failed, first %s: %s', cardinality(p.failed), p.failed[1], p.errors[1]) end,
+        case when cardinality(bad) > 0 then
+            pg_catalog.format('%s queued key(s) parked, first %s: %s', cardinality(bad), bad[1], bad_errors[1]) end,
+        case when cardinality(v_susp) > 0 then
+            pg_catalog.format('%s key(s) timed out together (%s): bisected over the next passes',
+                              cardinality(v_susp), v_terr) end);
+end;
+$_$;
+
+CREATE FUNCTION lockstep._timed_out() RETURNS text[]
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+begin
+    return nullif(pg_catalog.current_setting('lockstep.timed_out', true), '')::text[];
+end;
+$$;
+
+CREATE FUNCTION lockstep._tmp(j lockstep.job, what text) RETURNS text
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    v_s text := pg_catalog.current_setting('lockstep.tmp', true);
+begin
+    if coalesce(v_s, '') = '' or pg_catalog.current_setting('lockstep.tmp_job', true) is distinct from j.job then
+        v_s := lockstep._tmp_setup(j);
+    end if;
+    return 'lockstep_' || what || '_' || v_s;
+end;
+$$;
+
+CREATE FUNCTION lockstep._tmp_clear(j lockstep.job) RETURNS void
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    v_gone text := lockstep._tmp(j, 'gone');
+    v_put text := lockstep._tmp(j, 'put');
+begin
+    if pg_catalog.pg_relation_size(pg_catalog.format('pg_temp.%I', v_gone)::regclass)
+       + pg_catalog.pg_relation_size(pg_catalog.format('pg_temp.%I', v_put)::regclass) > 1048576 then
+        execute pg_catalog.format('truncate pg_temp.%I, pg_temp.%I', v_gone, v_put);
+    else
+        execute pg_catalog.format('with a as (delete from pg_temp.%I) delete from pg_temp.%I', v_gone, v_put);
+    end if;
+end;
+$$;
+
+CREATE FUNCTION lockstep._tmp_setup(j lockstep.job) RETURNS text
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    SET client_min_messages TO 'warning'
+    AS $$
+declare
+    v_layout constant text := 'v3 parent,ctid | parent,old_parent,new,ctid';
+    v_s text;
+    v_cols text;
+begin
+    select pg_catalog.left(pg_catalog.md5(pg_catalog.concat_ws('|', j.target::oid, v_layout, current_user,
+                    j.target_key::text,
+                    pg_catalog.string_agg(pg_catalog.concat_ws(' ', a.attname, a.atttypid, a.atttypmod, a.attcollation),
+                                          ',' order by u.o))), 16),
+           pg_catalog.string_agg(pg_catalog.format('t.%I', u.c), ', ' order by u.o)
+    into v_s, v_cols
+    from pg_catalog.unnest(j.columns) with ordinality u(c, o)
+    left join pg_catalog.pg_attribute a on a.attrelid = j.target and a.attname = u.c and not a.attisdropped;
+    if pg_catalog.to_regclass(pg_catalog.format('pg_temp.%I', 'lockstep_put_' || v_s)) is null then
+        execute pg_catalog.format('create temp table if not exists %I as '
+                                  'select %s, null::text as lockstep_parent, null::tid as lockstep_ctid '
+                                  'from %s t with no data', 'lockstep_gone_' || v_s, v_cols, j.target);
+        execute pg_catalog.format('create temp table if not exists %I as '
+                                  'select %s, null::text as lockstep_parent, null::text as lockstep_old_parent, '
+                                  'null::boolean as lockstep_new, null::tid as lockstep_ctid '
+                                  'from %s t with no data', 'lockstep_put_' || v_s, v_cols, j.target);
+    end if;
+    perform pg_catalog.set_config('lockstep.tmp', v_s, true);
+    perform pg_catalog.set_config('lockstep.tmp_job', j.job, true);
+    return v_s;
+end;
+$$;
+
 CREATE FUNCTION lockstep._trampoline() RETURNS text
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -1546,6 +1868,27 @@ CREATE FUNCTION lockstep._trigger_name(job text, op text) RETURNS name
     select ('lockstep_' || left(job, 40) || '_' || left(pg_catalog.md5(job), 6) || '_' || op)::name;
 $$;
 
+CREATE FUNCTION lockstep._try(j lockstep.job, keys text[], OUT p lockstep._pass, OUT error text) RETURNS record
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+begin
+    p := lockstep._apply(j, keys);
+exception
+    when query_canceled then
+        if not lockstep._is_statement_timeout(null) then
+            raise;
+        end if;
+        get stacked diagnostics error = message_text;
+        perform pg_catalog.set_config('lockstep.timed_out', keys::text, true);
+        perform pg_catalog.set_config('lockstep.timed_out_error', error, true);
+        p := row(0, 0, 0, '{}', 0, 0, 0, '{}', '{}');
+        error := null;
+    when others then
+        get stacked diagnostics error = message_text;
+end;
+$$;
+
 CREATE FUNCTION lockstep._try_lock(lock_group text) RETURNS boolean
     LANGUAGE sql STRICT
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -1569,10 +1912,11 @@ begin
             lockstep._cols(v_rest, 't'), lockstep._cols(v_rest, 'excluded'));
     end if;
     execute pg_catalog.format(
-        'insert into %1$s as t (%2$s) select %2$s from pg_temp.lockstep_put order by %3$s on conflict (%3$s) %4$s',
-        j.target, lockstep._cols(j.columns), lockstep._cols(j.target_key), v_action);
-    get diagnostics n = row_count;
-    execute 'select count(*) from pg_temp.lockstep_put where lockstep_new' into v_new;
+        'with u as (insert into %1$s as t (%2$s) select %2$s from pg_temp.%5$I order by %3$s on conflict (%3$s) %4$s '
+        '           returning 1) '
+        'select (select count(*) from u), (select count(*) from pg_temp.%5$I where lockstep_new)',
+        j.target, lockstep._cols(j.columns), lockstep._cols(j.target_key), v_action, lockstep._tmp(j, 'put'))
+        into n, v_new;
     inserted := least(n, v_new);
     updated := n - inserted;
 end;
@@ -1597,15 +1941,15 @@ $$;
 CREATE FUNCTION lockstep._work(j lockstep.job, batch integer) RETURNS lockstep.result
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
-    AS $_$
+    AS $$
 declare
     s lockstep.job_state;
     v_started timestamptz;
-    v_keys text[];
+    c record;
+    r record;
+    a record;
     v_ids bigint[];
-    v_leave text[];
     v_err text;
-    p lockstep._pass;
 begin
     select * into s from lockstep.job_state st where st.job = j.job;
     if s.retry_at > now() then
@@ -1614,71 +1958,39 @@ begin
     if lockstep._group_due(j.lock_group) then
         return lockstep._result('busy', j.job, 'work', null, 'a periodic job of the lock group is due');
     end if;
-    if not lockstep._has_ready(j) then
+    select * into c from lockstep._claim(j, batch);  -- takes no lock: idle costs one look
+    if c.keys is null then
         return lockstep._result('idle', j.job, 'work');
     end if;
     if not lockstep._try_lock(j.lock_group) then
         return lockstep._result('busy', j.job, 'work');
     end if;
     v_started := clock_timestamp();
-
-    -- claim: the oldest ready entries give up to batch distinct keys; every visible entry of those keys
-    -- goes with them (a key enqueued many times is computed once). Entries appended after this snapshot
-    -- stay queued for the next pass.
-    select array_agg(distinct c.key) into v_keys
-    from (select q.key from lockstep.queue q
-          where q.job = j.job and q.ready_at <= now()
-            and not exists (select from lockstep.key_failure f
-                            where f.job = q.job and f.key = q.key and (f.parked or f.retry_at > now()))
-          order by q.id limit batch) c;
-    if v_keys is null then
+    perform pg_catalog.set_config('lockstep.timed_out', '', true);
+    if s.last_action = 'work' and s.last_outcome = 'failed' and s.last_error like 'lockstep: statement timeout on %' then
+        v_err := lockstep._check_timed_out(j, batch);
+        if v_err is not null then
+            return lockstep._failed(j, 'work', v_started, v_err);
+        end if;
+        select * into c from lockstep._claim(j, batch);
+    end if;
+    -- every visible entry of those keys goes with them (a key enqueued many times is computed once)
+    -- (under the group lock: a worker that held it before us may have done some of them)
+    select array_agg(q.id) into v_ids from lockstep.queue q where q.job = j.job and q.key = any(c.keys);
+    if v_ids is null then
         return lockstep._result('idle', j.job, 'work');
     end if;
-    select array_agg(q.id) into v_ids from lockstep.queue q where q.job = j.job and q.key = any(v_keys);
-    execute pg_catalog.format('select array_agg(k::text order by k) from pg_catalog.unnest($1::%s) k',
-                              lockstep._array_type(j.key_type)) into v_keys using v_keys;
-
-    begin
-        p := lockstep._apply(j, v_keys);
-    exception
-        when query_canceled then
-            if not lockstep._is_statement_timeout(v_started) then
-                raise;
-            end if;
-            get stacked diagnostics v_err = message_text;
-            return lockstep._failed(j, 'work', v_started, v_err);
-        when others then
-            get stacked diagnostics v_err = message_text;
-            -- the job itself is broken (every key would fail) or some keys are poison: an empty pass tells.
-            begin
-                perform lockstep._apply(j, '{}'::text[]);
-            exception when others then
-                return lockstep._failed(j, 'work', v_started, v_err);
-            end;
-            p := lockstep._isolate(j, v_keys, v_err);
-    end;
-
-    -- lockstep's own rows, after the target's
-    v_leave := p.skipped || p.failed;
-    delete from lockstep.queue q where q.job = j.job and q.id = any(v_ids) and q.key <> all(v_leave);
-    -- a parent an application holds is retried a second later, not in a hot loop
-    update lockstep.queue q set ready_at = now() + interval '1 second'
-    where q.job = j.job and q.id = any(v_ids) and q.key = any(p.skipped);
-    delete from lockstep.key_failure f where f.job = j.job and f.key = any(v_keys) and f.key <> all(v_leave);
-    insert into lockstep.key_failure as f (job, key, attempts, last_error, retry_at, parked)
-    select j.job, x.k, 1, x.e, now() + least(j.backoff, interval '2 seconds'), j.max_attempts <= 1
-    from unnest(p.failed, p.errors) as x(k, e)
-    order by x.k
-    on conflict (job, key) do update
-        set attempts = f.attempts + 1, last_error = excluded.last_error, last_failed_at = now(),
-            retry_at = now() + least(j.backoff, interval '1 second' * power(2, least(f.attempts + 1, 20))),
-            parked = f.attempts + 1 >= j.max_attempts;
-    v_err := case when cardinality(p.failed) > 0 then
-        pg_catalog.format('%s key(s) failed, first %s: %s', cardinality(p.failed), p.failed[1], p.errors[1]) end;
-    perform lockstep._finish(j, 'work', 'done', v_started, p, null);
-    return lockstep._result('done', j.job, 'work', p, v_err, lockstep._has_ready(j));
+    select * into r from lockstep._readable(j, c.keys);
+    select * into a from lockstep._attempt(j, coalesce(r.canon, '{}'), c.kind);
+    if a.job_error is not null then
+        return lockstep._failed(j, 'work', v_started, a.job_error);
+    end if;
+    v_err := lockstep._settle(j, c.kind, r.raw, v_ids, a.p, r.bad, r.errors);
+    perform lockstep._finish(j, 'work', 'done', v_started, a.p, null);
+    return lockstep._result('done', j.job, 'work', a.p, v_err,
+                            (c.kind <> 'batch' or c.full) and lockstep._has_ready(j));
 end;
-$_$;
+$$;
 
 CREATE FUNCTION lockstep._write(j lockstep.job, keys text[]) RETURNS lockstep._pass
     LANGUAGE plpgsql
@@ -1705,8 +2017,9 @@ begin
     v_skip := v_skip || lockstep._lock_referencing(j);
     if j.parent is not null and cardinality(v_skip) > 0 then
         -- a parent's rows are written together or not at all: none of a skipped parent's rows is written
-        perform lockstep._drop_rows('lockstep_gone', 'lockstep_parent = any($1)', v_skip);
-        perform lockstep._drop_rows('lockstep_put', 'lockstep_parent = any($1) or lockstep_old_parent = any($1)', v_skip);
+        perform lockstep._drop_rows(lockstep._tmp(j, 'gone'), 'lockstep_parent = any($1)', v_skip);
+        perform lockstep._drop_rows(lockstep._tmp(j, 'put'), 'lockstep_parent = any($1) or lockstep_old_parent = any($1)',
+                                    v_skip);
     end if;
     p.deleted := lockstep._delete_rows(j);
     select u.inserted, u.updated into p.inserted, p.updated from lockstep._upsert_rows(j) u;
@@ -1971,6 +2284,45 @@ begin
 end;
 $$;
 
+CREATE TABLE lockstep.setting (
+    only_row boolean DEFAULT true NOT NULL,
+    run_log_keep interval DEFAULT '14 days'::interval NOT NULL,
+    run_log_max_per_job integer DEFAULT 1000 NOT NULL,
+    CONSTRAINT setting_only_row_check CHECK (only_row),
+    CONSTRAINT setting_run_log_keep_check CHECK ((run_log_keep > '00:00:00'::interval)),
+    CONSTRAINT setting_run_log_max_per_job_check CHECK ((run_log_max_per_job >= 0))
+);
+
+CREATE FUNCTION lockstep.set_run_log_retention(keep interval DEFAULT NULL::interval, max_per_job integer DEFAULT NULL::integer) RETURNS lockstep.setting
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    s lockstep.setting;
+begin
+    if keep is not null and keep <= interval '0' then
+        raise exception 'lockstep: run_log_keep must be a positive interval (got %)', keep
+            using errcode = '22023', hint = 'For example interval ''7 days''.';
+    end if;
+    if max_per_job is not null and max_per_job < 0 then
+        raise exception 'lockstep: run_log_max_per_job must be >= 0 (got %)', max_per_job
+            using errcode = '22023', hint = '0 stops logging runs (the rows already logged are pruned).';
+    end if;
+    perform pg_catalog.pg_advisory_xact_lock(pg_catalog.hashtext('lockstep'), pg_catalog.hashtext('run_log'));
+    insert into lockstep.setting as t (only_row, run_log_keep, run_log_max_per_job)
+    values (true, coalesce(keep, interval '14 days'), coalesce(max_per_job, 1000))
+    on conflict (only_row) do update
+        set run_log_keep = coalesce(set_run_log_retention.keep, t.run_log_keep),
+            run_log_max_per_job = coalesce(set_run_log_retention.max_per_job, t.run_log_max_per_job)
+    returning * into s;
+    delete from lockstep.run_log r where r.finished_at < now() - s.run_log_keep;
+    delete from lockstep.run_log r
+    using lockstep.job_state st
+    where st.job = r.job and r.run_no <= st.runs - s.run_log_max_per_job;
+    return s;
+end;
+$$;
+
 CREATE FUNCTION lockstep.unwatch(job text, source regclass) RETURNS void
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -2083,6 +2435,41 @@ ALTER TABLE lockstep.queue ALTER COLUMN id ADD GENERATED ALWAYS AS IDENTITY (
     CACHE 1
 );
 
+CREATE TABLE lockstep.run_log (
+    id bigint NOT NULL,
+    job text NOT NULL,
+    owner name NOT NULL,
+    lock_group text NOT NULL,
+    kind text NOT NULL,
+    action text NOT NULL,
+    outcome text NOT NULL,
+    started_at timestamp with time zone NOT NULL,
+    finished_at timestamp with time zone NOT NULL,
+    duration_ms double precision NOT NULL,
+    compute_ms double precision,
+    write_ms double precision,
+    inserted bigint DEFAULT 0 NOT NULL,
+    updated bigint DEFAULT 0 NOT NULL,
+    deleted bigint DEFAULT 0 NOT NULL,
+    skipped bigint DEFAULT 0 NOT NULL,
+    gone bigint DEFAULT 0 NOT NULL,
+    failed_keys bigint DEFAULT 0 NOT NULL,
+    error text,
+    run_no bigint NOT NULL,
+    role name DEFAULT CURRENT_USER NOT NULL,
+    pid integer DEFAULT pg_backend_pid() NOT NULL
+)
+WITH (autovacuum_vacuum_scale_factor='0', autovacuum_vacuum_threshold='1000');
+
+ALTER TABLE lockstep.run_log ALTER COLUMN id ADD GENERATED ALWAYS AS IDENTITY (
+    SEQUENCE NAME lockstep.run_log_id_seq
+    START WITH 1
+    INCREMENT BY 1
+    NO MINVALUE
+    NO MAXVALUE
+    CACHE 1
+);
+
 CREATE VIEW lockstep.status WITH (security_invoker='true') AS
  SELECT j.job,
     j.kind,
@@ -2146,7 +2533,17 @@ ALTER TABLE ONLY lockstep.key_failure
 ALTER TABLE ONLY lockstep.queue
     ADD CONSTRAINT queue_pkey PRIMARY KEY (job, id);
 
+ALTER TABLE ONLY lockstep.run_log
+    ADD CONSTRAINT run_log_pkey PRIMARY KEY (id);
+
+ALTER TABLE ONLY lockstep.setting
+    ADD CONSTRAINT setting_pkey PRIMARY KEY (only_row);
+
 CREATE INDEX queue_job_key_idx ON lockstep.queue USING btree (job, key);
+
+CREATE INDEX run_log_finished_at_idx ON lockstep.run_log USING btree (finished_at);
+
+CREATE INDEX run_log_job_run_no_idx ON lockstep.run_log USING btree (job, run_no);
 
 ALTER TABLE ONLY lockstep.job_state
     ADD CONSTRAINT job_state_job_fkey FOREIGN KEY (job) REFERENCES lockstep.job(job) ON DELETE CASCADE;
@@ -2197,3 +2594,11 @@ CREATE POLICY queue_update ON lockstep.queue FOR UPDATE USING ((job IN ( SELECT 
   WHERE lockstep._may_manage(j.owner)))) WITH CHECK ((job IN ( SELECT j.job
    FROM lockstep.job j
   WHERE lockstep._may_manage(j.owner))));
+
+ALTER TABLE lockstep.run_log ENABLE ROW LEVEL SECURITY;
+
+CREATE POLICY run_log_delete ON lockstep.run_log FOR DELETE USING (lockstep._may_manage(owner));
+
+CREATE POLICY run_log_insert ON lockstep.run_log FOR INSERT WITH CHECK (lockstep._may_manage(owner));
+
+CREATE POLICY run_log_read ON lockstep.run_log FOR SELECT USING (lockstep._may_manage(owner));

@@ -54,12 +54,13 @@ EXPECTED_DIR = TESTS_DIR / "expected"
 # kind -> patterns matched against a test file's path relative to tests/ and against its stem
 KINDS: dict[str, tuple[str, ...]] = {
     "schedules": ("schedules/*", "test_schedules_*", "test_properties", "test_isolation_harness"),
-    "runner": ("runner/*", "test_runner*", "test_cli_*", "test_faults"),
+    "runner": ("runner/*", "test_runner*", "test_cli_*", "test_faults", "test_web", "test_web_browser"),
     "packaging": ("packaging/*", "test_wheel", "test_readme"),
     "tools": ("tools/*", "test_demo", "test_bench", "test_storm"),
     "sql": (
         "sql/*",
         "test_define_derived",
+        "test_history",
         "test_hostile_names",
         "test_jobs",
         "test_migrations",
@@ -69,6 +70,7 @@ KINDS: dict[str, tuple[str, ...]] = {
         "test_schema",
         "test_security",
         "test_sqlfiles",
+        "test_worker_faults",
     ),
 }
 

@@ -1,9 +1,10 @@
 """``lockstep run`` behind PgBouncer in transaction mode (issue 5).
 
 A transaction pooler hands each transaction to whichever server connection is free, so the runner must keep
-no session state: one autocommit statement per call, transaction-level advisory locks, ON COMMIT DROP temp
-tables, no LISTEN (``--no-listen``) and no server-side prepared statements (``--no-prepare``; PgBouncer
-1.18 does not track them, and the runner only guesses a pooler from port 6432).
+no session state that matters: one autocommit statement per call, transaction-level advisory locks, work
+tables in pg_temp that are empty whenever a call returns (kept for the next call, whoever makes it), no
+LISTEN (``--no-listen``) and no server-side prepared statements (``--no-prepare``; PgBouncer 1.18 does not
+track them, and the runner only guesses a pooler from port 6432).
 
 PgBouncer refuses to run as root: as root it is started with ``-u postgres`` (it reads its files first, then
 drops privileges), and it logs to stderr, captured into tmp_path.
@@ -199,14 +200,26 @@ def test_each_call_is_one_statement_with_no_session_state(ex, pgbouncer, connect
     assert queue_depth(ex) == 0
     assert divergence(ex) == (0, 0)
 
-    # what a call leaves in its session: nothing (checked on a direct connection, same backend throughout)
+    # what a call leaves in its session: nothing but its empty work tables, which the next call on this
+    # server connection reuses, whichever client makes it (checked on a direct connection)
     direct = connect(ex.info.dsn)
     direct.execute("select lockstep.enqueue(%s, array[6]::bigint[])", [JOB])
     path = direct.execute("show search_path").fetchone()[0]
     assert direct.execute("select (lockstep.work(%s)).outcome", [JOB]).fetchone()[0] == "done"
     assert direct.execute("select (lockstep.recompute(%s)).outcome", [JOB]).fetchone()[0] == "done"
+    work_tables = [
+        t
+        for (t,) in direct.execute(
+            "select oid::regclass::text from pg_class where relnamespace = pg_my_temp_schema()"
+            " and relname ~ '^lockstep_(gone|put)_[0-9a-f]{16}$'"
+        )
+    ]
+    assert work_tables
+    rows = [direct.execute(f"select count(*) from {t}").fetchone()[0] for t in work_tables]
+    assert rows == [0] * len(work_tables), (work_tables, rows)
     leftovers = direct.execute(
-        "select (select count(*) from pg_class where relnamespace = pg_my_temp_schema()),"
+        "select (select count(*) from pg_class where relnamespace = pg_my_temp_schema()"
+        " and relname !~ '^lockstep_(gone|put)_[0-9a-f]{16}$'),"
         " (select count(*) from pg_locks where pid = pg_backend_pid() and locktype = 'advisory'),"
         " (select count(*) from pg_prepared_statements),"
         " (select count(*) from pg_listening_channels()),"

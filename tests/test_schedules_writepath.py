@@ -433,7 +433,9 @@ def test_a_referencing_table_the_role_cannot_lock_is_refused(conn):
         conn.execute(
             f"grant usage on schema wp, lockstep to {role};"
             f"grant select, insert, update, delete on wp.kid to {role};"
-            f"grant select on wp.owner, wp.ref_priv to {role}"
+            f"grant select on wp.owner, wp.ref_priv to {role};"
+            # UPDATE on one parent column: pinning parents FOR KEY SHARE needs it (checked first)
+            f"grant update (id) on wp.owner to {role}"
         )
         before = snapshot(conn)
         conn.execute(f"begin; set local role {role}")

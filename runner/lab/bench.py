@@ -13,7 +13,13 @@ lockstep and the example, fills ``example.exam_key`` once, then runs the section
   function alone, measured beside the methods.
 - ``scaling``: the recompute section again at a quarter of the parents (its own database), so that the
   waits of the two sizes can be compared.
-- ``queue``: enqueue throughput, worker throughput, cost of a no-op pass and of a pass over unchanged keys.
+- ``queue``: enqueue throughput, worker throughput, cost of a no-op pass and of a pass over unchanged keys;
+  worker cost per key for passes of 50, 200 and 500 keys (unchanged and edited parents) for two jobs, the
+  example (about 14 rows per parent) and ``exam_band`` (one row per parent and a trivial compute, like
+  the issue's pgbench ``account_band``), beside the bare compute of the same keys; no-op WAL and catalog
+  rows of a recompute and of a worker pass, right after a CHECKPOINT and repeated.
+  Pass cost is the server backend's CPU time (``/proc/<pid>/schedstat``, when the server runs on this
+  host), which a busy machine disturbs much less than wall time; wall time is reported beside it.
 
 Each measured method runs in one transaction: ``EXPLAIN (ANALYZE, WAL)`` of its call gives the WAL it wrote
 itself (``wal_own``), ``pg_stat_xact_user_tables`` the rows it wrote; ``wal_lsn`` is the
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import statistics
 import sys
 import threading
@@ -115,6 +122,45 @@ DEADLOCKS_SQL = (
 APP_DELETE_SQL = "delete from example.exam where id = %s"
 ENQUEUE_SQL = "select lockstep.enqueue('exam_keys', %s::bigint[])"
 WORK_SQL = "select outcome from lockstep.work('exam_keys', %s)"
+BAND_JOB = "exam_band"
+BAND_SQL = """
+create table public.exam_band (
+    exam_id bigint primary key references example.exam (id) on delete cascade,
+    band text not null,
+    body_len integer not null
+);
+create function public.exam_band_compute(ids bigint[])
+returns table (exam_id bigint, band text, body_len integer)
+language sql stable
+as $$
+    select e.id,
+           case when length(e.body) < 60 then 'short' when length(e.body) < 90 then 'medium' else 'long' end,
+           length(e.body)
+    from example.exam e where ids is null or e.id = any(ids)
+$$;
+select lockstep.define_derived('exam_band', 'public.exam_band', 'public.exam_band_compute(bigint[])',
+                               parent => 'example.exam', parent_column => 'exam_id', every => '1 day');
+"""
+BAND_WATCH_SQL = "select lockstep.watch('exam_band', 'example.exam', 'id')"
+PASS_SIZES = (50, 200, 500)
+PASS_REPS = 9
+JOB_WORK_SQL = "select outcome, error from lockstep.work(%s, %s)"
+JOB_ENQUEUE_SQL = "select lockstep.enqueue(%s, %s::bigint[])"
+JOB_RECOMPUTE_SQL = "select outcome, error from lockstep.recompute(%s)"
+CLEAR_ALL_QUEUE_SQL = "delete from lockstep.queue"
+VACUUM_QUEUE_SQL = "vacuum lockstep.queue"
+PASS_EDIT_SQL = "update example.exam set body = body || ' p' || (id %% 89) where id = any(%s)"
+BARE_SQL_TEMPLATE = "select count(*) from (select * from {}(%s::text[]::bigint[]) offset 0) s"
+BARE_SQL = {  # compute alone, in the form lockstep calls it (text keys cast in the statement, not flattened)
+    JOB: BARE_SQL_TEMPLATE.format("example.exam_key_compute"),
+    BAND_JOB: BARE_SQL_TEMPLATE.format("public.exam_band_compute"),
+}
+PASS_VACUUM_SQL = "vacuum example.exam, example.exam_key, public.exam_band, lockstep.queue"
+FREEZE_SCHEDULE_SQL = "update lockstep.job_state set next_run_at = now() + interval '1 day'"
+CATALOG_WRITES_SQL = (
+    "select coalesce(sum(n_tup_ins + n_tup_upd + n_tup_del), 0)::bigint from pg_stat_xact_sys_tables"
+    " where schemaname = 'pg_catalog'"
+)
 VERSION_SQL = "show server_version"
 
 Progress = Callable[[str], None]
@@ -328,7 +374,7 @@ class Bench:
     def queue(self) -> dict[str, Any]:
         c = self.conn
         c.execute(CLEAR_QUEUE_SQL)
-        out: dict[str, Any] = {}
+        out: dict[str, Any] = self.noop_wal()  # first: before the steps below leave dead rows behind
         for size, calls in ((1, 2000), (1000, 100)):
             self.progress(f"queue: enqueue {calls} batches of {size}")
             t0 = time.perf_counter()
@@ -349,6 +395,7 @@ class Bench:
         passes, elapsed = self._drain(EDIT_SQL, ids, f"queue: worker over {n} edited parents")
         out["worker_edit_parents_per_s"] = n / elapsed
         self.progress("queue: no-op passes")
+        c.execute(VACUUM_SQL)  # the queue's dead rows (issue 17's trigger side) would dominate an empty pass
         times = []
         for _ in range(200):
             t0 = time.perf_counter()
@@ -366,6 +413,107 @@ class Bench:
         out["unchanged_500_pass_ms"] = statistics.median(times)
         c.execute(RESTORE_SQL, [ids])
         c.execute(CLEAR_QUEUE_SQL)
+        out.update(self.pass_costs())
+        return out
+
+    def _backend_cpu_ns(self) -> int | None:
+        try:
+            with open(f"/proc/{self.conn.info.backend_pid}/schedstat") as f:
+                return int(f.read().split()[0])
+        except OSError:  # the server runs elsewhere
+            return None
+
+    def _timed(self, sql: str, params: list[Any]) -> tuple[float, float | None, Any]:
+        """(wall ms, backend CPU ms or None, first row) of one statement."""
+        cpu0, t0 = self._backend_cpu_ns(), time.perf_counter()
+        # never prepared: a generic plan of compute(ids) cannot drop its "ids is null" branch (a scan of all)
+        row = self.conn.execute(sql, params, prepare=False).fetchone()
+        wall, cpu1 = (time.perf_counter() - t0) * 1000, self._backend_cpu_ns()
+        return wall, (cpu1 - cpu0) / 1e6 if cpu0 is not None and cpu1 is not None else None, row
+
+    def _wal(self, sql: str, params: list[Any], checkpoint: bool) -> tuple[int, int, int]:
+        """(WAL bytes, full-page images, catalog rows written) of one statement in its own transaction.
+
+        The WAL is this backend's own (EXPLAIN's WAL counters): a pg_current_wal_lsn() difference also counts
+        every other session of the cluster, which on a shared machine is most of it.
+        """
+        c = self.conn
+        if checkpoint:
+            c.execute(CHECKPOINT_SQL)
+        c.execute(FLUSH_STATS_SQL)  # PostgreSQL 15's pg_stat_xact_* also show unflushed counts
+        with c.transaction():
+            plan = c.execute(EXPLAIN_WAL + sql, params).fetchone()[0][0]["Plan"]
+            catalog = int(c.execute(CATALOG_WRITES_SQL).fetchone()[0])
+        return int(plan.get("WAL Bytes", 0)), int(plan.get("WAL FPI", 0)), catalog
+
+    def noop_wal(self) -> dict[str, Any]:
+        """WAL and catalog rows of a no-op recompute and of a worker pass over unchanged keys, right after a
+        CHECKPOINT and repeated, in this session (its work tables exist: the fill recompute made them), on
+        freshly vacuumed data (a run that prunes the application's dead rows writes WAL that is not its own).
+        """
+        c = self.conn
+        out: dict[str, Any] = {}
+        c.execute(CLEAR_ALL_QUEUE_SQL)
+        self.progress("queue: no-op WAL and catalog rows (recompute, worker pass over unchanged keys)")
+        c.execute(VACUUM_SQL)  # no dead rows for the runs to prune: the WAL is their own
+        ids = list(range(1, min(50, self.parents) + 1))
+        for what, sql, params in (
+            ("recompute", "select * from lockstep.recompute(%s)", [JOB]),
+            ("work", "select * from lockstep.work(%s, %s)", [JOB, 500]),
+        ):
+            for label, checkpoint in (("after_checkpoint", True), ("repeated", False)):
+                if what == "work":
+                    c.execute(JOB_ENQUEUE_SQL, [JOB, ids])
+                wal, fpi, catalog = self._wal(sql, params, checkpoint)
+                out[f"noop_{what}_wal_{label}"] = wal
+                out[f"noop_{what}_fpi_{label}"] = fpi
+                out[f"noop_{what}_catalog_rows_{label}"] = catalog
+        c.execute(CLEAR_ALL_QUEUE_SQL)
+        return out
+
+    def pass_costs(self) -> dict[str, Any]:
+        """Worker cost per key by pass size, for the example job and exam_band; no-op WAL and catalog rows."""
+        c = self.conn
+        c.execute(BAND_SQL)
+        c.execute(FREEZE_SCHEDULE_SQL)
+        c.execute(JOB_RECOMPUTE_SQL, [BAND_JOB])
+        c.execute(CLEAR_ALL_QUEUE_SQL)
+        out: dict[str, Any] = {"pass_sizes": {}}
+        rnd = random.Random(17)
+        for job in (JOB, BAND_JOB):
+            for n in (min(n, self.parents) for n in PASS_SIZES):
+                for kind in ("unchanged", "edited"):
+                    self.progress(f"queue: {job}, passes of {n} {kind} keys")
+                    c.execute(PASS_VACUUM_SQL)  # the same start for each: no dead rows left by earlier steps
+                    walls, cpus = [], []
+                    for rep in range(PASS_REPS + 2):  # the first two warm the session's plans and tables
+                        ids = rnd.sample(range(1, self.parents + 1), n)
+                        if kind == "edited":
+                            c.execute(PASS_EDIT_SQL, [ids])
+                        c.execute(CLEAR_ALL_QUEUE_SQL)
+                        c.execute(VACUUM_QUEUE_SQL)  # the queue's dead rows are issue 17's trigger side
+                        c.execute(JOB_ENQUEUE_SQL, [job, ids])
+                        wall, cpu, row = self._timed(JOB_WORK_SQL, [job, n])
+                        if row[0] != "done":
+                            raise RuntimeError(f"work({job}, {n}) did not finish: {row}")
+                        if rep >= 2:
+                            walls.append(wall)
+                            cpus.append(cpu)
+                    keysets = [[str(k) for k in rnd.sample(range(1, self.parents + 1), n)] for _ in range(5)]
+                    bare = [self._timed(BARE_SQL[job], [k]) for k in keysets]
+                    out["pass_sizes"][f"{job}/{n}/{kind}"] = {
+                        "job": job,
+                        "keys": n,
+                        "kind": kind,
+                        "wall_ms_per_key": statistics.median(walls) / n,
+                        "cpu_ms_per_key": statistics.median(cpus) / n if None not in cpus else None,
+                        "bare_compute_cpu_ms_per_key": (
+                            statistics.median(b[1] for b in bare) / n
+                            if None not in [b[1] for b in bare]
+                            else None
+                        ),
+                    }
+        c.execute(CLEAR_ALL_QUEUE_SQL)
         return out
 
     def _drain(self, change_sql: str, ids: list[int], what: str) -> tuple[int, float]:
@@ -696,7 +844,25 @@ def render(r: dict[str, Any]) -> str:
             f"{q['worker_edit_parents_per_s']:,.0f} parents/s",
             f"  no-op pass (empty queue), median of 200: {q['noop_pass_ms']:.3f} ms",
             f"  pass over 500 unchanged keys, median of 5: {q['unchanged_500_pass_ms']:.1f} ms",
+            "  worker cost per key (median of "
+            f"{PASS_REPS} passes; CPU = the server backend's, bare = compute alone for as many keys):",
         ]
+        for v in q.get("pass_sizes", {}).values():
+            lines.append(
+                f"    {v['job']:>9}  {v['keys']:>4} keys {v['kind']:>9}: "
+                f"CPU {_f(v['cpu_ms_per_key'], '{:.3f}')} ms/key, wall {v['wall_ms_per_key']:.3f} ms/key, "
+                f"bare compute {_f(v['bare_compute_cpu_ms_per_key'], '{:.3f}')} ms/key (target <= 0.1)"
+            )
+        if "noop_recompute_wal_after_checkpoint" in q:
+            lines.append("  no-op WAL (target < 64 KB) / catalog rows, after a CHECKPOINT and repeated:")
+            for what in ("recompute", "work"):
+                lines.append(
+                    f"    {what:>9}: {q[f'noop_{what}_wal_after_checkpoint']:,} B "
+                    f"({q[f'noop_{what}_fpi_after_checkpoint']} FPI) / "
+                    f"{q[f'noop_{what}_catalog_rows_after_checkpoint']} rows, "
+                    f"{q[f'noop_{what}_wal_repeated']:,} B ({q[f'noop_{what}_fpi_repeated']} FPI) / "
+                    f"{q[f'noop_{what}_catalog_rows_repeated']} rows"
+                )
     return "\n".join(lines)
 
 

@@ -90,7 +90,7 @@ $$;
 
 -- lockstep._finish(job, action, outcome, started, pass, error): write the job's status row.
 -- Called last in every run that did something, after all other writes.
--- locks: the job's lockstep.job_state row (FOR NO KEY UPDATE, by the update).
+-- locks: the job's lockstep.job_state row (FOR NO KEY UPDATE, by the update); then as lockstep._log_run.
 create function lockstep._finish(j lockstep.job, action text, outcome text, started timestamptz,
                                  p lockstep._pass default null, error text default null)
 returns void
@@ -123,6 +123,7 @@ begin
         last_error = case when v_failed then error else null end,
         runs = s.runs + 1
     where s.job = j.job;
+    perform lockstep._log_run(j, action, outcome, started, p, error);
 end;
 $$;
 

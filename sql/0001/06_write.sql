@@ -1,54 +1,100 @@
 -- lockstep 0001: the compute phase and the one write path (lockstep._write), shared by the periodic
 -- recompute and the queue worker.
+--
+-- Work tables. The diff goes into session-level temp tables, one set per job shape, created at first use
+-- in a session and then reused: no CREATE, DROP or ANALYZE per run, so no catalog row is written and no
+-- catalog full-page image lands in the WAL.
+--   pg_temp.lockstep_gone_<s>     j.columns, lockstep_parent text, lockstep_ctid tid
+--   pg_temp.lockstep_put_<s>      j.columns, lockstep_parent text, lockstep_old_parent text,
+--                                 lockstep_new boolean, lockstep_ctid tid
+-- lockstep._tmp(j, what) names them ('gone', 'put'). <s> (lockstep._tmp_setup) hashes the
+-- target, the name, type, typmod and collation of each of j.columns, j.target_key, the layout version
+-- below and current_user: another shape, a retyped column or another role gets other tables, never a
+-- mismatch. Compute's rows are not stored in a table: the diff reads them from a CTE.
+-- Pooler-safe (PgBouncer transaction pooling: consecutive transactions of one server connection serve
+-- other clients and jobs): a run empties the tables before it fills them, and lockstep._apply empties
+-- them again before it returns, so no row outlives the transaction that wrote it, whoever uses the
+-- connection next. DISCARD ALL / DISCARD TEMP (a pooler's server_reset_query) drops them; the next run
+-- creates them again. They are emptied by DELETE, not ON COMMIT DELETE ROWS (measured: that truncates
+-- every such table of the session at every commit, 0.3-0.7 ms each, and sends a shared invalidation per
+-- table) and not TRUNCATE (a new relfilenode: catalog writes, ~50 KB of WAL). Autovacuum never visits
+-- temp tables, so once their dead rows pass lockstep._tmp_clear's threshold they are truncated, once.
+-- Changing the lockstep_* columns above: change them in lockstep._tmp_setup and bump its layout version.
 
--- lockstep._compute_into(j, keys): fill pg_temp.lockstep_desired with compute(keys) (NULL: all), keep only
--- rows of the parents in keys, reject duplicate or NULL primary keys, and ANALYZE it.
--- JIT is off in lockstep's compute and write functions: their queries are short, and JIT compilation,
--- triggered by a bad estimate, cost more than the query itself in measurements (200 ms for a 500-key pass).
--- locks: no row locks (whatever the compute function reads, under MVCC).
-create function lockstep._compute_into(j lockstep.job, keys text[]) returns void
+-- lockstep._tmp_setup(j): make sure this session has the work tables of j's shape; remember their suffix
+-- for this transaction (lockstep._tmp reads it) and return it.
+-- locks: nothing outside pg_temp (the first time in a session: creates the tables).
+create function lockstep._tmp_setup(j lockstep.job) returns text
 language plpgsql
 set search_path = pg_catalog, pg_temp
 set client_min_messages = warning
-set jit = off
 as $$
 declare
-    v_cols text := lockstep._cols(j.columns);
-    v_pk text := lockstep._cols(j.target_key);
-    v_fn text;
-    v_arg text;
-    v_bad text;
+    v_layout constant text := 'v3 parent,ctid | parent,old_parent,new,ctid';
+    v_s text;
+    v_cols text;
 begin
-    select lockstep._callable(p.oid, 1), pg_catalog.format_type(p.proargtypes[0], null) into v_fn, v_arg
-    from pg_catalog.pg_proc p where p.oid = j.compute::regprocedure;
-    drop table if exists pg_temp.lockstep_desired;
-    execute pg_catalog.format('create temp table lockstep_desired on commit drop as select %s from %s limit 0',
-                              v_cols, j.target);
-    execute pg_catalog.format('insert into pg_temp.lockstep_desired (%1$s) select %1$s from %2$s($1::%3$s)',
-                              v_cols, v_fn, v_arg) using keys;
-    if keys is not null then
-        execute pg_catalog.format('delete from pg_temp.lockstep_desired where not coalesce(%I = any($1::%s), false)',
-                                  j.parent_column, lockstep._array_type(j.key_type)) using keys;
+    select pg_catalog.left(pg_catalog.md5(pg_catalog.concat_ws('|', j.target::oid, v_layout, current_user,
+                    j.target_key::text,
+                    pg_catalog.string_agg(pg_catalog.concat_ws(' ', a.attname, a.atttypid, a.atttypmod, a.attcollation),
+                                          ',' order by u.o))), 16),
+           pg_catalog.string_agg(pg_catalog.format('t.%I', u.c), ', ' order by u.o)
+    into v_s, v_cols
+    from pg_catalog.unnest(j.columns) with ordinality u(c, o)
+    left join pg_catalog.pg_attribute a on a.attrelid = j.target and a.attname = u.c and not a.attisdropped;
+    if pg_catalog.to_regclass(pg_catalog.format('pg_temp.%I', 'lockstep_put_' || v_s)) is null then
+        execute pg_catalog.format('create temp table if not exists %I as '
+                                  'select %s, null::text as lockstep_parent, null::tid as lockstep_ctid '
+                                  'from %s t with no data', 'lockstep_gone_' || v_s, v_cols, j.target);
+        execute pg_catalog.format('create temp table if not exists %I as '
+                                  'select %s, null::text as lockstep_parent, null::text as lockstep_old_parent, '
+                                  'null::boolean as lockstep_new, null::tid as lockstep_ctid '
+                                  'from %s t with no data', 'lockstep_put_' || v_s, v_cols, j.target);
     end if;
-    execute pg_catalog.format('select row(%s)::text from pg_temp.lockstep_desired where %s limit 1',
-                              v_pk, (select pg_catalog.string_agg(pg_catalog.format('%I is null', k), ' or ')
-                                     from pg_catalog.unnest(j.target_key) k)) into v_bad;
-    if v_bad is not null then
-        raise exception 'lockstep: compute function % returned a NULL primary key %', j.compute, v_bad
-            using errcode = 'LSD05';
-    end if;
-    execute pg_catalog.format('select row(%1$s)::text from pg_temp.lockstep_desired group by %1$s having count(*) > 1 limit 1',
-                              v_pk) into v_bad;
-    if v_bad is not null then
-        raise exception 'lockstep: compute function % returned more than one row for primary key % of %',
-            j.compute, v_bad, j.target using errcode = 'LSD05';
-    end if;
-    analyze pg_temp.lockstep_desired;
+    perform pg_catalog.set_config('lockstep.tmp', v_s, true);
+    perform pg_catalog.set_config('lockstep.tmp_job', j.job, true);
+    return v_s;
 end;
 $$;
 
--- lockstep._drop_rows(tbl, cond, keys): delete from a pg_temp work table the rows matching cond (with $1 =
--- keys) and return the parent keys of the rows removed.
+-- lockstep._tmp(j, what): the name (in pg_temp) of j's work table what: gone or put.
+-- locks: nothing (as lockstep._tmp_setup when this transaction has not set them up for j yet).
+create function lockstep._tmp(j lockstep.job, what text) returns text
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_s text := pg_catalog.current_setting('lockstep.tmp', true);
+begin
+    if coalesce(v_s, '') = '' or pg_catalog.current_setting('lockstep.tmp_job', true) is distinct from j.job then
+        v_s := lockstep._tmp_setup(j);
+    end if;
+    return 'lockstep_' || what || '_' || v_s;
+end;
+$$;
+
+-- lockstep._tmp_clear(j): empty j's work tables: DELETE, or TRUNCATE once their dead rows pass 1 MB (a
+-- scan of them would cost more than the catalog write; only after big diffs, never after a no-op run).
+-- locks: nothing outside pg_temp.
+create function lockstep._tmp_clear(j lockstep.job) returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_gone text := lockstep._tmp(j, 'gone');
+    v_put text := lockstep._tmp(j, 'put');
+begin
+    if pg_catalog.pg_relation_size(pg_catalog.format('pg_temp.%I', v_gone)::regclass)
+       + pg_catalog.pg_relation_size(pg_catalog.format('pg_temp.%I', v_put)::regclass) > 1048576 then
+        execute pg_catalog.format('truncate pg_temp.%I, pg_temp.%I', v_gone, v_put);
+    else
+        execute pg_catalog.format('with a as (delete from pg_temp.%I) delete from pg_temp.%I', v_gone, v_put);
+    end if;
+end;
+$$;
+
+-- lockstep._drop_rows(tbl, cond, keys): delete from a pg_temp work table (alias w) the rows matching cond
+-- (with $1 = keys) and return the parent keys of the rows removed.
 -- locks: nothing outside pg_temp.
 create function lockstep._drop_rows(tbl text, cond text, keys text[] default null) returns text[]
 language plpgsql
@@ -57,23 +103,30 @@ as $$
 declare
     v text[];
 begin
-    execute pg_catalog.format('with d as (delete from pg_temp.%I where %s returning lockstep_parent) '
+    execute pg_catalog.format('with d as (delete from pg_temp.%I w where %s returning lockstep_parent) '
                               'select coalesce(array_agg(distinct lockstep_parent) filter (where lockstep_parent is not null), ''{}'') from d',
                               tbl, cond) into v using keys;
     return v;
 end;
 $$;
 
--- lockstep._diff(j, keys): the difference between pg_temp.lockstep_desired (filled by _compute_into) and
--- the target, restricted to the parents in keys (NULL: the whole table), without any row lock.
--- Fills pg_temp.lockstep_gone (current rows compute no longer returns) and pg_temp.lockstep_put (rows new
--- or changed by IS DISTINCT FROM), each with the row's parent key (lockstep_parent) and the current row's
--- ctid (lockstep_ctid); lockstep_put also has lockstep_old_parent and lockstep_new. Returns how many rows
--- the two hold. For a job without a parent, lockstep_parent is the row's primary key as text: what the
--- write steps return for a row they skip, so skipped counts rows there.
--- For a subset, current rows are copied by one index probe per parent key (the lateral subquery is not
--- flattened, so a stale estimate right after a big fill cannot turn it into a scan of the whole target).
--- locks: no row locks (reads the target under MVCC); creates pg_temp tables.
+-- lockstep._diff(j, keys): compute(keys) (NULL: all parents) and its difference with the target,
+-- restricted to the parents in keys, without any row lock, in one statement. Compute's rows (only those of
+-- the parents in keys) are read once (a materialized CTE); a duplicate or NULL primary key raises LSD05.
+-- Fills j's gone work table (current rows compute no longer returns) and put work table (rows new or
+-- changed by IS DISTINCT FROM), each with the row's parent key (lockstep_parent) and the current row's
+-- ctid (lockstep_ctid); put also has lockstep_old_parent and lockstep_new (see lockstep._tmp). Returns
+-- how many rows gone and put hold. For a job without a parent, lockstep_parent is the row's primary key as
+-- text: what the write steps return for a row they skip, so skipped counts rows there.
+-- For a subset, the current rows are read once (a CTE) by one index probe per parent key (the lateral
+-- subquery is not flattened, so no estimate can turn it into a scan of the whole target); a computed row
+-- that no current row of those parents has is looked up by primary key (it may exist under another parent:
+-- it moves). No ANALYZE anywhere: a few keys are probed by index whatever the estimates, and a whole-table
+-- diff is hash joins sized by the relations. compute is kept from seeing the subset filter (offset 0):
+-- pushed into it, the filter spoiled its plan (measured: a sequential scan instead of index scans).
+-- JIT is off in lockstep's compute and write functions: their queries are short, and JIT compilation,
+-- triggered by a bad estimate, cost more than the query itself in measurements (200 ms for a 500-key pass).
+-- locks: no row locks (compute reads and the target is read under MVCC); writes only pg_temp work tables.
 create function lockstep._diff(j lockstep.job, keys text[]) returns bigint
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -81,65 +134,83 @@ set client_min_messages = warning
 set jit = off
 as $$
 declare
-    v_tcols text := lockstep._cols(j.columns, 't');
-    v_tpar text := 'null::text';
+    f record;
+    v_subset boolean := keys is not null and j.parent_column is not null;
+    v_cur text;
+    v_moved text := '';
+    v_cpar text := 'null::text';
     v_dpar text := 'null::text';
-    v_cur text := j.target::text;
-    v_ctid text := 't.ctid';
-    v_gone bigint;
-    v_put bigint;
+    v_oldpar text;
+    v_new text := 'c.lockstep_ctid is null';
+    v_old text := 'c.lockstep_ctid';
+    n bigint;
+    v_bad text;
+    v_null boolean;
 begin
+    perform lockstep._tmp_setup(j);
+    select (select pg_catalog.string_agg(pg_catalog.quote_ident(c), ', ' order by o) from pg_catalog.unnest(j.columns) with ordinality u(c, o)) as cols,
+           (select pg_catalog.string_agg('d.' || pg_catalog.quote_ident(c), ', ' order by o) from pg_catalog.unnest(j.columns) with ordinality u(c, o)) as dcols,
+           (select pg_catalog.string_agg('c.' || pg_catalog.quote_ident(c), ', ' order by o) from pg_catalog.unnest(j.columns) with ordinality u(c, o)) as ccols,
+           (select pg_catalog.string_agg('t.' || pg_catalog.quote_ident(c), ', ' order by o) from pg_catalog.unnest(j.columns) with ordinality u(c, o)) as tcols,
+           (select pg_catalog.string_agg(pg_catalog.quote_ident(k), ', ' order by o) from pg_catalog.unnest(j.target_key) with ordinality u(k, o)) as pk,
+           (select pg_catalog.string_agg(pg_catalog.format('%I is null', k), ' or ' order by o) from pg_catalog.unnest(j.target_key) with ordinality u(k, o)) as pknull,
+           (select pg_catalog.string_agg(pg_catalog.format('d.%1$I = c.%1$I', k), ' and ' order by o) from pg_catalog.unnest(j.target_key) with ordinality u(k, o)) as dc,
+           (select pg_catalog.string_agg(pg_catalog.format('t.%1$I = d.%1$I', k), ' and ' order by o) from pg_catalog.unnest(j.target_key) with ordinality u(k, o)) as td,
+           (select lockstep._callable(p.oid, 1) from pg_catalog.pg_proc p where p.oid = j.compute::regprocedure) as fn,
+           (select pg_catalog.format_type(p.proargtypes[0], null) from pg_catalog.pg_proc p where p.oid = j.compute::regprocedure) as arg,
+           (select pg_catalog.format_type(t.typarray, null) from pg_catalog.pg_type t where t.oid = j.key_type) as arr,
+           lockstep._tmp(j, 'gone') as gone, lockstep._tmp(j, 'put') as put
+    into f;
     if j.parent_column is not null then
-        v_tpar := pg_catalog.format('t.%I::text', j.parent_column);
+        v_cpar := pg_catalog.format('c.%I::text', j.parent_column);
         v_dpar := pg_catalog.format('d.%I::text', j.parent_column);
-    else
-        v_tpar := pg_catalog.format('row(%s)::text', lockstep._cols(j.target_key, 't'));
+    else  -- no parent: the row's primary key, which the write steps return for a row they skip
+        v_cpar := pg_catalog.format('row(%s)::text', lockstep._cols(j.target_key, 'c'));
         v_dpar := pg_catalog.format('row(%s)::text', lockstep._cols(j.target_key, 'd'));
     end if;
-    drop table if exists pg_temp.lockstep_current, pg_temp.lockstep_gone, pg_temp.lockstep_put,
-                         pg_temp.lockstep_locked;
-    if keys is not null and j.parent_column is not null then
-        execute pg_catalog.format(
-            'create temp table lockstep_current on commit drop as '
-            'select t.* from pg_catalog.unnest($1::%s) k(v), '
-            'lateral (select %s, t.ctid as lockstep_ctid from %s t where t.%I = k.v offset 0) t',
-            lockstep._array_type(j.key_type), v_tcols, j.target, j.parent_column) using keys;
-        analyze pg_temp.lockstep_current;
-        v_cur := 'pg_temp.lockstep_current';
-        v_ctid := 't.lockstep_ctid';
+    v_oldpar := v_cpar;
+    if v_subset then
+        v_cur := pg_catalog.format('select t.* from pg_catalog.unnest($1::%s) k(v), lateral (select %s, t.ctid as lockstep_ctid '
+                                   'from %s t where t.%I = k.v offset 0) t', f.arr, f.tcols, j.target, j.parent_column);
+        v_moved := pg_catalog.format('left join lateral (select t.%I::text as p, t.ctid from %s t '
+                                     'where c.lockstep_ctid is null and %s offset 0) m on true',
+                                     j.parent_column, j.target, f.td);
+        v_old := 'coalesce(c.lockstep_ctid, m.ctid)';
+        v_new := 'c.lockstep_ctid is null and m.ctid is null';
+        v_oldpar := pg_catalog.format('coalesce(%s, m.p)', v_oldpar);
+    else
+        v_cur := pg_catalog.format('select %s, t.ctid as lockstep_ctid from %s t', f.tcols, j.target);
     end if;
     execute pg_catalog.format(
-        'create temp table lockstep_gone on commit drop as '
-        'select %1$s, %2$s as lockstep_parent, %5$s as lockstep_ctid from %3$s t '
-        'where not exists (select from pg_temp.lockstep_desired d where %4$s)',
-        v_tcols, v_tpar, v_cur, lockstep._eq(j.target_key, 'd', 't'), v_ctid);
-    get diagnostics v_gone = row_count;
-    execute pg_catalog.format(
-        'create temp table lockstep_put on commit drop as '
-        'select %1$s, %2$s as lockstep_parent, %3$s as lockstep_old_parent, t.ctid is null as lockstep_new, '
-        '%7$s as lockstep_ctid '
-        'from pg_temp.lockstep_desired d left join %4$s t on %5$s '
-        'where t.ctid is null or (%1$s) is distinct from (%6$s)',
-        lockstep._cols(j.columns, 'd'), v_dpar, v_tpar, v_cur, lockstep._eq(j.target_key, 'd', 't'), v_tcols, v_ctid);
-    get diagnostics v_put = row_count;
-    if v_cur <> j.target::text then
-        -- a row taken for new may exist under another parent (it moves): probe the target by primary key
-        execute pg_catalog.format(
-            'update pg_temp.lockstep_put p set lockstep_new = false, lockstep_old_parent = t.%1$I::text, '
-            'lockstep_ctid = t.ctid '
-            'from %2$s t where p.lockstep_new and %3$s',
-            j.parent_column, j.target, lockstep._eq(j.target_key, 'p', 't'));
+        'with e1 as (delete from pg_temp.%1$I), e2 as (delete from pg_temp.%2$I), '
+        'd as materialized (select %3$s from (select * from %4$s($1::%5$s) offset 0) d %6$s), '
+        'x as (select row(%7$s)::text as k, bool_or(%8$s) as n from d group by %7$s '
+        '      having count(*) > 1 or bool_or(%8$s) order by 2 desc limit 1), '
+        'c as %9$s (%10$s), '
+        'g as (insert into pg_temp.%1$I (%3$s, lockstep_parent, lockstep_ctid) '
+        '      select %11$s, %12$s, c.lockstep_ctid from c where not exists (select from d where %13$s) returning 1), '
+        'p as (insert into pg_temp.%2$I (%3$s, lockstep_parent, lockstep_old_parent, lockstep_new, lockstep_ctid) '
+        '      select %14$s, %15$s, %16$s, %17$s, %18$s from d left join c on %13$s %19$s '
+        '      where c.lockstep_ctid is null or (%14$s) is distinct from (%11$s) returning 1) '
+        'select (select count(*) from g) + (select count(*) from p), (select k from x), (select n from x)',
+        f.gone, f.put, f.cols, f.fn, f.arg,
+        case when v_subset then pg_catalog.format('where d.%I = any($1::%s)', j.parent_column, f.arr) else '' end,
+        f.pk, f.pknull, case when v_subset then 'materialized' else 'not materialized' end, v_cur,
+        f.ccols, v_cpar, f.dc, f.dcols, v_dpar, v_oldpar, v_new, v_old, v_moved)
+        into n, v_bad, v_null using keys;
+    if v_null then
+        raise exception 'lockstep: compute function % returned a NULL primary key %', j.compute, v_bad
+            using errcode = 'LSD05';
+    elsif v_bad is not null then
+        raise exception 'lockstep: compute function % returned more than one row for primary key % of %',
+            j.compute, v_bad, j.target using errcode = 'LSD05';
     end if;
-    if v_gone > 0 or v_put > 0 then
-        analyze pg_temp.lockstep_gone;
-        analyze pg_temp.lockstep_put;
-    end if;
-    return v_gone + v_put;
+    return n;
 end;
 $$;
 
--- lockstep._pin_parents(j): write step 1. Pin the parent of every row in pg_temp.lockstep_gone and
--- pg_temp.lockstep_put (its new and its old parent); rows whose parent could not be pinned are dropped
+-- lockstep._pin_parents(j): write step 1. Pin the parent of every row in j's gone and put
+-- work tables (its new and its old parent); rows whose parent could not be pinned are dropped
 -- from both. Returns the parent keys left out.
 -- locks: the parent rows, FOR KEY SHARE SKIP LOCKED, in parent-key order (a parent an application holds,
 -- e.g. one being deleted, is skipped, never waited for).
@@ -155,20 +226,20 @@ begin
     if j.parent is null then
         return '{}';
     end if;
-    execute 'select coalesce(array_agg(distinct k), ''{}'') from ('
-            '  select lockstep_parent from pg_temp.lockstep_gone'
-            '  union all select lockstep_parent from pg_temp.lockstep_put'
-            '  union all select lockstep_old_parent from pg_temp.lockstep_put) s(k) where k is not null'
-        into v_need;
     execute pg_catalog.format(
-        'select coalesce(array_agg(k), ''{}'') from ('
-        '  select %1$I::text as k from %2$s where %1$I = any($1::%3$s)'
-        '  order by %1$I for key share skip locked) s',
-        j.parent_key, j.parent, lockstep._array_type(j.key_type)) into v_pinned using v_need;
+        'with n as (select coalesce(array_agg(distinct k), ''{}'') as a from ('
+        '  select lockstep_parent from pg_temp.%1$I'
+        '  union all select lockstep_parent from pg_temp.%2$I'
+        '  union all select lockstep_old_parent from pg_temp.%2$I) s(k) where k is not null), '
+        'p as (select %3$I::text as k from %4$s where %3$I = any((select n.a from n)::%5$s) '
+        '      order by %3$I for key share skip locked) '
+        'select n.a, (select coalesce(array_agg(p.k), ''{}'') from p) from n',
+        lockstep._tmp(j, 'gone'), lockstep._tmp(j, 'put'), j.parent_key, j.parent, lockstep._array_type(j.key_type))
+        into v_need, v_pinned;
     v_skip := array(select pg_catalog.unnest(v_need) except select pg_catalog.unnest(v_pinned));
     if cardinality(v_skip) > 0 then
-        perform lockstep._drop_rows('lockstep_gone', 'lockstep_parent = any($1)', v_skip);
-        v_skip := v_skip || lockstep._drop_rows('lockstep_put',
+        perform lockstep._drop_rows(lockstep._tmp(j, 'gone'), 'lockstep_parent = any($1)', v_skip);
+        v_skip := v_skip || lockstep._drop_rows(lockstep._tmp(j, 'put'),
             'lockstep_parent = any($1) or lockstep_old_parent = any($1)', v_skip);
     end if;
     return v_skip;
@@ -176,7 +247,7 @@ end;
 $$;
 
 -- lockstep._pin_refs(j): write step 2. Pin the rows the target's other foreign keys reference, for every
--- row in pg_temp.lockstep_put and pg_temp.lockstep_gone; rows whose referenced row could not be pinned
+-- row in j's put and gone work tables; rows whose referenced row could not be pinned
 -- are dropped. Returns the parent keys of the rows dropped. A foreign key whose columns compute does not
 -- all return is one whose missing columns are always NULL (_check_target_fks, also run here for keys
 -- added after define_derived): no FK check looks anything up for it.
@@ -210,16 +281,17 @@ begin
         execute pg_catalog.format(
             'create temp table lockstep_ref on commit drop as '
             'select %1$s from %2$s r where (%1$s) in ('
-            '  select %3$s from pg_temp.lockstep_put where %4$s'
-            '  union select %3$s from pg_temp.lockstep_gone where %4$s) '
+            '  select %3$s from pg_temp.%5$I where %4$s'
+            '  union select %3$s from pg_temp.%6$I where %4$s) '
             'order by %1$s for key share skip locked',
             lockstep._cols(c.rk, 'r'), c.ref, lockstep._cols(c.fk),
-            (select pg_catalog.string_agg(pg_catalog.format('%I is not null', x), ' and ') from pg_catalog.unnest(c.fk) x));
+            (select pg_catalog.string_agg(pg_catalog.format('%I is not null', x), ' and ') from pg_catalog.unnest(c.fk) x),
+            lockstep._tmp(j, 'put'), lockstep._tmp(j, 'gone'));
         v_unpinned := pg_catalog.format(
             '(%s) is not null and not exists (select from pg_temp.lockstep_ref r where (%s) = (%s))',
             lockstep._cols(c.fk), lockstep._cols(c.rk, 'r'), lockstep._cols(c.fk));
-        v_skip := v_skip || lockstep._drop_rows('lockstep_put', v_unpinned)
-                         || lockstep._drop_rows('lockstep_gone', v_unpinned);
+        v_skip := v_skip || lockstep._drop_rows(lockstep._tmp(j, 'put'), v_unpinned)
+                         || lockstep._drop_rows(lockstep._tmp(j, 'gone'), v_unpinned);
     end loop;
     return v_skip;
 end;
@@ -227,7 +299,7 @@ $$;
 
 -- lockstep._lock_rows(j): write step 3a. Lock the existing target rows about to be deleted or updated,
 -- found by their ctid (a TID scan); a row that is locked, or whose ctid no longer holds its key, is dropped
--- from pg_temp.lockstep_gone / lockstep_put. Returns the parent keys of the rows dropped.
+-- from j's gone / put work tables. Returns the parent keys of the rows dropped.
 -- A partitioned target (or one with inheritance children) has one ctid space per partition: the same
 -- ctid names a row of another parent in another partition, so there the rows found by ctid are also
 -- matched by primary key before they are locked (the primary key is unique across partitions).
@@ -237,29 +309,30 @@ language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_unlocked text;
     v_skip text[];
     v_mine text := '';
 begin
     if exists (select from pg_catalog.pg_class c where c.oid = j.target and (c.relkind = 'p' or c.relhassubclass)) then
         v_mine := pg_catalog.format(
-            ' and (%1$s) in (select %2$s from pg_temp.lockstep_gone'
-            '  union all select %2$s from pg_temp.lockstep_put where not lockstep_new)',
-            lockstep._cols(j.target_key, 't'), lockstep._cols(j.target_key));
+            ' and (%1$s) in (select %2$s from pg_temp.%3$I'
+            '  union all select %2$s from pg_temp.%4$I where not lockstep_new)',
+            lockstep._cols(j.target_key, 't'), lockstep._cols(j.target_key), lockstep._tmp(j, 'gone'),
+            lockstep._tmp(j, 'put'));
     end if;
+    -- one statement: the rows locked (l), then the rows of gone and put that are not among them dropped
     execute pg_catalog.format(
-        'create temp table lockstep_locked on commit drop as '
-        'select %1$s from %2$s t where t.ctid = any(array('
-        '  select lockstep_ctid from pg_temp.lockstep_gone'
-        '  union all select lockstep_ctid from pg_temp.lockstep_put where not lockstep_new))%3$s '
-        'order by %1$s for update of t skip locked',
-        lockstep._cols(j.target_key, 't'), j.target, v_mine);
-    v_unlocked := pg_catalog.format('not exists (select from pg_temp.lockstep_locked l where %s)',
-                                    lockstep._eq(j.target_key, 'l', 'lockstep_gone'));
-    v_skip := lockstep._drop_rows('lockstep_gone', v_unlocked);
-    v_unlocked := pg_catalog.format('not lockstep_new and not exists (select from pg_temp.lockstep_locked l where %s)',
-                                    lockstep._eq(j.target_key, 'l', 'lockstep_put'));
-    return v_skip || lockstep._drop_rows('lockstep_put', v_unlocked);
+        'with l as materialized (select %1$s from %2$s t where t.ctid = any(array('
+        '  select lockstep_ctid from pg_temp.%3$I'
+        '  union all select lockstep_ctid from pg_temp.%4$I where not lockstep_new))%6$s '
+        '  order by %1$s for update of t skip locked), '
+        'dg as (delete from pg_temp.%3$I w where not exists (select from l where %5$s) returning lockstep_parent), '
+        'dp as (delete from pg_temp.%4$I w where not lockstep_new and not exists (select from l where %5$s) '
+        '       returning lockstep_parent) '
+        'select coalesce(array_agg(distinct k) filter (where k is not null), ''{}'') '
+        'from (select * from dg union all select * from dp) s(k)',
+        lockstep._cols(j.target_key, 't'), j.target, lockstep._tmp(j, 'gone'), lockstep._tmp(j, 'put'),
+        lockstep._eq(j.target_key, 'l', 'w'), v_mine) into v_skip;
+    return v_skip;
 end;
 $$;
 
@@ -395,9 +468,9 @@ end;
 $$;
 
 -- lockstep._lock_referencing(j): write step 3a'. Lock the rows the delete of the target rows in
--- pg_temp.lockstep_gone acts on through foreign keys that reference the target (ON DELETE CASCADE / SET
+-- j's gone work table acts on through foreign keys that reference the target (ON DELETE CASCADE / SET
 -- NULL), and through the cascade on, level by level (pg_temp.lockstep_doomed). A target row of which any
--- such row could not be locked (an application holds it) is not deleted: dropped from lockstep_gone, its
+-- such row could not be locked (an application holds it) is not deleted: dropped from the gone work table, its
 -- parent key returned (re-queued like any skipped parent). No new referencing row can appear meanwhile:
 -- inserting one takes FOR KEY SHARE on the row it references, which lockstep already holds FOR UPDATE.
 -- locks: the referencing rows, FOR UPDATE SKIP LOCKED, level by level, each as _lock_level.
@@ -409,9 +482,13 @@ declare
     v_blocked text[] := '{}';
     v_depth integer := 0;
     v_t regclass;
+    v_any boolean;
 begin
-    if not exists (select from pg_temp.lockstep_gone)
-       or not exists (select from lockstep._referencing(j.target, j.target_key, j.columns)) then
+    if not exists (select from lockstep._referencing(j.target, j.target_key, j.columns)) then
+        return '{}';
+    end if;
+    execute pg_catalog.format('select exists (select from pg_temp.%I)', lockstep._tmp(j, 'gone')) into v_any;
+    if not v_any then
         return '{}';
     end if;
     drop table if exists pg_temp.lockstep_doomed;
@@ -419,8 +496,9 @@ begin
         'create temp table lockstep_doomed on commit drop as '
         'select row(%1$s)::text as lockstep_root, t.tableoid as lockstep_rel, t.ctid as lockstep_ctid, '
         '$1::regclass as lockstep_table, true as lockstep_deletes, 0 as lockstep_depth '
-        'from pg_temp.lockstep_gone g join %2$s t on %3$s',
-        lockstep._cols(j.target_key, 'g'), j.target, lockstep._eq(j.target_key, 't', 'g')) using j.target;
+        'from pg_temp.%4$I g join %2$s t on %3$s',
+        lockstep._cols(j.target_key, 'g'), j.target, lockstep._eq(j.target_key, 't', 'g'), lockstep._tmp(j, 'gone'))
+        using j.target;
     while exists (select from pg_temp.lockstep_doomed d where d.lockstep_depth = v_depth) loop
         if v_depth > 100 then
             raise exception 'lockstep: the delete of % cascades more than 100 levels deep', j.target using errcode = 'LSD06';
@@ -434,12 +512,12 @@ begin
     if cardinality(v_blocked) = 0 then
         return '{}';
     end if;
-    return lockstep._drop_rows('lockstep_gone', pg_catalog.format('row(%s)::text = any($1)', lockstep._cols(j.target_key)),
-                               v_blocked);
+    return lockstep._drop_rows(lockstep._tmp(j, 'gone'),
+                               pg_catalog.format('row(%s)::text = any($1)', lockstep._cols(j.target_key)), v_blocked);
 end;
 $$;
 
--- lockstep._delete_rows(j): write step 3b. Delete the target rows in pg_temp.lockstep_gone (locked by
+-- lockstep._delete_rows(j): write step 3b. Delete the target rows in j's gone work table (locked by
 -- _lock_rows). Returns how many.
 -- locks: those target rows (already held).
 create function lockstep._delete_rows(j lockstep.job) returns bigint
@@ -449,15 +527,15 @@ as $$
 declare
     n bigint;
 begin
-    execute pg_catalog.format('delete from %s t using pg_temp.lockstep_gone g where %s',
-                              j.target, lockstep._eq(j.target_key, 't', 'g'));
+    execute pg_catalog.format('delete from %s t using pg_temp.%I g where %s',
+                              j.target, lockstep._tmp(j, 'gone'), lockstep._eq(j.target_key, 't', 'g'));
     get diagnostics n = row_count;
     return n;
 end;
 $$;
 
 -- lockstep._upsert_rows(j): write step 3c. One INSERT ... ON CONFLICT DO UPDATE ... WHERE IS DISTINCT FROM
--- of pg_temp.lockstep_put, in primary-key order.
+-- of j's put work table, in primary-key order.
 -- locks: the target rows it inserts (new) or updates (already held by _lock_rows).
 create function lockstep._upsert_rows(j lockstep.job, out inserted bigint, out updated bigint)
 language plpgsql
@@ -475,20 +553,21 @@ begin
             lockstep._cols(v_rest, 't'), lockstep._cols(v_rest, 'excluded'));
     end if;
     execute pg_catalog.format(
-        'insert into %1$s as t (%2$s) select %2$s from pg_temp.lockstep_put order by %3$s on conflict (%3$s) %4$s',
-        j.target, lockstep._cols(j.columns), lockstep._cols(j.target_key), v_action);
-    get diagnostics n = row_count;
-    execute 'select count(*) from pg_temp.lockstep_put where lockstep_new' into v_new;
+        'with u as (insert into %1$s as t (%2$s) select %2$s from pg_temp.%5$I order by %3$s on conflict (%3$s) %4$s '
+        '           returning 1) '
+        'select (select count(*) from u), (select count(*) from pg_temp.%5$I where lockstep_new)',
+        j.target, lockstep._cols(j.columns), lockstep._cols(j.target_key), v_action, lockstep._tmp(j, 'put'))
+        into n, v_new;
     inserted := least(n, v_new);
     updated := n - inserted;
 end;
 $$;
 
--- lockstep._write(j, keys): THE write path. Apply pg_temp.lockstep_desired (filled by _compute_into) to
--- the target, restricted to the parents in keys (NULL: the whole table). Used by recompute and by work.
--- First the difference, without any row lock (_diff), cut to the first j.batch_parents parents when keys is
--- NULL (_limit_batch: the rest is handed to the queue, before any row lock); then the write phase, in this
--- order, never waiting for any lock:
+-- lockstep._write(j, keys): THE write path. Apply compute(keys) to the target, restricted to the parents
+-- in keys (NULL: the whole table). Used by recompute and by work.
+-- First compute and the difference, without any row lock (_diff), cut to the first j.batch_parents parents
+-- when keys is NULL (_limit_batch: the rest is handed to the queue, before any row lock); then the write
+-- phase, in this order, never waiting for any lock:
 --   1. _pin_parents: parents of every row about to be deleted, inserted or updated;
 --   2. _pin_refs: rows referenced through the target's other foreign keys;
 --   3. _lock_rows, _lock_referencing, _delete_rows, _upsert_rows: the target rows, in primary-key order
@@ -525,8 +604,9 @@ begin
     v_skip := v_skip || lockstep._lock_referencing(j);
     if j.parent is not null and cardinality(v_skip) > 0 then
         -- a parent's rows are written together or not at all: none of a skipped parent's rows is written
-        perform lockstep._drop_rows('lockstep_gone', 'lockstep_parent = any($1)', v_skip);
-        perform lockstep._drop_rows('lockstep_put', 'lockstep_parent = any($1) or lockstep_old_parent = any($1)', v_skip);
+        perform lockstep._drop_rows(lockstep._tmp(j, 'gone'), 'lockstep_parent = any($1)', v_skip);
+        perform lockstep._drop_rows(lockstep._tmp(j, 'put'), 'lockstep_parent = any($1) or lockstep_old_parent = any($1)',
+                                    v_skip);
     end if;
     p.deleted := lockstep._delete_rows(j);
     select u.inserted, u.updated into p.inserted, p.updated from lockstep._upsert_rows(j) u;
@@ -545,8 +625,8 @@ begin
 end;
 $$;
 
--- lockstep._apply(j, keys): compute, diff and write for the parents in keys (NULL: all). The only path by
--- which lockstep writes a derived table. It runs as the job's owner: called by another role, it comes back
+-- lockstep._apply(j, keys): compute, diff and write for the parents in keys (NULL: all), then empty the
+-- work tables. The only path by which lockstep writes a derived table. It runs as the job's owner: called by another role, it comes back
 -- here through lockstep._as_owner (SET LOCAL ROLE owner, in the owner's SECURITY DEFINER trampoline), or
 -- raises 42501 if that role may not act as the owner.
 -- locks: as lockstep._write (the compute phase takes no row lock).
@@ -561,8 +641,8 @@ begin
     if j.owner is distinct from current_user then
         return lockstep._as_owner(j, keys);
     end if;
-    perform lockstep._compute_into(j, keys);
     p := lockstep._write(j, keys);
+    perform lockstep._tmp_clear(j);  -- no row outlives this call (pooled connections: see lockstep._tmp)
     p.compute_ms := extract(epoch from clock_timestamp() - v_t0) * 1000 - p.write_ms;
     return p;
 end;

@@ -10,7 +10,7 @@
 -- fails while an empty pass works, some parents are poison: every parent is handed to the queue, where the
 -- worker's bisection isolates, retries and parks the failing ones and writes all the others.
 
--- lockstep._limit_batch(j, budget): write step 0. Keep in pg_temp.lockstep_gone / lockstep_put only the
+-- lockstep._limit_batch(j, budget): write step 0. Keep in j's work tables (gone, put) only the
 -- rows of the first budget changed parents, in parent-key order (a row moving between parents stays if
 -- either is kept; rows without a parent always stay), and hand the other changed parents to the queue, in
 -- key order, before any row lock is taken. Returns how many it handed off, also left in the transaction's
@@ -27,14 +27,16 @@ set client_min_messages = warning
 set jit = off
 as $$
 declare
+    v_gone text := lockstep._tmp(j, 'gone');
+    v_put text := lockstep._tmp(j, 'put');
     v_changed bigint;
 begin
     if budget is null or j.parent is null then
         return 0;
     end if;
-    execute 'select count(*) from (select lockstep_parent from pg_temp.lockstep_gone'
-            '  union select lockstep_parent from pg_temp.lockstep_put'
-            '  union select lockstep_old_parent from pg_temp.lockstep_put) s(k) where k is not null'
+    execute pg_catalog.format(
+        'select count(*) from (select lockstep_parent from pg_temp.%1$I union select lockstep_parent from pg_temp.%2$I'
+        '  union select lockstep_old_parent from pg_temp.%2$I) s(k) where k is not null', v_gone, v_put)
         into v_changed;
     if v_changed <= budget then
         return 0;
@@ -43,31 +45,31 @@ begin
     execute pg_catalog.format(
         'create temp table lockstep_rest on commit drop as '
         'select k::text as key from (select distinct k::%1$s as k from ('
-        '  select lockstep_parent from pg_temp.lockstep_gone'
-        '  union all select lockstep_parent from pg_temp.lockstep_put'
-        '  union all select lockstep_old_parent from pg_temp.lockstep_put) s(k) where k is not null) s '
-        'order by k offset $1', j.key_type) using budget;
+        '  select lockstep_parent from pg_temp.%2$I'
+        '  union all select lockstep_parent from pg_temp.%3$I'
+        '  union all select lockstep_old_parent from pg_temp.%3$I) s(k) where k is not null) s '
+        'order by k offset $1', j.key_type, v_gone, v_put) using budget;
     analyze pg_temp.lockstep_rest;
     -- keep the batch's rows, compacted (a DELETE would leave the write steps scanning every dead row)
     drop table if exists pg_temp.lockstep_keep;
-    create temp table lockstep_keep on commit drop as
-    select * from pg_temp.lockstep_gone g
-    where not exists (select from pg_temp.lockstep_rest r where r.key = g.lockstep_parent);
-    truncate pg_temp.lockstep_gone;
-    insert into pg_temp.lockstep_gone select * from pg_temp.lockstep_keep;
+    execute pg_catalog.format(
+        'create temp table lockstep_keep on commit drop as select * from pg_temp.%I g '
+        'where not exists (select from pg_temp.lockstep_rest r where r.key = g.lockstep_parent)', v_gone);
+    execute pg_catalog.format('truncate pg_temp.%1$I; insert into pg_temp.%1$I select * from pg_temp.lockstep_keep',
+                              v_gone);
     drop table pg_temp.lockstep_keep;
-    create temp table lockstep_keep on commit drop as
-    select * from pg_temp.lockstep_put p
-    where (p.lockstep_parent is null and p.lockstep_old_parent is null)
-       or (p.lockstep_parent is not null
-           and not exists (select from pg_temp.lockstep_rest r where r.key = p.lockstep_parent))
-       or (p.lockstep_old_parent is not null
-           and not exists (select from pg_temp.lockstep_rest r where r.key = p.lockstep_old_parent));
-    truncate pg_temp.lockstep_put;
-    insert into pg_temp.lockstep_put select * from pg_temp.lockstep_keep;
+    execute pg_catalog.format(
+        'create temp table lockstep_keep on commit drop as select * from pg_temp.%I p '
+        'where (p.lockstep_parent is null and p.lockstep_old_parent is null)'
+        '   or (p.lockstep_parent is not null'
+        '       and not exists (select from pg_temp.lockstep_rest r where r.key = p.lockstep_parent))'
+        '   or (p.lockstep_old_parent is not null'
+        '       and not exists (select from pg_temp.lockstep_rest r where r.key = p.lockstep_old_parent))', v_put);
+    execute pg_catalog.format('truncate pg_temp.%1$I; insert into pg_temp.%1$I select * from pg_temp.lockstep_keep',
+                              v_put);
     drop table pg_temp.lockstep_keep;
-    analyze pg_temp.lockstep_gone;
-    analyze pg_temp.lockstep_put;
+    execute pg_catalog.format('analyze pg_temp.%I', v_gone);
+    execute pg_catalog.format('analyze pg_temp.%I', v_put);
     v_changed := lockstep._enqueue_text(j, array(select r.key from pg_temp.lockstep_rest r));
     perform pg_catalog.set_config('lockstep.handed_off', v_changed::text, true);
     return v_changed;

@@ -11,8 +11,46 @@ as $$
                a.failed || b.failed, a.errors || b.errors)::lockstep._pass;
 $$;
 
+-- lockstep._try(j, keys): one attempt at keys, in a subtransaction: its pass, or the error it raised
+-- (pass NULL). A statement timeout is remembered for the rest of the pass (lockstep._timed_out: these
+-- keys) and returns an empty pass: after it, nothing in this statement is bounded any more, because
+-- statement_timeout fires once per top-level statement.
+-- locks: as lockstep._write (nothing is left behind by a failed attempt).
+create function lockstep._try(j lockstep.job, keys text[], out p lockstep._pass, out error text)
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    p := lockstep._apply(j, keys);
+exception
+    when query_canceled then
+        if not lockstep._is_statement_timeout(null) then
+            raise;
+        end if;
+        get stacked diagnostics error = message_text;
+        perform pg_catalog.set_config('lockstep.timed_out', keys::text, true);
+        perform pg_catalog.set_config('lockstep.timed_out_error', error, true);
+        p := row(0, 0, 0, '{}', 0, 0, 0, '{}', '{}');
+        error := null;
+    when others then
+        get stacked diagnostics error = message_text;
+end;
+$$;
+
+-- lockstep._timed_out(): the keys of the attempt a statement timeout ended in this pass, or NULL.
+-- locks: nothing.
+create function lockstep._timed_out() returns text[]
+language plpgsql volatile
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    return nullif(pg_catalog.current_setting('lockstep.timed_out', true), '')::text[];
+end;
+$$;
+
 -- lockstep._isolate(j, keys, error): apply keys, bisecting on failure until the failing keys are alone.
 -- error: the batch is already known to fail with this message (skip the first attempt).
+-- After a statement timeout (lockstep._try), the parts not tried yet are returned in skipped.
 -- locks: as lockstep._write, once per part that succeeds; each attempt is a subtransaction, so a failed
 -- part leaves nothing behind.
 create function lockstep._isolate(j lockstep.job, keys text[], error text default null) returns lockstep._pass
@@ -22,13 +60,17 @@ as $$
 declare
     n integer := cardinality(keys);
     v_err text := error;
+    t record;
 begin
+    if lockstep._timed_out() is not null then
+        return row(0, 0, 0, keys, 0, 0, 0, '{}', '{}')::lockstep._pass;
+    end if;
     if v_err is null then
-        begin
-            return lockstep._apply(j, keys);
-        exception when others then
-            get stacked diagnostics v_err = message_text;
-        end;
+        select * into t from lockstep._try(j, keys);
+        if t.error is null then
+            return t.p;
+        end if;
+        v_err := t.error;
     end if;
     if n = 1 then
         return row(0, 0, 0, '{}', 0, 0, 0, keys, array[v_err])::lockstep._pass;
@@ -38,24 +80,254 @@ end;
 $$;
 
 -- lockstep._has_ready(j): j has queue entries that are ready, whose key is neither parked nor waiting
--- for a retry.
+-- for a retry. (PL/pgSQL: its plan is cached for the session.)
 -- locks: nothing.
 create function lockstep._has_ready(j lockstep.job) returns boolean
-language sql stable
+language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
-    select exists (
+begin
+    return exists (
         select from lockstep.queue q
         where q.job = j.job and q.ready_at <= now()
           and not exists (select from lockstep.key_failure f
                           where f.job = q.job and f.key = q.key and (f.parked or f.retry_at > now())));
+end;
+$$;
+
+-- lockstep._claim(j, batch): the keys (as queued) of this pass, and how to apply them (kind), first of:
+--   probe: the first half (by key) of the ready suspects, the keys of a part a statement timeout ended
+--          (key_failure rows with attempts = 0): bisection across passes, each probe with a whole
+--          statement's time;
+--   retry: ready failing keys (attempts >= 1), each tried alone (a slow key then fails alone);
+--   batch: the keys of the oldest ready entries, up to batch distinct keys that have no key_failure row;
+--          full: batch entries were taken (more may be ready).
+-- locks: nothing.
+create function lockstep._claim(j lockstep.job, batch integer, out keys text[], out kind text, out full boolean)
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    select array_agg(f.key order by f.key) into keys
+    from (select f.key from lockstep.key_failure f
+          where f.job = j.job and f.attempts = 0 and not f.parked and f.retry_at <= now()
+            and exists (select from lockstep.queue q where q.job = f.job and q.key = f.key)
+          order by f.key limit 2 * batch) f;
+    if keys is not null then
+        keys := keys[1:(cardinality(keys) + 1) / 2];
+        kind := 'probe';
+        return;
+    end if;
+    select array_agg(f.key order by f.key) into keys
+    from (select f.key from lockstep.key_failure f
+          where f.job = j.job and f.attempts > 0 and not f.parked and f.retry_at <= now()
+            and exists (select from lockstep.queue q where q.job = f.job and q.key = f.key)
+          order by f.retry_at, f.key limit batch) f;
+    if keys is not null then
+        kind := 'retry';
+        return;
+    end if;
+    -- entries appended after this snapshot stay queued for the next pass
+    select array_agg(distinct c.key), count(*) >= batch into keys, full
+    from (select q.key from lockstep.queue q
+          where q.job = j.job and q.ready_at <= now()
+            and not exists (select from lockstep.key_failure f where f.job = q.job and f.key = q.key)
+          order by q.id limit batch) c;
+    kind := 'batch';
+end;
+$$;
+
+-- lockstep._readable(j, keys): the queued keys read back as the parent key type: canon (their canonical
+-- text, distinct, sorted by key) and raw (the queued text of the keys that read back); a key that cannot be
+-- read back goes to bad, with its error in errors (it is parked, never left to stall the queue).
+-- locks: nothing.
+create function lockstep._readable(j lockstep.job, keys text[], out canon text[], out raw text[],
+                                   out bad text[], out errors text[])
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    k text;
+    v_err text;
+begin
+    bad := '{}';
+    errors := '{}';
+    begin
+        execute pg_catalog.format('select array_agg(v::text order by v) from (select distinct r::%s as v '
+                                  'from pg_catalog.unnest($1::text[]) r) s', j.key_type) into canon using keys;
+        raw := keys;
+        return;
+    exception when others then
+        null;  -- some key does not read back: find which, one by one
+    end;
+    raw := '{}';
+    foreach k in array keys loop
+        begin
+            execute pg_catalog.format('select $1::%s', j.key_type) using k;
+            raw := raw || k;
+        exception when others then
+            get stacked diagnostics v_err = message_text;
+            bad := bad || k;
+            errors := errors || pg_catalog.format('lockstep: queued key cannot be read as %s: %s', j.key_type, v_err);
+        end;
+    end loop;
+    select r.canon, r.raw into canon, raw from lockstep._readable(j, raw) r;
+end;
+$$;
+
+-- lockstep._attempt(j, keys, kind): apply the claimed keys (canonical, sorted): as one part, bisected on
+-- failure (batch, probe), or each alone (retry). job_error: the job itself is broken (an empty pass fails
+-- too), so every key would fail and none is blamed; or a batch timed out as a whole, which a broken job
+-- does too: the next pass tells (lockstep._check_timed_out).
+-- locks: as lockstep._isolate.
+create function lockstep._attempt(j lockstep.job, keys text[], kind text, out p lockstep._pass,
+                                  out job_error text)
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    k text;
+    t record;
+begin
+    p := row(0, 0, 0, '{}', 0, 0, 0, '{}', '{}');
+    if cardinality(keys) = 0 then
+        return;
+    end if;
+    if kind = 'retry' then
+        foreach k in array keys loop
+            p := lockstep._add(p, lockstep._isolate(j, array[k]));
+        end loop;
+        return;
+    end if;
+    select * into t from lockstep._try(j, keys);
+    if t.error is null and kind = 'batch' and lockstep._timed_out() is not null then
+        job_error := pg_catalog.format('lockstep: statement timeout on a batch of %s keys (%s); the next pass '
+                                       'checks the job with an empty pass, then bisects the batch',
+                                       cardinality(keys), pg_catalog.current_setting('lockstep.timed_out_error', true));
+        return;
+    elsif t.error is null then
+        p := t.p;
+        return;
+    end if;
+    -- the job itself is broken (every key would fail) or some keys are poison: an empty pass tells.
+    if (select e.error from lockstep._try(j, '{}'::text[]) e) is not null or lockstep._timed_out() is not null then
+        job_error := t.error;
+        return;
+    end if;
+    p := lockstep._isolate(j, keys, t.error);
+end;
+$$;
+
+-- lockstep._check_timed_out(j, batch): the last pass failed because its batch timed out as a whole. An
+-- empty pass tells a broken job (it fails or times out too: its error is returned) from a slow key: then
+-- the keys of the batch (claimed again: the oldest ready entries) become suspects, which the next claims
+-- bisect (lockstep._claim, probe), each probe with a whole statement's time.
+-- locks: as lockstep._write for an empty key set (nothing); the job's key_failure rows of those keys.
+create function lockstep._check_timed_out(j lockstep.job, batch integer) returns text
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    t record;
+begin
+    select * into t from lockstep._try(j, '{}'::text[]);
+    if lockstep._timed_out() is not null then
+        return pg_catalog.format('lockstep: statement timeout on an empty pass (%s): the job itself is too slow',
+                                 pg_catalog.current_setting('lockstep.timed_out_error', true));
+    elsif t.error is not null then
+        return t.error;
+    end if;
+    insert into lockstep.key_failure (job, key, attempts, last_error, retry_at)
+    select j.job, k, 0, 'lockstep: in a batch that timed out; being bisected', now()
+    from lockstep._claim(j, batch) c, pg_catalog.unnest(c.keys) k
+    where c.kind = 'batch'
+    order by k
+    on conflict do nothing;
+    return null;
+end;
+$$;
+
+-- lockstep._settle(j, raw, ids, p, bad, errors): after the target's rows, lockstep's own rows for a pass
+-- over the queue entries ids (keys raw): delete the entries done, defer the skipped ones a second, record
+-- failing keys (backoff, parked after max_attempts), suspects (the keys of a part a statement timeout
+-- ended: bisected by the next passes) and keys that cannot be read back (parked at once). Returns a
+-- message for the result when keys failed.
+-- locks: the processed queue entries (deleted or updated), then the job's key_failure rows, key order.
+create function lockstep._settle(j lockstep.job, kind text, raw text[], ids bigint[], p lockstep._pass,
+                                 bad text[], bad_errors text[]) returns text
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_susp text[] := coalesce(lockstep._timed_out(), '{}');
+    v_terr text := pg_catalog.current_setting('lockstep.timed_out_error', true);
+    v_leave text[];
+    v_skip text[] := p.skipped;
+begin
+    if cardinality(v_susp) = 1 then  -- a key that is slow alone fails like a poison key
+        p.failed := p.failed || v_susp;
+        p.errors := p.errors || v_terr;
+        v_susp := '{}';
+    end if;
+    v_leave := p.failed || v_skip || v_susp;
+    if cardinality(v_leave) > 0 then  -- the queued (raw) text of those keys
+        execute pg_catalog.format('select coalesce(array_agg(r), ''{}'') from pg_catalog.unnest($1) r '
+                                  'where r::%s::text = any($2)', j.key_type) into v_leave using raw, v_leave;
+        execute pg_catalog.format('select coalesce(array_agg(r), ''{}'') from pg_catalog.unnest($1) r '
+                                  'where r::%s::text = any($2)', j.key_type) into v_skip using raw, v_skip;
+    end if;
+    v_leave := v_leave || bad;  -- their entries stay, shown as parked
+    -- every statement runs even when it has no row to change: a missing privilege fails every pass at once,
+    -- not the first pass that needs it
+    delete from lockstep.queue q where q.job = j.job and q.id = any(ids) and q.key <> all(v_leave);
+    -- a parent an application holds is retried a second later, not in a hot loop
+    update lockstep.queue q set ready_at = now() + interval '1 second'
+    where q.job = j.job and q.id = any(ids) and q.key = any(v_skip);
+    delete from lockstep.key_failure f
+    where f.job = j.job and ((f.key = any(raw) and f.key <> all(v_leave))
+                             -- a probe timed out: the other suspects are cleared, its keys stay suspects
+                             or (kind = 'probe' and cardinality(v_susp) > 0 and f.attempts = 0 and not f.parked
+                                 and f.retry_at <= now() and f.key <> all(v_susp)));
+    insert into lockstep.key_failure as f (job, key, attempts, last_error, retry_at, parked)
+    select j.job, x.k, x.a, x.e, x.r, x.p
+    from (select k, 1 as a, e, now() + least(j.backoff, interval '2 seconds') as r, j.max_attempts <= 1 as p
+          from unnest(p.failed, p.errors) as u(k, e)
+          union all
+          select k, 0, pg_catalog.format('%s (one of %s keys computed together; being bisected)', v_terr,
+                                         cardinality(v_susp)),
+                 now() + least(j.backoff, greatest(interval '1 second',
+                                                   pg_catalog.current_setting('statement_timeout')::interval)), false
+          from unnest(v_susp) k
+          union all
+          select k, j.max_attempts, e, now(), true from unnest(bad, bad_errors) as u(k, e)) x
+    order by x.k
+    on conflict (job, key) do update
+        set attempts = case when excluded.attempts = 0 then f.attempts
+                            else greatest(f.attempts + 1, excluded.attempts) end,
+            last_error = excluded.last_error, last_failed_at = now(),
+            retry_at = case when excluded.attempts = 0 then excluded.retry_at
+                            else now() + least(j.backoff, interval '1 second' * power(2, least(f.attempts + 1, 20))) end,
+            parked = excluded.parked or (excluded.attempts > 0 and f.attempts + 1 >= j.max_attempts);
+    if cardinality(p.failed) + cardinality(bad) + cardinality(v_susp) = 0 then
+        return null;
+    end if;
+    return pg_catalog.concat_ws('; ',
+        case when cardinality(p.failed) > 0 then
+            pg_catalog.format('%s key(s) failed, first %s: %s', cardinality(p.failed), p.failed[1], p.errors[1]) end,
+        case when cardinality(bad) > 0 then
+            pg_catalog.format('%s queued key(s) parked, first %s: %s', cardinality(bad), bad[1], bad_errors[1]) end,
+        case when cardinality(v_susp) > 0 then
+            pg_catalog.format('%s key(s) timed out together (%s): bisected over the next passes',
+                              cardinality(v_susp), v_terr) end);
+end;
 $$;
 
 -- lockstep._work(j, batch): one incremental pass.
 -- locks, in this order: nothing until there is work (idle) and no periodic job of the group is due
 -- (busy: give way); the group lock (try: busy if taken); then, through lockstep._write, the parents of the
 -- claimed keys' rows (FOR KEY SHARE SKIP LOCKED, key order) and the target's rows (key order); then
--- lockstep's own rows: the processed queue entries (deleted), the key_failure rows; the status row last.
+-- lockstep's own rows (lockstep._settle): the processed queue entries, the key_failure rows; the status
+-- row last.
 create function lockstep._work(j lockstep.job, batch integer) returns lockstep.result
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -63,11 +335,11 @@ as $$
 declare
     s lockstep.job_state;
     v_started timestamptz;
-    v_keys text[];
+    c record;
+    r record;
+    a record;
     v_ids bigint[];
-    v_leave text[];
     v_err text;
-    p lockstep._pass;
 begin
     select * into s from lockstep.job_state st where st.job = j.job;
     if s.retry_at > now() then
@@ -76,69 +348,37 @@ begin
     if lockstep._group_due(j.lock_group) then
         return lockstep._result('busy', j.job, 'work', null, 'a periodic job of the lock group is due');
     end if;
-    if not lockstep._has_ready(j) then
+    select * into c from lockstep._claim(j, batch);  -- takes no lock: idle costs one look
+    if c.keys is null then
         return lockstep._result('idle', j.job, 'work');
     end if;
     if not lockstep._try_lock(j.lock_group) then
         return lockstep._result('busy', j.job, 'work');
     end if;
     v_started := clock_timestamp();
-
-    -- claim: the oldest ready entries give up to batch distinct keys; every visible entry of those keys
-    -- goes with them (a key enqueued many times is computed once). Entries appended after this snapshot
-    -- stay queued for the next pass.
-    select array_agg(distinct c.key) into v_keys
-    from (select q.key from lockstep.queue q
-          where q.job = j.job and q.ready_at <= now()
-            and not exists (select from lockstep.key_failure f
-                            where f.job = q.job and f.key = q.key and (f.parked or f.retry_at > now()))
-          order by q.id limit batch) c;
-    if v_keys is null then
+    perform pg_catalog.set_config('lockstep.timed_out', '', true);
+    if s.last_action = 'work' and s.last_outcome = 'failed' and s.last_error like 'lockstep: statement timeout on %' then
+        v_err := lockstep._check_timed_out(j, batch);
+        if v_err is not null then
+            return lockstep._failed(j, 'work', v_started, v_err);
+        end if;
+        select * into c from lockstep._claim(j, batch);
+    end if;
+    -- every visible entry of those keys goes with them (a key enqueued many times is computed once)
+    -- (under the group lock: a worker that held it before us may have done some of them)
+    select array_agg(q.id) into v_ids from lockstep.queue q where q.job = j.job and q.key = any(c.keys);
+    if v_ids is null then
         return lockstep._result('idle', j.job, 'work');
     end if;
-    select array_agg(q.id) into v_ids from lockstep.queue q where q.job = j.job and q.key = any(v_keys);
-    execute pg_catalog.format('select array_agg(k::text order by k) from pg_catalog.unnest($1::%s) k',
-                              lockstep._array_type(j.key_type)) into v_keys using v_keys;
-
-    begin
-        p := lockstep._apply(j, v_keys);
-    exception
-        when query_canceled then
-            if not lockstep._is_statement_timeout(v_started) then
-                raise;
-            end if;
-            get stacked diagnostics v_err = message_text;
-            return lockstep._failed(j, 'work', v_started, v_err);
-        when others then
-            get stacked diagnostics v_err = message_text;
-            -- the job itself is broken (every key would fail) or some keys are poison: an empty pass tells.
-            begin
-                perform lockstep._apply(j, '{}'::text[]);
-            exception when others then
-                return lockstep._failed(j, 'work', v_started, v_err);
-            end;
-            p := lockstep._isolate(j, v_keys, v_err);
-    end;
-
-    -- lockstep's own rows, after the target's
-    v_leave := p.skipped || p.failed;
-    delete from lockstep.queue q where q.job = j.job and q.id = any(v_ids) and q.key <> all(v_leave);
-    -- a parent an application holds is retried a second later, not in a hot loop
-    update lockstep.queue q set ready_at = now() + interval '1 second'
-    where q.job = j.job and q.id = any(v_ids) and q.key = any(p.skipped);
-    delete from lockstep.key_failure f where f.job = j.job and f.key = any(v_keys) and f.key <> all(v_leave);
-    insert into lockstep.key_failure as f (job, key, attempts, last_error, retry_at, parked)
-    select j.job, x.k, 1, x.e, now() + least(j.backoff, interval '2 seconds'), j.max_attempts <= 1
-    from unnest(p.failed, p.errors) as x(k, e)
-    order by x.k
-    on conflict (job, key) do update
-        set attempts = f.attempts + 1, last_error = excluded.last_error, last_failed_at = now(),
-            retry_at = now() + least(j.backoff, interval '1 second' * power(2, least(f.attempts + 1, 20))),
-            parked = f.attempts + 1 >= j.max_attempts;
-    v_err := case when cardinality(p.failed) > 0 then
-        pg_catalog.format('%s key(s) failed, first %s: %s', cardinality(p.failed), p.failed[1], p.errors[1]) end;
-    perform lockstep._finish(j, 'work', 'done', v_started, p, null);
-    return lockstep._result('done', j.job, 'work', p, v_err, lockstep._has_ready(j));
+    select * into r from lockstep._readable(j, c.keys);
+    select * into a from lockstep._attempt(j, coalesce(r.canon, '{}'), c.kind);
+    if a.job_error is not null then
+        return lockstep._failed(j, 'work', v_started, a.job_error);
+    end if;
+    v_err := lockstep._settle(j, c.kind, r.raw, v_ids, a.p, r.bad, r.errors);
+    perform lockstep._finish(j, 'work', 'done', v_started, a.p, null);
+    return lockstep._result('done', j.job, 'work', a.p, v_err,
+                            (c.kind <> 'batch' or c.full) and lockstep._has_ready(j));
 end;
 $$;
 

@@ -1,0 +1,282 @@
+"""``lockstep web`` (issue 16): the page's data against a real database, its HTTP surface, least privilege.
+
+The browser test (real headless Chromium) is tests/test_web_browser.py.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
+from history_fixtures import as_role, make_roles_fixture, setup_workload  # noqa: F401  (make_roles)
+
+from runner import web
+from tests.util import snapshot
+
+
+@pytest.fixture
+def server() -> Iterator[Callable[..., str]]:
+    """``server(dsn, **options) -> "127.0.0.1:port"``: lockstep web in a thread, stopped at teardown."""
+    started: list = []
+
+    def _start(dsn: str, **kw) -> str:
+        srv = web.make_server(web.Options(dsn=dsn, port=0, **kw), web.Sampler(min_gap=0))
+        t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        t.start()
+        started.append((srv, t))
+        host, port = srv.server_address[:2]
+        return f"{host}:{port}"
+
+    yield _start
+    for srv, t in started:
+        srv.shutdown()
+        srv.server_close()
+        t.join()
+
+
+def request(
+    addr: str, method: str = "GET", path: str = "/", headers: dict | None = None
+) -> tuple[int, dict, str]:
+    c = http.client.HTTPConnection(addr, timeout=30)
+    try:
+        c.request(method, path, headers=headers or {})
+        r = c.getresponse()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read().decode()
+    finally:
+        c.close()
+
+
+def test_page_data_matches_the_database(ex):
+    setup_workload(ex)
+    data = web.collect(ex, web.Sampler())
+    jobs = {j["job"]: j for j in data["jobs"]}
+    assert sorted(jobs) == ["boom", "exam_keys", "ok"]
+    boom, ek, ok = jobs["boom"], jobs["exam_keys"], jobs["ok"]
+    assert (boom["kind"], boom["lock_group"], boom["schedule"]) == ("job", "alarms", "call every 10 min")
+    assert (boom["last_outcome"], boom["consecutive_failures"], boom["last_error"]) == (
+        "failed",
+        1,
+        "boom: the disk is on fire",
+    )
+    assert ek["schedule"] == "recompute every 1 day; worker on the queue"
+    assert (ek["last_outcome"], ek["last_action"]) == ("done", "work")
+    queued = ex.execute(
+        "select count(*) from lockstep.queue q where not exists (select from lockstep.key_failure f"
+        " where f.job = q.job and f.key = q.key and f.parked)"
+    ).fetchone()[0]
+    assert ek["queue_depth"] == queued == 31  # 30 new keys + key 13 waiting for its retry
+    assert (ek["parked_keys"], ek["failing_keys"]) == (1, 1)
+    # next run: what lockstep.due() says (the worker has ready keys: now), else next_run_at
+    due = dict(ex.execute("select job, due_at from lockstep.due()").fetchall())
+    assert (boom["next_run"], ok["next_run"]) == (due["boom"], due["ok"])
+    assert ek["next_run"] == data["generated_at"]  # due now: the transaction's now()
+    assert ok["next_run"] > data["generated_at"]  # every 1 hour, just ran
+    assert data["totals"] == {
+        "jobs": 3,
+        "failing_jobs": 1,
+        "queue_depth": 31,
+        "parked_keys": 1,
+        "failing_keys": 1,
+    }
+    assert [(k["key"], k["parked"]) for k in data["keys"]] == [("42", True), ("13", False)]
+    assert data["keys"][0]["last_error"] == "exam 42: title is not valid text" and data["keys_total"] == 2
+    runs = ex.execute("select id, job, outcome from lockstep.run_log order by id desc").fetchall()
+    assert [(r["id"], r["job"], r["outcome"]) for r in data["runs"]] == runs
+    assert [r[1] for r in runs] == ["exam_keys", "boom", "ok", "exam_keys"]  # the template's recompute too
+    assert data["errors"] == {} and data["role"] == "root"
+    assert ek["recompute_progress"] is None
+
+
+def test_page_serves_it_and_changes_nothing(ex, example_dsn, server):
+    setup_workload(ex)
+    before = snapshot(ex, "lockstep.run_log")
+    addr = server(example_dsn, refresh=7)
+    status, headers, body = request(addr)
+    assert status == 200 and headers["content-type"] == "text/html; charset=utf-8"
+    assert "script-src" not in headers["content-security-policy"]  # default-src 'none': no script at all
+    assert "<script" not in body
+    assert '<meta http-equiv="refresh" content="7">' in body
+    for job in ("boom", "exam_keys", "ok"):
+        assert f'<tr data-job="{job}"' in body
+    assert '<td class="num queue-depth">31</td>' in body
+    assert '<td class="last-error">boom: the disk is on fire</td>' in body
+    assert 'data-key="42"' in body and 'data-key="13"' in body
+    assert body.count('<svg class="chart"') == 2  # run durations, rows written
+    assert "collecting samples" in body  # the queue trend needs a second sample
+    body = request(addr)[2]
+    assert body.count('<svg class="chart"') == 3 and "collecting samples" not in body
+    assert 'id="queue-total">31<' in body
+    status, headers, body = request(addr, path="/data.json")
+    assert status == 200 and json.loads(body)["totals"]["queue_depth"] == 31
+    assert snapshot(ex, "lockstep.run_log") == before
+
+
+def test_queue_depth_trend_is_sampled_at_each_request(ex):
+    setup_workload(ex)
+    sampler = web.Sampler(min_gap=0)
+    web.collect(ex, sampler)
+    ex.execute("select lockstep.enqueue('exam_keys', array[200, 201, 202]::bigint[])")
+    data = web.collect(ex, sampler)
+    assert [s["total"] for s in data["queue_trend"]] == [31, 34]
+    assert [s["jobs"]["exam_keys"] for s in data["queue_trend"]] == [31, 34]
+    html = web.render(data, 5)
+    assert 'aria-label="queue depth over time"' in html and 'aria-label="queue depth trend"' in html
+
+
+def test_samples_closer_than_min_gap_replace_the_last_one(ex):
+    sampler = web.Sampler(min_gap=3600)
+    web.collect(ex, sampler)
+    ex.execute("select lockstep.enqueue('exam_keys', array[1, 2]::bigint[])")
+    data = web.collect(ex, sampler)
+    assert [s["total"] for s in data["queue_trend"]] == [2]
+
+
+def test_recompute_progress_shows_when_the_status_columns_exist_and_are_set(ex):
+    setup_workload(ex)
+    assert "recompute-progress" not in web.render(web.collect(ex, web.Sampler()), 5)  # no such columns
+    # the columns H5 adds to lockstep.status (recompute_done, recompute_total), set for one job
+    ex.execute(
+        "alter view lockstep.status rename to status_base;"
+        " create view lockstep.status as select b.*,"
+        " case when b.job = 'exam_keys' then 30::bigint end as recompute_done,"
+        " case when b.job = 'exam_keys' then 120::bigint end as recompute_total"
+        " from lockstep.status_base b"
+    )
+    data = web.collect(ex, web.Sampler())
+    assert {j["job"]: j["recompute_progress"] for j in data["jobs"]} == {
+        "boom": None,
+        "exam_keys": {"done": 30, "total": 120},
+        "ok": None,
+    }
+    html = web.render(data, 5)
+    assert html.count('class="recompute-progress"') == 1
+    assert '<progress max="120" value="30"></progress> <span class="recompute-progress">30 / 120' in html
+
+
+@pytest.mark.parametrize("method", ["POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "BREW"])
+def test_no_method_but_get_and_head(ex, example_dsn, server, method):
+    setup_workload(ex)
+    before = snapshot(ex, "lockstep.run_log")
+    addr = server(example_dsn)
+    status, headers, body = request(addr, method, "/data.json")
+    assert (status, headers["allow"]) == (405, "GET, HEAD"), body
+    assert snapshot(ex, "lockstep.run_log") == before
+
+
+def test_head_unknown_paths_and_foreign_host_headers(example_dsn, server):
+    addr = server(example_dsn)
+    status, headers, body = request(addr, "HEAD")
+    assert status == 200 and body == "" and int(headers["content-length"]) > 1000
+    assert request(addr, path="/admin")[0] == 404
+    assert request(addr, path="/?x=1")[0] == 200
+    # a name that resolves to 127.0.0.1 through someone else's DNS (rebinding) gets nothing
+    assert request(addr, headers={"Host": "attacker.example:8765"})[0] == 400
+    assert request(addr, headers={"Host": f"localhost:{addr.rsplit(':', 1)[1]}"})[0] == 200
+
+
+def test_default_options_bind_to_localhost():
+    assert (web.Options().host, web.Options().port) == ("127.0.0.1", 8765)
+
+
+def test_ipv6_loopback(example_dsn, server):
+    try:
+        addr = server(example_dsn, host="::1")
+    except OSError as exc:  # no IPv6 on this machine
+        pytest.skip(f"cannot bind ::1: {exc}")
+    host, port = addr.rsplit(":", 1)
+    assert request(f"[{host}]:{port}")[0] == 200
+
+
+def test_a_malformed_dsn_is_refused_at_start():
+    p = subprocess.run(
+        [sys.executable, "-m", "runner", "web", "--dsn", "nonsense", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert p.returncode == 2 and "Invalid value for '--dsn'" in p.stderr, p.stderr
+
+
+def test_an_unreachable_database_gives_a_503_page_that_keeps_refreshing(server, example_dsn):
+    addr = server(example_dsn + "_missing")
+    status, _, body = request(addr)
+    assert status == 503 and 'id="error"' in body and "does not exist" in body
+    assert '<meta http-equiv="refresh"' in body
+    status, _, body = request(addr, path="/data.json")
+    assert status == 503 and "does not exist" in json.loads(body)["error"]
+
+
+def test_user_data_is_escaped(ex):
+    ex.execute(
+        "create function public.x() returns void language plpgsql"
+        " as $$ begin raise exception '<script>alert(1)</script>'; end $$;"
+        " select lockstep.define_job('<img src=x onerror=alert(1)>', 'public.x()');"
+        " select lockstep.run('<img src=x onerror=alert(1)>');"
+    )
+    html = web.render(web.collect(ex, web.Sampler()), 5)
+    assert "<script" not in html and "<img" not in html
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+    assert 'data-job="&lt;img src=x onerror=alert(1)&gt;"' in html
+
+
+# least privilege --------------------------------------------------------------------------------------
+
+
+def test_a_role_that_may_read_only_the_history_sees_its_own_runs(ex, example_dsn, make_roles, server):
+    """Views the role may not read become one line each; rows of other owners are absent; no error."""
+    setup_workload(ex)
+    owner = make_roles(example_dsn, "owner")
+    viewer = make_roles(
+        example_dsn,
+        "viewer",
+        "grant usage on schema lockstep to {role}",
+        "grant select on lockstep.run_log to {role}",
+        member_of=(owner,),
+    )
+    ex.execute("update lockstep.run_log set owner = %s where job = 'ok'", [owner])
+    addr = server(as_role(example_dsn, viewer))
+    status, _, body = request(addr)
+    assert status == 200
+    assert f'<b id="role">{viewer}</b>' in body
+    assert 'data-section="status"' in body and "permission denied for view status" in body
+    assert 'data-section="keys"' in body and "permission denied for view failing_keys" in body
+    assert "no jobs visible to this role" in body
+    data = json.loads(request(addr, path="/data.json")[2])
+    assert [r["job"] for r in data["runs"]] == ["ok"]
+    assert sorted(data["errors"]) == ["due", "keys", "status"]
+
+
+def test_a_role_with_no_privilege_at_all_still_gets_the_page(example_dsn, make_roles, server):
+    nobody = make_roles(example_dsn, "nobody")
+    addr = server(as_role(example_dsn, nobody))
+    status, _, body = request(addr)
+    assert status == 200, body
+    assert "permission denied for schema lockstep" in body
+    data = json.loads(request(addr, path="/data.json")[2])
+    assert sorted(data["errors"]) == ["due", "keys", "runs", "status"]
+    assert data["jobs"] == [] and data["runs"] == []
+
+
+VIEWER = [  # the viewer recipe of docs/web.md
+    "grant usage on schema lockstep to {role}",
+    "grant select on lockstep.status, lockstep.parked_keys, lockstep.failing_keys, lockstep.run_log"
+    " to {role}",
+    "grant select on lockstep.job, lockstep.job_state, lockstep.queue, lockstep.key_failure to {role}",
+]
+
+
+def test_the_documented_viewer_role_reads_every_section(ex, example_dsn, make_roles, server):
+    setup_workload(ex)
+    owner = make_roles(example_dsn, "owner")
+    viewer = make_roles(example_dsn, "viewer", *VIEWER, member_of=(owner,))
+    ex.execute("update lockstep.job set owner = %s", [owner])  # with row security on status too: all its
+    ex.execute("update lockstep.run_log set owner = %s where job = 'boom'", [owner])  # one job's runs
+    data = json.loads(request(server(as_role(example_dsn, viewer)), path="/data.json")[2])
+    assert data["errors"] == {}
+    assert data["totals"]["queue_depth"] == 31 and data["keys_total"] == 2
+    assert [r["job"] for r in data["runs"]] == ["boom"]  # row security: its owner role's runs only

@@ -1,0 +1,209 @@
+"""The worker pass: reused work tables (no catalog churn, pooler-safe), unreadable queued keys, slow keys.
+
+Issue 17 (worker side): a no-op recompute and a no-op worker pass write no catalog row once the session's
+work tables exist; two jobs of different shapes alternating on one connection, a DISCARD ALL in between
+(what a pooler's server_reset_query does) and a retyped target column all keep working.
+Issue 11 item 10: a queued key that cannot be read back is parked with its error, the rest moves.
+Issue 11 item 11: a key slower than statement_timeout is isolated like a poison key, the rest moves.
+"""
+
+from __future__ import annotations
+
+import psycopg
+from util import result
+
+from runner.lab.example import JOB, divergence
+
+CATALOG_WRITES_SQL = (
+    "select coalesce(sum(n_tup_ins + n_tup_upd + n_tup_del), 0)::bigint from pg_stat_xact_sys_tables"
+    " where schemaname = 'pg_catalog'"
+)
+FLUSH_SQL = "select pg_stat_force_next_flush()"
+
+
+def catalog_writes(conn: psycopg.Connection, call: str) -> int:
+    """Catalog rows inserted, updated or deleted by ``select * from <call>``, in its own transaction."""
+    conn.execute(FLUSH_SQL)  # PostgreSQL 15's pg_stat_xact_* also show this session's unflushed counts
+    with conn.transaction():
+        conn.execute(f"select * from {call}").fetchall()
+        n = conn.execute(CATALOG_WRITES_SQL).fetchone()[0]
+    return int(n)
+
+
+def work_until_idle(conn: psycopg.Connection, job: str = JOB, batch: int = 500, limit: int = 50) -> None:
+    for _ in range(limit):
+        if not result(conn, f"lockstep.work('{job}', {batch})")["more"]:
+            return
+    raise AssertionError(f"{job}: still more after {limit} passes")
+
+
+# issue 17: no catalog churn, pooled use ------------------------------------------------------------------
+
+
+def test_noop_runs_write_no_catalog_row_once_the_work_tables_exist(ex):
+    # first run of the session: creates its work tables (catalog rows, once)
+    assert catalog_writes(ex, f"lockstep.recompute('{JOB}')") > 0
+    # the same no-op recompute again: nothing in the catalog (no CREATE, DROP or ANALYZE)
+    assert catalog_writes(ex, f"lockstep.recompute('{JOB}')") == 0
+    # a worker pass over keys whose rows are unchanged: no catalog row either, twice
+    for _ in range(2):
+        ex.execute(f"select lockstep.enqueue('{JOB}', array[1, 2, 3, 50, 77])")
+        assert catalog_writes(ex, f"lockstep.work('{JOB}')") == 0
+        assert ex.execute("select count(*) from lockstep.queue").fetchone()[0] == 0
+    # a pass that writes rows: still no catalog row
+    ex.execute("update example.exam set body = body || ' catalogfree' where id in (4, 5)")
+    assert catalog_writes(ex, f"lockstep.work('{JOB}')") == 0
+    assert divergence(ex) == (0, 0)
+
+
+SECOND_JOB_SQL = """
+create table example.exam_len (
+    exam_id bigint primary key references example.exam (id) on delete cascade,
+    body_len integer not null,
+    title text not null
+);
+create function example.exam_len_compute(ids bigint[])
+returns table (exam_id bigint, body_len integer, title text)
+language sql stable
+as $$
+    select e.id, length(e.body), e.title from example.exam e where ids is null or e.id = any(ids)
+$$;
+select lockstep.define_derived('exam_len', 'example.exam_len', 'example.exam_len_compute(bigint[])',
+                               parent => 'example.exam', parent_column => 'exam_id', every => '1 day');
+select lockstep.watch('exam_len', 'example.exam', 'id');
+"""
+
+
+def len_divergence(conn: psycopg.Connection) -> int:
+    return conn.execute(
+        "select count(*) from ((select * from example.exam_len_compute(null) except all"
+        " select exam_id, body_len, title from example.exam_len) union all"
+        " (select exam_id, body_len, title from example.exam_len except all"
+        " select * from example.exam_len_compute(null))) d"
+    ).fetchone()[0]
+
+
+def temp_rows(conn: psycopg.Connection) -> int:
+    """Rows in this session's lockstep work tables (as another client of the same connection sees them)."""
+    n = 0
+    for (name,) in conn.execute(
+        "select c.oid::regclass::text from pg_class c where c.relnamespace = pg_my_temp_schema()"
+        " and c.relname like 'lockstep\\_%' and c.relkind = 'r'"
+    ).fetchall():
+        n += conn.execute(f"select count(*) from {name}").fetchone()[0]
+    return n
+
+
+def test_two_jobs_alternating_on_one_connection_discard_all_and_a_retyped_column(ex):
+    """What a transaction pooler does: consecutive transactions of one server connection serve other jobs
+    and clients; a server reset (DISCARD ALL) drops the temp tables."""
+    ex.execute(SECOND_JOB_SQL)
+    assert result(ex, "lockstep.recompute('exam_len')")["outcome"] == "done"
+    for step in range(6):
+        ids = [1 + step * 7, 2 + step * 7, 150 - step]
+        ex.execute("update example.exam set body = body || %s where id = any(%s)", [f" s{step}word", ids])
+        # the two jobs (different shapes) take turns on this connection
+        for job in ("exam_len", JOB) if step % 2 else (JOB, "exam_len"):
+            r = result(ex, f"lockstep.work('{job}')")
+            assert r["outcome"] == "done" and r["error"] is None, r
+        # another client of the connection finds nothing left over
+        assert temp_rows(ex) == 0
+        if step == 2:
+            ex.execute("discard all")
+            assert temp_rows(ex) == 0
+        if step == 3:
+            # a retyped target column: another shape, other work tables (never the old column type)
+            ex.execute("alter table example.exam_len alter column title type varchar(200)")
+    assert ex.execute("select count(*) from lockstep.queue").fetchone()[0] == 0
+    assert divergence(ex) == (0, 0)
+    assert len_divergence(ex) == 0
+    # both recomputes are no-ops now, and in this session they no longer touch the catalog
+    result(ex, "lockstep.recompute('exam_len')")
+    assert catalog_writes(ex, "lockstep.recompute('exam_len')") == 0
+    assert catalog_writes(ex, f"lockstep.recompute('{JOB}')") == 0
+
+
+def test_two_sessions_running_the_same_job_one_after_the_other(ex, exconnect):
+    other = exconnect()
+    for step, conn in enumerate((ex, other, ex, other)):
+        ex.execute("update example.exam set body = body || %s where id = %s", [f" t{step}x", 10 + step])
+        assert result(conn, f"lockstep.work('{JOB}')")["outcome"] == "done"
+    assert divergence(ex) == (0, 0)
+
+
+# issue 11 item 10: a queued key that cannot be read back -------------------------------------------------
+
+
+def test_an_unreadable_queued_key_is_parked_and_the_rest_of_the_queue_moves(ex):
+    ex.execute("update example.exam set body = body || ' fresh' where id in (3, 4)")
+    # what an application role that may INSERT into the queue can do
+    ex.execute(f"insert into lockstep.queue (job, key) values ('{JOB}', '3.00'), ('{JOB}', 'x7')")
+    r = result(ex, f"lockstep.work('{JOB}')")
+    assert r["outcome"] == "done", r
+    assert "cannot be read as bigint" in r["error"]
+    assert r["inserted"] >= 2
+    parked = ex.execute("select key, last_error from lockstep.parked_keys order by key").fetchall()
+    assert [k for k, _ in parked] == ["3.00", "x7"]
+    assert all("invalid input syntax for type bigint" in e for _, e in parked)
+    # the good keys are done, the bad entries stay visible (parked), and the worker is idle, not stuck
+    assert ex.execute("select key from lockstep.queue order by key").fetchall() == [("3.00",), ("x7",)]
+    assert result(ex, f"lockstep.work('{JOB}')")["outcome"] == "idle"
+    ex.execute("update example.exam set body = body || ' later' where id = 9")
+    assert result(ex, f"lockstep.work('{JOB}')")["outcome"] == "done"
+    assert divergence(ex) == (0, 0)
+    st = ex.execute("select parked_keys, queue_depth, last_outcome from lockstep.status").fetchone()
+    assert st == (2, 0, "done")
+
+
+# issue 11 item 11: a slow key under statement_timeout ----------------------------------------------------
+
+SLOW_COMPUTE_SQL = """
+create function example.slow_13(ids bigint[]) returns table (exam_id bigint, key text, weight integer)
+language plpgsql stable as $$
+begin
+    if 13 = any(ids) then
+        perform pg_catalog.pg_sleep(60);  -- far beyond statement_timeout: only the timeout ends it
+    end if;
+    return query select * from example.exam_key_compute(ids);
+end $$;
+"""
+
+
+def test_a_slow_key_is_isolated_like_a_poison_key_and_the_rest_moves(ex):
+    ex.execute(SLOW_COMPUTE_SQL)
+    ex.execute(
+        f"select lockstep.define_derived('{JOB}', 'example.exam_key', 'example.slow_13(bigint[])',"
+        " 'example.exam', every => '1 day')"
+    )
+    ex.execute("update example.exam set body = body || ' slowword' where id between 1 and 24")
+    ex.execute("set statement_timeout = '400ms'")
+    outcomes = []
+    for _ in range(30):
+        r = result(ex, f"lockstep.work('{JOB}', 500)")
+        outcomes.append(r["outcome"])
+        left = {k for (k,) in ex.execute("select distinct key from lockstep.queue")}
+        failing = ex.execute("select key, attempts from lockstep.key_failure where attempts > 0").fetchall()
+        if left == {"13"} and [k for k, _ in failing] == ["13"]:
+            break
+        # no waiting in a test: make every backoff and every suspect's wait due now
+        ex.execute("update lockstep.job_state set retry_at = now() - interval '1 second'")
+        ex.execute("update lockstep.key_failure set retry_at = now() - interval '1 second'")
+    else:
+        raise AssertionError(f"key 13 not isolated after 30 passes: {outcomes}")
+    ex.execute("reset statement_timeout")
+    err = ex.execute("select last_error from lockstep.failing_keys where key = '13'").fetchone()[0]
+    assert "statement timeout" in err
+    # every other changed exam is written; only exam 13 is stale
+    stale = ex.execute(
+        "select distinct exam_id from ((select * from example.exam_key_compute(null) except all"
+        " select * from example.exam_key) union all (select * from example.exam_key except all"
+        " select * from example.exam_key_compute(null))) d"
+    ).fetchall()
+    assert stale == [(13,)]
+    assert "failed" not in outcomes[-1:]
+    # the job is not failed and not in backoff: new work moves at once
+    ex.execute("update example.exam set body = body || ' afterwards' where id = 30")
+    ex.execute("set statement_timeout = '400ms'")
+    assert result(ex, f"lockstep.work('{JOB}')")["outcome"] == "done"
+    ex.execute("reset statement_timeout")
+    assert ex.execute("select count(*) from lockstep.queue where key = '30'").fetchone()[0] == 0
