@@ -62,7 +62,7 @@ CREATE TABLE lockstep.job (
     created_at timestamp with time zone DEFAULT now() NOT NULL,
     updated_at timestamp with time zone DEFAULT now() NOT NULL,
     CONSTRAINT job_backoff_check CHECK ((backoff > '00:00:00'::interval)),
-    CONSTRAINT job_batch_parents_check CHECK ((batch_parents > 0)),
+    CONSTRAINT job_batch_parents_check CHECK (((batch_parents >= 1) AND (batch_parents <= 1000000))),
     CONSTRAINT job_check CHECK (((kind = 'job'::text) = (call IS NOT NULL))),
     CONSTRAINT job_check1 CHECK (((kind = 'derived'::text) = ((target IS NOT NULL) AND (compute IS NOT NULL)))),
     CONSTRAINT job_every_check CHECK ((every > '00:00:00'::interval)),
@@ -2258,8 +2258,8 @@ CREATE FUNCTION lockstep.set_batch_parents(job text, batch_parents integer) RETU
 declare
     j lockstep.job := lockstep._queue_job(job);
 begin
-    if batch_parents is null or batch_parents < 1 then
-        raise exception 'lockstep: batch_parents must be a positive integer (got %)',
+    if batch_parents is null or batch_parents not between 1 and 1000000 then
+        raise exception 'lockstep: batch_parents must be an integer between 1 and 1000000 (got %)',
             coalesce(batch_parents::text, 'NULL')
             using errcode = '22023', hint = 'The default is 500 parents per transaction.';
     end if;

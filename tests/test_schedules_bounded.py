@@ -307,9 +307,11 @@ def test_retry_ends_the_failure_backoff_of_the_recompute(ex):
 
 
 def test_set_batch_parents_checks_its_arguments(ex, conn):
-    with raises_sqlstate("22023", "positive"):
+    with raises_sqlstate("22023", "between 1 and 1000000"):
         ex.execute(f"select lockstep.set_batch_parents('{JOB}', 0)")
-    with raises_sqlstate("22023", "positive"):
+    with raises_sqlstate("22023", "between 1 and 1000000"):
+        ex.execute(f"select lockstep.set_batch_parents('{JOB}', 1000001)")
+    with raises_sqlstate("22023", "between 1 and 1000000"):
         ex.execute(f"select lockstep.set_batch_parents('{JOB}', null)")
     with raises_sqlstate("LSJ01"):
         ex.execute("select lockstep.set_batch_parents('nope', 10)")

@@ -89,7 +89,7 @@ HANDED_OFF_SQL = (
     "select exists (select from lockstep.job_state s join lockstep.queue q on q.job = s.job"
     " and q.id between s.recompute_queue_from and s.recompute_queue_to where s.job = 'exam_keys')"
 )
-UNBOUNDED_SQL = "update lockstep.job set batch_parents = 2147483647 where job = 'exam_keys'"
+UNBOUNDED_SQL = "update lockstep.job set batch_parents = 1000000 where job = 'exam_keys'"
 DEFAULT_BATCH_SQL = "update lockstep.job set batch_parents = default where job = 'exam_keys'"
 BARE_COMPUTE_SQL = "select count(*) from example.exam_key_compute(null)"
 RESEED_SQL = (

@@ -86,7 +86,7 @@ create table lockstep.job (
     -- parents written per transaction: a recompute whose difference touches more parents writes the first
     -- batch_parents (in parent-key order) and hands the rest to the queue; a worker pass of lockstep.run()
     -- claims this many (lockstep.set_batch_parents).
-    batch_parents   integer not null default 500 check (batch_parents > 0),
+    batch_parents   integer not null default 500 check (batch_parents between 1 and 1000000),
     owner           name not null default current_user,
     created_at      timestamptz not null default now(),
     updated_at      timestamptz not null default now(),

@@ -210,8 +210,8 @@ as $$
 declare
     j lockstep.job := lockstep._queue_job(job);
 begin
-    if batch_parents is null or batch_parents < 1 then
-        raise exception 'lockstep: batch_parents must be a positive integer (got %)',
+    if batch_parents is null or batch_parents not between 1 and 1000000 then
+        raise exception 'lockstep: batch_parents must be an integer between 1 and 1000000 (got %)',
             coalesce(batch_parents::text, 'NULL')
             using errcode = '22023', hint = 'The default is 500 parents per transaction.';
     end if;
