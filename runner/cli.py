@@ -305,7 +305,7 @@ def _migrate_report(action: str, current: tuple[str, ...], head: str, json: bool
     show_default=True,
     help="Longest sleep between looks at the schedule, in seconds.",
 )
-@option("--no-listen", is_flag=True, help="Do not LISTEN for new queued keys (poll every tick only).")
+@option("--no-listen", is_flag=True, help="Do not wake early when keys are enqueued; look every tick only.")
 @option(
     "--no-prepare",
     is_flag=True,

@@ -19,7 +19,6 @@ from runner import dsn as dsns
 log = logging.getLogger("lockstep.db")
 
 APP_NAME = "lockstep-runner"
-CHANNEL = "lockstep"
 POOLER_PORTS = {"6432"}  # pgbouncer's usual port: no server-side prepared statements there
 
 
@@ -92,19 +91,36 @@ def connect(
     return psycopg.connect(conninfo, **kwargs)
 
 
-def listen(conn: psycopg.Connection) -> None:
-    """LISTEN on lockstep's channel (payload: the job whose queue became non-empty)."""
-    conn.execute(f"listen {CHANNEL}")
+def queue_sequence(conn: psycopg.Connection) -> str | None:
+    """The queue's identity sequence (its last_value moves with every enqueued key), or None."""
+    row = conn.execute("select pg_get_serial_sequence('lockstep.queue', 'id')").fetchone()
+    return row[0] if row else None
 
 
-def wait_notify(conn: psycopg.Connection, timeout: float) -> str | None:
-    """Wait up to ``timeout`` seconds for a notification; its payload (a job name), or None.
+def queue_mark(conn: psycopg.Connection, sequence: str) -> int | None:
+    """The sequence's last value: the runners' wake-up signal. Not transactional and no table read, so the
+    application pays nothing for it (no NOTIFY, no lock), and it works through transaction poolers. None if
+    no key was ever enqueued."""
+    return conn.execute("select pg_sequence_last_value(%s::regclass)", [sequence]).fetchone()[0]
 
-    psycopg >= 3.2 keeps notifications that arrived during other queries and yields them first.
-    """
-    for n in conn.notifies(timeout=timeout, stop_after=1):
-        return n.payload
-    return None
+
+def may_vacuum_queue(conn: psycopg.Connection) -> bool:
+    """The runner's role may VACUUM lockstep.queue (owner, member of the owner, database owner, superuser)."""
+    row = conn.execute(
+        "select pg_has_role(c.relowner, 'USAGE') or d.datdba = u.oid or u.rolsuper"
+        " from pg_class c, pg_namespace n, pg_roles u, pg_database d"
+        " where n.nspname = 'lockstep' and c.relnamespace = n.oid and c.relname = 'queue'"
+        " and u.rolname = current_user"
+        " and d.datname = current_database()"
+    ).fetchone()
+    return bool(row and row[0])
+
+
+def vacuum_queue(conn: psycopg.Connection) -> None:
+    """VACUUM the queue (its dead rows: every pass deletes what it processed). SKIP_LOCKED: never waits for
+    another runner's vacuum; the queue's vacuum_truncate = false: never an ACCESS EXCLUSIVE lock, so an
+    enqueuing application never waits for it."""
+    conn.execute("vacuum (skip_locked) lockstep.queue")
 
 
 def backend_pid(conn: psycopg.Connection) -> int:

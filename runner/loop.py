@@ -1,4 +1,5 @@
-"""The runner's schedule: ask what is due, run it, sleep until the next due time or a NOTIFY. No SQL here."""
+"""The runner's schedule: ask what is due, run it, sleep until the next due time or until keys are enqueued
+(the queue's identity sequence moved). No SQL here."""
 
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ log = logging.getLogger("lockstep.runner")
 
 DRAIN_LIMIT = 50  # consecutive calls of one job in a tick (outcome done, more) before the others' turn
 SLICE = 0.25  # longest uninterrupted wait, so a signal is noticed quickly
+POLL = 0.1  # how often a sleeping runner looks at the queue's sequence (wake-up latency)
+VACUUM_EVERY = 10.0  # seconds between two VACUUMs of the queue by a runner that worked meanwhile
+RECHECK = 1.0  # after the sequence moved: look at the schedule every POLL this long (the enqueuer may not
+# have committed yet when the sequence moved)
 
 
 @dataclass
@@ -25,7 +30,7 @@ class Options:
     jobs: list[str] | None = None
     once: bool = False
     tick: float = 1.0
-    listen: bool = True
+    listen: bool = True  # wake early when keys are enqueued (--no-listen: every tick only)
     prepare: bool | None = None
     drain_limit: int = DRAIN_LIMIT
     check_interval: str | None = None  # client_connection_check_interval for the runner's sessions
@@ -80,8 +85,12 @@ class Runner:
         self.conn: psycopg.Connection | None = None
         self.pid: int | None = None
         self.stopping = False
-        self.notified = False
         self.any_failed = False
+        self._sequence: str | None = None
+        self._mark: int | None = None
+        self._recheck_until = 0.0
+        self._may_vacuum = False
+        self._vacuum_at = time.monotonic()
         self._job_errors: dict[str, _JobError] = {}
         self._depths_at = 0.0
         self._unknown: set[str] = set()
@@ -114,8 +123,18 @@ class Runner:
         conn = db.connect(self.opts.dsn, prepare=self.opts.prepare, check_interval=self.opts.check_interval)
         self.conn = conn
         self.pid = db.backend_pid(conn)
+        self._may_vacuum = db.may_vacuum_queue(conn)
+        if not self._may_vacuum:
+            log.info("not the queue's owner: autovacuum alone cleans lockstep.queue")
+        self._sequence = None
         if self.opts.listen and not self.opts.once:
-            db.listen(conn)
+            try:
+                sequence = db.queue_sequence(conn)
+                if sequence is not None:
+                    db.queue_mark(conn, sequence)
+                    self._sequence = sequence
+            except psycopg.errors.InsufficientPrivilege as exc:
+                log.warning("cannot read the queue's sequence (%s); waking every --tick only", describe(exc))
         log.debug("connected: backend pid %s, database %s", self.pid, conn.info.dbname)
 
     def _close(self) -> None:
@@ -201,6 +220,8 @@ class Runner:
     def _tick(self, sleep: bool) -> bool:
         """Run every job due now; then (if nothing happened and ``sleep``) wait. True if a run did work."""
         assert self.conn is not None
+        if self._sequence is not None:
+            self._mark = db.queue_mark(self.conn, self._sequence)  # before due(): later keys wake us
         rows = db.due(self.conn, self.opts.jobs)
         if self.opts.jobs:
             self._check_known(rows)
@@ -216,11 +237,13 @@ class Runner:
                 continue
             progressed |= self._drain(row.job)
         self._update_depths()
+        if progressed:
+            self._vacuum()
         if progressed or not sleep or self.stopping:
             return progressed
         waits = [r.wait for r in rows if r.wait is not None and r.wait > 0]
-        self.notified = False
-        self._sleep(min([self.opts.tick, *waits]), wake_on_notify=self.opts.listen)
+        if self._sleep(min([self.opts.tick, *waits]), wake=self._sequence is not None):
+            self._recheck_until = time.monotonic() + RECHECK
         return False
 
     def _drain(self, job: str) -> bool:
@@ -306,26 +329,39 @@ class Runner:
                 extra={"fields": fields},
             )
 
+    def _vacuum(self) -> None:
+        """Every VACUUM_EVERY seconds of work, VACUUM the queue: it churns (every pass deletes what it
+        processed) faster than autovacuum visits it (at most once per autovacuum_naptime, or never)."""
+        if self._may_vacuum and self.conn is not None and time.monotonic() - self._vacuum_at > VACUUM_EVERY:
+            self._vacuum_at = time.monotonic()
+            db.vacuum_queue(self.conn)
+
     def _update_depths(self) -> None:
         if self.metrics.enabled and self.conn is not None and time.monotonic() - self._depths_at > 5:
             self._depths_at = time.monotonic()
             self.metrics.depths(db.queue_depths(self.conn))
 
-    def _sleep(self, seconds: float, wake_on_notify: bool = False) -> None:
-        """Sleep up to ``seconds``, in slices so a signal is noticed; a NOTIFY ends it early if asked."""
+    def _sleep(self, seconds: float, wake: bool = False) -> bool:
+        """Sleep up to ``seconds``, in slices so a signal is noticed. With ``wake``, look at the queue's
+        sequence every POLL seconds and return True as soon as it moved (keys were enqueued): a query on the
+        runner's own connection, nothing the application pays for. Shortly after such a wake, sleep at most
+        POLL (the enqueuing transaction may commit a little later than its keys took their ids)."""
         deadline = time.monotonic() + seconds
+        if wake and time.monotonic() < self._recheck_until:
+            deadline = min(deadline, time.monotonic() + POLL)
         while not self.stopping:
-            if wake_on_notify and self.notified:
-                return
             left = deadline - time.monotonic()
             if left <= 0:
-                return
-            if wake_on_notify and self.conn is not None:
-                job = db.wait_notify(self.conn, min(left, SLICE))
-                if job is not None and (self.opts.jobs is None or job in self.opts.jobs):
-                    self.notified = True
+                return False
+            if wake and self.conn is not None and self._sequence is not None:
+                time.sleep(min(left, POLL))
+                mark = db.queue_mark(self.conn, self._sequence)
+                if mark != self._mark:
+                    self._mark = mark
+                    return True
             else:
                 time.sleep(min(left, SLICE))
+        return False
 
 
 def run(opts: Options, metrics_port: int | None = None, metrics_host: str = "0.0.0.0") -> int:

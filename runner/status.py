@@ -20,6 +20,7 @@ TABLE_COLUMNS = (
     "next_run_at",
     "runs",
     "recompute",  # done/total parents of a recompute spread over several transactions
+    "needs_recompute",
     "last_error",
 )
 

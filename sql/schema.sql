@@ -223,6 +223,31 @@ begin
 end;
 $$;
 
+CREATE FUNCTION lockstep._canon(keys anyarray) RETURNS text[]
+    LANGUAGE sql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    SET "DateStyle" TO 'ISO, YMD'
+    SET "IntervalStyle" TO 'postgres'
+    SET extra_float_digits TO '1'
+    SET "TimeZone" TO 'UTC'
+    AS $$
+    select coalesce(pg_catalog.array_agg(k::text order by k), '{}')
+    from (select distinct k from pg_catalog.unnest(keys) k where k is not null) s;
+$$;
+
+CREATE FUNCTION lockstep._castable(source regtype, target regtype) RETURNS boolean
+    LANGUAGE sql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+    with recursive base(t) as (
+        select source::oid
+        union
+        select ty.typbasetype from base join pg_catalog.pg_type ty on ty.oid = base.t where ty.typtype = 'd')
+    select exists (select from base where base.t = target)
+        or exists (select from base join pg_catalog.pg_cast c on c.castsource = base.t
+                   where c.casttarget = target and c.castcontext = 'i');
+$$;
+
 CREATE FUNCTION lockstep._check_act_as(j lockstep.job) RETURNS void
     LANGUAGE plpgsql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -542,6 +567,10 @@ begin
     if job = '' or lock_group = '' then
         raise exception 'lockstep: job and lock_group must not be empty strings' using errcode = '22023';
     end if;
+    if pg_catalog.octet_length(job) > 63 then
+        raise exception 'lockstep: job names must be at most 63 bytes (got %)', pg_catalog.octet_length(job)
+            using errcode = '22023', hint = 'Like an SQL identifier: choose a shorter name.';
+    end if;
     if every <= interval '0' or backoff <= interval '0' then
         raise exception 'lockstep: every and backoff must be positive intervals (got every %, backoff %)',
             every, backoff using errcode = '22023';
@@ -635,6 +664,33 @@ begin
 end;
 $$;
 
+CREATE FUNCTION lockstep._check_watchers(job text, parent regclass, key_type regtype) RETURNS void
+    LANGUAGE plpgsql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    w record;
+    v_type regtype;
+begin
+    for w in select * from lockstep._watchers(job) loop
+        if parent is null then
+            raise exception 'lockstep: job "%" is fed by trigger % on %, so it needs a parent (its queue)', job, w.tgname, w.rel
+                using errcode = 'LSJ02',
+                      hint = pg_catalog.format('Pass parent => ..., or first select lockstep.unwatch(%L, %L).', job, w.rel);
+        end if;
+        select a.atttypid into v_type from pg_catalog.pg_attribute a
+        where a.attrelid = w.rel and a.attname = w.key_column and a.attnum > 0 and not a.attisdropped;
+        if v_type is null or not lockstep._castable(v_type, _check_watchers.key_type)
+           or exists (select from lockstep.job x where x.job = _check_watchers.job and x.key_type <> _check_watchers.key_type) then
+            raise exception 'lockstep: job "%" is fed by trigger % on % (column %, %), which does not fit the new parent key type %',
+                job, w.tgname, w.rel, w.key_column, coalesce(v_type::text, 'missing'), key_type
+                using errcode = 'LSQ01',
+                      hint = pg_catalog.format('First select lockstep.unwatch(%L, %L), then watch() again after redefining.', job, w.rel);
+        end if;
+    end loop;
+end;
+$$;
+
 CREATE FUNCTION lockstep._claim(j lockstep.job, batch integer, OUT keys text[], OUT kind text, OUT "full" boolean) RETURNS record
     LANGUAGE plpgsql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -666,6 +722,16 @@ begin
             and not exists (select from lockstep.key_failure f where f.job = q.job and f.key = q.key)
           order by q.id limit batch) c;
     kind := 'batch';
+end;
+$$;
+
+CREATE FUNCTION lockstep._clear_flag(j lockstep.job, snap pg_snapshot) RETURNS void
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+begin
+    delete from lockstep.recompute_flag f
+    where f.job = j.job and pg_catalog.pg_visible_in_snapshot(f.xid, snap);
 end;
 $$;
 
@@ -831,24 +897,20 @@ $_$;
 CREATE FUNCTION lockstep._enqueue_text(j lockstep.job, keys text[]) RETURNS bigint
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
+    SET "DateStyle" TO 'ISO, YMD'
+    SET "IntervalStyle" TO 'postgres'
+    SET extra_float_digits TO '1'
+    SET "TimeZone" TO 'UTC'
     AS $_$
 declare
-    v_empty boolean;
-    n bigint;
+    v text[];
 begin
     if keys is null or cardinality(keys) = 0 then
         return 0;
     end if;
-    v_empty := not exists (select from lockstep.queue q where q.job = j.job);
-    execute pg_catalog.format(
-        'insert into lockstep.queue (job, key) '
-        'select $1, s.k::text from (select distinct k from pg_catalog.unnest($2::%s) k where k is not null) s order by s.k',
-        lockstep._array_type(j.key_type)) using j.job, keys;
-    get diagnostics n = row_count;
-    if v_empty and n > 0 then
-        perform pg_catalog.pg_notify('lockstep', j.job);
-    end if;
-    return n;
+    execute pg_catalog.format('select lockstep._canon($1::%s)', lockstep._array_type(j.key_type)) into v using keys;
+    insert into lockstep.queue (job, key) select j.job, k from pg_catalog.unnest(v) with ordinality u(k, o) order by o;
+    return cardinality(v);
 end;
 $_$;
 
@@ -868,6 +930,13 @@ begin
     perform lockstep._finish(j, action, 'failed', started, null, error);
     return lockstep._result('failed', j.job, action, null, error);
 end;
+$$;
+
+CREATE FUNCTION lockstep._fast_types() RETURNS text[]
+    LANGUAGE sql IMMUTABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+    select array['bigint', 'integer', 'smallint', 'numeric', 'text', 'character varying', 'uuid'];
 $$;
 
 CREATE FUNCTION lockstep._finish(j lockstep.job, action text, outcome text, started timestamp with time zone, p lockstep._pass DEFAULT NULL::lockstep._pass, error text DEFAULT NULL::text) RETURNS void
@@ -901,6 +970,17 @@ begin
         runs = s.runs + 1
     where s.job = j.job;
     perform lockstep._log_run(j, action, outcome, started, p, error);
+end;
+$$;
+
+CREATE FUNCTION lockstep._flag(job text, problem text) RETURNS void
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+begin
+    insert into lockstep.recompute_flag (job, problem) values (coalesce(job, ''), problem);
+    raise warning 'lockstep: could not enqueue for job "%": %; job flagged for a full recompute', job, problem
+        using hint = 'See trigger_problem in lockstep.status; lockstep.recompute(job) clears the flag.';
 end;
 $$;
 
@@ -1026,6 +1106,10 @@ $$;
 CREATE FUNCTION lockstep._keys_text(j lockstep.job, keys anyarray) RETURNS text[]
     LANGUAGE plpgsql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
+    SET "DateStyle" TO 'ISO, YMD'
+    SET "IntervalStyle" TO 'postgres'
+    SET extra_float_digits TO '1'
+    SET "TimeZone" TO 'UTC'
     AS $_$
 declare
     v text[];
@@ -1038,8 +1122,9 @@ begin
     if pg_catalog.array_position(keys, null) is not null then
         raise exception 'lockstep: keys must not contain NULL (job "%")', j.job using errcode = '22004';
     end if;
-    execute pg_catalog.format('select array_agg(k::%s::text) from pg_catalog.unnest($1::text[]) k', j.key_type)
-        into v using keys::text[];
+    -- through text (canonical here): 1.5 for a bigint key is an error, not a rounded 2
+    execute pg_catalog.format('select array_agg(k::text::%s::text) from pg_catalog.unnest($1) k', j.key_type)
+        into v using keys;
     return coalesce(v, '{}');
 end;
 $_$;
@@ -1516,6 +1601,7 @@ declare
     v_state text;
     v_before bigint;
     v_rest bigint := 0;
+    v_snap pg_snapshot;
     p lockstep._pass;
 begin
     if not lockstep._try_lock(j.lock_group) then
@@ -1529,6 +1615,7 @@ begin
     v_started := clock_timestamp();
     select coalesce(max(q.id), 0) into v_before from lockstep.queue q where q.job = j.job;
     perform pg_catalog.set_config('lockstep.handed_off', '0', true);
+    v_snap := pg_catalog.pg_current_snapshot();  -- flags this snapshot sees are covered by this recompute
     begin
         p := lockstep._apply(j, null);
     exception
@@ -1547,6 +1634,7 @@ begin
     if j.parent is not null then
         perform lockstep._hand_off(j, p.skipped, v_before, case when v_rest > 0 then j.batch_parents + v_rest end);
     end if;
+    perform lockstep._clear_flag(j, v_snap);
     perform lockstep._finish(j, 'recompute', 'done', v_started, p);
     return lockstep._result('done', j.job, 'recompute', p, null, v_rest > 0);
 end;
@@ -1758,6 +1846,28 @@ begin
 end;
 $_$;
 
+CREATE FUNCTION lockstep._tgarg(args bytea, n integer) RETURNS text
+    LANGUAGE plpgsql IMMUTABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    v bytea := args;
+    p integer;
+begin
+    for i in 0..n loop
+        p := pg_catalog.position(v, '\x00'::bytea);
+        if p = 0 then
+            return null;
+        end if;
+        if i = n then
+            return pg_catalog.convert_from(pg_catalog.substr(v, 1, p - 1), pg_catalog.getdatabaseencoding());
+        end if;
+        v := pg_catalog.substr(v, p + 1);
+    end loop;
+    return null;
+end;
+$$;
+
 CREATE FUNCTION lockstep._timed_out() RETURNS text[]
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -1865,7 +1975,43 @@ CREATE FUNCTION lockstep._trigger_name(job text, op text) RETURNS name
     LANGUAGE sql IMMUTABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
-    select ('lockstep_' || left(job, 40) || '_' || left(pg_catalog.md5(job), 6) || '_' || op)::name;
+    select ('lockstep_' || (select s from pg_catalog.generate_series(least(pg_catalog.length(job), 20), 0, -1) n,
+                                           pg_catalog.left(job, n) s
+                            where pg_catalog.octet_length(s) <= 20 limit 1)
+            || '_' || pg_catalog.left(pg_catalog.md5(job), 12) || '_' || op)::name;
+$$;
+
+CREATE FUNCTION lockstep._trigger_problem(job text, key_column text, rel oid, op text, new_table name, old_table name, OUT problem text, OUT key_type regtype) RETURNS record
+    LANGUAGE plpgsql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    v_queue boolean;
+    v_type regtype;
+    v_conv boolean;
+begin
+    if (op in ('INSERT', 'UPDATE') and new_table is null) or (op in ('UPDATE', 'DELETE') and old_table is null) then
+        problem := pg_catalog.format('the trigger on %s has no %s transition table (REFERENCING ... TABLE AS)',
+                                     rel::regclass, case when new_table is null and op <> 'DELETE' then 'NEW' else 'OLD' end);
+        return;
+    end if;
+    select j.key_type, case when j.job is not null then j.kind = 'derived' and j.parent is not null end, a.atttypid,
+           a.atttypid = j.key_type or t.typbasetype = j.key_type
+           or exists (select from pg_catalog.pg_cast c
+                      where c.castsource in (a.atttypid, t.typbasetype) and c.casttarget = j.key_type
+                        and c.castcontext = 'i')
+    into key_type, v_queue, v_type, v_conv
+    from (values (1)) one(x)
+    left join lockstep.job j on j.job = _trigger_problem.job
+    left join pg_catalog.pg_attribute a
+        on a.attrelid = rel and a.attname = key_column and a.attnum > 0 and not a.attisdropped
+    left join pg_catalog.pg_type t on t.oid = a.atttypid;
+    problem := case when v_queue is null then 'unknown job'
+                    when not v_queue then 'the job has no parent, so it has no queue'
+                    when v_type is null then pg_catalog.format('table %s has no column %I', rel::regclass, key_column)
+                    when not v_conv then pg_catalog.format('column %s.%I is %s, which does not always convert to the key type %s',
+                                                           rel::regclass, key_column, v_type, key_type) end;
+end;
 $$;
 
 CREATE FUNCTION lockstep._try(j lockstep.job, keys text[], OUT p lockstep._pass, OUT error text) RETURNS record
@@ -1936,6 +2082,18 @@ begin
             using hint = pg_catalog.format('create index on %s (%I);', target, parent_column);
     end if;
 end;
+$$;
+
+CREATE FUNCTION lockstep._watchers(job text) RETURNS TABLE(rel regclass, tgname name, key_column text)
+    LANGUAGE sql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+    select tg.tgrelid::regclass, tg.tgname, lockstep._tgarg(tg.tgargs, 1)
+    from pg_catalog.pg_trigger tg
+    where tg.tgfoid = 'lockstep.enqueue_trigger()'::regprocedure and tg.tgnargs >= 1
+      and pg_catalog.substr(tg.tgargs, 1, pg_catalog.position(tg.tgargs, '\x00'::bytea) - 1)
+          = pg_catalog.convert_to(job, pg_catalog.getdatabaseencoding())
+    order by 1, 2;
 $$;
 
 CREATE FUNCTION lockstep._work(j lockstep.job, batch integer) RETURNS lockstep.result
@@ -2058,6 +2216,7 @@ begin
     perform lockstep._callable(compute, 1);
     perform lockstep._warn_index(target, v_par.parent_column);
     perform lockstep._dry_run(compute, v_par.key_type);
+    perform lockstep._check_watchers(job, parent, v_par.key_type);
     perform lockstep._save_derived(job, target, compute, parent, v_par.parent_column, v_par.parent_key,
                                    v_par.key_type, v_key, v_cols, lock_group, every, backoff);
 end;
@@ -2112,16 +2271,11 @@ declare
     t record;
 begin
     perform lockstep._check_owner(j);
-    for t in
-        select tg.tgname, tg.tgrelid::regclass as rel
-        from pg_catalog.pg_trigger tg
-        where tg.tgfoid = 'lockstep.enqueue_trigger()'::regprocedure
-          and pg_catalog.split_part(pg_catalog.encode(tg.tgargs, 'escape'), '\000', 1) = j.job
-        order by 2, 1
-    loop
+    for t in select w.tgname, w.rel from lockstep._watchers(j.job) w loop
         execute pg_catalog.format('drop trigger %I on %s', t.tgname, t.rel);
     end loop;
     delete from lockstep.queue q where q.job = j.job;
+    delete from lockstep.recompute_flag f where f.job = j.job;
     delete from lockstep.job x where x.job = j.job;
 end;
 $$;
@@ -2132,6 +2286,8 @@ CREATE FUNCTION lockstep.due(jobs text[] DEFAULT NULL::text[]) RETURNS TABLE(job
     AS $$
     select j.job, j.lock_group,
            least(s.next_run_at,
+                 case when j.kind = 'derived' and s.consecutive_failures = 0
+                       and exists (select from lockstep.recompute_flag f where f.job = j.job) then now() end,
                  case when j.parent is not null and lockstep._has_ready(j)
                       then greatest(now(), coalesce(s.retry_at, now())) end,
                  case when j.parent is not null then
@@ -2162,33 +2318,94 @@ $$;
 CREATE FUNCTION lockstep.enqueue_trigger() RETURNS trigger
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
-    AS $$
+    AS $_$
 declare
-    j lockstep.job;
-    v_keys text[] := '{}';
-    v_part text[];
+    v_new name;
+    v_old name;
+    v_type regtype;
+    v_sql text;
+    v_problem text;
+    n bigint;
 begin
-    if tg_level <> 'STATEMENT' or tg_when <> 'AFTER' or tg_nargs <> 2 then
-        raise exception 'lockstep.enqueue_trigger() must be used in AFTER ... FOR EACH STATEMENT triggers with two arguments (job, key column)'
-            using errcode = '22023';
+    select t.tgnewtable, t.tgoldtable into v_new, v_old
+    from pg_catalog.pg_trigger t where t.tgrelid = tg_relid and t.tgname = tg_name;
+    if tg_nargs = 3 and tg_level = 'STATEMENT' and tg_when = 'AFTER'
+       and tg_argv[2] in ('bigint', 'integer', 'smallint', 'numeric', 'text', 'character varying', 'uuid')  -- _fast_types
+       and (case tg_op when 'INSERT' then v_new = 'lockstep_new'
+                       when 'DELETE' then v_old = 'lockstep_old'
+                       when 'UPDATE' then v_new = 'lockstep_new' and v_old = 'lockstep_old' end) then
+        if tg_op = 'UPDATE' then
+            insert into lockstep.queue (job, key)
+            select tg_argv[0], k operator(pg_catalog.#>>) '{}'
+            from (select pg_catalog.to_jsonb(x) operator(pg_catalog.->) tg_argv[1] k from lockstep_new x
+                  union select pg_catalog.to_jsonb(x) operator(pg_catalog.->) tg_argv[1] from lockstep_old x) s
+            where k operator(pg_catalog.<>) 'null' order by k;
+        elsif tg_op = 'INSERT' then
+            insert into lockstep.queue (job, key)
+            select tg_argv[0], k operator(pg_catalog.#>>) '{}'
+            from (select distinct pg_catalog.to_jsonb(x) operator(pg_catalog.->) tg_argv[1] k from lockstep_new x) s
+            where k operator(pg_catalog.<>) 'null' order by k;
+        else
+            insert into lockstep.queue (job, key)
+            select tg_argv[0], k operator(pg_catalog.#>>) '{}'
+            from (select distinct pg_catalog.to_jsonb(x) operator(pg_catalog.->) tg_argv[1] k from lockstep_old x) s
+            where k operator(pg_catalog.<>) 'null' order by k;
+        end if;
+        get diagnostics n = row_count;
+        if n > 0 then
+            return null;
+        end if;
+        -- nothing enqueued: NULL keys, or a column renamed or dropped (to_jsonb then has no such field)
+        if exists (select from pg_catalog.pg_attribute a
+                   where a.attrelid = tg_relid and a.attname = tg_argv[1] and a.attnum > 0 and not a.attisdropped) then
+            return null;
+        end if;
     end if;
-    j := lockstep._queue_job(tg_argv[0]);
-    if tg_op in ('INSERT', 'UPDATE') then
-        execute pg_catalog.format('select array_agg(%I::text) from lockstep_new', tg_argv[1]) into v_part;
-        v_keys := v_keys || coalesce(v_part, '{}');
+    -- the general path: any transition-table names, any key type (EXECUTE)
+    if tg_level <> 'STATEMENT' or tg_when <> 'AFTER' or tg_nargs not in (2, 3) then
+        v_problem := 'lockstep.enqueue_trigger() must be used in AFTER ... FOR EACH STATEMENT triggers with '
+                     'arguments (job, key column)';
+    elsif tg_op = 'TRUNCATE' then
+        v_problem := 'TRUNCATE: a statement without transition tables';
+    else
+        v_new := case when tg_op <> 'DELETE' then v_new end;
+        v_old := case when tg_op <> 'INSERT' then v_old end;
+        begin  -- reads only: the subtransaction gets no transaction id
+            select x.problem, x.key_type into v_problem, v_type
+            from lockstep._trigger_problem(tg_argv[0], tg_argv[1], tg_relid, tg_op, v_new, v_old) x;
+        exception when others then
+            get stacked diagnostics v_problem = message_text;
+        end;
     end if;
-    if tg_op in ('DELETE', 'UPDATE') then
-        execute pg_catalog.format('select array_agg(%I::text) from lockstep_old', tg_argv[1]) into v_part;
-        v_keys := v_keys || coalesce(v_part, '{}');
+    if v_problem is not null then
+        perform lockstep._flag(case when tg_nargs > 0 then tg_argv[0] end, v_problem);
+        return null;
     end if;
-    perform lockstep._enqueue_text(j, v_keys);
+    -- checked above: the column exists and converts without loss, so this cannot fail (no subtransaction:
+    -- a write in one would take a subtransaction id per statement)
+    v_sql := pg_catalog.concat_ws(' union all ',
+        case when v_new is not null then pg_catalog.format('select %I::%s k from %I', tg_argv[1], v_type, v_new) end,
+        case when v_old is not null then pg_catalog.format('select %I::%s k from %I', tg_argv[1], v_type, v_old) end);
+    if v_type::text = any(lockstep._fast_types()) then  -- text the same under every setting
+        execute pg_catalog.format('insert into lockstep.queue (job, key) select $1, k::text '
+                                  'from (select distinct k from (%s) s where k is not null) d order by k', v_sql)
+            using tg_argv[0];
+    else
+        execute pg_catalog.format('insert into lockstep.queue (job, key) select $1, k from pg_catalog.unnest('
+                                  '(select lockstep._canon(pg_catalog.array_agg(k)) from (%s) s)) with ordinality u(k, o) '
+                                  'order by o', v_sql)
+            using tg_argv[0];
+    end if;
     return null;
 end;
-$$;
+$_$;
 
 CREATE FUNCTION lockstep.recompute(job text) RETURNS lockstep.result
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
+    SET "DateStyle" TO 'ISO, YMD'
+    SET "IntervalStyle" TO 'postgres'
+    SET extra_float_digits TO '1'
     AS $$
 begin
     perform lockstep._check_isolation('lockstep.recompute()');
@@ -2219,6 +2436,9 @@ $$;
 CREATE FUNCTION lockstep.run(job text) RETURNS lockstep.result
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
+    SET "DateStyle" TO 'ISO, YMD'
+    SET "IntervalStyle" TO 'postgres'
+    SET extra_float_digits TO '1'
     AS $$
 declare
     j lockstep.job := lockstep._job(job);
@@ -2239,6 +2459,10 @@ begin
     end if;
     if s.next_run_at <= now() then
         return lockstep._recompute(j, true);
+    end if;
+    -- a trigger fell back on flagging the job: its recompute is due now (unless failing: then its backoff)
+    if s.consecutive_failures = 0 and exists (select from lockstep.recompute_flag f where f.job = j.job) then
+        return lockstep._recompute(j, false);
     end if;
     if j.parent is null then
         return lockstep._result(lockstep._not_due(s), j.job, 'recompute');
@@ -2347,27 +2571,40 @@ CREATE FUNCTION lockstep.watch(job text, source regclass, key_column name) RETUR
 declare
     j lockstep.job := lockstep._queue_job(job);
     v_type regtype;
+    v_fast boolean;
     op text;
 begin
     if source is null or key_column is null then
         raise exception 'lockstep: source and key_column must not be NULL' using errcode = '22004';
+    end if;
+    if not exists (select from pg_catalog.pg_class c where c.oid = source and c.relkind in ('r', 'p')) then
+        raise exception 'lockstep: source % is not a table', source using errcode = '42809';
     end if;
     select a.atttypid into v_type from pg_catalog.pg_attribute a
     where a.attrelid = source and a.attname = key_column and a.attnum > 0 and not a.attisdropped;
     if v_type is null then
         raise exception 'lockstep: table % has no column %', source, key_column using errcode = '42703';
     end if;
-    perform lockstep._check_key_type(j, v_type, pg_catalog.format('%s.%s', source, key_column));
+    -- a trigger cannot report a value that does not convert (numeric 3.5 for a bigint key): only lossless
+    -- conversions are accepted here
+    if not lockstep._castable(v_type, j.key_type) then
+        raise exception 'lockstep: %.% is %, which does not always convert to the parent key type % of job "%"',
+            source, key_column, v_type, j.key_type, j.job
+            using errcode = 'LSQ01',
+                  hint = pg_catalog.format('Watch a %s column (or one of a type with an implicit cast to it).', j.key_type);
+    end if;
+    -- the fast path (a third argument) where the column's JSON text is the key's canonical text
+    v_fast := v_type::text = any(lockstep._fast_types()) and j.key_type::text = any(lockstep._fast_types());
     perform lockstep.unwatch(job, source);
     foreach op in array array['insert', 'update', 'delete'] loop
         execute pg_catalog.format(
             'create trigger %I after %s on %s referencing %s for each statement '
-            'execute function lockstep.enqueue_trigger(%L, %L)',
+            'execute function lockstep.enqueue_trigger(%L, %L%s)',
             lockstep._trigger_name(j.job, op), op, source,
             case op when 'insert' then 'new table as lockstep_new'
                     when 'update' then 'old table as lockstep_old new table as lockstep_new'
                     else 'old table as lockstep_old' end,
-            j.job, key_column);
+            j.job, key_column, case when v_fast then pg_catalog.format(', %L', j.key_type) else '' end);
     end loop;
 end;
 $$;
@@ -2375,6 +2612,9 @@ $$;
 CREATE FUNCTION lockstep.work(job text, batch integer DEFAULT 500) RETURNS lockstep.result
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
+    SET "DateStyle" TO 'ISO, YMD'
+    SET "IntervalStyle" TO 'postgres'
+    SET extra_float_digits TO '1'
     AS $$
 begin
     perform lockstep._check_isolation('lockstep.work()');
@@ -2424,7 +2664,8 @@ CREATE TABLE lockstep.queue (
     key text NOT NULL,
     enqueued_at timestamp with time zone DEFAULT now() NOT NULL,
     ready_at timestamp with time zone DEFAULT now() NOT NULL
-);
+)
+WITH (vacuum_truncate='false', autovacuum_vacuum_scale_factor='0', autovacuum_vacuum_threshold='1000', autovacuum_vacuum_insert_scale_factor='0', autovacuum_vacuum_insert_threshold='10000', autovacuum_analyze_scale_factor='0', autovacuum_analyze_threshold='10000', autovacuum_vacuum_cost_delay='0');
 
 ALTER TABLE lockstep.queue ALTER COLUMN id ADD GENERATED ALWAYS AS IDENTITY (
     SEQUENCE NAME lockstep.queue_id_seq
@@ -2433,6 +2674,13 @@ ALTER TABLE lockstep.queue ALTER COLUMN id ADD GENERATED ALWAYS AS IDENTITY (
     NO MINVALUE
     NO MAXVALUE
     CACHE 1
+);
+
+CREATE TABLE lockstep.recompute_flag (
+    job text NOT NULL,
+    flagged_at timestamp with time zone DEFAULT now() NOT NULL,
+    problem text NOT NULL,
+    xid xid8 DEFAULT pg_current_xact_id() NOT NULL
 );
 
 CREATE TABLE lockstep.run_log (
@@ -2512,7 +2760,15 @@ CREATE VIEW lockstep.status WITH (security_invoker='true') AS
         CASE
             WHEN (h.todo > 0) THEN s.recompute_total
             ELSE NULL::bigint
-        END AS recompute_total
+        END AS recompute_total,
+    ( SELECT min(f.flagged_at) AS min
+           FROM lockstep.recompute_flag f
+          WHERE (f.job = j.job)) AS needs_recompute,
+    ( SELECT f.problem
+           FROM lockstep.recompute_flag f
+          WHERE (f.job = j.job)
+          ORDER BY f.flagged_at DESC
+         LIMIT 1) AS trigger_problem
    FROM ((lockstep.job j
      JOIN lockstep.job_state s ON ((s.job = j.job)))
      LEFT JOIN LATERAL ( SELECT count(DISTINCT q.key) AS todo
@@ -2540,6 +2796,8 @@ ALTER TABLE ONLY lockstep.setting
     ADD CONSTRAINT setting_pkey PRIMARY KEY (only_row);
 
 CREATE INDEX queue_job_key_idx ON lockstep.queue USING btree (job, key);
+
+CREATE INDEX recompute_flag_job_idx ON lockstep.recompute_flag USING btree (job, flagged_at);
 
 CREATE INDEX run_log_finished_at_idx ON lockstep.run_log USING btree (finished_at);
 
@@ -2592,6 +2850,18 @@ CREATE POLICY queue_read ON lockstep.queue FOR SELECT USING (((job IN ( SELECT j
 CREATE POLICY queue_update ON lockstep.queue FOR UPDATE USING ((job IN ( SELECT j.job
    FROM lockstep.job j
   WHERE lockstep._may_manage(j.owner)))) WITH CHECK ((job IN ( SELECT j.job
+   FROM lockstep.job j
+  WHERE lockstep._may_manage(j.owner))));
+
+ALTER TABLE lockstep.recompute_flag ENABLE ROW LEVEL SECURITY;
+
+CREATE POLICY recompute_flag_append ON lockstep.recompute_flag FOR INSERT WITH CHECK (true);
+
+CREATE POLICY recompute_flag_delete ON lockstep.recompute_flag FOR DELETE USING ((job IN ( SELECT j.job
+   FROM lockstep.job j
+  WHERE lockstep._may_manage(j.owner))));
+
+CREATE POLICY recompute_flag_own ON lockstep.recompute_flag FOR SELECT USING ((job IN ( SELECT j.job
    FROM lockstep.job j
   WHERE lockstep._may_manage(j.owner))));
 

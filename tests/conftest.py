@@ -56,9 +56,10 @@ KINDS: dict[str, tuple[str, ...]] = {
     "schedules": ("schedules/*", "test_schedules_*", "test_properties", "test_isolation_harness"),
     "runner": ("runner/*", "test_runner*", "test_cli_*", "test_faults", "test_web", "test_web_browser"),
     "packaging": ("packaging/*", "test_wheel", "test_readme"),
-    "tools": ("tools/*", "test_demo", "test_bench", "test_storm"),
+    "tools": ("tools/*", "test_demo", "test_bench", "test_bench_oltp", "test_storm"),
     "sql": (
         "sql/*",
+        "test_app_safety",
         "test_define_derived",
         "test_history",
         "test_hostile_names",

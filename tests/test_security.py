@@ -45,6 +45,8 @@ OWNER_GRANTS = [
     "grant delete on lockstep.queue to {role}",  # drop_job
     "grant select on lockstep.key_failure to {role}",
     "grant delete on lockstep.key_failure to {role}",  # retry
+    "grant select on lockstep.recompute_flag to {role}",  # lockstep.status shows the flags
+    "grant delete on lockstep.recompute_flag to {role}",  # drop_job
     "grant select on lockstep.status to {role}",
     "grant select on lockstep.failing_keys to {role}",
     "grant temp on database {db} to {role}",  # the compute/write work tables and its trampoline
@@ -73,14 +75,14 @@ RUNNER_GRANTS = [
     "grant insert on lockstep.key_failure to {role}",
     "grant update on lockstep.key_failure to {role}",
     "grant delete on lockstep.key_failure to {role}",
+    "grant select on lockstep.recompute_flag to {role}",  # due() and run(): a flagged job's recompute is due
+    "grant delete on lockstep.recompute_flag to {role}",  # a recompute clears the flags it covered
     "grant {owner} to {role}",
     "grant select on lockstep.status to {role}",  # `lockstep status`, metrics
 ]
 # an application role that writes the watched tables: its statement triggers enqueue as that role.
 APP_GRANTS = [
     "grant usage on schema lockstep to {role}",
-    "grant select on lockstep.job to {role}",  # enqueue looks the job up
-    "grant select (job) on lockstep.queue to {role}",  # whether the job's queue was empty (NOTIFY)
     "grant insert on lockstep.queue to {role}",
 ]
 EXAMPLE_APP_GRANTS = [
@@ -417,7 +419,12 @@ def test_runner_reads_the_status_of_the_jobs_it_runs(ex, example_dsn, roles):
 
 
 def test_app_role_enqueues_through_triggers(ex, example_dsn, roles):
-    app = roles("lockstep_app", APP_GRANTS, EXAMPLE_APP_GRANTS, ["grant insert on example.exam to {role}"])
+    app = roles(
+        "lockstep_app",
+        APP_GRANTS,
+        EXAMPLE_APP_GRANTS,
+        ["grant insert on example.exam to {role}", "grant select on lockstep.job to {role}"],  # enqueue()
+    )
     with psycopg.connect(as_role(example_dsn, app), autocommit=True) as a:
         a.execute("update example.exam set title = 'lambda mu' where id = 7")
         a.execute("insert into example.exam_item (exam_id, body) values (8, 'nu xi omicron')")
@@ -440,16 +447,19 @@ def test_app_role_enqueues_through_triggers(ex, example_dsn, roles):
     assert example.divergence(ex) == (0, 0)
 
 
-def test_app_enqueue_notifies_only_when_the_queue_was_empty(ex, example_dsn, roles, connect):
-    """The app cannot read the job's queue keys, but still sees whether it was empty (NOTIFY only then)."""
+def test_app_writes_neither_notify_nor_read_the_queue(ex, example_dsn, roles, connect):
+    """The app's triggers only append to the queue: no NOTIFY (runners poll the queue's sequence), and no
+    read of the queue, so the app needs no SELECT on it."""
     app = roles("lockstep_app", APP_GRANTS, EXAMPLE_APP_GRANTS)
     listener = connect(example_dsn)
     listener.execute("listen lockstep")
     with psycopg.connect(as_role(example_dsn, app), autocommit=True) as a:
         a.execute("update example.exam set title = 'one' where id = 1")
         a.execute("update example.exam set title = 'two' where id = 2")
-    payloads = [n.payload for n in listener.notifies(timeout=0.5, stop_after=2)]
-    assert payloads == ["exam_keys"]
+        with raises_sqlstate("42501"):
+            a.execute("select count(*) from lockstep.queue")
+    assert list(listener.notifies(timeout=0.2, stop_after=1)) == []
+    assert sorted(k for (k,) in ex.execute("select key from lockstep.queue")) == ["1", "2"]
 
 
 def test_app_role_without_queue_grant_cannot_write_watched_tables(ex, example_dsn, roles):

@@ -13,7 +13,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-LOCKSTEP_TABLES = ("job", "job_state", "queue", "key_failure")
+LOCKSTEP_TABLES = ("job", "job_state", "queue", "key_failure", "recompute_flag")
 
 
 def snapshot(conn: psycopg.Connection, *extra_tables: str) -> dict[str, list[str]]:

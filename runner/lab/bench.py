@@ -50,7 +50,8 @@ LEVELS = (0, 1, 100)  # % of parents changed
 # lockstep_1tx: lockstep's recompute with no batch limit (one transaction, as before batch_parents)
 METHODS = ("naive", "seed", "lockstep", "lockstep_1tx", "matview")
 LOCKSTEP_METHODS = ("lockstep", "lockstep_1tx")
-SECTIONS = ("recompute", "queue", "scaling")
+# oltp: runner.lab.bench_oltp (pgbench; not run by default); scaling: the recompute at 1/4 of the parents
+SECTIONS = ("recompute", "queue", "scaling", "oltp")
 
 METHOD_CALL = {
     "naive": "select example.naive_recompute()",
@@ -653,6 +654,12 @@ def run(
     unknown = set(sections) - set(SECTIONS)
     if unknown:
         raise ValueError(f"unknown sections: {', '.join(sorted(unknown))}")
+    if "oltp" in sections:  # a database of its own (pgbench's tables), sized by LOCKSTEP_OLTP_* variables
+        from runner.lab import bench_oltp
+
+        oltp = {"oltp": bench_oltp.run(admin_dsn, progress)}
+        if set(sections) == {"oltp"}:
+            return oltp
     name = f"lockstep_bench_{os.getpid()}"
     try:
         progress(f"create database {name}")
@@ -672,7 +679,7 @@ def run(
             if "recompute" in result:
                 result["scaling"]["sizes"] = scaling_summary(result["recompute"], parents, result["scaling"])
         progress("done")
-        return result
+        return {**result, **oltp} if "oltp" in sections else result
     finally:
         scratch.drop_database(admin_dsn or "", name)
 
@@ -803,6 +810,10 @@ def _render_summary(summary: dict[str, Any], lines: list[str]) -> None:
 
 
 def render(r: dict[str, Any]) -> str:
+    if "machine" not in r:  # the oltp section alone
+        from runner.lab import bench_oltp
+
+        return bench_oltp.render(r["oltp"])
     m = r["machine"]
     lines = [
         f"machine: {m['nproc']} CPUs, {m['ram_gb']} GB RAM, PostgreSQL {m['postgresql']}; "
@@ -863,6 +874,10 @@ def render(r: dict[str, Any]) -> str:
                     f"{q[f'noop_{what}_wal_repeated']:,} B ({q[f'noop_{what}_fpi_repeated']} FPI) / "
                     f"{q[f'noop_{what}_catalog_rows_repeated']} rows"
                 )
+    if "oltp" in r:
+        from runner.lab import bench_oltp
+
+        lines += ["", bench_oltp.render(r["oltp"])]
     return "\n".join(lines)
 
 

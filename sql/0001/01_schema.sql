@@ -135,6 +135,31 @@ create table lockstep.queue (
 
 create index queue_job_key_idx on lockstep.queue (job, key);
 
+-- the queue churns (every worker pass deletes what it processed): vacuum it after a thousand dead rows, not
+-- after 20 % of the table, and without cost delay (it is small). Autovacuum visits a database at most once
+-- per autovacuum_naptime (default 1 min), or never (autovacuum = off), so runners that may also VACUUM it
+-- every 10 s while they work. vacuum_truncate = false: no vacuum ever takes the ACCESS EXCLUSIVE lock that
+-- truncating the file needs, so an enqueuing application never waits for one.
+alter table lockstep.queue set (
+    vacuum_truncate = false,
+    autovacuum_vacuum_scale_factor = 0, autovacuum_vacuum_threshold = 1000,
+    autovacuum_vacuum_insert_scale_factor = 0, autovacuum_vacuum_insert_threshold = 10000,
+    autovacuum_analyze_scale_factor = 0, autovacuum_analyze_threshold = 10000,
+    autovacuum_vacuum_cost_delay = 0);
+
+-- jobs to recompute in full because a trigger could not enqueue (unknown job, no queue, a column gone, a
+-- key that does not convert): append-only, written by lockstep._flag with an INSERT (application roles may
+-- insert, never update), deleted by lockstep._clear_flag after a recompute whose snapshot saw them (xid).
+-- No foreign key and no unique constraint: a flag never waits and never fails.
+create table lockstep.recompute_flag (
+    job         text not null,
+    flagged_at  timestamptz not null default now(),
+    problem     text not null,
+    xid         xid8 not null default pg_catalog.pg_current_xact_id()
+);
+
+create index recompute_flag_job_idx on lockstep.recompute_flag (job, flagged_at);
+
 -- keys whose computation failed: retried with exponential backoff, parked after max_attempts.
 create table lockstep.key_failure (
     job             text not null references lockstep.job (job) on delete cascade,

@@ -14,6 +14,10 @@ begin
     if job = '' or lock_group = '' then
         raise exception 'lockstep: job and lock_group must not be empty strings' using errcode = '22023';
     end if;
+    if pg_catalog.octet_length(job) > 63 then
+        raise exception 'lockstep: job names must be at most 63 bytes (got %)', pg_catalog.octet_length(job)
+            using errcode = '22023', hint = 'Like an SQL identifier: choose a shorter name.';
+    end if;
     if every <= interval '0' or backoff <= interval '0' then
         raise exception 'lockstep: every and backoff must be positive intervals (got every %, backoff %)',
             every, backoff using errcode = '22023';
@@ -160,12 +164,17 @@ $$;
 
 -- lockstep.run(job): what the runner calls. Runs whatever part of the job is due:
 --   generic job: its function, if due (not_due / backoff otherwise);
---   derived job: the periodic recompute if due, else a worker pass over up to batch_parents (default 500)
---   queued parents (idle if none).
+--   derived job: the periodic recompute if due or the job is flagged (lockstep.recompute_flag), else a
+--   worker pass over up to batch_parents (default 500) queued parents (idle if none).
+-- Keys convert to text in one form whatever the caller's settings (DateStyle, IntervalStyle,
+-- extra_float_digits pinned; see lockstep._canon); jobs and compute functions run under those settings.
 -- locks: nothing while looking for work; then as lockstep._call, lockstep.recompute or lockstep.work.
 create function lockstep.run(job text) returns lockstep.result
 language plpgsql
 set search_path = pg_catalog, pg_temp
+set datestyle = 'ISO, YMD'
+set intervalstyle = 'postgres'
+set extra_float_digits = 1
 as $$
 declare
     j lockstep.job := lockstep._job(job);
@@ -186,6 +195,10 @@ begin
     end if;
     if s.next_run_at <= now() then
         return lockstep._recompute(j, true);
+    end if;
+    -- a trigger fell back on flagging the job: its recompute is due now (unless failing: then its backoff)
+    if s.consecutive_failures = 0 and exists (select from lockstep.recompute_flag f where f.job = j.job) then
+        return lockstep._recompute(j, false);
     end if;
     if j.parent is null then
         return lockstep._result(lockstep._not_due(s), j.job, 'recompute');
@@ -209,16 +222,11 @@ declare
     t record;
 begin
     perform lockstep._check_owner(j);
-    for t in
-        select tg.tgname, tg.tgrelid::regclass as rel
-        from pg_catalog.pg_trigger tg
-        where tg.tgfoid = 'lockstep.enqueue_trigger()'::regprocedure
-          and pg_catalog.split_part(pg_catalog.encode(tg.tgargs, 'escape'), '\000', 1) = j.job
-        order by 2, 1
-    loop
+    for t in select w.tgname, w.rel from lockstep._watchers(j.job) w loop
         execute pg_catalog.format('drop trigger %I on %s', t.tgname, t.rel);
     end loop;
     delete from lockstep.queue q where q.job = j.job;
+    delete from lockstep.recompute_flag f where f.job = j.job;
     delete from lockstep.job x where x.job = j.job;
 end;
 $$;

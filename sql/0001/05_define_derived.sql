@@ -383,6 +383,7 @@ begin
     perform lockstep._callable(compute, 1);
     perform lockstep._warn_index(target, v_par.parent_column);
     perform lockstep._dry_run(compute, v_par.key_type);
+    perform lockstep._check_watchers(job, parent, v_par.key_type);
     perform lockstep._save_derived(job, target, compute, parent, v_par.parent_column, v_par.parent_key,
                                    v_par.key_type, v_key, v_cols, lock_group, every, backoff);
 end;

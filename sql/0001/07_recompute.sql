@@ -151,6 +151,7 @@ declare
     v_state text;
     v_before bigint;
     v_rest bigint := 0;
+    v_snap pg_snapshot;
     p lockstep._pass;
 begin
     if not lockstep._try_lock(j.lock_group) then
@@ -164,6 +165,7 @@ begin
     v_started := clock_timestamp();
     select coalesce(max(q.id), 0) into v_before from lockstep.queue q where q.job = j.job;
     perform pg_catalog.set_config('lockstep.handed_off', '0', true);
+    v_snap := pg_catalog.pg_current_snapshot();  -- flags this snapshot sees are covered by this recompute
     begin
         p := lockstep._apply(j, null);
     exception
@@ -182,6 +184,7 @@ begin
     if j.parent is not null then
         perform lockstep._hand_off(j, p.skipped, v_before, case when v_rest > 0 then j.batch_parents + v_rest end);
     end if;
+    perform lockstep._clear_flag(j, v_snap);
     perform lockstep._finish(j, 'recompute', 'done', v_started, p);
     return lockstep._result('done', j.job, 'recompute', p, null, v_rest > 0);
 end;
@@ -192,6 +195,9 @@ $$;
 create function lockstep.recompute(job text) returns lockstep.result
 language plpgsql
 set search_path = pg_catalog, pg_temp
+set datestyle = 'ISO, YMD'
+set intervalstyle = 'postgres'
+set extra_float_digits = 1
 as $$
 begin
     perform lockstep._check_isolation('lockstep.recompute()');

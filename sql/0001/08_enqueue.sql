@@ -1,30 +1,61 @@
--- lockstep 0001: the queue of changed parents: enqueue, the statement trigger, watch / unwatch.
+-- lockstep 0001: the queue of changed parents: enqueue, the statement trigger, watch / unwatch, and the
+-- recompute flag the trigger falls back on.
+--
+-- Keys are stored as text in one canonical form, whatever the session's settings: the text output under
+-- DateStyle ISO, IntervalStyle postgres, extra_float_digits 1 and TimeZone UTC (lockstep._canon). That form
+-- reads back to the same value under any setting.
+--
+-- The trigger never raises. Where it cannot enqueue (unknown job, a job without a queue, a column gone, a
+-- key that does not convert, transition tables missing), it flags the job for its full recompute (an
+-- INSERT into lockstep.recompute_flag, the only write an application role needs besides the queue), raises
+-- a WARNING, and lockstep.status shows it (needs_recompute, trigger_problem) until a recompute clears it.
 
--- lockstep._enqueue_text(j, keys): append keys (text, cast to the parent key type, NULLs dropped) to the
--- queue, once each, sorted. Wakes listening runners (NOTIFY lockstep) when the job's queue was empty.
+-- lockstep._canon(keys): the distinct non-NULL keys in canonical text, sorted by key (not as text).
+-- locks: nothing.
+create function lockstep._canon(keys anyarray) returns text[]
+language sql stable
+set search_path = pg_catalog, pg_temp
+set datestyle = 'ISO, YMD'
+set intervalstyle = 'postgres'
+set extra_float_digits = 1
+set timezone = 'UTC'
+as $$
+    select coalesce(pg_catalog.array_agg(k::text order by k), '{}')
+    from (select distinct k from pg_catalog.unnest(keys) k where k is not null) s;
+$$;
+
+-- lockstep._fast_types(): key types whose JSON text (to_jsonb) is their canonical text under every setting;
+-- lockstep.enqueue_trigger's fast path, which checks the same list inline, takes only these.
+-- locks: nothing.
+create function lockstep._fast_types() returns text[]
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select array['bigint', 'integer', 'smallint', 'numeric', 'text', 'character varying', 'uuid'];
+$$;
+
+-- lockstep._enqueue_text(j, keys): append keys (text: cast to the parent key type, NULLs dropped) to the
+-- queue, once each, sorted by key, in canonical text. No read of lockstep's tables and no NOTIFY: runners
+-- notice new entries through the queue's identity sequence (lockstep._queue_mark).
 -- locks: none beyond the insert into lockstep.queue. The queue is append-only with no unique constraint on
 -- keys, so this never waits for a worker, whatever the worker holds.
 create function lockstep._enqueue_text(j lockstep.job, keys text[]) returns bigint
 language plpgsql
 set search_path = pg_catalog, pg_temp
+set datestyle = 'ISO, YMD'
+set intervalstyle = 'postgres'
+set extra_float_digits = 1
+set timezone = 'UTC'
 as $$
 declare
-    v_empty boolean;
-    n bigint;
+    v text[];
 begin
     if keys is null or cardinality(keys) = 0 then
         return 0;
     end if;
-    v_empty := not exists (select from lockstep.queue q where q.job = j.job);
-    execute pg_catalog.format(
-        'insert into lockstep.queue (job, key) '
-        'select $1, s.k::text from (select distinct k from pg_catalog.unnest($2::%s) k where k is not null) s order by s.k',
-        lockstep._array_type(j.key_type)) using j.job, keys;
-    get diagnostics n = row_count;
-    if v_empty and n > 0 then
-        perform pg_catalog.pg_notify('lockstep', j.job);
-    end if;
-    return n;
+    execute pg_catalog.format('select lockstep._canon($1::%s)', lockstep._array_type(j.key_type)) into v using keys;
+    insert into lockstep.queue (job, key) select j.job, k from pg_catalog.unnest(v) with ordinality u(k, o) order by o;
+    return cardinality(v);
 end;
 $$;
 
@@ -45,9 +76,26 @@ begin
 end;
 $$;
 
+-- lockstep._castable(source, target): values of type source always convert to target: the same type, a
+-- domain over it, or an implicit cast (int -> bigint, varchar -> text). Not numeric -> bigint (it rounds or
+-- fails), nor text -> uuid (it can fail).
+-- locks: nothing.
+create function lockstep._castable(source regtype, target regtype) returns boolean
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    with recursive base(t) as (
+        select source::oid
+        union
+        select ty.typbasetype from base join pg_catalog.pg_type ty on ty.oid = base.t where ty.typtype = 'd')
+    select exists (select from base where base.t = target)
+        or exists (select from base join pg_catalog.pg_cast c on c.castsource = base.t
+                   where c.casttarget = target and c.castcontext = 'i');
+$$;
+
 -- lockstep._check_key_type(j, t, what): t (an element type) can stand for the job's parent key.
 -- Same type, or same type category (integer for bigint, varchar for text): values are cast, and a value
--- that does not fit raises.
+-- that does not fit raises (at the call: enqueue and retry take keys from a caller who sees the error).
 -- locks: nothing.
 create function lockstep._check_key_type(j lockstep.job, t regtype, what text) returns void
 language plpgsql stable
@@ -64,12 +112,16 @@ begin
 end;
 $$;
 
--- lockstep._keys_text(j, keys): keys checked (not NULL, no NULL element, a type of the parent key's
--- category) and converted to the parent key's canonical text, as the queue stores them.
+-- lockstep._keys_text(j, keys): keys checked (not NULL, no NULL element, a type that converts to the parent
+-- key's type) and converted to the canonical text of the parent key type, as the queue stores them.
 -- locks: nothing.
 create function lockstep._keys_text(j lockstep.job, keys anyarray) returns text[]
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
+set datestyle = 'ISO, YMD'
+set intervalstyle = 'postgres'
+set extra_float_digits = 1
+set timezone = 'UTC'
 as $$
 declare
     v text[];
@@ -82,8 +134,9 @@ begin
     if pg_catalog.array_position(keys, null) is not null then
         raise exception 'lockstep: keys must not contain NULL (job "%")', j.job using errcode = '22004';
     end if;
-    execute pg_catalog.format('select array_agg(k::%s::text) from pg_catalog.unnest($1::text[]) k', j.key_type)
-        into v using keys::text[];
+    -- through text (canonical here): 1.5 for a bigint key is an error, not a rounded 2
+    execute pg_catalog.format('select array_agg(k::text::%s::text) from pg_catalog.unnest($1) k', j.key_type)
+        into v using keys;
     return coalesce(v, '{}');
 end;
 $$;
@@ -101,49 +154,256 @@ begin
 end;
 $$;
 
+-- lockstep._flag(job, problem): the trigger could not enqueue: mark job for its full recompute (one INSERT,
+-- never an UPDATE: application roles may only insert), and say so with a WARNING.
+-- locks: none beyond the insert into lockstep.recompute_flag.
+create function lockstep._flag(job text, problem text) returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    insert into lockstep.recompute_flag (job, problem) values (coalesce(job, ''), problem);
+    raise warning 'lockstep: could not enqueue for job "%": %; job flagged for a full recompute', job, problem
+        using hint = 'See trigger_problem in lockstep.status; lockstep.recompute(job) clears the flag.';
+end;
+$$;
+
+-- lockstep._clear_flag(j, snap): after a successful full recompute that began with snapshot snap: forget
+-- the flags whose transactions snap already saw (their changes are in the recompute). Flags committed
+-- later stay.
+-- locks: the job's lockstep.recompute_flag rows (deleted).
+create function lockstep._clear_flag(j lockstep.job, snap pg_snapshot) returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    delete from lockstep.recompute_flag f
+    where f.job = j.job and pg_catalog.pg_visible_in_snapshot(f.xid, snap);
+end;
+$$;
+
+-- lockstep._trigger_problem(job, key_column, rel, op, new_table, old_table): why the general path of
+-- lockstep.enqueue_trigger cannot enqueue (NULL: it can), and the job's key type. One static query: the
+-- job (unknown, no queue), the column (gone, renamed, or of a type that does not always convert: only the
+-- same type, a domain over it or an implicit cast), the transition tables the operation needs.
+-- locks: nothing.
+create function lockstep._trigger_problem(job text, key_column text, rel oid, op text, new_table name,
+                                          old_table name, out problem text, out key_type regtype)
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_queue boolean;
+    v_type regtype;
+    v_conv boolean;
+begin
+    if (op in ('INSERT', 'UPDATE') and new_table is null) or (op in ('UPDATE', 'DELETE') and old_table is null) then
+        problem := pg_catalog.format('the trigger on %s has no %s transition table (REFERENCING ... TABLE AS)',
+                                     rel::regclass, case when new_table is null and op <> 'DELETE' then 'NEW' else 'OLD' end);
+        return;
+    end if;
+    select j.key_type, case when j.job is not null then j.kind = 'derived' and j.parent is not null end, a.atttypid,
+           a.atttypid = j.key_type or t.typbasetype = j.key_type
+           or exists (select from pg_catalog.pg_cast c
+                      where c.castsource in (a.atttypid, t.typbasetype) and c.casttarget = j.key_type
+                        and c.castcontext = 'i')
+    into key_type, v_queue, v_type, v_conv
+    from (values (1)) one(x)
+    left join lockstep.job j on j.job = _trigger_problem.job
+    left join pg_catalog.pg_attribute a
+        on a.attrelid = rel and a.attname = key_column and a.attnum > 0 and not a.attisdropped
+    left join pg_catalog.pg_type t on t.oid = a.atttypid;
+    problem := case when v_queue is null then 'unknown job'
+                    when not v_queue then 'the job has no parent, so it has no queue'
+                    when v_type is null then pg_catalog.format('table %s has no column %I', rel::regclass, key_column)
+                    when not v_conv then pg_catalog.format('column %s.%I is %s, which does not always convert to the key type %s',
+                                                           rel::regclass, key_column, v_type, key_type) end;
+end;
+$$;
+
 -- lockstep.enqueue_trigger(): trigger function for AFTER ... FOR EACH STATEMENT triggers with transition
--- tables named lockstep_new (INSERT, UPDATE) and lockstep_old (UPDATE, DELETE).
--- Arguments: job name, name of the column that holds the parent key. lockstep.watch() creates the triggers.
--- Keys are enqueued once per statement, sorted.
--- locks: as lockstep._enqueue_text: nothing a worker or a recompute holds.
+-- tables (any names: read from pg_trigger). Arguments: job name, name of the column that holds the parent
+-- key, and (written by lockstep.watch, optional) the parent key type. Keys are enqueued once per statement.
+-- Fast path (lockstep.watch's triggers: transition tables lockstep_new / lockstep_old, a key type whose text
+-- is the same under every setting): one static INSERT, no read of lockstep's tables. Anything else takes the
+-- general path (checks with one static query, then one EXECUTE). Never raises: where it cannot enqueue it
+-- flags the job (lockstep._flag).
+-- locks: the insert into lockstep.queue (or lockstep.recompute_flag): nothing a worker or a recompute holds.
 create function lockstep.enqueue_trigger() returns trigger
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    j lockstep.job;
-    v_keys text[] := '{}';
-    v_part text[];
+    v_new name;
+    v_old name;
+    v_type regtype;
+    v_sql text;
+    v_problem text;
+    n bigint;
 begin
-    if tg_level <> 'STATEMENT' or tg_when <> 'AFTER' or tg_nargs <> 2 then
-        raise exception 'lockstep.enqueue_trigger() must be used in AFTER ... FOR EACH STATEMENT triggers with two arguments (job, key column)'
-            using errcode = '22023';
+    select t.tgnewtable, t.tgoldtable into v_new, v_old
+    from pg_catalog.pg_trigger t where t.tgrelid = tg_relid and t.tgname = tg_name;
+    if tg_nargs = 3 and tg_level = 'STATEMENT' and tg_when = 'AFTER'
+       and tg_argv[2] in ('bigint', 'integer', 'smallint', 'numeric', 'text', 'character varying', 'uuid')  -- _fast_types
+       and (case tg_op when 'INSERT' then v_new = 'lockstep_new'
+                       when 'DELETE' then v_old = 'lockstep_old'
+                       when 'UPDATE' then v_new = 'lockstep_new' and v_old = 'lockstep_old' end) then
+        if tg_op = 'UPDATE' then
+            insert into lockstep.queue (job, key)
+            select tg_argv[0], k operator(pg_catalog.#>>) '{}'
+            from (select pg_catalog.to_jsonb(x) operator(pg_catalog.->) tg_argv[1] k from lockstep_new x
+                  union select pg_catalog.to_jsonb(x) operator(pg_catalog.->) tg_argv[1] from lockstep_old x) s
+            where k operator(pg_catalog.<>) 'null' order by k;
+        elsif tg_op = 'INSERT' then
+            insert into lockstep.queue (job, key)
+            select tg_argv[0], k operator(pg_catalog.#>>) '{}'
+            from (select distinct pg_catalog.to_jsonb(x) operator(pg_catalog.->) tg_argv[1] k from lockstep_new x) s
+            where k operator(pg_catalog.<>) 'null' order by k;
+        else
+            insert into lockstep.queue (job, key)
+            select tg_argv[0], k operator(pg_catalog.#>>) '{}'
+            from (select distinct pg_catalog.to_jsonb(x) operator(pg_catalog.->) tg_argv[1] k from lockstep_old x) s
+            where k operator(pg_catalog.<>) 'null' order by k;
+        end if;
+        get diagnostics n = row_count;
+        if n > 0 then
+            return null;
+        end if;
+        -- nothing enqueued: NULL keys, or a column renamed or dropped (to_jsonb then has no such field)
+        if exists (select from pg_catalog.pg_attribute a
+                   where a.attrelid = tg_relid and a.attname = tg_argv[1] and a.attnum > 0 and not a.attisdropped) then
+            return null;
+        end if;
     end if;
-    j := lockstep._queue_job(tg_argv[0]);
-    if tg_op in ('INSERT', 'UPDATE') then
-        execute pg_catalog.format('select array_agg(%I::text) from lockstep_new', tg_argv[1]) into v_part;
-        v_keys := v_keys || coalesce(v_part, '{}');
+    -- the general path: any transition-table names, any key type (EXECUTE)
+    if tg_level <> 'STATEMENT' or tg_when <> 'AFTER' or tg_nargs not in (2, 3) then
+        v_problem := 'lockstep.enqueue_trigger() must be used in AFTER ... FOR EACH STATEMENT triggers with '
+                     'arguments (job, key column)';
+    elsif tg_op = 'TRUNCATE' then
+        v_problem := 'TRUNCATE: a statement without transition tables';
+    else
+        v_new := case when tg_op <> 'DELETE' then v_new end;
+        v_old := case when tg_op <> 'INSERT' then v_old end;
+        begin  -- reads only: the subtransaction gets no transaction id
+            select x.problem, x.key_type into v_problem, v_type
+            from lockstep._trigger_problem(tg_argv[0], tg_argv[1], tg_relid, tg_op, v_new, v_old) x;
+        exception when others then
+            get stacked diagnostics v_problem = message_text;
+        end;
     end if;
-    if tg_op in ('DELETE', 'UPDATE') then
-        execute pg_catalog.format('select array_agg(%I::text) from lockstep_old', tg_argv[1]) into v_part;
-        v_keys := v_keys || coalesce(v_part, '{}');
+    if v_problem is not null then
+        perform lockstep._flag(case when tg_nargs > 0 then tg_argv[0] end, v_problem);
+        return null;
     end if;
-    perform lockstep._enqueue_text(j, v_keys);
+    -- checked above: the column exists and converts without loss, so this cannot fail (no subtransaction:
+    -- a write in one would take a subtransaction id per statement)
+    v_sql := pg_catalog.concat_ws(' union all ',
+        case when v_new is not null then pg_catalog.format('select %I::%s k from %I', tg_argv[1], v_type, v_new) end,
+        case when v_old is not null then pg_catalog.format('select %I::%s k from %I', tg_argv[1], v_type, v_old) end);
+    if v_type::text = any(lockstep._fast_types()) then  -- text the same under every setting
+        execute pg_catalog.format('insert into lockstep.queue (job, key) select $1, k::text '
+                                  'from (select distinct k from (%s) s where k is not null) d order by k', v_sql)
+            using tg_argv[0];
+    else
+        execute pg_catalog.format('insert into lockstep.queue (job, key) select $1, k from pg_catalog.unnest('
+                                  '(select lockstep._canon(pg_catalog.array_agg(k)) from (%s) s)) with ordinality u(k, o) '
+                                  'order by o', v_sql)
+            using tg_argv[0];
+    end if;
     return null;
 end;
 $$;
 
--- lockstep._trigger_name(job, op): name of the trigger lockstep.watch() creates.
+-- lockstep._trigger_name(job, op): name of the trigger lockstep.watch() creates: at most 20 bytes of the
+-- job name (cut on a character boundary), 12 hex digits of its md5 (unique in bytes), the operation.
+-- At most 55 bytes, below the 63 of a name.
 -- locks: nothing.
 create function lockstep._trigger_name(job text, op text) returns name
 language sql immutable
 set search_path = pg_catalog, pg_temp
 as $$
-    select ('lockstep_' || left(job, 40) || '_' || left(pg_catalog.md5(job), 6) || '_' || op)::name;
+    select ('lockstep_' || (select s from pg_catalog.generate_series(least(pg_catalog.length(job), 20), 0, -1) n,
+                                           pg_catalog.left(job, n) s
+                            where pg_catalog.octet_length(s) <= 20 limit 1)
+            || '_' || pg_catalog.left(pg_catalog.md5(job), 12) || '_' || op)::name;
+$$;
+
+-- lockstep._tgarg(args, n): the n-th (0-based) argument of pg_trigger.tgargs, compared as bytes (not
+-- through encode(.., 'escape'), which mangles backslashes and non-ASCII characters).
+-- locks: nothing.
+create function lockstep._tgarg(args bytea, n integer) returns text
+language plpgsql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v bytea := args;
+    p integer;
+begin
+    for i in 0..n loop
+        p := pg_catalog.position(v, '\x00'::bytea);
+        if p = 0 then
+            return null;
+        end if;
+        if i = n then
+            return pg_catalog.convert_from(pg_catalog.substr(v, 1, p - 1), pg_catalog.getdatabaseencoding());
+        end if;
+        v := pg_catalog.substr(v, p + 1);
+    end loop;
+    return null;
+end;
+$$;
+
+-- lockstep._watchers(job): every trigger that feeds job through lockstep.enqueue_trigger (lockstep.watch's
+-- and one's own): table, trigger name, key column.
+-- locks: nothing.
+create function lockstep._watchers(job text)
+returns table (rel regclass, tgname name, key_column text)
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select tg.tgrelid::regclass, tg.tgname, lockstep._tgarg(tg.tgargs, 1)
+    from pg_catalog.pg_trigger tg
+    where tg.tgfoid = 'lockstep.enqueue_trigger()'::regprocedure and tg.tgnargs >= 1
+      and pg_catalog.substr(tg.tgargs, 1, pg_catalog.position(tg.tgargs, '\x00'::bytea) - 1)
+          = pg_catalog.convert_to(job, pg_catalog.getdatabaseencoding())
+    order by 1, 2;
+$$;
+
+-- lockstep._check_watchers(job, parent, key_type): define_derived's check on a job that triggers feed:
+-- the new definition must keep a queue (a parent), and every watched column must still convert to the new
+-- key type (a changed key type also needs watch() again: its triggers carry the type). Else LSJ02 / LSQ01,
+-- and nothing is defined.
+-- locks: nothing.
+create function lockstep._check_watchers(job text, parent regclass, key_type regtype) returns void
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    w record;
+    v_type regtype;
+begin
+    for w in select * from lockstep._watchers(job) loop
+        if parent is null then
+            raise exception 'lockstep: job "%" is fed by trigger % on %, so it needs a parent (its queue)', job, w.tgname, w.rel
+                using errcode = 'LSJ02',
+                      hint = pg_catalog.format('Pass parent => ..., or first select lockstep.unwatch(%L, %L).', job, w.rel);
+        end if;
+        select a.atttypid into v_type from pg_catalog.pg_attribute a
+        where a.attrelid = w.rel and a.attname = w.key_column and a.attnum > 0 and not a.attisdropped;
+        if v_type is null or not lockstep._castable(v_type, _check_watchers.key_type)
+           or exists (select from lockstep.job x where x.job = _check_watchers.job and x.key_type <> _check_watchers.key_type) then
+            raise exception 'lockstep: job "%" is fed by trigger % on % (column %, %), which does not fit the new parent key type %',
+                job, w.tgname, w.rel, w.key_column, coalesce(v_type::text, 'missing'), key_type
+                using errcode = 'LSQ01',
+                      hint = pg_catalog.format('First select lockstep.unwatch(%L, %L), then watch() again after redefining.', job, w.rel);
+        end if;
+    end loop;
+end;
 $$;
 
 -- lockstep.watch(job, source, key_column): create the three statement triggers (insert, update, delete)
--- that enqueue source.key_column for job. Re-running it replaces them.
+-- that enqueue source.key_column for job. Re-running it replaces them. The column's type must convert to
+-- the parent key type without loss (lockstep._castable): checked here, not at the application's next write.
 -- locks: the source table in SHARE ROW EXCLUSIVE mode (CREATE TRIGGER): it waits for the source's writers,
 -- like any DDL. Run it at deploy time.
 create function lockstep.watch(job text, source regclass, key_column name) returns void
@@ -153,27 +413,40 @@ as $$
 declare
     j lockstep.job := lockstep._queue_job(job);
     v_type regtype;
+    v_fast boolean;
     op text;
 begin
     if source is null or key_column is null then
         raise exception 'lockstep: source and key_column must not be NULL' using errcode = '22004';
+    end if;
+    if not exists (select from pg_catalog.pg_class c where c.oid = source and c.relkind in ('r', 'p')) then
+        raise exception 'lockstep: source % is not a table', source using errcode = '42809';
     end if;
     select a.atttypid into v_type from pg_catalog.pg_attribute a
     where a.attrelid = source and a.attname = key_column and a.attnum > 0 and not a.attisdropped;
     if v_type is null then
         raise exception 'lockstep: table % has no column %', source, key_column using errcode = '42703';
     end if;
-    perform lockstep._check_key_type(j, v_type, pg_catalog.format('%s.%s', source, key_column));
+    -- a trigger cannot report a value that does not convert (numeric 3.5 for a bigint key): only lossless
+    -- conversions are accepted here
+    if not lockstep._castable(v_type, j.key_type) then
+        raise exception 'lockstep: %.% is %, which does not always convert to the parent key type % of job "%"',
+            source, key_column, v_type, j.key_type, j.job
+            using errcode = 'LSQ01',
+                  hint = pg_catalog.format('Watch a %s column (or one of a type with an implicit cast to it).', j.key_type);
+    end if;
+    -- the fast path (a third argument) where the column's JSON text is the key's canonical text
+    v_fast := v_type::text = any(lockstep._fast_types()) and j.key_type::text = any(lockstep._fast_types());
     perform lockstep.unwatch(job, source);
     foreach op in array array['insert', 'update', 'delete'] loop
         execute pg_catalog.format(
             'create trigger %I after %s on %s referencing %s for each statement '
-            'execute function lockstep.enqueue_trigger(%L, %L)',
+            'execute function lockstep.enqueue_trigger(%L, %L%s)',
             lockstep._trigger_name(j.job, op), op, source,
             case op when 'insert' then 'new table as lockstep_new'
                     when 'update' then 'old table as lockstep_old new table as lockstep_new'
                     else 'old table as lockstep_old' end,
-            j.job, key_column);
+            j.job, key_column, case when v_fast then pg_catalog.format(', %L', j.key_type) else '' end);
     end loop;
 end;
 $$;

@@ -387,6 +387,9 @@ $$;
 create function lockstep.work(job text, batch integer default 500) returns lockstep.result
 language plpgsql
 set search_path = pg_catalog, pg_temp
+set datestyle = 'ISO, YMD'
+set intervalstyle = 'postgres'
+set extra_float_digits = 1
 as $$
 begin
     perform lockstep._check_isolation('lockstep.work()');

@@ -34,7 +34,10 @@ select j.job,
        -- a recompute spread over transactions: parents done / changed, until the worker has taken the
        -- hand-off (its queue entries still there, parked ones aside); NULL when none is in progress
        case when h.todo > 0 then s.recompute_total - h.todo end as recompute_done,
-       case when h.todo > 0 then s.recompute_total end as recompute_total
+       case when h.todo > 0 then s.recompute_total end as recompute_total,
+       (select min(f.flagged_at) from lockstep.recompute_flag f where f.job = j.job) as needs_recompute,
+       (select f.problem from lockstep.recompute_flag f where f.job = j.job order by f.flagged_at desc limit 1)
+           as trigger_problem
 from lockstep.job j
 join lockstep.job_state s on s.job = j.job
 left join lateral (
@@ -56,7 +59,7 @@ select f.job, f.key, f.attempts, f.last_error, f.first_failed_at, f.last_failed_
 from lockstep.key_failure f;
 
 -- lockstep.due(jobs): when each job next has something to do (the runner's one query per tick).
---   generic and parentless jobs: next_run_at;
+--   generic and parentless jobs: next_run_at; a job flagged for its recompute (lockstep.recompute_flag): now;
 --   derived jobs: the earlier of next_run_at and, if ready keys are queued, now (or the worker's retry_at);
 --   also the earliest retry of a failing key that still has queue entries, and the earliest deferred entry
 --   (a key skipped because an application held its parent).
@@ -69,6 +72,8 @@ set search_path = pg_catalog, pg_temp
 as $$
     select j.job, j.lock_group,
            least(s.next_run_at,
+                 case when j.kind = 'derived' and s.consecutive_failures = 0
+                       and exists (select from lockstep.recompute_flag f where f.job = j.job) then now() end,
                  case when j.parent is not null and lockstep._has_ready(j)
                       then greatest(now(), coalesce(s.retry_at, now())) end,
                  case when j.parent is not null then

@@ -75,8 +75,7 @@ create policy key_failure_own on lockstep.key_failure for all
 
 -- the queue: any role granted INSERT may append (applications enqueue through triggers running as
 -- themselves); only the jobs a role manages may be read, updated or deleted. A role granted SELECT on
--- the job column alone (the application recipe) sees that every job's rows exist, not their keys: enqueue
--- checks whether the job's queue was empty, to NOTIFY runners only then.
+-- the job column alone sees that every job's rows exist, not their keys (the trigger reads nothing).
 alter table lockstep.queue enable row level security;
 create policy queue_append on lockstep.queue for insert with check (true);
 create policy queue_read on lockstep.queue for select
@@ -86,6 +85,15 @@ create policy queue_update on lockstep.queue for update
     using (job in (select j.job from lockstep.job j where lockstep._may_manage(j.owner)))
     with check (job in (select j.job from lockstep.job j where lockstep._may_manage(j.owner)));
 create policy queue_delete on lockstep.queue for delete
+    using (job in (select j.job from lockstep.job j where lockstep._may_manage(j.owner)));
+
+-- recompute flags: like the queue, any role granted INSERT may flag a job (a trigger that could not
+-- enqueue, running as the application); only the jobs a role manages may be read or cleared.
+alter table lockstep.recompute_flag enable row level security;
+create policy recompute_flag_append on lockstep.recompute_flag for insert with check (true);
+create policy recompute_flag_own on lockstep.recompute_flag for select
+    using (job in (select j.job from lockstep.job j where lockstep._may_manage(j.owner)));
+create policy recompute_flag_delete on lockstep.recompute_flag for delete
     using (job in (select j.job from lockstep.job j where lockstep._may_manage(j.owner)));
 
 -- lockstep._check_privileges(target, fn, parent): the calling role may itself run fn and read and write

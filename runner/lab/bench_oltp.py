@@ -1,0 +1,347 @@
+"""``lockstep bench --sections oltp``: lockstep's cost on a real OLTP write load, driven by pgbench.
+
+In a scratch database ``lockstep_oltp_<pid>`` (dropped at the end): ``pgbench -i -s SCALE --foreign-keys``,
+then the built-in tpcb-like script (``-M prepared``, CLIENTS clients, THREADS threads, SECONDS seconds)
+twice:
+
+- ``base``: nothing derived;
+- ``lockstep``: ``account_band(aid -> pgbench_accounts, band text, balance int)`` kept current by
+  ``watch('account_band', 'pgbench_accounts', 'aid')`` and RUNNERS ``lockstep run`` processes.
+
+Reported for both: tps, average latency, the ``UPDATE pgbench_accounts`` latency (``pgbench -r``), WAL per
+transaction (``pg_current_wal_lsn()`` difference / transactions; for lockstep until the queue drained, so
+it includes the worker's writes); for lockstep also: tps as % of base, the added ms per UPDATE, the
+server time the trigger adds to one single-row UPDATE (against an unwatched twin table, in one DO block), the
+worker's ms per queued key (its passes' time from the runners' JSON logs / keys enqueued), the queue's lag
+(oldest entry, sampled every 0.5 s), its size, how long it took to drain after the load, and convergence
+(account_band equals its compute). The machine may be shared: compare the two rows of one run.
+
+Sizes come from the environment (LOCKSTEP_OLTP_SECONDS, _SCALE, _CLIENTS, _THREADS, _RUNNERS) or
+``python -m runner.lab.bench_oltp --seconds 3 --scale 1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from runner.lab import scratch
+from runner.migrate import migrate
+
+JOB = "account_band"
+DERIVED_SQL = """
+create table public.account_band (
+    aid     integer primary key references public.pgbench_accounts (aid) on delete cascade,
+    band    text not null,
+    balance integer not null
+);
+create function public.account_band_compute(keys integer[])
+returns table (aid integer, band text, balance integer)
+language sql stable
+as $$
+    select a.aid,
+           case when a.abalance < -5000 then 'deep' when a.abalance < 0 then 'negative'
+                when a.abalance < 5000 then 'low' else 'high' end,
+           a.abalance
+    from public.pgbench_accounts a
+    where keys is null or a.aid = any(keys)
+$$;
+select lockstep.define_derived('account_band', 'public.account_band',
+                               'public.account_band_compute(integer[])',
+                               parent => 'public.pgbench_accounts', every => '1 day');
+select lockstep.watch('account_band', 'public.pgbench_accounts', 'aid');
+"""
+DIVERGENCE_SQL = (
+    "select count(*) from ((select * from public.account_band except all"
+    " select * from public.account_band_compute(null)) union all"
+    " (select * from public.account_band_compute(null) except all select * from public.account_band)) s"
+)
+LAG_SQL = (
+    "select coalesce(extract(epoch from clock_timestamp() - min(enqueued_at)), 0)::float8, count(*),"
+    " pg_total_relation_size('lockstep.queue') from lockstep.queue"
+)
+# server time one watched UPDATE pays for the trigger: single-row updates of pgbench_accounts (watched)
+# against an unwatched twin, alternating in chunks of 1,000, the min of 10 chunks each
+TRIGGER_US_SQL = """
+create table public.accounts_twin as select * from public.pgbench_accounts where aid <= 20000;
+alter table public.accounts_twin add primary key (aid);
+analyze public.accounts_twin;
+create temp table trigger_us (us float8);
+do $$
+declare t0 timestamptz; i int; c int; k int; a float8 := 1e9; b float8 := 1e9;
+begin
+    for c in 1..10 loop
+        t0 := clock_timestamp();
+        for i in 1..1000 loop
+            k := 1 + (c * 1000 + i) * 7919 % 20000;
+            update public.accounts_twin set abalance = abalance + 1 where aid = k;
+        end loop;
+        a := least(a, extract(epoch from clock_timestamp() - t0) * 1e3);
+        t0 := clock_timestamp();
+        for i in 1..1000 loop
+            k := 1 + (c * 1000 + i) * 7919 % 20000;
+            update public.pgbench_accounts set abalance = abalance + 1 where aid = k;
+        end loop;
+        b := least(b, extract(epoch from clock_timestamp() - t0) * 1e3);
+    end loop;
+    insert into trigger_us values (b - a);
+end $$;
+"""
+SEQ_SQL = "select coalesce(pg_sequence_last_value(pg_get_serial_sequence('lockstep.queue', 'id')), 0)"
+
+Progress = Callable[[str], None]
+
+
+def _stderr(msg: str) -> None:
+    print(f"oltp: {msg}", file=sys.stderr, flush=True)
+
+
+def pg_bindir() -> Path:
+    """PostgreSQL's binaries: $LOCKSTEP_PG_BIN, else ``pg_config --bindir``."""
+    env = os.environ.get("LOCKSTEP_PG_BIN")
+    if env:
+        return Path(env)
+    pg_config = shutil.which("pg_config")
+    if pg_config:
+        return Path(subprocess.run([pg_config, "--bindir"], capture_output=True, text=True).stdout.strip())
+    return Path("/usr/lib/postgresql/15/bin")
+
+
+def parse_pgbench(out: str) -> dict[str, Any]:
+    """tps, latency and the UPDATE pgbench_accounts latency from ``pgbench -r`` output."""
+
+    def num(pattern: str) -> float | None:
+        m = re.search(pattern, out)
+        return float(m.group(1)) if m else None
+
+    upd = re.search(r"^\s*([\d.]+)\s+\d+\s+UPDATE pgbench_accounts", out, re.M) or re.search(
+        r"^\s*([\d.]+)\s+UPDATE pgbench_accounts", out, re.M
+    )
+    return {
+        "tps": num(r"tps = ([\d.]+) \(without initial connection time\)") or num(r"tps = ([\d.]+)"),
+        "latency_ms": num(r"latency average = ([\d.]+) ms"),
+        "transactions": int(num(r"number of transactions actually processed: (\d+)") or 0),
+        "failed": int(num(r"number of failed transactions: (\d+)") or 0),
+        "update_accounts_ms": float(upd.group(1)) if upd else None,
+    }
+
+
+class Oltp:
+    def __init__(self, dsn: str, opts: dict[str, int], progress: Progress) -> None:
+        self.dsn, self.opts, self.progress = dsn, opts, progress
+        self.pgbench = str(pg_bindir() / "pgbench")
+        self.conn = psycopg.connect(dsn, autocommit=True)
+
+    def _pgbench(self, *args: str, timeout: float) -> str:
+        p = subprocess.run(
+            [self.pgbench, *args, self.dsn],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+        )
+        if p.returncode != 0:
+            raise RuntimeError(f"pgbench {' '.join(args)} exited {p.returncode}: {p.stderr[-2000:]}")
+        return p.stdout + p.stderr
+
+    def _lsn(self) -> int:
+        return int(self.conn.execute("select pg_current_wal_lsn() - '0/0'::pg_lsn").fetchone()[0])
+
+    def load(self) -> dict[str, Any]:
+        """One pgbench run: its parsed output."""
+        o = self.opts
+        out = self._pgbench(
+            "-M", "prepared", "-c", str(o["clients"]), "-j", str(o["threads"]), "-T", str(o["seconds"]), "-r",
+            timeout=o["seconds"] * 3 + 120,
+        )  # fmt: skip
+        return parse_pgbench(out)
+
+    def base(self) -> dict[str, Any]:
+        self.progress(f"pgbench -i -s {self.opts['scale']} --foreign-keys")
+        self._pgbench("-i", "-q", "-s", str(self.opts["scale"]), "--foreign-keys", timeout=1800)
+        self.conn.execute("checkpoint")
+        self.progress(f"base: {self.opts['seconds']} s")
+        wal0 = self._lsn()
+        r = self.load()
+        r["wal_per_txn"] = (self._lsn() - wal0) / max(r["transactions"], 1)
+        return r
+
+    def lockstep(self) -> dict[str, Any]:
+        self.progress("lockstep: install, define account_band, watch, recompute")
+        migrate(self.dsn)
+        self.conn.execute(DERIVED_SQL)
+        self.conn.execute(TRIGGER_US_SQL)
+        trigger_us = self.conn.execute("select us from trigger_us").fetchone()[0]
+        self.conn.execute("delete from lockstep.queue")
+        self.conn.execute("select lockstep.recompute(%s)", [JOB])
+        self.conn.execute("vacuum analyze public.account_band")
+        self.conn.execute("checkpoint")
+        logdir = Path(tempfile.mkdtemp(prefix="lockstep-oltp-"))
+        runners: list[tuple[subprocess.Popen, Any]] = []
+        samples: list[tuple[float, int, int]] = []
+        stop = threading.Event()
+        try:
+            for i in range(self.opts["runners"]):
+                f = open(logdir / f"runner{i}.log", "w")  # noqa: SIM115 - closed below
+                cmd = [sys.executable, "-m", "runner", "run", "--dsn", self.dsn, "--log-format", "json"]
+                runners.append((subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f), f))
+            seq0 = self.conn.execute(SEQ_SQL).fetchone()[0]
+            wal0 = self._lsn()
+            sampler = threading.Thread(target=self._sample, args=(samples, stop), daemon=True)
+            sampler.start()
+            self.progress(f"lockstep: {self.opts['seconds']} s with {self.opts['runners']} runners")
+            r = self.load()
+            stop.set()
+            sampler.join()
+            t0 = time.monotonic()
+            depth = None
+            while time.monotonic() - t0 < 120:
+                depth = self.conn.execute("select count(*) from lockstep.queue").fetchone()[0]
+                if depth == 0:
+                    break
+                time.sleep(0.05)
+            r["drain_s"] = time.monotonic() - t0
+            r["queue_left"] = depth
+            r["wal_per_txn"] = (self._lsn() - wal0) / max(r["transactions"], 1)
+            keys = self.conn.execute(SEQ_SQL).fetchone()[0] - seq0
+        finally:
+            for p, _ in runners:
+                p.terminate()
+            for p, f in runners:
+                try:
+                    p.wait(30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                f.close()
+        work_ms, passes = 0.0, 0
+        for log in logdir.glob("runner*.log"):
+            for line in log.read_text().splitlines():
+                if line.startswith("{"):
+                    rec = json.loads(line)
+                    fields = rec.get("fields", rec)
+                    if fields.get("action") == "work" and fields.get("outcome") == "done":
+                        work_ms += float(fields.get("ms") or 0)
+                        passes += 1
+        shutil.rmtree(logdir, ignore_errors=True)
+        lags = sorted(s[0] for s in samples)
+        r.update(
+            trigger_us_per_update=trigger_us,
+            keys_enqueued=keys,
+            worker_passes=passes,
+            worker_ms=work_ms,
+            worker_ms_per_key=work_ms / keys if keys else None,
+            queue_lag_max_s=lags[-1] if lags else None,
+            queue_lag_p50_s=scratch.percentile(lags, 0.5),
+            queue_depth_max=max((s[1] for s in samples), default=None),
+            queue_bytes_max=max((s[2] for s in samples), default=None),
+            divergence=self.conn.execute(DIVERGENCE_SQL).fetchone()[0],
+        )
+        r["converged"] = r["queue_left"] == 0 and r["divergence"] == 0
+        return r
+
+    def _sample(self, samples: list[tuple[float, int, int]], stop: threading.Event) -> None:
+        with psycopg.connect(self.dsn, autocommit=True) as c:
+            while not stop.wait(0.5):
+                samples.append(tuple(c.execute(LAG_SQL).fetchone()))  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def options(**overrides: int | None) -> dict[str, int]:
+    env = {
+        k: os.environ.get(f"LOCKSTEP_OLTP_{k.upper()}")
+        for k in ("seconds", "scale", "clients", "threads", "runners")
+    }
+    defaults = {"seconds": 60, "scale": 10, "clients": 8, "threads": 2, "runners": 2}
+    return {k: int(overrides.get(k) or env[k] or v) for k, v in defaults.items()}
+
+
+def run(admin_dsn: str | None, progress: Progress = _stderr, **overrides: int | None) -> dict[str, Any]:
+    """The OLTP section in a scratch database of its own; the result dict."""
+    opts = options(**overrides)
+    name = f"lockstep_oltp_{os.getpid()}"
+    try:
+        progress(f"create database {name}")
+        bench = Oltp(scratch.create_database(admin_dsn or "", name), opts, progress)
+        try:
+            base = bench.base()
+            ls = bench.lockstep()
+        finally:
+            bench.close()
+    finally:
+        scratch.drop_database(admin_dsn or "", name)
+    added = None
+    if base["update_accounts_ms"] is not None and ls["update_accounts_ms"] is not None:
+        added = ls["update_accounts_ms"] - base["update_accounts_ms"]
+    return {
+        "options": opts,
+        "base": base,
+        "lockstep": ls,
+        "tps_pct_of_base": 100.0 * ls["tps"] / base["tps"] if base["tps"] else None,
+        "added_ms_per_update": added,
+        "wal_ratio": ls["wal_per_txn"] / base["wal_per_txn"] if base["wal_per_txn"] else None,
+    }
+
+
+def _f(v: Any, fmt: str = "{:.2f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def render(r: dict[str, Any]) -> str:
+    o, b, ls = r["options"], r["base"], r["lockstep"]
+    lines = [
+        f"oltp: pgbench tpcb-like -M prepared, scale {o['scale']}, {o['clients']} clients,"
+        f" {o['threads']} threads, {o['seconds']} s;"
+        f" lockstep: watch on pgbench_accounts -> account_band, {o['runners']} runners",
+        f"  {'':9} {'tps':>9} {'lat ms':>7} {'UPDATE acc ms':>13} {'WAL B/txn':>10} {'txns':>8}",
+    ]
+    for label, x in (("base", b), ("lockstep", ls)):
+        lines.append(
+            f"  {label:9} {_f(x['tps'], '{:,.0f}'):>9} {_f(x['latency_ms'], '{:.3f}'):>7}"
+            f" {_f(x['update_accounts_ms'], '{:.3f}'):>13} {_f(x['wal_per_txn'], '{:,.0f}'):>10}"
+            f" {x['transactions']:>8}"
+        )
+    lines += [
+        f"  lockstep tps: {_f(r['tps_pct_of_base'], '{:.1f}')} % of base (target >= 75 %);"
+        f" added per UPDATE: {_f(r['added_ms_per_update'], '{:.3f}')} ms (target <= 0.1);"
+        f" WAL {_f(r['wal_ratio'])}x base (target <= 2)",
+        f"  trigger: {_f(ls['trigger_us_per_update'], '{:.1f}')} µs server time per watched single-row UPDATE"
+        " (target <= 20)",
+        f"  worker: {_f(ls['worker_ms_per_key'], '{:.3f}')} ms per queued key ({ls['keys_enqueued']:,} keys,"
+        f" {ls['worker_passes']} passes, {_f(ls['worker_ms'], '{:,.0f}')} ms)",
+        f"  queue: oldest entry p50 {_f(ls['queue_lag_p50_s'])} s, max {_f(ls['queue_lag_max_s'])} s"
+        f" (target <= 1 s); depth max {ls['queue_depth_max']};"
+        f" size max {_f(ls['queue_bytes_max'], '{:,}')} B; drained {_f(ls['drain_s'])} s after the load",
+        f"  converged: {ls['converged']} (queue left {ls['queue_left']}, divergence {ls['divergence']})",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m runner.lab.bench_oltp", description=__doc__.split("\n")[0])
+    ap.add_argument("--dsn", default=os.environ.get("DATABASE_URL", ""), help="admin DSN")
+    for k in ("seconds", "scale", "clients", "threads", "runners"):
+        ap.add_argument(f"--{k}", type=int, default=None)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    r = run(a.dsn, seconds=a.seconds, scale=a.scale, clients=a.clients, threads=a.threads, runners=a.runners)
+    print(json.dumps(r, indent=2, default=str) if a.json else render(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,487 @@
+"""An application statement never fails because of lockstep, and nothing it changed is lost (issue 11).
+
+One test per numbered item of issue 11 (1-9, 12), each failing on the code before the fix, and the "hostile
+application" catalogue: app statements under every isolation level, two DateStyles, PREPARE TRANSACTION and
+user-written triggers, again after each admin action; 0 application failures, and afterwards the derived
+rows equal compute after draining with work() alone, or the job is flagged and converges after its
+recompute.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg.conninfo import make_conninfo
+from util import pg_bindir, raises_sqlstate, snapshot
+
+from runner.migrate import migrate
+
+APP_SQL = """
+create schema app;
+create table app.acc (aid bigint primary key, bal integer not null default 0);
+create table app.txn (id bigint generated always as identity primary key,
+                      aid bigint not null references app.acc on delete cascade, amount integer not null);
+create table app.band (aid bigint primary key references app.acc on delete cascade,
+                       band text, balance integer);
+create function app.band_compute(keys bigint[]) returns table (aid bigint, band text, balance integer)
+language sql stable as $$
+    select a.aid, case when a.bal + coalesce(t.s, 0) < 0 then 'neg' else 'pos' end, a.bal + coalesce(t.s, 0)
+    from app.acc a
+    left join (select x.aid, sum(x.amount)::integer s from app.txn x group by x.aid) t on t.aid = a.aid
+    where keys is null or a.aid = any(keys)
+$$;
+insert into app.acc (aid, bal) select g, g from generate_series(1, 20) g;
+select lockstep.define_derived('band', 'app.band', 'app.band_compute(bigint[])', parent => 'app.acc',
+                               every => '1 day');
+select lockstep.watch('band', 'app.acc', 'aid');
+select lockstep.watch('band', 'app.txn', 'aid');
+
+create table app.day (d date primary key, v integer not null);
+create table app.day_sum (d date primary key references app.day on delete cascade, v integer not null);
+create function app.day_compute(keys date[]) returns table (d date, v integer)
+language sql stable as $$ select x.d, x.v * 10 from app.day x where keys is null or x.d = any(keys) $$;
+insert into app.day select date '2024-01-01' + g, g from generate_series(0, 40) g;
+select lockstep.define_derived('days', 'app.day_sum', 'app.day_compute(date[])', parent => 'app.day',
+                               every => '1 day');
+select lockstep.watch('days', 'app.day', 'd');
+select lockstep.recompute('band');
+select lockstep.recompute('days');
+delete from lockstep.queue;
+"""
+
+
+def install_app(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute(APP_SQL)
+
+
+@pytest.fixture
+def app(conn, dsn) -> psycopg.Connection:
+    install_app(dsn)
+    return conn
+
+
+def drain(conn: psycopg.Connection, job: str) -> None:
+    """work() until the queue is idle (bounded: a pass of 500 keys; a few are plenty here)."""
+    for _ in range(50):
+        r = conn.execute("select outcome, error from lockstep.work(%s)", [job]).fetchone()
+        assert r[0] in ("done", "idle"), r
+        if r[0] == "idle":
+            return
+    raise AssertionError(f"{job}: the queue did not drain in 50 passes")
+
+
+def divergence(conn: psycopg.Connection, job: str) -> int:
+    """Rows that differ between the target and compute(NULL), both ways."""
+    target, fn = {"band": ("app.band", "app.band_compute"), "days": ("app.day_sum", "app.day_compute")}[job]
+    return conn.execute(
+        f"select count(*) from ((select * from {target} except all select * from {fn}(null))"
+        f" union all (select * from {fn}(null) except all select * from {target})) s"
+    ).fetchone()[0]
+
+
+def flag(conn: psycopg.Connection, job: str) -> tuple:
+    return conn.execute(
+        "select needs_recompute is not null, trigger_problem from lockstep.status where job = %s", [job]
+    ).fetchone()
+
+
+def queue(conn: psycopg.Connection, job: str) -> list[str]:
+    return [k for (k,) in conn.execute("select key from lockstep.queue where job = %s order by id", [job])]
+
+
+def enqueue_triggers(conn: psycopg.Connection, table: str) -> list[str]:
+    return [
+        n
+        for (n,) in conn.execute(
+            "select tgname from pg_trigger where tgrelid = %s::regclass"
+            " and tgfoid = 'lockstep.enqueue_trigger()'::regprocedure order by 1",
+            [table],
+        )
+    ]
+
+
+# -- item 1: one's own triggers, with one's own transition-table names -------------------------------------
+
+
+def test_item1_a_trigger_written_as_the_manual_shows_enqueues(app):
+    app.execute("select lockstep.unwatch('band', 'app.txn')")
+    for op, ref in [
+        ("insert", "new table as new_rows"),
+        ("update", "new table as new_rows old table as old_rows"),
+        ("delete", "old table as old_rows"),
+    ]:
+        app.execute(
+            f"create trigger my_{op} after {op} on app.txn referencing {ref} for each statement"
+            " execute function lockstep.enqueue_trigger('band', 'aid')"
+        )
+    app.execute("insert into app.txn (aid, amount) values (3, 5), (7, -100)")
+    assert queue(app, "band") == ["3", "7"]
+    app.execute("update app.txn set aid = 4 where aid = 3")  # a move: old and new parent
+    app.execute("delete from app.txn where aid = 7")
+    assert sorted(set(queue(app, "band"))) == ["3", "4", "7"]
+    drain(app, "band")
+    assert divergence(app, "band") == 0
+    assert flag(app, "band") == (False, None)
+
+
+# -- item 2: redefining a watched job without a parent -----------------------------------------------------
+
+
+def test_item2_redefining_a_watched_job_without_parent_is_refused(app):
+    before = snapshot(app)
+    with raises_sqlstate("LSJ02", "needs a parent") as info:
+        app.execute("select lockstep.define_derived('band', 'app.band', 'app.band_compute(bigint[])')")
+    assert "unwatch" in (info.value.diag.message_hint or "")
+    assert snapshot(app) == before
+    app.execute("update app.acc set bal = bal + 1 where aid = 2")  # the app's writes go on
+    assert queue(app, "band") == ["2"]
+
+
+# -- item 3: drop_job of a job with a non-ASCII or backslash name ------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["bänd", "band\\x", "b\\\\000d"])
+def test_item3_drop_job_drops_the_triggers_of_any_name(app, name):
+    app.execute("select lockstep.drop_job('band')")
+    app.execute(
+        "select lockstep.define_derived(%s, 'app.band', 'app.band_compute(bigint[])', parent => 'app.acc')",
+        [name],
+    )
+    app.execute("select lockstep.watch(%s, 'app.acc', 'aid')", [name])
+    assert len(enqueue_triggers(app, "app.acc")) == 3
+    app.execute("select lockstep.drop_job(%s)", [name])
+    assert enqueue_triggers(app, "app.acc") == []
+    app.execute("update app.acc set bal = bal + 1 where aid = 2")
+
+
+# -- item 4: a column that does not convert, a renamed column ----------------------------------------------
+
+
+def test_item4_a_numeric_column_for_a_bigint_key_is_refused_at_watch(app):
+    app.execute("alter table app.acc add column ref numeric")
+    before = snapshot(app)
+    with raises_sqlstate("LSQ01", "does not always convert"):
+        app.execute("select lockstep.watch('band', 'app.acc', 'ref')")
+    assert snapshot(app) == before
+    app.execute("update app.acc set ref = 3.00, bal = bal + 1 where aid = 3")
+
+
+def test_item4_a_renamed_key_column_falls_back_on_the_recompute(app, dsn):
+    app.execute("alter table app.txn rename column aid to acc_id")
+    app.execute("insert into app.txn (acc_id, amount) values (5, -50)")  # does not fail
+    flagged, problem = flag(app, "band")
+    assert flagged and "has no column" in problem
+    p = subprocess.run(
+        [sys.executable, "-m", "runner", "status", "--dsn", dsn], capture_output=True, timeout=30
+    )
+    assert p.returncode != 0  # a flagged job is unhealthy
+    app.execute("alter table app.txn rename column acc_id to aid")  # the admin's fix (compute reads aid)
+    assert app.execute("select outcome from lockstep.run('band')").fetchone()[0] == "done"  # due: flagged
+    assert flag(app, "band") == (False, None)
+    assert divergence(app, "band") == 0
+
+
+# -- item 5: SERIALIZABLE transactions on different parents ------------------------------------------------
+
+
+def test_item5_serializable_writers_of_different_parents_both_commit(app, connect):
+    t1, t2 = connect(autocommit=False), connect(autocommit=False)
+    for t in (t1, t2):
+        t.execute("set transaction isolation level serializable")
+    t1.execute("update app.acc set bal = bal + 1 where aid = 1")
+    t2.execute("update app.acc set bal = bal + 1 where aid = 2")
+    t1.commit()
+    t2.commit()  # before: 40001, through the trigger's read of lockstep.queue
+    assert sorted(queue(app, "band")) == ["1", "2"]
+
+
+# -- item 7 / 8: bounded job names, trigger names unique in bytes ------------------------------------------
+
+
+def test_item7_a_job_name_too_long_is_refused_at_define(app):
+    before = snapshot(app)
+    with raises_sqlstate("22023", "at most 63 bytes"):
+        app.execute(
+            "select lockstep.define_derived(repeat('j', 8001), 'app.band', 'app.band_compute(bigint[])',"
+            " parent => 'app.acc')"
+        )
+    assert snapshot(app) == before
+
+
+def test_item8_multibyte_job_names_get_three_distinct_triggers(app):
+    app.execute("select lockstep.drop_job('band')")
+    name = "é" * 31  # 62 bytes
+    app.execute(
+        "select lockstep.define_derived(%s, 'app.band', 'app.band_compute(bigint[])', parent => 'app.acc')",
+        [name],
+    )
+    app.execute("select lockstep.watch(%s, 'app.acc', 'aid')", [name])
+    names = enqueue_triggers(app, "app.acc")
+    assert len(names) == 3 and all(len(n.encode()) <= 63 for n in names)
+    app.execute("insert into app.acc (aid) values (100)")
+    app.execute("update app.acc set bal = 1 where aid = 100")
+    app.execute("delete from app.acc where aid = 100")
+    assert queue(app, name) == ["100", "100", "100"]
+
+
+# -- item 9: keys independent of session settings ----------------------------------------------------------
+
+
+def test_item9_keys_do_not_depend_on_the_enqueuing_sessions_settings(app, connect):
+    odd = connect()
+    odd.execute("set datestyle = 'SQL, DMY'; set intervalstyle = 'sql_standard'; set timezone = 'Asia/Tokyo'")
+    odd.execute("set extra_float_digits = -3")
+    odd.execute("update app.day set v = v + 100 where d in ('2024-01-02', '2024-01-13')")  # 2 Jan, 13 Jan
+    odd.execute("select lockstep.enqueue('days', array[date '2024-01-03'])")
+    assert queue(app, "days") == ["2024-01-02", "2024-01-13", "2024-01-03"]
+    drain(odd, "days")  # and worked from a session with the same odd settings
+    assert divergence(app, "days") == 0
+
+
+# -- item 12: enqueue sorts by key -------------------------------------------------------------------------
+
+
+def test_item12_enqueue_sorts_keys_by_key_not_as_text(app):
+    app.execute("select lockstep.enqueue('band', array[10, 2, 1, 11, 2])")
+    assert queue(app, "band") == ["1", "2", "10", "11"]
+
+
+# -- the fallback: never raise, flag, WARNING, visible, cleared by the recompute ---------------------------
+
+
+def test_a_trigger_that_cannot_enqueue_flags_the_job_with_an_insert_only(app, connect):
+    app.execute(
+        "create trigger stale after insert on app.txn referencing new table as n for each statement"
+        " execute function lockstep.enqueue_trigger('no_such_job', 'aid')"
+    )
+    notices: list[str] = []
+    app.add_notice_handler(lambda d: notices.append(d.message_primary or ""))
+    app.execute("insert into app.txn (aid, amount) values (1, 1)")
+    assert any("could not enqueue" in n and "unknown job" in n for n in notices)
+    assert app.execute("select job, problem from lockstep.recompute_flag").fetchall() == [
+        ("no_such_job", "unknown job")
+    ]
+    # a flag committed after a recompute's snapshot survives it; one the snapshot saw is cleared
+    app.execute(
+        "create trigger notrans after insert on app.txn for each statement"
+        " execute function lockstep.enqueue_trigger('band', 'aid')"
+    )
+    late = connect(autocommit=False)
+    late.execute("insert into app.txn (aid, amount) values (2, 2)")  # flags band, not yet committed
+    app.execute("select lockstep.recompute('band')")
+    late.commit()
+    assert flag(app, "band")[0]
+    app.execute("select lockstep.recompute('band')")
+    assert flag(app, "band") == (False, None)
+
+
+# -- the hostile application catalogue ---------------------------------------------------------------------
+
+
+BIN = pg_bindir() or Path("/nonexistent")  # pg_config --bindir, or env LOCKSTEP_PG_BIN
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class PreparedCluster:
+    """A throw-away PostgreSQL cluster with max_prepared_transactions > 0 (as root, through runuser)."""
+
+    def __init__(self) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="lockstep-2pc-"))
+        self.data = self.root / "data"
+        self.port = _free_port()
+        self.as_postgres = os.geteuid() == 0
+        if self.as_postgres:
+            shutil.chown(self.root, "postgres", "postgres")
+        self.dsn = make_conninfo(host="127.0.0.1", port=self.port, dbname="postgres", user="root")
+
+    def _run(self, *args: str) -> None:
+        cmd = [str(BIN / args[0]), *args[1:]]
+        if self.as_postgres:
+            cmd = ["runuser", "-u", "postgres", "--", *cmd]
+        p = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, f"{cmd}: {p.stdout}\n{p.stderr}"
+
+    def start(self) -> None:
+        self._run("initdb", "-D", str(self.data), "-U", "root", "--auth=trust", "--no-sync", "-E", "UTF8")
+        opts = (
+            f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=20"
+            " -c shared_buffers=16MB -c max_prepared_transactions=5"
+        )
+        self._run("pg_ctl", "-D", str(self.data), "-o", opts, "-l", str(self.root / "log"), "-w", "start")
+
+    def destroy(self) -> None:
+        if (self.data / "postmaster.pid").exists():
+            try:
+                self._run("pg_ctl", "-D", str(self.data), "-m", "immediate", "-w", "stop")
+            except AssertionError:
+                pass
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def twopc_dsn() -> Iterator[str]:
+    if not (BIN / "pg_ctl").exists():
+        pytest.skip(f"no PostgreSQL binaries in {BIN}")
+    c = PreparedCluster()
+    try:
+        c.start()
+        dsn = make_conninfo(c.dsn, dbname="app")
+        with psycopg.connect(c.dsn, autocommit=True) as admin:
+            admin.execute("create database app")
+        migrate(dsn)
+        install_app(dsn)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(
+                "create table app.ledger (id bigint generated always as identity primary key,"
+                " aid bigint not null references app.acc on delete cascade, amount integer not null)"
+            )
+            for op, ref in [
+                ("insert", "new table as fresh"),
+                ("update", "old table as stale new table as fresh"),
+                ("delete", "old table as stale"),
+            ]:
+                conn.execute(
+                    f"create trigger mine_{op} after {op} on app.ledger referencing {ref} for each statement"
+                    " execute function lockstep.enqueue_trigger('band', 'aid')"
+                )
+        yield dsn
+    finally:
+        c.destroy()
+
+
+def test_item6_prepare_transaction_on_a_watched_table(twopc_dsn):
+    with psycopg.connect(twopc_dsn, autocommit=True) as c:
+        c.execute("delete from lockstep.queue")  # the old trigger's NOTIFY fired on an empty queue
+        c.execute("begin")
+        c.execute("update app.acc set bal = bal + 1 where aid = 9")
+        c.execute(
+            "prepare transaction 'item6'"
+        )  # before: "cannot PREPARE a transaction that has executed NOTIFY"
+        c.execute("commit prepared 'item6'")
+        assert queue(c, "band") == ["9"]
+
+
+APP_STATEMENTS = [
+    "update app.acc set bal = bal + 1 where aid = {a}",
+    "insert into app.txn (aid, amount) values ({a}, -7), ({b}, 3)",
+    "update app.txn set aid = {b} where id = (select min(id) from app.txn where aid = {a})",
+    "insert into app.ledger values (default, {a}, 1)",  # positional: the admin renames its columns
+    "delete from app.ledger where id = (select max(id) from app.ledger)",
+    "update app.day set v = v + 1 where d = date '2024-01-01' + {a}",
+    "insert into app.acc (aid) values ({new}) on conflict do nothing",
+    "delete from app.acc where aid = {new}",
+]
+LEVELS = ["read committed", "repeatable read", "serializable"]
+DATESTYLES = ["ISO, MDY", "SQL, DMY"]
+
+
+def _app_round(dsn: str, round_no: int) -> list[str]:
+    """Every app statement, under every isolation level and DateStyle, committed or prepared: the errors."""
+    errors: list[str] = []
+    n = 0
+    for level in LEVELS:
+        for style in DATESTYLES:
+            for prepared in (False, True):
+                n += 1
+                a, b = 1 + (round_no * 7 + n) % 12, 13 + n % 7
+                with psycopg.connect(dsn, autocommit=True) as c:
+                    c.execute(f"set datestyle = '{style}'")
+                    try:
+                        c.execute(f"begin isolation level {level}")
+                        for s in APP_STATEMENTS:
+                            c.execute(s.format(a=a, b=b, new=1000 + round_no * 100 + n))
+                        if prepared:
+                            gid = f"r{round_no}_{n}"
+                            c.execute(f"prepare transaction '{gid}'")
+                            c.execute(f"commit prepared '{gid}'")
+                        else:
+                            c.execute("commit")
+                    except psycopg.Error as exc:
+                        errors.append(f"{level} / {style} / prepared={prepared}: {exc}")
+    return errors
+
+
+def _settle(conn: psycopg.Connection, jobs: list[str]) -> None:
+    """Drain with work() alone: converged, or flagged and then converged after the recompute."""
+    for job in jobs:
+        drain(conn, job)
+        if flag(conn, job)[0]:
+            conn.execute("select lockstep.recompute(%s)", [job])
+            assert flag(conn, job) == (False, None)
+        assert divergence(conn, job) == 0, job
+
+
+def test_hostile_application_catalogue(twopc_dsn):
+    admin = psycopg.connect(twopc_dsn, autocommit=True)
+    actions: list[tuple[str, list[str], bool]] = [
+        # (admin action, jobs to check, band must end flagged)
+        ("select 1", ["band", "days"], False),
+        (
+            "select lockstep.define_derived('band', 'app.band', 'app.band_compute(bigint[])',"
+            " parent => 'app.acc', every => '1 day', backoff => '2 hours')",
+            ["band", "days"],
+            False,
+        ),
+        ("alter table app.ledger rename column aid to account", ["band", "days"], True),
+        ("alter table app.ledger rename column account to aid", ["band", "days"], False),
+        ("select lockstep.unwatch('days', 'app.day')", ["band"], False),
+        ("select lockstep.drop_job('days')", ["band"], False),
+        ("select lockstep.drop_job('band')", [], False),
+    ]
+    for i, (action, jobs, flagged) in enumerate(actions):
+        admin.execute(action)
+        errors = _app_round(twopc_dsn, i)
+        assert errors == [], f"after {action}: {errors}"
+        for job in jobs:
+            assert flag(admin, job)[0] == (flagged and job == "band"), (action, job, flag(admin, job))
+        if "unwatch" in action:  # no longer fed: the admin recomputes (or watches again)
+            admin.execute("select lockstep.recompute('days')")
+        _settle(admin, jobs)
+    # drop_job took the user's own triggers too (they name the job)
+    assert [enqueue_triggers(admin, t) for t in ("app.acc", "app.txn", "app.ledger", "app.day")] == [[]] * 4
+    admin.close()
+
+
+# -- issue 17: the queue stays small under churn ---------------------------------------------------------
+
+
+def test_a_runner_that_owns_the_queue_vacuums_it_without_locking_writers_out(app, connect):
+    from runner import db
+
+    for _ in range(3):
+        app.execute("update app.acc set bal = bal + 1")
+        drain(app, "band")
+    assert db.may_vacuum_queue(app)  # the tests' superuser
+    writer = connect(autocommit=False)
+    writer.execute("update app.acc set bal = bal + 1 where aid = 1")  # holds RowExclusiveLock on the queue
+    db.vacuum_queue(app)  # does not wait for it
+    writer.commit()
+    options = app.execute(
+        "select reloptions from pg_class where oid = 'lockstep.queue'::regclass"
+    ).fetchone()[0]
+    assert (
+        "vacuum_truncate=false" in options
+    )  # no vacuum takes the ACCESS EXCLUSIVE lock enqueuers would wait for
+    role = f"ls_not_owner_{os.getpid()}"
+    app.execute(f"create role {role}")
+    try:
+        app.execute(f"set role {role}")
+        assert not db.may_vacuum_queue(app)
+    finally:
+        app.execute("reset role")
+        app.execute(f"drop role {role}")

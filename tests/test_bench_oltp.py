@@ -1,0 +1,48 @@
+"""``lockstep bench --sections oltp`` at a tiny size: the real pgbench binary, base then lockstep; the
+report has every figure, no pgbench transaction failed, and the derived table converged."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from runner.lab.bench_oltp import pg_bindir, render
+
+pytestmark = pytest.mark.skipif(not (pg_bindir() / "pgbench").exists(), reason="no pgbench binary")
+
+
+def test_oltp_section_tiny(admin_dsn):
+    env = {
+        **os.environ,
+        "LOCKSTEP_OLTP_SECONDS": "3",
+        "LOCKSTEP_OLTP_SCALE": "1",
+        "LOCKSTEP_OLTP_CLIENTS": "2",
+        "LOCKSTEP_OLTP_THREADS": "1",
+    }
+    p = subprocess.run(
+        [sys.executable, "-m", "runner", "bench", "--dsn", admin_dsn, "--sections", "oltp", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)["oltp"]
+    assert r["options"] == {"seconds": 3, "scale": 1, "clients": 2, "threads": 1, "runners": 2}
+    for run in (r["base"], r["lockstep"]):
+        assert run["transactions"] > 0 and run["failed"] == 0
+        assert run["tps"] > 0 and run["latency_ms"] > 0 and run["update_accounts_ms"] > 0
+        assert run["wal_per_txn"] > 0
+    ls = r["lockstep"]
+    assert ls["converged"] and ls["divergence"] == 0 and ls["queue_left"] == 0
+    assert ls["keys_enqueued"] >= ls["transactions"]  # one key per UPDATE pgbench_accounts
+    assert ls["trigger_us_per_update"] is not None
+    assert ls["worker_passes"] > 0 and ls["worker_ms_per_key"] > 0
+    assert ls["queue_lag_max_s"] is not None and ls["queue_depth_max"] is not None
+    assert r["tps_pct_of_base"] > 0 and r["added_ms_per_update"] is not None and r["wal_ratio"] > 0
+    text = render(r)
+    assert "% of base" in text and "converged: True" in text
