@@ -1648,7 +1648,7 @@ declare
     v_keys text[];
     v_before bigint;
 begin
-    if j.parent is null or sqlstate like '42%' or (sqlstate like 'LSD%' and sqlstate <> 'LSD05') then
+    if j.parent is null or sqlstate like '42%' or sqlstate like 'LSD%' then
         return lockstep._failed(j, 'recompute', started, error);
     end if;
     begin
