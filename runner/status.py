@@ -19,6 +19,7 @@ TABLE_COLUMNS = (
     "consecutive_failures",
     "next_run_at",
     "runs",
+    "recompute",  # done/total parents of a recompute spread over several transactions
     "needs_recompute",
     "last_error",
 )
@@ -72,9 +73,17 @@ def _cell(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _progress(r: dict) -> str | None:
+    """'done/total' while a recompute is spread over several transactions (lockstep.status), else None."""
+    if r.get("recompute_total") is None:
+        return None
+    return f"{r.get('recompute_done')}/{r['recompute_total']}"
+
+
 def to_table(rows: list[dict], columns: tuple[str, ...] = TABLE_COLUMNS, empty: str = "no jobs") -> str:
     if not rows:
         return empty
+    rows = [{**r, "recompute": _progress(r)} for r in rows]
     cells = [[_cell(r.get(c)) for c in columns] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip()]

@@ -57,10 +57,12 @@ CREATE TABLE lockstep.job (
     every interval NOT NULL,
     backoff interval NOT NULL,
     max_attempts integer DEFAULT 5 NOT NULL,
+    batch_parents integer DEFAULT 500 NOT NULL,
     owner name DEFAULT CURRENT_USER NOT NULL,
     created_at timestamp with time zone DEFAULT now() NOT NULL,
     updated_at timestamp with time zone DEFAULT now() NOT NULL,
     CONSTRAINT job_backoff_check CHECK ((backoff > '00:00:00'::interval)),
+    CONSTRAINT job_batch_parents_check CHECK (((batch_parents >= 1) AND (batch_parents <= 1000000))),
     CONSTRAINT job_check CHECK (((kind = 'job'::text) = (call IS NOT NULL))),
     CONSTRAINT job_check1 CHECK (((kind = 'derived'::text) = ((target IS NOT NULL) AND (compute IS NOT NULL)))),
     CONSTRAINT job_every_check CHECK ((every > '00:00:00'::interval)),
@@ -993,6 +995,23 @@ CREATE FUNCTION lockstep._group_due(lock_group text) RETURNS boolean
           and s.next_run_at > now() - interval '1 minute');
 $$;
 
+CREATE FUNCTION lockstep._hand_off(j lockstep.job, keys text[], before bigint, total bigint) RETURNS void
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+begin
+    perform lockstep._enqueue_text(j, keys);
+    update lockstep.job_state s set
+        recompute_total = total,
+        recompute_queue_from = case when total is not null then (select min(q.id) from lockstep.queue q
+                                                                 where q.job = j.job and q.id > before) end,
+        recompute_queue_to = case when total is not null then (select max(q.id) from lockstep.queue q
+                                                               where q.job = j.job and q.id > before) end
+    where s.job = j.job
+      and (total is not null or s.recompute_total is not null);
+end;
+$$;
+
 CREATE FUNCTION lockstep._has_ready(j lockstep.job) RETURNS boolean
     LANGUAGE plpgsql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -1107,6 +1126,62 @@ begin
     execute pg_catalog.format('select array_agg(k::text::%s::text) from pg_catalog.unnest($1) k', j.key_type)
         into v using keys;
     return coalesce(v, '{}');
+end;
+$_$;
+
+CREATE FUNCTION lockstep._limit_batch(j lockstep.job, budget integer) RETURNS bigint
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    SET client_min_messages TO 'warning'
+    SET jit TO 'off'
+    AS $_$
+declare
+    v_gone text := lockstep._tmp(j, 'gone');
+    v_put text := lockstep._tmp(j, 'put');
+    v_changed bigint;
+begin
+    if budget is null or j.parent is null then
+        return 0;
+    end if;
+    execute pg_catalog.format(
+        'select count(*) from (select lockstep_parent from pg_temp.%1$I union select lockstep_parent from pg_temp.%2$I'
+        '  union select lockstep_old_parent from pg_temp.%2$I) s(k) where k is not null', v_gone, v_put)
+        into v_changed;
+    if v_changed <= budget then
+        return 0;
+    end if;
+    drop table if exists pg_temp.lockstep_rest;
+    execute pg_catalog.format(
+        'create temp table lockstep_rest on commit drop as '
+        'select k::text as key from (select distinct k::%1$s as k from ('
+        '  select lockstep_parent from pg_temp.%2$I'
+        '  union all select lockstep_parent from pg_temp.%3$I'
+        '  union all select lockstep_old_parent from pg_temp.%3$I) s(k) where k is not null) s '
+        'order by k offset $1', j.key_type, v_gone, v_put) using budget;
+    analyze pg_temp.lockstep_rest;
+    -- keep the batch's rows, compacted (a DELETE would leave the write steps scanning every dead row)
+    drop table if exists pg_temp.lockstep_keep;
+    execute pg_catalog.format(
+        'create temp table lockstep_keep on commit drop as select * from pg_temp.%I g '
+        'where not exists (select from pg_temp.lockstep_rest r where r.key = g.lockstep_parent)', v_gone);
+    execute pg_catalog.format('truncate pg_temp.%1$I; insert into pg_temp.%1$I select * from pg_temp.lockstep_keep',
+                              v_gone);
+    drop table pg_temp.lockstep_keep;
+    execute pg_catalog.format(
+        'create temp table lockstep_keep on commit drop as select * from pg_temp.%I p '
+        'where (p.lockstep_parent is null and p.lockstep_old_parent is null)'
+        '   or (p.lockstep_parent is not null'
+        '       and not exists (select from pg_temp.lockstep_rest r where r.key = p.lockstep_parent))'
+        '   or (p.lockstep_old_parent is not null'
+        '       and not exists (select from pg_temp.lockstep_rest r where r.key = p.lockstep_old_parent))', v_put);
+    execute pg_catalog.format('truncate pg_temp.%1$I; insert into pg_temp.%1$I select * from pg_temp.lockstep_keep',
+                              v_put);
+    drop table pg_temp.lockstep_keep;
+    execute pg_catalog.format('analyze pg_temp.%I', v_gone);
+    execute pg_catalog.format('analyze pg_temp.%I', v_put);
+    v_changed := lockstep._enqueue_text(j, array(select r.key from pg_temp.lockstep_rest r));
+    perform pg_catalog.set_config('lockstep.handed_off', v_changed::text, true);
+    return v_changed;
 end;
 $_$;
 
@@ -1293,7 +1368,10 @@ CREATE TABLE lockstep.job_state (
     last_skipped bigint,
     consecutive_failures integer DEFAULT 0 NOT NULL,
     last_error text,
-    runs bigint DEFAULT 0 NOT NULL
+    runs bigint DEFAULT 0 NOT NULL,
+    recompute_total bigint,
+    recompute_queue_from bigint,
+    recompute_queue_to bigint
 );
 
 CREATE FUNCTION lockstep._not_due(s lockstep.job_state) RETURNS text
@@ -1520,6 +1598,9 @@ declare
     s lockstep.job_state;
     v_started timestamptz;
     v_err text;
+    v_state text;
+    v_before bigint;
+    v_rest bigint := 0;
     v_snap pg_snapshot;
     p lockstep._pass;
 begin
@@ -1532,6 +1613,8 @@ begin
         return lockstep._result(lockstep._not_due(s), j.job, 'recompute');
     end if;
     v_started := clock_timestamp();
+    select coalesce(max(q.id), 0) into v_before from lockstep.queue q where q.job = j.job;
+    perform pg_catalog.set_config('lockstep.handed_off', '0', true);
     v_snap := pg_catalog.pg_current_snapshot();  -- flags this snapshot sees are covered by this recompute
     begin
         p := lockstep._apply(j, null);
@@ -1543,17 +1626,47 @@ begin
             get stacked diagnostics v_err = message_text;
             return lockstep._failed(j, 'recompute', v_started, v_err);
         when others then
-            get stacked diagnostics v_err = message_text;
-            return lockstep._failed(j, 'recompute', v_started, v_err);
+            get stacked diagnostics v_err = message_text, v_state = returned_sqlstate;
+            return lockstep._recompute_failed(j, v_started, v_err, v_state);
     end;
-    if j.parent is not null and cardinality(p.skipped) > 0 then
-        perform lockstep._enqueue_text(j, p.skipped);
+    -- the rest of the difference was handed to the queue before the write (_limit_batch)
+    v_rest := coalesce(nullif(pg_catalog.current_setting('lockstep.handed_off', true), ''), '0')::bigint;
+    if j.parent is not null then
+        perform lockstep._hand_off(j, p.skipped, v_before, case when v_rest > 0 then j.batch_parents + v_rest end);
     end if;
     perform lockstep._clear_flag(j, v_snap);
     perform lockstep._finish(j, 'recompute', 'done', v_started, p);
-    return lockstep._result('done', j.job, 'recompute', p);
+    return lockstep._result('done', j.job, 'recompute', p, null, v_rest > 0);
 end;
 $$;
+
+CREATE FUNCTION lockstep._recompute_failed(j lockstep.job, started timestamp with time zone, error text, sqlstate text) RETURNS lockstep.result
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $_$
+declare
+    v_keys text[];
+    v_before bigint;
+begin
+    if j.parent is null or sqlstate like '42%' or sqlstate like 'LSD%' then
+        return lockstep._failed(j, 'recompute', started, error);
+    end if;
+    begin
+        perform lockstep._apply(j, '{}'::text[]);
+    exception when others then
+        return lockstep._failed(j, 'recompute', started, error);
+    end;
+    execute pg_catalog.format('select coalesce(array_agg(%1$I::text order by %1$I), ''{}'') from %2$s',
+                              j.parent_key, j.parent) into v_keys;
+    select coalesce(max(q.id), 0) into v_before from lockstep.queue q where q.job = j.job;
+    perform lockstep._hand_off(j, v_keys, v_before, nullif(cardinality(v_keys), 0));
+    perform lockstep._finish(j, 'recompute', 'done', started);
+    return lockstep._result('done', j.job, 'recompute', null,
+        pg_catalog.format('the whole-table pass failed (%s); its %s parents were handed to the worker, which '
+                          'isolates the failing ones (lockstep.failing_keys)', error, cardinality(v_keys)),
+        cardinality(v_keys) > 0);
+end;
+$_$;
 
 CREATE FUNCTION lockstep._referencing(rel regclass, key name[] DEFAULT NULL::name[], cols name[] DEFAULT NULL::name[]) RETURNS TABLE(conname name, refrel regclass, fk name[], rk name[], ord name[], deletes boolean)
     LANGUAGE plpgsql STABLE
@@ -1624,6 +1737,8 @@ begin
                where f.job = j.job and (keys is null or f.key = any(keys)) returning f.key)
     select array_agg(d.key) into v_keys from d;
     perform lockstep._enqueue_text(j, v_keys);
+    update lockstep.job_state s set retry_at = null, next_run_at = least(s.next_run_at, now())
+    where s.job = j.job and s.consecutive_failures > 0 and s.last_outcome = 'failed';
     return coalesce(cardinality(v_keys), 0);
 end;
 $$;
@@ -2051,6 +2166,7 @@ begin
         p.compute_ms := extract(epoch from clock_timestamp() - v_t0) * 1000;
         return p;  -- nothing to write: no lock taken at all
     end if;
+    perform lockstep._limit_batch(j, case when keys is null then j.batch_parents end);  -- 07_recompute.sql
     v_t1 := clock_timestamp();
     p.compute_ms := extract(epoch from v_t1 - v_t0) * 1000;
     v_skip := lockstep._pin_parents(j);
@@ -2351,11 +2467,29 @@ begin
     if j.parent is null then
         return lockstep._result(lockstep._not_due(s), j.job, 'recompute');
     end if;
-    r := lockstep._work(j, 500);
+    r := lockstep._work(j, j.batch_parents);
     if r.outcome = 'idle' and lockstep._not_due(s) = 'backoff' then
         r.outcome := 'backoff';
     end if;
     return r;
+end;
+$$;
+
+CREATE FUNCTION lockstep.set_batch_parents(job text, batch_parents integer) RETURNS void
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    j lockstep.job := lockstep._queue_job(job);
+begin
+    if batch_parents is null or batch_parents not between 1 and 1000000 then
+        raise exception 'lockstep: batch_parents must be an integer between 1 and 1000000 (got %)',
+            coalesce(batch_parents::text, 'NULL')
+            using errcode = '22023', hint = 'The default is 500 parents per transaction.';
+    end if;
+    perform lockstep._check_owner(j);
+    update lockstep.job x set batch_parents = set_batch_parents.batch_parents, updated_at = now()
+    where x.job = j.job;
 end;
 $$;
 
@@ -2619,6 +2753,14 @@ CREATE VIEW lockstep.status WITH (security_invoker='true') AS
     j.every,
     j.backoff,
     j.max_attempts,
+        CASE
+            WHEN (h.todo > 0) THEN (s.recompute_total - h.todo)
+            ELSE NULL::bigint
+        END AS recompute_done,
+        CASE
+            WHEN (h.todo > 0) THEN s.recompute_total
+            ELSE NULL::bigint
+        END AS recompute_total,
     ( SELECT min(f.flagged_at) AS min
            FROM lockstep.recompute_flag f
           WHERE (f.job = j.job)) AS needs_recompute,
@@ -2627,8 +2769,13 @@ CREATE VIEW lockstep.status WITH (security_invoker='true') AS
           WHERE (f.job = j.job)
           ORDER BY f.flagged_at DESC
          LIMIT 1) AS trigger_problem
-   FROM (lockstep.job j
-     JOIN lockstep.job_state s ON ((s.job = j.job)));
+   FROM ((lockstep.job j
+     JOIN lockstep.job_state s ON ((s.job = j.job)))
+     LEFT JOIN LATERAL ( SELECT count(DISTINCT q.key) AS todo
+           FROM lockstep.queue q
+          WHERE ((s.recompute_total IS NOT NULL) AND (q.job = j.job) AND ((q.id >= s.recompute_queue_from) AND (q.id <= s.recompute_queue_to)) AND (NOT (EXISTS ( SELECT
+                   FROM lockstep.key_failure f
+                  WHERE ((f.job = q.job) AND (f.key = q.key) AND f.parked)))))) h ON (true));
 
 ALTER TABLE ONLY lockstep.job
     ADD CONSTRAINT job_pkey PRIMARY KEY (job);

@@ -1,11 +1,10 @@
-"""``lockstep bench`` end to end on a small example: every method and level, sane numbers, < 60 s."""
+"""``lockstep bench`` end to end on a small example: every method and level, sane numbers."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
-import time
 
 import psycopg
 
@@ -13,7 +12,6 @@ from runner.lab.bench import LEVELS, METHODS
 
 
 def test_bench_small_json(admin_dsn):
-    started = time.monotonic()
     proc = subprocess.Popen(
         [sys.executable, "-m", "runner", "bench", "--dsn", admin_dsn, "--parents", "300", "--json"],
         stdout=subprocess.PIPE,
@@ -21,29 +19,33 @@ def test_bench_small_json(admin_dsn):
         text=True,
     )
     try:
-        out, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=180)  # a hang guard, not a speed check
     finally:
         proc.kill()
     assert proc.returncode == 0, err
-    assert time.monotonic() - started < 60
     assert "recompute 100%: measure matview" in err  # progress, one line per step, on stderr
     r = json.loads(out)
     assert r["parents"] == 300 and r["machine"]["nproc"] >= 1
     for level in LEVELS:
         per = r["recompute"][f"{level}%"]
         assert per["changed_parents"] == 300 * level // 100
+        assert per["bare_compute_ms"] > 0
         for method in METHODS:
             m = per[method]
-            assert m["total_ms"] > 0 and m["wal_lsn"] >= 0 and m["wal_own"] >= 0
-            assert m["rows"] is not None and m["rows"] >= 0
+            assert m["total_ms"] > 0 and m["wal_lsn"] >= 0
+            # the naive and seed patterns may die (40P01) against the app deleting exams they rewrite
+            assert m["error"] is not None or (m["rows"] >= 0 and m["wal_own"] >= 0)
             assert m["app_delete"]["n"] >= 1 and m["app_delete"]["max_ms"] >= m["app_delete"]["p50_ms"] > 0
+            rw = m["app_delete_rewritten"]
+            assert (rw is None) == (level == 0) and (rw is None or rw["n"] >= 1)
         ls = per["lockstep"]
         assert ls["error"] is None and ls["deadlocks"] == 0 and not ls["app_delete"]["errors"]
-        assert ls["lockstep"]["outcome"] == "done"
-        assert 0 <= ls["lock_ms"] <= ls["total_ms"] and ls["compute_ms"] >= 0
+        assert level == 0 or not ls["app_delete_rewritten"]["errors"]
+        assert ls["lockstep"]["outcome"] == "done" and ls["transactions"] >= 1
+        assert 0 <= ls["max_lock_ms"] <= ls["lock_ms"] <= ls["total_ms"] and ls["compute_ms"] >= 0
+        assert per["lockstep_1tx"]["transactions"] == 1 and per["lockstep_1tx"]["error"] is None
         if level:
-            # every method writes the same diff (the matview's is its own rows)
-            assert ls["rows"] > 0 and per["seed"]["rows"] == ls["rows"]
+            assert ls["rows"] > 0
     noop = r["recompute"]["0%"]
     assert noop["lockstep"]["rows"] == 0 and noop["seed"]["rows"] == 0 and noop["matview"]["rows"] == 0
     assert noop["naive"]["rows"] > 0  # deletes and reinserts everything

@@ -124,8 +124,23 @@ def test_run_recomputes_when_due_and_not_before(ex):
 
 
 def test_recompute_failure_is_recorded_with_backoff_and_writes_nothing(ex):
+    # the job itself is broken (an empty pass fails too); a poison parent is isolated instead
+    # (tests/test_schedules_bounded.py)
     ex.execute("update example.exam set body = body || ' fresh' where id = 9")
-    ex.execute("alter table example.exam_key add constraint short_keys check (length(key) < 5) not valid")
+    ex.execute(
+        """
+        create function example.picky(ids bigint[]) returns table (exam_id bigint, key text, weight integer)
+        language sql as $$ select * from example.exam_key_compute(ids) $$;
+        """
+    )
+    ex.execute(
+        f"select lockstep.define_derived('{JOB}', 'example.exam_key', 'example.picky(bigint[])',"
+        " 'example.exam')"
+    )
+    ex.execute(
+        "create or replace function example.picky(ids bigint[]) returns table (exam_id bigint, key text,"
+        " weight integer) language plpgsql as $$ begin raise exception 'short_keys: broken'; end $$"
+    )
     r = result(ex, f"lockstep.recompute('{JOB}')")
     assert r["outcome"] == "failed"
     assert "short_keys" in r["error"]
@@ -134,7 +149,9 @@ def test_recompute_failure_is_recorded_with_backoff_and_writes_nothing(ex):
         " from lockstep.status"
     ).fetchone()
     assert st == ("failed", 1, True)
-    assert result(ex, f"lockstep.run('{JOB}')")["outcome"] in ("backoff", "idle", "done")
+    # not run again during its backoff: the worker's pass over the queued exam 9 fails the same way
+    r = result(ex, f"lockstep.run('{JOB}')")
+    assert (r["action"], r["outcome"]) == ("work", "failed")
     assert ex.execute("select count(*) from example.exam_key where key = 'fresh'").fetchone()[0] == 0
 
 

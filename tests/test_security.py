@@ -39,6 +39,7 @@ OWNER_GRANTS = [
     "grant delete on lockstep.job to {role}",  # drop_job
     "grant select on lockstep.job_state to {role}",
     "grant insert on lockstep.job_state to {role}",  # define_* creates the status row
+    "grant update on lockstep.job_state to {role}",  # retry ends the job's failure backoff
     "grant select on lockstep.queue to {role}",
     "grant insert on lockstep.queue to {role}",  # enqueue, retry
     "grant delete on lockstep.queue to {role}",  # drop_job

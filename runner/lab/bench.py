@@ -4,8 +4,15 @@ Creates its own database ``lockstep_bench_<pid>`` on the admin DSN's server (dro
 lockstep and the example, fills ``example.exam_key`` once, then runs the sections:
 
 - ``recompute``: for 0 %, 1 % and 100 % of parents changed, each method (naive, seed, lockstep, matview)
-  starts from the same data and the same diff, while an application thread deletes one reserved exam at a
-  time (autocommit, no lock_timeout) and records each DELETE's latency.
+  starts from the same data and the same diff, while two application threads delete exams one at a time
+  (autocommit, no lock_timeout) and record each DELETE's latency: one deletes reserved exams no method
+  rewrites (``app_delete``), the other changed exams the method is rewriting (``app_delete_rewritten``).
+  lockstep runs until converged: its recompute, then the worker passes over the parents it handed to the
+  queue (more than ``batch_parents`` changed), each its own transaction; ``max_lock_ms`` is the longest
+  row-lock time (write phase) of any one of them. ``bare_compute_ms`` is ``count(*)`` of the compute
+  function alone, measured beside the methods.
+- ``scaling``: the recompute section again at a quarter of the parents (its own database), so that the
+  waits of the two sizes can be compared.
 - ``queue``: enqueue throughput, worker throughput, cost of a no-op pass and of a pass over unchanged keys;
   worker cost per key for passes of 50, 200 and 500 keys (unchanged and edited parents) for two jobs, the
   example (about 14 rows per parent) and ``exam_band`` (one row per parent and a trivial compute, like
@@ -40,19 +47,24 @@ from runner.lab.scratch import percentile
 
 JOB = example.JOB
 LEVELS = (0, 1, 100)  # % of parents changed
-METHODS = ("naive", "seed", "lockstep", "matview")
-SECTIONS = ("recompute", "queue", "oltp")  # oltp: runner.lab.bench_oltp (pgbench; not run by default)
+# lockstep_1tx: lockstep's recompute with no batch limit (one transaction, as before batch_parents)
+METHODS = ("naive", "seed", "lockstep", "lockstep_1tx", "matview")
+LOCKSTEP_METHODS = ("lockstep", "lockstep_1tx")
+# oltp: runner.lab.bench_oltp (pgbench; not run by default); scaling: the recompute at 1/4 of the parents
+SECTIONS = ("recompute", "queue", "scaling", "oltp")
 
 METHOD_CALL = {
     "naive": "select example.naive_recompute()",
     "seed": "select example.seed_recompute()",
     "lockstep": "insert into pg_temp.bench_result select * from lockstep.recompute('exam_keys')",
+    "lockstep_1tx": "insert into pg_temp.bench_result select * from lockstep.recompute('exam_keys')",
     "matview": "select public.bench_refresh()",
 }
 METHOD_TARGET = {
     "naive": "example.exam_key",
     "seed": "example.exam_key",
     "lockstep": "example.exam_key",
+    "lockstep_1tx": "example.exam_key",
     "matview": "public.bench_mv",
 }
 EXPLAIN_WAL = "explain (analyze, wal, timing off, costs off, format json) "
@@ -72,6 +84,22 @@ $f$;
 """
 REFRESH_MATVIEW_SQL = "refresh materialized view public.bench_mv"
 RECOMPUTE_SQL = "select outcome, error from lockstep.recompute('exam_keys')"
+RUN_INTO_SQL = "insert into pg_temp.bench_result select * from lockstep.run('exam_keys')"
+# entries of the recompute's hand-off still queued (what lockstep.status counts, without the count)
+HANDED_OFF_SQL = (
+    "select exists (select from lockstep.job_state s join lockstep.queue q on q.job = s.job"
+    " and q.id between s.recompute_queue_from and s.recompute_queue_to where s.job = 'exam_keys')"
+)
+UNBOUNDED_SQL = "update lockstep.job set batch_parents = 1000000 where job = 'exam_keys'"
+DEFAULT_BATCH_SQL = "update lockstep.job set batch_parents = default where job = 'exam_keys'"
+BARE_COMPUTE_SQL = "select count(*) from example.exam_key_compute(null)"
+RESEED_SQL = (
+    "insert into example.exam (id, title, body)"
+    " select g, example.words(2, g), example.words(8, -g) from unnest(%(ids)s::bigint[]) g",
+    "insert into example.exam_item (exam_id, body)"
+    " select g, example.words(2, g * 7 + i) from unnest(%(ids)s::bigint[]) g, generate_series(1, 2) i",
+)
+SCATTER_SQL = "select id from unnest(%s::bigint[]) id order by hashint8(id * 7919), id"
 SEED_SQL = "select example.seed(%s, %s)"
 PICK_SQL = "select id from example.exam where id <= %s order by hashint8(id), id limit %s"
 DROP_VICTIMS_SQL = "delete from example.exam where id > %s"
@@ -181,7 +209,11 @@ class Bench:
         self.conn = psycopg.connect(dsn, autocommit=True, application_name="lockstep bench")
 
     def converge(self) -> None:
-        outcome, error = self.conn.execute(RECOMPUTE_SQL).fetchone()
+        """One unbounded recompute (not measured): the reset between measurements."""
+        with self.conn.transaction():
+            self.conn.execute(UNBOUNDED_SQL)
+            outcome, error = self.conn.execute(RECOMPUTE_SQL).fetchone()
+            self.conn.execute(DEFAULT_BATCH_SQL)
         if outcome != "done":
             raise RuntimeError(f"lockstep.recompute did not converge: {outcome} {error}")
 
@@ -205,7 +237,7 @@ class Bench:
         cur.nextset()
         return int(cur.fetchone()[0])
 
-    def _measure(self, method: str) -> dict[str, Any]:
+    def _measure(self, method: str, changed: list[int]) -> dict[str, Any]:
         c = self.conn
         try:
             c.execute(CHECKPOINT_SQL)
@@ -215,45 +247,90 @@ class Bench:
         deadlocks0 = self._deadlocks()
         victims = list(range(self.parents + self.victims, self.parents, -1))
         app = _Deleter(self.dsn, victims)
+        # changed exams, in a scattered order: some are in the batch being written when deleted
+        rewritten = _Deleter(self.dsn, changed[: max(1, len(changed) // 5)], pause=0.02) if changed else None
         lsn0 = c.execute(LSN_SQL).fetchone()[0]
         c.execute(FLUSH_STATS_SQL)  # PostgreSQL 15's pg_stat_xact_* also show earlier unflushed counts
         out: dict[str, Any] = {"error": None, "wal_own": None, "rows": None}
         app.start()
+        if rewritten is not None:
+            rewritten.start()
         t0 = time.perf_counter()
         try:
-            with c.transaction():
-                plan = c.execute(EXPLAIN_WAL + METHOD_CALL[method]).fetchone()[0]
-                out["wal_own"] = int(plan[0]["Plan"].get("WAL Bytes", 0))
-                out["wal_fpi"] = int(plan[0]["Plan"].get("WAL FPI", 0))
-                out["rows"] = int(c.execute(XACT_ROWS_SQL, [METHOD_TARGET[method]]).fetchone()[0])
+            self._run_method(method, out)
         except psycopg.Error as exc:
             out["error"] = exc.sqlstate or "?"
         out["total_ms"] = (time.perf_counter() - t0) * 1000
         app.finish()
+        if rewritten is not None:
+            rewritten.finish()
         out["wal_lsn"] = int(c.execute(LSN_DIFF_SQL, [lsn0]).fetchone()[0])
-        lat = app.latencies_ms
-        out["app_delete"] = {
-            "n": len(lat),
-            "p50_ms": percentile(lat, 0.5),
-            "p99_ms": percentile(lat, 0.99),
-            "max_ms": max(lat) if lat else None,
-            "errors": dict(app.errors),
-        }
-        if method == "lockstep" and out["error"] is None:
-            row = c.execute(READ_RESULT_SQL).fetchone()
-            keys = ("outcome", "inserted", "updated", "deleted", "skipped", "compute_ms", "write_ms")
-            out["lockstep"] = dict(zip(keys, row, strict=True))
-            out["compute_ms"], out["lock_ms"] = row[5], row[6]
-        else:
-            out["lock_ms"] = out["total_ms"] if method == "naive" else None
+        out["app_delete"] = _latencies(app)
+        out["app_delete_rewritten"] = _latencies(rewritten) if rewritten is not None else None
+        if method not in LOCKSTEP_METHODS:
+            out["lock_ms"] = out["max_lock_ms"] = out["total_ms"] if method == "naive" else None
         time.sleep(0.05)
         out["deadlocks"] = self._deadlocks() - deadlocks0
-        # put back the reserved exams the app deleted
+        # put back the reserved exams the app deleted, and the changed ones (with their unchanged bodies)
         if app.used:
             with c.transaction():
                 c.execute(DROP_VICTIMS_SQL, [self.parents])
                 c.execute(SEED_SQL, [self.victims, self.parents + 1])
+        if rewritten is not None and rewritten.used:
+            gone = [
+                r[0]
+                for r in c.execute(
+                    "select u.v from unnest(%s::bigint[]) u(v)"
+                    " where not exists (select from example.exam e where e.id = u.v)",
+                    [rewritten.ids[: rewritten.used]],
+                )
+            ]
+            with c.transaction():
+                for stmt in RESEED_SQL:
+                    c.execute(stmt, {"ids": gone})
         return out
+
+    def _run_method(self, method: str, out: dict[str, Any]) -> None:
+        """Run one method, each of its transactions under EXPLAIN (ANALYZE, WAL); lockstep: the recompute,
+        then lockstep.run() (the runner's call) until the parents it handed to the queue are done."""
+        c = self.conn
+        call, txns, locks = METHOD_CALL[method], [], []
+        while True:
+            c.execute(CLEAR_RESULT_SQL)
+            c.execute(FLUSH_STATS_SQL)  # pg_stat_xact_* would also count the previous transactions
+            with c.transaction():
+                if method == "lockstep_1tx":
+                    c.execute(UNBOUNDED_SQL)
+                plan = c.execute(EXPLAIN_WAL + call).fetchone()[0]
+                rows = int(c.execute(XACT_ROWS_SQL, [METHOD_TARGET[method]]).fetchone()[0])
+                if method == "lockstep_1tx":
+                    c.execute(DEFAULT_BATCH_SQL)
+            txns.append((plan[0]["Plan"], rows))
+            if method not in LOCKSTEP_METHODS:
+                break
+            row = c.execute(READ_RESULT_SQL).fetchone()
+            keys = ("outcome", "inserted", "updated", "deleted", "skipped", "compute_ms", "write_ms")
+            if row[0] != "done":  # idle: a skipped key's retry is a second away
+                txns.pop()
+                time.sleep(0.01)
+                continue
+            if len(txns) == 1:
+                out["lockstep"] = dict(zip(keys, row, strict=True))
+                out["compute_ms"] = out["lock_ms"] = out["max_lock_ms"] = 0.0
+            out["compute_ms"] += row[5]
+            out["lock_ms"] += row[6]
+            out["max_lock_ms"] = max(out["max_lock_ms"], row[6])
+            locks.append(row[6])
+            if not c.execute(HANDED_OFF_SQL).fetchone()[0]:
+                break
+            call = RUN_INTO_SQL
+        out["transactions"] = len(txns)
+        if locks:
+            out["lock_ms_p50"] = percentile(locks, 0.5)
+            out["max_lock_txn"] = locks.index(max(locks)) + 1  # 1: the recompute's own batch
+        out["wal_own"] = sum(int(p.get("WAL Bytes", 0)) for p, _ in txns)
+        out["wal_fpi"] = sum(int(p.get("WAL FPI", 0)) for p, _ in txns)
+        out["rows"] = sum(r for _, r in txns)
 
     def recompute(self) -> dict[str, Any]:
         c = self.conn
@@ -262,6 +339,7 @@ class Bench:
             n = self.parents * level // 100
             ids = [r[0] for r in c.execute(PICK_SQL, [self.parents, n])] if n else []
             result[f"{level}%"] = per = {"changed_parents": len(ids)}
+            scattered = [r[0] for r in c.execute(SCATTER_SQL, [ids])] if ids else []
             for method in METHODS:
                 self.progress(f"recompute {level}% ({len(ids)} parents changed): reset for {method}")
                 if ids:
@@ -273,8 +351,12 @@ class Bench:
                     c.execute(CHANGE_SQL, [ids])
                 c.execute(CLEAR_QUEUE_SQL)
                 c.execute(VACUUM_SQL)
+                if method == "lockstep":  # beside the two lockstep methods
+                    t0 = time.perf_counter()
+                    c.execute(BARE_COMPUTE_SQL)
+                    per["bare_compute_ms"] = (time.perf_counter() - t0) * 1000
                 self.progress(f"recompute {level}%: measure {method}")
-                per[method] = self._measure(method)
+                per[method] = self._measure(method, scattered)
                 self.converge()
                 if method == "lockstep" and not ids:
                     # a second no-op run without app or CHECKPOINT: its pages were already full-page-imaged
@@ -455,6 +537,17 @@ class Bench:
         self.conn.close()
 
 
+def _latencies(app: _Deleter) -> dict[str, Any]:
+    lat = app.latencies_ms
+    return {
+        "n": len(lat),
+        "p50_ms": percentile(lat, 0.5),
+        "p99_ms": percentile(lat, 0.99),
+        "max_ms": max(lat) if lat else None,
+        "errors": dict(app.errors),
+    }
+
+
 def machine(conn: psycopg.Connection) -> dict[str, Any]:
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return {
@@ -478,6 +571,27 @@ def summarize(rec: dict[str, Any]) -> dict[str, Any]:
                 "naive_error": naive["error"],
             }
         s[f"app_delete_p99_ms_{level}"] = {m: per[m]["app_delete"]["p99_ms"] for m in METHODS}
+        if per["lockstep"].get("app_delete_rewritten"):
+            s[f"app_delete_rewritten_ms_{level}"] = {
+                m: (per[m]["app_delete_rewritten"]["p99_ms"], per[m]["app_delete_rewritten"]["max_ms"])
+                for m in METHODS
+            }
+        if ls.get("max_lock_ms") is not None:
+            one = per.get("lockstep_1tx", {})
+            s[f"lockstep_bounds_{level}"] = {
+                "max_lock_ms": ls["max_lock_ms"],
+                "lock_ms_p50": ls.get("lock_ms_p50"),
+                "max_lock_txn": ls.get("max_lock_txn"),
+                "one_txn_lock_ms": one.get("lock_ms"),
+                "one_txn_total_ms": one.get("total_ms"),
+                "total_vs_one_txn": ls["total_ms"] / one["total_ms"] if one.get("total_ms") else None,
+                "transactions": ls.get("transactions"),
+                "total_ms": ls["total_ms"],
+                "bare_compute_ms": per.get("bare_compute_ms"),
+                "total_vs_bare": ls["total_ms"] / per["bare_compute_ms"]
+                if per.get("bare_compute_ms")
+                else None,
+            }
     if "0%" in rec:
         ls = rec["0%"]["lockstep"]
         s["lockstep_noop"] = {
@@ -491,6 +605,43 @@ def summarize(rec: dict[str, Any]) -> dict[str, Any]:
             "target_rows": 0,
         }
     return s
+
+
+def _scaling(admin_dsn: str | None, parents: int, progress: Progress) -> dict[str, Any]:
+    """The recompute section at a quarter of the parents, in a database of its own."""
+    small = max(100, parents // 4)
+    name = f"lockstep_bench_{os.getpid()}_s"
+    try:
+        progress(f"scaling: create database {name} ({small} parents)")
+        bench = Bench(
+            scratch.create_database(admin_dsn or "", name), small, lambda m: progress(f"[{small}] {m}")
+        )
+        try:
+            bench.setup()
+            rec = bench.recompute()
+        finally:
+            bench.close()
+        return {"parents": small, "recompute": rec, "summary": summarize(rec)}
+    finally:
+        scratch.drop_database(admin_dsn or "", name)
+
+
+def scaling_summary(big: dict[str, Any], big_parents: int, small: dict[str, Any]) -> dict[str, Any]:
+    """lockstep at 100 % changed at both sizes, and the ratios (target: within 2x of each other)."""
+    out: dict[str, Any] = {}
+    for parents, rec in ((small["parents"], small["recompute"]), (big_parents, big)):
+        per = rec.get("100%")
+        if per:
+            ls = per["lockstep"]
+            rw = ls.get("app_delete_rewritten") or {}
+            out[str(parents)] = {
+                "max_lock_ms": ls.get("max_lock_ms"),
+                "rewritten_p99_ms": rw.get("p99_ms"),
+                "rewritten_max_ms": rw.get("max_ms"),
+                "total_ms": ls["total_ms"],
+                "transactions": ls.get("transactions"),
+            }
+    return out
 
 
 def run(
@@ -523,6 +674,10 @@ def run(
                 result["queue"] = bench.queue()
         finally:
             bench.close()
+        if "scaling" in sections:
+            result["scaling"] = _scaling(admin_dsn, parents, progress)
+            if "recompute" in result:
+                result["scaling"]["sizes"] = scaling_summary(result["recompute"], parents, result["scaling"])
         progress("done")
         return {**result, **oltp} if "oltp" in sections else result
     finally:
@@ -531,6 +686,127 @@ def run(
 
 def _f(v: Any, fmt: str = "{:.1f}") -> str:
     return "-" if v is None else fmt.format(v)
+
+
+COLS = (
+    "method",
+    "total ms",
+    "compute ms",
+    "lock ms",
+    "max lock ms",
+    "txns",
+    "rows",
+    "WAL own",
+    "FPI",
+    "WAL lsn",
+    "app DEL n",
+    "p50 ms",
+    "p99 ms",
+    "max ms",
+    "rewritten DEL n",
+    "p50 ms",
+    "p99 ms",
+    "max ms",
+    "app errors",
+    "run error",
+    "deadlocks",
+)
+
+
+def _render_recompute(rec: dict[str, Any], lines: list[str]) -> None:
+    for level, per in rec.items():
+        lines += [
+            "",
+            f"recompute, {level} of parents changed ({per['changed_parents']} parents); "
+            f"bare compute (count(*) of compute(null)): {_f(per.get('bare_compute_ms'))} ms",
+        ]
+        rows = [COLS]
+        for meth in METHODS:
+            x, a = per[meth], per[meth]["app_delete"]
+            w = x.get("app_delete_rewritten") or {
+                "n": 0,
+                "p50_ms": None,
+                "p99_ms": None,
+                "max_ms": None,
+                "errors": {},
+            }
+            errors = Counter(a["errors"]) + Counter(w["errors"])
+            rows.append(
+                (
+                    meth,
+                    _f(x["total_ms"]),
+                    _f(x.get("compute_ms")),
+                    _f(x.get("lock_ms")),
+                    _f(x.get("max_lock_ms")),
+                    _f(x.get("transactions"), "{}"),
+                    _f(x["rows"], "{}"),
+                    _f(x["wal_own"], "{:,}"),
+                    _f(x.get("wal_fpi"), "{}"),
+                    _f(x["wal_lsn"], "{:,}"),
+                    str(a["n"]),
+                    _f(a["p50_ms"], "{:.2f}"),
+                    _f(a["p99_ms"], "{:.2f}"),
+                    _f(a["max_ms"], "{:.2f}"),
+                    str(w["n"]),
+                    _f(w["p50_ms"], "{:.2f}"),
+                    _f(w["p99_ms"], "{:.2f}"),
+                    _f(w["max_ms"], "{:.2f}"),
+                    ",".join(f"{k}x{v}" for k, v in errors.items()) or "-",
+                    x["error"] or "-",
+                    str(x["deadlocks"]),
+                )
+            )
+        widths = [max(len(row[i]) for row in rows) for i in range(len(COLS))]
+        lines += [
+            "  ".join(
+                c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
+            )
+            for row in rows
+        ]
+
+
+def _render_summary(summary: dict[str, Any], lines: list[str]) -> None:
+    lines += ["", "summary"]
+    for key, v in summary.items():
+        level = key.rsplit("_", 1)[1]
+        if key.startswith("lockstep_write_vs"):
+            tgt = f" (target <= {v['target_pct']} %)" if v["target_pct"] is not None else ""
+            lines.append(
+                f"  lockstep write phases / naive total, {level}: {v['pct']:.2f} %{tgt}"
+                + (f" (naive was ended by {v['naive_error']})" if v["naive_error"] else "")
+            )
+        elif key.startswith("app_delete_p99"):
+            lines.append(
+                f"  app DELETE of an untouched exam, p99 ms, {level}: "
+                + ", ".join(f"{k} {_f(x, '{:.2f}')}" for k, x in v.items())
+            )
+        elif key.startswith("app_delete_rewritten"):
+            lines.append(
+                f"  app DELETE of a rewritten exam, p99 / max ms, {level}: "
+                + ", ".join(f"{k} {_f(p99, '{:.1f}')} / {_f(mx, '{:.1f}')}" for k, (p99, mx) in v.items())
+                + (" (target for lockstep at 100 %: <= 250 / <= 500)" if level == "100%" else "")
+            )
+        elif key.startswith("lockstep_bounds"):
+            tgt = " (target <= 250 ms)" if level == "100%" else ""
+            lines.append(
+                f"  lockstep, {level}: longest row-lock time of one transaction "
+                f"{_f(v['max_lock_ms'])} ms{tgt} "
+                f"(transaction {v.get('max_lock_txn')} of {v['transactions']}; "
+                f"median {_f(v.get('lock_ms_p50'))} ms; "
+                f"one unbounded transaction: {_f(v.get('one_txn_lock_ms'))} ms); "
+                f"converged in {_f(v['total_ms'])} ms = {_f(v.get('total_vs_one_txn'), '{:.2f}')} x "
+                f"the one-transaction recompute ({_f(v.get('one_txn_total_ms'))} ms; target <= 2) = "
+                f"{_f(v['total_vs_bare'], '{:.2f}')} x the bare compute ({_f(v['bare_compute_ms'])} ms)"
+            )
+        else:
+            lines.append(
+                f"  lockstep no-op: WAL own {v['wal_own_bytes']:,} B right after a CHECKPOINT "
+                f"({v['wal_fpi']} full-page images), "
+                f"{_f(v['wal_own_repeat_bytes'], '{:,}')} B ({v['rows_repeat']} rows) when run again "
+                f"at once (target <= 64 KB); "
+                f"lsn diff incl. app deletes "
+                f"{v['wal_lsn_bytes']:,} B; rows written {v['rows']} (target 0)"
+            )
 
 
 def render(r: dict[str, Any]) -> str:
@@ -543,77 +819,29 @@ def render(r: dict[str, Any]) -> str:
         f"machine: {m['nproc']} CPUs, {m['ram_gb']} GB RAM, PostgreSQL {m['postgresql']}; "
         f"{r['parents']} parents"
     ]
-    cols = (
-        "method",
-        "total ms",
-        "compute ms",
-        "lock ms",
-        "rows",
-        "WAL own",
-        "FPI",
-        "WAL lsn",
-        "app DEL n",
-        "p50 ms",
-        "p99 ms",
-        "max ms",
-        "app errors",
-        "run error",
-        "deadlocks",
-    )
-    for level, per in r.get("recompute", {}).items():
-        lines += ["", f"recompute, {level} of parents changed ({per['changed_parents']} parents)"]
-        rows = [cols]
-        for meth in METHODS:
-            x, a = per[meth], per[meth]["app_delete"]
-            rows.append(
-                (
-                    meth,
-                    _f(x["total_ms"]),
-                    _f(x.get("compute_ms")),
-                    _f(x.get("lock_ms")),
-                    _f(x["rows"], "{}"),
-                    _f(x["wal_own"], "{:,}"),
-                    _f(x.get("wal_fpi"), "{}"),
-                    _f(x["wal_lsn"], "{:,}"),
-                    str(a["n"]),
-                    _f(a["p50_ms"], "{:.2f}"),
-                    _f(a["p99_ms"], "{:.2f}"),
-                    _f(a["max_ms"], "{:.2f}"),
-                    ",".join(f"{k}x{v}" for k, v in a["errors"].items()) or "-",
-                    x["error"] or "-",
-                    str(x["deadlocks"]),
-                )
-            )
-        widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
-        lines += [
-            "  ".join(
-                c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
-            )
-            for row in rows
-        ]
+    _render_recompute(r.get("recompute", {}), lines)
     if "summary" in r:
-        lines += ["", "summary"]
-        for key, v in r["summary"].items():
-            if key.startswith("lockstep_write_vs"):
-                tgt = f" (target <= {v['target_pct']} %)" if v["target_pct"] is not None else ""
-                lines.append(
-                    f"  lockstep write phase / naive total, {key.rsplit('_', 1)[1]}: {v['pct']:.2f} %{tgt}"
-                    + (f" (naive was ended by {v['naive_error']})" if v["naive_error"] else "")
-                )
-            elif key.startswith("app_delete_p99"):
-                lines.append(
-                    f"  app DELETE p99 ms, {key.rsplit('_', 1)[1]}: "
-                    + ", ".join(f"{k} {_f(x, '{:.2f}')}" for k, x in v.items())
-                )
-            else:
-                lines.append(
-                    f"  lockstep no-op: WAL own {v['wal_own_bytes']:,} B right after a CHECKPOINT "
-                    f"({v['wal_fpi']} full-page images), "
-                    f"{_f(v['wal_own_repeat_bytes'], '{:,}')} B ({v['rows_repeat']} rows) when run again "
-                    f"at once (target <= 64 KB); "
-                    f"lsn diff incl. app deletes "
-                    f"{v['wal_lsn_bytes']:,} B; rows written {v['rows']} (target 0)"
-                )
+        _render_summary(r["summary"], lines)
+    if "scaling" in r:
+        sc = r["scaling"]
+        lines += ["", f"scaling: the recompute section again at {sc['parents']} parents"]
+        _render_recompute(sc["recompute"], lines)
+        _render_summary(sc["summary"], lines)
+        sizes = sc.get("sizes") or {}
+        if len(sizes) == 2:
+            (n1, a), (n2, b) = sizes.items()
+            lines += [
+                "",
+                f"scaling, lockstep at 100 % changed: {n1} parents vs {n2} parents (target: within 2x)",
+            ]
+            for k, label in (
+                ("max_lock_ms", "longest row lock of one transaction, ms"),
+                ("rewritten_p99_ms", "app DELETE of a rewritten exam, p99 ms"),
+                ("rewritten_max_ms", "app DELETE of a rewritten exam, max ms"),
+                ("total_ms", "total until converged, ms"),
+            ):
+                ratio = b[k] / a[k] if a.get(k) and b.get(k) is not None else None
+                lines.append(f"  {label}: {_f(a.get(k))} vs {_f(b.get(k))} (x {_f(ratio, '{:.2f}')})")
     if "queue" in r:
         q = r["queue"]
         lines += [

@@ -3,7 +3,7 @@
 --
 -- SQLSTATEs raised by lockstep (the one list; docs/design.md explains each):
 --   22004  a NULL argument or a NULL key
---   22023  an invalid value (empty name, non-positive interval or batch, bad trigger arguments)
+--   22023  an invalid value (empty name, non-positive interval, batch or batch_parents, bad trigger arguments)
 --   25000  run / work / recompute called in a transaction that is not READ COMMITTED (checked first)
 --   42501  insufficient privilege: redefining a job owned by another role; running a job whose owner the
 --          session may not act as (or whose owner role is gone; recorded in last_error, never run with
@@ -83,6 +83,10 @@ create table lockstep.job (
     every           interval not null check (every > interval '0'),
     backoff         interval not null check (backoff > interval '0'),
     max_attempts    integer not null default 5 check (max_attempts > 0),
+    -- parents written per transaction: a recompute whose difference touches more parents writes the first
+    -- batch_parents (in parent-key order) and hands the rest to the queue; a worker pass of lockstep.run()
+    -- claims this many (lockstep.set_batch_parents).
+    batch_parents   integer not null default 500 check (batch_parents between 1 and 1000000),
     owner           name not null default current_user,
     created_at      timestamptz not null default now(),
     updated_at      timestamptz not null default now(),
@@ -108,7 +112,13 @@ create table lockstep.job_state (
     last_skipped            bigint,
     consecutive_failures    integer not null default 0,
     last_error              text,
-    runs                    bigint not null default 0
+    runs                    bigint not null default 0,
+    -- a recompute spread over several transactions (its difference exceeded batch_parents): how many
+    -- parents it changed, and the queue ids of the hand-off of those it left to the worker (lockstep.status
+    -- derives recompute_done from the entries of that range still queued). NULL: none handed off.
+    recompute_total         bigint,
+    recompute_queue_from    bigint,
+    recompute_queue_to      bigint
 );
 
 -- the queue of changed parents: append-only, no unique constraint on (job, key), so an enqueuer never

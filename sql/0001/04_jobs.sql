@@ -165,7 +165,7 @@ $$;
 -- lockstep.run(job): what the runner calls. Runs whatever part of the job is due:
 --   generic job: its function, if due (not_due / backoff otherwise);
 --   derived job: the periodic recompute if due or the job is flagged (lockstep.recompute_flag), else a
---   worker pass if keys are queued (idle otherwise).
+--   worker pass over up to batch_parents (default 500) queued parents (idle if none).
 -- Keys convert to text in one form whatever the caller's settings (DateStyle, IntervalStyle,
 -- extra_float_digits pinned; see lockstep._canon); jobs and compute functions run under those settings.
 -- locks: nothing while looking for work; then as lockstep._call, lockstep.recompute or lockstep.work.
@@ -203,7 +203,7 @@ begin
     if j.parent is null then
         return lockstep._result(lockstep._not_due(s), j.job, 'recompute');
     end if;
-    r := lockstep._work(j, 500);
+    r := lockstep._work(j, j.batch_parents);
     if r.outcome = 'idle' and lockstep._not_due(s) = 'backoff' then
         r.outcome := 'backoff';
     end if;

@@ -565,8 +565,9 @@ $$;
 
 -- lockstep._write(j, keys): THE write path. Apply compute(keys) to the target, restricted to the parents
 -- in keys (NULL: the whole table). Used by recompute and by work.
--- First compute and the difference, without any row lock (_diff); then the write phase, in this order, never waiting
--- for any lock:
+-- First compute and the difference, without any row lock (_diff), cut to the first j.batch_parents parents
+-- when keys is NULL (_limit_batch: the rest is handed to the queue, before any row lock); then the write
+-- phase, in this order, never waiting for any lock:
 --   1. _pin_parents: parents of every row about to be deleted, inserted or updated;
 --   2. _pin_refs: rows referenced through the target's other foreign keys;
 --   3. _lock_rows, _lock_referencing, _delete_rows, _upsert_rows: the target rows, in primary-key order
@@ -594,6 +595,7 @@ begin
         p.compute_ms := extract(epoch from clock_timestamp() - v_t0) * 1000;
         return p;  -- nothing to write: no lock taken at all
     end if;
+    perform lockstep._limit_batch(j, case when keys is null then j.batch_parents end);  -- 07_recompute.sql
     v_t1 := clock_timestamp();
     p.compute_ms := extract(epoch from v_t1 - v_t0) * 1000;
     v_skip := lockstep._pin_parents(j);

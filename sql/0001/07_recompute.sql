@@ -1,8 +1,145 @@
--- lockstep 0001: the periodic full recompute.
+-- lockstep 0001: the periodic full recompute, applied in bounded batches.
+--
+-- A recompute computes every parent (compute(NULL)) and diffs the whole target without any row lock. If
+-- the difference touches more than the job's batch_parents parents, it writes only the first batch_parents
+-- of them (in parent-key order) and hands the others to the queue in the same transaction, where worker
+-- passes recompute them fresh, batch_parents at most per transaction. So no transaction holds row locks
+-- for longer than one batch, whatever the size of the change; the hand-off is as durable as the batch it
+-- commits with (nothing is lost if the runner dies between batches), and every later batch is computed from
+-- a fresh snapshot (an application change is never overwritten by older rows). If the whole-table pass
+-- fails while an empty pass works, some parents are poison: every parent is handed to the queue, where the
+-- worker's bisection isolates, retries and parks the failing ones and writes all the others.
 
--- lockstep._recompute(j, only_if_due): the full recompute under the group lock.
--- locks: the group lock (try: busy if taken); then as lockstep._write for the whole table; then the
--- queue (skipped parents appended); the job's status row last.
+-- lockstep._limit_batch(j, budget): write step 0. Keep in j's work tables (gone, put) only the
+-- rows of the first budget changed parents, in parent-key order (a row moving between parents stays if
+-- either is kept; rows without a parent always stay), and hand the other changed parents to the queue, in
+-- key order, before any row lock is taken. Returns how many it handed off, also left in the transaction's
+-- setting lockstep.handed_off for the recompute (it runs as the job's owner, whose temp tables the caller
+-- may not read); they are listed in pg_temp.lockstep_rest (key text, ON COMMIT DROP).
+-- budget NULL, or a job without a parent: no limit. The two tables are rewritten compactly (truncate and
+-- refill), so the write steps scan only the batch.
+-- locks: appends to lockstep.queue (as lockstep._enqueue_text: no lock anyone else holds); nothing else
+-- outside pg_temp.
+create function lockstep._limit_batch(j lockstep.job, budget integer) returns bigint
+language plpgsql
+set search_path = pg_catalog, pg_temp
+set client_min_messages = warning
+set jit = off
+as $$
+declare
+    v_gone text := lockstep._tmp(j, 'gone');
+    v_put text := lockstep._tmp(j, 'put');
+    v_changed bigint;
+begin
+    if budget is null or j.parent is null then
+        return 0;
+    end if;
+    execute pg_catalog.format(
+        'select count(*) from (select lockstep_parent from pg_temp.%1$I union select lockstep_parent from pg_temp.%2$I'
+        '  union select lockstep_old_parent from pg_temp.%2$I) s(k) where k is not null', v_gone, v_put)
+        into v_changed;
+    if v_changed <= budget then
+        return 0;
+    end if;
+    drop table if exists pg_temp.lockstep_rest;
+    execute pg_catalog.format(
+        'create temp table lockstep_rest on commit drop as '
+        'select k::text as key from (select distinct k::%1$s as k from ('
+        '  select lockstep_parent from pg_temp.%2$I'
+        '  union all select lockstep_parent from pg_temp.%3$I'
+        '  union all select lockstep_old_parent from pg_temp.%3$I) s(k) where k is not null) s '
+        'order by k offset $1', j.key_type, v_gone, v_put) using budget;
+    analyze pg_temp.lockstep_rest;
+    -- keep the batch's rows, compacted (a DELETE would leave the write steps scanning every dead row)
+    drop table if exists pg_temp.lockstep_keep;
+    execute pg_catalog.format(
+        'create temp table lockstep_keep on commit drop as select * from pg_temp.%I g '
+        'where not exists (select from pg_temp.lockstep_rest r where r.key = g.lockstep_parent)', v_gone);
+    execute pg_catalog.format('truncate pg_temp.%1$I; insert into pg_temp.%1$I select * from pg_temp.lockstep_keep',
+                              v_gone);
+    drop table pg_temp.lockstep_keep;
+    execute pg_catalog.format(
+        'create temp table lockstep_keep on commit drop as select * from pg_temp.%I p '
+        'where (p.lockstep_parent is null and p.lockstep_old_parent is null)'
+        '   or (p.lockstep_parent is not null'
+        '       and not exists (select from pg_temp.lockstep_rest r where r.key = p.lockstep_parent))'
+        '   or (p.lockstep_old_parent is not null'
+        '       and not exists (select from pg_temp.lockstep_rest r where r.key = p.lockstep_old_parent))', v_put);
+    execute pg_catalog.format('truncate pg_temp.%1$I; insert into pg_temp.%1$I select * from pg_temp.lockstep_keep',
+                              v_put);
+    drop table pg_temp.lockstep_keep;
+    execute pg_catalog.format('analyze pg_temp.%I', v_gone);
+    execute pg_catalog.format('analyze pg_temp.%I', v_put);
+    v_changed := lockstep._enqueue_text(j, array(select r.key from pg_temp.lockstep_rest r));
+    perform pg_catalog.set_config('lockstep.handed_off', v_changed::text, true);
+    return v_changed;
+end;
+$$;
+
+-- lockstep._hand_off(j, keys, before, total): queue keys (the parents the write skipped, or every parent)
+-- and record the recompute's hand-off in the job's status row: total parents changed and the range of queue
+-- ids above before (the job's highest id when the recompute started), from which lockstep.status derives
+-- recompute_done until the worker has taken them all. total NULL: no recompute is spread over transactions.
+-- locks: appends to lockstep.queue; the job's lockstep.job_state row (FOR NO KEY UPDATE, by the update).
+create function lockstep._hand_off(j lockstep.job, keys text[], before bigint, total bigint) returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    perform lockstep._enqueue_text(j, keys);
+    update lockstep.job_state s set
+        recompute_total = total,
+        recompute_queue_from = case when total is not null then (select min(q.id) from lockstep.queue q
+                                                                 where q.job = j.job and q.id > before) end,
+        recompute_queue_to = case when total is not null then (select max(q.id) from lockstep.queue q
+                                                               where q.job = j.job and q.id > before) end
+    where s.job = j.job
+      and (total is not null or s.recompute_total is not null);
+end;
+$$;
+
+-- lockstep._recompute_failed(j, started, error, sqlstate): the whole-table pass raised error. If it is a
+-- definition error (SQLSTATE class 42, or lockstep's LSDxx: the target, its keys, its foreign keys or the
+-- shape of compute's rows), or an empty pass raises too, or the job has no parent, the job itself is broken:
+-- a failed run with its backoff. Otherwise (an error of compute or of a constraint) some parents are poison: every parent is handed to the queue, where the worker's bisection isolates,
+-- retries and parks the failing ones (lockstep.failing_keys / parked_keys) and writes all the others; the
+-- recompute is done (no backoff) and reports the error.
+-- locks: the group lock is already held; the empty pass as lockstep._write (no row lock: nothing to write);
+-- then as lockstep._hand_off; the job's status row last.
+create function lockstep._recompute_failed(j lockstep.job, started timestamptz, error text, sqlstate text)
+returns lockstep.result
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_keys text[];
+    v_before bigint;
+begin
+    if j.parent is null or sqlstate like '42%' or sqlstate like 'LSD%' then
+        return lockstep._failed(j, 'recompute', started, error);
+    end if;
+    begin
+        perform lockstep._apply(j, '{}'::text[]);
+    exception when others then
+        return lockstep._failed(j, 'recompute', started, error);
+    end;
+    execute pg_catalog.format('select coalesce(array_agg(%1$I::text order by %1$I), ''{}'') from %2$s',
+                              j.parent_key, j.parent) into v_keys;
+    select coalesce(max(q.id), 0) into v_before from lockstep.queue q where q.job = j.job;
+    perform lockstep._hand_off(j, v_keys, v_before, nullif(cardinality(v_keys), 0));
+    perform lockstep._finish(j, 'recompute', 'done', started);
+    return lockstep._result('done', j.job, 'recompute', null,
+        pg_catalog.format('the whole-table pass failed (%s); its %s parents were handed to the worker, which '
+                          'isolates the failing ones (lockstep.failing_keys)', error, cardinality(v_keys)),
+        cardinality(v_keys) > 0);
+end;
+$$;
+
+-- lockstep._recompute(j, only_if_due): the full recompute under the group lock, writing at most
+-- j.batch_parents parents in this transaction and handing the rest to the queue (see the top of this file).
+-- locks: the group lock (try: busy if taken); then as lockstep._write for the first batch of the difference
+-- (the rest appended to the queue before its first row lock); then the queue (skipped parents appended);
+-- the job's status row last.
 create function lockstep._recompute(j lockstep.job, only_if_due boolean) returns lockstep.result
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -11,6 +148,9 @@ declare
     s lockstep.job_state;
     v_started timestamptz;
     v_err text;
+    v_state text;
+    v_before bigint;
+    v_rest bigint := 0;
     v_snap pg_snapshot;
     p lockstep._pass;
 begin
@@ -23,6 +163,8 @@ begin
         return lockstep._result(lockstep._not_due(s), j.job, 'recompute');
     end if;
     v_started := clock_timestamp();
+    select coalesce(max(q.id), 0) into v_before from lockstep.queue q where q.job = j.job;
+    perform pg_catalog.set_config('lockstep.handed_off', '0', true);
     v_snap := pg_catalog.pg_current_snapshot();  -- flags this snapshot sees are covered by this recompute
     begin
         p := lockstep._apply(j, null);
@@ -34,15 +176,17 @@ begin
             get stacked diagnostics v_err = message_text;
             return lockstep._failed(j, 'recompute', v_started, v_err);
         when others then
-            get stacked diagnostics v_err = message_text;
-            return lockstep._failed(j, 'recompute', v_started, v_err);
+            get stacked diagnostics v_err = message_text, v_state = returned_sqlstate;
+            return lockstep._recompute_failed(j, v_started, v_err, v_state);
     end;
-    if j.parent is not null and cardinality(p.skipped) > 0 then
-        perform lockstep._enqueue_text(j, p.skipped);
+    -- the rest of the difference was handed to the queue before the write (_limit_batch)
+    v_rest := coalesce(nullif(pg_catalog.current_setting('lockstep.handed_off', true), ''), '0')::bigint;
+    if j.parent is not null then
+        perform lockstep._hand_off(j, p.skipped, v_before, case when v_rest > 0 then j.batch_parents + v_rest end);
     end if;
     perform lockstep._clear_flag(j, v_snap);
     perform lockstep._finish(j, 'recompute', 'done', v_started, p);
-    return lockstep._result('done', j.job, 'recompute', p);
+    return lockstep._result('done', j.job, 'recompute', p, null, v_rest > 0);
 end;
 $$;
 
@@ -58,5 +202,27 @@ as $$
 begin
     perform lockstep._check_isolation('lockstep.recompute()');
     return lockstep._recompute(lockstep._job(job, 'derived'), false);
+end;
+$$;
+
+-- lockstep.set_batch_parents(job, batch_parents): parents written per transaction (default 500): a
+-- recompute writes at most this many and hands the rest to the queue, and a worker pass of lockstep.run()
+-- claims this many. Smaller: shorter row locks, more transactions.
+-- locks: the job's registry row.
+create function lockstep.set_batch_parents(job text, batch_parents integer) returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    j lockstep.job := lockstep._queue_job(job);
+begin
+    if batch_parents is null or batch_parents not between 1 and 1000000 then
+        raise exception 'lockstep: batch_parents must be an integer between 1 and 1000000 (got %)',
+            coalesce(batch_parents::text, 'NULL')
+            using errcode = '22023', hint = 'The default is 500 parents per transaction.';
+    end if;
+    perform lockstep._check_owner(j);
+    update lockstep.job x set batch_parents = set_batch_parents.batch_parents, updated_at = now()
+    where x.job = j.job;
 end;
 $$;

@@ -401,8 +401,11 @@ begin
 end;
 $$;
 
--- lockstep._retry(j, keys): forget the failures of keys (NULL: all of j's) and queue them again.
--- locks: the job's key_failure rows of those keys (deleted); appends to the queue.
+-- lockstep._retry(j, keys): forget the failures of keys (NULL: all of j's), queue them again, and end the
+-- job's failure backoff, if its last run failed: the worker may run at once (retry_at) and the periodic
+-- recompute is due now (next_run_at). A job whose last run did not fail keeps its schedule.
+-- locks: the job's key_failure rows of those keys (deleted); appends to the queue; then, if its last run
+-- failed, the job's lockstep.job_state row (FOR NO KEY UPDATE, by the update).
 create function lockstep._retry(j lockstep.job, keys text[]) returns bigint
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -414,6 +417,8 @@ begin
                where f.job = j.job and (keys is null or f.key = any(keys)) returning f.key)
     select array_agg(d.key) into v_keys from d;
     perform lockstep._enqueue_text(j, v_keys);
+    update lockstep.job_state s set retry_at = null, next_run_at = least(s.next_run_at, now())
+    where s.job = j.job and s.consecutive_failures > 0 and s.last_outcome = 'failed';
     return coalesce(cardinality(v_keys), 0);
 end;
 $$;

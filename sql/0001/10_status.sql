@@ -31,11 +31,21 @@ select j.job,
        j.every,
        j.backoff,
        j.max_attempts,
+       -- a recompute spread over transactions: parents done / changed, until the worker has taken the
+       -- hand-off (its queue entries still there, parked ones aside); NULL when none is in progress
+       case when h.todo > 0 then s.recompute_total - h.todo end as recompute_done,
+       case when h.todo > 0 then s.recompute_total end as recompute_total,
        (select min(f.flagged_at) from lockstep.recompute_flag f where f.job = j.job) as needs_recompute,
        (select f.problem from lockstep.recompute_flag f where f.job = j.job order by f.flagged_at desc limit 1)
            as trigger_problem
 from lockstep.job j
-join lockstep.job_state s on s.job = j.job;
+join lockstep.job_state s on s.job = j.job
+left join lateral (
+    select count(distinct q.key) as todo from lockstep.queue q
+    where s.recompute_total is not null
+      and q.job = j.job and q.id between s.recompute_queue_from and s.recompute_queue_to
+      and not exists (select from lockstep.key_failure f where f.job = q.job and f.key = q.key and f.parked)
+) h on true;
 
 -- keys set aside after max_attempts failures; lockstep.retry(job, keys) puts them back.
 create view lockstep.parked_keys with (security_invoker = true) as
