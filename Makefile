@@ -1,7 +1,7 @@
 # make test: create .venv if missing, install the package editable with its test extras, lint, run pytest.
 # make test-fast: the same without runner processes, packaging, tools and slow tests (markers by kind,
-#   applied by file name in tests/conftest.py: sql, schedules, runner, packaging, tools; and slow).
-# make schema: regenerate sql/schema.sql (pg_dump of a fresh migrate; tests/test_schema.py checks it).
+#   from the folder a test lives in, tests/{sql,schedules,runner,packaging,tools}/; and slow).
+# make schema: regenerate sql/schema.sql (pg_dump of a fresh migrate; tests/sql/test_schema.py checks it).
 # make expected: rewrite the schedule traces tests/expected/*/*.out and sql/schema.sql (then review git diff).
 # Extra pytest arguments: make test PYTEST_ARGS="-k migrations -x"
 PYTHON ?= python3

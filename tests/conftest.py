@@ -342,7 +342,8 @@ def runners(tmp_path):
 @pytest.fixture(scope="session")
 def installed_wheel(tmp_path_factory: pytest.TempPathFactory):
     """``(bin_dir, wheel)``: the wheel built from this checkout (once per session), installed non-editable
-    in a fresh venv. Used by tests/test_wheel.py, the README worked example and the host-Alembic tests."""
+    in a fresh venv. Used by tests/packaging/test_wheel.py, the README worked example and the host-Alembic
+    tests."""
     import subprocess
     import sys
     import venv

@@ -1,6 +1,6 @@
 """``lockstep web`` (issue 16): the page's data against a real database, its HTTP surface, least privilege.
 
-The browser test (real headless Chromium) is tests/test_web_browser.py.
+The browser test (real headless Chromium) is tests/runner/test_web_browser.py.
 """
 
 from __future__ import annotations

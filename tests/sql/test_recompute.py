@@ -125,7 +125,7 @@ def test_run_recomputes_when_due_and_not_before(ex):
 
 def test_recompute_failure_is_recorded_with_backoff_and_writes_nothing(ex):
     # the job itself is broken (an empty pass fails too); a poison parent is isolated instead
-    # (tests/test_schedules_bounded.py)
+    # (tests/schedules/test_schedules_bounded.py)
     ex.execute("update example.exam set body = body || ' fresh' where id = 9")
     ex.execute(
         """

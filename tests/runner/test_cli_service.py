@@ -27,7 +27,7 @@ import pytest
 
 from runner.cli import main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = {"README.md": ROOT / "README.md", "docs/runner.md": ROOT / "docs" / "runner.md"}
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 OLD_UNIT = """[Service]

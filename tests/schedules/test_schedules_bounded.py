@@ -4,8 +4,8 @@ A recompute whose difference touches more than the job's batch_parents parents w
 parent-key order) and hands the others to the queue, where worker passes recompute them fresh, one bounded
 transaction each. The schedules show what that changes for an application (it never waits for a batch it
 is not in), and that the guarantees still hold: no lost update, convergence, nothing lost on kill -9
-between batches (tests/test_runner_bounded.py), rule 7, skipped parents retried, poison parents isolated,
-0 deadlocks.
+between batches (tests/runner/test_runner_bounded.py), rule 7, skipped parents retried, poison parents
+isolated, 0 deadlocks.
 
 Each schedule's whole trace is compared with tests/expected/schedules_bounded/<test>.out
 (``expected_trace``; rewrite with --update-expected). Session s1 is lockstep (deadlock_timeout 1s: the

@@ -31,7 +31,7 @@ import pytest
 from conftest import RUN_TAG, drop_database
 from psycopg.conninfo import conninfo_to_dict
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)")
 SKIP = re.compile(r"^\s*<!--\s*readme-test:\s*skip\s*(?:\((?P<reason>.*)\))?\s*-->\s*$")

@@ -12,7 +12,7 @@ import pytest
 
 from runner.migrate import head
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

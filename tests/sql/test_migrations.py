@@ -418,7 +418,7 @@ def test_cli_reports_errors_in_one_line(tmp_path):
 
 def test_checkout_alembic_ini(empty_dsn):
     """`alembic -x dsn=... upgrade head` from the checkout's alembic.ini, then `downgrade base`."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
 
     def alembic(*args: str) -> None:
         done = _cli_run([sys.executable, "-m", "alembic", *args], cwd=root)
