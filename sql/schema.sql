@@ -1158,25 +1158,35 @@ begin
         '  union all select lockstep_parent from pg_temp.%3$I'
         '  union all select lockstep_old_parent from pg_temp.%3$I) s(k) where k is not null) s '
         'order by k offset $1', j.key_type, v_gone, v_put) using budget;
-    analyze pg_temp.lockstep_rest;
+    -- the batch's own parents (at most budget keys): the filters below test membership in this small set
+    -- (an uncorrelated IN, hashed), never in the rest (a NOT EXISTS inside an OR cannot become an anti-join
+    -- and rescanned the rest for every row: quadratic in the size of the change)
+    drop table if exists pg_temp.lockstep_first;
+    execute pg_catalog.format(
+        'create temp table lockstep_first on commit drop as '
+        'select k::text as key from (select distinct k::%1$s as k from ('
+        '  select lockstep_parent from pg_temp.%2$I'
+        '  union all select lockstep_parent from pg_temp.%3$I'
+        '  union all select lockstep_old_parent from pg_temp.%3$I) s(k) where k is not null) s '
+        'order by k limit $1', j.key_type, v_gone, v_put) using budget;
     -- keep the batch's rows, compacted (a DELETE would leave the write steps scanning every dead row)
     drop table if exists pg_temp.lockstep_keep;
     execute pg_catalog.format(
         'create temp table lockstep_keep on commit drop as select * from pg_temp.%I g '
-        'where not exists (select from pg_temp.lockstep_rest r where r.key = g.lockstep_parent)', v_gone);
+        'where g.lockstep_parent is null or g.lockstep_parent in (select f.key from pg_temp.lockstep_first f)',
+        v_gone);
     execute pg_catalog.format('truncate pg_temp.%1$I; insert into pg_temp.%1$I select * from pg_temp.lockstep_keep',
                               v_gone);
     drop table pg_temp.lockstep_keep;
     execute pg_catalog.format(
         'create temp table lockstep_keep on commit drop as select * from pg_temp.%I p '
         'where (p.lockstep_parent is null and p.lockstep_old_parent is null)'
-        '   or (p.lockstep_parent is not null'
-        '       and not exists (select from pg_temp.lockstep_rest r where r.key = p.lockstep_parent))'
-        '   or (p.lockstep_old_parent is not null'
-        '       and not exists (select from pg_temp.lockstep_rest r where r.key = p.lockstep_old_parent))', v_put);
+        '   or p.lockstep_parent in (select f.key from pg_temp.lockstep_first f)'
+        '   or p.lockstep_old_parent in (select f.key from pg_temp.lockstep_first f)', v_put);
     execute pg_catalog.format('truncate pg_temp.%1$I; insert into pg_temp.%1$I select * from pg_temp.lockstep_keep',
                               v_put);
     drop table pg_temp.lockstep_keep;
+    drop table pg_temp.lockstep_first;
     execute pg_catalog.format('analyze pg_temp.%I', v_gone);
     execute pg_catalog.format('analyze pg_temp.%I', v_put);
     v_changed := lockstep._enqueue_text(j, array(select r.key from pg_temp.lockstep_rest r));
