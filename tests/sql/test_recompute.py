@@ -220,7 +220,8 @@ def test_hand_off_reads_each_work_row_a_bounded_number_of_times(conn):
     # recompute ran for more than 6 minutes). Counted, not timed: rows read from lockstep's temp tables.
     conn.execute(HAND_OFF_SCHEMA)
     conn.execute("begin")
-    # the smallest work_mem: a list of 5,990 keys cannot be hashed in it (as 1,000,000 cannot in 4MB); before the fix 18,038,995 rows were read here, after it 48,050
+    # the smallest work_mem: a list of 5,990 keys cannot be hashed in it (as 1,000,000 cannot in 4MB);
+    # before the fix 18,038,995 rows were read here, after it 48,050
     conn.execute("set local work_mem = '64kB'")
     r = result(conn, "lockstep.recompute('ho')")
     read = conn.execute(
