@@ -136,26 +136,32 @@ def test_samples_closer_than_min_gap_replace_the_last_one(ex):
     assert [s["total"] for s in data["queue_trend"]] == [2]
 
 
-def test_recompute_progress_shows_when_the_status_columns_exist_and_are_set(ex):
+def test_recompute_progress_shows_while_a_recompute_is_spread_over_batches(ex):
     setup_workload(ex)
-    assert "recompute-progress" not in web.render(web.collect(ex, web.Sampler()), 5)  # no such columns
-    # the columns H5 adds to lockstep.status (recompute_done, recompute_total), set for one job
+    assert "recompute-progress" not in web.render(web.collect(ex, web.Sampler()), 5)  # none in progress
+    # a recompute of 50 changed parents with batch_parents 10: one batch written, 40 handed to the queue
     ex.execute(
-        "alter view lockstep.status rename to status_base;"
-        " create view lockstep.status as select b.*,"
-        " case when b.job = 'exam_keys' then 30::bigint end as recompute_done,"
-        " case when b.job = 'exam_keys' then 120::bigint end as recompute_total"
-        " from lockstep.status_base b"
+        "create schema wb;"
+        " create table wb.acc (id int primary key, bal int not null);"
+        " create table wb.band (id int primary key references wb.acc on delete cascade, band text not null);"
+        " create function wb.bands(keys int[]) returns table (id int, band text) language sql stable"
+        " as $$ select a.id, case when a.bal < 0 then 'neg' else 'pos' end from wb.acc a"
+        "       where keys is null or a.id = any(keys) $$;"
+        " insert into wb.acc select g, g - 25 from generate_series(1, 50) g;"
+        " select lockstep.define_derived('bands', 'wb.band', 'wb.bands(int[])', 'wb.acc', every => '1 day');"
+        " select lockstep.set_batch_parents('bands', 10);"
+        " select lockstep.recompute('bands');"
     )
     data = web.collect(ex, web.Sampler())
     assert {j["job"]: j["recompute_progress"] for j in data["jobs"]} == {
+        "bands": {"done": 10, "total": 50},
         "boom": None,
-        "exam_keys": {"done": 30, "total": 120},
+        "exam_keys": None,
         "ok": None,
     }
     html = web.render(data, 5)
     assert html.count('class="recompute-progress"') == 1
-    assert '<progress max="120" value="30"></progress> <span class="recompute-progress">30 / 120' in html
+    assert '<progress max="50" value="10"></progress> <span class="recompute-progress">10 / 50' in html
 
 
 @pytest.mark.parametrize("method", ["POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "BREW"])
