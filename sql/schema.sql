@@ -1150,25 +1150,23 @@ begin
     if v_changed <= budget then
         return 0;
     end if;
-    drop table if exists pg_temp.lockstep_rest;
+    -- every changed parent once, in key order, numbered: the first budget are the batch, the rest is handed off.
+    -- The filters below test membership in the batch's small set (an uncorrelated IN, hashed), never in the
+    -- rest (a NOT EXISTS inside an OR cannot become an anti-join and rescanned the rest for every row:
+    -- quadratic in the size of the change).
+    drop table if exists pg_temp.lockstep_parents, pg_temp.lockstep_rest, pg_temp.lockstep_first;
     execute pg_catalog.format(
-        'create temp table lockstep_rest on commit drop as '
-        'select k::text as key from (select distinct k::%1$s as k from ('
+        'create temp table lockstep_parents on commit drop as '
+        'select k::text as key, pg_catalog.row_number() over (order by k) as n from (select distinct k::%1$s as k from ('
         '  select lockstep_parent from pg_temp.%2$I'
         '  union all select lockstep_parent from pg_temp.%3$I'
-        '  union all select lockstep_old_parent from pg_temp.%3$I) s(k) where k is not null) s '
-        'order by k offset $1', j.key_type, v_gone, v_put) using budget;
-    -- the batch's own parents (at most budget keys): the filters below test membership in this small set
-    -- (an uncorrelated IN, hashed), never in the rest (a NOT EXISTS inside an OR cannot become an anti-join
-    -- and rescanned the rest for every row: quadratic in the size of the change)
-    drop table if exists pg_temp.lockstep_first;
-    execute pg_catalog.format(
-        'create temp table lockstep_first on commit drop as '
-        'select k::text as key from (select distinct k::%1$s as k from ('
-        '  select lockstep_parent from pg_temp.%2$I'
-        '  union all select lockstep_parent from pg_temp.%3$I'
-        '  union all select lockstep_old_parent from pg_temp.%3$I) s(k) where k is not null) s '
-        'order by k limit $1', j.key_type, v_gone, v_put) using budget;
+        '  union all select lockstep_old_parent from pg_temp.%3$I) s(k) where k is not null) s',
+        j.key_type, v_gone, v_put);
+    create temp table lockstep_rest on commit drop as
+        select c.key from pg_temp.lockstep_parents c where c.n > budget order by c.n;
+    create temp table lockstep_first on commit drop as
+        select c.key from pg_temp.lockstep_parents c where c.n <= budget;
+    drop table pg_temp.lockstep_parents;
     -- keep the batch's rows, compacted (a DELETE would leave the write steps scanning every dead row)
     drop table if exists pg_temp.lockstep_keep;
     execute pg_catalog.format(
