@@ -20,6 +20,7 @@ DRAIN_LIMIT = 50  # consecutive calls of one job in a tick (outcome done, more) 
 SLICE = 0.25  # longest uninterrupted wait, so a signal is noticed quickly
 POLL = 0.1  # how often a sleeping runner looks at the queue's sequence (wake-up latency)
 VACUUM_EVERY = 10.0  # seconds between two VACUUMs of the queue by a runner that worked meanwhile
+BATCH_WAIT = 0.2  # after a worker pass that left no ready keys: let keys gather this long before the next
 RECHECK = 1.0  # after the sequence moved: look at the schedule every POLL this long (the enqueuer may not
 # have committed yet when the sequence moved)
 
@@ -34,6 +35,7 @@ class Options:
     prepare: bool | None = None
     drain_limit: int = DRAIN_LIMIT
     check_interval: str | None = None  # client_connection_check_interval for the runner's sessions
+    batch_wait: float = BATCH_WAIT  # seconds between a job's worker passes while keys trickle in
 
 
 class Metrics:
@@ -94,6 +96,7 @@ class Runner:
         self._job_errors: dict[str, _JobError] = {}
         self._depths_at = 0.0
         self._unknown: set[str] = set()
+        self._gather_until: dict[str, float] = {}  # job -> monotonic time its next worker pass may start
         self.started = False  # a tick succeeded: from then on every database error is retried
 
     # signals -------------------------------------------------------------------------------------------
@@ -227,6 +230,7 @@ class Runner:
             self._check_known(rows)
         now = time.monotonic()
         progressed = False
+        gathering: list[float] = []
         for row in rows:
             if self.stopping:
                 return progressed
@@ -235,6 +239,10 @@ class Runner:
             held = self._job_errors.get(row.job)
             if held is not None and held.until > now:
                 continue
+            gather = self._gather_until.get(row.job, 0.0) - now
+            if gather > 0 and sleep:
+                gathering.append(gather)
+                continue
             progressed |= self._drain(row.job)
         self._update_depths()
         if progressed:
@@ -242,7 +250,9 @@ class Runner:
         if progressed or not sleep or self.stopping:
             return progressed
         waits = [r.wait for r in rows if r.wait is not None and r.wait > 0]
-        if self._sleep(min([self.opts.tick, *waits]), wake=self._sequence is not None):
+        if gathering:  # keys are queued for a job that just ran: wake when its wait ends, not on new keys
+            self._sleep(min([self.opts.tick, *waits, *gathering]))
+        elif self._sleep(min([self.opts.tick, *waits]), wake=self._sequence is not None):
             self._recheck_until = time.monotonic() + RECHECK
         return False
 
@@ -265,6 +275,9 @@ class Runner:
             if r.outcome in ("done", "failed"):
                 progressed = True
                 self._log_result(r, elapsed)
+            if r.outcome == "done" and r.action == "work" and not r.more:
+                # the queue was drained: the keys that arrive meanwhile gather for one larger pass
+                self._gather_until[job] = started + self.opts.batch_wait
             if r.outcome == "failed":
                 self.any_failed = True
             if not (r.outcome == "done" and r.more) or self.stopping:

@@ -1,0 +1,153 @@
+"""``lockstep run --batch-wait``: after a worker pass that emptied a job's queue, keys that arrive gather
+for one larger pass instead of one pass each (a steady write load then costs fewer, cheaper passes). A
+backlog (a pass that took a full batch) is drained at once, and ``--once`` never waits.
+
+The runner loop runs in this process against a real database; only its clock and its sleep are the test's
+(``time.monotonic`` is advanced by hand, ``_sleep`` records how long the loop asked to wait), so the
+schedule is deterministic and nothing here sleeps.
+"""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+
+from runner import loop
+
+SCHEMA_SQL = """
+create schema shop;
+create table shop.item (id integer primary key, price integer not null);
+create table shop.item_band (
+    item_id integer primary key references shop.item (id) on delete cascade,
+    band    text not null
+);
+create function shop.item_band_compute(ids integer[])
+returns table (item_id integer, band text)
+language sql stable
+as $$
+    select i.id, case when i.price < 100 then 'cheap' else 'dear' end
+    from shop.item i where ids is null or i.id = any(ids)
+$$;
+insert into shop.item select g, 50 from generate_series(1, 20) g;
+select lockstep.define_derived('item_band', 'shop.item_band', 'shop.item_band_compute(integer[])',
+                               parent => 'shop.item', every => '1 day');
+select lockstep.watch('item_band', 'shop.item', 'id');
+select lockstep.recompute('item_band');
+"""
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def shop(connect, dsn: str) -> psycopg.Connection:
+    conn = connect(dsn, autocommit=True)
+    conn.execute(SCHEMA_SQL)
+    return conn
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    c = Clock()
+    monkeypatch.setattr(loop.time, "monotonic", c)
+    return c
+
+
+def _runner(dsn: str, batch_wait: float, sleeps: list[tuple[float, bool]]) -> loop.Runner:
+    r = loop.Runner(loop.Options(dsn=dsn, batch_wait=batch_wait, tick=30.0))
+    r._sleep = lambda seconds, wake=False: sleeps.append((seconds, wake)) or False  # type: ignore[method-assign]
+    r._connect()
+    return r
+
+
+def _dear(conn: psycopg.Connection, *ids: int) -> None:
+    for i in ids:  # one application transaction each
+        conn.execute("update shop.item set price = 500 where id = %s", [i])
+
+
+def _bands(conn: psycopg.Connection) -> dict[int, str]:
+    return dict(conn.execute("select item_id, band from shop.item_band").fetchall())
+
+
+def _queued(conn: psycopg.Connection) -> int:
+    return conn.execute("select count(*) from lockstep.queue where job = 'item_band'").fetchone()[0]
+
+
+def test_keys_arriving_after_a_pass_gather_for_one_pass(shop, dsn, clock):
+    sleeps: list[tuple[float, bool]] = []
+    r = _runner(dsn, 5.0, sleeps)
+    try:
+        _dear(shop, 1)
+        assert r._tick(sleep=True) is True  # the first key after a quiet spell: a pass at once
+        assert _bands(shop)[1] == "dear" and _queued(shop) == 0
+
+        clock.now += 1.0
+        _dear(shop, 2, 3)
+        assert r._tick(sleep=True) is False  # 1 s after the pass: the keys gather
+        assert _queued(shop) == 2 and _bands(shop)[2] == "cheap"
+        seconds, wake = sleeps[-1]
+        assert seconds == pytest.approx(4.0) and wake is False  # until the window ends, not at the next key
+
+        clock.now += 1.0
+        _dear(shop, 4)
+        assert r._tick(sleep=True) is False
+        assert sleeps[-1][0] == pytest.approx(3.0)
+
+        clock.now += 3.0  # the window is over: one pass takes all three keys
+        assert r._tick(sleep=True) is True
+        assert _queued(shop) == 0
+        assert [_bands(shop)[i] for i in (2, 3, 4)] == ["dear"] * 3
+        last = shop.execute("select last_updated from lockstep.job_state where job = 'item_band'").fetchone()[
+            0
+        ]
+        assert last == 3
+    finally:
+        r._close()
+
+
+def test_zero_batch_wait_passes_as_soon_as_keys_arrive(shop, dsn, clock):
+    sleeps: list[tuple[float, bool]] = []
+    r = _runner(dsn, 0.0, sleeps)
+    try:
+        _dear(shop, 1)
+        assert r._tick(sleep=True) is True
+        _dear(shop, 2)
+        assert r._tick(sleep=True) is True  # no window: the next key is taken at once, same clock
+        assert _queued(shop) == 0 and _bands(shop)[2] == "dear"
+    finally:
+        r._close()
+
+
+def test_a_backlog_is_drained_without_waiting(shop, dsn, clock):
+    shop.execute("select lockstep.set_batch_parents('item_band', 3)")
+    sleeps: list[tuple[float, bool]] = []
+    r = _runner(dsn, 5.0, sleeps)
+    try:
+        _dear(shop, 1)
+        assert r._tick(sleep=True) is True  # window opened
+        clock.now += 5.0
+        shop.execute("update shop.item set price = 500 where id between 2 and 11")  # 10 keys, batch 3
+        assert r._tick(sleep=True) is True  # full passes go again at once, in the same tick
+        assert _queued(shop) == 0
+        assert all(b == "dear" for i, b in _bands(shop).items() if i <= 11)
+        assert sleeps == []
+    finally:
+        r._close()
+
+
+def test_once_does_not_wait(shop, dsn, clock):
+    sleeps: list[tuple[float, bool]] = []
+    r = _runner(dsn, 60.0, sleeps)
+    try:
+        _dear(shop, 1)
+        assert r._tick(sleep=False) is True
+        _dear(shop, 2)
+        assert r._tick(sleep=False) is True  # --once drains whatever is queued
+        assert _queued(shop) == 0 and sleeps == []
+    finally:
+        r._close()
