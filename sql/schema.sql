@@ -83,18 +83,19 @@ begin
     if j.owner is distinct from current_user then
         return lockstep._as_owner(j, keys);
     end if;
-    p := lockstep._write(j, keys);
-    perform lockstep._tmp_clear(j);  -- no row outlives this call (pooled connections: see lockstep._tmp)
+    p := lockstep._write(j, keys);  -- it leaves the work tables empty (a failed call: rolled back)
     p.compute_ms := extract(epoch from clock_timestamp() - v_t0) * 1000 - p.write_ms;
     return p;
 end;
 $$;
 
 CREATE FUNCTION lockstep._array_type(t regtype) RETURNS text
-    LANGUAGE sql STABLE STRICT
+    LANGUAGE plpgsql STABLE STRICT
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
-    select pg_catalog.format_type(typarray, null) from pg_catalog.pg_type where oid = t;
+begin
+    return (select pg_catalog.format_type(ty.typarray, null) from pg_catalog.pg_type ty where ty.oid = t);
+end;
 $$;
 
 CREATE FUNCTION lockstep._as_owner(j lockstep.job, keys text[]) RETURNS lockstep._pass
@@ -694,6 +695,7 @@ $$;
 CREATE FUNCTION lockstep._claim(j lockstep.job, batch integer, OUT keys text[], OUT kind text, OUT "full" boolean) RETURNS record
     LANGUAGE plpgsql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
     AS $$
 begin
     select array_agg(f.key order by f.key) into keys
@@ -736,12 +738,14 @@ end;
 $$;
 
 CREATE FUNCTION lockstep._cols(cols name[], alias text DEFAULT NULL::text) RETURNS text
-    LANGUAGE sql IMMUTABLE
+    LANGUAGE plpgsql IMMUTABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
-    select pg_catalog.string_agg(coalesce(pg_catalog.quote_ident(alias) || '.', '') || pg_catalog.quote_ident(c),
-                                 ', ' order by o)
-    from pg_catalog.unnest(cols) with ordinality as u(c, o);
+begin
+    return (select pg_catalog.string_agg(coalesce(pg_catalog.quote_ident(alias) || '.', '') || pg_catalog.quote_ident(c),
+                                         ', ' order by o)
+            from pg_catalog.unnest(cols) with ordinality as u(c, o));
+end;
 $$;
 
 CREATE FUNCTION lockstep._deallocate_changed(kept text[]) RETURNS void
@@ -914,12 +918,24 @@ begin
 end;
 $_$;
 
+CREATE FUNCTION lockstep._entries(j lockstep.job, keys text[]) RETURNS bigint[]
+    LANGUAGE plpgsql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
+    AS $$
+begin
+    return (select array_agg(q.id) from lockstep.queue q where q.job = j.job and q.key = any(keys));
+end;
+$$;
+
 CREATE FUNCTION lockstep._eq(cols name[], a text, b text) RETURNS text
-    LANGUAGE sql IMMUTABLE
+    LANGUAGE plpgsql IMMUTABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
-    select pg_catalog.string_agg(pg_catalog.format('%I.%I = %I.%I', a, c, b, c), ' and ' order by o)
-    from pg_catalog.unnest(cols) with ordinality as u(c, o);
+begin
+    return (select pg_catalog.string_agg(pg_catalog.format('%I.%I = %I.%I', a, c, b, c), ' and ' order by o)
+            from pg_catalog.unnest(cols) with ordinality as u(c, o));
+end;
 $$;
 
 CREATE FUNCTION lockstep._failed(j lockstep.job, action text, started timestamp with time zone, error text) RETURNS lockstep.result
@@ -985,14 +1001,16 @@ end;
 $$;
 
 CREATE FUNCTION lockstep._group_due(lock_group text) RETURNS boolean
-    LANGUAGE sql STABLE
+    LANGUAGE plpgsql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
-    select exists (
+begin
+    return exists (
         select from lockstep.job j join lockstep.job_state s on s.job = j.job
         where j.lock_group = _group_due.lock_group
           and s.next_run_at <= now()
           and s.next_run_at > now() - interval '1 minute');
+end;
 $$;
 
 CREATE FUNCTION lockstep._hand_off(j lockstep.job, keys text[], before bigint, total bigint) RETURNS void
@@ -1015,6 +1033,7 @@ $$;
 CREATE FUNCTION lockstep._has_ready(j lockstep.job) RETURNS boolean
     LANGUAGE plpgsql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
     AS $$
 begin
     return exists (
@@ -1575,6 +1594,19 @@ declare
 begin
     bad := '{}';
     errors := '{}';
+    raw := keys;
+    if j.key_type = 'bigint'::pg_catalog.regtype
+       and not exists (select from pg_catalog.unnest(keys) r where r !~ '^-?[0-9]{1,18}$') then
+        select array_agg(v::text order by v) into canon from (select distinct r::bigint as v from pg_catalog.unnest(keys) r) s;
+        return;
+    elsif j.key_type = 'integer'::pg_catalog.regtype
+          and not exists (select from pg_catalog.unnest(keys) r where r !~ '^-?[0-9]{1,9}$') then
+        select array_agg(v::text order by v) into canon from (select distinct r::integer as v from pg_catalog.unnest(keys) r) s;
+        return;
+    elsif j.key_type = 'text'::pg_catalog.regtype then
+        select array_agg(v order by v) into canon from (select distinct r as v from pg_catalog.unnest(keys) r) s;
+        return;
+    end if;
     begin
         execute pg_catalog.format('select array_agg(v::text order by v) from (select distinct r::%s as v '
                                   'from pg_catalog.unnest($1::text[]) r) s', j.key_type) into canon using keys;
@@ -1724,14 +1756,16 @@ end;
 $$;
 
 CREATE FUNCTION lockstep._result(outcome text, job text, action text, p lockstep._pass DEFAULT NULL::lockstep._pass, error text DEFAULT NULL::text, more boolean DEFAULT false) RETURNS lockstep.result
-    LANGUAGE sql IMMUTABLE
+    LANGUAGE plpgsql IMMUTABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
-    select row(outcome,
+begin
+    return row(outcome,
                coalesce(p.inserted, 0), coalesce(p.updated, 0), coalesce(p.deleted, 0),
                coalesce(pg_catalog.cardinality(p.skipped), 0),
                coalesce(p.compute_ms, 0), coalesce(p.write_ms, 0),
                error, job, action, more)::lockstep.result;
+end;
 $$;
 
 CREATE FUNCTION lockstep._retry(j lockstep.job, keys text[]) RETURNS bigint
@@ -1789,6 +1823,7 @@ $$;
 CREATE FUNCTION lockstep._settle(j lockstep.job, kind text, raw text[], ids bigint[], p lockstep._pass, bad text[], bad_errors text[]) RETURNS text
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
     AS $_$
 declare
     v_susp text[] := coalesce(lockstep._timed_out(), '{}');
@@ -2044,10 +2079,12 @@ end;
 $$;
 
 CREATE FUNCTION lockstep._try_lock(lock_group text) RETURNS boolean
-    LANGUAGE sql STRICT
+    LANGUAGE plpgsql STRICT
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
-    select pg_catalog.pg_try_advisory_xact_lock(pg_catalog.hashtextextended('lockstep:' || lock_group, 0));
+begin
+    return pg_catalog.pg_try_advisory_xact_lock(pg_catalog.hashtextextended('lockstep:' || lock_group, 0));
+end;
 $$;
 
 CREATE FUNCTION lockstep._upsert_rows(j lockstep.job, OUT inserted bigint, OUT updated bigint) RETURNS record
@@ -2142,7 +2179,7 @@ begin
     end if;
     -- every visible entry of those keys goes with them (a key enqueued many times is computed once)
     -- (under the group lock: a worker that held it before us may have done some of them)
-    select array_agg(q.id) into v_ids from lockstep.queue q where q.job = j.job and q.key = any(c.keys);
+    v_ids := lockstep._entries(j, c.keys);
     if v_ids is null then
         return lockstep._result('idle', j.job, 'work');
     end if;
@@ -2172,7 +2209,7 @@ declare
 begin
     if lockstep._diff(j, keys) = 0 then
         p.compute_ms := extract(epoch from clock_timestamp() - v_t0) * 1000;
-        return p;  -- nothing to write: no lock taken at all
+        return p;  -- nothing to write: no lock taken at all, and the work tables are empty (nothing to clear)
     end if;
     perform lockstep._limit_batch(j, case when keys is null then j.batch_parents end);  -- 07_recompute.sql
     v_t1 := clock_timestamp();
@@ -2200,6 +2237,7 @@ begin
         p.skipped := v_skip;
     end if;
     p.write_ms := extract(epoch from clock_timestamp() - v_t1) * 1000;
+    perform lockstep._tmp_clear(j);  -- no row outlives this call (pooled connections: see lockstep._tmp)
     return p;
 end;
 $_$;
