@@ -698,6 +698,16 @@ CREATE FUNCTION lockstep._claim(j lockstep.job, batch integer, OUT keys text[], 
     SET plan_cache_mode TO 'force_generic_plan'
     AS $$
 begin
+    -- the common case, no failing key due (one index probe of key_failure): straight to the batch
+    if not exists (select from lockstep.key_failure f where f.job = j.job and not f.parked and f.retry_at <= now()) then
+        select array_agg(distinct c.key), count(*) >= batch into keys, full
+        from (select q.key from lockstep.queue q
+              where q.job = j.job and q.ready_at <= now()
+                and not exists (select from lockstep.key_failure f where f.job = q.job and f.key = q.key)
+              order by q.id limit batch) c;
+        kind := 'batch';
+        return;
+    end if;
     select array_agg(f.key order by f.key) into keys
     from (select f.key from lockstep.key_failure f
           where f.job = j.job and f.attempts = 0 and not f.parked and f.retry_at <= now()
@@ -1259,7 +1269,9 @@ declare
     v_t regclass;
     v_any boolean;
 begin
-    if not exists (select from lockstep._referencing(j.target, j.target_key, j.columns)) then
+    if not exists (select from pg_catalog.pg_constraint con  -- the common case: no foreign key to the target
+                   where con.confrelid = j.target and con.contype = 'f' and con.conparentid = 0)
+       or not exists (select from lockstep._referencing(j.target, j.target_key, j.columns)) then
         return '{}';
     end if;
     execute pg_catalog.format('select exists (select from pg_temp.%I)', lockstep._tmp(j, 'gone')) into v_any;
@@ -1487,6 +1499,15 @@ declare
     v_unpinned text;
     c record;
 begin
+    -- the common case, no foreign key but the parent's (on a column compute returns): nothing to pin or check
+    if not exists (select from pg_catalog.pg_constraint con
+                   where con.conrelid = j.target and con.contype = 'f'
+                     and not (j.parent is not null and con.confrelid = j.parent and j.parent <> j.target
+                              and j.parent_column = any(j.columns)
+                              and con.conkey = array[(select a.attnum from pg_catalog.pg_attribute a
+                                                      where a.attrelid = j.target and a.attname = j.parent_column)])) then
+        return v_skip;
+    end if;
     perform lockstep._check_target_fks(j.target, j.columns);
     for c in
         select con.conname, con.confrelid::regclass as ref,
@@ -1846,8 +1867,9 @@ begin
     v_leave := v_leave || bad;  -- their entries stay, shown as parked
     -- every statement runs even when it has no row to change: a missing privilege fails every pass at once,
     -- not the first pass that needs it
-    delete from lockstep.queue q where q.job = j.job and q.id = any(ids) and q.key <> all(v_leave);
-    -- a parent an application holds is retried a second later, not in a hot loop
+    -- one statement (one plan) for both: the entries done go, a parent an application holds is retried a
+    -- second later, not in a hot loop (disjoint rows: v_skip is part of v_leave)
+    with d as (delete from lockstep.queue q where q.job = j.job and q.id = any(ids) and q.key <> all(v_leave))
     update lockstep.queue q set ready_at = now() + interval '1 second'
     where q.job = j.job and q.id = any(ids) and q.key = any(v_skip);
     delete from lockstep.key_failure f

@@ -262,6 +262,15 @@ declare
     v_unpinned text;
     c record;
 begin
+    -- the common case, no foreign key but the parent's (on a column compute returns): nothing to pin or check
+    if not exists (select from pg_catalog.pg_constraint con
+                   where con.conrelid = j.target and con.contype = 'f'
+                     and not (j.parent is not null and con.confrelid = j.parent and j.parent <> j.target
+                              and j.parent_column = any(j.columns)
+                              and con.conkey = array[(select a.attnum from pg_catalog.pg_attribute a
+                                                      where a.attrelid = j.target and a.attname = j.parent_column)])) then
+        return v_skip;
+    end if;
     perform lockstep._check_target_fks(j.target, j.columns);
     for c in
         select con.conname, con.confrelid::regclass as ref,
@@ -484,7 +493,9 @@ declare
     v_t regclass;
     v_any boolean;
 begin
-    if not exists (select from lockstep._referencing(j.target, j.target_key, j.columns)) then
+    if not exists (select from pg_catalog.pg_constraint con  -- the common case: no foreign key to the target
+                   where con.confrelid = j.target and con.contype = 'f' and con.conparentid = 0)
+       or not exists (select from lockstep._referencing(j.target, j.target_key, j.columns)) then
         return '{}';
     end if;
     execute pg_catalog.format('select exists (select from pg_temp.%I)', lockstep._tmp(j, 'gone')) into v_any;

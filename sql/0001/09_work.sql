@@ -126,6 +126,16 @@ set search_path = pg_catalog, pg_temp
 set plan_cache_mode = force_generic_plan
 as $$
 begin
+    -- the common case, no failing key due (one index probe of key_failure): straight to the batch
+    if not exists (select from lockstep.key_failure f where f.job = j.job and not f.parked and f.retry_at <= now()) then
+        select array_agg(distinct c.key), count(*) >= batch into keys, full
+        from (select q.key from lockstep.queue q
+              where q.job = j.job and q.ready_at <= now()
+                and not exists (select from lockstep.key_failure f where f.job = q.job and f.key = q.key)
+              order by q.id limit batch) c;
+        kind := 'batch';
+        return;
+    end if;
     select array_agg(f.key order by f.key) into keys
     from (select f.key from lockstep.key_failure f
           where f.job = j.job and f.attempts = 0 and not f.parked and f.retry_at <= now()
@@ -313,8 +323,9 @@ begin
     v_leave := v_leave || bad;  -- their entries stay, shown as parked
     -- every statement runs even when it has no row to change: a missing privilege fails every pass at once,
     -- not the first pass that needs it
-    delete from lockstep.queue q where q.job = j.job and q.id = any(ids) and q.key <> all(v_leave);
-    -- a parent an application holds is retried a second later, not in a hot loop
+    -- one statement (one plan) for both: the entries done go, a parent an application holds is retried a
+    -- second later, not in a hot loop (disjoint rows: v_skip is part of v_leave)
+    with d as (delete from lockstep.queue q where q.job = j.job and q.id = any(ids) and q.key <> all(v_leave))
     update lockstep.queue q set ready_at = now() + interval '1 second'
     where q.job = j.job and q.id = any(ids) and q.key = any(v_skip);
     delete from lockstep.key_failure f
