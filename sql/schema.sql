@@ -1055,19 +1055,23 @@ end;
 $$;
 
 CREATE FUNCTION lockstep._held_cursors() RETURNS text[]
-    LANGUAGE sql STABLE
+    LANGUAGE plpgsql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
-    select pg_catalog.array_agg(pg_catalog.concat_ws(' ', c.name, c.creation_time) order by c.name)
-    from pg_catalog.pg_cursors c where c.is_holdable;
+begin
+    return (select pg_catalog.array_agg(pg_catalog.concat_ws(' ', c.name, c.creation_time) order by c.name)
+            from pg_catalog.pg_cursors c where c.is_holdable);
+end;
 $$;
 
 CREATE FUNCTION lockstep._is_admin() RETURNS boolean
-    LANGUAGE sql STABLE
+    LANGUAGE plpgsql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
-    select pg_catalog.pg_has_role(current_user, c.relowner, 'MEMBER')
-    from pg_catalog.pg_class c where c.oid = 'lockstep.job'::pg_catalog.regclass;
+begin
+    return (select pg_catalog.pg_has_role(current_user, c.relowner, 'MEMBER')
+            from pg_catalog.pg_class c where c.oid = 'lockstep.job'::pg_catalog.regclass);
+end;
 $$;
 
 CREATE FUNCTION lockstep._is_statement_timeout(started timestamp with time zone) RETURNS boolean
@@ -1376,12 +1380,14 @@ end;
 $$;
 
 CREATE FUNCTION lockstep._may_manage(owner name) RETURNS boolean
-    LANGUAGE sql STABLE
+    LANGUAGE plpgsql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
-    select case when owner = current_user then true
+begin
+    return case when owner = current_user then true
                 when not exists (select from pg_catalog.pg_roles r where r.rolname = owner) then true
                 else pg_catalog.pg_has_role(current_user, owner, 'MEMBER') or lockstep._is_admin() end;
+end;
 $$;
 
 CREATE FUNCTION lockstep._may_own(owner name) RETURNS boolean
@@ -1544,12 +1550,14 @@ end;
 $_$;
 
 CREATE FUNCTION lockstep._prepared() RETURNS text[]
-    LANGUAGE sql STABLE
+    LANGUAGE plpgsql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
-    select pg_catalog.array_agg(pg_catalog.concat_ws(' ', s.name, s.prepare_time, s.parameter_types, s.statement)
-                                order by s.name)
-    from pg_catalog.pg_prepared_statements s;
+begin
+    return (select pg_catalog.array_agg(pg_catalog.concat_ws(' ', s.name, s.prepare_time, s.parameter_types, s.statement)
+                                        order by s.name)
+            from pg_catalog.pg_prepared_statements s);
+end;
 $$;
 
 CREATE FUNCTION lockstep._proc_columns(f regprocedure) RETURNS TABLE(name name, type oid, ord bigint)
