@@ -1620,16 +1620,17 @@ CREATE FUNCTION lockstep._readable(j lockstep.job, keys text[], OUT canon text[]
 declare
     k text;
     v_err text;
+    v_all text := pg_catalog.array_to_string(keys, ',');
+    v_one_each boolean := pg_catalog.length(v_all) - pg_catalog.length(pg_catalog.replace(v_all, ',', ''))
+                          = pg_catalog.cardinality(keys) - 1;
 begin
     bad := '{}';
     errors := '{}';
     raw := keys;
-    if j.key_type = 'bigint'::pg_catalog.regtype
-       and not exists (select from pg_catalog.unnest(keys) r where r !~ '^-?[0-9]{1,18}$') then
+    if j.key_type = 'bigint'::pg_catalog.regtype and v_one_each and v_all ~ '^-?[0-9]{1,18}(,-?[0-9]{1,18})*$' then
         select array_agg(v::text order by v) into canon from (select distinct r::bigint as v from pg_catalog.unnest(keys) r) s;
         return;
-    elsif j.key_type = 'integer'::pg_catalog.regtype
-          and not exists (select from pg_catalog.unnest(keys) r where r !~ '^-?[0-9]{1,9}$') then
+    elsif j.key_type = 'integer'::pg_catalog.regtype and v_one_each and v_all ~ '^-?[0-9]{1,9}(,-?[0-9]{1,9})*$' then
         select array_agg(v::text order by v) into canon from (select distinct r::integer as v from pg_catalog.unnest(keys) r) s;
         return;
     elsif j.key_type = 'text'::pg_catalog.regtype then

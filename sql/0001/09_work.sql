@@ -169,7 +169,9 @@ $$;
 -- text, distinct, sorted by key) and raw (the queued text of the keys that read back); a key that cannot be
 -- read back goes to bad, with its error in errors (it is parked, never left to stall the queue).
 -- Fast path for bigint, integer and text keys that cannot fail the cast (digits only, short enough: no
--- overflow): static SQL (a plan cached for the session) and no subtransaction; measured ~90 us a pass.
+-- overflow; one regular expression over the keys joined by commas, and as many commas as separators, so no
+-- key has one): static SQL (a plan cached for the session), no subtransaction. Measured in a loop, 50
+-- bigint keys: 38 us against 59 us by EXECUTE in a subtransaction (a regular expression per key: 64 us).
 -- locks: nothing.
 create function lockstep._readable(j lockstep.job, keys text[], out canon text[], out raw text[],
                                    out bad text[], out errors text[])
@@ -179,16 +181,17 @@ as $$
 declare
     k text;
     v_err text;
+    v_all text := pg_catalog.array_to_string(keys, ',');
+    v_one_each boolean := pg_catalog.length(v_all) - pg_catalog.length(pg_catalog.replace(v_all, ',', ''))
+                          = pg_catalog.cardinality(keys) - 1;
 begin
     bad := '{}';
     errors := '{}';
     raw := keys;
-    if j.key_type = 'bigint'::pg_catalog.regtype
-       and not exists (select from pg_catalog.unnest(keys) r where r !~ '^-?[0-9]{1,18}$') then
+    if j.key_type = 'bigint'::pg_catalog.regtype and v_one_each and v_all ~ '^-?[0-9]{1,18}(,-?[0-9]{1,18})*$' then
         select array_agg(v::text order by v) into canon from (select distinct r::bigint as v from pg_catalog.unnest(keys) r) s;
         return;
-    elsif j.key_type = 'integer'::pg_catalog.regtype
-          and not exists (select from pg_catalog.unnest(keys) r where r !~ '^-?[0-9]{1,9}$') then
+    elsif j.key_type = 'integer'::pg_catalog.regtype and v_one_each and v_all ~ '^-?[0-9]{1,9}(,-?[0-9]{1,9})*$' then
         select array_agg(v::text order by v) into canon from (select distinct r::integer as v from pg_catalog.unnest(keys) r) s;
         return;
     elsif j.key_type = 'text'::pg_catalog.regtype then
