@@ -1043,7 +1043,6 @@ $$;
 CREATE FUNCTION lockstep._has_ready(j lockstep.job) RETURNS boolean
     LANGUAGE plpgsql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
-    SET plan_cache_mode TO 'force_generic_plan'
     AS $$
 begin
     return exists (

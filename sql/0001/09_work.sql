@@ -80,12 +80,13 @@ end;
 $$;
 
 -- lockstep._has_ready(j): j has queue entries that are ready, whose key is neither parked nor waiting
--- for a retry. (PL/pgSQL: its plan is cached for the session.)
+-- for a retry. (PL/pgSQL: its plan is cached for the session. Custom plans, not generic: a generic plan of
+-- this exists() is a sequential scan of the queue filtered by job, which reads every entry of the other
+-- jobs when this one has none; lockstep.due() calls it for every job at every tick.)
 -- locks: nothing.
 create function lockstep._has_ready(j lockstep.job) returns boolean
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
-set plan_cache_mode = force_generic_plan
 as $$
 begin
     return exists (
