@@ -83,18 +83,19 @@ begin
     if j.owner is distinct from current_user then
         return lockstep._as_owner(j, keys);
     end if;
-    p := lockstep._write(j, keys);
-    perform lockstep._tmp_clear(j);  -- no row outlives this call (pooled connections: see lockstep._tmp)
+    p := lockstep._write(j, keys);  -- it leaves the work tables empty (a failed call: rolled back)
     p.compute_ms := extract(epoch from clock_timestamp() - v_t0) * 1000 - p.write_ms;
     return p;
 end;
 $$;
 
 CREATE FUNCTION lockstep._array_type(t regtype) RETURNS text
-    LANGUAGE sql STABLE STRICT
+    LANGUAGE plpgsql STABLE STRICT
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
-    select pg_catalog.format_type(typarray, null) from pg_catalog.pg_type where oid = t;
+begin
+    return (select pg_catalog.format_type(ty.typarray, null) from pg_catalog.pg_type ty where ty.oid = t);
+end;
 $$;
 
 CREATE FUNCTION lockstep._as_owner(j lockstep.job, keys text[]) RETURNS lockstep._pass
@@ -694,8 +695,19 @@ $$;
 CREATE FUNCTION lockstep._claim(j lockstep.job, batch integer, OUT keys text[], OUT kind text, OUT "full" boolean) RETURNS record
     LANGUAGE plpgsql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
     AS $$
 begin
+    -- the common case, no failing key due (one index probe of key_failure): straight to the batch
+    if not exists (select from lockstep.key_failure f where f.job = j.job and not f.parked and f.retry_at <= now()) then
+        select array_agg(distinct c.key), count(*) >= batch into keys, full
+        from (select q.key from lockstep.queue q
+              where q.job = j.job and q.ready_at <= now()
+                and not exists (select from lockstep.key_failure f where f.job = q.job and f.key = q.key)
+              order by q.id limit batch) c;
+        kind := 'batch';
+        return;
+    end if;
     select array_agg(f.key order by f.key) into keys
     from (select f.key from lockstep.key_failure f
           where f.job = j.job and f.attempts = 0 and not f.parked and f.retry_at <= now()
@@ -736,12 +748,14 @@ end;
 $$;
 
 CREATE FUNCTION lockstep._cols(cols name[], alias text DEFAULT NULL::text) RETURNS text
-    LANGUAGE sql IMMUTABLE
+    LANGUAGE plpgsql IMMUTABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
-    select pg_catalog.string_agg(coalesce(pg_catalog.quote_ident(alias) || '.', '') || pg_catalog.quote_ident(c),
-                                 ', ' order by o)
-    from pg_catalog.unnest(cols) with ordinality as u(c, o);
+begin
+    return (select pg_catalog.string_agg(coalesce(pg_catalog.quote_ident(alias) || '.', '') || pg_catalog.quote_ident(c),
+                                         ', ' order by o)
+            from pg_catalog.unnest(cols) with ordinality as u(c, o));
+end;
 $$;
 
 CREATE FUNCTION lockstep._deallocate_changed(kept text[]) RETURNS void
@@ -914,12 +928,24 @@ begin
 end;
 $_$;
 
+CREATE FUNCTION lockstep._entries(j lockstep.job, keys text[]) RETURNS bigint[]
+    LANGUAGE plpgsql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
+    AS $$
+begin
+    return (select array_agg(q.id) from lockstep.queue q where q.job = j.job and q.key = any(keys));
+end;
+$$;
+
 CREATE FUNCTION lockstep._eq(cols name[], a text, b text) RETURNS text
-    LANGUAGE sql IMMUTABLE
+    LANGUAGE plpgsql IMMUTABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
-    select pg_catalog.string_agg(pg_catalog.format('%I.%I = %I.%I', a, c, b, c), ' and ' order by o)
-    from pg_catalog.unnest(cols) with ordinality as u(c, o);
+begin
+    return (select pg_catalog.string_agg(pg_catalog.format('%I.%I = %I.%I', a, c, b, c), ' and ' order by o)
+            from pg_catalog.unnest(cols) with ordinality as u(c, o));
+end;
 $$;
 
 CREATE FUNCTION lockstep._failed(j lockstep.job, action text, started timestamp with time zone, error text) RETURNS lockstep.result
@@ -985,14 +1011,16 @@ end;
 $$;
 
 CREATE FUNCTION lockstep._group_due(lock_group text) RETURNS boolean
-    LANGUAGE sql STABLE
+    LANGUAGE plpgsql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
-    select exists (
+begin
+    return exists (
         select from lockstep.job j join lockstep.job_state s on s.job = j.job
         where j.lock_group = _group_due.lock_group
           and s.next_run_at <= now()
           and s.next_run_at > now() - interval '1 minute');
+end;
 $$;
 
 CREATE FUNCTION lockstep._hand_off(j lockstep.job, keys text[], before bigint, total bigint) RETURNS void
@@ -1026,19 +1054,23 @@ end;
 $$;
 
 CREATE FUNCTION lockstep._held_cursors() RETURNS text[]
-    LANGUAGE sql STABLE
+    LANGUAGE plpgsql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
-    select pg_catalog.array_agg(pg_catalog.concat_ws(' ', c.name, c.creation_time) order by c.name)
-    from pg_catalog.pg_cursors c where c.is_holdable;
+begin
+    return (select pg_catalog.array_agg(pg_catalog.concat_ws(' ', c.name, c.creation_time) order by c.name)
+            from pg_catalog.pg_cursors c where c.is_holdable);
+end;
 $$;
 
 CREATE FUNCTION lockstep._is_admin() RETURNS boolean
-    LANGUAGE sql STABLE
+    LANGUAGE plpgsql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
-    select pg_catalog.pg_has_role(current_user, c.relowner, 'MEMBER')
-    from pg_catalog.pg_class c where c.oid = 'lockstep.job'::pg_catalog.regclass;
+begin
+    return (select pg_catalog.pg_has_role(current_user, c.relowner, 'MEMBER')
+            from pg_catalog.pg_class c where c.oid = 'lockstep.job'::pg_catalog.regclass);
+end;
 $$;
 
 CREATE FUNCTION lockstep._is_statement_timeout(started timestamp with time zone) RETURNS boolean
@@ -1240,7 +1272,9 @@ declare
     v_t regclass;
     v_any boolean;
 begin
-    if not exists (select from lockstep._referencing(j.target, j.target_key, j.columns)) then
+    if not exists (select from pg_catalog.pg_constraint con  -- the common case: no foreign key to the target
+                   where con.confrelid = j.target and con.contype = 'f' and con.conparentid = 0)
+       or not exists (select from lockstep._referencing(j.target, j.target_key, j.columns)) then
         return '{}';
     end if;
     execute pg_catalog.format('select exists (select from pg_temp.%I)', lockstep._tmp(j, 'gone')) into v_any;
@@ -1345,12 +1379,14 @@ end;
 $$;
 
 CREATE FUNCTION lockstep._may_manage(owner name) RETURNS boolean
-    LANGUAGE sql STABLE
+    LANGUAGE plpgsql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
-    select case when owner = current_user then true
+begin
+    return case when owner = current_user then true
                 when not exists (select from pg_catalog.pg_roles r where r.rolname = owner) then true
                 else pg_catalog.pg_has_role(current_user, owner, 'MEMBER') or lockstep._is_admin() end;
+end;
 $$;
 
 CREATE FUNCTION lockstep._may_own(owner name) RETURNS boolean
@@ -1468,6 +1504,15 @@ declare
     v_unpinned text;
     c record;
 begin
+    -- the common case, no foreign key but the parent's (on a column compute returns): nothing to pin or check
+    if not exists (select from pg_catalog.pg_constraint con
+                   where con.conrelid = j.target and con.contype = 'f'
+                     and not (j.parent is not null and con.confrelid = j.parent and j.parent <> j.target
+                              and j.parent_column = any(j.columns)
+                              and con.conkey = array[(select a.attnum from pg_catalog.pg_attribute a
+                                                      where a.attrelid = j.target and a.attname = j.parent_column)])) then
+        return v_skip;
+    end if;
     perform lockstep._check_target_fks(j.target, j.columns);
     for c in
         select con.conname, con.confrelid::regclass as ref,
@@ -1504,12 +1549,14 @@ end;
 $_$;
 
 CREATE FUNCTION lockstep._prepared() RETURNS text[]
-    LANGUAGE sql STABLE
+    LANGUAGE plpgsql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
-    select pg_catalog.array_agg(pg_catalog.concat_ws(' ', s.name, s.prepare_time, s.parameter_types, s.statement)
-                                order by s.name)
-    from pg_catalog.pg_prepared_statements s;
+begin
+    return (select pg_catalog.array_agg(pg_catalog.concat_ws(' ', s.name, s.prepare_time, s.parameter_types, s.statement)
+                                        order by s.name)
+            from pg_catalog.pg_prepared_statements s);
+end;
 $$;
 
 CREATE FUNCTION lockstep._proc_columns(f regprocedure) RETURNS TABLE(name name, type oid, ord bigint)
@@ -1572,9 +1619,23 @@ CREATE FUNCTION lockstep._readable(j lockstep.job, keys text[], OUT canon text[]
 declare
     k text;
     v_err text;
+    v_all text := pg_catalog.array_to_string(keys, ',');
+    v_one_each boolean := pg_catalog.length(v_all) - pg_catalog.length(pg_catalog.replace(v_all, ',', ''))
+                          = pg_catalog.cardinality(keys) - 1;
 begin
     bad := '{}';
     errors := '{}';
+    raw := keys;
+    if j.key_type = 'bigint'::pg_catalog.regtype and v_one_each and v_all ~ '^-?[0-9]{1,18}(,-?[0-9]{1,18})*$' then
+        select array_agg(v::text order by v) into canon from (select distinct r::bigint as v from pg_catalog.unnest(keys) r) s;
+        return;
+    elsif j.key_type = 'integer'::pg_catalog.regtype and v_one_each and v_all ~ '^-?[0-9]{1,9}(,-?[0-9]{1,9})*$' then
+        select array_agg(v::text order by v) into canon from (select distinct r::integer as v from pg_catalog.unnest(keys) r) s;
+        return;
+    elsif j.key_type = 'text'::pg_catalog.regtype then
+        select array_agg(v order by v) into canon from (select distinct r as v from pg_catalog.unnest(keys) r) s;
+        return;
+    end if;
     begin
         execute pg_catalog.format('select array_agg(v::text order by v) from (select distinct r::%s as v '
                                   'from pg_catalog.unnest($1::text[]) r) s', j.key_type) into canon using keys;
@@ -1724,14 +1785,16 @@ end;
 $$;
 
 CREATE FUNCTION lockstep._result(outcome text, job text, action text, p lockstep._pass DEFAULT NULL::lockstep._pass, error text DEFAULT NULL::text, more boolean DEFAULT false) RETURNS lockstep.result
-    LANGUAGE sql IMMUTABLE
+    LANGUAGE plpgsql IMMUTABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
-    select row(outcome,
+begin
+    return row(outcome,
                coalesce(p.inserted, 0), coalesce(p.updated, 0), coalesce(p.deleted, 0),
                coalesce(pg_catalog.cardinality(p.skipped), 0),
                coalesce(p.compute_ms, 0), coalesce(p.write_ms, 0),
                error, job, action, more)::lockstep.result;
+end;
 $$;
 
 CREATE FUNCTION lockstep._retry(j lockstep.job, keys text[]) RETURNS bigint
@@ -1789,6 +1852,7 @@ $$;
 CREATE FUNCTION lockstep._settle(j lockstep.job, kind text, raw text[], ids bigint[], p lockstep._pass, bad text[], bad_errors text[]) RETURNS text
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
     AS $_$
 declare
     v_susp text[] := coalesce(lockstep._timed_out(), '{}');
@@ -1811,8 +1875,9 @@ begin
     v_leave := v_leave || bad;  -- their entries stay, shown as parked
     -- every statement runs even when it has no row to change: a missing privilege fails every pass at once,
     -- not the first pass that needs it
-    delete from lockstep.queue q where q.job = j.job and q.id = any(ids) and q.key <> all(v_leave);
-    -- a parent an application holds is retried a second later, not in a hot loop
+    -- one statement (one plan) for both: the entries done go, a parent an application holds is retried a
+    -- second later, not in a hot loop (disjoint rows: v_skip is part of v_leave)
+    with d as (delete from lockstep.queue q where q.job = j.job and q.id = any(ids) and q.key <> all(v_leave))
     update lockstep.queue q set ready_at = now() + interval '1 second'
     where q.job = j.job and q.id = any(ids) and q.key = any(v_skip);
     delete from lockstep.key_failure f
@@ -2044,10 +2109,12 @@ end;
 $$;
 
 CREATE FUNCTION lockstep._try_lock(lock_group text) RETURNS boolean
-    LANGUAGE sql STRICT
+    LANGUAGE plpgsql STRICT
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
-    select pg_catalog.pg_try_advisory_xact_lock(pg_catalog.hashtextextended('lockstep:' || lock_group, 0));
+begin
+    return pg_catalog.pg_try_advisory_xact_lock(pg_catalog.hashtextextended('lockstep:' || lock_group, 0));
+end;
 $$;
 
 CREATE FUNCTION lockstep._upsert_rows(j lockstep.job, OUT inserted bigint, OUT updated bigint) RETURNS record
@@ -2142,7 +2209,7 @@ begin
     end if;
     -- every visible entry of those keys goes with them (a key enqueued many times is computed once)
     -- (under the group lock: a worker that held it before us may have done some of them)
-    select array_agg(q.id) into v_ids from lockstep.queue q where q.job = j.job and q.key = any(c.keys);
+    v_ids := lockstep._entries(j, c.keys);
     if v_ids is null then
         return lockstep._result('idle', j.job, 'work');
     end if;
@@ -2172,7 +2239,7 @@ declare
 begin
     if lockstep._diff(j, keys) = 0 then
         p.compute_ms := extract(epoch from clock_timestamp() - v_t0) * 1000;
-        return p;  -- nothing to write: no lock taken at all
+        return p;  -- nothing to write: no lock taken at all, and the work tables are empty (nothing to clear)
     end if;
     perform lockstep._limit_batch(j, case when keys is null then j.batch_parents end);  -- 07_recompute.sql
     v_t1 := clock_timestamp();
@@ -2200,6 +2267,7 @@ begin
         p.skipped := v_skip;
     end if;
     p.write_ms := extract(epoch from clock_timestamp() - v_t1) * 1000;
+    perform lockstep._tmp_clear(j);  -- no row outlives this call (pooled connections: see lockstep._tmp)
     return p;
 end;
 $_$;

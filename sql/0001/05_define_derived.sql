@@ -215,7 +215,8 @@ $$;
 -- return is always NULL in the rows lockstep inserts (no default, no domain default, not generated, not
 -- identity), so every key the insert's FK check looks up is one lockstep pinned first (_pin_refs); and
 -- no foreign key references the target itself (a row inserted in the same pass could not be pinned).
--- Also run by _pin_refs on every pass, for foreign keys added after define_derived.
+-- Also run by _pin_refs on every pass whose target has a foreign key besides the parent's, for foreign keys
+-- added after define_derived.
 -- locks: nothing.
 create function lockstep._check_target_fks(target regclass, cols name[]) returns void
 language plpgsql stable

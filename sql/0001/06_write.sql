@@ -12,9 +12,9 @@
 -- below and current_user: another shape, a retyped column or another role gets other tables, never a
 -- mismatch. Compute's rows are not stored in a table: the diff reads them from a CTE.
 -- Pooler-safe (PgBouncer transaction pooling: consecutive transactions of one server connection serve
--- other clients and jobs): a run empties the tables before it fills them, and lockstep._apply empties
--- them again before it returns, so no row outlives the transaction that wrote it, whoever uses the
--- connection next. DISCARD ALL / DISCARD TEMP (a pooler's server_reset_query) drops them; the next run
+-- other clients and jobs): a run empties the tables before it fills them, and lockstep._write empties
+-- them again before it returns (unless the difference was empty: then nothing was put in them), so no row
+-- outlives the transaction that wrote it, whoever uses the connection next. DISCARD ALL / DISCARD TEMP (a pooler's server_reset_query) drops them; the next run
 -- creates them again. They are emptied by DELETE, not ON COMMIT DELETE ROWS (measured: that truncates
 -- every such table of the session at every commit, 0.3-0.7 ms each, and sends a shared invalidation per
 -- table) and not TRUNCATE (a new relfilenode: catalog writes, ~50 KB of WAL). Autovacuum never visits
@@ -262,6 +262,15 @@ declare
     v_unpinned text;
     c record;
 begin
+    -- the common case, no foreign key but the parent's (on a column compute returns): nothing to pin or check
+    if not exists (select from pg_catalog.pg_constraint con
+                   where con.conrelid = j.target and con.contype = 'f'
+                     and not (j.parent is not null and con.confrelid = j.parent and j.parent <> j.target
+                              and j.parent_column = any(j.columns)
+                              and con.conkey = array[(select a.attnum from pg_catalog.pg_attribute a
+                                                      where a.attrelid = j.target and a.attname = j.parent_column)])) then
+        return v_skip;
+    end if;
     perform lockstep._check_target_fks(j.target, j.columns);
     for c in
         select con.conname, con.confrelid::regclass as ref,
@@ -484,7 +493,9 @@ declare
     v_t regclass;
     v_any boolean;
 begin
-    if not exists (select from lockstep._referencing(j.target, j.target_key, j.columns)) then
+    if not exists (select from pg_catalog.pg_constraint con  -- the common case: no foreign key to the target
+                   where con.confrelid = j.target and con.contype = 'f' and con.conparentid = 0)
+       or not exists (select from lockstep._referencing(j.target, j.target_key, j.columns)) then
         return '{}';
     end if;
     execute pg_catalog.format('select exists (select from pg_temp.%I)', lockstep._tmp(j, 'gone')) into v_any;
@@ -575,7 +586,9 @@ $$;
 -- Rows whose locks were skipped are not written (never a wait, never a 23503), nor is any other row of
 -- their parents (a parent's rows are written together or not at all); those parent keys are returned in
 -- skipped (still existing, to be re-queued) or counted in gone (deleted meanwhile).
--- The caller writes the job's status row after this.
+-- It returns with the work tables empty: a pass whose difference is empty finds them so (_diff empties
+-- them before it fills them), any other is emptied by _tmp_clear; a call that raises leaves only rows its
+-- (sub)transaction's rollback removes. The caller writes the job's status row after this.
 -- locks: parents (FOR KEY SHARE SKIP LOCKED, key order), then other referenced rows (same, constraint-name
 -- order), then target rows (FOR UPDATE SKIP LOCKED, primary-key order), then the rows referencing target
 -- rows to delete (FOR UPDATE SKIP LOCKED, constraint-name then key order): see the steps.
@@ -593,7 +606,7 @@ declare
 begin
     if lockstep._diff(j, keys) = 0 then
         p.compute_ms := extract(epoch from clock_timestamp() - v_t0) * 1000;
-        return p;  -- nothing to write: no lock taken at all
+        return p;  -- nothing to write: no lock taken at all, and the work tables are empty (nothing to clear)
     end if;
     perform lockstep._limit_batch(j, case when keys is null then j.batch_parents end);  -- 07_recompute.sql
     v_t1 := clock_timestamp();
@@ -621,6 +634,7 @@ begin
         p.skipped := v_skip;
     end if;
     p.write_ms := extract(epoch from clock_timestamp() - v_t1) * 1000;
+    perform lockstep._tmp_clear(j);  -- no row outlives this call (pooled connections: see lockstep._tmp)
     return p;
 end;
 $$;
@@ -641,8 +655,7 @@ begin
     if j.owner is distinct from current_user then
         return lockstep._as_owner(j, keys);
     end if;
-    p := lockstep._write(j, keys);
-    perform lockstep._tmp_clear(j);  -- no row outlives this call (pooled connections: see lockstep._tmp)
+    p := lockstep._write(j, keys);  -- it leaves the work tables empty (a failed call: rolled back)
     p.compute_ms := extract(epoch from clock_timestamp() - v_t0) * 1000 - p.write_ms;
     return p;
 end;

@@ -80,7 +80,9 @@ end;
 $$;
 
 -- lockstep._has_ready(j): j has queue entries that are ready, whose key is neither parked nor waiting
--- for a retry. (PL/pgSQL: its plan is cached for the session.)
+-- for a retry. (PL/pgSQL: its plan is cached for the session. Custom plans, not generic: a generic plan of
+-- this exists() is a sequential scan of the queue filtered by job, which reads every entry of the other
+-- jobs when this one has none; lockstep.due() calls it for every job at every tick.)
 -- locks: nothing.
 create function lockstep._has_ready(j lockstep.job) returns boolean
 language plpgsql stable
@@ -95,6 +97,19 @@ begin
 end;
 $$;
 
+-- lockstep._entries(j, keys): the ids of every visible queue entry of j with one of these keys.
+-- (A function of its own for its generic plan, as lockstep._claim.)
+-- locks: nothing.
+create function lockstep._entries(j lockstep.job, keys text[]) returns bigint[]
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+set plan_cache_mode = force_generic_plan
+as $$
+begin
+    return (select array_agg(q.id) from lockstep.queue q where q.job = j.job and q.key = any(keys));
+end;
+$$;
+
 -- lockstep._claim(j, batch): the keys (as queued) of this pass, and how to apply them (kind), first of:
 --   probe: the first half (by key) of the ready suspects, the keys of a part a statement timeout ended
 --          (key_failure rows with attempts = 0): bisection across passes, each probe with a whole
@@ -102,12 +117,26 @@ $$;
 --   retry: ready failing keys (attempts >= 1), each tried alone (a slow key then fails alone);
 --   batch: the keys of the oldest ready entries, up to batch distinct keys that have no key_failure row;
 --          full: batch entries were taken (more may be ready).
+-- Generic plans (index scans of the queue and key_failure by job; with custom plans, PostgreSQL's choice
+-- here, its three statements were planned again at every pass, ~120 us). Only on functions that run no
+-- user code: the setting holds for everything a function calls.
 -- locks: nothing.
 create function lockstep._claim(j lockstep.job, batch integer, out keys text[], out kind text, out full boolean)
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
+set plan_cache_mode = force_generic_plan
 as $$
 begin
+    -- the common case, no failing key due (one index probe of key_failure): straight to the batch
+    if not exists (select from lockstep.key_failure f where f.job = j.job and not f.parked and f.retry_at <= now()) then
+        select array_agg(distinct c.key), count(*) >= batch into keys, full
+        from (select q.key from lockstep.queue q
+              where q.job = j.job and q.ready_at <= now()
+                and not exists (select from lockstep.key_failure f where f.job = q.job and f.key = q.key)
+              order by q.id limit batch) c;
+        kind := 'batch';
+        return;
+    end if;
     select array_agg(f.key order by f.key) into keys
     from (select f.key from lockstep.key_failure f
           where f.job = j.job and f.attempts = 0 and not f.parked and f.retry_at <= now()
@@ -140,6 +169,10 @@ $$;
 -- lockstep._readable(j, keys): the queued keys read back as the parent key type: canon (their canonical
 -- text, distinct, sorted by key) and raw (the queued text of the keys that read back); a key that cannot be
 -- read back goes to bad, with its error in errors (it is parked, never left to stall the queue).
+-- Fast path for bigint, integer and text keys that cannot fail the cast (digits only, short enough: no
+-- overflow; one regular expression over the keys joined by commas, and as many commas as separators, so no
+-- key has one): static SQL (a plan cached for the session), no subtransaction. Measured in a loop, 50
+-- bigint keys: 38 us against 59 us by EXECUTE in a subtransaction (a regular expression per key: 64 us).
 -- locks: nothing.
 create function lockstep._readable(j lockstep.job, keys text[], out canon text[], out raw text[],
                                    out bad text[], out errors text[])
@@ -149,9 +182,23 @@ as $$
 declare
     k text;
     v_err text;
+    v_all text := pg_catalog.array_to_string(keys, ',');
+    v_one_each boolean := pg_catalog.length(v_all) - pg_catalog.length(pg_catalog.replace(v_all, ',', ''))
+                          = pg_catalog.cardinality(keys) - 1;
 begin
     bad := '{}';
     errors := '{}';
+    raw := keys;
+    if j.key_type = 'bigint'::pg_catalog.regtype and v_one_each and v_all ~ '^-?[0-9]{1,18}(,-?[0-9]{1,18})*$' then
+        select array_agg(v::text order by v) into canon from (select distinct r::bigint as v from pg_catalog.unnest(keys) r) s;
+        return;
+    elsif j.key_type = 'integer'::pg_catalog.regtype and v_one_each and v_all ~ '^-?[0-9]{1,9}(,-?[0-9]{1,9})*$' then
+        select array_agg(v::text order by v) into canon from (select distinct r::integer as v from pg_catalog.unnest(keys) r) s;
+        return;
+    elsif j.key_type = 'text'::pg_catalog.regtype then
+        select array_agg(v order by v) into canon from (select distinct r as v from pg_catalog.unnest(keys) r) s;
+        return;
+    end if;
     begin
         execute pg_catalog.format('select array_agg(v::text order by v) from (select distinct r::%s as v '
                                   'from pg_catalog.unnest($1::text[]) r) s', j.key_type) into canon using keys;
@@ -257,6 +304,7 @@ create function lockstep._settle(j lockstep.job, kind text, raw text[], ids bigi
                                  bad text[], bad_errors text[]) returns text
 language plpgsql
 set search_path = pg_catalog, pg_temp
+set plan_cache_mode = force_generic_plan
 as $$
 declare
     v_susp text[] := coalesce(lockstep._timed_out(), '{}');
@@ -279,8 +327,9 @@ begin
     v_leave := v_leave || bad;  -- their entries stay, shown as parked
     -- every statement runs even when it has no row to change: a missing privilege fails every pass at once,
     -- not the first pass that needs it
-    delete from lockstep.queue q where q.job = j.job and q.id = any(ids) and q.key <> all(v_leave);
-    -- a parent an application holds is retried a second later, not in a hot loop
+    -- one statement (one plan) for both: the entries done go, a parent an application holds is retried a
+    -- second later, not in a hot loop (disjoint rows: v_skip is part of v_leave)
+    with d as (delete from lockstep.queue q where q.job = j.job and q.id = any(ids) and q.key <> all(v_leave))
     update lockstep.queue q set ready_at = now() + interval '1 second'
     where q.job = j.job and q.id = any(ids) and q.key = any(v_skip);
     delete from lockstep.key_failure f
@@ -366,7 +415,7 @@ begin
     end if;
     -- every visible entry of those keys goes with them (a key enqueued many times is computed once)
     -- (under the group lock: a worker that held it before us may have done some of them)
-    select array_agg(q.id) into v_ids from lockstep.queue q where q.job = j.job and q.key = any(c.keys);
+    v_ids := lockstep._entries(j, c.keys);
     if v_ids is null then
         return lockstep._result('idle', j.job, 'work');
     end if;

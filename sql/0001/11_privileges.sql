@@ -10,23 +10,29 @@
 -- tables (the role `lockstep migrate` ran as; it bypasses row-level security as their owner), or a superuser.
 -- locks: nothing.
 create function lockstep._is_admin() returns boolean
-language sql stable
+language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
-    select pg_catalog.pg_has_role(current_user, c.relowner, 'MEMBER')
-    from pg_catalog.pg_class c where c.oid = 'lockstep.job'::pg_catalog.regclass;
+begin
+    return (select pg_catalog.pg_has_role(current_user, c.relowner, 'MEMBER')
+            from pg_catalog.pg_class c where c.oid = 'lockstep.job'::pg_catalog.regclass);
+end;
 $$;
 
 -- lockstep._may_manage(owner): the current role may see and change the rows of a job owned by owner:
 -- it is owner, a member of owner, or a lockstep admin. A job whose owner role is gone may be taken over.
+-- PL/pgSQL (as lockstep._is_admin): every row-level security policy calls it, so every statement of a pass
+-- on lockstep's tables did; a SQL function with a SET clause is planned again at every such statement.
 -- locks: nothing.
 create function lockstep._may_manage(owner name) returns boolean
-language sql stable
+language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
-    select case when owner = current_user then true
+begin
+    return case when owner = current_user then true
                 when not exists (select from pg_catalog.pg_roles r where r.rolname = owner) then true
                 else pg_catalog.pg_has_role(current_user, owner, 'MEMBER') or lockstep._is_admin() end;
+end;
 $$;
 
 -- lockstep._may_own(owner): a registry row written by the current role may name owner: an existing role
@@ -249,23 +255,28 @@ $$;
 -- lockstep._prepared(): the session's prepared statements (name, prepare time, parameter types, text): a
 -- statement dropped, replaced or re-prepared by a job's code shows as a difference.
 -- locks: nothing.
+-- (PL/pgSQL, as lockstep._held_cursors: called twice by every pass that runs as the owner, planned once.)
 create function lockstep._prepared() returns text[]
-language sql stable
+language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
-    select pg_catalog.array_agg(pg_catalog.concat_ws(' ', s.name, s.prepare_time, s.parameter_types, s.statement)
-                                order by s.name)
-    from pg_catalog.pg_prepared_statements s;
+begin
+    return (select pg_catalog.array_agg(pg_catalog.concat_ws(' ', s.name, s.prepare_time, s.parameter_types, s.statement)
+                                        order by s.name)
+            from pg_catalog.pg_prepared_statements s);
+end;
 $$;
 
 -- lockstep._held_cursors(): the session's WITH HOLD cursors (name, creation time).
 -- locks: nothing.
 create function lockstep._held_cursors() returns text[]
-language sql stable
+language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
-    select pg_catalog.array_agg(pg_catalog.concat_ws(' ', c.name, c.creation_time) order by c.name)
-    from pg_catalog.pg_cursors c where c.is_holdable;
+begin
+    return (select pg_catalog.array_agg(pg_catalog.concat_ws(' ', c.name, c.creation_time) order by c.name)
+            from pg_catalog.pg_cursors c where c.is_holdable);
+end;
 $$;
 
 -- lockstep._deallocate_changed(kept): deallocate every prepared statement not in kept (as lockstep._prepared).
