@@ -25,6 +25,17 @@ def test_triggers_enqueue_once_per_statement_sorted(ex):
     assert set(queue_keys(ex)) == {"7"}
 
 
+def test_a_row_that_to_jsonb_cannot_convert_is_still_enqueued(ex):
+    """A json column holding \\u0000 (valid json, no jsonb): the fast path's to_jsonb(row) raises, the trigger
+    catches it and enqueues through the general path; the application's statement succeeds."""
+    ex.execute("create table public.doc (exam_id bigint primary key, body json)")
+    ex.execute(f"select lockstep.watch('{JOB}', 'public.doc', 'exam_id')")
+    ex.execute("""insert into public.doc values (3, '"\\u0000"'), (1, '{}')""")
+    ex.execute("""update public.doc set body = '["\\u0000"]' where exam_id = 1""")
+    assert queue_keys(ex) == ["1", "3", "1"]
+    assert ex.execute("select count(*) from lockstep.recompute_flag").fetchone()[0] == 0
+
+
 def test_work_on_empty_queue_is_idle_and_takes_no_lock(ex, exconnect):
     ex.execute("begin")
     assert result(ex, f"lockstep.work('{JOB}')")["outcome"] == "idle"
