@@ -41,7 +41,8 @@ def test_a_trigger_of_watchs_form_with_other_transition_tables_still_enqueues(ex
     the fast path's read fails inside its block and the general path enqueues or flags: no statement fails."""
     ex.execute("create table public.mine (exam_id bigint primary key)")
     ex.execute(
-        "create trigger mine_ins after insert on public.mine referencing new table as fresh for each statement"
+        "create trigger mine_ins after insert on public.mine referencing new table as fresh"
+        " for each statement"
         f" execute function lockstep.enqueue_trigger('{JOB}', 'exam_id', 'bigint')"
     )
     ex.execute(
