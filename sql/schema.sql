@@ -2393,59 +2393,71 @@ $$;
 
 CREATE FUNCTION lockstep.enqueue_trigger() RETURNS trigger
     LANGUAGE plpgsql
-    SET search_path TO 'pg_catalog', 'pg_temp'
     AS $_$
 declare
-    v_new name;
-    v_old name;
-    v_type regtype;
-    v_sql text;
-    v_problem text;
-    n bigint;
+    v_keys pg_catalog.text[];
+    v_new pg_catalog.name;
+    v_old pg_catalog.name;
+    v_type pg_catalog.regtype;
+    v_sql pg_catalog.text;
+    v_problem pg_catalog.text;
 begin
-    select t.tgnewtable, t.tgoldtable into v_new, v_old
-    from pg_catalog.pg_trigger t where t.tgrelid = tg_relid and t.tgname = tg_name;
-    if tg_nargs = 3 and tg_level = 'STATEMENT' and tg_when = 'AFTER'
-       and tg_argv[2] in ('bigint', 'integer', 'smallint', 'numeric', 'text', 'character varying', 'uuid')  -- _fast_types
-       and (case tg_op when 'INSERT' then v_new = 'lockstep_new'
-                       when 'DELETE' then v_old = 'lockstep_old'
-                       when 'UPDATE' then v_new = 'lockstep_new' and v_old = 'lockstep_old' end) then
-        if tg_op = 'UPDATE' then
-            insert into lockstep.queue (job, key)
-            select tg_argv[0], k operator(pg_catalog.#>>) '{}'
-            from (select pg_catalog.to_jsonb(x) operator(pg_catalog.->) tg_argv[1] k from lockstep_new x
-                  union select pg_catalog.to_jsonb(x) operator(pg_catalog.->) tg_argv[1] from lockstep_old x) s
-            where k operator(pg_catalog.<>) 'null' order by k;
-        elsif tg_op = 'INSERT' then
-            insert into lockstep.queue (job, key)
-            select tg_argv[0], k operator(pg_catalog.#>>) '{}'
-            from (select distinct pg_catalog.to_jsonb(x) operator(pg_catalog.->) tg_argv[1] k from lockstep_new x) s
-            where k operator(pg_catalog.<>) 'null' order by k;
-        else
-            insert into lockstep.queue (job, key)
-            select tg_argv[0], k operator(pg_catalog.#>>) '{}'
-            from (select distinct pg_catalog.to_jsonb(x) operator(pg_catalog.->) tg_argv[1] k from lockstep_old x) s
-            where k operator(pg_catalog.<>) 'null' order by k;
-        end if;
-        get diagnostics n = row_count;
-        if n > 0 then
+    if tg_nargs operator(pg_catalog.=) 3 and tg_level operator(pg_catalog.=) 'STATEMENT'
+       and tg_when operator(pg_catalog.=) 'AFTER' and tg_op operator(pg_catalog.<>) 'TRUNCATE'
+       and tg_argv[2] operator(pg_catalog.=) any ('{bigint,integer,smallint,numeric,text,"character varying",uuid}'
+                                                   ::pg_catalog.text[]) then  -- lockstep._fast_types()
+        begin  -- reads only: the subtransaction gets no transaction id
+            -- the distinct non-NULL keys as JSON, sorted by key (JSON orders numbers as numbers); offset 0:
+            -- to_jsonb once per row, not again in the filter
+            if tg_op operator(pg_catalog.=) 'UPDATE' then
+                v_keys := array(select d.t from (select s.k, s.k operator(pg_catalog.#>>) '{}' t from (
+                                    select pg_catalog.to_jsonb(x) operator(pg_catalog.->) tg_argv[1] k from lockstep_new x
+                                    union select pg_catalog.to_jsonb(x) operator(pg_catalog.->) tg_argv[1] from lockstep_old x
+                                    offset 0) s) d
+                                where d.t is not null order by d.k);
+            elsif tg_op operator(pg_catalog.=) 'INSERT' then
+                v_keys := array(select d.t from (select s.k, s.k operator(pg_catalog.#>>) '{}' t from (
+                                    select distinct pg_catalog.to_jsonb(x) operator(pg_catalog.->) tg_argv[1] k
+                                    from lockstep_new x offset 0) s) d
+                                where d.t is not null order by d.k);
+            else
+                v_keys := array(select d.t from (select s.k, s.k operator(pg_catalog.#>>) '{}' t from (
+                                    select distinct pg_catalog.to_jsonb(x) operator(pg_catalog.->) tg_argv[1] k
+                                    from lockstep_old x offset 0) s) d
+                                where d.t is not null order by d.k);
+            end if;
+        exception when others then
+            v_keys := null;  -- the general path says why
+        end;
+        if pg_catalog.cardinality(v_keys) operator(pg_catalog.=) 1 then  -- the common case: no function scan
+            insert into lockstep.queue (job, key) values (tg_argv[0], v_keys[1]);
+            return null;
+        elsif pg_catalog.cardinality(v_keys) operator(pg_catalog.>) 1 then
+            -- in array order, so queue ids follow the keys' order
+            insert into lockstep.queue (job, key) select tg_argv[0], u.k from pg_catalog.unnest(v_keys) u(k);
             return null;
         end if;
-        -- nothing enqueued: NULL keys, or a column renamed or dropped (to_jsonb then has no such field)
-        if exists (select from pg_catalog.pg_attribute a
-                   where a.attrelid = tg_relid and a.attname = tg_argv[1] and a.attnum > 0 and not a.attisdropped) then
+        -- nothing to enqueue: NULL keys, or a column renamed or dropped (to_jsonb then has no such field)
+        if v_keys is not null
+           and exists (select from pg_catalog.pg_attribute a
+                       where a.attrelid operator(pg_catalog.=) tg_relid and a.attname operator(pg_catalog.=) tg_argv[1]
+                         and a.attnum operator(pg_catalog.>) 0 and not a.attisdropped) then
             return null;
         end if;
     end if;
     -- the general path: any transition-table names, any key type (EXECUTE)
-    if tg_level <> 'STATEMENT' or tg_when <> 'AFTER' or tg_nargs not in (2, 3) then
+    select t.tgnewtable, t.tgoldtable into v_new, v_old
+    from pg_catalog.pg_trigger t
+    where t.tgrelid operator(pg_catalog.=) tg_relid and t.tgname operator(pg_catalog.=) tg_name;
+    if tg_level operator(pg_catalog.<>) 'STATEMENT' or tg_when operator(pg_catalog.<>) 'AFTER'
+       or not tg_nargs operator(pg_catalog.=) any ('{2,3}'::pg_catalog.int4[]) then
         v_problem := 'lockstep.enqueue_trigger() must be used in AFTER ... FOR EACH STATEMENT triggers with '
                      'arguments (job, key column)';
-    elsif tg_op = 'TRUNCATE' then
+    elsif tg_op operator(pg_catalog.=) 'TRUNCATE' then
         v_problem := 'TRUNCATE: a statement without transition tables';
     else
-        v_new := case when tg_op <> 'DELETE' then v_new end;
-        v_old := case when tg_op <> 'INSERT' then v_old end;
+        v_new := case when tg_op operator(pg_catalog.<>) 'DELETE' then v_new end;
+        v_old := case when tg_op operator(pg_catalog.<>) 'INSERT' then v_old end;
         begin  -- reads only: the subtransaction gets no transaction id
             select x.problem, x.key_type into v_problem, v_type
             from lockstep._trigger_problem(tg_argv[0], tg_argv[1], tg_relid, tg_op, v_new, v_old) x;
@@ -2454,7 +2466,7 @@ begin
         end;
     end if;
     if v_problem is not null then
-        perform lockstep._flag(case when tg_nargs > 0 then tg_argv[0] end, v_problem);
+        perform lockstep._flag(case when tg_nargs operator(pg_catalog.>) 0 then tg_argv[0] end, v_problem);
         return null;
     end if;
     -- checked above: the column exists and converts without loss, so this cannot fail (no subtransaction:
@@ -2462,8 +2474,8 @@ begin
     v_sql := pg_catalog.concat_ws(' union all ',
         case when v_new is not null then pg_catalog.format('select %I::%s k from %I', tg_argv[1], v_type, v_new) end,
         case when v_old is not null then pg_catalog.format('select %I::%s k from %I', tg_argv[1], v_type, v_old) end);
-    if v_type::text = any(lockstep._fast_types()) then  -- text the same under every setting
-        execute pg_catalog.format('insert into lockstep.queue (job, key) select $1, k::text '
+    if v_type::pg_catalog.text operator(pg_catalog.=) any (lockstep._fast_types()) then  -- the same text under every setting
+        execute pg_catalog.format('insert into lockstep.queue (job, key) select $1, k::pg_catalog.text '
                                   'from (select distinct k from (%s) s where k is not null) d order by k', v_sql)
             using tg_argv[0];
     else

@@ -25,6 +25,37 @@ def test_triggers_enqueue_once_per_statement_sorted(ex):
     assert set(queue_keys(ex)) == {"7"}
 
 
+def test_a_row_that_to_jsonb_cannot_convert_is_still_enqueued(ex):
+    """A json column holding \\u0000 (valid json, no jsonb): the fast path's to_jsonb(row) raises, the trigger
+    catches it and enqueues through the general path; the application's statement succeeds."""
+    ex.execute("create table public.doc (exam_id bigint primary key, body json)")
+    ex.execute(f"select lockstep.watch('{JOB}', 'public.doc', 'exam_id')")
+    ex.execute("""insert into public.doc values (3, '"\\u0000"'), (1, '{}')""")
+    ex.execute("""update public.doc set body = '["\\u0000"]' where exam_id = 1""")
+    assert queue_keys(ex) == ["1", "3", "1"]
+    assert ex.execute("select count(*) from lockstep.recompute_flag").fetchone()[0] == 0
+
+
+def test_a_trigger_of_watchs_form_with_other_transition_tables_still_enqueues(ex):
+    """The fast path's third argument (written by watch) with one's own transition-table names, or none:
+    the fast path's read fails inside its block and the general path enqueues or flags: no statement fails."""
+    ex.execute("create table public.mine (exam_id bigint primary key)")
+    ex.execute(
+        "create trigger mine_ins after insert on public.mine referencing new table as fresh"
+        " for each statement"
+        f" execute function lockstep.enqueue_trigger('{JOB}', 'exam_id', 'bigint')"
+    )
+    ex.execute(
+        "create trigger mine_upd after update on public.mine for each statement"
+        f" execute function lockstep.enqueue_trigger('{JOB}', 'exam_id', 'bigint')"
+    )
+    ex.execute("insert into public.mine values (4), (2)")
+    assert queue_keys(ex) == ["2", "4"]
+    ex.execute("update public.mine set exam_id = exam_id")
+    assert queue_keys(ex) == ["2", "4"]
+    assert ex.execute("select job from lockstep.recompute_flag").fetchall() == [(JOB,)]
+
+
 def test_work_on_empty_queue_is_idle_and_takes_no_lock(ex, exconnect):
     ex.execute("begin")
     assert result(ex, f"lockstep.work('{JOB}')")["outcome"] == "idle"

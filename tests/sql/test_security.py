@@ -167,7 +167,70 @@ def test_every_function_is_security_invoker_with_a_pinned_search_path(conn):
     definer = [name for name, secdef, _ in rows if secdef]
     assert definer == [], f"SECURITY DEFINER functions: {definer}"
     unpinned = [name for name, _, config in rows if "search_path=pg_catalog, pg_temp" not in (config or [])]
-    assert unpinned == [], f"functions without SET search_path = pg_catalog, pg_temp: {unpinned}"
+    # the one exception, by design: the trigger function runs in every watched application statement, and a
+    # SET clause costs each call a GUC save and restore and two recomputations of the session's namespace
+    # search path; its body qualifies every name instead (08_enqueue.sql), which
+    # test_the_trigger_is_safe_under_a_hostile_search_path checks.
+    assert unpinned == ["lockstep.enqueue_trigger()"], f"no SET search_path = pg_catalog, pg_temp: {unpinned}"
+
+
+# an application search_path that shadows every operator, function and type the trigger function uses
+HOSTILE_PATH_SQL = """
+create schema hostile;
+do $$
+declare
+    o text[];
+    i integer := 0;
+begin
+    foreach o slice 1 in array array[
+            ['=', 'text', 'text', 'boolean'], ['<>', 'text', 'text', 'boolean'],
+            ['=', 'integer', 'integer', 'boolean'], ['>', 'integer', 'integer', 'boolean'],
+            ['=', 'name', 'name', 'boolean'], ['=', 'oid', 'oid', 'boolean'],
+            ['->', 'jsonb', 'text', 'jsonb'], ['#>>', 'jsonb', 'text[]', 'text']] loop
+        i := i + 1;
+        execute format('create function hostile.boom%s(%s, %s) returns %s language plpgsql'
+                       ' as $b$ begin raise exception ''hostile operator''; end $b$', i, o[2], o[3], o[4]);
+        execute format('create operator hostile.%s (leftarg = %s, rightarg = %s, function = hostile.boom%s)',
+                       o[1], o[2], o[3], i);
+    end loop;
+end $$;
+create function hostile.to_jsonb(anyelement) returns jsonb
+language plpgsql as $$ begin raise exception 'hostile function'; end $$;
+create function hostile.cardinality(anyarray) returns integer
+language plpgsql as $$ begin raise exception 'hostile function'; end $$;
+create function hostile.unnest(anyarray) returns setof text
+language plpgsql as $$ begin raise exception 'hostile function'; end $$;
+create domain hostile.text as integer check (value < 0);
+create domain hostile.name as integer check (value < 0);
+create table hostile.queue (job text, key text);
+create table hostile.lockstep_new (aid integer);
+"""
+
+
+def test_the_trigger_is_safe_under_a_hostile_search_path(ex, exconnect):
+    """lockstep.enqueue_trigger() has no SET search_path: under a search_path that puts shadowing operators,
+    functions and types before pg_catalog, watched statements still succeed and enqueue exactly their keys,
+    on the fast path (watch's triggers) and the general path (one's own transition-table names), and a
+    trigger that cannot enqueue still only flags its job."""
+    ex.execute(HOSTILE_PATH_SQL)
+    ex.execute(
+        "create table hostile.mine (aid bigint primary key);"
+        "create trigger mine after insert on hostile.mine referencing new table as fresh"
+        " for each statement execute function lockstep.enqueue_trigger('exam_keys', 'aid');"
+        "create table hostile.day (d date primary key);"
+        "create trigger day after insert on hostile.day referencing new table as lockstep_new"
+        " for each statement execute function lockstep.enqueue_trigger('exam_keys', 'd');"
+    )
+    ex.execute("delete from lockstep.queue")
+    app = exconnect()
+    app.execute("set search_path = hostile, pg_catalog, public")
+    app.execute("update example.exam set title = title where id in (3, 1)")  # watch's trigger: fast path
+    app.execute("insert into hostile.mine values (7), (5)")  # own names: general path
+    queued = [k for (k,) in ex.execute("select key from lockstep.queue order by id")]
+    assert queued == ["1", "3", "5", "7"]
+    assert ex.execute("select count(*) from lockstep.recompute_flag").fetchone()[0] == 0
+    app.execute("insert into hostile.day values ('2024-02-01')")  # a date key for a bigint job: flagged
+    assert ex.execute("select count(*) from lockstep.recompute_flag").fetchone()[0] == 1
 
 
 def test_lockstep_objects_have_default_acls_only(conn):
