@@ -138,8 +138,9 @@ def test_compute_duplicating_a_key_the_target_already_holds_fails_the_run(db, se
     before = db.execute("select * from d order by p_id").fetchall()
     db.execute(
         "create or replace function dup(ids bigint[]) returns table (p_id bigint, k text, w int) language sql"
-        f" as $$ select id, 'same', v from public.p where ids is null or id = any(ids)"
-        f" union all select id, 'same', {second} from public.p where id = 2 and (ids is null or id = any(ids)) $$"
+        " as $$ select id, 'same', v from public.p where ids is null or id = any(ids)"
+        f" union all select id, 'same', {second} from public.p"
+        " where id = 2 and (ids is null or id = any(ids)) $$"
     )
     r = db.execute("select outcome, error from lockstep.recompute('j')").fetchone()
     assert r[0] == "failed"
