@@ -110,6 +110,86 @@ begin
 end;
 $$;
 
+-- lockstep._diff_all(j, keys): lockstep._diff of the whole table (keys NULL, or a job without a parent
+-- column): compute's rows and the target's in one hash full join on the primary key, each side read once
+-- (compute's rows through a materialized CTE, which is also counted), only the rows that differ kept (a
+-- materialized CTE: small unless much changed) and split into gone and put. No sort and no grouping of the
+-- whole computed set: a duplicate primary key among the new rows (or a NULL one) is found in put alone;
+-- one among rows matching a current row shows in the counts (compute's rows less the new ones would exceed
+-- the current rows less the gone ones: one current row matched twice), and only then is compute grouped by
+-- the primary key again (an error path) to name the key. Measured (50,000 parents, 697,087 rows, 0 %
+-- changed, backend CPU side by side): the former anti-join (a sort of every computed row), left join and
+-- grouping by the key cost 2.6x the bare compute; this 1.7x, most of the rest the join itself (~450 ms:
+-- hashing and probing 697,087 rows each side) and the count of compute's materialized rows (~120 ms).
+-- A larger work_mem made the join slower (a 46 MB hash table instead of 8 batches of 6 MB).
+-- locks: no row locks (compute reads and the target is read under MVCC); writes only pg_temp work tables.
+create function lockstep._diff_all(j lockstep.job, keys text[]) returns bigint
+language plpgsql
+set search_path = pg_catalog, pg_temp
+set client_min_messages = warning
+set jit = off
+as $$
+declare
+    v_fn text := (select lockstep._callable(p.oid, 1) from pg_catalog.pg_proc p where p.oid = j.compute::regprocedure);
+    v_arg text := (select pg_catalog.format_type(p.proargtypes[0], null) from pg_catalog.pg_proc p
+                   where p.oid = j.compute::regprocedure);
+    v_t name[] := array(select ('lockstep_t' || o)::name from pg_catalog.generate_series(1, cardinality(j.columns)) o);
+    v_pknull text := (select pg_catalog.string_agg(pg_catalog.format('%I is null', k), ' or ')
+                      from pg_catalog.unnest(j.target_key) k);
+    v_par text;
+    v_tpar text;
+    n bigint;
+    v_bad text;
+    v_null boolean;
+    v_once boolean;
+begin
+    if j.parent_column is not null then
+        v_par := pg_catalog.format('d.%I::text', j.parent_column);
+        v_tpar := pg_catalog.format('t.%I::text', j.parent_column);
+    else  -- no parent: the row's primary key, which the write steps return for a row they skip
+        v_par := pg_catalog.format('row(%s)::text', lockstep._cols(j.target_key, 'd'));
+        v_tpar := pg_catalog.format('row(%s)::text', lockstep._cols(j.target_key, 't'));
+    end if;
+    execute pg_catalog.format(
+        'with e1 as (delete from pg_temp.%1$I), e2 as (delete from pg_temp.%2$I), '
+        'd as materialized (select %3$s, true as lockstep_d from (select * from %4$s($1::%5$s) offset 0) d), '
+        'c as materialized (select %6$s, d.lockstep_d, t.ctid as lockstep_ctid, %7$s as lockstep_tpar, %8$s '
+        '  from d full join %9$s t on %10$s '
+        '  where d.lockstep_d is null or t.ctid is null or (%6$s) is distinct from (%11$s)), '
+        'x as (select row(%12$s)::text as k, bool_or(%13$s) as n from c d where d.lockstep_d and d.lockstep_ctid is null '
+        '      group by %12$s having count(*) > 1 or bool_or(%13$s) order by 2 desc limit 1), '
+        'g as (insert into pg_temp.%1$I (%3$s, lockstep_parent, lockstep_ctid) '
+        '      select %14$s, c.lockstep_tpar, c.lockstep_ctid from c where c.lockstep_d is null returning 1), '
+        'p as (insert into pg_temp.%2$I (%3$s, lockstep_parent, lockstep_old_parent, lockstep_new, lockstep_ctid) '
+        '      select %6$s, %15$s, d.lockstep_tpar, d.lockstep_ctid is null, d.lockstep_ctid from c d '
+        '      where d.lockstep_d returning 1) '
+        'select (select count(*) from g) + (select count(*) from p), (select k from x), (select n from x), '
+        '  (select count(*) from d) - (select count(*) from c where c.lockstep_d and c.lockstep_ctid is null) '
+        '  <= (select count(*) from %9$s) - (select count(*) from c where c.lockstep_d is null)',
+        lockstep._tmp(j, 'gone'), lockstep._tmp(j, 'put'), lockstep._cols(j.columns), v_fn, v_arg,
+        lockstep._cols(j.columns, 'd'), v_tpar,
+        (select pg_catalog.string_agg(pg_catalog.format('t.%I as %I', c, v_t[o]), ', ' order by o)
+         from pg_catalog.unnest(j.columns) with ordinality u(c, o)),
+        j.target, lockstep._eq(j.target_key, 't', 'd'), lockstep._cols(j.columns, 't'),
+        lockstep._cols(j.target_key), v_pknull, lockstep._cols(v_t, 'c'), v_par)
+        into n, v_bad, v_null, v_once using keys;
+    if not v_once and v_bad is null then  -- a current row matched twice: name its key (error path only)
+        execute pg_catalog.format('select row(%1$s)::text from (select * from %2$s($1::%3$s) offset 0) d '
+                                  'group by %1$s having count(*) > 1 limit 1', lockstep._cols(j.target_key), v_fn, v_arg)
+            into v_bad using keys;
+        v_bad := coalesce(v_bad, '(unknown: the second look found none)');
+    end if;
+    if v_null then
+        raise exception 'lockstep: compute function % returned a NULL primary key %', j.compute, v_bad
+            using errcode = 'LSD05';
+    elsif v_bad is not null then
+        raise exception 'lockstep: compute function % returned more than one row for primary key % of %',
+            j.compute, v_bad, j.target using errcode = 'LSD05';
+    end if;
+    return n;
+end;
+$$;
+
 -- lockstep._diff(j, keys): compute(keys) (NULL: all parents) and its difference with the target,
 -- restricted to the parents in keys, without any row lock, in one statement. Compute's rows (only those of
 -- the parents in keys) are read once (a materialized CTE); a duplicate or NULL primary key raises LSD05.
@@ -137,17 +217,20 @@ declare
     f record;
     v_subset boolean := keys is not null and j.parent_column is not null;
     v_cur text;
-    v_moved text := '';
+    v_moved text;
     v_cpar text := 'null::text';
     v_dpar text := 'null::text';
     v_oldpar text;
-    v_new text := 'c.lockstep_ctid is null';
-    v_old text := 'c.lockstep_ctid';
+    v_new text;
+    v_old text;
     n bigint;
     v_bad text;
     v_null boolean;
 begin
     perform lockstep._tmp_setup(j);
+    if not v_subset then
+        return lockstep._diff_all(j, keys);
+    end if;
     select (select pg_catalog.string_agg(pg_catalog.quote_ident(c), ', ' order by o) from pg_catalog.unnest(j.columns) with ordinality u(c, o)) as cols,
            (select pg_catalog.string_agg('d.' || pg_catalog.quote_ident(c), ', ' order by o) from pg_catalog.unnest(j.columns) with ordinality u(c, o)) as dcols,
            (select pg_catalog.string_agg('c.' || pg_catalog.quote_ident(c), ', ' order by o) from pg_catalog.unnest(j.columns) with ordinality u(c, o)) as ccols,
@@ -169,18 +252,14 @@ begin
         v_dpar := pg_catalog.format('row(%s)::text', lockstep._cols(j.target_key, 'd'));
     end if;
     v_oldpar := v_cpar;
-    if v_subset then
-        v_cur := pg_catalog.format('select t.* from pg_catalog.unnest($1::%s) k(v), lateral (select %s, t.ctid as lockstep_ctid '
-                                   'from %s t where t.%I = k.v offset 0) t', f.arr, f.tcols, j.target, j.parent_column);
-        v_moved := pg_catalog.format('left join lateral (select t.%I::text as p, t.ctid from %s t '
-                                     'where c.lockstep_ctid is null and %s offset 0) m on true',
-                                     j.parent_column, j.target, f.td);
-        v_old := 'coalesce(c.lockstep_ctid, m.ctid)';
-        v_new := 'c.lockstep_ctid is null and m.ctid is null';
-        v_oldpar := pg_catalog.format('coalesce(%s, m.p)', v_oldpar);
-    else
-        v_cur := pg_catalog.format('select %s, t.ctid as lockstep_ctid from %s t', f.tcols, j.target);
-    end if;
+    v_cur := pg_catalog.format('select t.* from pg_catalog.unnest($1::%s) k(v), lateral (select %s, t.ctid as lockstep_ctid '
+                               'from %s t where t.%I = k.v offset 0) t', f.arr, f.tcols, j.target, j.parent_column);
+    v_moved := pg_catalog.format('left join lateral (select t.%I::text as p, t.ctid from %s t '
+                                 'where c.lockstep_ctid is null and %s offset 0) m on true',
+                                 j.parent_column, j.target, f.td);
+    v_old := 'coalesce(c.lockstep_ctid, m.ctid)';
+    v_new := 'c.lockstep_ctid is null and m.ctid is null';
+    v_oldpar := pg_catalog.format('coalesce(%s, m.p)', v_oldpar);
     execute pg_catalog.format(
         'with e1 as (delete from pg_temp.%1$I), e2 as (delete from pg_temp.%2$I), '
         'd as materialized (select %3$s from (select * from %4$s($1::%5$s) offset 0) d %6$s), '
@@ -194,8 +273,8 @@ begin
         '      where c.lockstep_ctid is null or (%14$s) is distinct from (%11$s) returning 1) '
         'select (select count(*) from g) + (select count(*) from p), (select k from x), (select n from x)',
         f.gone, f.put, f.cols, f.fn, f.arg,
-        case when v_subset then pg_catalog.format('where d.%I = any($1::%s)', j.parent_column, f.arr) else '' end,
-        f.pk, f.pknull, case when v_subset then 'materialized' else 'not materialized' end, v_cur,
+        pg_catalog.format('where d.%I = any($1::%s)', j.parent_column, f.arr),
+        f.pk, f.pknull, 'materialized', v_cur,
         f.ccols, v_cpar, f.dc, f.dcols, v_dpar, v_oldpar, v_new, v_old, v_moved)
         into n, v_bad, v_null using keys;
     if v_null then

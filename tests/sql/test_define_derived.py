@@ -122,3 +122,27 @@ def test_compute_returning_duplicate_keys_fails_the_run_with_a_clear_error(db):
     assert r[0] == "failed"
     assert "more than one row for primary key" in r[1]
     assert db.execute("select count(*) from d").fetchone()[0] == 0
+
+
+@pytest.mark.parametrize("second", ["v", "v + 1"], ids=["identical", "different"])
+def test_compute_duplicating_a_key_the_target_already_holds_fails_the_run(db, second):
+    """The whole-table diff finds a duplicate among rows that match a current row (from its counts), whether
+    the two copies are identical to the current row or one differs, and names the key."""
+    db.execute("insert into p values (1, 1), (2, 2)")
+    db.execute(
+        "create function dup(ids bigint[]) returns table (p_id bigint, k text, w int) language sql"
+        " as $$ select id, 'same', v from public.p where ids is null or id = any(ids) $$"
+    )
+    db.execute("select lockstep.define_derived('j', 'd', 'dup(bigint[])', 'p')")
+    assert db.execute("select outcome from lockstep.recompute('j')").fetchone()[0] == "done"
+    before = db.execute("select * from d order by p_id").fetchall()
+    db.execute(
+        "create or replace function dup(ids bigint[]) returns table (p_id bigint, k text, w int) language sql"
+        " as $$ select id, 'same', v from public.p where ids is null or id = any(ids)"
+        f" union all select id, 'same', {second} from public.p"
+        " where id = 2 and (ids is null or id = any(ids)) $$"
+    )
+    r = db.execute("select outcome, error from lockstep.recompute('j')").fetchone()
+    assert r[0] == "failed"
+    assert "more than one row for primary key (2,same)" in r[1]
+    assert db.execute("select * from d order by p_id").fetchall() == before
