@@ -239,6 +239,9 @@ $$;
 -- the search path would find another type) and lockstep's functions, which set their own search_path.
 -- tests/sql/test_security.py checks this function against an application search_path that shadows the
 -- operators and types it uses.
+-- Longer than the ~80 lines lockstep aims at, knowingly: every statement that reads the transition tables
+-- must be in this function (they are visible only to the trigger function's own queries), and the
+-- checks of the general path are already apart (lockstep._trigger_problem, lockstep._flag).
 -- locks: the insert into lockstep.queue (or lockstep.recompute_flag): nothing a worker or a recompute holds.
 create function lockstep.enqueue_trigger() returns trigger
 language plpgsql
