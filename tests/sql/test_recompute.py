@@ -232,3 +232,24 @@ def test_hand_off_reads_each_work_row_a_bounded_number_of_times(conn):
     assert (r["outcome"], r["inserted"]) == ("done", 10)
     assert conn.execute("select count(*) from lockstep.queue where job = 'ho'").fetchone()[0] == 5990
     assert read <= 40 * 6000, read  # a handful of scans of each work table, never one per row
+
+
+def test_hand_off_starts_above_batch_parents_not_above_batch_rows(ex):
+    """A difference of many rows but at most batch_parents parents is written in one transaction; one parent
+    more and that parent (the last in key order) is handed to the queue."""
+    ex.execute(f"select lockstep.set_batch_parents('{JOB}', 5)")
+    ex.execute("update example.exam set body = example.words(8, 7000 + id) where id between 11 and 15")
+    ex.execute("delete from lockstep.queue")
+    r = result(ex, f"lockstep.recompute('{JOB}')")
+    assert (r["outcome"], r["more"]) == ("done", False)
+    assert r["inserted"] + r["updated"] > 5  # more rows than batch_parents: the bound counts parents
+    assert ex.execute("select count(*) from lockstep.queue").fetchone()[0] == 0
+    assert divergence(ex) == (0, 0)
+    ex.execute("update example.exam set body = example.words(8, 8000 + id) where id between 11 and 16")
+    ex.execute("delete from lockstep.queue")
+    r = result(ex, f"lockstep.recompute('{JOB}')")
+    assert (r["outcome"], r["more"]) == ("done", True)
+    assert [k for (k,) in ex.execute("select key from lockstep.queue")] == ["16"]
+    while result(ex, f"lockstep.work('{JOB}')")["outcome"] != "idle":
+        pass
+    assert divergence(ex) == (0, 0)
