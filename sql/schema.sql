@@ -711,7 +711,7 @@ begin
     select array_agg(f.key order by f.key) into keys
     from (select f.key from lockstep.key_failure f
           where f.job = j.job and f.attempts = 0 and not f.parked and f.retry_at <= now()
-            and exists (select from lockstep.queue q where q.job = f.job and q.key = f.key)
+            and exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true)
           order by f.key limit 2 * batch) f;
     if keys is not null then
         keys := keys[1:(cardinality(keys) + 1) / 2];
@@ -721,7 +721,7 @@ begin
     select array_agg(f.key order by f.key) into keys
     from (select f.key from lockstep.key_failure f
           where f.job = j.job and f.attempts > 0 and not f.parked and f.retry_at <= now()
-            and exists (select from lockstep.queue q where q.job = f.job and q.key = f.key)
+            and exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true)
           order by f.retry_at, f.key limit batch) f;
     if keys is not null then
         kind := 'retry';
@@ -998,11 +998,13 @@ CREATE FUNCTION lockstep._entries(j lockstep.job, keys text[]) RETURNS bigint[]
     LANGUAGE plpgsql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
+    SET enable_seqscan TO 'off'
+    SET enable_bitmapscan TO 'off'
     AS $$
 begin
     return (select array_agg(e.id)
             from pg_catalog.unnest(keys) k(key),
-                 lateral (select q.id from lockstep.queue q where q.job = j.job and q.key = k.key offset 0) e);
+                 lateral (select q.id from lockstep.queue q where q.key = k.key and (q.job = j.job) is true offset 0) e);
 end;
 $$;
 
@@ -1111,6 +1113,8 @@ $$;
 CREATE FUNCTION lockstep._has_ready(j lockstep.job) RETURNS boolean
     LANGUAGE plpgsql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
+    SET enable_bitmapscan TO 'off'
+    SET enable_seqscan TO 'off'
     AS $$
 begin
     return exists (
@@ -2005,7 +2009,7 @@ begin
     into v_done, v_skipped
     from pg_catalog.unnest(raw) k(key),
          lateral (select q.ctid, q.key from lockstep.queue q
-                  where q.job = j.job and q.key = k.key and q.id = any(ids) offset 0) e;
+                  where q.key = k.key and (q.job = j.job) is true and q.id = any(ids) offset 0) e;
     -- one statement (one plan) for both; every statement runs even when it has no row to change: a missing
     -- privilege fails every pass at once, not the first pass that needs it
     with d as (delete from lockstep.queue q where q.ctid = any(v_done) and q.id = any(ids))
@@ -2466,7 +2470,7 @@ CREATE FUNCTION lockstep.due(jobs text[] DEFAULT NULL::text[]) RETURNS TABLE(job
                                    then greatest(min(f.retry_at), coalesce(s.retry_at, now())) end
                        from lockstep.key_failure f
                        where f.job = j.job and not f.parked
-                         and exists (select from lockstep.queue q where q.job = f.job and q.key = f.key)) end,
+                         and exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true)) end,
                  case when j.parent is not null then
                       (select min(q.ready_at) from lockstep.queue q where q.job = j.job and q.ready_at > now()) end)
     from lockstep.job j
@@ -2978,7 +2982,7 @@ ALTER TABLE ONLY lockstep.run_log
 ALTER TABLE ONLY lockstep.setting
     ADD CONSTRAINT setting_pkey PRIMARY KEY (only_row);
 
-CREATE INDEX queue_job_key_idx ON lockstep.queue USING btree (job, key);
+CREATE INDEX queue_key_job_idx ON lockstep.queue USING btree (key, job);
 
 CREATE INDEX recompute_flag_job_idx ON lockstep.recompute_flag USING btree (job, flagged_at);
 

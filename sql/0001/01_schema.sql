@@ -133,7 +133,10 @@ create table lockstep.queue (
     primary key (job, id)
 );
 
-create index queue_job_key_idx on lockstep.queue (job, key);
+-- by key first: the worker finds a pass's entries with one probe per key whose job condition is only a filter,
+-- so no plan can take the primary key (job, id) and filter every entry of the job instead (the planner did,
+-- with the queue's statistics stale: a VACUUM of the queue while empty leaves reltuples = 0; see _entries)
+create index queue_key_job_idx on lockstep.queue (key, job);
 
 -- the queue churns (every worker pass deletes what it processed): vacuum it after a thousand dead rows, not
 -- after 20 % of the table, and without cost delay (it is small). Autovacuum visits a database at most once

@@ -82,11 +82,16 @@ $$;
 -- lockstep._has_ready(j): j has queue entries that are ready, whose key is neither parked nor waiting
 -- for a retry. (PL/pgSQL: its plan is cached for the session. Custom plans, not generic: a generic plan of
 -- this exists() is a sequential scan of the queue filtered by job, which reads every entry of the other
--- jobs when this one has none; lockstep.due() calls it for every job at every tick.)
+-- jobs when this one has none; lockstep.due() calls it for every job at every tick. No bitmap or
+-- sequential scan either: with the queue's statistics stale, the planner took a bitmap scan, which reads
+-- every entry of the job before the first is returned: O(queue) per pass and per tick, where an index scan
+-- stops at the first ready entry.)
 -- locks: nothing.
 create function lockstep._has_ready(j lockstep.job) returns boolean
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
+set enable_bitmapscan = off
+set enable_seqscan = off
 as $$
 begin
     return exists (
@@ -98,29 +103,35 @@ end;
 $$;
 
 -- lockstep._entries(j, keys): the ids of every visible queue entry of j with one of these keys.
--- One index probe of (job, key) per key (a LATERAL subquery kept apart by OFFSET 0), not one
+-- One probe of the (key, job) index per key (a LATERAL subquery kept apart by OFFSET 0), not one
 -- q.key = any(keys) over the job's entries: the queue's statistics are often stale (a VACUUM of the
--- queue while it is empty leaves reltuples = 0, and a recompute's hand-off then refills the same pages),
--- and with an estimate of one row the planner filters every entry of the job by the array instead of
--- probing the index per key: measured after a hand-off of 49,500 keys, 261 ms per pass of 500 keys
--- against 1 ms (O(queue x batch) against O(batch)). (A function of its own for its generic plan, as
+-- queue while it is empty leaves reltuples = 0, and a recompute's hand-off or a write load then refills
+-- the same pages), and with an estimate of one row the planner filters every entry of the job instead of
+-- probing per key: measured after a hand-off of 49,500 keys, 261 ms per pass of 500 keys against 1 ms
+-- (O(queue x batch) against O(batch)). The job test is written `(q.job = j.job) is true` so that it can
+-- only filter: with `q.job = j.job` the cached generic plan took the primary key (job, id) and filtered
+-- by key (the costs tie at one estimated row), and under a pgbench load with 2 runners a pass of 500
+-- keys grew to 2.4 s as the queue grew; and with a plan cached on a small queue, a sequential scan per
+-- key (sequential and bitmap scans are off here). (A function of its own for its generic plan, as
 -- lockstep._claim.)
 -- locks: nothing.
 create function lockstep._entries(j lockstep.job, keys text[]) returns bigint[]
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
 set plan_cache_mode = force_generic_plan
+set enable_seqscan = off
+set enable_bitmapscan = off
 as $$
 begin
     return (select array_agg(e.id)
             from pg_catalog.unnest(keys) k(key),
-                 lateral (select q.id from lockstep.queue q where q.job = j.job and q.key = k.key offset 0) e);
+                 lateral (select q.id from lockstep.queue q where q.key = k.key and (q.job = j.job) is true offset 0) e);
 end;
 $$;
 
 -- lockstep._settle_entries(j, raw, ids, leave, skip): delete the queue entries ids (keys raw) done (not
 -- of a key in leave) and defer the skipped ones (of a key in skip) a second: a parent an application holds
--- is retried a second later, not in a hot loop. The entries are found by one index probe of (job, key) per
+-- is retried a second later, not in a hot loop. The entries are found by one probe of (key, job) per
 -- key, as lockstep._entries does and for the same reason (stale statistics: see there), then deleted or
 -- updated by row id (a TID scan: with sequential and bitmap scans off and no condition on job, the only
 -- other path would read the whole primary-key index), checked again by id (ids are unique, across jobs).
@@ -142,7 +153,7 @@ begin
     into v_done, v_skipped
     from pg_catalog.unnest(raw) k(key),
          lateral (select q.ctid, q.key from lockstep.queue q
-                  where q.job = j.job and q.key = k.key and q.id = any(ids) offset 0) e;
+                  where q.key = k.key and (q.job = j.job) is true and q.id = any(ids) offset 0) e;
     -- one statement (one plan) for both; every statement runs even when it has no row to change: a missing
     -- privilege fails every pass at once, not the first pass that needs it
     with d as (delete from lockstep.queue q where q.ctid = any(v_done) and q.id = any(ids))
@@ -181,7 +192,7 @@ begin
     select array_agg(f.key order by f.key) into keys
     from (select f.key from lockstep.key_failure f
           where f.job = j.job and f.attempts = 0 and not f.parked and f.retry_at <= now()
-            and exists (select from lockstep.queue q where q.job = f.job and q.key = f.key)
+            and exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true)
           order by f.key limit 2 * batch) f;
     if keys is not null then
         keys := keys[1:(cardinality(keys) + 1) / 2];
@@ -191,7 +202,7 @@ begin
     select array_agg(f.key order by f.key) into keys
     from (select f.key from lockstep.key_failure f
           where f.job = j.job and f.attempts > 0 and not f.parked and f.retry_at <= now()
-            and exists (select from lockstep.queue q where q.job = f.job and q.key = f.key)
+            and exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true)
           order by f.retry_at, f.key limit batch) f;
     if keys is not null then
         kind := 'retry';

@@ -81,7 +81,7 @@ as $$
                                    then greatest(min(f.retry_at), coalesce(s.retry_at, now())) end
                        from lockstep.key_failure f
                        where f.job = j.job and not f.parked
-                         and exists (select from lockstep.queue q where q.job = f.job and q.key = f.key)) end,
+                         and exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true)) end,
                  case when j.parent is not null then
                       (select min(q.ready_at) from lockstep.queue q where q.job = j.job and q.ready_at > now()) end)
     from lockstep.job j

@@ -253,3 +253,54 @@ def test_hand_off_starts_above_batch_parents_not_above_batch_rows(ex):
     while result(ex, f"lockstep.work('{JOB}')")["outcome"] != "idle":
         pass
     assert divergence(ex) == (0, 0)
+
+
+def test_worker_pass_after_a_hand_off_reads_its_own_entries_only(conn):
+    # A VACUUM of the empty queue leaves reltuples = 0, and the hand-off then refills the same pages: with
+    # an estimate of one row, the worker's entry and settle statements once scanned every entry of the job
+    # against the pass's keys (O(queue x batch): 517 ms a pass after a 49,500-key hand-off instead of 88;
+    # under a pgbench load a cached generic plan took the primary key and filtered by key: 2.4 s a pass),
+    # and _has_ready took a bitmap scan that reads every entry of the job (O(queue) a pass and a tick).
+    # Counted, not timed: queue tuples one pass of 10 keys reads, with 5,990 entries queued.
+    conn.execute(HAND_OFF_SCHEMA)
+    conn.execute("vacuum (analyze) lockstep.queue")
+    assert result(conn, "lockstep.recompute('ho')")["outcome"] == "done"
+    assert conn.execute("select count(*) from lockstep.queue where job = 'ho'").fetchone()[0] == 5990
+    conn.execute("select pg_stat_force_next_flush()")  # PostgreSQL 15's pg_stat_xact_* show unflushed counts
+    conn.execute("begin")
+    r = result(conn, "lockstep.work('ho', 10)")
+    read = conn.execute(
+        "select coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0) from pg_stat_xact_all_tables"
+        " where relid = 'lockstep.queue'::regclass"
+    ).fetchone()[0]
+    conn.execute("commit")
+    assert (r["outcome"], r["inserted"]) == ("done", 10)
+    assert conn.execute("select count(*) from lockstep.queue where job = 'ho'").fetchone()[0] == 5980
+    assert read <= 20 * 10, read  # a few probes per key of the pass, never a scan of the job's entries
+
+
+def test_worker_pass_plans_cached_on_a_small_queue_stay_per_key_as_it_grows(conn):
+    # Under a pgbench load the runners' sessions cached the worker's generic plans while the queue held a
+    # few hundred entries (analyzed so); as it grew to 40,000, each entry lookup filtered every entry of the
+    # job through the primary key (job, id) instead of probing by key: passes of 500 keys took 2.4 s and the
+    # queue never drained. Counted, not timed: queue tuples one pass of 10 keys reads, with 5,990 queued.
+    conn.execute(HAND_OFF_SCHEMA)
+    conn.execute("select lockstep.set_batch_parents('ho', 1000000)")
+    assert result(conn, "lockstep.recompute('ho')")["inserted"] == 6000  # filled in one transaction
+    conn.execute("select lockstep.set_batch_parents('ho', 10)")
+    conn.execute("select lockstep.enqueue('ho', array(select g from generate_series(1, 230) g))")
+    conn.execute("analyze lockstep.queue")
+    assert result(conn, "lockstep.work('ho', 10)")["outcome"] == "done"  # plans cached on 230 entries
+    conn.execute("update ho.acc set bal = -bal - 1")  # every band changes: 10 written, the rest handed off
+    assert result(conn, "lockstep.recompute('ho')")["more"] is True
+    conn.execute("select pg_stat_force_next_flush()")  # PostgreSQL 15's pg_stat_xact_* show unflushed counts
+    conn.execute("begin")
+    r = result(conn, "lockstep.work('ho', 10)")
+    read = conn.execute(
+        "select coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0) from pg_stat_xact_all_tables"
+        " where relid = 'lockstep.queue'::regclass"
+    ).fetchone()[0]
+    conn.execute("commit")
+    assert r["outcome"] == "done"
+    assert conn.execute("select count(*) from lockstep.queue where job = 'ho'").fetchone()[0] > 5000
+    assert read <= 20 * 10, read  # a few probes per key of the pass, never a scan of the job's entries
