@@ -304,3 +304,35 @@ def test_worker_pass_plans_cached_on_a_small_queue_stay_per_key_as_it_grows(conn
     assert r["outcome"] == "done"
     assert conn.execute("select count(*) from lockstep.queue where job = 'ho'").fetchone()[0] > 5000
     assert read <= 20 * 10, read  # a few probes per key of the pass, never a scan of the job's entries
+
+
+def test_worker_pass_settles_by_row_id_not_by_a_scan_of_the_queue_index(conn):
+    # The settle statement's id check once served as an index condition on the primary key's second column
+    # (job, id): its cached generic plan then read the whole index, dead entries included (200 ms a pass
+    # over 100,000 of them). Counted, not timed: index pages of the primary key one pass touches, with
+    # 20,000 dead entries and 500 live ones.
+    conn.execute(HAND_OFF_SCHEMA)
+    conn.execute("select lockstep.set_batch_parents('ho', 1000000)")
+    assert result(conn, "lockstep.recompute('ho')")["inserted"] == 6000
+    conn.execute("select lockstep.enqueue('ho', array[1, 2, 3])")
+    conn.execute("vacuum (analyze) lockstep.queue")
+    assert result(conn, "lockstep.work('ho', 10)")["outcome"] == "done"  # plans cached on a tiny queue
+    for _ in range(4):
+        conn.execute("select lockstep.enqueue('ho', array(select g from generate_series(1, 5000) g))")
+    conn.execute("delete from lockstep.queue where job = 'ho'")  # 20,000 dead entries
+    conn.execute("select lockstep.enqueue('ho', array(select g from generate_series(1, 500) g))")
+
+    def pkey_pages() -> int:
+        conn.execute("select pg_stat_force_next_flush()")
+        conn.execute("select pg_stat_clear_snapshot()")
+        return conn.execute(
+            "select idx_blks_hit + idx_blks_read from pg_statio_all_indexes"
+            " where indexrelid = 'lockstep.queue_pkey'::regclass"
+        ).fetchone()[0]
+
+    before = pkey_pages()
+    assert result(conn, "lockstep.work('ho', 500)")["outcome"] == "done"
+    touched = pkey_pages() - before
+    assert conn.execute("select count(*) from lockstep.queue where job = 'ho'").fetchone()[0] == 0
+    index_pages = conn.execute("select pg_relation_size('lockstep.queue_pkey') / 8192").fetchone()[0]
+    assert touched <= 4 * index_pages, (touched, index_pages)  # a few walks (the claim), never one per key
