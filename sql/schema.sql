@@ -344,6 +344,21 @@ begin
 end;
 $$;
 
+CREATE FUNCTION lockstep._check_computed_key(j lockstep.job, bad text, is_null boolean) RETURNS void
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+begin
+    if is_null then
+        raise exception 'lockstep: compute function % returned a NULL primary key %', j.compute, bad
+            using errcode = 'LSD05';
+    elsif bad is not null then
+        raise exception 'lockstep: compute function % returned more than one row for primary key % of %',
+            j.compute, bad, j.target using errcode = 'LSD05';
+    end if;
+end;
+$$;
+
 CREATE FUNCTION lockstep._check_isolation(what text) RETURNS void
     LANGUAGE plpgsql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -857,13 +872,7 @@ begin
         f.pk, f.pknull, 'materialized', v_cur,
         f.ccols, v_cpar, f.dc, f.dcols, v_dpar, v_oldpar, v_new, v_old, v_moved)
         into n, v_bad, v_null using keys;
-    if v_null then
-        raise exception 'lockstep: compute function % returned a NULL primary key %', j.compute, v_bad
-            using errcode = 'LSD05';
-    elsif v_bad is not null then
-        raise exception 'lockstep: compute function % returned more than one row for primary key % of %',
-            j.compute, v_bad, j.target using errcode = 'LSD05';
-    end if;
+    perform lockstep._check_computed_key(j, v_bad, v_null);
     return n;
 end;
 $_$;
@@ -924,13 +933,7 @@ begin
             into v_bad using keys;
         v_bad := coalesce(v_bad, '(unknown: the second look found none)');
     end if;
-    if v_null then
-        raise exception 'lockstep: compute function % returned a NULL primary key %', j.compute, v_bad
-            using errcode = 'LSD05';
-    elsif v_bad is not null then
-        raise exception 'lockstep: compute function % returned more than one row for primary key % of %',
-            j.compute, v_bad, j.target using errcode = 'LSD05';
-    end if;
+    perform lockstep._check_computed_key(j, v_bad, v_null);
     return n;
 end;
 $_$;

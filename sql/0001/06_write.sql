@@ -110,6 +110,25 @@ begin
 end;
 $$;
 
+-- lockstep._check_computed_key(j, bad, is_null): raise LSD05 for the primary key bad that compute returned
+-- NULL (is_null) or more than once, as lockstep._diff_all and lockstep._diff found it; nothing if bad is
+-- NULL and is_null is not true.
+-- locks: nothing.
+create function lockstep._check_computed_key(j lockstep.job, bad text, is_null boolean) returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if is_null then
+        raise exception 'lockstep: compute function % returned a NULL primary key %', j.compute, bad
+            using errcode = 'LSD05';
+    elsif bad is not null then
+        raise exception 'lockstep: compute function % returned more than one row for primary key % of %',
+            j.compute, bad, j.target using errcode = 'LSD05';
+    end if;
+end;
+$$;
+
 -- lockstep._diff_all(j, keys): lockstep._diff of the whole table (keys NULL, or a job without a parent
 -- column): compute's rows and the target's in one hash full join on the primary key, each side read once
 -- (compute's rows through a materialized CTE, which is also counted), only the rows that differ kept (a
@@ -179,13 +198,7 @@ begin
             into v_bad using keys;
         v_bad := coalesce(v_bad, '(unknown: the second look found none)');
     end if;
-    if v_null then
-        raise exception 'lockstep: compute function % returned a NULL primary key %', j.compute, v_bad
-            using errcode = 'LSD05';
-    elsif v_bad is not null then
-        raise exception 'lockstep: compute function % returned more than one row for primary key % of %',
-            j.compute, v_bad, j.target using errcode = 'LSD05';
-    end if;
+    perform lockstep._check_computed_key(j, v_bad, v_null);
     return n;
 end;
 $$;
@@ -277,13 +290,7 @@ begin
         f.pk, f.pknull, 'materialized', v_cur,
         f.ccols, v_cpar, f.dc, f.dcols, v_dpar, v_oldpar, v_new, v_old, v_moved)
         into n, v_bad, v_null using keys;
-    if v_null then
-        raise exception 'lockstep: compute function % returned a NULL primary key %', j.compute, v_bad
-            using errcode = 'LSD05';
-    elsif v_bad is not null then
-        raise exception 'lockstep: compute function % returned more than one row for primary key % of %',
-            j.compute, v_bad, j.target using errcode = 'LSD05';
-    end if;
+    perform lockstep._check_computed_key(j, v_bad, v_null);
     return n;
 end;
 $$;
