@@ -255,6 +255,19 @@ def test_hand_off_starts_above_batch_parents_not_above_batch_rows(ex):
     assert divergence(ex) == (0, 0)
 
 
+def _counted_pass(conn: psycopg.Connection, batch: int) -> tuple[dict, int]:
+    """One lockstep.work('ho', batch) in a transaction of its own: its result, and the queue tuples it read
+    (sequential reads and index fetches)."""
+    conn.execute("select pg_stat_force_next_flush()")  # PostgreSQL 15's pg_stat_xact_* show unflushed counts
+    with conn.transaction():
+        r = result(conn, f"lockstep.work('ho', {batch})")
+        read = conn.execute(
+            "select coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0) from pg_stat_xact_all_tables"
+            " where relid = 'lockstep.queue'::regclass"
+        ).fetchone()[0]
+    return r, read
+
+
 def test_worker_pass_after_a_hand_off_reads_its_own_entries_only(conn):
     # A VACUUM of the empty queue leaves reltuples = 0, and the hand-off then refills the same pages: with
     # an estimate of one row, the worker's entry and settle statements once scanned every entry of the job
@@ -266,14 +279,7 @@ def test_worker_pass_after_a_hand_off_reads_its_own_entries_only(conn):
     conn.execute("vacuum (analyze) lockstep.queue")
     assert result(conn, "lockstep.recompute('ho')")["outcome"] == "done"
     assert conn.execute("select count(*) from lockstep.queue where job = 'ho'").fetchone()[0] == 5990
-    conn.execute("select pg_stat_force_next_flush()")  # PostgreSQL 15's pg_stat_xact_* show unflushed counts
-    conn.execute("begin")
-    r = result(conn, "lockstep.work('ho', 10)")
-    read = conn.execute(
-        "select coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0) from pg_stat_xact_all_tables"
-        " where relid = 'lockstep.queue'::regclass"
-    ).fetchone()[0]
-    conn.execute("commit")
+    r, read = _counted_pass(conn, 10)
     assert (r["outcome"], r["inserted"]) == ("done", 10)
     assert conn.execute("select count(*) from lockstep.queue where job = 'ho'").fetchone()[0] == 5980
     assert read <= 20 * 10, read  # a few probes per key of the pass, never a scan of the job's entries
@@ -293,14 +299,7 @@ def test_worker_pass_plans_cached_on_a_small_queue_stay_per_key_as_it_grows(conn
     assert result(conn, "lockstep.work('ho', 10)")["outcome"] == "done"  # plans cached on 230 entries
     conn.execute("update ho.acc set bal = -bal - 1")  # every band changes: 10 written, the rest handed off
     assert result(conn, "lockstep.recompute('ho')")["more"] is True
-    conn.execute("select pg_stat_force_next_flush()")  # PostgreSQL 15's pg_stat_xact_* show unflushed counts
-    conn.execute("begin")
-    r = result(conn, "lockstep.work('ho', 10)")
-    read = conn.execute(
-        "select coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0) from pg_stat_xact_all_tables"
-        " where relid = 'lockstep.queue'::regclass"
-    ).fetchone()[0]
-    conn.execute("commit")
+    r, read = _counted_pass(conn, 10)
     assert r["outcome"] == "done"
     assert conn.execute("select count(*) from lockstep.queue where job = 'ho'").fetchone()[0] > 5000
     assert read <= 20 * 10, read  # a few probes per key of the pass, never a scan of the job's entries
