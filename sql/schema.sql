@@ -1559,12 +1559,11 @@ begin
     execute pg_catalog.format(
         'with n as (select coalesce(array_agg(distinct k), ''{}'') as a from ('
         '  select lockstep_parent from pg_temp.%1$I'
-        '  union all select lockstep_parent from pg_temp.%2$I'
-        '  union all select lockstep_old_parent from pg_temp.%2$I) s(k) where k is not null), '
-        'p as (select %3$I::text as k from %4$s where %3$I = any((select n.a from n)::%5$s) '
-        '      order by %3$I for key share skip locked) '
+        '  where lockstep_new or lockstep_parent is distinct from lockstep_old_parent) s(k) where k is not null), '
+        'p as (select %2$I::text as k from %3$s where %2$I = any((select n.a from n)::%4$s) '
+        '      order by %2$I for key share skip locked) '
         'select n.a, (select coalesce(array_agg(p.k), ''{}'') from p) from n',
-        lockstep._tmp(j, 'gone'), lockstep._tmp(j, 'put'), j.parent_key, j.parent, lockstep._array_type(j.key_type))
+        lockstep._tmp(j, 'put'), j.parent_key, j.parent, lockstep._array_type(j.key_type))
         into v_need, v_pinned;
     v_skip := array(select pg_catalog.unnest(v_need) except select pg_catalog.unnest(v_pinned));
     if cardinality(v_skip) > 0 then

@@ -295,10 +295,17 @@ begin
 end;
 $$;
 
--- lockstep._pin_parents(j): write step 1. Pin the parent of every row in j's gone and put
--- work tables (its new and its old parent); rows whose parent could not be pinned are dropped
--- from both. Returns the parent keys left out.
--- locks: the parent rows, FOR KEY SHARE SKIP LOCKED, in parent-key order (a parent an application holds,
+-- lockstep._pin_parents(j): write step 1. Pin the parent of every row of j's put work table that the
+-- target's foreign-key check will look up: a row to insert, or one that moves to another parent (its new
+-- parent). Rows whose parent could not be pinned are dropped from both work tables. Returns the parent
+-- keys left out.
+-- Not pinned: the parents of rows updated in place or deleted. No FK check runs for them (PostgreSQL checks
+-- a referencing row only when its key changes), and a FOR KEY SHARE there would cost every pass a locked,
+-- dirtied, WAL-logged parent row per changed parent, and an application's concurrent UPDATE of that
+-- parent a multixact. A parent an application is deleting is still never waited for: its ON DELETE
+-- CASCADE locks the target rows, which _lock_rows then skips; an application that has locked the parent
+-- and not yet deleted waits at most for this write phase.
+-- locks: those parent rows, FOR KEY SHARE SKIP LOCKED, in parent-key order (a parent an application holds,
 -- e.g. one being deleted, is skipped, never waited for).
 create function lockstep._pin_parents(j lockstep.job) returns text[]
 language plpgsql
@@ -315,12 +322,11 @@ begin
     execute pg_catalog.format(
         'with n as (select coalesce(array_agg(distinct k), ''{}'') as a from ('
         '  select lockstep_parent from pg_temp.%1$I'
-        '  union all select lockstep_parent from pg_temp.%2$I'
-        '  union all select lockstep_old_parent from pg_temp.%2$I) s(k) where k is not null), '
-        'p as (select %3$I::text as k from %4$s where %3$I = any((select n.a from n)::%5$s) '
-        '      order by %3$I for key share skip locked) '
+        '  where lockstep_new or lockstep_parent is distinct from lockstep_old_parent) s(k) where k is not null), '
+        'p as (select %2$I::text as k from %3$s where %2$I = any((select n.a from n)::%4$s) '
+        '      order by %2$I for key share skip locked) '
         'select n.a, (select coalesce(array_agg(p.k), ''{}'') from p) from n',
-        lockstep._tmp(j, 'gone'), lockstep._tmp(j, 'put'), j.parent_key, j.parent, lockstep._array_type(j.key_type))
+        lockstep._tmp(j, 'put'), j.parent_key, j.parent, lockstep._array_type(j.key_type))
         into v_need, v_pinned;
     v_skip := array(select pg_catalog.unnest(v_need) except select pg_catalog.unnest(v_pinned));
     if cardinality(v_skip) > 0 then
@@ -665,7 +671,7 @@ $$;
 -- First compute and the difference, without any row lock (_diff), cut to the first j.batch_parents parents
 -- when keys is NULL (_limit_batch: the rest is handed to the queue, before any row lock); then the write
 -- phase, in this order, never waiting for any lock:
---   1. _pin_parents: parents of every row about to be deleted, inserted or updated;
+--   1. _pin_parents: parents of every row about to be inserted (or moved to them);
 --   2. _pin_refs: rows referenced through the target's other foreign keys;
 --   3. _lock_rows, _lock_referencing, _delete_rows, _upsert_rows: the target rows, in primary-key order
 --      (and, before a delete, the rows referencing them that its ON DELETE action changes).
@@ -675,7 +681,7 @@ $$;
 -- It returns with the work tables empty: a pass whose difference is empty finds them so (_diff empties
 -- them before it fills them), any other is emptied by _tmp_clear; a call that raises leaves only rows its
 -- (sub)transaction's rollback removes. The caller writes the job's status row after this.
--- locks: parents (FOR KEY SHARE SKIP LOCKED, key order), then other referenced rows (same, constraint-name
+-- locks: parents of new rows (FOR KEY SHARE SKIP LOCKED, key order), then other referenced rows (same, constraint-name
 -- order), then target rows (FOR UPDATE SKIP LOCKED, primary-key order), then the rows referencing target
 -- rows to delete (FOR UPDATE SKIP LOCKED, constraint-name then key order): see the steps.
 create function lockstep._write(j lockstep.job, keys text[]) returns lockstep._pass

@@ -424,7 +424,7 @@ $$;
 -- lockstep._work(j, batch): one incremental pass.
 -- locks, in this order: nothing until there is work (idle) and no periodic job of the group is due
 -- (busy: give way); the group lock (try: busy if taken); then, through lockstep._write, the parents of the
--- claimed keys' rows (FOR KEY SHARE SKIP LOCKED, key order) and the target's rows (key order); then
+-- claimed keys' new rows (FOR KEY SHARE SKIP LOCKED, key order) and the target's rows (key order); then
 -- lockstep's own rows (lockstep._settle): the processed queue entries, the key_failure rows; the status
 -- row last.
 create function lockstep._work(j lockstep.job, batch integer) returns lockstep.result
