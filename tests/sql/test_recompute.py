@@ -213,7 +213,10 @@ def test_a_row_updated_in_place_does_not_lock_its_parent_and_a_new_row_does(conn
     # the pass's subtransaction: xmax is its xid)
     xmax = parent_xmax(conn, [1, 2, 5])
     assert xmax[:2] == ["0", "0"] and xmax[2] != "0", xmax
-    assert conn.execute("select count(*) from band b join bands(null) c using (id, band, bal)").fetchone()[0] == 5
+    assert (
+        conn.execute("select count(*) from band b join bands(null) c using (id, band, bal)").fetchone()[0]
+        == 5
+    )
 
 
 def test_app_holding_a_parent_waits_only_for_the_write_phase_of_an_in_place_update(conn, connect):
