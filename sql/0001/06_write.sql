@@ -637,32 +637,40 @@ begin
 end;
 $$;
 
--- lockstep._upsert_rows(j): write step 3c. One INSERT ... ON CONFLICT DO UPDATE ... WHERE IS DISTINCT FROM
--- of j's put work table, in primary-key order.
--- locks: the target rows it inserts (new) or updates (already held by _lock_rows).
+-- lockstep._upsert_rows(j): write step 3c. The rows of j's put work table: those that exist are updated
+-- where _lock_rows locked them (by ctid: a TID scan, no index probe per row; matched by primary key too, for
+-- a partitioned target), the new ones inserted in primary-key order by one INSERT ... ON CONFLICT DO
+-- UPDATE ... WHERE IS DISTINCT FROM (a row an application inserted meanwhile is updated, not a 23505).
+-- locks: the target rows it updates (already held by _lock_rows), then those it inserts.
 create function lockstep._upsert_rows(j lockstep.job, out inserted bigint, out updated bigint)
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_rest name[] := array(select x from pg_catalog.unnest(j.columns) x where not x = any(j.target_key));
+    v_put text := lockstep._tmp(j, 'put');
     v_action text := 'do nothing';
-    v_new bigint;
-    n bigint;
 begin
+    updated := 0;
     if cardinality(v_rest) > 0 then
         v_action := pg_catalog.format('do update set %s where (%s) is distinct from (%s)',
             (select pg_catalog.string_agg(pg_catalog.format('%I = excluded.%I', x, x), ', ') from pg_catalog.unnest(v_rest) x),
             lockstep._cols(v_rest, 't'), lockstep._cols(v_rest, 'excluded'));
+        execute pg_catalog.format(
+            'with u as (update %1$s t set %2$s from pg_temp.%3$I w '
+            '           where t.ctid = any(array(select lockstep_ctid from pg_temp.%3$I where not lockstep_new)) '
+            '             and not w.lockstep_new and %4$s and (%5$s) is distinct from (%6$s) returning 1) '
+            'select count(*) from u',
+            j.target, (select pg_catalog.string_agg(pg_catalog.format('%I = w.%I', x, x), ', ') from pg_catalog.unnest(v_rest) x),
+            v_put, lockstep._eq(j.target_key, 't', 'w'), lockstep._cols(v_rest, 't'), lockstep._cols(v_rest, 'w'))
+            into updated;
     end if;
     execute pg_catalog.format(
-        'with u as (insert into %1$s as t (%2$s) select %2$s from pg_temp.%5$I order by %3$s on conflict (%3$s) %4$s '
-        '           returning 1) '
-        'select (select count(*) from u), (select count(*) from pg_temp.%5$I where lockstep_new)',
-        j.target, lockstep._cols(j.columns), lockstep._cols(j.target_key), v_action, lockstep._tmp(j, 'put'))
-        into n, v_new;
-    inserted := least(n, v_new);
-    updated := n - inserted;
+        'with i as (insert into %1$s as t (%2$s) select %2$s from pg_temp.%5$I where lockstep_new order by %3$s '
+        '           on conflict (%3$s) %4$s returning 1) '
+        'select count(*) from i',
+        j.target, lockstep._cols(j.columns), lockstep._cols(j.target_key), v_action, v_put)
+        into inserted;
 end;
 $$;
 
