@@ -997,7 +997,7 @@ begin
 end;
 $_$;
 
-CREATE FUNCTION lockstep._entries(j lockstep.job, keys text[]) RETURNS bigint[]
+CREATE FUNCTION lockstep._entries(j lockstep.job, keys text[], OUT ids bigint[], OUT ctids tid[], OUT entry_keys text[]) RETURNS record
     LANGUAGE plpgsql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
@@ -1005,9 +1005,10 @@ CREATE FUNCTION lockstep._entries(j lockstep.job, keys text[]) RETURNS bigint[]
     SET enable_bitmapscan TO 'off'
     AS $$
 begin
-    return (select array_agg(e.id)
-            from pg_catalog.unnest(keys) k(key),
-                 lateral (select q.id from lockstep.queue q where q.key = k.key and (q.job = j.job) is true offset 0) e);
+    select array_agg(e.id), array_agg(e.ctid), array_agg(e.key) into ids, ctids, entry_keys
+    from pg_catalog.unnest(keys) k(key),
+         lateral (select q.id, q.ctid, q.key from lockstep.queue q
+                  where q.key = k.key and (q.job = j.job) is true offset 0) e;
 end;
 $$;
 
@@ -1559,12 +1560,11 @@ begin
     execute pg_catalog.format(
         'with n as (select coalesce(array_agg(distinct k), ''{}'') as a from ('
         '  select lockstep_parent from pg_temp.%1$I'
-        '  union all select lockstep_parent from pg_temp.%2$I'
-        '  union all select lockstep_old_parent from pg_temp.%2$I) s(k) where k is not null), '
-        'p as (select %3$I::text as k from %4$s where %3$I = any((select n.a from n)::%5$s) '
-        '      order by %3$I for key share skip locked) '
+        '  where lockstep_new or lockstep_parent is distinct from lockstep_old_parent) s(k) where k is not null), '
+        'p as (select %2$I::text as k from %3$s where %2$I = any((select n.a from n)::%4$s) '
+        '      order by %2$I for key share skip locked) '
         'select n.a, (select coalesce(array_agg(p.k), ''{}'') from p) from n',
-        lockstep._tmp(j, 'gone'), lockstep._tmp(j, 'put'), j.parent_key, j.parent, lockstep._array_type(j.key_type))
+        lockstep._tmp(j, 'put'), j.parent_key, j.parent, lockstep._array_type(j.key_type))
         into v_need, v_pinned;
     v_skip := array(select pg_catalog.unnest(v_need) except select pg_catalog.unnest(v_pinned));
     if cardinality(v_skip) > 0 then
@@ -1930,7 +1930,7 @@ begin
 end;
 $$;
 
-CREATE FUNCTION lockstep._settle(j lockstep.job, kind text, raw text[], ids bigint[], p lockstep._pass, bad text[], bad_errors text[]) RETURNS text
+CREATE FUNCTION lockstep._settle(j lockstep.job, kind text, raw text[], ids bigint[], ctids tid[], entry_keys text[], p lockstep._pass, bad text[], bad_errors text[]) RETURNS text
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
@@ -1956,7 +1956,7 @@ begin
     v_leave := v_leave || bad;  -- their entries stay, shown as parked
     -- the entries done go, a parent an application holds is retried a second later (disjoint rows: v_skip
     -- is part of v_leave)
-    perform lockstep._settle_entries(j, raw, ids, v_leave, v_skip);
+    perform lockstep._settle_entries(j, ids, ctids, entry_keys, v_leave, v_skip);
     delete from lockstep.key_failure f
     where f.job = j.job and ((f.key = any(raw) and f.key <> all(v_leave))
                              -- a probe timed out: the other suspects are cleared, its keys stay suspects
@@ -1996,7 +1996,7 @@ begin
 end;
 $_$;
 
-CREATE FUNCTION lockstep._settle_entries(j lockstep.job, raw text[], ids bigint[], leave text[], skip text[]) RETURNS void
+CREATE FUNCTION lockstep._settle_entries(j lockstep.job, ids bigint[], ctids tid[], entry_keys text[], leave text[], skip text[]) RETURNS void
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
@@ -2004,15 +2004,15 @@ CREATE FUNCTION lockstep._settle_entries(j lockstep.job, raw text[], ids bigint[
     SET enable_bitmapscan TO 'off'
     AS $$
 declare
-    v_done tid[];
-    v_skipped tid[];
+    v_done tid[] := ctids;
+    v_skipped tid[] := '{}';
 begin
-    select coalesce(array_agg(e.ctid) filter (where e.key <> all(leave)), '{}'),
-           coalesce(array_agg(e.ctid) filter (where e.key = any(skip)), '{}')
-    into v_done, v_skipped
-    from pg_catalog.unnest(raw) k(key),
-         lateral (select q.ctid, q.key from lockstep.queue q
-                  where q.key = k.key and (q.job = j.job and q.id = any(ids)) is true offset 0) e;
+    if cardinality(leave) > 0 then
+        select coalesce(array_agg(e.c) filter (where e.k <> all(leave)), '{}'),
+               coalesce(array_agg(e.c) filter (where e.k = any(skip)), '{}')
+        into v_done, v_skipped
+        from unnest(ctids, entry_keys) e(c, k);  -- ROWS FROM syntax: not schema-qualified
+    end if;
     -- one statement (one plan) for both; every statement runs even when it has no row to change: a missing
     -- privilege fails every pass at once, not the first pass that needs it
     -- the id check only filters (is true): as an index condition, id = any(ids) on the primary key's second
@@ -2227,23 +2227,29 @@ CREATE FUNCTION lockstep._upsert_rows(j lockstep.job, OUT inserted bigint, OUT u
     AS $_$
 declare
     v_rest name[] := array(select x from pg_catalog.unnest(j.columns) x where not x = any(j.target_key));
+    v_put text := lockstep._tmp(j, 'put');
     v_action text := 'do nothing';
-    v_new bigint;
-    n bigint;
 begin
+    updated := 0;
     if cardinality(v_rest) > 0 then
         v_action := pg_catalog.format('do update set %s where (%s) is distinct from (%s)',
             (select pg_catalog.string_agg(pg_catalog.format('%I = excluded.%I', x, x), ', ') from pg_catalog.unnest(v_rest) x),
             lockstep._cols(v_rest, 't'), lockstep._cols(v_rest, 'excluded'));
+        execute pg_catalog.format(
+            'with u as (update %1$s t set %2$s from pg_temp.%3$I w '
+            '           where t.ctid = any(array(select lockstep_ctid from pg_temp.%3$I where not lockstep_new)) '
+            '             and not w.lockstep_new and %4$s and (%5$s) is distinct from (%6$s) returning 1) '
+            'select count(*) from u',
+            j.target, (select pg_catalog.string_agg(pg_catalog.format('%I = w.%I', x, x), ', ') from pg_catalog.unnest(v_rest) x),
+            v_put, lockstep._eq(j.target_key, 't', 'w'), lockstep._cols(v_rest, 't'), lockstep._cols(v_rest, 'w'))
+            into updated;
     end if;
     execute pg_catalog.format(
-        'with u as (insert into %1$s as t (%2$s) select %2$s from pg_temp.%5$I order by %3$s on conflict (%3$s) %4$s '
-        '           returning 1) '
-        'select (select count(*) from u), (select count(*) from pg_temp.%5$I where lockstep_new)',
-        j.target, lockstep._cols(j.columns), lockstep._cols(j.target_key), v_action, lockstep._tmp(j, 'put'))
-        into n, v_new;
-    inserted := least(n, v_new);
-    updated := n - inserted;
+        'with i as (insert into %1$s as t (%2$s) select %2$s from pg_temp.%5$I where lockstep_new order by %3$s '
+        '           on conflict (%3$s) %4$s returning 1) '
+        'select count(*) from i',
+        j.target, lockstep._cols(j.columns), lockstep._cols(j.target_key), v_action, v_put)
+        into inserted;
 end;
 $_$;
 
@@ -2285,7 +2291,7 @@ declare
     c record;
     r record;
     a record;
-    v_ids bigint[];
+    e record;
     v_err text;
 begin
     select * into s from lockstep.job_state st where st.job = j.job;
@@ -2313,8 +2319,8 @@ begin
     end if;
     -- every visible entry of those keys goes with them (a key enqueued many times is computed once)
     -- (under the group lock: a worker that held it before us may have done some of them)
-    v_ids := lockstep._entries(j, c.keys);
-    if v_ids is null then
+    select * into e from lockstep._entries(j, c.keys);
+    if e.ids is null then
         return lockstep._result('idle', j.job, 'work');
     end if;
     select * into r from lockstep._readable(j, c.keys);
@@ -2322,7 +2328,7 @@ begin
     if a.job_error is not null then
         return lockstep._failed(j, 'work', v_started, a.job_error);
     end if;
-    v_err := lockstep._settle(j, c.kind, r.raw, v_ids, a.p, r.bad, r.errors);
+    v_err := lockstep._settle(j, c.kind, r.raw, e.ids, e.ctids, e.entry_keys, a.p, r.bad, r.errors);
     perform lockstep._finish(j, 'work', 'done', v_started, a.p, null);
     return lockstep._result('done', j.job, 'work', a.p, v_err,
                             (c.kind <> 'batch' or c.full) and lockstep._has_ready(j));

@@ -295,10 +295,17 @@ begin
 end;
 $$;
 
--- lockstep._pin_parents(j): write step 1. Pin the parent of every row in j's gone and put
--- work tables (its new and its old parent); rows whose parent could not be pinned are dropped
--- from both. Returns the parent keys left out.
--- locks: the parent rows, FOR KEY SHARE SKIP LOCKED, in parent-key order (a parent an application holds,
+-- lockstep._pin_parents(j): write step 1. Pin the parent of every row of j's put work table that the
+-- target's foreign-key check will look up: a row to insert, or one that moves to another parent (its new
+-- parent). Rows whose parent could not be pinned are dropped from both work tables. Returns the parent
+-- keys left out.
+-- Not pinned: the parents of rows updated in place or deleted. No FK check runs for them (PostgreSQL checks
+-- a referencing row only when its key changes), and a FOR KEY SHARE there would cost every pass a locked,
+-- dirtied, WAL-logged parent row per changed parent, and an application's concurrent UPDATE of that
+-- parent a multixact. A parent an application is deleting is still never waited for: its ON DELETE
+-- CASCADE locks the target rows, which _lock_rows then skips; an application that has locked the parent
+-- and not yet deleted waits at most for this write phase.
+-- locks: those parent rows, FOR KEY SHARE SKIP LOCKED, in parent-key order (a parent an application holds,
 -- e.g. one being deleted, is skipped, never waited for).
 create function lockstep._pin_parents(j lockstep.job) returns text[]
 language plpgsql
@@ -315,12 +322,11 @@ begin
     execute pg_catalog.format(
         'with n as (select coalesce(array_agg(distinct k), ''{}'') as a from ('
         '  select lockstep_parent from pg_temp.%1$I'
-        '  union all select lockstep_parent from pg_temp.%2$I'
-        '  union all select lockstep_old_parent from pg_temp.%2$I) s(k) where k is not null), '
-        'p as (select %3$I::text as k from %4$s where %3$I = any((select n.a from n)::%5$s) '
-        '      order by %3$I for key share skip locked) '
+        '  where lockstep_new or lockstep_parent is distinct from lockstep_old_parent) s(k) where k is not null), '
+        'p as (select %2$I::text as k from %3$s where %2$I = any((select n.a from n)::%4$s) '
+        '      order by %2$I for key share skip locked) '
         'select n.a, (select coalesce(array_agg(p.k), ''{}'') from p) from n',
-        lockstep._tmp(j, 'gone'), lockstep._tmp(j, 'put'), j.parent_key, j.parent, lockstep._array_type(j.key_type))
+        lockstep._tmp(j, 'put'), j.parent_key, j.parent, lockstep._array_type(j.key_type))
         into v_need, v_pinned;
     v_skip := array(select pg_catalog.unnest(v_need) except select pg_catalog.unnest(v_pinned));
     if cardinality(v_skip) > 0 then
@@ -631,32 +637,40 @@ begin
 end;
 $$;
 
--- lockstep._upsert_rows(j): write step 3c. One INSERT ... ON CONFLICT DO UPDATE ... WHERE IS DISTINCT FROM
--- of j's put work table, in primary-key order.
--- locks: the target rows it inserts (new) or updates (already held by _lock_rows).
+-- lockstep._upsert_rows(j): write step 3c. The rows of j's put work table: those that exist are updated
+-- where _lock_rows locked them (by ctid: a TID scan, no index probe per row; matched by primary key too, for
+-- a partitioned target), the new ones inserted in primary-key order by one INSERT ... ON CONFLICT DO
+-- UPDATE ... WHERE IS DISTINCT FROM (a row an application inserted meanwhile is updated, not a 23505).
+-- locks: the target rows it updates (already held by _lock_rows), then those it inserts.
 create function lockstep._upsert_rows(j lockstep.job, out inserted bigint, out updated bigint)
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_rest name[] := array(select x from pg_catalog.unnest(j.columns) x where not x = any(j.target_key));
+    v_put text := lockstep._tmp(j, 'put');
     v_action text := 'do nothing';
-    v_new bigint;
-    n bigint;
 begin
+    updated := 0;
     if cardinality(v_rest) > 0 then
         v_action := pg_catalog.format('do update set %s where (%s) is distinct from (%s)',
             (select pg_catalog.string_agg(pg_catalog.format('%I = excluded.%I', x, x), ', ') from pg_catalog.unnest(v_rest) x),
             lockstep._cols(v_rest, 't'), lockstep._cols(v_rest, 'excluded'));
+        execute pg_catalog.format(
+            'with u as (update %1$s t set %2$s from pg_temp.%3$I w '
+            '           where t.ctid = any(array(select lockstep_ctid from pg_temp.%3$I where not lockstep_new)) '
+            '             and not w.lockstep_new and %4$s and (%5$s) is distinct from (%6$s) returning 1) '
+            'select count(*) from u',
+            j.target, (select pg_catalog.string_agg(pg_catalog.format('%I = w.%I', x, x), ', ') from pg_catalog.unnest(v_rest) x),
+            v_put, lockstep._eq(j.target_key, 't', 'w'), lockstep._cols(v_rest, 't'), lockstep._cols(v_rest, 'w'))
+            into updated;
     end if;
     execute pg_catalog.format(
-        'with u as (insert into %1$s as t (%2$s) select %2$s from pg_temp.%5$I order by %3$s on conflict (%3$s) %4$s '
-        '           returning 1) '
-        'select (select count(*) from u), (select count(*) from pg_temp.%5$I where lockstep_new)',
-        j.target, lockstep._cols(j.columns), lockstep._cols(j.target_key), v_action, lockstep._tmp(j, 'put'))
-        into n, v_new;
-    inserted := least(n, v_new);
-    updated := n - inserted;
+        'with i as (insert into %1$s as t (%2$s) select %2$s from pg_temp.%5$I where lockstep_new order by %3$s '
+        '           on conflict (%3$s) %4$s returning 1) '
+        'select count(*) from i',
+        j.target, lockstep._cols(j.columns), lockstep._cols(j.target_key), v_action, v_put)
+        into inserted;
 end;
 $$;
 
@@ -665,7 +679,7 @@ $$;
 -- First compute and the difference, without any row lock (_diff), cut to the first j.batch_parents parents
 -- when keys is NULL (_limit_batch: the rest is handed to the queue, before any row lock); then the write
 -- phase, in this order, never waiting for any lock:
---   1. _pin_parents: parents of every row about to be deleted, inserted or updated;
+--   1. _pin_parents: parents of every row about to be inserted (or moved to them);
 --   2. _pin_refs: rows referenced through the target's other foreign keys;
 --   3. _lock_rows, _lock_referencing, _delete_rows, _upsert_rows: the target rows, in primary-key order
 --      (and, before a delete, the rows referencing them that its ON DELETE action changes).
@@ -675,7 +689,7 @@ $$;
 -- It returns with the work tables empty: a pass whose difference is empty finds them so (_diff empties
 -- them before it fills them), any other is emptied by _tmp_clear; a call that raises leaves only rows its
 -- (sub)transaction's rollback removes. The caller writes the job's status row after this.
--- locks: parents (FOR KEY SHARE SKIP LOCKED, key order), then other referenced rows (same, constraint-name
+-- locks: parents of new rows (FOR KEY SHARE SKIP LOCKED, key order), then other referenced rows (same, constraint-name
 -- order), then target rows (FOR UPDATE SKIP LOCKED, primary-key order), then the rows referencing target
 -- rows to delete (FOR UPDATE SKIP LOCKED, constraint-name then key order): see the steps.
 create function lockstep._write(j lockstep.job, keys text[]) returns lockstep._pass

@@ -102,7 +102,8 @@ begin
 end;
 $$;
 
--- lockstep._entries(j, keys): the ids of every visible queue entry of j with one of these keys.
+-- lockstep._entries(j, keys): every visible queue entry of j with one of these keys: its id, where it is
+-- (ctid: lockstep._settle_entries deletes it there, without a second probe) and its key.
 -- One probe of the (key, job) index per key (a LATERAL subquery kept apart by OFFSET 0), not one
 -- q.key = any(keys) over the job's entries: the queue's statistics are often stale (a VACUUM of the
 -- queue while it is empty leaves reltuples = 0, and a recompute's hand-off or a write load then refills
@@ -115,7 +116,7 @@ $$;
 -- key (sequential and bitmap scans are off here). (A function of its own for its generic plan, as
 -- lockstep._claim.)
 -- locks: nothing.
-create function lockstep._entries(j lockstep.job, keys text[]) returns bigint[]
+create function lockstep._entries(j lockstep.job, keys text[], out ids bigint[], out ctids tid[], out entry_keys text[])
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
 set plan_cache_mode = force_generic_plan
@@ -123,20 +124,22 @@ set enable_seqscan = off
 set enable_bitmapscan = off
 as $$
 begin
-    return (select array_agg(e.id)
-            from pg_catalog.unnest(keys) k(key),
-                 lateral (select q.id from lockstep.queue q where q.key = k.key and (q.job = j.job) is true offset 0) e);
+    select array_agg(e.id), array_agg(e.ctid), array_agg(e.key) into ids, ctids, entry_keys
+    from pg_catalog.unnest(keys) k(key),
+         lateral (select q.id, q.ctid, q.key from lockstep.queue q
+                  where q.key = k.key and (q.job = j.job) is true offset 0) e;
 end;
 $$;
 
--- lockstep._settle_entries(j, raw, ids, leave, skip): delete the queue entries ids (keys raw) done (not
--- of a key in leave) and defer the skipped ones (of a key in skip) a second: a parent an application holds
--- is retried a second later, not in a hot loop. The entries are found by one probe of (key, job) per
--- key, as lockstep._entries does and for the same reason (stale statistics: see there), then deleted or
--- updated by row id (a TID scan: with sequential and bitmap scans off and no condition on job, the only
--- other path would read the whole primary-key index), checked again by id (ids are unique, across jobs).
+-- lockstep._settle_entries(j, ids, ctids, entry_keys, leave, skip): delete the queue entries found by
+-- lockstep._entries (ids, at ctids, of entry_keys) that are done (not of a key in leave) and defer the
+-- skipped ones (of a key in skip) a second: a parent an application holds is retried a second later, not in
+-- a hot loop. By row id (a TID scan: no second probe per key, and with sequential and bitmap scans off no
+-- other path than a read of the whole primary-key index), checked again by id: ids are unique across jobs,
+-- so a slot that a VACUUM after an admin's delete gave to a new entry is left alone.
 -- locks: those queue entries (deleted or updated; disjoint rows, skip being part of leave).
-create function lockstep._settle_entries(j lockstep.job, raw text[], ids bigint[], leave text[], skip text[])
+create function lockstep._settle_entries(j lockstep.job, ids bigint[], ctids tid[], entry_keys text[], leave text[],
+                                         skip text[])
 returns void
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -145,15 +148,15 @@ set enable_seqscan = off
 set enable_bitmapscan = off
 as $$
 declare
-    v_done tid[];
-    v_skipped tid[];
+    v_done tid[] := ctids;
+    v_skipped tid[] := '{}';
 begin
-    select coalesce(array_agg(e.ctid) filter (where e.key <> all(leave)), '{}'),
-           coalesce(array_agg(e.ctid) filter (where e.key = any(skip)), '{}')
-    into v_done, v_skipped
-    from pg_catalog.unnest(raw) k(key),
-         lateral (select q.ctid, q.key from lockstep.queue q
-                  where q.key = k.key and (q.job = j.job and q.id = any(ids)) is true offset 0) e;
+    if cardinality(leave) > 0 then
+        select coalesce(array_agg(e.c) filter (where e.k <> all(leave)), '{}'),
+               coalesce(array_agg(e.c) filter (where e.k = any(skip)), '{}')
+        into v_done, v_skipped
+        from unnest(ctids, entry_keys) e(c, k);  -- ROWS FROM syntax: not schema-qualified
+    end if;
     -- one statement (one plan) for both; every statement runs even when it has no row to change: a missing
     -- privilege fails every pass at once, not the first pass that needs it
     -- the id check only filters (is true): as an index condition, id = any(ids) on the primary key's second
@@ -348,14 +351,15 @@ begin
 end;
 $$;
 
--- lockstep._settle(j, raw, ids, p, bad, errors): after the target's rows, lockstep's own rows for a pass
--- over the queue entries ids (keys raw): delete the entries done, defer the skipped ones a second, record
+-- lockstep._settle(j, kind, raw, ids, ctids, entry_keys, p, bad, errors): after the target's rows,
+-- lockstep's own rows for a pass over the claimed keys raw, whose queue entries lockstep._entries found
+-- (ids, ctids, entry_keys): delete the entries done, defer the skipped ones a second, record
 -- failing keys (backoff, parked after max_attempts), suspects (the keys of a part a statement timeout
 -- ended: bisected by the next passes) and keys that cannot be read back (parked at once). Returns a
 -- message for the result when keys failed.
 -- locks: the processed queue entries (deleted or updated), then the job's key_failure rows, key order.
-create function lockstep._settle(j lockstep.job, kind text, raw text[], ids bigint[], p lockstep._pass,
-                                 bad text[], bad_errors text[]) returns text
+create function lockstep._settle(j lockstep.job, kind text, raw text[], ids bigint[], ctids tid[], entry_keys text[],
+                                 p lockstep._pass, bad text[], bad_errors text[]) returns text
 language plpgsql
 set search_path = pg_catalog, pg_temp
 set plan_cache_mode = force_generic_plan
@@ -381,7 +385,7 @@ begin
     v_leave := v_leave || bad;  -- their entries stay, shown as parked
     -- the entries done go, a parent an application holds is retried a second later (disjoint rows: v_skip
     -- is part of v_leave)
-    perform lockstep._settle_entries(j, raw, ids, v_leave, v_skip);
+    perform lockstep._settle_entries(j, ids, ctids, entry_keys, v_leave, v_skip);
     delete from lockstep.key_failure f
     where f.job = j.job and ((f.key = any(raw) and f.key <> all(v_leave))
                              -- a probe timed out: the other suspects are cleared, its keys stay suspects
@@ -424,7 +428,7 @@ $$;
 -- lockstep._work(j, batch): one incremental pass.
 -- locks, in this order: nothing until there is work (idle) and no periodic job of the group is due
 -- (busy: give way); the group lock (try: busy if taken); then, through lockstep._write, the parents of the
--- claimed keys' rows (FOR KEY SHARE SKIP LOCKED, key order) and the target's rows (key order); then
+-- claimed keys' new rows (FOR KEY SHARE SKIP LOCKED, key order) and the target's rows (key order); then
 -- lockstep's own rows (lockstep._settle): the processed queue entries, the key_failure rows; the status
 -- row last.
 create function lockstep._work(j lockstep.job, batch integer) returns lockstep.result
@@ -437,7 +441,7 @@ declare
     c record;
     r record;
     a record;
-    v_ids bigint[];
+    e record;
     v_err text;
 begin
     select * into s from lockstep.job_state st where st.job = j.job;
@@ -465,8 +469,8 @@ begin
     end if;
     -- every visible entry of those keys goes with them (a key enqueued many times is computed once)
     -- (under the group lock: a worker that held it before us may have done some of them)
-    v_ids := lockstep._entries(j, c.keys);
-    if v_ids is null then
+    select * into e from lockstep._entries(j, c.keys);
+    if e.ids is null then
         return lockstep._result('idle', j.job, 'work');
     end if;
     select * into r from lockstep._readable(j, c.keys);
@@ -474,7 +478,7 @@ begin
     if a.job_error is not null then
         return lockstep._failed(j, 'work', v_started, a.job_error);
     end if;
-    v_err := lockstep._settle(j, c.kind, r.raw, v_ids, a.p, r.bad, r.errors);
+    v_err := lockstep._settle(j, c.kind, r.raw, e.ids, e.ctids, e.entry_keys, a.p, r.bad, r.errors);
     perform lockstep._finish(j, 'work', 'done', v_started, a.p, null);
     return lockstep._result('done', j.job, 'work', a.p, v_err,
                             (c.kind <> 'batch' or c.full) and lockstep._has_ready(j));

@@ -180,6 +180,61 @@ def test_other_foreign_keys_are_pinned_and_skipped_when_locked(conn, connect):
     assert conn.execute("select count(*) from d").fetchone()[0] == 2
 
 
+PIN_SCHEMA = """
+create table acc (id int primary key, bal int not null);
+create table band (id int primary key references acc on delete cascade, band text not null, bal int not null)
+    with (fillfactor = 90);
+create function bands(keys int[]) returns table (id int, band text, bal int) language sql stable
+    as $$ select a.id, case when a.bal < 0 then 'neg' else 'pos' end, a.bal from public.acc a
+          where keys is null or a.id = any(keys) $$;
+insert into acc select g, g from generate_series(1, 4) g;
+select lockstep.define_derived('band', 'band', 'bands(int[])', 'acc');
+select lockstep.watch('band', 'acc', 'id');
+select lockstep.recompute('band');
+delete from lockstep.queue;
+"""
+
+
+def parent_xmax(c: psycopg.Connection, ids: list[int]) -> list[str]:
+    """xmax of the parents' current versions: a row lock (FOR KEY SHARE) leaves the locker's xid there."""
+    return [r[0] for r in c.execute("select xmax::text from acc where id = any(%s) order by id", [ids])]
+
+
+def test_a_row_updated_in_place_does_not_lock_its_parent_and_a_new_row_does(conn):
+    # No FK check runs for a referencing row whose key does not change, so pinning its parent only cost
+    # every pass a locked, dirtied, WAL-logged parent row (and a concurrent UPDATE of it a multixact).
+    conn.execute(PIN_SCHEMA)
+    conn.execute("update acc set bal = bal + 10 where id in (1, 2)")  # new parent versions: xmax 0
+    conn.execute("insert into acc values (5, -1)")
+    assert parent_xmax(conn, [1, 2, 5]) == ["0", "0", "0"]
+    r = result(conn, "lockstep.work('band')")
+    assert (r["outcome"], r["updated"], r["inserted"]) == ("done", 2, 1)
+    # 1 and 2: rows updated in place, parents untouched; 5: a new row, its parent pinned FOR KEY SHARE (by
+    # the pass's subtransaction: xmax is its xid)
+    xmax = parent_xmax(conn, [1, 2, 5])
+    assert xmax[:2] == ["0", "0"] and xmax[2] != "0", xmax
+    assert (
+        conn.execute("select count(*) from band b join bands(null) c using (id, band, bal)").fetchone()[0]
+        == 5
+    )
+
+
+def test_app_holding_a_parent_waits_only_for_the_write_phase_of_an_in_place_update(conn, connect):
+    # The parent of a row updated in place is not pinned, so an application that has locked it (to delete
+    # it) is not skipped: the worker writes the row, and the application's DELETE then cascades at once.
+    conn.execute(PIN_SCHEMA)
+    conn.execute("update acc set bal = bal + 10 where id = 1")
+    app = connect()
+    app.execute("begin")
+    app.execute("select 1 from acc where id = 1 for update")
+    r = result(conn, "lockstep.work('band')")
+    assert (r["outcome"], r["updated"], r["skipped"]) == ("done", 1, 0)
+    app.execute("delete from acc where id = 1")  # nothing of lockstep's is held any more: no wait
+    app.execute("commit")
+    assert conn.execute("select count(*) from band where id = 1").fetchone()[0] == 0
+    assert result(conn, "lockstep.work('band')")["outcome"] in ("done", "idle")
+
+
 def test_parentless_job_diffs_the_whole_table(conn):
     conn.execute(
         """
