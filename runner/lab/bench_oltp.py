@@ -1,12 +1,14 @@
 """``lockstep bench --sections oltp``: lockstep's cost on a real OLTP write load, driven by pgbench.
 
 In a scratch database ``lockstep_oltp_<pid>`` (dropped at the end): ``pgbench -i -s SCALE --foreign-keys``,
-then the built-in tpcb-like script (``-M prepared``, CLIENTS clients, THREADS threads, SECONDS seconds)
-twice:
+then the built-in tpcb-like script (``-M prepared``, CLIENTS clients, THREADS threads, SECONDS seconds),
+alternating ROUNDS times (default 2: base, lockstep, base, lockstep; a shared machine's speed drifts by more
+than the difference measured, so each lockstep run is compared with the base run just before it):
 
-- ``base``: nothing derived;
+- ``base``: nothing derived (from round 2: lockstep unwatched, no runner);
 - ``lockstep``: ``account_band(aid -> pgbench_accounts, band text, balance int)`` kept current by
-  ``watch('account_band', 'pgbench_accounts', 'aid')`` and RUNNERS ``lockstep run`` processes.
+  ``watch('account_band', 'pgbench_accounts', 'aid')`` and RUNNERS ``lockstep run`` processes (from round 2:
+  watched again and converged by a recompute first, which is set-up, not measured).
 
 Reported for both: tps, average latency, the ``UPDATE pgbench_accounts`` latency (``pgbench -r``), WAL per
 transaction (``pg_current_wal_lsn()`` difference / transactions; for lockstep until the queue drained, so
@@ -16,7 +18,9 @@ worker's ms per queued key (its passes' time from the runners' JSON logs / keys 
 (oldest entry, sampled every 0.5 s), its size, how long it took to drain after the load, and convergence
 (account_band equals its compute). The machine may be shared: compare the two rows of one run.
 
-Sizes come from the environment (LOCKSTEP_OLTP_SECONDS, _SCALE, _CLIENTS, _THREADS, _RUNNERS) or
+The summary ratios (tps % of base, added ms per UPDATE, WAL) pool the rounds: the sum of lockstep's over
+the sum of base's. Sizes come from the environment (LOCKSTEP_OLTP_SECONDS, _SCALE, _CLIENTS, _THREADS,
+_RUNNERS, _ROUNDS) or
 ``python -m runner.lab.bench_oltp --seconds 3 --scale 1``.
 """
 
@@ -144,6 +148,7 @@ class Oltp:
         self.dsn, self.opts, self.progress = dsn, opts, progress
         self.pgbench = str(pg_bindir() / "pgbench")
         self.conn = psycopg.connect(dsn, autocommit=True)
+        self.trigger_us: float | None = None  # measured once, in round 1
 
     def _pgbench(self, *args: str, timeout: float) -> str:
         p = subprocess.run(
@@ -169,22 +174,30 @@ class Oltp:
         )  # fmt: skip
         return parse_pgbench(out)
 
-    def base(self) -> dict[str, Any]:
-        self.progress(f"pgbench -i -s {self.opts['scale']} --foreign-keys")
-        self._pgbench("-i", "-q", "-s", str(self.opts["scale"]), "--foreign-keys", timeout=1800)
+    def base(self, round_: int = 1) -> dict[str, Any]:
+        if round_ == 1:
+            self.progress(f"pgbench -i -s {self.opts['scale']} --foreign-keys")
+            self._pgbench("-i", "-q", "-s", str(self.opts["scale"]), "--foreign-keys", timeout=1800)
+        else:
+            self.conn.execute("select lockstep.unwatch(%s, 'public.pgbench_accounts')", [JOB])
         self.conn.execute("checkpoint")
-        self.progress(f"base: {self.opts['seconds']} s")
+        self.progress(f"base {round_}: {self.opts['seconds']} s")
         wal0 = self._lsn()
         r = self.load()
         r["wal_per_txn"] = (self._lsn() - wal0) / max(r["transactions"], 1)
         return r
 
-    def lockstep(self) -> dict[str, Any]:
-        self.progress("lockstep: install, define account_band, watch, recompute")
-        migrate(self.dsn)
-        self.conn.execute(DERIVED_SQL)
-        self.conn.execute(TRIGGER_US_SQL)
-        trigger_us = self.conn.execute("select us from trigger_us").fetchone()[0]
+    def lockstep(self, round_: int = 1) -> dict[str, Any]:
+        if round_ == 1:
+            self.progress("lockstep: install, define account_band, watch, recompute")
+            migrate(self.dsn)
+            self.conn.execute(DERIVED_SQL)
+            self.conn.execute(TRIGGER_US_SQL)
+            self.trigger_us = self.conn.execute("select us from trigger_us").fetchone()[0]
+        else:
+            self.progress(f"lockstep {round_}: watch, recompute")
+            self.conn.execute("select lockstep.watch(%s, 'public.pgbench_accounts', 'aid')", [JOB])
+        trigger_us = self.trigger_us
         self.conn.execute("delete from lockstep.queue")
         # the initial fill is set-up, not measured: in one transaction, so no hand-off is left for the runners
         self.conn.execute("select lockstep.set_batch_parents(%s, 1000000)", [JOB])
@@ -205,7 +218,7 @@ class Oltp:
             wal0 = self._lsn()
             sampler = threading.Thread(target=self._sample, args=(samples, stop), daemon=True)
             sampler.start()
-            self.progress(f"lockstep: {self.opts['seconds']} s with {self.opts['runners']} runners")
+            self.progress(f"lockstep {round_}: {self.opts['seconds']} s with {self.opts['runners']} runners")
             r = self.load()
             stop.set()
             sampler.join()
@@ -267,9 +280,9 @@ class Oltp:
 def options(**overrides: int | None) -> dict[str, int]:
     env = {
         k: os.environ.get(f"LOCKSTEP_OLTP_{k.upper()}")
-        for k in ("seconds", "scale", "clients", "threads", "runners")
+        for k in ("seconds", "scale", "clients", "threads", "runners", "rounds")
     }
-    defaults = {"seconds": 60, "scale": 10, "clients": 8, "threads": 2, "runners": 2}
+    defaults = {"seconds": 60, "scale": 10, "clients": 8, "threads": 2, "runners": 2, "rounds": 2}
     return {k: int(overrides.get(k) or env[k] or v) for k, v in defaults.items()}
 
 
@@ -281,22 +294,32 @@ def run(admin_dsn: str | None, progress: Progress = _stderr, **overrides: int | 
         progress(f"create database {name}")
         bench = Oltp(scratch.create_database(admin_dsn or "", name), opts, progress)
         try:
-            base = bench.base()
-            ls = bench.lockstep()
+            rounds = []
+            for i in range(1, opts["rounds"] + 1):
+                b = bench.base(i)
+                rounds.append({"base": b, "lockstep": bench.lockstep(i)})
         finally:
             bench.close()
     finally:
         scratch.drop_database(admin_dsn or "", name)
-    added = None
-    if base["update_accounts_ms"] is not None and ls["update_accounts_ms"] is not None:
-        added = ls["update_accounts_ms"] - base["update_accounts_ms"]
+    for r in rounds:
+        r["tps_pct_of_base"] = 100.0 * r["lockstep"]["tps"] / r["base"]["tps"] if r["base"]["tps"] else None
+
+    def total(side: str, k: str) -> float | None:
+        vals = [r[side][k] for r in rounds]
+        return None if any(v is None for v in vals) else sum(vals)
+
+    tps_b, tps_l = total("base", "tps"), total("lockstep", "tps")
+    upd_b, upd_l = total("base", "update_accounts_ms"), total("lockstep", "update_accounts_ms")
+    wal_b, wal_l = total("base", "wal_per_txn"), total("lockstep", "wal_per_txn")
     return {
         "options": opts,
-        "base": base,
-        "lockstep": ls,
-        "tps_pct_of_base": 100.0 * ls["tps"] / base["tps"] if base["tps"] else None,
-        "added_ms_per_update": added,
-        "wal_ratio": ls["wal_per_txn"] / base["wal_per_txn"] if base["wal_per_txn"] else None,
+        "base": rounds[0]["base"],
+        "lockstep": rounds[0]["lockstep"],
+        "rounds": rounds,
+        "tps_pct_of_base": 100.0 * tps_l / tps_b if tps_b and tps_l is not None else None,
+        "added_ms_per_update": None if upd_b is None or upd_l is None else (upd_l - upd_b) / len(rounds),
+        "wal_ratio": wal_l / wal_b if wal_b and wal_l is not None else None,
     }
 
 
@@ -305,43 +328,61 @@ def _f(v: Any, fmt: str = "{:.2f}") -> str:
 
 
 def render(r: dict[str, Any]) -> str:
-    o, b, ls = r["options"], r["base"], r["lockstep"]
+    o = r["options"]
+    rounds = r.get("rounds") or [{"base": r["base"], "lockstep": r["lockstep"], "tps_pct_of_base": None}]
     lines = [
         f"oltp: pgbench tpcb-like -M prepared, scale {o['scale']}, {o['clients']} clients,"
-        f" {o['threads']} threads, {o['seconds']} s;"
+        f" {o['threads']} threads, {o['seconds']} s, {len(rounds)} round(s) alternating;"
         f" lockstep: watch on pgbench_accounts -> account_band, {o['runners']} runners",
-        f"  {'':9} {'tps':>9} {'lat ms':>7} {'UPDATE acc ms':>13} {'WAL B/txn':>10} {'txns':>8}",
+        f"  {'':11} {'tps':>9} {'lat ms':>7} {'UPDATE acc ms':>13} {'WAL B/txn':>10} {'txns':>8}",
     ]
-    for label, x in (("base", b), ("lockstep", ls)):
-        lines.append(
-            f"  {label:9} {_f(x['tps'], '{:,.0f}'):>9} {_f(x['latency_ms'], '{:.3f}'):>7}"
-            f" {_f(x['update_accounts_ms'], '{:.3f}'):>13} {_f(x['wal_per_txn'], '{:,.0f}'):>10}"
-            f" {x['transactions']:>8}"
-        )
+    for i, rd in enumerate(rounds, 1):
+        for label, x in ((f"base {i}", rd["base"]), (f"lockstep {i}", rd["lockstep"])):
+            lines.append(
+                f"  {label:11} {_f(x['tps'], '{:,.0f}'):>9} {_f(x['latency_ms'], '{:.3f}'):>7}"
+                f" {_f(x['update_accounts_ms'], '{:.3f}'):>13} {_f(x['wal_per_txn'], '{:,.0f}'):>10}"
+                f" {x['transactions']:>8}"
+            )
+    per_round = ", ".join(_f(rd.get("tps_pct_of_base"), "{:.1f} %") for rd in rounds)
     lines += [
-        f"  lockstep tps: {_f(r['tps_pct_of_base'], '{:.1f}')} % of base (target >= 75 %);"
+        f"  lockstep tps: {_f(r['tps_pct_of_base'], '{:.1f}')} % of base, rounds pooled ({per_round})"
+        " (target >= 75 %);"
         f" added per UPDATE: {_f(r['added_ms_per_update'], '{:.3f}')} ms (target <= 0.1);"
         f" WAL {_f(r['wal_ratio'])}x base (target <= 2)",
-        f"  trigger: {_f(ls['trigger_us_per_update'], '{:.1f}')} µs server time per watched single-row UPDATE"
-        " (target <= 20)",
-        f"  worker: {_f(ls['worker_ms_per_key'], '{:.3f}')} ms per queued key ({ls['keys_enqueued']:,} keys,"
-        f" {ls['worker_passes']} passes, {_f(ls['worker_ms'], '{:,.0f}')} ms)",
-        f"  queue: oldest entry p50 {_f(ls['queue_lag_p50_s'])} s, max {_f(ls['queue_lag_max_s'])} s"
-        f" (target <= 1 s); depth max {ls['queue_depth_max']};"
-        f" size max {_f(ls['queue_bytes_max'], '{:,}')} B; drained {_f(ls['drain_s'])} s after the load",
-        f"  converged: {ls['converged']} (queue left {ls['queue_left']}, divergence {ls['divergence']})",
+        f"  trigger: {_f(rounds[0]['lockstep']['trigger_us_per_update'], '{:.1f}')} µs server time per"
+        " watched single-row UPDATE (target <= 20)",
     ]
+    for i, rd in enumerate(rounds, 1):
+        ls = rd["lockstep"]
+        lines += [
+            f"  round {i}: worker {_f(ls['worker_ms_per_key'], '{:.3f}')} ms per queued key"
+            f" ({ls['keys_enqueued']:,} keys, {ls['worker_passes']} passes,"
+            f" {_f(ls['worker_ms'], '{:,.0f}')} ms)",
+            f"  round {i}: queue oldest entry p50 {_f(ls['queue_lag_p50_s'])} s,"
+            f" max {_f(ls['queue_lag_max_s'])} s (target <= 1 s), depth max {ls['queue_depth_max']},"
+            f" size max {_f(ls['queue_bytes_max'], '{:,}')} B, drained {_f(ls['drain_s'])} s after the load",
+            f"  round {i}: converged {ls['converged']} (queue left {ls['queue_left']},"
+            f" divergence {ls['divergence']})",
+        ]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m runner.lab.bench_oltp", description=__doc__.split("\n")[0])
     ap.add_argument("--dsn", default=os.environ.get("DATABASE_URL", ""), help="admin DSN")
-    for k in ("seconds", "scale", "clients", "threads", "runners"):
+    for k in ("seconds", "scale", "clients", "threads", "runners", "rounds"):
         ap.add_argument(f"--{k}", type=int, default=None)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    r = run(a.dsn, seconds=a.seconds, scale=a.scale, clients=a.clients, threads=a.threads, runners=a.runners)
+    r = run(
+        a.dsn,
+        seconds=a.seconds,
+        scale=a.scale,
+        clients=a.clients,
+        threads=a.threads,
+        runners=a.runners,
+        rounds=a.rounds,
+    )
     print(json.dumps(r, indent=2, default=str) if a.json else render(r))
     return 0
 

@@ -1,5 +1,6 @@
-"""``lockstep bench --sections oltp`` at a tiny size: the real pgbench binary, base then lockstep; the
-report has every figure, no pgbench transaction failed, and the derived table converged."""
+"""``lockstep bench --sections oltp`` at a tiny size: the real pgbench binary, base then lockstep, twice
+(round 2 unwatches for its base run and watches again, converged first, for its lockstep run); the report
+has every figure, no pgbench transaction failed, and the derived table converged after each round."""
 
 from __future__ import annotations
 
@@ -32,17 +33,20 @@ def test_oltp_section_tiny(admin_dsn):
     )
     assert p.returncode == 0, p.stderr
     r = json.loads(p.stdout)["oltp"]
-    assert r["options"] == {"seconds": 3, "scale": 1, "clients": 2, "threads": 1, "runners": 2}
-    for run in (r["base"], r["lockstep"]):
-        assert run["transactions"] > 0 and run["failed"] == 0
-        assert run["tps"] > 0 and run["latency_ms"] > 0 and run["update_accounts_ms"] > 0
-        assert run["wal_per_txn"] > 0
-    ls = r["lockstep"]
-    assert ls["converged"] and ls["divergence"] == 0 and ls["queue_left"] == 0
-    assert ls["keys_enqueued"] >= ls["transactions"]  # one key per UPDATE pgbench_accounts
-    assert ls["trigger_us_per_update"] is not None
-    assert ls["worker_passes"] > 0 and ls["worker_ms_per_key"] > 0
-    assert ls["queue_lag_max_s"] is not None and ls["queue_depth_max"] is not None
+    assert r["options"] == {"seconds": 3, "scale": 1, "clients": 2, "threads": 1, "runners": 2, "rounds": 2}
+    assert len(r["rounds"]) == 2 and r["base"] == r["rounds"][0]["base"]
+    for rd in r["rounds"]:
+        for run in (rd["base"], rd["lockstep"]):
+            assert run["transactions"] > 0 and run["failed"] == 0
+            assert run["tps"] > 0 and run["latency_ms"] > 0 and run["update_accounts_ms"] > 0
+            assert run["wal_per_txn"] > 0
+        ls = rd["lockstep"]
+        assert ls["converged"] and ls["divergence"] == 0 and ls["queue_left"] == 0
+        assert ls["keys_enqueued"] >= ls["transactions"]  # one key per UPDATE pgbench_accounts
+        assert ls["trigger_us_per_update"] is not None
+        assert ls["worker_passes"] > 0 and ls["worker_ms_per_key"] > 0
+        assert ls["queue_lag_max_s"] is not None and ls["queue_depth_max"] is not None
+        assert rd["tps_pct_of_base"] > 0
     assert r["tps_pct_of_base"] > 0 and r["added_ms_per_update"] is not None and r["wal_ratio"] > 0
     text = render(r)
     assert "% of base" in text and "converged: True" in text
