@@ -362,7 +362,7 @@ class Bench:
                     t0 = time.perf_counter()
                     c.execute(BARE_COMPUTE_SQL)
                     per["bare_compute_ms"] = (time.perf_counter() - t0) * 1000
-                    with c.transaction():  # JIT off, as in lockstep's diff (its compilation alone cost ~100 ms)
+                    with c.transaction():  # JIT off, as in lockstep's diff
                         c.execute("set local jit = off")
                         t0 = time.perf_counter()
                         c.execute(DIFF_FLOOR_SQL)
