@@ -225,6 +225,7 @@ begin
     for t in select w.tgname, w.rel from lockstep._watchers(j.job) w loop
         execute pg_catalog.format('drop trigger %I on %s', t.tgname, t.rel);
     end loop;
+    perform lockstep._drop_unused_triggers();  -- 08_enqueue.sql
     delete from lockstep.queue q where q.job = j.job;
     delete from lockstep.recompute_flag f where f.job = j.job;
     delete from lockstep.job x where x.job = j.job;

@@ -104,7 +104,7 @@ def enqueue_triggers(conn: psycopg.Connection, table: str) -> list[str]:
         n
         for (n,) in conn.execute(
             "select tgname from pg_trigger where tgrelid = %s::regclass"
-            " and tgfoid = 'lockstep.enqueue_trigger()'::regprocedure order by 1",
+            " and tgfoid in (select lockstep._trigger_fns()) order by 1",
             [table],
         )
     ]

@@ -167,10 +167,12 @@ def test_every_function_is_security_invoker_with_a_pinned_search_path(conn):
     definer = [name for name, secdef, _ in rows if secdef]
     assert definer == [], f"SECURITY DEFINER functions: {definer}"
     unpinned = [name for name, _, config in rows if "search_path=pg_catalog, pg_temp" not in (config or [])]
-    # the one exception, by design: the trigger function runs in every watched application statement, and a
-    # SET clause costs each call a GUC save and restore and two recomputations of the session's namespace
-    # search path; its body qualifies every name instead (08_enqueue.sql), which
+    # the one exception, by design: the trigger functions (lockstep.enqueue_trigger() and those watch()
+    # generates, lockstep.enqueue_w_<hash>()) run in every watched application statement, and a SET clause
+    # costs each call a GUC save and restore and two recomputations of the session's namespace search path;
+    # their bodies qualify every name instead (08_enqueue.sql), which
     # test_the_trigger_is_safe_under_a_hostile_search_path checks.
+    unpinned = [name for name in unpinned if not name.startswith("lockstep.enqueue_w_")]
     assert unpinned == ["lockstep.enqueue_trigger()"], f"no SET search_path = pg_catalog, pg_temp: {unpinned}"
 
 
@@ -220,14 +222,26 @@ def test_the_trigger_is_safe_under_a_hostile_search_path(ex, exconnect):
         "create table hostile.day (d date primary key);"
         "create trigger day after insert on hostile.day referencing new table as lockstep_new"
         " for each statement execute function lockstep.enqueue_trigger('exam_keys', 'd');"
+        "create table hostile.fast (aid bigint primary key);"
+        "create trigger fast after insert on hostile.fast referencing new table as lockstep_new"
+        " for each statement execute function lockstep.enqueue_trigger('exam_keys', 'aid', 'bigint');"
     )
+    assert (
+        ex.execute(
+            "select tgfoid::regproc::text from pg_trigger where tgrelid = 'example.exam'::regclass"
+            " and not tgisinternal limit 1"
+        )
+        .fetchone()[0]
+        .startswith("lockstep.enqueue_w_")
+    )  # watch()'s: generated for example.exam.id
     ex.execute("delete from lockstep.queue")
     app = exconnect()
     app.execute("set search_path = hostile, pg_catalog, public")
-    app.execute("update example.exam set title = title where id in (3, 1)")  # watch's trigger: fast path
+    app.execute("update example.exam set title = title where id in (3, 1)")  # watch's generated trigger
+    app.execute("insert into hostile.fast values (4), (2)")  # the shared function's fast path
     app.execute("insert into hostile.mine values (7), (5)")  # own names: general path
     queued = [k for (k,) in ex.execute("select key from lockstep.queue order by id")]
-    assert queued == ["1", "3", "5", "7"]
+    assert queued == ["1", "3", "2", "4", "5", "7"]
     assert ex.execute("select count(*) from lockstep.recompute_flag").fetchone()[0] == 0
     app.execute("insert into hostile.day values ('2024-02-01')")  # a date key for a bigint job: flagged
     assert ex.execute("select count(*) from lockstep.recompute_flag").fetchone()[0] == 1
