@@ -855,6 +855,14 @@ begin
     v_old := 'coalesce(c.lockstep_ctid, m.ctid)';
     v_new := 'c.lockstep_ctid is null and m.ctid is null';
     v_oldpar := pg_catalog.format('coalesce(%s, m.p)', v_oldpar);
+    if j.parent_column = any(j.target_key) then
+        -- the primary key holds the parent: a row of that key has that parent, so it is among the current
+        -- rows read above or does not exist; no probe per new row (at 100 % changed, 7,000 probes a pass)
+        v_moved := '';
+        v_old := 'c.lockstep_ctid';
+        v_new := 'c.lockstep_ctid is null';
+        v_oldpar := v_cpar;
+    end if;
     execute pg_catalog.format(
         'with e1 as (delete from pg_temp.%1$I), e2 as (delete from pg_temp.%2$I), '
         'd as materialized (select %3$s from (select * from %4$s($1::%5$s) offset 0) d %6$s), '

@@ -214,7 +214,7 @@ $$;
 -- For a subset, the current rows are read once (a CTE) by one index probe per parent key (the lateral
 -- subquery is not flattened, so no estimate can turn it into a scan of the whole target); a computed row
 -- that no current row of those parents has is looked up by primary key (it may exist under another parent:
--- it moves). No ANALYZE anywhere: a few keys are probed by index whatever the estimates, and a whole-table
+-- it moves), unless the primary key holds the parent column (then it cannot). No ANALYZE anywhere: a few keys are probed by index whatever the estimates, and a whole-table
 -- diff is hash joins sized by the relations. compute is kept from seeing the subset filter (offset 0):
 -- pushed into it, the filter spoiled its plan (measured: a sequential scan instead of index scans).
 -- JIT is off in lockstep's compute and write functions: their queries are short, and JIT compilation,
@@ -273,6 +273,14 @@ begin
     v_old := 'coalesce(c.lockstep_ctid, m.ctid)';
     v_new := 'c.lockstep_ctid is null and m.ctid is null';
     v_oldpar := pg_catalog.format('coalesce(%s, m.p)', v_oldpar);
+    if j.parent_column = any(j.target_key) then
+        -- the primary key holds the parent: a row of that key has that parent, so it is among the current
+        -- rows read above or does not exist; no probe per new row (at 100 % changed, 7,000 probes a pass)
+        v_moved := '';
+        v_old := 'c.lockstep_ctid';
+        v_new := 'c.lockstep_ctid is null';
+        v_oldpar := v_cpar;
+    end if;
     execute pg_catalog.format(
         'with e1 as (delete from pg_temp.%1$I), e2 as (delete from pg_temp.%2$I), '
         'd as materialized (select %3$s from (select * from %4$s($1::%5$s) offset 0) d %6$s), '
