@@ -791,16 +791,17 @@ $$;
 CREATE FUNCTION lockstep._delete_rows(j lockstep.job) RETURNS bigint
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
-    AS $$
+    AS $_$
 declare
     n bigint;
 begin
-    execute pg_catalog.format('delete from %s t using pg_temp.%I g where %s',
+    execute pg_catalog.format('delete from %1$s t using pg_temp.%2$I g '
+                              'where t.ctid = any(array(select lockstep_ctid from pg_temp.%2$I)) and %3$s',
                               j.target, lockstep._tmp(j, 'gone'), lockstep._eq(j.target_key, 't', 'g'));
     get diagnostics n = row_count;
     return n;
 end;
-$$;
+$_$;
 
 CREATE FUNCTION lockstep._diff(j lockstep.job, keys text[]) RETURNS bigint
     LANGUAGE plpgsql
