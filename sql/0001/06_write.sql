@@ -231,8 +231,8 @@ declare
     v_subset boolean := keys is not null and j.parent_column is not null;
     v_cur text;
     v_moved text;
-    v_cpar text := 'null::text';
-    v_dpar text := 'null::text';
+    v_cpar text;
+    v_dpar text;
     v_oldpar text;
     v_new text;
     v_old text;
@@ -244,35 +244,22 @@ begin
     if not v_subset then
         return lockstep._diff_all(j, keys);
     end if;
-    select (select pg_catalog.string_agg(pg_catalog.quote_ident(c), ', ' order by o) from pg_catalog.unnest(j.columns) with ordinality u(c, o)) as cols,
-           (select pg_catalog.string_agg('d.' || pg_catalog.quote_ident(c), ', ' order by o) from pg_catalog.unnest(j.columns) with ordinality u(c, o)) as dcols,
-           (select pg_catalog.string_agg('c.' || pg_catalog.quote_ident(c), ', ' order by o) from pg_catalog.unnest(j.columns) with ordinality u(c, o)) as ccols,
-           (select pg_catalog.string_agg('t.' || pg_catalog.quote_ident(c), ', ' order by o) from pg_catalog.unnest(j.columns) with ordinality u(c, o)) as tcols,
-           (select pg_catalog.string_agg(pg_catalog.quote_ident(k), ', ' order by o) from pg_catalog.unnest(j.target_key) with ordinality u(k, o)) as pk,
-           (select pg_catalog.string_agg(pg_catalog.format('%I is null', k), ' or ' order by o) from pg_catalog.unnest(j.target_key) with ordinality u(k, o)) as pknull,
-           (select pg_catalog.string_agg(pg_catalog.format('d.%1$I = c.%1$I', k), ' and ' order by o) from pg_catalog.unnest(j.target_key) with ordinality u(k, o)) as dc,
-           (select pg_catalog.string_agg(pg_catalog.format('t.%1$I = d.%1$I', k), ' and ' order by o) from pg_catalog.unnest(j.target_key) with ordinality u(k, o)) as td,
+    select lockstep._cols(j.columns) as cols, lockstep._cols(j.columns, 'd') as dcols,
+           lockstep._cols(j.columns, 'c') as ccols, lockstep._cols(j.columns, 't') as tcols,
+           lockstep._cols(j.target_key) as pk,
+           (select pg_catalog.string_agg(pg_catalog.format('%I is null', k), ' or ')
+            from pg_catalog.unnest(j.target_key) k) as pknull,
+           lockstep._eq(j.target_key, 'd', 'c') as dc, lockstep._eq(j.target_key, 't', 'd') as td,
            (select lockstep._callable(p.oid, 1) from pg_catalog.pg_proc p where p.oid = j.compute::regprocedure) as fn,
            (select pg_catalog.format_type(p.proargtypes[0], null) from pg_catalog.pg_proc p where p.oid = j.compute::regprocedure) as arg,
            (select pg_catalog.format_type(t.typarray, null) from pg_catalog.pg_type t where t.oid = j.key_type) as arr,
            lockstep._tmp(j, 'gone') as gone, lockstep._tmp(j, 'put') as put
     into f;
-    if j.parent_column is not null then
-        v_cpar := pg_catalog.format('c.%I::text', j.parent_column);
-        v_dpar := pg_catalog.format('d.%I::text', j.parent_column);
-    else  -- no parent: the row's primary key, which the write steps return for a row they skip
-        v_cpar := pg_catalog.format('row(%s)::text', lockstep._cols(j.target_key, 'c'));
-        v_dpar := pg_catalog.format('row(%s)::text', lockstep._cols(j.target_key, 'd'));
-    end if;
-    v_oldpar := v_cpar;
+    -- a subset has a parent column (else lockstep._diff_all, above)
+    v_cpar := pg_catalog.format('c.%I::text', j.parent_column);
+    v_dpar := pg_catalog.format('d.%I::text', j.parent_column);
     v_cur := pg_catalog.format('select t.* from pg_catalog.unnest($1::%s) k(v), lateral (select %s, t.ctid as lockstep_ctid '
                                'from %s t where t.%I = k.v offset 0) t', f.arr, f.tcols, j.target, j.parent_column);
-    v_moved := pg_catalog.format('left join lateral (select t.%I::text as p, t.ctid from %s t '
-                                 'where c.lockstep_ctid is null and %s offset 0) m on true',
-                                 j.parent_column, j.target, f.td);
-    v_old := 'coalesce(c.lockstep_ctid, m.ctid)';
-    v_new := 'c.lockstep_ctid is null and m.ctid is null';
-    v_oldpar := pg_catalog.format('coalesce(%s, m.p)', v_oldpar);
     if j.parent_column = any(j.target_key) then
         -- the primary key holds the parent: a row of that key has that parent, so it is among the current
         -- rows read above or does not exist; no probe per new row (at 100 % changed, 7,000 probes a pass)
@@ -280,6 +267,13 @@ begin
         v_old := 'c.lockstep_ctid';
         v_new := 'c.lockstep_ctid is null';
         v_oldpar := v_cpar;
+    else  -- a computed row no current row of these parents has may exist under another parent (m)
+        v_moved := pg_catalog.format('left join lateral (select t.%I::text as p, t.ctid from %s t '
+                                     'where c.lockstep_ctid is null and %s offset 0) m on true',
+                                     j.parent_column, j.target, f.td);
+        v_old := 'coalesce(c.lockstep_ctid, m.ctid)';
+        v_new := 'c.lockstep_ctid is null and m.ctid is null';
+        v_oldpar := pg_catalog.format('coalesce(%s, m.p)', v_cpar);
     end if;
     execute pg_catalog.format(
         'with e1 as (delete from pg_temp.%1$I), e2 as (delete from pg_temp.%2$I), '
