@@ -39,6 +39,14 @@ def result(conn: psycopg.Connection, call: str, *args) -> dict:
     return dict(zip([d.name for d in cur.description], row, strict=True))
 
 
+def flushed_stat(conn: psycopg.Connection, sql: str) -> int:
+    """One number from the statistics views, with this session's pending counts flushed first (PostgreSQL
+    15 flushes them only now and then) and a fresh statistics snapshot."""
+    conn.execute("select pg_stat_force_next_flush()")
+    conn.execute("select pg_stat_clear_snapshot()")
+    return conn.execute(sql).fetchone()[0]
+
+
 def advisory_locks(observer: psycopg.Connection, pid: int) -> list[tuple]:
     """Advisory locks held or awaited by backend ``pid``."""
     return observer.execute(

@@ -6,7 +6,7 @@ import random
 
 import psycopg
 import pytest
-from util import advisory_locks, drain, raises_sqlstate, result, snapshot
+from util import advisory_locks, drain, flushed_stat, raises_sqlstate, result, snapshot
 
 from runner.lab.example import JOB, divergence
 
@@ -281,11 +281,11 @@ select lockstep.recompute('wide_n');
 
 
 def toast_blocks(conn: psycopg.Connection) -> int:
-    conn.execute("select pg_stat_force_next_flush()")
-    return conn.execute(
+    return flushed_stat(
+        conn,
         "select coalesce(toast_blks_hit, 0) + coalesce(toast_blks_read, 0) from pg_statio_user_tables"
-        " where relid = 'wide'::regclass"
-    ).fetchone()[0]
+        " where relid = 'wide'::regclass",
+    )
 
 
 def test_watch_triggers_read_only_the_key_column_of_wide_rows(conn, connect):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import psycopg
-from util import result
+from util import flushed_stat, result
 
 from runner.lab.example import JOB, divergence
 
@@ -235,18 +235,22 @@ def test_app_holding_a_parent_waits_only_for_the_write_phase_of_an_in_place_upda
     assert result(conn, "lockstep.work('band')")["outcome"] in ("done", "idle")
 
 
+# parent p, derived d whose primary key holds the parent column, n rows per parent
+PARENT_IN_KEY_SCHEMA = """
+create table p (id int primary key, n int not null);
+create table d (p_id int not null references p on delete cascade, k int not null, primary key (p_id, k));
+create function f(ids int[]) returns table (p_id int, k int) language sql stable
+    as $$ select p.id, g from public.p, generate_series(1, p.n) g where ids is null or p.id = any(ids) $$;
+"""
+
+
 def test_new_rows_are_not_looked_up_again_when_the_primary_key_holds_the_parent(conn):
     # A computed row that no current row of its parents has may exist under another parent (it moves), so
     # the keyed diff probed the target's primary key once per new row; when that key holds the parent
     # column, such a row would be one of the parent's current rows, already read: no probe per new row.
     conn.execute(
-        """
-        create table p (id int primary key, n int not null);
-        create table d (p_id int not null references p on delete cascade, k int not null,
-                        primary key (p_id, k));
-        create function f(ids int[]) returns table (p_id int, k int) language sql stable
-            as $$ select p.id, g from public.p, generate_series(1, p.n) g
-                  where ids is null or p.id = any(ids) $$;
+        PARENT_IN_KEY_SCHEMA
+        + """
         insert into p values (1, 1);
         select lockstep.define_derived('j', 'd', 'f(int[])', 'p');
         select lockstep.recompute('j');
@@ -254,19 +258,14 @@ def test_new_rows_are_not_looked_up_again_when_the_primary_key_holds_the_parent(
         select lockstep.enqueue('j', array[1]);
         """
     )
-
-    def scans() -> int:
-        conn.execute("select pg_stat_force_next_flush()")
-        return conn.execute(
-            "select idx_scan from pg_stat_user_indexes where indexrelid = 'd_pkey'::regclass"
-        ).fetchone()[0]
-
-    before = scans()
+    scans = "select idx_scan from pg_stat_user_indexes where indexrelid = 'd_pkey'::regclass"
+    before = flushed_stat(conn, scans)
     r = result(conn, "lockstep.work('j')")
     assert (r["outcome"], r["inserted"]) == ("done", 200)
     # one probe for parent 1's current rows and one arbiter check per inserted row (ON CONFLICT); before,
     # another 200 probes of the new rows' keys
-    assert scans() - before <= 205, scans() - before
+    probes = flushed_stat(conn, scans) - before
+    assert probes <= 205, probes
 
 
 def test_a_pass_deletes_rows_where_it_locked_them_without_scanning_the_target(conn):
@@ -274,13 +273,8 @@ def test_a_pass_deletes_rows_where_it_locked_them_without_scanning_the_target(co
     # target: a sequential scan of it in every pass that deletes, growing with the table (45 ms of a 120 ms
     # pass at 174,244 rows). The rows are deleted where _lock_rows locked them (a TID scan).
     conn.execute(
-        """
-        create table p (id int primary key, n int not null);
-        create table d (p_id int not null references p on delete cascade, k int not null,
-                        primary key (p_id, k));
-        create function f(ids int[]) returns table (p_id int, k int) language sql stable
-            as $$ select p.id, g from public.p, generate_series(1, p.n) g
-                  where ids is null or p.id = any(ids) $$;
+        PARENT_IN_KEY_SCHEMA
+        + """
         insert into p select g, 20 from generate_series(1, 2000) g;
         select lockstep.define_derived('j', 'd', 'f(int[])', 'p');
         select lockstep.set_batch_parents('j', 100000);
@@ -291,16 +285,11 @@ def test_a_pass_deletes_rows_where_it_locked_them_without_scanning_the_target(co
     conn.execute("update p set n = 1 where id <= 300")
     conn.execute("select lockstep.enqueue('j', array(select g from generate_series(1, 300) g))")
 
-    def seq_scans() -> int:
-        conn.execute("select pg_stat_force_next_flush()")
-        return conn.execute(
-            "select seq_scan from pg_stat_user_tables where relid = 'd'::regclass"
-        ).fetchone()[0]
-
-    before = seq_scans()
+    seq_scans = "select seq_scan from pg_stat_user_tables where relid = 'd'::regclass"
+    before = flushed_stat(conn, seq_scans)
     r = result(conn, "lockstep.work('j')")
     assert (r["outcome"], r["deleted"]) == ("done", 300 * 19)
-    assert seq_scans() - before == 0
+    assert flushed_stat(conn, seq_scans) - before == 0
     assert conn.execute("select count(*) from d").fetchone()[0] == 1700 * 20 + 300
 
 
@@ -445,17 +434,13 @@ def test_worker_pass_settles_by_row_id_not_by_a_scan_of_the_queue_index(conn):
     conn.execute("delete from lockstep.queue where job = 'ho'")  # 20,000 dead entries
     conn.execute("select lockstep.enqueue('ho', array(select g from generate_series(1, 500) g))")
 
-    def pkey_pages() -> int:
-        conn.execute("select pg_stat_force_next_flush()")
-        conn.execute("select pg_stat_clear_snapshot()")
-        return conn.execute(
-            "select idx_blks_hit + idx_blks_read from pg_statio_all_indexes"
-            " where indexrelid = 'lockstep.queue_pkey'::regclass"
-        ).fetchone()[0]
-
-    before = pkey_pages()
+    pkey_pages = (
+        "select idx_blks_hit + idx_blks_read from pg_statio_all_indexes"
+        " where indexrelid = 'lockstep.queue_pkey'::regclass"
+    )
+    before = flushed_stat(conn, pkey_pages)
     assert result(conn, "lockstep.work('ho', 500)")["outcome"] == "done"
-    touched = pkey_pages() - before
+    touched = flushed_stat(conn, pkey_pages) - before
     assert conn.execute("select count(*) from lockstep.queue where job = 'ho'").fetchone()[0] == 0
     index_pages = conn.execute("select pg_relation_size('lockstep.queue_pkey') / 8192").fetchone()[0]
     assert touched <= 4 * index_pages, (touched, index_pages)  # a few walks (the claim), never one per key
