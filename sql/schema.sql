@@ -963,7 +963,7 @@ declare
     f regprocedure;
 begin
     for f in select p.oid from pg_catalog.pg_proc p
-             where p.oid in (select lockstep._trigger_fns()) and p.proname like 'enqueue\_w\_%'
+             where p.oid in (select lockstep._trigger_fns()) and p.oid <> 'lockstep.enqueue_trigger()'::regprocedure
                and not exists (select from pg_catalog.pg_trigger t where t.tgfoid = p.oid) loop
         begin
             execute pg_catalog.format('drop function %s', f);
