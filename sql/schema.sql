@@ -2577,7 +2577,8 @@ CREATE FUNCTION lockstep.due(jobs text[] DEFAULT NULL::text[]) RETURNS TABLE(job
                        where f.job = j.job and not f.parked
                          and exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true)) end,
                  case when j.parent is not null then
-                      (select min(q.ready_at) from lockstep.queue q where q.job = j.job and q.ready_at > now()) end)
+                      (select min(q.ready_at) from lockstep.queue q  -- queue_deferred_idx: the predicate, word for word
+                       where q.job = j.job and q.ready_at > q.enqueued_at and q.ready_at > now()) end)
     from lockstep.job j
     join lockstep.job_state s on s.job = j.job
     where jobs is null or j.job = any(jobs)
@@ -3091,6 +3092,8 @@ ALTER TABLE ONLY lockstep.run_log
 
 ALTER TABLE ONLY lockstep.setting
     ADD CONSTRAINT setting_pkey PRIMARY KEY (only_row);
+
+CREATE INDEX queue_deferred_idx ON lockstep.queue USING btree (job, ready_at) WHERE (ready_at > enqueued_at);
 
 CREATE INDEX queue_key_job_idx ON lockstep.queue USING btree (key, job);
 

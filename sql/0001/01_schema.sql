@@ -138,6 +138,13 @@ create table lockstep.queue (
 -- with the queue's statistics stale: a VACUUM of the queue while empty leaves reltuples = 0; see _entries)
 create index queue_key_job_idx on lockstep.queue (key, job);
 
+-- the deferred entries only (a key skipped because its parent was locked: ready_at moved past enqueued_at,
+-- which an enqueue sets to the same now()), so lockstep.due() finds the next one without reading the queue:
+-- min(ready_at) over the job's entries was a sequential scan of the whole heap at every runner tick (36 ms
+-- and 19,000 pages a tick on a queue that had held a million entries once; the heap never shrinks:
+-- vacuum_truncate = false below). An application's insert adds no entry here (the predicate is false).
+create index queue_deferred_idx on lockstep.queue (job, ready_at) where ready_at > enqueued_at;
+
 -- the queue churns (every worker pass deletes what it processed): vacuum it after a thousand dead rows, not
 -- after 20 % of the table, and without cost delay (it is small). Autovacuum visits a database at most once
 -- per autovacuum_naptime (default 1 min), or never (autovacuum = off), so runners that may also VACUUM it

@@ -83,7 +83,8 @@ as $$
                        where f.job = j.job and not f.parked
                          and exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true)) end,
                  case when j.parent is not null then
-                      (select min(q.ready_at) from lockstep.queue q where q.job = j.job and q.ready_at > now()) end)
+                      (select min(q.ready_at) from lockstep.queue q  -- queue_deferred_idx: the predicate, word for word
+                       where q.job = j.job and q.ready_at > q.enqueued_at and q.ready_at > now()) end)
     from lockstep.job j
     join lockstep.job_state s on s.job = j.job
     where jobs is null or j.job = any(jobs)
