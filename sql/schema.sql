@@ -788,6 +788,13 @@ begin
 end;
 $$;
 
+CREATE FUNCTION lockstep._defer_until() RETURNS timestamp with time zone
+    LANGUAGE sql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+    select now() + interval '1 second';
+$$;
+
 CREATE FUNCTION lockstep._delete_rows(j lockstep.job) RETURNS bigint
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -1087,6 +1094,12 @@ begin
         last_updated = coalesce(p.updated, 0),
         last_deleted = coalesce(p.deleted, 0),
         last_skipped = coalesce(cardinality(p.skipped), 0),
+        -- a work pass deferred the entries of its skipped keys (lockstep._settle_entries): the earliest
+        -- pending deferral (least ignores NULL; a past one is dropped)
+        deferred_until = case
+            when action = 'work' and coalesce(cardinality(p.skipped), 0) > 0
+                then least(case when s.deferred_until > now() then s.deferred_until end, lockstep._defer_until())
+            else s.deferred_until end,
         consecutive_failures = case when v_failed then s.consecutive_failures + 1 else 0 end,
         last_error = case when v_failed then error else null end,
         runs = s.runs + 1
@@ -1581,7 +1594,8 @@ CREATE TABLE lockstep.job_state (
     runs bigint DEFAULT 0 NOT NULL,
     recompute_total bigint,
     recompute_queue_from bigint,
-    recompute_queue_to bigint
+    recompute_queue_to bigint,
+    deferred_until timestamp with time zone
 );
 
 CREATE FUNCTION lockstep._not_due(s lockstep.job_state) RETURNS text
@@ -2102,7 +2116,7 @@ begin
     -- the id check only filters (is true): as an index condition, id = any(ids) on the primary key's second
     -- column made a generic plan scan the whole index (200 ms a pass over 100,000 dead entries)
     with d as (delete from lockstep.queue q where q.ctid = any(v_done) and (q.id = any(ids)) is true)
-    update lockstep.queue q set ready_at = now() + interval '1 second'
+    update lockstep.queue q set ready_at = lockstep._defer_until()
     where q.ctid = any(v_skipped) and (q.id = any(ids)) is true;
 end;
 $$;
@@ -2577,8 +2591,7 @@ CREATE FUNCTION lockstep.due(jobs text[] DEFAULT NULL::text[]) RETURNS TABLE(job
                        where f.job = j.job and not f.parked
                          and exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true)) end,
                  case when j.parent is not null then
-                      (select min(q.ready_at) from lockstep.queue q  -- queue_deferred_idx: the predicate, word for word
-                       where q.job = j.job and q.ready_at > q.enqueued_at and q.ready_at > now()) end)
+                      case when s.deferred_until > now() then s.deferred_until end end)
     from lockstep.job j
     join lockstep.job_state s on s.job = j.job
     where jobs is null or j.job = any(jobs)
@@ -3092,8 +3105,6 @@ ALTER TABLE ONLY lockstep.run_log
 
 ALTER TABLE ONLY lockstep.setting
     ADD CONSTRAINT setting_pkey PRIMARY KEY (only_row);
-
-CREATE INDEX queue_deferred_idx ON lockstep.queue USING btree (job, ready_at) WHERE (ready_at > enqueued_at);
 
 CREATE INDEX queue_key_job_idx ON lockstep.queue USING btree (key, job);
 

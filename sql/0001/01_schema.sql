@@ -118,7 +118,13 @@ create table lockstep.job_state (
     -- derives recompute_done from the entries of that range still queued). NULL: none handed off.
     recompute_total         bigint,
     recompute_queue_from    bigint,
-    recompute_queue_to      bigint
+    recompute_queue_to      bigint,
+    -- when the job's earliest deferred queue entry is ready (a key skipped because an application held its
+    -- parent waits a second: lockstep._defer_until), for lockstep.due(); written by lockstep._finish. Kept
+    -- here, not found in the queue: min(ready_at) over the job's entries read every entry at every tick
+    -- (84-128 ms with a million handed-off keys queued; a sequential scan of the whole heap with stale
+    -- statistics), and an index for it cost every enqueue ~2.6 us (17 % of the trigger).
+    deferred_until          timestamptz
 );
 
 -- the queue of changed parents: append-only, no unique constraint on (job, key), so an enqueuer never
@@ -138,12 +144,6 @@ create table lockstep.queue (
 -- with the queue's statistics stale: a VACUUM of the queue while empty leaves reltuples = 0; see _entries)
 create index queue_key_job_idx on lockstep.queue (key, job);
 
--- the deferred entries only (a key skipped because its parent was locked: ready_at moved past enqueued_at,
--- which an enqueue sets to the same now()), so lockstep.due() finds the next one without reading the queue:
--- min(ready_at) over the job's entries was a sequential scan of the whole heap at every runner tick (36 ms
--- and 19,000 pages a tick on a queue that had held a million entries once; the heap never shrinks:
--- vacuum_truncate = false below). An application's insert adds no entry here (the predicate is false).
-create index queue_deferred_idx on lockstep.queue (job, ready_at) where ready_at > enqueued_at;
 
 -- the queue churns (every worker pass deletes what it processed): vacuum it after a thousand dead rows, not
 -- after 20 % of the table, and without cost delay (it is small). Autovacuum visits a database at most once

@@ -98,6 +98,17 @@ begin
 end;
 $$;
 
+-- lockstep._defer_until(): when a queue entry deferred now is ready again: a key skipped because an
+-- application held its parent is retried a second later (lockstep._settle_entries), and lockstep.due()
+-- wakes the runner then (job_state.deferred_until, written by lockstep._finish).
+-- locks: nothing.
+create function lockstep._defer_until() returns timestamptz
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select now() + interval '1 second';
+$$;
+
 -- lockstep._finish(job, action, outcome, started, pass, error): write the job's status row.
 -- Called last in every run that did something, after all other writes.
 -- locks: the job's lockstep.job_state row (FOR NO KEY UPDATE, by the update); then as lockstep._log_run.
@@ -129,6 +140,12 @@ begin
         last_updated = coalesce(p.updated, 0),
         last_deleted = coalesce(p.deleted, 0),
         last_skipped = coalesce(cardinality(p.skipped), 0),
+        -- a work pass deferred the entries of its skipped keys (lockstep._settle_entries): the earliest
+        -- pending deferral (least ignores NULL; a past one is dropped)
+        deferred_until = case
+            when action = 'work' and coalesce(cardinality(p.skipped), 0) > 0
+                then least(case when s.deferred_until > now() then s.deferred_until end, lockstep._defer_until())
+            else s.deferred_until end,
         consecutive_failures = case when v_failed then s.consecutive_failures + 1 else 0 end,
         last_error = case when v_failed then error else null end,
         runs = s.runs + 1

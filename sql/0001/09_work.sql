@@ -162,7 +162,7 @@ begin
     -- the id check only filters (is true): as an index condition, id = any(ids) on the primary key's second
     -- column made a generic plan scan the whole index (200 ms a pass over 100,000 dead entries)
     with d as (delete from lockstep.queue q where q.ctid = any(v_done) and (q.id = any(ids)) is true)
-    update lockstep.queue q set ready_at = now() + interval '1 second'
+    update lockstep.queue q set ready_at = lockstep._defer_until()
     where q.ctid = any(v_skipped) and (q.id = any(ids)) is true;
 end;
 $$;

@@ -61,8 +61,9 @@ from lockstep.key_failure f;
 -- lockstep.due(jobs): when each job next has something to do (the runner's one query per tick).
 --   generic and parentless jobs: next_run_at; a job flagged for its recompute (lockstep.recompute_flag): now;
 --   derived jobs: the earlier of next_run_at and, if ready keys are queued, now (or the worker's retry_at);
---   also the earliest retry of a failing key that still has queue entries, and the earliest deferred entry
---   (a key skipped because an application held its parent).
+--   also the earliest retry of a failing key that still has queue entries, and when the earliest deferred
+--   entry is ready (a key skipped because an application held its parent: job_state.deferred_until, so no
+--   read of the queue beyond its first ready entry).
 -- jobs: restrict to these names (NULL: all).
 -- locks: nothing.
 create function lockstep.due(jobs text[] default null)
@@ -83,8 +84,7 @@ as $$
                        where f.job = j.job and not f.parked
                          and exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true)) end,
                  case when j.parent is not null then
-                      (select min(q.ready_at) from lockstep.queue q  -- queue_deferred_idx: the predicate, word for word
-                       where q.job = j.job and q.ready_at > q.enqueued_at and q.ready_at > now()) end)
+                      case when s.deferred_until > now() then s.deferred_until end end)
     from lockstep.job j
     join lockstep.job_state s on s.job = j.job
     where jobs is null or j.job = any(jobs)
