@@ -1021,6 +1021,7 @@ begin
         return 0;
     end if;
     execute pg_catalog.format('select lockstep._canon($1::%s)', lockstep._array_type(j.key_type)) into v using keys;
+    v := lockstep._queueable(j.job, v);  -- a key too long for the queue flags the job instead
     insert into lockstep.queue (job, key) select j.job, k from pg_catalog.unnest(v) with ordinality u(k, o) order by o;
     return cardinality(v);
 end;
@@ -1163,6 +1164,7 @@ begin
         perform lockstep._flag(tg_argv[0], v_problem);
         return null;
     end if;
+%6$s
     if pg_catalog.cardinality(v_keys) operator(pg_catalog.=) 1 then
         insert into lockstep.queue (job, key) values (tg_argv[0], v_keys[1]);
     elsif pg_catalog.cardinality(v_keys) operator(pg_catalog.>) 1 then
@@ -1174,7 +1176,12 @@ $body$
 $gen$, v_name, key_column,
         pg_catalog.format(v_read, pg_catalog.format('select x.%1$I as k from lockstep_new x union select x.%1$I from lockstep_old x', key_column)),
         pg_catalog.format(v_read, pg_catalog.format('select distinct x.%I as k from lockstep_new x', key_column)),
-        pg_catalog.format(v_read, pg_catalog.format('select distinct x.%I as k from lockstep_old x', key_column)));
+        pg_catalog.format(v_read, pg_catalog.format('select distinct x.%I as k from lockstep_old x', key_column)),
+        case when j.key_type in ('text'::regtype, 'character varying'::regtype, 'numeric'::regtype) then
+'    if pg_catalog.octet_length(pg_catalog.array_to_string(v_keys, ''''))
+       operator(pg_catalog.+) pg_catalog.octet_length(tg_argv[0]) operator(pg_catalog.>) 2600 then
+        v_keys := lockstep._queueable(tg_argv[0], v_keys);  -- a key too long for the queue flags the job
+    end if;' else '' end);
     return pg_catalog.format('lockstep.%I', v_name);
 exception when insufficient_privilege then  -- a function of that name owned by another role
     return null;
@@ -1788,6 +1795,25 @@ begin
             using errcode = 'LSJ02', hint = 'Use lockstep.recompute(), or redefine it with parent => ...';
     end if;
     return j;
+end;
+$$;
+
+CREATE FUNCTION lockstep._queueable(job text, keys text[]) RETURNS text[]
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    v_long text[] := array(select k from pg_catalog.unnest(keys) k
+                           where pg_catalog.octet_length(k) + pg_catalog.octet_length(job) > 2600);
+begin
+    if cardinality(v_long) = 0 then
+        return keys;
+    end if;
+    perform lockstep._flag(job, pg_catalog.format(
+        '%s key(s) too long for the queue (%s bytes with the job name, at most 2600), first starting %L',
+        cardinality(v_long), pg_catalog.octet_length(v_long[1]) + pg_catalog.octet_length(job), pg_catalog.left(v_long[1], 20)));
+    return array(select k from pg_catalog.unnest(keys) with ordinality u(k, o)
+                 where pg_catalog.octet_length(k) + pg_catalog.octet_length(job) <= 2600 order by o);
 end;
 $$;
 
@@ -2617,7 +2643,7 @@ $$;
 
 CREATE FUNCTION lockstep.enqueue_trigger() RETURNS trigger
     LANGUAGE plpgsql
-    AS $_$
+    AS $$
 declare
     v_keys pg_catalog.text[];
     v_new pg_catalog.name;
@@ -2653,6 +2679,10 @@ begin
         exception when others then
             v_keys := null;  -- the general path says why
         end;
+        if pg_catalog.octet_length(pg_catalog.array_to_string(v_keys, ''))
+           operator(pg_catalog.+) pg_catalog.octet_length(tg_argv[0]) operator(pg_catalog.>) 2600 then
+            v_keys := lockstep._queueable(tg_argv[0], v_keys);  -- a key too long for the queue flags the job
+        end if;
         if pg_catalog.cardinality(v_keys) operator(pg_catalog.=) 1 then  -- the common case: no function scan
             insert into lockstep.queue (job, key) values (tg_argv[0], v_keys[1]);
             return null;
@@ -2699,18 +2729,18 @@ begin
         case when v_new is not null then pg_catalog.format('select %I::%s k from %I', tg_argv[1], v_type, v_new) end,
         case when v_old is not null then pg_catalog.format('select %I::%s k from %I', tg_argv[1], v_type, v_old) end);
     if v_type::pg_catalog.text operator(pg_catalog.=) any (lockstep._fast_types()) then  -- the same text under every setting
-        execute pg_catalog.format('insert into lockstep.queue (job, key) select $1, k::pg_catalog.text '
-                                  'from (select distinct k from (%s) s where k is not null) d order by k', v_sql)
-            using tg_argv[0];
+        execute pg_catalog.format('select array(select k::pg_catalog.text '
+                                  'from (select distinct k from (%s) s where k is not null) d order by k)', v_sql)
+            into v_keys;
     else
-        execute pg_catalog.format('insert into lockstep.queue (job, key) select $1, k from pg_catalog.unnest('
-                                  '(select lockstep._canon(pg_catalog.array_agg(k)) from (%s) s)) with ordinality u(k, o) '
-                                  'order by o', v_sql)
-            using tg_argv[0];
+        execute pg_catalog.format('select lockstep._canon(pg_catalog.array_agg(k)) from (%s) s', v_sql) into v_keys;
     end if;
+    v_keys := lockstep._queueable(tg_argv[0], v_keys);  -- a key too long for the queue flags the job
+    insert into lockstep.queue (job, key) select tg_argv[0], u.k from pg_catalog.unnest(v_keys) with ordinality u(k, o)
+    order by u.o;
     return null;
 end;
-$_$;
+$$;
 
 CREATE FUNCTION lockstep.recompute(job text) RETURNS lockstep.result
     LANGUAGE plpgsql

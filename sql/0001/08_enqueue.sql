@@ -34,6 +34,31 @@ as $$
     select array['bigint', 'integer', 'smallint', 'numeric', 'text', 'character varying', 'uuid'];
 $$;
 
+-- lockstep._queueable(job, keys): keys without those too long for the queue, each of which flags the job for
+-- its full recompute instead (lockstep._flag: the recompute covers that parent). A queue entry's
+-- (key, job) index row holds at most 2,704 bytes: a longer key (an incompressible text key of 2,661 bytes
+-- was enough) raised 54000 "index row size exceeds btree maximum" in the application's statement. 2,600
+-- bytes of key and job name always fit. Callers test the bound on all keys at once first (cheap).
+-- locks: none beyond the insert into lockstep.recompute_flag (as lockstep._flag).
+create function lockstep._queueable(job text, keys text[]) returns text[]
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_long text[] := array(select k from pg_catalog.unnest(keys) k
+                           where pg_catalog.octet_length(k) + pg_catalog.octet_length(job) > 2600);
+begin
+    if cardinality(v_long) = 0 then
+        return keys;
+    end if;
+    perform lockstep._flag(job, pg_catalog.format(
+        '%s key(s) too long for the queue (%s bytes with the job name, at most 2600), first starting %L',
+        cardinality(v_long), pg_catalog.octet_length(v_long[1]) + pg_catalog.octet_length(job), pg_catalog.left(v_long[1], 20)));
+    return array(select k from pg_catalog.unnest(keys) with ordinality u(k, o)
+                 where pg_catalog.octet_length(k) + pg_catalog.octet_length(job) <= 2600 order by o);
+end;
+$$;
+
 -- lockstep._enqueue_text(j, keys): append keys (text: cast to the parent key type, NULLs dropped) to the
 -- queue, once each, sorted by key, in canonical text. No read of lockstep's tables and no NOTIFY: runners
 -- notice new entries through the queue's identity sequence (lockstep._queue_mark).
@@ -54,6 +79,7 @@ begin
         return 0;
     end if;
     execute pg_catalog.format('select lockstep._canon($1::%s)', lockstep._array_type(j.key_type)) into v using keys;
+    v := lockstep._queueable(j.job, v);  -- a key too long for the queue flags the job instead
     insert into lockstep.queue (job, key) select j.job, k from pg_catalog.unnest(v) with ordinality u(k, o) order by o;
     return cardinality(v);
 end;
@@ -281,6 +307,10 @@ begin
         exception when others then
             v_keys := null;  -- the general path says why
         end;
+        if pg_catalog.octet_length(pg_catalog.array_to_string(v_keys, ''))
+           operator(pg_catalog.+) pg_catalog.octet_length(tg_argv[0]) operator(pg_catalog.>) 2600 then
+            v_keys := lockstep._queueable(tg_argv[0], v_keys);  -- a key too long for the queue flags the job
+        end if;
         if pg_catalog.cardinality(v_keys) operator(pg_catalog.=) 1 then  -- the common case: no function scan
             insert into lockstep.queue (job, key) values (tg_argv[0], v_keys[1]);
             return null;
@@ -327,15 +357,15 @@ begin
         case when v_new is not null then pg_catalog.format('select %I::%s k from %I', tg_argv[1], v_type, v_new) end,
         case when v_old is not null then pg_catalog.format('select %I::%s k from %I', tg_argv[1], v_type, v_old) end);
     if v_type::pg_catalog.text operator(pg_catalog.=) any (lockstep._fast_types()) then  -- the same text under every setting
-        execute pg_catalog.format('insert into lockstep.queue (job, key) select $1, k::pg_catalog.text '
-                                  'from (select distinct k from (%s) s where k is not null) d order by k', v_sql)
-            using tg_argv[0];
+        execute pg_catalog.format('select array(select k::pg_catalog.text '
+                                  'from (select distinct k from (%s) s where k is not null) d order by k)', v_sql)
+            into v_keys;
     else
-        execute pg_catalog.format('insert into lockstep.queue (job, key) select $1, k from pg_catalog.unnest('
-                                  '(select lockstep._canon(pg_catalog.array_agg(k)) from (%s) s)) with ordinality u(k, o) '
-                                  'order by o', v_sql)
-            using tg_argv[0];
+        execute pg_catalog.format('select lockstep._canon(pg_catalog.array_agg(k)) from (%s) s', v_sql) into v_keys;
     end if;
+    v_keys := lockstep._queueable(tg_argv[0], v_keys);  -- a key too long for the queue flags the job
+    insert into lockstep.queue (job, key) select tg_argv[0], u.k from pg_catalog.unnest(v_keys) with ordinality u(k, o)
+    order by u.o;
     return null;
 end;
 $$;
@@ -411,6 +441,7 @@ begin
         perform lockstep._flag(tg_argv[0], v_problem);
         return null;
     end if;
+%6$s
     if pg_catalog.cardinality(v_keys) operator(pg_catalog.=) 1 then
         insert into lockstep.queue (job, key) values (tg_argv[0], v_keys[1]);
     elsif pg_catalog.cardinality(v_keys) operator(pg_catalog.>) 1 then
@@ -422,7 +453,12 @@ $body$
 $gen$, v_name, key_column,
         pg_catalog.format(v_read, pg_catalog.format('select x.%1$I as k from lockstep_new x union select x.%1$I from lockstep_old x', key_column)),
         pg_catalog.format(v_read, pg_catalog.format('select distinct x.%I as k from lockstep_new x', key_column)),
-        pg_catalog.format(v_read, pg_catalog.format('select distinct x.%I as k from lockstep_old x', key_column)));
+        pg_catalog.format(v_read, pg_catalog.format('select distinct x.%I as k from lockstep_old x', key_column)),
+        case when j.key_type in ('text'::regtype, 'character varying'::regtype, 'numeric'::regtype) then
+'    if pg_catalog.octet_length(pg_catalog.array_to_string(v_keys, ''''))
+       operator(pg_catalog.+) pg_catalog.octet_length(tg_argv[0]) operator(pg_catalog.>) 2600 then
+        v_keys := lockstep._queueable(tg_argv[0], v_keys);  -- a key too long for the queue flags the job
+    end if;' else '' end);
     return pg_catalog.format('lockstep.%I', v_name);
 exception when insufficient_privilege then  -- a function of that name owned by another role
     return null;

@@ -285,6 +285,54 @@ def test_a_trigger_that_cannot_enqueue_flags_the_job_with_an_insert_only(app, co
     assert flag(app, "band") == (False, None)
 
 
+LONG_SQL = """
+create table app.tag (name text primary key, hits integer not null default 0);
+create table app.tag_hits (name text primary key references app.tag on delete cascade, hits integer not null);
+create function app.tag_compute(keys text[]) returns table (name text, hits integer)
+language sql stable as $$ select t.name, t.hits from app.tag t where keys is null or t.name = any(keys) $$;
+select lockstep.define_derived('tags_job_with_a_name_of_36_bytes_xx', 'app.tag_hits',
+                               'app.tag_compute(text[])', parent => 'app.tag');
+"""
+# 2,680 bytes that pglz does not compress: the parent's own primary key index holds them (at most 2,704
+# bytes a row), the queue's (key, job) index, with the job's name beside them, did not
+LONG_KEY = (
+    "select left(string_agg(encode(sha256(g::text::bytea), 'base64'), ''), 2680)"
+    " from generate_series(1, 61) g"
+)
+TAGS = "tags_job_with_a_name_of_36_bytes_xx"
+
+
+@pytest.mark.parametrize("how", ["generated", "shared", "general", "enqueue"])
+def test_a_key_too_long_for_the_queue_flags_the_job_instead_of_failing(app, connect, how):
+    # the queue's (key, job) index row holds at most 2,704 bytes: a watched INSERT of a parent whose text
+    # key was 2,661 bytes or more failed with 54000 (index row size ... exceeds btree maximum)
+    app.execute(LONG_SQL)
+    if how == "generated":
+        app.execute(f"select lockstep.watch('{TAGS}', 'app.tag', 'name')")
+    elif how != "enqueue":  # the shared function: fast path (key type given), general path (other names)
+        names = "new table as lockstep_new" if how == "shared" else "new table as n"
+        arg = ", 'text'" if how == "shared" else ""
+        app.execute(
+            f"create trigger t after insert on app.tag referencing {names} for each statement"
+            f" execute function lockstep.enqueue_trigger('{TAGS}', 'name'{arg})"
+        )
+    user = connect()
+    notices: list[str] = []
+    user.add_notice_handler(lambda d: notices.append(d.message_primary or ""))
+    if how == "enqueue":
+        user.execute(f"insert into app.tag (name) values (({LONG_KEY})), ('short')")
+        n = user.execute(f"select lockstep.enqueue('{TAGS}', array[({LONG_KEY}), 'short'])").fetchone()[0]
+        assert n == 1
+    else:
+        user.execute(f"insert into app.tag (name) values (({LONG_KEY})), ('short')")  # does not fail
+    assert queue(app, TAGS) == ["short"]
+    assert flag(app, TAGS)[0] and "too long for the queue" in flag(app, TAGS)[1]
+    assert any("too long for the queue" in n for n in notices)
+    app.execute(f"select lockstep.recompute('{TAGS}')")
+    assert app.execute("select count(*) from app.tag_hits").fetchone()[0] == 2
+    assert flag(app, TAGS) == (False, None)
+
+
 # -- the hostile application catalogue ---------------------------------------------------------------------
 
 
