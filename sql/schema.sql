@@ -2145,11 +2145,13 @@ begin
     end if;
     -- one statement (one plan) for both; every statement runs even when it has no row to change: a missing
     -- privilege fails every pass at once, not the first pass that needs it
+    -- the id check only filters (is true): as an index condition, on the primary key's second column, a
+    -- generic plan read the whole index per entry (200 ms a pass over 100,000 dead entries)
     with d as (delete from lockstep.queue q using unnest(v_done, v_done_ids) u(c, i)
-               where q.ctid = u.c and q.id = u.i)
+               where q.ctid = u.c and (q.id = u.i) is true)
     update lockstep.queue q set ready_at = lockstep._defer_until()
     from unnest(v_skipped, v_skipped_ids) u(c, i)
-    where q.ctid = u.c and q.id = u.i;
+    where q.ctid = u.c and (q.id = u.i) is true;
 end;
 $$;
 
@@ -2708,7 +2710,7 @@ begin
         v_problem := 'lockstep.enqueue_trigger() must be used in AFTER ... FOR EACH STATEMENT triggers with '
                      'arguments (job, key column)';
     elsif tg_op operator(pg_catalog.=) 'TRUNCATE' then
-        v_problem := 'TRUNCATE: a statement without transition tables';
+        v_problem := pg_catalog.format('TRUNCATE of %s (no transition table names its rows)', tg_relid::pg_catalog.regclass);
     else
         v_new := case when tg_op operator(pg_catalog.<>) 'DELETE' then v_new end;
         v_old := case when tg_op operator(pg_catalog.<>) 'INSERT' then v_old end;
@@ -2900,7 +2902,7 @@ begin
     if job is null or source is null then
         raise exception 'lockstep: job and source must not be NULL' using errcode = '22004';
     end if;
-    foreach op in array array['insert', 'update', 'delete'] loop
+    foreach op in array array['insert', 'update', 'delete', 'truncate'] loop
         execute pg_catalog.format('drop trigger if exists %I on %s', lockstep._trigger_name(job, op), source);
     end loop;
     perform lockstep._drop_unused_triggers();
@@ -2953,6 +2955,11 @@ begin
                     else 'old table as lockstep_old' end,
             v_fn, j.job, key_column, case when v_fast then pg_catalog.format(', %L', j.key_type) else '' end);
     end loop;
+    -- a TRUNCATE has no transition table to name its rows: the shared function flags the job for its full
+    -- recompute
+    execute pg_catalog.format('create trigger %I after truncate on %s for each statement '
+                              'execute function lockstep.enqueue_trigger(%L, %L)',
+                              lockstep._trigger_name(j.job, 'truncate'), source, j.job, key_column);
 end;
 $$;
 

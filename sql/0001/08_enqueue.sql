@@ -336,7 +336,7 @@ begin
         v_problem := 'lockstep.enqueue_trigger() must be used in AFTER ... FOR EACH STATEMENT triggers with '
                      'arguments (job, key column)';
     elsif tg_op operator(pg_catalog.=) 'TRUNCATE' then
-        v_problem := 'TRUNCATE: a statement without transition tables';
+        v_problem := pg_catalog.format('TRUNCATE of %s (no transition table names its rows)', tg_relid::pg_catalog.regclass);
     else
         v_new := case when tg_op operator(pg_catalog.<>) 'DELETE' then v_new end;
         v_old := case when tg_op operator(pg_catalog.<>) 'INSERT' then v_old end;
@@ -576,7 +576,7 @@ end;
 $$;
 
 -- lockstep.watch(job, source, key_column): create the three statement triggers (insert, update, delete)
--- that enqueue source.key_column for job. Re-running it replaces them. The column's type must convert to
+-- that enqueue source.key_column for job, and one on truncate that flags job for its full recompute. Re-running it replaces them. The column's type must convert to
 -- the parent key type without loss (lockstep._castable): checked here, not at the application's next write.
 -- The triggers execute a function generated for this job, table and column that reads only the key column
 -- (lockstep._gen_trigger), or, where the session may not create one or the key type has no single text
@@ -629,6 +629,11 @@ begin
                     else 'old table as lockstep_old' end,
             v_fn, j.job, key_column, case when v_fast then pg_catalog.format(', %L', j.key_type) else '' end);
     end loop;
+    -- a TRUNCATE has no transition table to name its rows: the shared function flags the job for its full
+    -- recompute
+    execute pg_catalog.format('create trigger %I after truncate on %s for each statement '
+                              'execute function lockstep.enqueue_trigger(%L, %L)',
+                              lockstep._trigger_name(j.job, 'truncate'), source, j.job, key_column);
 end;
 $$;
 
@@ -645,7 +650,7 @@ begin
     if job is null or source is null then
         raise exception 'lockstep: job and source must not be NULL' using errcode = '22004';
     end if;
-    foreach op in array array['insert', 'update', 'delete'] loop
+    foreach op in array array['insert', 'update', 'delete', 'truncate'] loop
         execute pg_catalog.format('drop trigger if exists %I on %s', lockstep._trigger_name(job, op), source);
     end loop;
     perform lockstep._drop_unused_triggers();

@@ -168,11 +168,13 @@ begin
     end if;
     -- one statement (one plan) for both; every statement runs even when it has no row to change: a missing
     -- privilege fails every pass at once, not the first pass that needs it
+    -- the id check only filters (is true): as an index condition, on the primary key's second column, a
+    -- generic plan read the whole index per entry (200 ms a pass over 100,000 dead entries)
     with d as (delete from lockstep.queue q using unnest(v_done, v_done_ids) u(c, i)
-               where q.ctid = u.c and q.id = u.i)
+               where q.ctid = u.c and (q.id = u.i) is true)
     update lockstep.queue q set ready_at = lockstep._defer_until()
     from unnest(v_skipped, v_skipped_ids) u(c, i)
-    where q.ctid = u.c and q.id = u.i;
+    where q.ctid = u.c and (q.id = u.i) is true;
 end;
 $$;
 

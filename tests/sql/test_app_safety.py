@@ -158,7 +158,7 @@ def test_item3_drop_job_drops_the_triggers_of_any_name(app, name):
         [name],
     )
     app.execute("select lockstep.watch(%s, 'app.acc', 'aid')", [name])
-    assert len(enqueue_triggers(app, "app.acc")) == 3
+    assert len(enqueue_triggers(app, "app.acc")) == 4  # insert, update, delete, truncate
     app.execute("select lockstep.drop_job(%s)", [name])
     assert enqueue_triggers(app, "app.acc") == []
     app.execute("update app.acc set bal = bal + 1 where aid = 2")
@@ -218,7 +218,7 @@ def test_item7_a_job_name_too_long_is_refused_at_define(app):
     assert snapshot(app) == before
 
 
-def test_item8_multibyte_job_names_get_three_distinct_triggers(app):
+def test_item8_multibyte_job_names_get_four_distinct_triggers(app):
     app.execute("select lockstep.drop_job('band')")
     name = "é" * 31  # 62 bytes
     app.execute(
@@ -227,7 +227,7 @@ def test_item8_multibyte_job_names_get_three_distinct_triggers(app):
     )
     app.execute("select lockstep.watch(%s, 'app.acc', 'aid')", [name])
     names = enqueue_triggers(app, "app.acc")
-    assert len(names) == 3 and all(len(n.encode()) <= 63 for n in names)
+    assert len(names) == 4 and all(len(n.encode()) <= 63 for n in names)
     app.execute("insert into app.acc (aid) values (100)")
     app.execute("update app.acc set bal = 1 where aid = 100")
     app.execute("delete from app.acc where aid = 100")
@@ -283,6 +283,26 @@ def test_a_trigger_that_cannot_enqueue_flags_the_job_with_an_insert_only(app, co
     assert flag(app, "band")[0]
     app.execute("select lockstep.recompute('band')")
     assert flag(app, "band") == (False, None)
+
+
+def test_a_truncate_of_a_watched_table_flags_the_job(app, connect):
+    # watch() created insert, update and delete triggers only: a TRUNCATE of a watched table was neither
+    # queued nor flagged (the README said it was flagged), and the derived rows stayed stale until the next
+    # periodic recompute
+    user = connect()
+    user.execute("insert into app.txn (aid, amount) values (1, -100), (2, 5)")
+    drain(app, "band")
+    assert divergence(app, "band") == 0
+    notices: list[str] = []
+    user.add_notice_handler(lambda d: notices.append(d.message_primary or ""))
+    user.execute("truncate app.txn")  # does not fail
+    assert divergence(app, "band") > 0
+    needs, problem = flag(app, "band")
+    assert needs and "TRUNCATE of app.txn" in problem, problem
+    assert any("could not enqueue" in n for n in notices)
+    assert app.execute("select due_at <= now() from lockstep.due(array['band'])").fetchone()[0]
+    app.execute("select lockstep.run('band')")  # the flagged recompute runs at once
+    assert divergence(app, "band") == 0 and flag(app, "band") == (False, None)
 
 
 LONG_SQL = """

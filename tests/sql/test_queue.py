@@ -305,9 +305,9 @@ def test_watch_triggers_read_only_the_key_column_of_wide_rows(conn, connect):
     assert [k for (k,) in conn.execute("select key from lockstep.queue order by id")] == [
         str(i) for i in range(1, 11)
     ] + ["20", "21"]
-    fn = conn.execute(
+    fn = conn.execute(  # the truncate trigger flags the job through the shared function
         "select distinct tgfoid::regproc::text from pg_trigger"
-        " where tgrelid = 'wide'::regclass and not tgisinternal"
+        " where tgrelid = 'wide'::regclass and not tgisinternal and tgtype & 32 = 0"
     ).fetchall()
     assert len(fn) == 1 and fn[0][0].startswith("lockstep.enqueue_w_"), fn
     assert result(conn, "lockstep.work('wide_n')")["outcome"] == "done"
