@@ -1218,6 +1218,16 @@ begin
 end;
 $$;
 
+CREATE FUNCTION lockstep._handoff_todo(job text, from_id bigint, to_id bigint) RETURNS bigint
+    LANGUAGE sql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    SET jit TO 'off'
+    AS $$
+    select count(distinct q.key) from lockstep.queue q
+    where q.job = _handoff_todo.job and q.id between from_id and to_id
+      and not exists (select from lockstep.key_failure f where f.job = q.job and f.key = q.key and f.parked);
+$$;
+
 CREATE FUNCTION lockstep._has_ready(j lockstep.job) RETURNS boolean
     LANGUAGE plpgsql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -1781,6 +1791,16 @@ begin
                      and o.run_no <= _prune_run_log.run_no - max_per_job
                    order by o.run_no limit 10);
 end;
+$$;
+
+CREATE FUNCTION lockstep._queue_depth(job text) RETURNS bigint
+    LANGUAGE sql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    SET jit TO 'off'
+    AS $$
+    select count(*) from lockstep.queue q
+    where q.job = _queue_depth.job
+      and not exists (select from lockstep.key_failure f where f.job = q.job and f.key = q.key and f.parked);
 $$;
 
 CREATE FUNCTION lockstep._queue_job(job text) RETURNS lockstep.job
@@ -2592,6 +2612,7 @@ $$;
 CREATE FUNCTION lockstep.drop_job(job text) RETURNS void
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
+    SET jit TO 'off'
     AS $$
 declare
     j lockstep.job := lockstep._job(job);
@@ -2611,6 +2632,7 @@ $$;
 CREATE FUNCTION lockstep.due(jobs text[] DEFAULT NULL::text[]) RETURNS TABLE(job text, lock_group text, due_at timestamp with time zone)
     LANGUAGE sql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
+    SET jit TO 'off'
     AS $$
     select j.job, j.lock_group,
            least(s.next_run_at,
@@ -2747,6 +2769,7 @@ $$;
 CREATE FUNCTION lockstep.recompute(job text) RETURNS lockstep.result
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
+    SET jit TO 'off'
     SET "DateStyle" TO 'ISO, YMD'
     SET "IntervalStyle" TO 'postgres'
     SET extra_float_digits TO '1'
@@ -2760,6 +2783,7 @@ $$;
 CREATE FUNCTION lockstep.retry(job text) RETURNS bigint
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
+    SET jit TO 'off'
     AS $$
 begin
     return lockstep._retry(lockstep._queue_job(job), null);
@@ -2769,6 +2793,7 @@ $$;
 CREATE FUNCTION lockstep.retry(job text, keys anyarray) RETURNS bigint
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
+    SET jit TO 'off'
     AS $$
 declare
     j lockstep.job := lockstep._queue_job(job);
@@ -2780,6 +2805,7 @@ $$;
 CREATE FUNCTION lockstep.run(job text) RETURNS lockstep.result
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
+    SET jit TO 'off'
     SET "DateStyle" TO 'ISO, YMD'
     SET "IntervalStyle" TO 'postgres'
     SET extra_float_digits TO '1'
@@ -2966,6 +2992,7 @@ $$;
 CREATE FUNCTION lockstep.work(job text, batch integer DEFAULT 500) RETURNS lockstep.result
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
+    SET jit TO 'off'
     SET "DateStyle" TO 'ISO, YMD'
     SET "IntervalStyle" TO 'postgres'
     SET extra_float_digits TO '1'
@@ -3076,11 +3103,7 @@ CREATE VIEW lockstep.status WITH (security_invoker='true') AS
  SELECT j.job,
     j.kind,
     j.lock_group,
-    ( SELECT count(*) AS count
-           FROM lockstep.queue q
-          WHERE ((q.job = j.job) AND (NOT (EXISTS ( SELECT
-                   FROM lockstep.key_failure f
-                  WHERE ((f.job = q.job) AND (f.key = q.key) AND f.parked)))))) AS queue_depth,
+    lockstep._queue_depth(j.job) AS queue_depth,
     ( SELECT count(*) AS count
            FROM lockstep.key_failure f
           WHERE ((f.job = j.job) AND f.parked)) AS parked_keys,
@@ -3125,11 +3148,11 @@ CREATE VIEW lockstep.status WITH (security_invoker='true') AS
          LIMIT 1) AS trigger_problem
    FROM ((lockstep.job j
      JOIN lockstep.job_state s ON ((s.job = j.job)))
-     LEFT JOIN LATERAL ( SELECT count(DISTINCT q.key) AS todo
-           FROM lockstep.queue q
-          WHERE ((s.recompute_total IS NOT NULL) AND (q.job = j.job) AND ((q.id >= s.recompute_queue_from) AND (q.id <= s.recompute_queue_to)) AND (NOT (EXISTS ( SELECT
-                   FROM lockstep.key_failure f
-                  WHERE ((f.job = q.job) AND (f.key = q.key) AND f.parked)))))) h ON (true));
+     CROSS JOIN LATERAL ( SELECT
+                CASE
+                    WHEN (s.recompute_total IS NOT NULL) THEN lockstep._handoff_todo(j.job, s.recompute_queue_from, s.recompute_queue_to)
+                    ELSE NULL::bigint
+                END AS todo) h);
 
 ALTER TABLE ONLY lockstep.job
     ADD CONSTRAINT job_pkey PRIMARY KEY (job);

@@ -98,6 +98,13 @@ begin
 end;
 $$;
 
+-- lockstep._no_jit_note: the entry points a runner calls (run, work, recompute, due, retry, drop_job) set
+-- jit = off for everything they run. Inside, statements run with sequential scans disabled (disable_cost,
+-- 1e10, in every estimate that still has one), and for a role under row-level security (the runner
+-- recipe) the policies' subplans on lockstep.job are such scans: every statement passed jit_above_cost
+-- and was compiled, 95-315 ms each (~415 ms a work() pass of one key against 4-14 ms for a superuser,
+-- and 40 % of a core while idle). Compute runs with JIT off in lockstep anyway (lockstep._diff).
+
 -- lockstep._defer_until(): when a queue entry deferred now is ready again: a key skipped because an
 -- application held its parent is retried a second later (lockstep._settle_entries), and lockstep.due()
 -- wakes the runner then (job_state.deferred_until, written by lockstep._finish).

@@ -172,6 +172,7 @@ $$;
 create function lockstep.run(job text) returns lockstep.result
 language plpgsql
 set search_path = pg_catalog, pg_temp
+set jit = off  -- lockstep._no_jit_note (03_helpers.sql)
 set datestyle = 'ISO, YMD'
 set intervalstyle = 'postgres'
 set extra_float_digits = 1
@@ -216,6 +217,7 @@ $$;
 create function lockstep.drop_job(job text) returns void
 language plpgsql
 set search_path = pg_catalog, pg_temp
+set jit = off  -- lockstep._no_jit_note (03_helpers.sql)
 as $$
 declare
     j lockstep.job := lockstep._job(job);

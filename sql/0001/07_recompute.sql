@@ -209,6 +209,7 @@ $$;
 create function lockstep.recompute(job text) returns lockstep.result
 language plpgsql
 set search_path = pg_catalog, pg_temp
+set jit = off  -- lockstep._no_jit_note (03_helpers.sql)
 set datestyle = 'ISO, YMD'
 set intervalstyle = 'postgres'
 set extra_float_digits = 1

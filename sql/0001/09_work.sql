@@ -501,6 +501,7 @@ $$;
 create function lockstep.work(job text, batch integer default 500) returns lockstep.result
 language plpgsql
 set search_path = pg_catalog, pg_temp
+set jit = off  -- lockstep._no_jit_note (03_helpers.sql)
 set datestyle = 'ISO, YMD'
 set intervalstyle = 'postgres'
 set extra_float_digits = 1
@@ -542,6 +543,7 @@ $$;
 create function lockstep.retry(job text, keys anyarray) returns bigint
 language plpgsql
 set search_path = pg_catalog, pg_temp
+set jit = off  -- lockstep._no_jit_note (03_helpers.sql)
 as $$
 declare
     j lockstep.job := lockstep._queue_job(job);
@@ -555,6 +557,7 @@ $$;
 create function lockstep.retry(job text) returns bigint
 language plpgsql
 set search_path = pg_catalog, pg_temp
+set jit = off  -- lockstep._no_jit_note (03_helpers.sql)
 as $$
 begin
     return lockstep._retry(lockstep._queue_job(job), null);

@@ -428,6 +428,36 @@ def test_least_privilege_runner_as_a_cli_process(ex, example_dsn, roles):
     assert ex.execute("select count(*) from lockstep.key_failure").fetchone()[0] == 0
 
 
+def test_a_least_privilege_runner_compiles_nothing_with_jit(ex, example_dsn, roles):
+    """Inside lockstep sequential scans are disabled (each costs 1e10 in an estimate), and for a role under
+    row-level security the policies' subplans on lockstep.job are such scans: every statement of a runner
+    of the recipe passed jit_above_cost and was JIT-compiled (a work() pass of one key 512 ms against 4-14
+    ms for a superuser; due() 157-287 ms). The entry points run with JIT off."""
+    owner = roles("exam_owner", OWNER_GRANTS, EXAMPLE_OWNER_GRANTS,
+                  ["grant select on example.exam, example.exam_item to {role}",
+                   "grant update (id) on example.exam to {role}"])  # fmt: skip
+    ex.execute(
+        sql.SQL("update lockstep.job set owner = {} where job = 'exam_keys'").format(sql.Literal(owner))
+    )
+    runner = roles("lockstep_runner", RUNNER_GRANTS, attrs="noinherit", owner=owner)
+    app_writes(ex)
+    plans: list[str] = []
+    ex.add_notice_handler(lambda d: plans.append(d.message_primary or ""))
+    for setting in ("log_min_duration = 0", "log_nested_statements = on", "log_level = warning"):
+        ex.execute(f"set auto_explain.{setting}")
+    ex.execute("load 'auto_explain'")
+    ex.execute("set jit_above_cost = 100000")  # the defaults, whatever the server's settings
+    ex.execute("set jit_inline_above_cost = 500000")
+    ex.execute(sql.SQL("set role {}").format(sql.Identifier(runner)))
+    assert ex.execute("select outcome from lockstep.work('exam_keys')").fetchone()[0] == "done"
+    ex.execute("select count(*) from lockstep.due()")
+    ex.execute("select count(*) from lockstep.status")
+    ex.execute("reset role")
+    ex.execute("set auto_explain.log_min_duration = -1")
+    assert len(plans) > 10
+    assert not [p for p in plans if "JIT:" in p], [p for p in plans if "JIT:" in p][:1]
+
+
 def test_owner_without_update_on_the_parent_cannot_pin_it(ex, example_dsn, roles):
     """FOR KEY SHARE needs UPDATE on some column of the parent: define_derived refuses the job, and a job
     given to such an owner by hand fails its keys at run time (they are kept)."""
