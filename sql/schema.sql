@@ -773,6 +773,33 @@ begin
 end;
 $$;
 
+CREATE FUNCTION lockstep._ddl(stmts text[], what text) RETURNS void
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    v_ms text := (extract(epoch from least(interval '100 ms',
+                  pg_catalog.current_setting('deadlock_timeout')::interval / 2)) * 1000)::bigint::text;
+    v_old text := pg_catalog.current_setting('lock_timeout');
+    s text;
+begin
+    for attempt in 1..50 loop
+        begin
+            perform pg_catalog.set_config('lock_timeout', v_ms, true);  -- undone if the attempt fails
+            foreach s in array stmts loop
+                execute s;
+            end loop;
+            perform pg_catalog.set_config('lock_timeout', v_old, true);
+            return;
+        exception when lock_not_available then
+            perform pg_catalog.pg_sleep(0.05 + 0.1 * pg_catalog.random());
+        end;
+    end loop;
+    raise exception 'lockstep: % could not lock its tables: application transactions kept them busy', what
+        using errcode = '55P03', hint = 'Nothing was changed. Try again when long transactions on those tables are done.';
+end;
+$$;
+
 CREATE FUNCTION lockstep._deallocate_changed(kept text[]) RETURNS void
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -2616,12 +2643,12 @@ CREATE FUNCTION lockstep.drop_job(job text) RETURNS void
     AS $$
 declare
     j lockstep.job := lockstep._job(job);
-    t record;
 begin
     perform lockstep._check_owner(j);
-    for t in select w.tgname, w.rel from lockstep._watchers(j.job) w loop
-        execute pg_catalog.format('drop trigger %I on %s', t.tgname, t.rel);
-    end loop;
+    -- all the watched tables at once, never holding an application up for long (lockstep._ddl, 08_enqueue.sql)
+    perform lockstep._ddl(array(select pg_catalog.format('drop trigger %I on %s', w.tgname, w.rel)
+                                from lockstep._watchers(j.job) w),
+                          pg_catalog.format('drop_job(%L)', j.job));
     perform lockstep._drop_unused_triggers();  -- 08_enqueue.sql
     delete from lockstep.queue q where q.job = j.job;
     delete from lockstep.recompute_flag f where f.job = j.job;
@@ -2922,15 +2949,13 @@ CREATE FUNCTION lockstep.unwatch(job text, source regclass) RETURNS void
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET client_min_messages TO 'warning'
     AS $$
-declare
-    op text;
 begin
     if job is null or source is null then
         raise exception 'lockstep: job and source must not be NULL' using errcode = '22004';
     end if;
-    foreach op in array array['insert', 'update', 'delete', 'truncate'] loop
-        execute pg_catalog.format('drop trigger if exists %I on %s', lockstep._trigger_name(job, op), source);
-    end loop;
+    perform lockstep._ddl(array(select pg_catalog.format('drop trigger if exists %I on %s', lockstep._trigger_name(job, op), source)
+                                from pg_catalog.unnest(array['insert', 'update', 'delete', 'truncate']) op),
+                          pg_catalog.format('unwatch(%L, %L)', job, source));
     perform lockstep._drop_unused_triggers();
 end;
 $$;
@@ -2944,6 +2969,7 @@ declare
     v_type regtype;
     v_fast boolean;
     v_fn text := 'lockstep.enqueue_trigger';
+    v_ddl text[] := '{}';
     op text;
 begin
     if source is null or key_column is null then
@@ -2972,7 +2998,7 @@ begin
         v_fn := coalesce(lockstep._gen_trigger(j, source, key_column), v_fn);
     end if;
     foreach op in array array['insert', 'update', 'delete'] loop
-        execute pg_catalog.format(
+        v_ddl := v_ddl || pg_catalog.format(
             'create trigger %I after %s on %s referencing %s for each statement '
             'execute function %s(%L, %L%s)',
             lockstep._trigger_name(j.job, op), op, source,
@@ -2983,9 +3009,10 @@ begin
     end loop;
     -- a TRUNCATE has no transition table to name its rows: the shared function flags the job for its full
     -- recompute
-    execute pg_catalog.format('create trigger %I after truncate on %s for each statement '
-                              'execute function lockstep.enqueue_trigger(%L, %L)',
-                              lockstep._trigger_name(j.job, 'truncate'), source, j.job, key_column);
+    v_ddl := v_ddl || pg_catalog.format('create trigger %I after truncate on %s for each statement '
+                                        'execute function lockstep.enqueue_trigger(%L, %L)',
+                                        lockstep._trigger_name(j.job, 'truncate'), source, j.job, key_column);
+    perform lockstep._ddl(v_ddl, pg_catalog.format('watch(%L, %L)', j.job, source));
 end;
 $$;
 

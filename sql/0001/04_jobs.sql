@@ -213,7 +213,8 @@ end;
 $$;
 
 -- lockstep.drop_job(job): remove a job, its state, its queue, its failures and the triggers that feed it.
--- locks: the job's registry, state, queue and failure rows (deleted); the watched tables (drop trigger).
+-- locks: the watched tables (drop trigger, through lockstep._ddl: never an application held up for long);
+-- then the job's registry, state, queue and failure rows (deleted).
 create function lockstep.drop_job(job text) returns void
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -221,12 +222,12 @@ set jit = off  -- lockstep._no_jit_note (03_helpers.sql)
 as $$
 declare
     j lockstep.job := lockstep._job(job);
-    t record;
 begin
     perform lockstep._check_owner(j);
-    for t in select w.tgname, w.rel from lockstep._watchers(j.job) w loop
-        execute pg_catalog.format('drop trigger %I on %s', t.tgname, t.rel);
-    end loop;
+    -- all the watched tables at once, never holding an application up for long (lockstep._ddl, 08_enqueue.sql)
+    perform lockstep._ddl(array(select pg_catalog.format('drop trigger %I on %s', w.tgname, w.rel)
+                                from lockstep._watchers(j.job) w),
+                          pg_catalog.format('drop_job(%L)', j.job));
     perform lockstep._drop_unused_triggers();  -- 08_enqueue.sql
     delete from lockstep.queue q where q.job = j.job;
     delete from lockstep.recompute_flag f where f.job = j.job;

@@ -575,14 +575,50 @@ begin
 end;
 $$;
 
+-- lockstep._ddl(stmts, what): run DDL that locks application tables (CREATE / DROP TRIGGER), all of it or
+-- none, without ever keeping an application waiting long or deadlocking it. Each attempt, a
+-- subtransaction, waits at most lock_timeout for each lock (100 ms, and under half of deadlock_timeout);
+-- a timed-out attempt gives back every lock it took, so the application statement queued behind it goes on,
+-- and is tried again after a pause. drop_job locked one watched table, then waited for the next: an
+-- application transaction that held the second and then read the first was killed as a deadlock (40P01).
+-- After 50 attempts (~10 s), 55P03 and nothing done.
+-- locks: the tables the statements name (ACCESS EXCLUSIVE or SHARE ROW EXCLUSIVE), never waited for long.
+create function lockstep._ddl(stmts text[], what text) returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_ms text := (extract(epoch from least(interval '100 ms',
+                  pg_catalog.current_setting('deadlock_timeout')::interval / 2)) * 1000)::bigint::text;
+    v_old text := pg_catalog.current_setting('lock_timeout');
+    s text;
+begin
+    for attempt in 1..50 loop
+        begin
+            perform pg_catalog.set_config('lock_timeout', v_ms, true);  -- undone if the attempt fails
+            foreach s in array stmts loop
+                execute s;
+            end loop;
+            perform pg_catalog.set_config('lock_timeout', v_old, true);
+            return;
+        exception when lock_not_available then
+            perform pg_catalog.pg_sleep(0.05 + 0.1 * pg_catalog.random());
+        end;
+    end loop;
+    raise exception 'lockstep: % could not lock its tables: application transactions kept them busy', what
+        using errcode = '55P03', hint = 'Nothing was changed. Try again when long transactions on those tables are done.';
+end;
+$$;
+
 -- lockstep.watch(job, source, key_column): create the three statement triggers (insert, update, delete)
 -- that enqueue source.key_column for job, and one on truncate that flags job for its full recompute. Re-running it replaces them. The column's type must convert to
 -- the parent key type without loss (lockstep._castable): checked here, not at the application's next write.
 -- The triggers execute a function generated for this job, table and column that reads only the key column
 -- (lockstep._gen_trigger), or, where the session may not create one or the key type has no single text
 -- form, lockstep.enqueue_trigger().
--- locks: the source table in SHARE ROW EXCLUSIVE mode (CREATE TRIGGER): it waits for the source's writers,
--- like any DDL. Run it at deploy time.
+-- locks: the source table (DROP / CREATE TRIGGER) through lockstep._ddl: it waits for the source's
+-- writers, like any DDL, but never holds an application up for more than 100 ms at a time (it retries for
+-- ~10 s, then 55P03). Run it at deploy time.
 create function lockstep.watch(job text, source regclass, key_column name) returns void
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -592,6 +628,7 @@ declare
     v_type regtype;
     v_fast boolean;
     v_fn text := 'lockstep.enqueue_trigger';
+    v_ddl text[] := '{}';
     op text;
 begin
     if source is null or key_column is null then
@@ -620,7 +657,7 @@ begin
         v_fn := coalesce(lockstep._gen_trigger(j, source, key_column), v_fn);
     end if;
     foreach op in array array['insert', 'update', 'delete'] loop
-        execute pg_catalog.format(
+        v_ddl := v_ddl || pg_catalog.format(
             'create trigger %I after %s on %s referencing %s for each statement '
             'execute function %s(%L, %L%s)',
             lockstep._trigger_name(j.job, op), op, source,
@@ -631,28 +668,27 @@ begin
     end loop;
     -- a TRUNCATE has no transition table to name its rows: the shared function flags the job for its full
     -- recompute
-    execute pg_catalog.format('create trigger %I after truncate on %s for each statement '
-                              'execute function lockstep.enqueue_trigger(%L, %L)',
-                              lockstep._trigger_name(j.job, 'truncate'), source, j.job, key_column);
+    v_ddl := v_ddl || pg_catalog.format('create trigger %I after truncate on %s for each statement '
+                                        'execute function lockstep.enqueue_trigger(%L, %L)',
+                                        lockstep._trigger_name(j.job, 'truncate'), source, j.job, key_column);
+    perform lockstep._ddl(v_ddl, pg_catalog.format('watch(%L, %L)', j.job, source));
 end;
 $$;
 
 -- lockstep.unwatch(job, source): drop the triggers lockstep.watch() created.
--- locks: the source table (DROP TRIGGER), as lockstep.watch.
+-- locks: the source table (DROP TRIGGER) through lockstep._ddl, as lockstep.watch.
 create function lockstep.unwatch(job text, source regclass) returns void
 language plpgsql
 set search_path = pg_catalog, pg_temp
 set client_min_messages = warning
 as $$
-declare
-    op text;
 begin
     if job is null or source is null then
         raise exception 'lockstep: job and source must not be NULL' using errcode = '22004';
     end if;
-    foreach op in array array['insert', 'update', 'delete', 'truncate'] loop
-        execute pg_catalog.format('drop trigger if exists %I on %s', lockstep._trigger_name(job, op), source);
-    end loop;
+    perform lockstep._ddl(array(select pg_catalog.format('drop trigger if exists %I on %s', lockstep._trigger_name(job, op), source)
+                                from pg_catalog.unnest(array['insert', 'update', 'delete', 'truncate']) op),
+                          pg_catalog.format('unwatch(%L, %L)', job, source));
     perform lockstep._drop_unused_triggers();
 end;
 $$;

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from isolation import Spec
 from psycopg.conninfo import make_conninfo
 from util import pg_bindir, raises_sqlstate, snapshot
 
@@ -303,6 +304,28 @@ def test_a_truncate_of_a_watched_table_flags_the_job(app, connect):
     assert app.execute("select due_at <= now() from lockstep.due(array['band'])").fetchone()[0]
     app.execute("select lockstep.run('band')")  # the flagged recompute runs at once
     assert divergence(app, "band") == 0 and flag(app, "band") == (False, None)
+
+
+def test_drop_job_never_deadlocks_an_application_transaction(app, dsn):
+    # drop_job dropped the triggers table by table: it locked app.acc, then waited for app.txn, which an
+    # application transaction held; when that transaction then read app.acc, the deadlock check killed it
+    # (40P01). Now every attempt waits at most 100 ms per lock and gives its locks back when it times out
+    # (lockstep._ddl): the application's read goes on, and drop_job is done once the transaction commits.
+    spec = Spec(dsn, sessions={"app": ["set deadlock_timeout = '100ms'"],  # the victim, before
+                               "admin": ["set deadlock_timeout = '10s'"]})  # fmt: skip
+    spec.step("app_begin", "app", "begin;")
+    app.execute("insert into app.txn (aid, amount) values (1, 1)")
+    # an update that leaves the key alone: no FK check, so no lock on app.acc yet
+    spec.step("app_write", "app", "update app.txn set amount = amount + 1;")
+    spec.step("admin_drop", "admin", "select lockstep.drop_job('band');")
+    spec.step("app_read", "app", "select count(*) from app.acc;")
+    spec.step("app_commit", "app", "commit;")
+    r = spec.run(["app_begin", "app_write", "admin_drop", "app_read", "app_commit"], step_timeout=20)
+    assert r.waited("admin_drop"), r.trace
+    assert r.sqlstate("app_read") is None and r.rows("app_read") == [(20,)], r.trace
+    assert r.sqlstate("app_commit") is None and r.sqlstate("admin_drop") is None, r.trace
+    assert enqueue_triggers(app, "app.acc") == [] and enqueue_triggers(app, "app.txn") == []
+    assert app.execute("select amount from app.txn").fetchall() == [(2,)]
 
 
 LONG_SQL = """
