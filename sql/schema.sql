@@ -1687,6 +1687,28 @@ begin
 end;
 $$;
 
+CREATE FUNCTION lockstep._parent_keys(j lockstep.job) RETURNS text[]
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $_$
+declare
+    v_role text;
+    v_keys text[];
+begin
+    if j.owner is distinct from current_user then
+        perform lockstep._check_act_as(j);
+        v_role := pg_catalog.current_setting('role');
+        perform pg_catalog.set_config('role', j.owner, true);
+    end if;
+    execute pg_catalog.format('select coalesce(array_agg(%1$I::text order by %1$I), ''{}'') from %2$s',
+                              j.parent_key, j.parent) into v_keys;
+    if v_role is not null then
+        perform pg_catalog.set_config('role', v_role, true);
+    end if;
+    return v_keys;
+end;
+$_$;
+
 CREATE FUNCTION lockstep._pin_parents(j lockstep.job) RETURNS text[]
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -1964,7 +1986,7 @@ $$;
 CREATE FUNCTION lockstep._recompute_failed(j lockstep.job, started timestamp with time zone, error text, sqlstate text) RETURNS lockstep.result
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
-    AS $_$
+    AS $$
 declare
     v_keys text[];
     v_before bigint;
@@ -1977,8 +1999,7 @@ begin
     exception when others then
         return lockstep._failed(j, 'recompute', started, error);
     end;
-    execute pg_catalog.format('select coalesce(array_agg(%1$I::text order by %1$I), ''{}'') from %2$s',
-                              j.parent_key, j.parent) into v_keys;
+    v_keys := lockstep._parent_keys(j);
     select coalesce(max(q.id), 0) into v_before from lockstep.queue q where q.job = j.job;
     perform lockstep._hand_off(j, v_keys, v_before, nullif(cardinality(v_keys), 0));
     perform lockstep._finish(j, 'recompute', 'done', started);
@@ -1987,7 +2008,7 @@ begin
                           'isolates the failing ones (lockstep.failing_keys)', error, cardinality(v_keys)),
         cardinality(v_keys) > 0);
 end;
-$_$;
+$$;
 
 CREATE FUNCTION lockstep._referencing(rel regclass, key name[] DEFAULT NULL::name[], cols name[] DEFAULT NULL::name[]) RETURNS TABLE(conname name, refrel regclass, fk name[], rk name[], ord name[], deletes boolean)
     LANGUAGE plpgsql STABLE

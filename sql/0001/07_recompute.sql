@@ -112,6 +112,33 @@ begin
 end;
 $$;
 
+-- lockstep._parent_keys(j): every parent key of j, in key order, read as j's owner (SET LOCAL ROLE, as
+-- lockstep._as_owner; 42501 if the session may not act as the owner). Read with the caller's rights, a
+-- runner of the least-privilege recipe (no right on the owner's tables) failed here with 42501, so a
+-- poison parent stalled the job instead of being handed to the worker and parked.
+-- locks: nothing (reads the parent table).
+create function lockstep._parent_keys(j lockstep.job) returns text[]
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_role text;
+    v_keys text[];
+begin
+    if j.owner is distinct from current_user then
+        perform lockstep._check_act_as(j);
+        v_role := pg_catalog.current_setting('role');
+        perform pg_catalog.set_config('role', j.owner, true);
+    end if;
+    execute pg_catalog.format('select coalesce(array_agg(%1$I::text order by %1$I), ''{}'') from %2$s',
+                              j.parent_key, j.parent) into v_keys;
+    if v_role is not null then
+        perform pg_catalog.set_config('role', v_role, true);
+    end if;
+    return v_keys;
+end;
+$$;
+
 -- lockstep._recompute_failed(j, started, error, sqlstate): the whole-table pass raised error. If it is a
 -- definition error (SQLSTATE class 42, or lockstep's LSDxx: the target, its keys, its foreign keys or the
 -- shape of compute's rows), or an empty pass raises too, or the job has no parent, the job itself is broken:
@@ -137,8 +164,7 @@ begin
     exception when others then
         return lockstep._failed(j, 'recompute', started, error);
     end;
-    execute pg_catalog.format('select coalesce(array_agg(%1$I::text order by %1$I), ''{}'') from %2$s',
-                              j.parent_key, j.parent) into v_keys;
+    v_keys := lockstep._parent_keys(j);
     select coalesce(max(q.id), 0) into v_before from lockstep.queue q where q.job = j.job;
     perform lockstep._hand_off(j, v_keys, v_before, nullif(cardinality(v_keys), 0));
     perform lockstep._finish(j, 'recompute', 'done', started);

@@ -458,6 +458,48 @@ def test_a_least_privilege_runner_compiles_nothing_with_jit(ex, example_dsn, rol
     assert not [p for p in plans if "JIT:" in p], [p for p in plans if "JIT:" in p][:1]
 
 
+def test_a_least_privilege_runner_hands_a_poison_recompute_to_the_worker(ex, example_dsn, roles):
+    """A whole-table pass that fails on a poison parent hands every parent to the worker. The parent keys
+    were read with the caller's rights: a runner of the recipe (no right on the owner's tables) failed with
+    42501 there, nothing was recorded and the job stalled. They are read as the owner now."""
+    owner = roles("exam_owner", OWNER_GRANTS, EXAMPLE_OWNER_GRANTS,
+                  ["grant select on example.exam, example.exam_item to {role}",
+                   "grant update (id) on example.exam to {role}"])  # fmt: skip
+    ex.execute(
+        """create function example.picky(ids bigint[])
+           returns table (exam_id bigint, key text, weight integer) language plpgsql stable as $$ begin
+               if ids is null or 13 = any(ids) then raise exception 'cannot compute exam 13'; end if;
+               return query select * from example.exam_key_compute(ids); end $$"""
+    )
+    ex.execute(
+        sql.SQL("update lockstep.job set owner = {} where job = 'exam_keys'").format(sql.Literal(owner))
+    )
+    with _as(example_dsn, owner) as o:
+        o.execute(
+            "select lockstep.define_derived('exam_keys', 'example.exam_key', 'example.picky(bigint[])',"
+            " 'example.exam')"
+        )
+    runner = roles("lockstep_runner", RUNNER_GRANTS, attrs="noinherit", owner=owner)
+    app_writes(ex)
+    with _as(example_dsn, runner) as r:
+        res = result(r, "lockstep.recompute(%s)", "exam_keys")
+        assert res["outcome"] == "done" and "handed to the worker" in res["error"], res
+        for _ in range(20):
+            if result(r, "lockstep.work(%s)", "exam_keys")["outcome"] == "idle":
+                break
+    failing = ex.execute("select key from lockstep.key_failure where job = 'exam_keys'").fetchall()
+    assert failing == [("13",)]
+    left = ex.execute("select distinct key from lockstep.queue where job = 'exam_keys'").fetchall()
+    assert left in ([], [("13",)]), left  # only the poison key's entries may wait for its retry
+    differ = ex.execute(  # every other exam is written
+        "select count(*) from ((select exam_id, key, weight from example.exam_key where exam_id <> 13"
+        "  except all select * from example.exam_key_compute(null) where exam_id <> 13)"
+        " union all (select * from example.exam_key_compute(null) where exam_id <> 13"
+        "  except all select exam_id, key, weight from example.exam_key where exam_id <> 13)) d"
+    ).fetchone()[0]
+    assert differ == 0
+
+
 def test_owner_without_update_on_the_parent_cannot_pin_it(ex, example_dsn, roles):
     """FOR KEY SHARE needs UPDATE on some column of the parent: define_derived refuses the job, and a job
     given to such an owner by hand fails its keys at run time (they are kept)."""
