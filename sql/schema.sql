@@ -2119,6 +2119,17 @@ begin
             key_type = excluded.key_type, target_key = excluded.target_key, columns = excluded.columns,
             every = excluded.every, backoff = excluded.backoff, updated_at = now();
     insert into lockstep.job_state (job) values (job) on conflict do nothing;
+    -- a redefinition whose rows may differ (another compute, target, parent or columns) makes the recompute
+    -- due now: the derived table was left a mix of the two definitions until the old next_run_at; a new
+    -- every counts from the last run
+    if old.job is not null then
+        update lockstep.job_state s
+        set next_run_at = case
+                when (old.compute, old.target, old.parent, old.parent_column, old.columns, old.target_key)
+                     is distinct from (compute::text, target, parent, parent_column, columns, target_key) then now()
+                else least(s.next_run_at, coalesce(s.last_started_at, now()) + every) end
+        where s.job = _save_derived.job;
+    end if;
 end;
 $$;
 

@@ -146,3 +146,31 @@ def test_compute_duplicating_a_key_the_target_already_holds_fails_the_run(db, se
     assert r[0] == "failed"
     assert "more than one row for primary key (2,same)" in r[1]
     assert db.execute("select * from d order by p_id").fetchall() == before
+
+
+def test_a_redefinition_makes_the_recompute_due(ex):
+    # define_derived again with another compute left next_run_at as it was: the derived table stayed a mix
+    # of the two definitions until then (an hour here), and a shorter every waited for the old schedule too
+    ex.execute(
+        "select lockstep.define_derived('exam_keys', 'example.exam_key',"
+        " 'example.exam_key_compute(bigint[])', 'example.exam', every => '1 hour')"
+    )
+    ex.execute("select lockstep.recompute('exam_keys')")
+    due = "select extract(epoch from due_at - now()) from lockstep.due(array['exam_keys'])"
+    assert ex.execute(due).fetchone()[0] > 3500
+    ex.execute(
+        "create function example.heavier(ids bigint[])"
+        " returns table (exam_id bigint, key text, weight integer) language sql stable"
+        " as $$ select exam_id, key, weight * 2 from example.exam_key_compute(ids) $$"
+    )
+    ex.execute(
+        "select lockstep.define_derived('exam_keys', 'example.exam_key', 'example.heavier(bigint[])',"
+        " 'example.exam', every => '1 hour')"
+    )
+    assert ex.execute(due).fetchone()[0] <= 0  # another compute: due now
+    ex.execute("select lockstep.recompute('exam_keys')")
+    ex.execute(
+        "select lockstep.define_derived('exam_keys', 'example.exam_key', 'example.heavier(bigint[])',"
+        " 'example.exam', every => '10 minutes')"
+    )
+    assert 500 < ex.execute(due).fetchone()[0] <= 600  # a shorter every: from the last run
