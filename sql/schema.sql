@@ -502,6 +502,20 @@ begin
                 using hint = 'ON DELETE CASCADE deletes them with the parent.';
         end if;
     end loop;
+    -- the parent key's ON UPDATE: NO ACTION / RESTRICT (PostgreSQL's default) makes an application's update
+    -- of a parent's key fail with 23503 while derived rows reference it. Rare enough (a key that changes) to
+    -- warn, not refuse.
+    for c in
+        select con.conname, lockstep._attnames(con.conrelid, con.conkey) as cols
+        from pg_catalog.pg_constraint con
+        where con.conrelid = target and con.contype = 'f' and con.conparentid = 0 and con.confrelid = parent
+          and con.confupdtype in ('a', 'r')
+        order by con.conname
+    loop
+        raise warning 'lockstep: foreign key % of %(%) to % is ON UPDATE NO ACTION / RESTRICT: an application update '
+                      'of a parent''s key fails while derived rows reference it', c.conname, target, c.cols, parent
+            using hint = 'ON UPDATE CASCADE moves the derived rows with their parent''s key.';
+    end loop;
 end;
 $$;
 

@@ -261,6 +261,7 @@ $$;
 -- derived rows exist: refused. SET NULL and SET DEFAULT succeed but leave rows that lockstep removes only
 -- at the next recompute: a warning. The target's other foreign keys with NO ACTION / RESTRICT: a warning
 -- (a delete of a row they reference fails while derived rows still reference it, as with any such key).
+-- A parent key ON UPDATE NO ACTION / RESTRICT: a warning (an update of that key fails the same way).
 -- locks: nothing.
 create function lockstep._check_parent_delete(target regclass, parent regclass) returns void
 language plpgsql stable
@@ -301,6 +302,20 @@ begin
                           case c.confdeltype when 'n' then 'their parent column set to NULL' else 'moved to the default parent' end
                 using hint = 'ON DELETE CASCADE deletes them with the parent.';
         end if;
+    end loop;
+    -- the parent key's ON UPDATE: NO ACTION / RESTRICT (PostgreSQL's default) makes an application's update
+    -- of a parent's key fail with 23503 while derived rows reference it. Rare enough (a key that changes) to
+    -- warn, not refuse.
+    for c in
+        select con.conname, lockstep._attnames(con.conrelid, con.conkey) as cols
+        from pg_catalog.pg_constraint con
+        where con.conrelid = target and con.contype = 'f' and con.conparentid = 0 and con.confrelid = parent
+          and con.confupdtype in ('a', 'r')
+        order by con.conname
+    loop
+        raise warning 'lockstep: foreign key % of %(%) to % is ON UPDATE NO ACTION / RESTRICT: an application update '
+                      'of a parent''s key fails while derived rows reference it', c.conname, target, c.cols, parent
+            using hint = 'ON UPDATE CASCADE moves the derived rows with their parent''s key.';
     end loop;
 end;
 $$;

@@ -174,3 +174,31 @@ def test_a_redefinition_makes_the_recompute_due(ex):
         " 'example.exam', every => '10 minutes')"
     )
     assert 500 < ex.execute(due).fetchone()[0] <= 600  # a shorter every: from the last run
+
+
+DEFINE_D = "select lockstep.define_derived('d', 'public.d', 'public.dc(bigint[])', parent => 'public.p')"
+
+
+def test_a_parent_key_on_update_no_action_is_warned_about_at_define(conn):
+    # the target's foreign key to the parent ON UPDATE NO ACTION (the default): an application update of a
+    # parent's key then fails with 23503 while derived rows reference it. define_derived says so.
+    conn.execute(
+        "create table p (id bigint primary key);"
+        " create table d (p_id bigint primary key references p on delete cascade, n int);"
+        " create function dc(ids bigint[]) returns table (p_id bigint, n int) language sql stable"
+        " as $$ select id, 1 from public.p where ids is null or id = any(ids) $$;"
+        " insert into p values (1)"
+    )
+    notices: list[str] = []
+    conn.add_notice_handler(lambda d: notices.append(d.message_primary or ""))
+    conn.execute(DEFINE_D)
+    assert any("ON UPDATE NO ACTION" in n for n in notices), notices
+    conn.execute("select lockstep.recompute('d')")
+    with pytest.raises(psycopg.errors.ForeignKeyViolation):
+        conn.execute("update p set id = 2 where id = 1")  # what the warning says
+    conn.execute("alter table d drop constraint d_p_id_fkey,"
+                 " add foreign key (p_id) references p on delete cascade on update cascade")  # fmt: skip
+    notices.clear()
+    conn.execute(DEFINE_D)
+    assert not any("ON UPDATE" in n for n in notices), notices
+    conn.execute("update p set id = 2 where id = 1")
