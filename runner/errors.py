@@ -92,6 +92,12 @@ _PERMANENT_MESSAGES += (
         "(alter role ... set ...) instead of --connection-check-interval / PGOPTIONS",
     ),
 )
+# libpq's own refusals of a connection string (a value it cannot parse): retrying cannot fix them
+_BAD_CONNINFO = re.compile(
+    r"invalid (integer |sslmode |gssencmode |target_session_attrs |load_balance_hosts )?value"
+    r"|invalid connection option|missing \"=\" after|unterminated quoted string|invalid URI"
+    r"|invalid percent-encoded token|could not match \d+ port numbers to \d+ hosts"
+)
 _PERMANENT_SQLSTATES = {
     "3F000": MIGRATE_HINT,  # invalid_schema_name: schema "lockstep" does not exist
     "42P01": MIGRATE_HINT,  # undefined_table: relation "lockstep.status" does not exist
@@ -115,6 +121,8 @@ def permanent_hint(exc: BaseException) -> str | None:
     if isinstance(exc, psycopg.OperationalError) and state is None:
         # libpq reports connection failures without a SQLSTATE: only the server's FATAL text says why
         text = str(exc)
+        if _BAD_CONNINFO.search(text):  # refused by libpq itself, before any server is asked
+            return "fix the connection string (--dsn / DATABASE_URL / the PG* variables)"
         if "FATAL" in text:
             for pattern, hint in _PERMANENT_MESSAGES:
                 if pattern.search(text):

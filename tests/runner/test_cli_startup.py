@@ -61,6 +61,11 @@ def permanent_cases(dsn: str) -> dict[str, tuple[list[str], dict[str, str], tupl
             {},
             ("does not exist", "user"),
         ),
+        "a connection option libpq refuses (port=abc)": (
+            ["--dsn", f"{dsn}{'&' if '?' in dsn else '?'}port=abc"],
+            {},
+            ("port", "connection string"),
+        ),
         "bad PGOPTIONS (a systemd-split value)": (
             ["--dsn", dsn],
             {"PGOPTIONS": "-c"},
