@@ -2999,6 +2999,13 @@ begin
     if job is null or source is null then
         raise exception 'lockstep: job and source must not be NULL' using errcode = '22004';
     end if;
+    -- an unknown job is an error, as in watch(), unless watch() left triggers of that name on source
+    if not exists (select from lockstep.job x where x.job = unwatch.job)
+       and not exists (select from pg_catalog.pg_trigger t
+                       where t.tgrelid = source and t.tgname in (select lockstep._trigger_name(unwatch.job, o)
+                             from pg_catalog.unnest(array['insert', 'update', 'delete', 'truncate']) o)) then
+        perform lockstep._job(job);  -- LSJ01
+    end if;
     perform lockstep._ddl(array(select pg_catalog.format('drop trigger if exists %I on %s', lockstep._trigger_name(job, op), source)
                                 from pg_catalog.unnest(array['insert', 'update', 'delete', 'truncate']) op),
                           pg_catalog.format('unwatch(%L, %L)', job, source));

@@ -226,6 +226,7 @@ def test_convergence_with_random_changes_and_work_passes(ex):
         (f"lockstep.watch('{JOB}', 'example.exam', 'nope')", "42703", "has no column"),
         (f"lockstep.watch('{JOB}', 'example.exam', 'title')", "LSQ01", "is text"),
         (f"lockstep.watch('{JOB}', null, 'id')", "22004", "NULL"),
+        ("lockstep.unwatch('nope', 'example.exam')", "LSJ01", "unknown job"),  # it passed silently
     ],
 )
 def test_bad_queue_input_is_refused_and_changes_nothing(ex, call, sqlstate, match):
