@@ -92,3 +92,11 @@ def pg_binary(name: str) -> Path | None:
     """Path of PostgreSQL binary ``name`` (see ``pg_bindir``), None if it is not there."""
     bindir = pg_bindir()
     return bindir / name if bindir is not None and (bindir / name).exists() else None
+
+
+def not_due(conn: psycopg.Connection, job: str) -> None:
+    """Put job's periodic recompute an hour away: a redefinition with another compute makes it due at once,
+    and work() gives way to a due recompute (busy); tests of work() after a redefinition call this."""
+    conn.execute(
+        "update lockstep.job_state set next_run_at = now() + interval '1 hour' where job = %s", [job]
+    )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import psycopg
 import pytest
 from isolation import Spec
-from util import drain
+from util import drain, not_due
 
 from runner.lab.example import JOB, divergence
 
@@ -103,6 +103,7 @@ def test_app_deleting_a_claimed_parent_does_not_wait_for_the_worker(
         update example.exam set body = body || ' claimed' where id in (8, {X}, 10);
         """
     )
+    not_due(ex, JOB)
     spec = steps(Spec(example_dsn, sessions=SESSIONS))
     spec.step("s4hold", "s4", f"select pg_advisory_lock({GATE});", show_rows=False)
     spec.step("s4release", "s4", f"select pg_advisory_unlock({GATE});", show_rows=False)

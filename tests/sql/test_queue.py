@@ -6,7 +6,7 @@ import random
 
 import psycopg
 import pytest
-from util import advisory_locks, drain, flushed_stat, raises_sqlstate, result, snapshot
+from util import advisory_locks, drain, flushed_stat, not_due, raises_sqlstate, result, snapshot
 
 from runner.lab.example import JOB, divergence
 
@@ -92,6 +92,7 @@ def test_a_key_enqueued_many_times_is_computed_once(ex):
         f"select lockstep.define_derived('{JOB}', 'example.exam_key', 'example.logged(bigint[])',"
         " 'example.exam')"
     )
+    not_due(ex, JOB)
     r = result(ex, f"lockstep.work('{JOB}')")
     assert r["outcome"] == "done" and not r["more"]
     assert ex.execute("select keys from calls").fetchall() == [([42],)]
@@ -132,6 +133,7 @@ def test_poison_key_is_isolated_retried_parked_and_retried_on_demand(ex):
         " 'example.exam')"
     )
     ex.execute(f"select lockstep.set_max_attempts('{JOB}', 2)")
+    not_due(ex, JOB)
     ex.execute("update example.exam set body = body || ' poisonword' where id between 10 and 16")
     r = result(ex, f"lockstep.work('{JOB}')")
     assert r["outcome"] == "done"
@@ -154,6 +156,7 @@ def test_poison_key_is_isolated_retried_parked_and_retried_on_demand(ex):
         f"select lockstep.define_derived('{JOB}', 'example.exam_key',"
         " 'example.exam_key_compute(bigint[])', 'example.exam')"
     )
+    not_due(ex, JOB)
     assert ex.execute(f"select lockstep.retry('{JOB}', array[13])").fetchone()[0] == 1
     assert result(ex, f"lockstep.work('{JOB}')")["outcome"] == "done"
     assert ex.execute("select count(*) from lockstep.key_failure").fetchone()[0] == 0

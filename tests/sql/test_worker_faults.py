@@ -10,7 +10,7 @@ Issue 11 item 11: a key slower than statement_timeout is isolated like a poison 
 from __future__ import annotations
 
 import psycopg
-from util import result
+from util import not_due, result
 
 from runner.lab.example import JOB, divergence
 
@@ -175,6 +175,7 @@ def test_a_slow_key_is_isolated_like_a_poison_key_and_the_rest_moves(ex):
         f"select lockstep.define_derived('{JOB}', 'example.exam_key', 'example.slow_13(bigint[])',"
         " 'example.exam', every => '1 day')"
     )
+    not_due(ex, JOB)
     ex.execute("update example.exam set body = body || ' slowword' where id between 1 and 24")
     ex.execute("set statement_timeout = '400ms'")
     outcomes = []
