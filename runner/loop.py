@@ -127,7 +127,7 @@ class Runner:
         self.conn = conn
         self.pid = db.backend_pid(conn)
         self._may_vacuum = db.may_vacuum_queue(conn)
-        if not self._may_vacuum:
+        if not self._may_vacuum and db.lockstep_installed(conn):  # no schema: the error that follows says so
             log.info("not the queue's owner: autovacuum alone cleans lockstep.queue")
         self._sequence = None
         if self.opts.listen and not self.opts.once:
