@@ -1666,7 +1666,7 @@ $$;
 CREATE FUNCTION lockstep._owner_run(j lockstep.job, keys text[], sandboxed boolean) RETURNS lockstep._pass
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
-    AS $$
+    AS $_$
 declare
     v_sql text;
     v_stmts text[];
@@ -1681,6 +1681,10 @@ begin
         -- by the stored regprocedure: a function dropped or made ambiguous since define_job fails the run
         v_sql := pg_catalog.format('select %s()', lockstep._callable(j.call::regprocedure, 0));
         execute v_sql;
+    elsif j.kind = 'parent_keys' then  -- lockstep._parent_keys: every parent key, in p.skipped
+        p := row(0, 0, 0, '{}', 0, 0, 0, '{}', '{}');
+        execute pg_catalog.format('select coalesce(array_agg(%1$I::text order by %1$I), ''{}'') from %2$s',
+                                  j.parent_key, j.parent) into p.skipped;
     else
         p := lockstep._apply(j, keys);
     end if;
@@ -1699,29 +1703,19 @@ begin
     end if;
     return p;
 end;
-$$;
+$_$;
 
 CREATE FUNCTION lockstep._parent_keys(j lockstep.job) RETURNS text[]
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
-    AS $_$
+    AS $$
 declare
-    v_role text;
-    v_keys text[];
+    v lockstep.job := j;
 begin
-    if j.owner is distinct from current_user then
-        perform lockstep._check_act_as(j);
-        v_role := pg_catalog.current_setting('role');
-        perform pg_catalog.set_config('role', j.owner, true);
-    end if;
-    execute pg_catalog.format('select coalesce(array_agg(%1$I::text order by %1$I), ''{}'') from %2$s',
-                              j.parent_key, j.parent) into v_keys;
-    if v_role is not null then
-        perform pg_catalog.set_config('role', v_role, true);
-    end if;
-    return v_keys;
+    v.kind := 'parent_keys';  -- lockstep._owner_run reads the keys instead of running a pass
+    return (lockstep._as_owner(v, null)).skipped;
 end;
-$_$;
+$$;
 
 CREATE FUNCTION lockstep._pin_parents(j lockstep.job) RETURNS text[]
     LANGUAGE plpgsql

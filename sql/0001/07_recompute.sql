@@ -112,8 +112,9 @@ begin
 end;
 $$;
 
--- lockstep._parent_keys(j): every parent key of j, in key order, read as j's owner (SET LOCAL ROLE, as
--- lockstep._as_owner; 42501 if the session may not act as the owner). Read with the caller's rights, a
+-- lockstep._parent_keys(j): every parent key of j, in key order, read as j's owner through the owner's
+-- sandbox (lockstep._as_owner, as a pass: the read of the owner's table may run the owner's code, a row
+-- security policy's function, which must not get the runner's session). Read with the caller's rights, a
 -- runner of the least-privilege recipe (no right on the owner's tables) failed here with 42501, so a
 -- poison parent stalled the job instead of being handed to the worker and parked.
 -- locks: nothing (reads the parent table).
@@ -122,20 +123,10 @@ language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_role text;
-    v_keys text[];
+    v lockstep.job := j;
 begin
-    if j.owner is distinct from current_user then
-        perform lockstep._check_act_as(j);
-        v_role := pg_catalog.current_setting('role');
-        perform pg_catalog.set_config('role', j.owner, true);
-    end if;
-    execute pg_catalog.format('select coalesce(array_agg(%1$I::text order by %1$I), ''{}'') from %2$s',
-                              j.parent_key, j.parent) into v_keys;
-    if v_role is not null then
-        perform pg_catalog.set_config('role', v_role, true);
-    end if;
-    return v_keys;
+    v.kind := 'parent_keys';  -- lockstep._owner_run reads the keys instead of running a pass
+    return (lockstep._as_owner(v, null)).skipped;
 end;
 $$;
 

@@ -209,7 +209,8 @@ end;
 $$;
 
 -- lockstep._owner_run(j, keys, sandboxed): the part of a run that executes the owner's code: the generic
--- job's call, or lockstep._apply(j, keys) for a derived job. sandboxed (inside the trampoline): afterwards,
+-- job's call, or lockstep._apply(j, keys) for a derived job (or, j.kind set to 'parent_keys' by
+-- lockstep._parent_keys, the read of every parent key: a read of the owner's table may run its code too). sandboxed (inside the trampoline): afterwards,
 -- what the owner's code could leave behind for the runner's session is undone or refused: deferred
 -- triggers fire now (as the owner), a WITH HOLD cursor or a changed prepared statement is an error, and
 -- search_path is set back to lockstep's (a plain SET by the owner's code would outlive the function).
@@ -232,6 +233,10 @@ begin
         -- by the stored regprocedure: a function dropped or made ambiguous since define_job fails the run
         v_sql := pg_catalog.format('select %s()', lockstep._callable(j.call::regprocedure, 0));
         execute v_sql;
+    elsif j.kind = 'parent_keys' then  -- lockstep._parent_keys: every parent key, in p.skipped
+        p := row(0, 0, 0, '{}', 0, 0, 0, '{}', '{}');
+        execute pg_catalog.format('select coalesce(array_agg(%1$I::text order by %1$I), ''{}'') from %2$s',
+                                  j.parent_key, j.parent) into p.skipped;
     else
         p := lockstep._apply(j, keys);
     end if;

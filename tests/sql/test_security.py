@@ -458,10 +458,9 @@ def test_a_least_privilege_runner_compiles_nothing_with_jit(ex, example_dsn, rol
     assert not [p for p in plans if "JIT:" in p], [p for p in plans if "JIT:" in p][:1]
 
 
-def test_a_least_privilege_runner_hands_a_poison_recompute_to_the_worker(ex, example_dsn, roles):
-    """A whole-table pass that fails on a poison parent hands every parent to the worker. The parent keys
-    were read with the caller's rights: a runner of the recipe (no right on the owner's tables) failed with
-    42501 there, nothing was recorded and the job stalled. They are read as the owner now."""
+def _poison_recompute_job(ex, example_dsn, roles) -> str:
+    """exam_keys given to a recipe owner, computed by example.picky (fails for exam 13 and for the whole
+    table); returns a recipe runner that serves the owner."""
     owner = roles("exam_owner", OWNER_GRANTS, EXAMPLE_OWNER_GRANTS,
                   ["grant select on example.exam, example.exam_item to {role}",
                    "grant update (id) on example.exam to {role}"])  # fmt: skip
@@ -479,7 +478,14 @@ def test_a_least_privilege_runner_hands_a_poison_recompute_to_the_worker(ex, exa
             "select lockstep.define_derived('exam_keys', 'example.exam_key', 'example.picky(bigint[])',"
             " 'example.exam')"
         )
-    runner = roles("lockstep_runner", RUNNER_GRANTS, attrs="noinherit", owner=owner)
+    return roles("lockstep_runner", RUNNER_GRANTS, attrs="noinherit", owner=owner)
+
+
+def test_a_least_privilege_runner_hands_a_poison_recompute_to_the_worker(ex, example_dsn, roles):
+    """A whole-table pass that fails on a poison parent hands every parent to the worker. The parent keys
+    were read with the caller's rights: a runner of the recipe (no right on the owner's tables) failed with
+    42501 there, nothing was recorded and the job stalled. They are read as the owner now."""
+    runner = _poison_recompute_job(ex, example_dsn, roles)
     app_writes(ex)
     with _as(example_dsn, runner) as r:
         res = result(r, "lockstep.recompute(%s)", "exam_keys")
@@ -498,6 +504,29 @@ def test_a_least_privilege_runner_hands_a_poison_recompute_to_the_worker(ex, exa
         "  except all select exam_id, key, weight from example.exam_key where exam_id <> 13)) d"
     ).fetchone()[0]
     assert differ == 0
+
+
+def test_the_parent_keys_of_a_poison_recompute_are_read_in_the_owners_sandbox(ex, example_dsn, roles):
+    """The read of every parent key runs the owner's code where the parent has row security: a policy's
+    function that resets the role must not get the runner's session (a first version read the keys under a
+    plain SET ROLE, outside the SECURITY DEFINER trampoline compute runs in, and such a function became the
+    runner)."""
+    runner = _poison_recompute_job(ex, example_dsn, roles)
+    ex.execute(
+        """create table public.seen (who text);
+           grant insert on public.seen to public;
+           create function public.spy() returns boolean language plpgsql as $$ begin
+               begin perform pg_catalog.set_config('role', 'none', true);
+               exception when others then null; end;
+               insert into public.seen values (current_user); return true; end $$;
+           alter table example.exam enable row level security;
+           create policy spy on example.exam using (public.spy())"""
+    )
+    with _as(example_dsn, runner) as r:
+        res = result(r, "lockstep.recompute(%s)", "exam_keys")
+    assert res["outcome"] == "done" and "handed to the worker" in res["error"], res
+    owner = ex.execute("select owner from lockstep.job where job = 'exam_keys'").fetchone()[0]
+    assert ex.execute("select distinct who from public.seen").fetchall() == [(owner,)]
 
 
 def test_owner_without_update_on_the_parent_cannot_pin_it(ex, example_dsn, roles):
