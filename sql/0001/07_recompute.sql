@@ -93,22 +93,45 @@ $$;
 -- lockstep._hand_off(j, keys, before, total): queue keys (the parents the write skipped, or every parent)
 -- and record the recompute's hand-off in the job's status row: total parents changed and the range of queue
 -- ids above before (the job's highest id when the recompute started), from which lockstep.status derives
--- recompute_done until the worker has taken them all. total NULL: no recompute is spread over transactions.
+-- recompute_done until the worker has taken them all. total NULL: this recompute is not spread over
+-- transactions. An earlier hand-off still in progress is carried on, not forgotten: the range starts at its
+-- first id, the parents it has done count as done, and its entries still queued as still to do.
 -- locks: appends to lockstep.queue; the job's lockstep.job_state row (FOR NO KEY UPDATE, by the update).
 create function lockstep._hand_off(j lockstep.job, keys text[], before bigint, total bigint) returns void
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
+declare
+    s lockstep.job_state;
+    v_from bigint;
+    v_to bigint;
+    v_done bigint;
+    v_old_todo bigint;
 begin
     perform lockstep._enqueue_text(j, keys);
-    update lockstep.job_state s set
-        recompute_total = total,
-        recompute_queue_from = case when total is not null then (select min(q.id) from lockstep.queue q
-                                                                 where q.job = j.job and q.id > before) end,
-        recompute_queue_to = case when total is not null then (select max(q.id) from lockstep.queue q
-                                                               where q.job = j.job and q.id > before) end
-    where s.job = j.job
-      and (total is not null or s.recompute_total is not null);
+    select * into s from lockstep.job_state x where x.job = j.job;
+    if total is null then  -- nothing spread over transactions: an earlier hand-off's progress, if done, goes
+        if s.recompute_total is not null
+           and lockstep._handoff_todo(j.job, s.recompute_queue_from, s.recompute_queue_to) = 0 then
+            update lockstep.job_state x set recompute_total = null, recompute_queue_from = null, recompute_queue_to = null
+            where x.job = j.job;
+        end if;
+        return;
+    end if;
+    select min(q.id), max(q.id) into v_from, v_to from lockstep.queue q where q.job = j.job and q.id > before;
+    v_done := total - lockstep._handoff_todo(j.job, v_from, v_to);
+    if s.recompute_total is not null then
+        v_old_todo := lockstep._handoff_todo(j.job, s.recompute_queue_from, s.recompute_queue_to);
+        if v_old_todo > 0 then
+            v_done := v_done + s.recompute_total - v_old_todo;
+            v_from := s.recompute_queue_from;
+        end if;
+    end if;
+    update lockstep.job_state x set
+        recompute_total = v_done + lockstep._handoff_todo(j.job, v_from, v_to),
+        recompute_queue_from = v_from,
+        recompute_queue_to = v_to
+    where x.job = j.job;
 end;
 $$;
 
