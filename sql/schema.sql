@@ -1219,10 +1219,10 @@ $gen$, v_name, key_column,
         pg_catalog.format(v_read, pg_catalog.format('select distinct x.%I as k from lockstep_new x', key_column)),
         pg_catalog.format(v_read, pg_catalog.format('select distinct x.%I as k from lockstep_old x', key_column)),
         case when j.key_type in ('text'::regtype, 'character varying'::regtype, 'numeric'::regtype) then
-'    if pg_catalog.octet_length(pg_catalog.array_to_string(v_keys, ''''))
-       operator(pg_catalog.+) pg_catalog.octet_length(tg_argv[0]) operator(pg_catalog.>) 2600 then
+pg_catalog.format('    if pg_catalog.octet_length(pg_catalog.array_to_string(v_keys, ''''))
+       operator(pg_catalog.+) pg_catalog.octet_length(tg_argv[0]) operator(pg_catalog.>) %s then
         v_keys := lockstep._queueable(tg_argv[0], v_keys);  -- a key too long for the queue flags the job
-    end if;' else '' end);
+    end if;', lockstep._max_key_bytes()) else '' end);
     return pg_catalog.format('lockstep.%I', v_name);
 exception when insufficient_privilege then  -- a function of that name owned by another role
     return null;
@@ -1636,6 +1636,13 @@ begin
 end;
 $$;
 
+CREATE FUNCTION lockstep._max_key_bytes() RETURNS integer
+    LANGUAGE sql IMMUTABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+    select 2600;
+$$;
+
 CREATE FUNCTION lockstep._may_manage(owner name) RETURNS boolean
     LANGUAGE plpgsql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -1901,17 +1908,19 @@ CREATE FUNCTION lockstep._queueable(job text, keys text[]) RETURNS text[]
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
 declare
+    v_max integer := lockstep._max_key_bytes();
     v_long text[] := array(select k from pg_catalog.unnest(keys) k
-                           where pg_catalog.octet_length(k) + pg_catalog.octet_length(job) > 2600);
+                           where pg_catalog.octet_length(k) + pg_catalog.octet_length(job) > v_max);
 begin
     if cardinality(v_long) = 0 then
         return keys;
     end if;
     perform lockstep._flag(job, pg_catalog.format(
-        '%s key(s) too long for the queue (%s bytes with the job name, at most 2600), first starting %L',
-        cardinality(v_long), pg_catalog.octet_length(v_long[1]) + pg_catalog.octet_length(job), pg_catalog.left(v_long[1], 20)));
+        '%s key(s) too long for the queue (%s bytes with the job name, at most %s), first starting %L',
+        cardinality(v_long), pg_catalog.octet_length(v_long[1]) + pg_catalog.octet_length(job), v_max,
+        pg_catalog.left(v_long[1], 20)));
     return array(select k from pg_catalog.unnest(keys) with ordinality u(k, o)
-                 where pg_catalog.octet_length(k) + pg_catalog.octet_length(job) <= 2600 order by o);
+                 where pg_catalog.octet_length(k) + pg_catalog.octet_length(job) <= v_max order by o);
 end;
 $$;
 
@@ -2792,7 +2801,7 @@ begin
             v_keys := null;  -- the general path says why
         end;
         if pg_catalog.octet_length(pg_catalog.array_to_string(v_keys, ''))
-           operator(pg_catalog.+) pg_catalog.octet_length(tg_argv[0]) operator(pg_catalog.>) 2600 then
+           operator(pg_catalog.+) pg_catalog.octet_length(tg_argv[0]) operator(pg_catalog.>) lockstep._max_key_bytes() then
             v_keys := lockstep._queueable(tg_argv[0], v_keys);  -- a key too long for the queue flags the job
         end if;
         if pg_catalog.cardinality(v_keys) operator(pg_catalog.=) 1 then  -- the common case: no function scan

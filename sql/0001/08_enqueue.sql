@@ -34,28 +34,41 @@ as $$
     select array['bigint', 'integer', 'smallint', 'numeric', 'text', 'character varying', 'uuid'];
 $$;
 
--- lockstep._queueable(job, keys): keys without those too long for the queue, each of which flags the job for
--- its full recompute instead (lockstep._flag: the recompute covers that parent). A queue entry's
--- (key, job) index row holds at most 2,704 bytes: a longer key (an incompressible text key of 2,661 bytes
--- was enough) raised 54000 "index row size exceeds btree maximum" in the application's statement. 2,600
--- bytes of key and job name always fit. Callers test the bound on all keys at once first (cheap).
+-- lockstep._max_key_bytes(): the most bytes of key and job name together a queue entry takes. A queue
+-- entry's (key, job) index row holds at most 2,704 bytes: a longer key (an incompressible text key of 2,661
+-- bytes was enough) raised 54000 "index row size exceeds btree maximum" in the application's statement.
+-- 2,600 bytes always fit. Immutable: folded to its value when a caller's statement is planned; the
+-- generated trigger functions have it written in (lockstep._gen_trigger).
+-- locks: nothing.
+create function lockstep._max_key_bytes() returns integer
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select 2600;
+$$;
+
+-- lockstep._queueable(job, keys): keys without those too long for the queue (lockstep._max_key_bytes), each
+-- of which flags the job for its full recompute instead (lockstep._flag: the recompute covers that parent).
+-- Callers test the bound on all keys at once first (cheap).
 -- locks: none beyond the insert into lockstep.recompute_flag (as lockstep._flag).
 create function lockstep._queueable(job text, keys text[]) returns text[]
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 declare
+    v_max integer := lockstep._max_key_bytes();
     v_long text[] := array(select k from pg_catalog.unnest(keys) k
-                           where pg_catalog.octet_length(k) + pg_catalog.octet_length(job) > 2600);
+                           where pg_catalog.octet_length(k) + pg_catalog.octet_length(job) > v_max);
 begin
     if cardinality(v_long) = 0 then
         return keys;
     end if;
     perform lockstep._flag(job, pg_catalog.format(
-        '%s key(s) too long for the queue (%s bytes with the job name, at most 2600), first starting %L',
-        cardinality(v_long), pg_catalog.octet_length(v_long[1]) + pg_catalog.octet_length(job), pg_catalog.left(v_long[1], 20)));
+        '%s key(s) too long for the queue (%s bytes with the job name, at most %s), first starting %L',
+        cardinality(v_long), pg_catalog.octet_length(v_long[1]) + pg_catalog.octet_length(job), v_max,
+        pg_catalog.left(v_long[1], 20)));
     return array(select k from pg_catalog.unnest(keys) with ordinality u(k, o)
-                 where pg_catalog.octet_length(k) + pg_catalog.octet_length(job) <= 2600 order by o);
+                 where pg_catalog.octet_length(k) + pg_catalog.octet_length(job) <= v_max order by o);
 end;
 $$;
 
@@ -308,7 +321,7 @@ begin
             v_keys := null;  -- the general path says why
         end;
         if pg_catalog.octet_length(pg_catalog.array_to_string(v_keys, ''))
-           operator(pg_catalog.+) pg_catalog.octet_length(tg_argv[0]) operator(pg_catalog.>) 2600 then
+           operator(pg_catalog.+) pg_catalog.octet_length(tg_argv[0]) operator(pg_catalog.>) lockstep._max_key_bytes() then
             v_keys := lockstep._queueable(tg_argv[0], v_keys);  -- a key too long for the queue flags the job
         end if;
         if pg_catalog.cardinality(v_keys) operator(pg_catalog.=) 1 then  -- the common case: no function scan
@@ -455,10 +468,10 @@ $gen$, v_name, key_column,
         pg_catalog.format(v_read, pg_catalog.format('select distinct x.%I as k from lockstep_new x', key_column)),
         pg_catalog.format(v_read, pg_catalog.format('select distinct x.%I as k from lockstep_old x', key_column)),
         case when j.key_type in ('text'::regtype, 'character varying'::regtype, 'numeric'::regtype) then
-'    if pg_catalog.octet_length(pg_catalog.array_to_string(v_keys, ''''))
-       operator(pg_catalog.+) pg_catalog.octet_length(tg_argv[0]) operator(pg_catalog.>) 2600 then
+pg_catalog.format('    if pg_catalog.octet_length(pg_catalog.array_to_string(v_keys, ''''))
+       operator(pg_catalog.+) pg_catalog.octet_length(tg_argv[0]) operator(pg_catalog.>) %s then
         v_keys := lockstep._queueable(tg_argv[0], v_keys);  -- a key too long for the queue flags the job
-    end if;' else '' end);
+    end if;', lockstep._max_key_bytes()) else '' end);
     return pg_catalog.format('lockstep.%I', v_name);
 exception when insufficient_privilege then  -- a function of that name owned by another role
     return null;
