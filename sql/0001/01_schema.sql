@@ -62,6 +62,15 @@ create type lockstep._pass as (
     errors      text[]      -- worker only: the matching error messages
 );
 
+-- what a diff put in the work tables (internal): the write steps with nothing to do are not run (each is
+-- a statement planned at every pass).
+create type lockstep._diff_counts as (
+    gone        bigint,     -- rows to delete
+    fresh       bigint,     -- rows to insert (no current row of that primary key)
+    pin         bigint,     -- rows whose parent the FK check looks up: new, or moving to another parent
+    kept        bigint      -- rows to update in place (a current row of that primary key)
+);
+
 -- tables --------------------------------------------------------------------------------------------------
 
 -- the registry: one row per job, written only by define_* and drop_job.

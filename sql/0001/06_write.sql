@@ -142,7 +142,7 @@ $$;
 -- hashing and probing 697,087 rows each side) and the count of compute's materialized rows (~120 ms).
 -- A larger work_mem made the join slower (a 46 MB hash table instead of 8 batches of 6 MB).
 -- locks: no row locks (compute reads and the target is read under MVCC); writes only pg_temp work tables.
-create function lockstep._diff_all(j lockstep.job, keys text[]) returns bigint
+create function lockstep._diff_all(j lockstep.job, keys text[]) returns lockstep._diff_counts
 language plpgsql
 set search_path = pg_catalog, pg_temp
 set client_min_messages = warning
@@ -157,7 +157,7 @@ declare
                       from pg_catalog.unnest(j.target_key) k);
     v_par text;
     v_tpar text;
-    n bigint;
+    n lockstep._diff_counts;
     v_bad text;
     v_null boolean;
     v_once boolean;
@@ -181,17 +181,20 @@ begin
         '      select %14$s, c.lockstep_tpar, c.lockstep_ctid from c where c.lockstep_d is null returning 1), '
         'p as (insert into pg_temp.%2$I (%3$s, lockstep_parent, lockstep_old_parent, lockstep_new, lockstep_ctid) '
         '      select %6$s, %15$s, d.lockstep_tpar, d.lockstep_ctid is null, d.lockstep_ctid from c d '
-        '      where d.lockstep_d returning 1) '
-        'select (select count(*) from g) + (select count(*) from p), (select k from x), (select n from x), '
+        '      where d.lockstep_d '
+        '      returning lockstep_new, lockstep_new or lockstep_parent is distinct from lockstep_old_parent as lockstep_pin) '
+        'select (select count(*) from g), pc.n, pc.pin, pc.kept, (select k from x), (select n from x), '
         '  (select count(*) from d) - (select count(*) from c where c.lockstep_d and c.lockstep_ctid is null) '
-        '  <= (select count(*) from %9$s) - (select count(*) from c where c.lockstep_d is null)',
+        '  <= (select count(*) from %9$s) - (select count(*) from c where c.lockstep_d is null) '
+        'from (select count(*) filter (where lockstep_new) as n, count(*) filter (where lockstep_pin) as pin, '
+        '      count(*) filter (where not lockstep_new) as kept from p) pc',
         lockstep._tmp(j, 'gone'), lockstep._tmp(j, 'put'), lockstep._cols(j.columns), v_fn, v_arg,
         lockstep._cols(j.columns, 'd'), v_tpar,
         (select pg_catalog.string_agg(pg_catalog.format('t.%I as %I', c, v_t[o]), ', ' order by o)
          from pg_catalog.unnest(j.columns) with ordinality u(c, o)),
         j.target, lockstep._eq(j.target_key, 't', 'd'), lockstep._cols(j.columns, 't'),
         lockstep._cols(j.target_key), v_pknull, lockstep._cols(v_t, 'c'), v_par)
-        into n, v_bad, v_null, v_once using keys;
+        into n.gone, n.fresh, n.pin, n.kept, v_bad, v_null, v_once using keys;
     if not v_once and v_bad is null then  -- a current row matched twice: name its key (error path only)
         execute pg_catalog.format('select row(%1$s)::text from (select * from %2$s($1::%3$s) offset 0) d '
                                   'group by %1$s having count(*) > 1 limit 1', lockstep._cols(j.target_key), v_fn, v_arg)
@@ -220,7 +223,7 @@ $$;
 -- JIT is off in lockstep's compute and write functions: their queries are short, and JIT compilation,
 -- triggered by a bad estimate, cost more than the query itself in measurements (200 ms for a 500-key pass).
 -- locks: no row locks (compute reads and the target is read under MVCC); writes only pg_temp work tables.
-create function lockstep._diff(j lockstep.job, keys text[]) returns bigint
+create function lockstep._diff(j lockstep.job, keys text[]) returns lockstep._diff_counts
 language plpgsql
 set search_path = pg_catalog, pg_temp
 set client_min_messages = warning
@@ -236,7 +239,7 @@ declare
     v_oldpar text;
     v_new text;
     v_old text;
-    n bigint;
+    n lockstep._diff_counts;
     v_bad text;
     v_null boolean;
 begin
@@ -285,13 +288,16 @@ begin
         '      select %11$s, %12$s, c.lockstep_ctid from c where not exists (select from d where %13$s) returning 1), '
         'p as (insert into pg_temp.%2$I (%3$s, lockstep_parent, lockstep_old_parent, lockstep_new, lockstep_ctid) '
         '      select %14$s, %15$s, %16$s, %17$s, %18$s from d left join c on %13$s %19$s '
-        '      where c.lockstep_ctid is null or (%14$s) is distinct from (%11$s) returning 1) '
-        'select (select count(*) from g) + (select count(*) from p), (select k from x), (select n from x)',
+        '      where c.lockstep_ctid is null or (%14$s) is distinct from (%11$s) '
+        '      returning lockstep_new, lockstep_new or lockstep_parent is distinct from lockstep_old_parent as pin) '
+        'select (select count(*) from g), pc.n, pc.pin, pc.kept, (select k from x), (select n from x) '
+        'from (select count(*) filter (where p.lockstep_new) as n, count(*) filter (where p.pin) as pin, '
+        '      count(*) filter (where not p.lockstep_new) as kept from p) pc',
         f.gone, f.put, f.cols, f.fn, f.arg,
         pg_catalog.format('where d.%I = any($1::%s)', j.parent_column, f.arr),
         f.pk, f.pknull, 'materialized', v_cur,
         f.ccols, v_cpar, f.dc, f.dcols, v_dpar, v_oldpar, v_new, v_old, v_moved)
-        into n, v_bad, v_null using keys;
+        into n.gone, n.fresh, n.pin, n.kept, v_bad, v_null using keys;
     perform lockstep._check_computed_key(j, v_bad, v_null);
     return n;
 end;
@@ -642,12 +648,13 @@ begin
 end;
 $$;
 
--- lockstep._upsert_rows(j): write step 3c. The rows of j's put work table: those that exist are updated
--- where _lock_rows locked them (by ctid: a TID scan, no index probe per row; matched by primary key too, for
--- a partitioned target), the new ones inserted in primary-key order by one INSERT ... ON CONFLICT DO
--- UPDATE ... WHERE IS DISTINCT FROM (a row an application inserted meanwhile is updated, not a 23505).
+-- lockstep._upsert_rows(j, updates, inserts): write step 3c. The rows of j's put work table: those that exist
+-- (if updates: the diff found some) are updated where _lock_rows locked them (by ctid: a TID scan, no index
+-- probe per row; matched by primary key too, for a partitioned target), the new ones (if inserts) inserted in primary-key order by one INSERT ... ON CONFLICT
+-- DO UPDATE ... WHERE IS DISTINCT FROM (a row an application inserted meanwhile is updated, not a 23505).
 -- locks: the target rows it updates (already held by _lock_rows), then those it inserts.
-create function lockstep._upsert_rows(j lockstep.job, out inserted bigint, out updated bigint)
+create function lockstep._upsert_rows(j lockstep.job, updates boolean, inserts boolean,
+                                      out inserted bigint, out updated bigint)
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
@@ -657,10 +664,8 @@ declare
     v_action text := 'do nothing';
 begin
     updated := 0;
-    if cardinality(v_rest) > 0 then
-        v_action := pg_catalog.format('do update set %s where (%s) is distinct from (%s)',
-            (select pg_catalog.string_agg(pg_catalog.format('%I = excluded.%I', x, x), ', ') from pg_catalog.unnest(v_rest) x),
-            lockstep._cols(v_rest, 't'), lockstep._cols(v_rest, 'excluded'));
+    inserted := 0;
+    if cardinality(v_rest) > 0 and updates then
         execute pg_catalog.format(
             'with u as (update %1$s t set %2$s from pg_temp.%3$I w '
             '           where t.ctid = any(array(select lockstep_ctid from pg_temp.%3$I where not lockstep_new)) '
@@ -669,6 +674,14 @@ begin
             j.target, (select pg_catalog.string_agg(pg_catalog.format('%I = w.%I', x, x), ', ') from pg_catalog.unnest(v_rest) x),
             v_put, lockstep._eq(j.target_key, 't', 'w'), lockstep._cols(v_rest, 't'), lockstep._cols(v_rest, 'w'))
             into updated;
+    end if;
+    if not inserts then
+        return;
+    end if;
+    if cardinality(v_rest) > 0 then
+        v_action := pg_catalog.format('do update set %s where (%s) is distinct from (%s)',
+            (select pg_catalog.string_agg(pg_catalog.format('%I = excluded.%I', x, x), ', ') from pg_catalog.unnest(v_rest) x),
+            lockstep._cols(v_rest, 't'), lockstep._cols(v_rest, 'excluded'));
     end if;
     execute pg_catalog.format(
         'with i as (insert into %1$s as t (%2$s) select %2$s from pg_temp.%5$I where lockstep_new order by %3$s '
@@ -706,28 +719,39 @@ as $$
 declare
     v_t0 timestamptz := clock_timestamp();
     v_t1 timestamptz;
-    v_skip text[];
+    v_skip text[] := '{}';
+    d lockstep._diff_counts := lockstep._diff(j, keys);
     p lockstep._pass := row(0, 0, 0, '{}', 0, 0, 0, '{}', '{}');
 begin
-    if lockstep._diff(j, keys) = 0 then
+    if d.gone + d.fresh + d.kept = 0 then
         p.compute_ms := extract(epoch from clock_timestamp() - v_t0) * 1000;
         return p;  -- nothing to write: no lock taken at all, and the work tables are empty (nothing to clear)
     end if;
     perform lockstep._limit_batch(j, case when keys is null then j.batch_parents end);  -- 07_recompute.sql
     v_t1 := clock_timestamp();
     p.compute_ms := extract(epoch from v_t1 - v_t0) * 1000;
-    v_skip := lockstep._pin_parents(j);
+    -- a step with nothing to do is not run (d: counted before _limit_batch and the steps drop rows, so an
+    -- upper bound): each is a statement planned at every pass, ~0.1-0.2 ms of a pass of 50 keys
+    if d.pin > 0 then
+        v_skip := lockstep._pin_parents(j);
+    end if;
     v_skip := v_skip || lockstep._pin_refs(j);
-    v_skip := v_skip || lockstep._lock_rows(j);
-    v_skip := v_skip || lockstep._lock_referencing(j);
+    if d.gone + d.kept > 0 then
+        v_skip := v_skip || lockstep._lock_rows(j);
+    end if;
+    if d.gone > 0 then
+        v_skip := v_skip || lockstep._lock_referencing(j);
+    end if;
     if j.parent is not null and cardinality(v_skip) > 0 then
         -- a parent's rows are written together or not at all: none of a skipped parent's rows is written
         perform lockstep._drop_rows(lockstep._tmp(j, 'gone'), 'lockstep_parent = any($1)', v_skip);
         perform lockstep._drop_rows(lockstep._tmp(j, 'put'), 'lockstep_parent = any($1) or lockstep_old_parent = any($1)',
                                     v_skip);
     end if;
-    p.deleted := lockstep._delete_rows(j);
-    select u.inserted, u.updated into p.inserted, p.updated from lockstep._upsert_rows(j) u;
+    if d.gone > 0 then
+        p.deleted := lockstep._delete_rows(j);
+    end if;
+    select u.inserted, u.updated into p.inserted, p.updated from lockstep._upsert_rows(j, d.kept > 0, d.fresh > 0) u;
     -- skipped parents: those that still exist go back to the queue; the others were deleted meanwhile
     v_skip := array(select distinct pg_catalog.unnest(v_skip));
     if j.parent is not null and cardinality(v_skip) > 0 then
