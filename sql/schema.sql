@@ -1578,13 +1578,15 @@ begin
 end;
 $_$;
 
-CREATE FUNCTION lockstep._lock_rows(j lockstep.job) RETURNS text[]
+CREATE FUNCTION lockstep._lock_rows(j lockstep.job, expected bigint DEFAULT NULL::bigint) RETURNS text[]
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $_$
 declare
     v_skip text[];
     v_mine text := '';
+    v_lock text;
+    v_locked bigint;
 begin
     if exists (select from pg_catalog.pg_class c where c.oid = j.target and (c.relkind = 'p' or c.relhassubclass)) then
         v_mine := pg_catalog.format(
@@ -1593,19 +1595,27 @@ begin
             lockstep._cols(j.target_key, 't'), lockstep._cols(j.target_key), lockstep._tmp(j, 'gone'),
             lockstep._tmp(j, 'put'));
     end if;
-    -- one statement: the rows locked (l), then the rows of gone and put that are not among them dropped
-    execute pg_catalog.format(
-        'with l as materialized (select %1$s from %2$s t where t.ctid = any(array('
+    v_lock := pg_catalog.format(
+        'select %1$s from %2$s t where t.ctid = any(array('
         '  select lockstep_ctid from pg_temp.%3$I'
-        '  union all select lockstep_ctid from pg_temp.%4$I where not lockstep_new))%6$s '
-        '  order by %1$s for update of t skip locked), '
-        'dg as (delete from pg_temp.%3$I w where not exists (select from l where %5$s) returning lockstep_parent), '
-        'dp as (delete from pg_temp.%4$I w where not lockstep_new and not exists (select from l where %5$s) '
+        '  union all select lockstep_ctid from pg_temp.%4$I where not lockstep_new))%5$s '
+        '  order by %1$s for update of t skip locked',
+        lockstep._cols(j.target_key, 't'), j.target, lockstep._tmp(j, 'gone'), lockstep._tmp(j, 'put'), v_mine);
+    if expected is not null then
+        execute pg_catalog.format('select count(*) from (%s) l', v_lock) into v_locked;
+        if v_locked = expected then
+            return '{}';
+        end if;
+    end if;
+    -- the rows locked (l), then the rows of gone and put that are not among them dropped
+    execute pg_catalog.format(
+        'with l as materialized (%1$s), '
+        'dg as (delete from pg_temp.%2$I w where not exists (select from l where %4$s) returning lockstep_parent), '
+        'dp as (delete from pg_temp.%3$I w where not lockstep_new and not exists (select from l where %4$s) '
         '       returning lockstep_parent) '
         'select coalesce(array_agg(distinct k) filter (where k is not null), ''{}'') '
         'from (select * from dg union all select * from dp) s(k)',
-        lockstep._cols(j.target_key, 't'), j.target, lockstep._tmp(j, 'gone'), lockstep._tmp(j, 'put'),
-        lockstep._eq(j.target_key, 'l', 'w'), v_mine) into v_skip;
+        v_lock, lockstep._tmp(j, 'gone'), lockstep._tmp(j, 'put'), lockstep._eq(j.target_key, 'l', 'w')) into v_skip;
     return v_skip;
 end;
 $_$;
@@ -2622,6 +2632,7 @@ declare
     v_t0 timestamptz := clock_timestamp();
     v_t1 timestamptz;
     v_skip text[] := '{}';
+    v_handed bigint;
     d lockstep._diff_counts := lockstep._diff(j, keys);
     p lockstep._pass := row(0, 0, 0, '{}', 0, 0, 0, '{}', '{}');
 begin
@@ -2629,7 +2640,7 @@ begin
         p.compute_ms := extract(epoch from clock_timestamp() - v_t0) * 1000;
         return p;  -- nothing to write: no lock taken at all, and the work tables are empty (nothing to clear)
     end if;
-    perform lockstep._limit_batch(j, case when keys is null then j.batch_parents end);  -- 07_recompute.sql
+    v_handed := lockstep._limit_batch(j, case when keys is null then j.batch_parents end);  -- 07_recompute.sql
     v_t1 := clock_timestamp();
     p.compute_ms := extract(epoch from v_t1 - v_t0) * 1000;
     -- a step with nothing to do is not run (d: counted before _limit_batch and the steps drop rows, so an
@@ -2638,8 +2649,9 @@ begin
         v_skip := lockstep._pin_parents(j);
     end if;
     v_skip := v_skip || lockstep._pin_refs(j);
-    if d.gone + d.kept > 0 then
-        v_skip := v_skip || lockstep._lock_rows(j);
+    if d.gone + d.kept > 0 then  -- how many rows to lock is known while no step has dropped any
+        v_skip := v_skip || lockstep._lock_rows(j, case when v_handed = 0 and cardinality(v_skip) = 0
+                                                        then d.gone + d.kept end);
     end if;
     if d.gone > 0 then
         v_skip := v_skip || lockstep._lock_referencing(j);
