@@ -773,13 +773,14 @@ begin
 end;
 $$;
 
-CREATE FUNCTION lockstep._clear_flag(j lockstep.job, snap pg_snapshot) RETURNS void
+CREATE FUNCTION lockstep._clear_flag(j lockstep.job, snap pg_snapshot, started timestamp with time zone) RETURNS void
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
 begin
     delete from lockstep.recompute_flag f
-    where f.job = j.job and pg_catalog.pg_visible_in_snapshot(f.xid, snap);
+    where f.job = j.job and pg_catalog.pg_visible_in_snapshot(f.xid, snap)
+      and not (f.xid = pg_catalog.pg_current_xact_id_if_assigned() and f.flagged_at >= started);
 end;
 $$;
 
@@ -1168,7 +1169,8 @@ CREATE FUNCTION lockstep._flag(job text, problem text) RETURNS void
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
 begin
-    insert into lockstep.recompute_flag (job, problem) values (coalesce(job, ''), problem);
+    insert into lockstep.recompute_flag (job, flagged_at, problem)
+    values (coalesce(job, ''), pg_catalog.clock_timestamp(), problem);
     raise warning 'lockstep: could not enqueue for job "%": %; job flagged for a full recompute', job, problem
         using hint = 'See trigger_problem in lockstep.status; lockstep.recompute(job) clears the flag.';
 end;
@@ -2038,7 +2040,7 @@ begin
     if j.parent is not null then
         perform lockstep._hand_off(j, p.skipped, v_before, case when v_rest > 0 then j.batch_parents + v_rest end);
     end if;
-    perform lockstep._clear_flag(j, v_snap);
+    perform lockstep._clear_flag(j, v_snap, v_started);
     perform lockstep._finish(j, 'recompute', 'done', v_started, p);
     return lockstep._result('done', j.job, 'recompute', p, null, v_rest > 0);
 end;

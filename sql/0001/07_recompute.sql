@@ -238,7 +238,7 @@ begin
     if j.parent is not null then
         perform lockstep._hand_off(j, p.skipped, v_before, case when v_rest > 0 then j.batch_parents + v_rest end);
     end if;
-    perform lockstep._clear_flag(j, v_snap);
+    perform lockstep._clear_flag(j, v_snap, v_started);
     perform lockstep._finish(j, 'recompute', 'done', v_started, p);
     return lockstep._result('done', j.job, 'recompute', p, null, v_rest > 0);
 end;

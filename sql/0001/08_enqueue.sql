@@ -201,23 +201,28 @@ language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 begin
-    insert into lockstep.recompute_flag (job, problem) values (coalesce(job, ''), problem);
+    insert into lockstep.recompute_flag (job, flagged_at, problem)
+    values (coalesce(job, ''), pg_catalog.clock_timestamp(), problem);
     raise warning 'lockstep: could not enqueue for job "%": %; job flagged for a full recompute', job, problem
         using hint = 'See trigger_problem in lockstep.status; lockstep.recompute(job) clears the flag.';
 end;
 $$;
 
--- lockstep._clear_flag(j, snap): after a successful full recompute that began with snapshot snap: forget
--- the flags whose transactions snap already saw (their changes are in the recompute). Flags committed
--- later stay.
+-- lockstep._clear_flag(j, snap, started): after a successful full recompute that began at clock time
+-- started with snapshot snap: forget the flags whose transactions snap already saw (their changes are in the
+-- recompute). Flags committed later stay, and so do those this transaction raised after started (the
+-- recompute's own hand-off of a key too long for the queue flags the job: that parent is not written yet).
+-- pg_visible_in_snapshot counts the snapshot's own transaction as seen, whenever its row was written: two
+-- recomputes in one transaction lost the first one's flag in the second, and the parent stayed stale.
 -- locks: the job's lockstep.recompute_flag rows (deleted).
-create function lockstep._clear_flag(j lockstep.job, snap pg_snapshot) returns void
+create function lockstep._clear_flag(j lockstep.job, snap pg_snapshot, started timestamptz) returns void
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 begin
     delete from lockstep.recompute_flag f
-    where f.job = j.job and pg_catalog.pg_visible_in_snapshot(f.xid, snap);
+    where f.job = j.job and pg_catalog.pg_visible_in_snapshot(f.xid, snap)
+      and not (f.xid = pg_catalog.pg_current_xact_id_if_assigned() and f.flagged_at >= started);
 end;
 $$;
 

@@ -22,7 +22,7 @@ import psycopg
 import pytest
 from isolation import Spec
 from psycopg.conninfo import make_conninfo
-from util import pg_bindir, raises_sqlstate, snapshot
+from util import pg_bindir, raises_sqlstate, result, snapshot
 
 from runner.migrate import migrate
 
@@ -373,6 +373,29 @@ def test_a_key_too_long_for_the_queue_flags_the_job_instead_of_failing(app, conn
     assert any("too long for the queue" in n for n in notices)
     app.execute(f"select lockstep.recompute('{TAGS}')")
     assert app.execute("select count(*) from app.tag_hits").fetchone()[0] == 2
+    assert flag(app, TAGS) == (False, None)
+
+
+def test_a_recompute_keeps_the_flag_its_own_hand_off_raised_even_in_one_transaction(app, connect):
+    """A recompute that hands a key too long for the queue off flags the job (that parent is not written
+    yet). Two recomputes in one transaction: the second cleared the first one's flag and its own
+    (pg_visible_in_snapshot counts the transaction's own xid as seen once a later one has committed), the
+    parent stayed stale and nothing said so (found by a fault probe)."""
+    app.execute(LONG_SQL)
+    app.execute(f"insert into app.tag (name, hits) values ('a', 1), ('b', 2), ('zz' || ({LONG_KEY}), 3)")
+    app.execute(f"select lockstep.set_batch_parents('{TAGS}', 1)")
+    other = connect()
+    with app.transaction():
+        app.execute("select pg_current_xact_id()")  # the transaction has its xid before either snapshot
+        for _ in range(2):  # each writes the first parent left, hands the others off
+            other.execute("select pg_current_xact_id()")  # a later xid commits: the snapshot's xmax passes ours
+            assert result(app, f"lockstep.recompute('{TAGS}')")["outcome"] == "done"
+    assert app.execute("select name from app.tag_hits order by name").fetchall() == [("a",), ("b",)]
+    assert flag(app, TAGS)[0] and "too long for the queue" in flag(app, TAGS)[1]  # before: no flag
+    # the flag makes the recompute due: run() writes the long key's parent and only then clears it
+    for _ in range(5):
+        result(app, f"lockstep.run('{TAGS}')")
+    assert app.execute("select count(*) from app.tag_hits").fetchone()[0] == 3
     assert flag(app, TAGS) == (False, None)
 
 
