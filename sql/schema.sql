@@ -3137,7 +3137,7 @@ begin
 end;
 $$;
 
-CREATE FUNCTION lockstep.work(job text, batch integer DEFAULT 500) RETURNS lockstep.result
+CREATE FUNCTION lockstep.work(job text, batch integer DEFAULT NULL::integer) RETURNS lockstep.result
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET jit TO 'off'
@@ -3145,13 +3145,16 @@ CREATE FUNCTION lockstep.work(job text, batch integer DEFAULT 500) RETURNS locks
     SET "IntervalStyle" TO 'postgres'
     SET extra_float_digits TO '1'
     AS $$
+declare
+    j lockstep.job;
 begin
     perform lockstep._check_isolation('lockstep.work()');
-    if batch is null or batch < 1 then
-        raise exception 'lockstep: batch must be a positive integer (got %)', coalesce(batch::text, 'NULL')
+    if batch < 1 then
+        raise exception 'lockstep: batch must be a positive integer or NULL for the job''s batch_parents (got %)', batch
             using errcode = '22023';
     end if;
-    return lockstep._work(lockstep._queue_job(job), batch);
+    j := lockstep._queue_job(job);
+    return lockstep._work(j, coalesce(batch, j.batch_parents));
 end;
 $$;
 

@@ -496,9 +496,10 @@ begin
 end;
 $$;
 
--- lockstep.work(job, batch): one incremental pass over up to batch queued parents.
+-- lockstep.work(job, batch): one incremental pass over up to batch queued parents (NULL, the default: the
+-- job's batch_parents, as lockstep.run(); a larger batch is the caller's explicit choice).
 -- locks: as lockstep._work.
-create function lockstep.work(job text, batch integer default 500) returns lockstep.result
+create function lockstep.work(job text, batch integer default null) returns lockstep.result
 language plpgsql
 set search_path = pg_catalog, pg_temp
 set jit = off  -- lockstep._no_jit_note (03_helpers.sql)
@@ -506,13 +507,16 @@ set datestyle = 'ISO, YMD'
 set intervalstyle = 'postgres'
 set extra_float_digits = 1
 as $$
+declare
+    j lockstep.job;
 begin
     perform lockstep._check_isolation('lockstep.work()');
-    if batch is null or batch < 1 then
-        raise exception 'lockstep: batch must be a positive integer (got %)', coalesce(batch::text, 'NULL')
+    if batch < 1 then
+        raise exception 'lockstep: batch must be a positive integer or NULL for the job''s batch_parents (got %)', batch
             using errcode = '22023';
     end if;
-    return lockstep._work(lockstep._queue_job(job), batch);
+    j := lockstep._queue_job(job);
+    return lockstep._work(j, coalesce(batch, j.batch_parents));
 end;
 $$;
 

@@ -222,7 +222,7 @@ def test_convergence_with_random_changes_and_work_passes(ex):
         ("lockstep.enqueue('nope', array[1])", "LSJ01", "unknown job"),
         ("lockstep.enqueue(null, array[1])", "22004", "NULL"),
         (f"lockstep.work('{JOB}', 0)", "22023", "positive"),
-        (f"lockstep.work('{JOB}', null)", "22023", "positive"),
+        (f"lockstep.work('{JOB}', -1)", "22023", "positive"),
         ("lockstep.work('nope')", "LSJ01", "unknown job"),
         (f"lockstep.retry('{JOB}', null::bigint[])", "22004", "must not be NULL"),
         (f"lockstep.set_max_attempts('{JOB}', 0)", "22023", "positive"),
@@ -238,6 +238,20 @@ def test_bad_queue_input_is_refused_and_changes_nothing(ex, call, sqlstate, matc
     with raises_sqlstate(sqlstate, match):
         ex.execute(f"select {call}")
     assert snapshot(ex, "example.exam_key") == before
+
+
+def test_work_claims_the_jobs_batch_parents_unless_told_otherwise(ex):
+    """work(job) claimed 500 keys whatever batch_parents said (the README promises no transaction writes more
+    than batch_parents parents); now its default is the job's batch_parents, as run(); an explicit batch
+    is the caller's choice (found by a fault probe)."""
+    ex.execute(f"select lockstep.set_batch_parents('{JOB}', 3)")
+    ex.execute("update example.exam set body = body || ' w' where id <= 10")  # the trigger queues 1..10
+    claimed = []
+    for call in (f"lockstep.work('{JOB}')", f"lockstep.work('{JOB}', null)", f"lockstep.work('{JOB}', 4)"):
+        before = len(queue_keys(ex))
+        assert result(ex, call)["outcome"] == "done"
+        claimed.append(before - len(queue_keys(ex)))
+    assert claimed == [3, 3, 4]
 
 
 def test_enqueue_accepts_same_category_types_and_counts_distinct_keys(ex):
