@@ -1266,7 +1266,6 @@ declare
     v_from bigint;
     v_to bigint;
     v_done bigint;
-    v_old_todo bigint;
 begin
     perform lockstep._enqueue_text(j, keys);
     select * into s from lockstep.job_state x where x.job = j.job;
@@ -1280,12 +1279,9 @@ begin
     end if;
     select min(q.id), max(q.id) into v_from, v_to from lockstep.queue q where q.job = j.job and q.id > before;
     v_done := total - lockstep._handoff_todo(j.job, v_from, v_to);
-    if s.recompute_total is not null then
-        v_old_todo := lockstep._handoff_todo(j.job, s.recompute_queue_from, s.recompute_queue_to);
-        if v_old_todo > 0 then
-            v_done := v_done + s.recompute_total - v_old_todo;
-            v_from := s.recompute_queue_from;
-        end if;
+    if s.recompute_total is not null
+       and lockstep._handoff_todo(j.job, s.recompute_queue_from, s.recompute_queue_to) > 0 then
+        v_from := s.recompute_queue_from;
     end if;
     update lockstep.job_state x set
         recompute_total = v_done + lockstep._handoff_todo(j.job, v_from, v_to),
@@ -3114,7 +3110,9 @@ begin
     end if;
     -- the fast path (a third argument) where the column's JSON text is the key's canonical text
     v_fast := v_type::text = any(lockstep._fast_types()) and j.key_type::text = any(lockstep._fast_types());
-    perform lockstep.unwatch(job, source);
+    -- the triggers of an earlier watch() go in the same attempts (lockstep._ddl), named in its errors as watch
+    v_ddl := array(select pg_catalog.format('drop trigger if exists %I on %s', lockstep._trigger_name(j.job, o), source)
+                   from pg_catalog.unnest(array['insert', 'update', 'delete', 'truncate']) o);
     if v_fast then  -- a function that reads only the key column, where the session may create one
         v_fn := coalesce(lockstep._gen_trigger(j, source, key_column), v_fn);
     end if;
@@ -3134,6 +3132,7 @@ begin
                                         'execute function lockstep.enqueue_trigger(%L, %L)',
                                         lockstep._trigger_name(j.job, 'truncate'), source, j.job, key_column);
     perform lockstep._ddl(v_ddl, pg_catalog.format('watch(%L, %L)', j.job, source));
+    perform lockstep._drop_unused_triggers();  -- a function the replaced triggers used, if no longer any
 end;
 $$;
 

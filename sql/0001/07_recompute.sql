@@ -95,7 +95,8 @@ $$;
 -- ids above before (the job's highest id when the recompute started), from which lockstep.status derives
 -- recompute_done until the worker has taken them all. total NULL: this recompute is not spread over
 -- transactions. An earlier hand-off still in progress is carried on, not forgotten: the range starts at its
--- first id, the parents it has done count as done, and its entries still queued as still to do.
+-- first id, so its entries still queued count as to do (distinct parents: a parent queued by both counts
+-- once); done counts this recompute's written parents, so the total never exceeds the parents changed.
 -- locks: appends to lockstep.queue; the job's lockstep.job_state row (FOR NO KEY UPDATE, by the update).
 create function lockstep._hand_off(j lockstep.job, keys text[], before bigint, total bigint) returns void
 language plpgsql
@@ -106,7 +107,6 @@ declare
     v_from bigint;
     v_to bigint;
     v_done bigint;
-    v_old_todo bigint;
 begin
     perform lockstep._enqueue_text(j, keys);
     select * into s from lockstep.job_state x where x.job = j.job;
@@ -120,12 +120,9 @@ begin
     end if;
     select min(q.id), max(q.id) into v_from, v_to from lockstep.queue q where q.job = j.job and q.id > before;
     v_done := total - lockstep._handoff_todo(j.job, v_from, v_to);
-    if s.recompute_total is not null then
-        v_old_todo := lockstep._handoff_todo(j.job, s.recompute_queue_from, s.recompute_queue_to);
-        if v_old_todo > 0 then
-            v_done := v_done + s.recompute_total - v_old_todo;
-            v_from := s.recompute_queue_from;
-        end if;
+    if s.recompute_total is not null
+       and lockstep._handoff_todo(j.job, s.recompute_queue_from, s.recompute_queue_to) > 0 then
+        v_from := s.recompute_queue_from;
     end if;
     update lockstep.job_state x set
         recompute_total = v_done + lockstep._handoff_todo(j.job, v_from, v_to),

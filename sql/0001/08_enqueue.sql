@@ -670,7 +670,9 @@ begin
     end if;
     -- the fast path (a third argument) where the column's JSON text is the key's canonical text
     v_fast := v_type::text = any(lockstep._fast_types()) and j.key_type::text = any(lockstep._fast_types());
-    perform lockstep.unwatch(job, source);
+    -- the triggers of an earlier watch() go in the same attempts (lockstep._ddl), named in its errors as watch
+    v_ddl := array(select pg_catalog.format('drop trigger if exists %I on %s', lockstep._trigger_name(j.job, o), source)
+                   from pg_catalog.unnest(array['insert', 'update', 'delete', 'truncate']) o);
     if v_fast then  -- a function that reads only the key column, where the session may create one
         v_fn := coalesce(lockstep._gen_trigger(j, source, key_column), v_fn);
     end if;
@@ -690,6 +692,7 @@ begin
                                         'execute function lockstep.enqueue_trigger(%L, %L)',
                                         lockstep._trigger_name(j.job, 'truncate'), source, j.job, key_column);
     perform lockstep._ddl(v_ddl, pg_catalog.format('watch(%L, %L)', j.job, source));
+    perform lockstep._drop_unused_triggers();  -- a function the replaced triggers used, if no longer any
 end;
 $$;
 

@@ -164,14 +164,14 @@ def test_a_due_recompute_is_not_starved_by_its_own_hand_off(ex):
     r = result(ex, f"lockstep.run('{JOB}')")
     assert (r["action"], r["outcome"], r["more"]) == ("recompute", "done", True)
     # a new recompute: its difference is the 150 parents not yet written; it writes 50, hands off 100.
-    # Its progress carries the first hand-off on: 50 + 50 parents done, the 150 still queued to do (the
-    # first one's entries for 51-200 and its own for 101-200); before, only its own 100 counted.
-    assert ex.execute(STATUS_SQL).fetchone() == (100, 250)
+    # Its progress carries the first hand-off on: its 50 written parents done, the 150 parents still queued
+    # to do (the first one's entries for 51-200, its own for 101-200: each parent once).
+    assert ex.execute(STATUS_SQL).fetchone() == (50, 200)
     # and it is not due again: no re-run loop; the worker finishes, and each pass shows in the progress
     # (before, the passes over the first hand-off's entries left it at 50 / 150)
     r = result(ex, f"lockstep.run('{JOB}')")
     assert r["action"] == "work"
-    assert ex.execute(STATUS_SQL).fetchone() == (150, 250)
+    assert ex.execute(STATUS_SQL).fetchone() == (100, 200)
     _drain(ex)
     assert divergence(ex) == (0, 0)
 

@@ -328,6 +328,22 @@ def test_drop_job_never_deadlocks_an_application_transaction(app, dsn):
     assert app.execute("select amount from app.txn").fetchall() == [(2,)]
 
 
+def test_watch_that_cannot_lock_its_table_says_so_and_changes_nothing(app, connect):
+    """watch() on a table an application transaction keeps busy gives up (55P03) after its attempts, with
+    the application never waiting more than lock_timeout at a time. The message named unwatch (watch
+    dropped the old triggers through unwatch's own attempts): now one set of attempts, named watch."""
+    before = enqueue_triggers(app, "app.txn")
+    user = connect()
+    user.execute("begin")
+    user.execute("update app.txn set amount = amount")  # ROW EXCLUSIVE on app.txn until it ends
+    admin = connect()
+    admin.execute("set deadlock_timeout = '20ms'")  # lock_timeout 10 ms per attempt: ~5 s in all
+    with raises_sqlstate("55P03", r"lockstep: watch\('band', 'app.txn'\) could not lock its tables"):
+        admin.execute("select lockstep.watch('band', 'app.txn', 'aid')")
+    user.execute("rollback")
+    assert enqueue_triggers(app, "app.txn") == before
+
+
 LONG_SQL = """
 create table app.tag (name text primary key, hits integer not null default 0);
 create table app.tag_hits (name text primary key references app.tag on delete cascade, hits integer not null);
