@@ -65,7 +65,8 @@ def migrate(
     """Upgrade (or, with ``downgrade=True``, downgrade) the lockstep schema to ``revision``.
 
     With ``sql=True`` nothing connects: the SQL script is written to ``output`` (default stdout) and
-    None is returned; offline downgrades need a ``from:to`` revision range (Alembic's rule).
+    None is returned; an offline downgrade goes from ``from:to`` (Alembic's rule), from head when
+    ``revision`` names only where to go.
     An upgrade never goes down: ``revision="base"``, or a revision below the current one, raises
     MigrateError (before changing anything) instead of reporting "already at".
     """
@@ -74,6 +75,8 @@ def migrate(
             "an upgrade to base would remove nothing: use `lockstep migrate downgrade --revision base`"
         )
     cfg = config(dsn, output)
+    if downgrade and sql and ":" not in revision:
+        revision = f"{head()}:{revision}"  # offline, nothing to read the current revision from: from head
     if downgrade:
         command.downgrade(cfg, revision, sql=sql)
     else:

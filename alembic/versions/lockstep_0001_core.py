@@ -35,8 +35,9 @@ def _refuse_if_installed() -> None:
     table = op.get_context().version_table
     if table == OWN_VERSION_TABLE:
         advice = (
-            "it was installed by your application's Alembic (its version table records it): keep "
-            "upgrading it there with `alembic upgrade heads`, or `drop schema lockstep cascade` first"
+            "`lockstep migrate` did not install it. If your application's Alembic did (its version table "
+            "records it), keep upgrading it there with `alembic upgrade heads`; if it is a leftover or an "
+            "empty schema of your own, `drop schema lockstep cascade` first"
         )
     else:
         advice = (
