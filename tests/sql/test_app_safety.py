@@ -404,7 +404,7 @@ def test_a_recompute_keeps_the_flag_its_own_hand_off_raised_even_in_one_transact
     with app.transaction():
         app.execute("select pg_current_xact_id()")  # the transaction has its xid before either snapshot
         for _ in range(2):  # each writes the first parent left, hands the others off
-            other.execute("select pg_current_xact_id()")  # a later xid commits: the snapshot's xmax passes ours
+            other.execute("select pg_current_xact_id()")  # a later xid commits: xmax passes ours
             assert result(app, f"lockstep.recompute('{TAGS}')")["outcome"] == "done"
     assert app.execute("select name from app.tag_hits order by name").fetchall() == [("a",), ("b",)]
     assert flag(app, TAGS)[0] and "too long for the queue" in flag(app, TAGS)[1]  # before: no flag
