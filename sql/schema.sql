@@ -795,7 +795,7 @@ begin
 end;
 $$;
 
-CREATE FUNCTION lockstep._ddl(stmts text[], what text) RETURNS void
+CREATE FUNCTION lockstep._ddl(tables regclass[], stmts text[], what text) RETURNS void
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
@@ -803,22 +803,37 @@ declare
     v_ms text := (extract(epoch from least(interval '100 ms',
                   pg_catalog.current_setting('deadlock_timeout')::interval / 2)) * 1000)::bigint::text;
     v_old text := pg_catalog.current_setting('lock_timeout');
+    v_order regclass[] := array(select t from pg_catalog.unnest(tables) with ordinality u(t, o)
+                                group by t order by min(o));
+    v_at regclass;
+    t regclass;
     s text;
 begin
     for attempt in 1..50 loop
         begin
             perform pg_catalog.set_config('lock_timeout', v_ms, true);  -- undone if the attempt fails
+            foreach t in array v_order loop
+                v_at := t;
+                execute pg_catalog.format('lock table %s in access exclusive mode', t);
+            end loop;
+            v_at := null;
             foreach s in array stmts loop
                 execute s;
             end loop;
             perform pg_catalog.set_config('lock_timeout', v_old, true);
             return;
         exception when lock_not_available then
+            if v_at is not null then  -- the next attempt waits for this one first, holding nothing
+                v_order := v_at || pg_catalog.array_remove(v_order, v_at);
+            end if;
             perform pg_catalog.pg_sleep(0.05 + 0.1 * pg_catalog.random());
         end;
     end loop;
     raise exception 'lockstep: % could not lock its tables: application transactions kept them busy', what
-        using errcode = '55P03', hint = 'Nothing was changed. Try again when long transactions on those tables are done.';
+        using errcode = '55P03',
+              hint = pg_catalog.format('Nothing was changed. Each of 50 attempts waited at most %s ms for each of %s; '
+                                       'try again when fewer or shorter transactions use them.',
+                                       v_ms, pg_catalog.array_to_string(v_order, ', '));
 end;
 $$;
 
@@ -1115,6 +1130,20 @@ begin
     perform lockstep._finish(j, action, 'failed', started, null, error);
     return lockstep._result('failed', j.job, action, null, error);
 end;
+$$;
+
+CREATE FUNCTION lockstep._family(source regclass) RETURNS regclass[]
+    LANGUAGE sql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+    with recursive f (rel, depth) as (
+        select source::oid, 0
+        union all
+        select i.inhrelid, f.depth + 1 from f join pg_catalog.pg_inherits i on i.inhparent = f.rel
+        where f.depth < 100
+    )
+    select array(select f.rel::regclass from f join pg_catalog.pg_class c on c.oid = f.rel
+                 where c.relkind in ('r', 'p') group by f.rel order by min(f.depth), f.rel);
 $$;
 
 CREATE FUNCTION lockstep._fast_types() RETURNS text[]
@@ -2756,7 +2785,8 @@ declare
 begin
     perform lockstep._check_owner(j);
     -- all the watched tables at once, never holding an application up for long (lockstep._ddl, 08_enqueue.sql)
-    perform lockstep._ddl(array(select pg_catalog.format('drop trigger %I on %s', w.tgname, w.rel)
+    perform lockstep._ddl(array(select w.rel from lockstep._watchers(j.job) w),
+                          array(select pg_catalog.format('drop trigger %I on %s', w.tgname, w.rel)
                                 from lockstep._watchers(j.job) w),
                           pg_catalog.format('drop_job(%L)', j.job));
     perform lockstep._drop_unused_triggers();  -- 08_enqueue.sql
@@ -3070,8 +3100,10 @@ begin
                              from pg_catalog.unnest(array['insert', 'update', 'delete', 'truncate']) o)) then
         perform lockstep._job(job);  -- LSJ01
     end if;
-    perform lockstep._ddl(array(select pg_catalog.format('drop trigger if exists %I on %s', lockstep._trigger_name(job, op), source)
-                                from pg_catalog.unnest(array['insert', 'update', 'delete', 'truncate']) op),
+    perform lockstep._ddl(lockstep._family(source),
+                          array(select pg_catalog.format('drop trigger if exists %I on %s', lockstep._trigger_name(job, op), x)
+                                from pg_catalog.unnest(lockstep._family(source)) x,
+                                     pg_catalog.unnest(array['insert', 'update', 'delete', 'truncate']) op),
                           pg_catalog.format('unwatch(%L, %L)', job, source));
     perform lockstep._drop_unused_triggers();
 end;
@@ -3080,6 +3112,7 @@ $$;
 CREATE FUNCTION lockstep.watch(job text, source regclass, key_column name) RETURNS void
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
+    SET client_min_messages TO 'warning'
     AS $$
 declare
     j lockstep.job := lockstep._queue_job(job);
@@ -3087,7 +3120,9 @@ declare
     v_fast boolean;
     v_fn text := 'lockstep.enqueue_trigger';
     v_ddl text[] := '{}';
+    v_tables regclass[] := lockstep._family(source);
     op text;
+    t regclass;
 begin
     if source is null or key_column is null then
         raise exception 'lockstep: source and key_column must not be NULL' using errcode = '22004';
@@ -3111,27 +3146,34 @@ begin
     -- the fast path (a third argument) where the column's JSON text is the key's canonical text
     v_fast := v_type::text = any(lockstep._fast_types()) and j.key_type::text = any(lockstep._fast_types());
     -- the triggers of an earlier watch() go in the same attempts (lockstep._ddl), named in its errors as watch
-    v_ddl := array(select pg_catalog.format('drop trigger if exists %I on %s', lockstep._trigger_name(j.job, o), source)
-                   from pg_catalog.unnest(array['insert', 'update', 'delete', 'truncate']) o);
+    v_ddl := array(select pg_catalog.format('drop trigger if exists %I on %s', lockstep._trigger_name(j.job, o), x)
+                   from pg_catalog.unnest(v_tables) x, pg_catalog.unnest(array['insert', 'update', 'delete', 'truncate']) o);
     if v_fast then  -- a function that reads only the key column, where the session may create one
         v_fn := coalesce(lockstep._gen_trigger(j, source, key_column), v_fn);
     end if;
-    foreach op in array array['insert', 'update', 'delete'] loop
-        v_ddl := v_ddl || pg_catalog.format(
-            'create trigger %I after %s on %s referencing %s for each statement '
-            'execute function %s(%L, %L%s)',
-            lockstep._trigger_name(j.job, op), op, source,
-            case op when 'insert' then 'new table as lockstep_new'
-                    when 'update' then 'old table as lockstep_old new table as lockstep_new'
-                    else 'old table as lockstep_old' end,
-            v_fn, j.job, key_column, case when v_fast then pg_catalog.format(', %L', j.key_type) else '' end);
+    foreach t in array v_tables loop  -- one function for all: it names only the column, which they share
+        foreach op in array array['insert', 'update', 'delete'] loop
+            v_ddl := v_ddl || pg_catalog.format(
+                'create trigger %I after %s on %s referencing %s for each statement '
+                'execute function %s(%L, %L%s)',
+                lockstep._trigger_name(j.job, op), op, t,
+                case op when 'insert' then 'new table as lockstep_new'
+                        when 'update' then 'old table as lockstep_old new table as lockstep_new'
+                        else 'old table as lockstep_old' end,
+                v_fn, j.job, key_column, case when v_fast then pg_catalog.format(', %L', j.key_type) else '' end);
+        end loop;
+        -- a TRUNCATE has no transition table to name its rows: the shared function flags the job for its
+        -- full recompute
+        v_ddl := v_ddl || pg_catalog.format('create trigger %I after truncate on %s for each statement '
+                                            'execute function lockstep.enqueue_trigger(%L, %L)',
+                                            lockstep._trigger_name(j.job, 'truncate'), t, j.job, key_column);
     end loop;
-    -- a TRUNCATE has no transition table to name its rows: the shared function flags the job for its full
-    -- recompute
-    v_ddl := v_ddl || pg_catalog.format('create trigger %I after truncate on %s for each statement '
-                                        'execute function lockstep.enqueue_trigger(%L, %L)',
-                                        lockstep._trigger_name(j.job, 'truncate'), source, j.job, key_column);
-    perform lockstep._ddl(v_ddl, pg_catalog.format('watch(%L, %L)', j.job, source));
+    perform lockstep._ddl(v_tables, v_ddl, pg_catalog.format('watch(%L, %L)', j.job, source));
+    if exists (select from pg_catalog.pg_class c where c.oid = source and c.relkind = 'p') then
+        raise warning 'lockstep: watch(%, %) covers its % partition(s) of today; run it again after attaching or creating one',
+            j.job, source, cardinality(v_tables) - 1
+            using hint = 'A write made directly to a partition that is not watched reaches the job only at its next recompute.';
+    end if;
     perform lockstep._drop_unused_triggers();  -- a function the replaced triggers used, if no longer any
 end;
 $$;

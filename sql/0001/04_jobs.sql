@@ -225,7 +225,8 @@ declare
 begin
     perform lockstep._check_owner(j);
     -- all the watched tables at once, never holding an application up for long (lockstep._ddl, 08_enqueue.sql)
-    perform lockstep._ddl(array(select pg_catalog.format('drop trigger %I on %s', w.tgname, w.rel)
+    perform lockstep._ddl(array(select w.rel from lockstep._watchers(j.job) w),
+                          array(select pg_catalog.format('drop trigger %I on %s', w.tgname, w.rel)
                                 from lockstep._watchers(j.job) w),
                           pg_catalog.format('drop_job(%L)', j.job));
     perform lockstep._drop_unused_triggers();  -- 08_enqueue.sql

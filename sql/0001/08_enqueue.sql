@@ -593,15 +593,21 @@ begin
 end;
 $$;
 
--- lockstep._ddl(stmts, what): run DDL that locks application tables (CREATE / DROP TRIGGER), all of it or
--- none, without ever keeping an application waiting long or deadlocking it. Each attempt, a
--- subtransaction, waits at most lock_timeout for each lock (100 ms, and under half of deadlock_timeout);
--- a timed-out attempt gives back every lock it took, so the application statement queued behind it goes on,
--- and is tried again after a pause. drop_job locked one watched table, then waited for the next: an
--- application transaction that held the second and then read the first was killed as a deadlock (40P01).
--- After 50 attempts (~10 s), 55P03 and nothing done.
--- locks: the tables the statements name (ACCESS EXCLUSIVE or SHARE ROW EXCLUSIVE), never waited for long.
-create function lockstep._ddl(stmts text[], what text) returns void
+-- lockstep._ddl(tables, stmts, what): run DDL that locks application tables (CREATE / DROP TRIGGER on
+-- tables), all of it or none, without ever keeping an application waiting long or deadlocking it. Each
+-- attempt, a subtransaction, first locks the tables one by one (ACCESS EXCLUSIVE, what DROP TRIGGER takes),
+-- waiting at most lock_timeout for each (100 ms, and under half of deadlock_timeout), then runs the
+-- statements. A timed-out attempt gives back every lock it took, so the application statement queued
+-- behind it goes on, and is tried again after a pause, with the table it could not lock first: an
+-- application that writes a child table and then its parent, in transactions that follow each other
+-- closely, always held the second table lockstep asked for while it waited for the first lockstep held,
+-- so every attempt timed out (drop_job never succeeded); locking the contended table first, holding
+-- nothing, waits only for the transactions already in it. (drop_job once locked the tables table by table
+-- without a timeout: an application transaction holding the second that then read the first was killed
+-- as a deadlock, 40P01.) After 50 attempts (~10 s), 55P03 and nothing done.
+-- locks: tables (ACCESS EXCLUSIVE), never waited for long, in the order of the array, the last contended
+-- one first.
+create function lockstep._ddl(tables regclass[], stmts text[], what text) returns void
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
@@ -609,37 +615,76 @@ declare
     v_ms text := (extract(epoch from least(interval '100 ms',
                   pg_catalog.current_setting('deadlock_timeout')::interval / 2)) * 1000)::bigint::text;
     v_old text := pg_catalog.current_setting('lock_timeout');
+    v_order regclass[] := array(select t from pg_catalog.unnest(tables) with ordinality u(t, o)
+                                group by t order by min(o));
+    v_at regclass;
+    t regclass;
     s text;
 begin
     for attempt in 1..50 loop
         begin
             perform pg_catalog.set_config('lock_timeout', v_ms, true);  -- undone if the attempt fails
+            foreach t in array v_order loop
+                v_at := t;
+                execute pg_catalog.format('lock table %s in access exclusive mode', t);
+            end loop;
+            v_at := null;
             foreach s in array stmts loop
                 execute s;
             end loop;
             perform pg_catalog.set_config('lock_timeout', v_old, true);
             return;
         exception when lock_not_available then
+            if v_at is not null then  -- the next attempt waits for this one first, holding nothing
+                v_order := v_at || pg_catalog.array_remove(v_order, v_at);
+            end if;
             perform pg_catalog.pg_sleep(0.05 + 0.1 * pg_catalog.random());
         end;
     end loop;
     raise exception 'lockstep: % could not lock its tables: application transactions kept them busy', what
-        using errcode = '55P03', hint = 'Nothing was changed. Try again when long transactions on those tables are done.';
+        using errcode = '55P03',
+              hint = pg_catalog.format('Nothing was changed. Each of 50 attempts waited at most %s ms for each of %s; '
+                                       'try again when fewer or shorter transactions use them.',
+                                       v_ms, pg_catalog.array_to_string(v_order, ', '));
 end;
 $$;
 
+-- lockstep._family(source): source and every table below it (its partitions, at every level, and tables that
+-- inherit from it), parents before children; foreign tables left out (they cannot have transition tables).
+-- A statement trigger fires only for statements that name its table: a write made directly to a partition
+-- fires the partition's triggers, not the root's, so watch() puts its triggers on each of these.
+-- locks: nothing.
+create function lockstep._family(source regclass) returns regclass[]
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    with recursive f (rel, depth) as (
+        select source::oid, 0
+        union all
+        select i.inhrelid, f.depth + 1 from f join pg_catalog.pg_inherits i on i.inhparent = f.rel
+        where f.depth < 100
+    )
+    select array(select f.rel::regclass from f join pg_catalog.pg_class c on c.oid = f.rel
+                 where c.relkind in ('r', 'p') group by f.rel order by min(f.depth), f.rel);
+$$;
+
 -- lockstep.watch(job, source, key_column): create the three statement triggers (insert, update, delete)
--- that enqueue source.key_column for job, and one on truncate that flags job for its full recompute. Re-running it replaces them. The column's type must convert to
--- the parent key type without loss (lockstep._castable): checked here, not at the application's next write.
+-- that enqueue source.key_column for job, and one on truncate that flags job for its full recompute, on
+-- source and on every partition (or inheriting table) below it (lockstep._family: a write made directly to
+-- a partition fires only the partition's triggers; a partition attached later needs watch() again, which
+-- a WARNING says for a partitioned source). Re-running it replaces them. The column's type must convert
+-- to the parent key type without loss (lockstep._castable): checked here, not at the application's next
+-- write.
 -- The triggers execute a function generated for this job, table and column that reads only the key column
 -- (lockstep._gen_trigger), or, where the session may not create one or the key type has no single text
 -- form, lockstep.enqueue_trigger().
--- locks: the source table (DROP / CREATE TRIGGER) through lockstep._ddl: it waits for the source's
+-- locks: source and the tables below it (DROP / CREATE TRIGGER) through lockstep._ddl: it waits for their
 -- writers, like any DDL, but never holds an application up for more than 100 ms at a time (it retries for
 -- ~10 s, then 55P03). Run it at deploy time.
 create function lockstep.watch(job text, source regclass, key_column name) returns void
 language plpgsql
 set search_path = pg_catalog, pg_temp
+set client_min_messages = warning
 as $$
 declare
     j lockstep.job := lockstep._queue_job(job);
@@ -647,7 +692,9 @@ declare
     v_fast boolean;
     v_fn text := 'lockstep.enqueue_trigger';
     v_ddl text[] := '{}';
+    v_tables regclass[] := lockstep._family(source);
     op text;
+    t regclass;
 begin
     if source is null or key_column is null then
         raise exception 'lockstep: source and key_column must not be NULL' using errcode = '22004';
@@ -671,34 +718,41 @@ begin
     -- the fast path (a third argument) where the column's JSON text is the key's canonical text
     v_fast := v_type::text = any(lockstep._fast_types()) and j.key_type::text = any(lockstep._fast_types());
     -- the triggers of an earlier watch() go in the same attempts (lockstep._ddl), named in its errors as watch
-    v_ddl := array(select pg_catalog.format('drop trigger if exists %I on %s', lockstep._trigger_name(j.job, o), source)
-                   from pg_catalog.unnest(array['insert', 'update', 'delete', 'truncate']) o);
+    v_ddl := array(select pg_catalog.format('drop trigger if exists %I on %s', lockstep._trigger_name(j.job, o), x)
+                   from pg_catalog.unnest(v_tables) x, pg_catalog.unnest(array['insert', 'update', 'delete', 'truncate']) o);
     if v_fast then  -- a function that reads only the key column, where the session may create one
         v_fn := coalesce(lockstep._gen_trigger(j, source, key_column), v_fn);
     end if;
-    foreach op in array array['insert', 'update', 'delete'] loop
-        v_ddl := v_ddl || pg_catalog.format(
-            'create trigger %I after %s on %s referencing %s for each statement '
-            'execute function %s(%L, %L%s)',
-            lockstep._trigger_name(j.job, op), op, source,
-            case op when 'insert' then 'new table as lockstep_new'
-                    when 'update' then 'old table as lockstep_old new table as lockstep_new'
-                    else 'old table as lockstep_old' end,
-            v_fn, j.job, key_column, case when v_fast then pg_catalog.format(', %L', j.key_type) else '' end);
+    foreach t in array v_tables loop  -- one function for all: it names only the column, which they share
+        foreach op in array array['insert', 'update', 'delete'] loop
+            v_ddl := v_ddl || pg_catalog.format(
+                'create trigger %I after %s on %s referencing %s for each statement '
+                'execute function %s(%L, %L%s)',
+                lockstep._trigger_name(j.job, op), op, t,
+                case op when 'insert' then 'new table as lockstep_new'
+                        when 'update' then 'old table as lockstep_old new table as lockstep_new'
+                        else 'old table as lockstep_old' end,
+                v_fn, j.job, key_column, case when v_fast then pg_catalog.format(', %L', j.key_type) else '' end);
+        end loop;
+        -- a TRUNCATE has no transition table to name its rows: the shared function flags the job for its
+        -- full recompute
+        v_ddl := v_ddl || pg_catalog.format('create trigger %I after truncate on %s for each statement '
+                                            'execute function lockstep.enqueue_trigger(%L, %L)',
+                                            lockstep._trigger_name(j.job, 'truncate'), t, j.job, key_column);
     end loop;
-    -- a TRUNCATE has no transition table to name its rows: the shared function flags the job for its full
-    -- recompute
-    v_ddl := v_ddl || pg_catalog.format('create trigger %I after truncate on %s for each statement '
-                                        'execute function lockstep.enqueue_trigger(%L, %L)',
-                                        lockstep._trigger_name(j.job, 'truncate'), source, j.job, key_column);
-    perform lockstep._ddl(v_ddl, pg_catalog.format('watch(%L, %L)', j.job, source));
+    perform lockstep._ddl(v_tables, v_ddl, pg_catalog.format('watch(%L, %L)', j.job, source));
+    if exists (select from pg_catalog.pg_class c where c.oid = source and c.relkind = 'p') then
+        raise warning 'lockstep: watch(%, %) covers its % partition(s) of today; run it again after attaching or creating one',
+            j.job, source, cardinality(v_tables) - 1
+            using hint = 'A write made directly to a partition that is not watched reaches the job only at its next recompute.';
+    end if;
     perform lockstep._drop_unused_triggers();  -- a function the replaced triggers used, if no longer any
 end;
 $$;
 
--- lockstep.unwatch(job, source): drop the triggers lockstep.watch() created (LSJ01 for an unknown job that
--- has none there).
--- locks: the source table (DROP TRIGGER) through lockstep._ddl, as lockstep.watch.
+-- lockstep.unwatch(job, source): drop the triggers lockstep.watch() created on source and the tables below
+-- it (LSJ01 for an unknown job that has none there).
+-- locks: source and the tables below it (DROP TRIGGER) through lockstep._ddl, as lockstep.watch.
 create function lockstep.unwatch(job text, source regclass) returns void
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -715,8 +769,10 @@ begin
                              from pg_catalog.unnest(array['insert', 'update', 'delete', 'truncate']) o)) then
         perform lockstep._job(job);  -- LSJ01
     end if;
-    perform lockstep._ddl(array(select pg_catalog.format('drop trigger if exists %I on %s', lockstep._trigger_name(job, op), source)
-                                from pg_catalog.unnest(array['insert', 'update', 'delete', 'truncate']) op),
+    perform lockstep._ddl(lockstep._family(source),
+                          array(select pg_catalog.format('drop trigger if exists %I on %s', lockstep._trigger_name(job, op), x)
+                                from pg_catalog.unnest(lockstep._family(source)) x,
+                                     pg_catalog.unnest(array['insert', 'update', 'delete', 'truncate']) op),
                           pg_catalog.format('unwatch(%L, %L)', job, source));
     perform lockstep._drop_unused_triggers();
 end;

@@ -419,6 +419,55 @@ def test_a_pass_runs_only_the_write_statements_it_has_rows_for(conn):
     assert conn.execute("select id, n from d order by id").fetchall() == [(2, 21), (3, 30)]
 
 
+def test_writes_made_directly_to_a_partition_of_a_watched_table_are_queued(conn):
+    """watch() on a partitioned table put its statement triggers on the root only, and a statement trigger
+    fires only for statements naming its table: an UPDATE of a partition itself was neither queued nor
+    flagged, and the derived row stayed stale with status healthy (found by a probe). Now every partition
+    (at every level) has the triggers too, and unwatch / drop_job remove them all."""
+    conn.execute(
+        """
+        create table p (id bigint primary key);
+        create table c (id bigint, region text, p_id bigint not null references p on delete cascade, v int,
+                        primary key (id, region)) partition by list (region);
+        create table c_eu partition of c for values in ('eu');
+        create table c_us partition of c for values in ('us') partition by range (id);
+        create table c_us1 partition of c_us for values from (0) to (1000);
+        create table d (p_id bigint primary key references p on delete cascade, total int not null);
+        create function f(ids bigint[]) returns table (p_id bigint, total int) language sql as $$
+            select p.id, coalesce(sum(c.v), 0)::int from public.p left join public.c on c.p_id = p.id
+            where ids is null or p.id = any(ids) group by p.id $$;
+        insert into p values (1), (2), (3);
+        insert into c values (1, 'eu', 1, 10), (2, 'eu', 2, 20), (3, 'us', 3, 30);
+        select lockstep.define_derived('dj', 'd', 'f(bigint[])', 'p');
+        select lockstep.recompute('dj');
+        """
+    )
+    notices: list[str] = []
+    conn.add_notice_handler(lambda d: notices.append(d.message_primary or ""))
+    conn.execute("select lockstep.watch('dj', 'c', 'p_id')")
+    assert any("covers its 3 partition(s)" in n for n in notices), notices
+    conn.execute("update c set v = 11 where id = 1")  # through the root
+    conn.execute("update c_eu set v = 21 where id = 2")  # the partition itself: was lost
+    conn.execute("insert into c_us1 values (4, 'us', 3, 1)")  # a partition two levels down
+    assert sorted(queue_keys(conn)) == ["1", "2", "3"]
+    assert result(conn, "lockstep.work('dj')")["outcome"] == "done"
+    assert conn.execute("select p_id, total from d order by 1").fetchall() == [(1, 11), (2, 21), (3, 31)]
+    conn.execute("truncate c_eu")  # flags the job
+    assert conn.execute("select count(*) from lockstep.recompute_flag where job = 'dj'").fetchone()[0] >= 1
+
+    def triggers() -> int:
+        return conn.execute(
+            "select count(*) from pg_trigger where tgname like 'lockstep%%' and not tgisinternal"
+        ).fetchone()[0]
+
+    assert triggers() == 4 * 4  # root, c_eu, c_us, c_us1
+    conn.execute("select lockstep.unwatch('dj', 'c')")
+    assert triggers() == 0
+    conn.execute("select lockstep.watch('dj', 'c', 'p_id')")
+    conn.execute("select lockstep.drop_job('dj')")
+    assert triggers() == 0
+
+
 def test_a_skipped_key_stays_queued_and_is_retried_a_second_later(ex, exconnect):
     ex.execute("update example.exam set body = body || ' lockedword' where id in (4, 6)")
     app = exconnect()
