@@ -677,6 +677,24 @@ begin
 end;
 $$;
 
+CREATE FUNCTION lockstep._check_target_free(job text, target regclass) RETURNS void
+    LANGUAGE plpgsql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    v_other text := (select x.job from lockstep.job x
+                     where x.target = _check_target_free.target and x.job <> _check_target_free.job
+                     order by x.job limit 1);
+begin
+    if v_other is not null then
+        raise exception 'lockstep: target % is already written by job "%"', target, v_other
+            using errcode = 'LSD07',
+                  hint = pg_catalog.format('One job per derived table: each would rewrite the other''s rows. '
+                                           'Redefine %L, or select lockstep.drop_job(%L) first.', v_other, v_other);
+    end if;
+end;
+$$;
+
 CREATE FUNCTION lockstep._check_timed_out(j lockstep.job, batch integer) RETURNS text
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -2730,6 +2748,7 @@ begin
     perform lockstep._warn_index(target, v_par.parent_column);
     perform lockstep._dry_run(compute, v_par.key_type);
     perform lockstep._check_watchers(job, parent, v_par.key_type);
+    perform lockstep._check_target_free(job, target);
     perform lockstep._save_derived(job, target, compute, parent, v_par.parent_column, v_par.parent_key,
                                    v_par.key_type, v_key, v_cols, lock_group, every, backoff);
 end;

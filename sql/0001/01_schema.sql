@@ -20,6 +20,7 @@
 --   LSD06  a foreign key lockstep cannot write through without waiting: a target FK column with a default
 --          compute does not return; a referencing FK ON DELETE NO ACTION / RESTRICT / SET DEFAULT, more
 --          than one level deep, or on columns compute writes
+--   LSD07  the target is already written by another job
 --   LSQ01  keys of the wrong type for the job's parent key
 
 create schema lockstep;

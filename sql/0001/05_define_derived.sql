@@ -61,6 +61,29 @@ begin
 end;
 $$;
 
+-- lockstep._check_target_free(job, target): no other job writes target. Two jobs on one table rewrite each
+-- other's rows at every run (each one's recompute deletes or reverts what the other computed). Jobs the
+-- caller cannot see (row-level security: another owner's) are not checked, but that owner's table would
+-- also need this role's write privileges.
+-- locks: nothing.
+create function lockstep._check_target_free(job text, target regclass) returns void
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_other text := (select x.job from lockstep.job x
+                     where x.target = _check_target_free.target and x.job <> _check_target_free.job
+                     order by x.job limit 1);
+begin
+    if v_other is not null then
+        raise exception 'lockstep: target % is already written by job "%"', target, v_other
+            using errcode = 'LSD07',
+                  hint = pg_catalog.format('One job per derived table: each would rewrite the other''s rows. '
+                                           'Redefine %L, or select lockstep.drop_job(%L) first.', v_other, v_other);
+    end if;
+end;
+$$;
+
 -- lockstep._check_compute(compute): compute is a function of one array argument returning a set of rows
 -- with named columns. Returns those column names, in order.
 -- locks: nothing.
@@ -400,6 +423,7 @@ begin
     perform lockstep._warn_index(target, v_par.parent_column);
     perform lockstep._dry_run(compute, v_par.key_type);
     perform lockstep._check_watchers(job, parent, v_par.key_type);
+    perform lockstep._check_target_free(job, target);
     perform lockstep._save_derived(job, target, compute, parent, v_par.parent_column, v_par.parent_key,
                                    v_par.key_type, v_key, v_cols, lock_group, every, backoff);
 end;

@@ -110,6 +110,18 @@ def test_bad_definition_is_refused_and_changes_nothing(db, call, sqlstate, match
     assert snapshot(db, "d") == before
 
 
+def test_a_second_job_on_the_same_target_is_refused(db):
+    """Two jobs writing one table rewrite each other's rows at every run; the second was accepted silently
+    (found by a probe). Redefining the job that owns it is still fine."""
+    db.execute("select lockstep.define_derived('first', 'd', 'good(bigint[])', 'p')")
+    with raises_sqlstate("LSD07", 'already written by job "first"'):
+        db.execute("select lockstep.define_derived('second', 'd', 'good(bigint[])', 'p')")
+    assert db.execute("select job from lockstep.job order by 1").fetchall() == [("first",)]
+    db.execute("select lockstep.define_derived('first', 'd', 'good(bigint[])', 'p', every => '1 hour')")
+    db.execute("select lockstep.drop_job('first')")
+    db.execute("select lockstep.define_derived('second', 'd', 'good(bigint[])', 'p')")
+
+
 def test_compute_returning_duplicate_keys_fails_the_run_with_a_clear_error(db):
     db.execute("insert into p values (1, 1), (2, 2)")
     db.execute(
