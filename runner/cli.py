@@ -53,7 +53,14 @@ class Failure(click.ClickException):
         self.exit_code = exit_code
 
 
-def _failure(exc: BaseException) -> Failure:
+MIGRATE_PRIVILEGE_HINT = (
+    "`lockstep migrate` needs a role that may create schema lockstep (CREATE on the database) and its version "
+    "table lockstep_alembic_version in the first schema of its search_path (CREATE on public: PostgreSQL 15 "
+    "grants it only to the database owner): run it as the database owner or an admin"
+)
+
+
+def _failure(exc: BaseException, command: str | None = None) -> Failure:
     """One line for any user-facing error, with the exit code and hint its kind calls for."""
     import psycopg
 
@@ -62,6 +69,8 @@ def _failure(exc: BaseException) -> Failure:
     lines = [ln.strip() for ln in str(err).strip().splitlines() if ln.strip()]
     text = lines[0] if lines else type(err).__name__
     hint = codes.permanent_hint(err)
+    if command == "migrate" and getattr(err, "sqlstate", None) == "42501":
+        hint = MIGRATE_PRIVILEGE_HINT  # not the runner's grants: the installer's
     if hint is not None:
         return Failure(f"{text} (hint: {hint})", codes.EXIT_SETUP)
     if isinstance(err, psycopg.OperationalError):
@@ -76,7 +85,7 @@ class _Group(click.Group):
         except click.ClickException:
             raise
         except _user_errors() as exc:
-            raise _failure(exc) from exc
+            raise _failure(exc, ctx.invoked_subcommand) from exc
 
 
 class _Option(click.Option):

@@ -171,3 +171,30 @@ def test_schema_gone_after_a_good_start_is_retried_not_fatal(dsn, connect):
         rc = _stop(proc, seen)
     assert rc == 0, "".join(seen)
     assert not [ln for ln in seen if "cannot start" in ln]
+
+
+def test_migrate_as_a_role_that_may_not_create_its_tables_says_what_the_installer_needs(empty_dsn):
+    """PostgreSQL 15 gives no one but the database owner CREATE on schema public, where Alembic's version
+    table goes: migrate failed with 42501 and a hint about the runner role's grants on schema lockstep,
+    the wrong role and the wrong schema (found by a probe)."""
+    import psycopg
+    from psycopg import sql
+
+    role = f"{RUN_TAG}_installer"
+    with psycopg.connect(empty_dsn, autocommit=True) as admin:
+        admin.execute(sql.SQL("create role {} login").format(sql.Identifier(role)))
+        try:
+            admin.execute(
+                sql.SQL("grant create on database {} to {}").format(
+                    sql.Identifier(urlsplit(empty_dsn).path.lstrip("/")), sql.Identifier(role)
+                )
+            )
+            p = lockstep("migrate", "--dsn", with_parts(empty_dsn, user=role))
+            assert p.returncode == EXIT_SETUP, p.stderr
+            line = error_line(p)
+            assert "permission denied for schema public" in line, line
+            assert "CREATE on public" in line and "runner role" not in line, line
+            assert admin.execute("select to_regnamespace('lockstep')").fetchone()[0] is None  # nothing left
+        finally:
+            admin.execute(sql.SQL("drop owned by {} cascade").format(sql.Identifier(role)))
+            admin.execute(sql.SQL("drop role {}").format(sql.Identifier(role)))
