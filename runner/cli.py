@@ -54,9 +54,9 @@ class Failure(click.ClickException):
 
 
 MIGRATE_PRIVILEGE_HINT = (
-    "`lockstep migrate` needs a role that may create schema lockstep (CREATE on the database) and its version "
-    "table lockstep_alembic_version in the first schema of its search_path (CREATE on public: PostgreSQL 15 "
-    "grants it only to the database owner): run it as the database owner or an admin"
+    "`lockstep migrate` needs a role that may create schema lockstep (CREATE on the database) and its "
+    "version table lockstep_alembic_version in the first schema of its search_path (CREATE on public: "
+    "PostgreSQL 15 grants it only to the database owner): run it as the database owner or an admin"
 )
 
 
