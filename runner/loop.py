@@ -98,6 +98,7 @@ class Runner:
         self._unknown: set[str] = set()
         self._gather_until: dict[str, float] = {}  # job -> monotonic time its next worker pass may start
         self.started = False  # a tick succeeded: from then on every database error is retried
+        self._ran = False  # a run went through since the last database error (a backlog's tick is long)
 
     # signals -------------------------------------------------------------------------------------------
     def install_signals(self) -> None:
@@ -206,6 +207,16 @@ class Runner:
                 if self._refuse_to_start(exc):
                     self._close()
                     return EXIT_SETUP
+                if self._ran and trouble is not None:
+                    # runs went through since the last error: this is a new error, not the same one
+                    # lasting, so the pause starts again from the shortest (a tick that drains a backlog
+                    # may never end between two connection losses, and the pauses grew to seconds)
+                    log.info(
+                        "recovered after %s retr%s", backoff.attempt, "y" if backoff.attempt == 1 else "ies"
+                    )
+                    trouble = None
+                    backoff.reset()
+                self._ran = False
                 if trouble is None:
                     trouble = describe(exc)
                     log.warning("%s; retrying with backoff", trouble)
@@ -270,6 +281,7 @@ class Runner:
                 self._job_error(job, exc)
                 return progressed
             elapsed = time.monotonic() - started
+            self._ran = True
             self._job_errors.pop(job, None)
             self.metrics.run(job, r.outcome, elapsed)
             if r.outcome in ("done", "failed"):

@@ -462,7 +462,17 @@ begin
         raise exception 'lockstep: compute function % does not return the parent column %', compute, parent_column
             using errcode = 'LSD03';
     end if;
-    if v_arg <> (select t.typarray from pg_catalog.pg_type t where t.oid = key_type) then
+    -- an array of the key's type, or of a type every key value converts to without loss: binary-coercible
+    -- (a varchar key and a compute taking text[], as after a parent key retyped from text to varchar) or a
+    -- wider integer (int key, bigint[]); not numeric -> double precision, implicit but lossy
+    if not exists (select from pg_catalog.pg_type t
+                   where t.oid = v_arg and t.typcategory = 'A' and t.typelem <> 0
+                     and (t.typelem = key_type
+                          or exists (select from pg_catalog.pg_cast c
+                                     where c.castsource = key_type and c.casttarget = t.typelem
+                                       and c.castcontext = 'i' and c.castmethod = 'b')
+                          or (key_type::text, t.typelem::regtype::text)
+                             in (('smallint', 'integer'), ('smallint', 'bigint'), ('integer', 'bigint')))) then
         raise exception 'lockstep: compute function % takes %, but the parent key %.% is %: it must take %[]',
             compute, v_arg::regtype, parent, parent_key, key_type, key_type using errcode = 'LSD02';
     end if;

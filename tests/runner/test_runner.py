@@ -355,3 +355,40 @@ def test_waits_for_a_database_that_refuses_connections_then_runs(conn, dsn, admi
     warnings = [ln for ln in r.stderr.splitlines() if " WARNING " in ln or " ERROR " in ln]
     assert len(warnings) == 1 and "not currently accepting connections" in warnings[0], r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_connection_losses_between_good_runs_do_not_stretch_the_backoff(conn, dsn, runners):
+    """The backoff grew with every error until a whole tick succeeded; a tick that drains a backlog never
+    ended between two connection losses, so the pauses grew to seconds although every reconnect worked
+    (found by a fault probe: 'recovered after 8 retries' 11 s late). Here the job's compute ends its own
+    backend at every other pass: each loss follows a good run, so each is a first retry."""
+    conn.execute(
+        """
+        create table public.kp (id int primary key);
+        create table public.kd (id int primary key references public.kp on delete cascade);
+        create sequence public.kill_seq;
+        create function public.kf(ids int[]) returns table (id int) language plpgsql as $$
+        begin
+            if nextval('public.kill_seq') % 2 = 0 and currval('public.kill_seq') <= 16 then
+                perform pg_terminate_backend(pg_backend_pid());
+            end if;
+            return query select p.id from public.kp p where ids is null or p.id = any(ids);
+        end $$;
+        insert into public.kp select generate_series(1, 20);
+        select lockstep.define_derived('k', 'public.kd', 'public.kf(int[])', 'public.kp', every => '1 day');
+        select lockstep.set_batch_parents('k', 2);
+        update lockstep.job_state set next_run_at = now() + interval '1 day' where job = 'k';
+        select lockstep.enqueue('k', array(select generate_series(1, 20)));
+        """
+    )
+    r = runners(dsn, "--tick", "0.2")
+    wait_for(
+        lambda: conn.execute("select count(*) from public.kd").fetchone()[0] == 20, timeout=30, what="drained"
+    )
+    r.signal()
+    assert r.wait() == 0
+    err = r.stderr
+    assert "Traceback" not in err, err
+    recovered = [ln for ln in err.splitlines() if "recovered after" in ln]
+    assert len(recovered) >= 6, err  # before: one, at the end
+    assert all("after 1 retry" in ln for ln in recovered), recovered

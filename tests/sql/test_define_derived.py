@@ -122,6 +122,34 @@ def test_a_second_job_on_the_same_target_is_refused(db):
     db.execute("select lockstep.define_derived('second', 'd', 'good(bigint[])', 'p')")
 
 
+def test_a_compute_taking_a_wider_type_than_the_parent_key_is_accepted(db):
+    """After `alter table ... type varchar(64)` of a text parent key the job kept working, but redefining it
+    unchanged was refused: its compute takes text[], not character varying[] (found by a probe). A compute
+    taking an array of a type every key converts to without loss (binary-coercible, or a wider integer)
+    is accepted and called with it; a lossy one (numeric -> double precision) still is not."""
+    db.execute(
+        """
+        create table tp (code varchar(64) primary key, v int not null);
+        create table td (code varchar(64) primary key references tp on delete cascade, w int not null);
+        create function tf(codes text[]) returns table (code varchar(64), w int) language sql
+            as $$ select code, v * 2 from public.tp where codes is null or code = any(codes) $$;
+        create table np (id numeric primary key);
+        create table nd (id numeric primary key references np on delete cascade);
+        create function nf(ids float8[]) returns table (id numeric) language sql
+            as $$ select id from public.np where ids is null or id = any(ids::numeric[]) $$;
+        insert into tp values ('a', 1), ('b', 2);
+        """
+    )
+    db.execute("select lockstep.define_derived('tj', 'td', 'tf(text[])', 'tp')")
+    db.execute("select lockstep.recompute('tj')")
+    db.execute("update tp set v = 5 where code = 'b'")
+    db.execute("select lockstep.enqueue('tj', array['b'])")
+    assert db.execute("select outcome from lockstep.work('tj')").fetchone()[0] == "done"
+    assert db.execute("select code, w from td order by 1").fetchall() == [("a", 2), ("b", 10)]
+    with raises_sqlstate("LSD02", "it must take numeric"):
+        db.execute("select lockstep.define_derived('nj', 'nd', 'nf(float8[])', 'np')")
+
+
 def test_compute_returning_duplicate_keys_fails_the_run_with_a_clear_error(db):
     db.execute("insert into p values (1, 1), (2, 2)")
     db.execute(
