@@ -688,16 +688,27 @@ end;
 $$;
 
 CREATE FUNCTION lockstep._check_target_free(job text, target regclass) RETURNS void
-    LANGUAGE plpgsql STABLE
+    LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
 declare
-    v_other text := (select x.job from lockstep.job x
-                     where x.target = _check_target_free.target and x.job <> _check_target_free.job
-                     order by x.job limit 1);
+    v_other text;
+    v_table regclass;
 begin
+    perform pg_catalog.pg_advisory_xact_lock(pg_catalog.hashtext('lockstep'), pg_catalog.hashtext('define'));
+    with recursive up (rel, depth) as (
+        select _check_target_free.target::oid, 0
+        union all
+        select i.inhparent, up.depth + 1 from up join pg_catalog.pg_inherits i on i.inhrelid = up.rel
+        where up.depth < 100
+    )
+    select x.job, x.target into v_other, v_table from lockstep.job x
+    where x.job <> _check_target_free.job
+      and (x.target in (select up.rel from up) or x.target = any(lockstep._family(_check_target_free.target)))
+    order by x.job limit 1;
     if v_other is not null then
-        raise exception 'lockstep: target % is already written by job "%"', target, v_other
+        raise exception 'lockstep: target % is already written by job "%"%', target, v_other,
+            case when v_table <> target then pg_catalog.format(' (through %s)', v_table) else '' end
             using errcode = 'LSD07',
                   hint = pg_catalog.format('One job per derived table: each would rewrite the other''s rows. '
                                            'Redefine %L, or select lockstep.drop_job(%L) first.', v_other, v_other);

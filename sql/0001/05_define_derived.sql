@@ -61,22 +61,36 @@ begin
 end;
 $$;
 
--- lockstep._check_target_free(job, target): no other job writes target. Two jobs on one table rewrite each
--- other's rows at every run (each one's recompute deletes or reverts what the other computed). Jobs the
--- caller cannot see (row-level security: another owner's) are not checked, but that owner's table would
--- also need this role's write privileges.
--- locks: nothing.
+-- lockstep._check_target_free(job, target): no other job writes target, a table below it (a partition, an
+-- inheriting table) or one above it. Two jobs on one table rewrite each other's rows at every run (each
+-- one's recompute deletes or reverts what the other computed); a job on a partitioned table and one on
+-- its partition write the same rows. Definitions are serialized (a transaction-level advisory lock, held
+-- to commit): two concurrent define_derived on one target both passed the check. Jobs the caller cannot
+-- see (row-level security: another owner's) are not checked, but that owner's table would also need this
+-- role's write privileges.
+-- locks: the advisory lock (lockstep, define), until the transaction ends: concurrent definitions wait.
 create function lockstep._check_target_free(job text, target regclass) returns void
-language plpgsql stable
+language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_other text := (select x.job from lockstep.job x
-                     where x.target = _check_target_free.target and x.job <> _check_target_free.job
-                     order by x.job limit 1);
+    v_other text;
+    v_table regclass;
 begin
+    perform pg_catalog.pg_advisory_xact_lock(pg_catalog.hashtext('lockstep'), pg_catalog.hashtext('define'));
+    with recursive up (rel, depth) as (
+        select _check_target_free.target::oid, 0
+        union all
+        select i.inhparent, up.depth + 1 from up join pg_catalog.pg_inherits i on i.inhrelid = up.rel
+        where up.depth < 100
+    )
+    select x.job, x.target into v_other, v_table from lockstep.job x
+    where x.job <> _check_target_free.job
+      and (x.target in (select up.rel from up) or x.target = any(lockstep._family(_check_target_free.target)))
+    order by x.job limit 1;
     if v_other is not null then
-        raise exception 'lockstep: target % is already written by job "%"', target, v_other
+        raise exception 'lockstep: target % is already written by job "%"%', target, v_other,
+            case when v_table <> target then pg_catalog.format(' (through %s)', v_table) else '' end
             using errcode = 'LSD07',
                   hint = pg_catalog.format('One job per derived table: each would rewrite the other''s rows. '
                                            'Redefine %L, or select lockstep.drop_job(%L) first.', v_other, v_other);

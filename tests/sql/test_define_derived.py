@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import threading
+
 import psycopg
 import pytest
+from isolation import wait_for_lock_wait
 from util import raises_sqlstate, snapshot
 
 SETUP = """
@@ -120,6 +123,49 @@ def test_a_second_job_on_the_same_target_is_refused(db):
     db.execute("select lockstep.define_derived('first', 'd', 'good(bigint[])', 'p', every => '1 hour')")
     db.execute("select lockstep.drop_job('first')")
     db.execute("select lockstep.define_derived('second', 'd', 'good(bigint[])', 'p')")
+    # a partitioned target and its partition hold the same rows: refused both ways (found by a probe)
+    db.execute(
+        """
+        create table dp (p_id bigint not null references p (id) on delete cascade, k text not null, w int,
+                         primary key (p_id, k)) partition by hash (p_id);
+        create table dp0 partition of dp for values with (modulus 2, remainder 0);
+        create table dp1 partition of dp for values with (modulus 2, remainder 1);
+        """
+    )
+    db.execute("select lockstep.define_derived('whole', 'dp', 'good(bigint[])', 'p')")
+    with raises_sqlstate("LSD07", 'already written by job "whole" \\(through public.dp\\)'):
+        db.execute("select lockstep.define_derived('part', 'dp0', 'good(bigint[])', 'p')")
+    db.execute("select lockstep.drop_job('whole')")
+    db.execute("select lockstep.define_derived('part', 'dp1', 'good(bigint[])', 'p')")
+    with raises_sqlstate("LSD07", 'already written by job "part" \\(through public.dp1\\)'):
+        db.execute("select lockstep.define_derived('whole', 'dp', 'good(bigint[])', 'p')")
+
+
+def test_concurrent_definitions_on_one_target_are_serialized(db, connect):
+    """Two define_derived on one target in concurrent transactions both passed the check and both committed
+    (found by a probe): now the second waits for the first and is refused."""
+    other = connect(db.info.dsn)
+    observer = connect(db.info.dsn)
+    db.execute("begin")
+    db.execute("select lockstep.define_derived('ja', 'd', 'good(bigint[])', 'p')")
+    done: list[str] = []
+
+    def second() -> None:
+        try:
+            other.execute("select lockstep.define_derived('jb', 'd', 'good(bigint[])', 'p')")
+            done.append("defined")
+        except psycopg.Error as exc:
+            done.append(exc.sqlstate or "")
+
+    t = threading.Thread(target=second)
+    t.start()
+    wait_for_lock_wait(
+        observer, pid=other.info.backend_pid
+    )  # the second waits for the first (pg_blocking_pids)
+    db.execute("commit")
+    t.join(timeout=30)
+    assert done == ["LSD07"]
+    assert db.execute("select job from lockstep.job where target = 'd'::regclass").fetchall() == [("ja",)]
 
 
 def test_a_compute_taking_a_wider_type_than_the_parent_key_is_accepted(db):
