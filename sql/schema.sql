@@ -2622,6 +2622,36 @@ begin
 end;
 $$;
 
+CREATE FUNCTION lockstep._warn_writers(tables regclass[]) RETURNS void
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    v_roles text;
+begin
+    with w as (
+        select distinct a.grantee as r
+        from pg_catalog.pg_class c, pg_catalog.aclexplode(c.relacl) a
+        where c.oid = any(tables) and a.privilege_type in ('INSERT', 'UPDATE', 'DELETE', 'TRUNCATE')
+        union
+        select c.relowner from pg_catalog.pg_class c where c.oid = any(tables)
+    )
+    select pg_catalog.string_agg(coalesce(r.rolname, 'PUBLIC'), ', ' order by coalesce(r.rolname, 'PUBLIC'))
+    into v_roles
+    from w left join pg_catalog.pg_roles r on r.oid = w.r
+    where not coalesce(r.rolsuper, false)
+      and not (pg_catalog.has_schema_privilege(coalesce(r.rolname, 'public'), 'lockstep', 'USAGE')
+               and pg_catalog.has_table_privilege(coalesce(r.rolname, 'public'), 'lockstep.queue', 'INSERT')
+               and pg_catalog.has_table_privilege(coalesce(r.rolname, 'public'), 'lockstep.recompute_flag', 'INSERT'));
+    if v_roles is not null then
+        raise warning 'lockstep: % may write % but not lockstep''s queue: their writes fail with 42501 from now on',
+            v_roles, pg_catalog.array_to_string(tables, ', ')
+            using hint = pg_catalog.format('grant usage on schema lockstep to ...; grant insert on lockstep.queue, '
+                                           'lockstep.recompute_flag to ... (docs/security.md, Application).');
+    end if;
+end;
+$$;
+
 CREATE FUNCTION lockstep._watchers(job text) RETURNS TABLE(rel regclass, tgname name, key_column text)
     LANGUAGE sql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -3062,7 +3092,8 @@ begin
     if batch_parents is null or batch_parents not between 1 and 1000000 then
         raise exception 'lockstep: batch_parents must be an integer between 1 and 1000000 (got %)',
             coalesce(batch_parents::text, 'NULL')
-            using errcode = '22023', hint = 'The default is 500 parents per transaction.';
+            using errcode = case when batch_parents is null then '22004' else '22023' end,
+                  hint = 'The default is 500 parents per transaction.';
     end if;
     perform lockstep._check_owner(j);
     update lockstep.job x set batch_parents = set_batch_parents.batch_parents, updated_at = now()
@@ -3078,7 +3109,8 @@ declare
     j lockstep.job := lockstep._queue_job(job);
 begin
     if max_attempts is null or max_attempts < 1 then
-        raise exception 'lockstep: max_attempts must be a positive integer' using errcode = '22023';
+        raise exception 'lockstep: max_attempts must be a positive integer (got %)', coalesce(max_attempts::text, 'NULL')
+            using errcode = case when max_attempts is null then '22004' else '22023' end;
     end if;
     perform lockstep._check_owner(j);
     update lockstep.job x set max_attempts = set_max_attempts.max_attempts, updated_at = now() where x.job = j.job;
@@ -3209,6 +3241,7 @@ begin
                                             lockstep._trigger_name(j.job, 'truncate'), t, j.job, key_column);
     end loop;
     perform lockstep._ddl(v_tables, v_ddl, pg_catalog.format('watch(%L, %L)', j.job, source));
+    perform lockstep._warn_writers(v_tables);
     if exists (select from pg_catalog.pg_class c where c.oid = source and c.relkind = 'p') then
         raise warning 'lockstep: watch(%, %) covers its % partition(s) of today; run it again after attaching or creating one',
             j.job, source, cardinality(v_tables) - 1

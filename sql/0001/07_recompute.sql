@@ -271,7 +271,8 @@ begin
     if batch_parents is null or batch_parents not between 1 and 1000000 then
         raise exception 'lockstep: batch_parents must be an integer between 1 and 1000000 (got %)',
             coalesce(batch_parents::text, 'NULL')
-            using errcode = '22023', hint = 'The default is 500 parents per transaction.';
+            using errcode = case when batch_parents is null then '22004' else '22023' end,
+                  hint = 'The default is 500 parents per transaction.';
     end if;
     perform lockstep._check_owner(j);
     update lockstep.job x set batch_parents = set_batch_parents.batch_parents, updated_at = now()

@@ -668,6 +668,42 @@ as $$
                  where c.relkind in ('r', 'p') group by f.rel order by min(f.depth), f.rel);
 $$;
 
+-- lockstep._warn_writers(tables): after watch(): a WARNING naming the roles that may write one of tables
+-- (granted INSERT, UPDATE, DELETE or TRUNCATE, or its owner) but lack what the trigger needs as them
+-- (USAGE on schema lockstep, INSERT on lockstep.queue and lockstep.recompute_flag; docs/security.md): their
+-- writes would fail with 42501 from now on. Said when watch() runs, not at the application's next write.
+-- Roles granted through a group are checked as the group (members inherit what it holds).
+-- locks: nothing.
+create function lockstep._warn_writers(tables regclass[]) returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_roles text;
+begin
+    with w as (
+        select distinct a.grantee as r
+        from pg_catalog.pg_class c, pg_catalog.aclexplode(c.relacl) a
+        where c.oid = any(tables) and a.privilege_type in ('INSERT', 'UPDATE', 'DELETE', 'TRUNCATE')
+        union
+        select c.relowner from pg_catalog.pg_class c where c.oid = any(tables)
+    )
+    select pg_catalog.string_agg(coalesce(r.rolname, 'PUBLIC'), ', ' order by coalesce(r.rolname, 'PUBLIC'))
+    into v_roles
+    from w left join pg_catalog.pg_roles r on r.oid = w.r
+    where not coalesce(r.rolsuper, false)
+      and not (pg_catalog.has_schema_privilege(coalesce(r.rolname, 'public'), 'lockstep', 'USAGE')
+               and pg_catalog.has_table_privilege(coalesce(r.rolname, 'public'), 'lockstep.queue', 'INSERT')
+               and pg_catalog.has_table_privilege(coalesce(r.rolname, 'public'), 'lockstep.recompute_flag', 'INSERT'));
+    if v_roles is not null then
+        raise warning 'lockstep: % may write % but not lockstep''s queue: their writes fail with 42501 from now on',
+            v_roles, pg_catalog.array_to_string(tables, ', ')
+            using hint = pg_catalog.format('grant usage on schema lockstep to ...; grant insert on lockstep.queue, '
+                                           'lockstep.recompute_flag to ... (docs/security.md, Application).');
+    end if;
+end;
+$$;
+
 -- lockstep.watch(job, source, key_column): create the three statement triggers (insert, update, delete)
 -- that enqueue source.key_column for job, and one on truncate that flags job for its full recompute, on
 -- source and on every partition (or inheriting table) below it (lockstep._family: a write made directly to
@@ -741,6 +777,7 @@ begin
                                             lockstep._trigger_name(j.job, 'truncate'), t, j.job, key_column);
     end loop;
     perform lockstep._ddl(v_tables, v_ddl, pg_catalog.format('watch(%L, %L)', j.job, source));
+    perform lockstep._warn_writers(v_tables);
     if exists (select from pg_catalog.pg_class c where c.oid = source and c.relkind = 'p') then
         raise warning 'lockstep: watch(%, %) covers its % partition(s) of today; run it again after attaching or creating one',
             j.job, source, cardinality(v_tables) - 1

@@ -578,7 +578,8 @@ declare
     j lockstep.job := lockstep._queue_job(job);
 begin
     if max_attempts is null or max_attempts < 1 then
-        raise exception 'lockstep: max_attempts must be a positive integer' using errcode = '22023';
+        raise exception 'lockstep: max_attempts must be a positive integer (got %)', coalesce(max_attempts::text, 'NULL')
+            using errcode = case when max_attempts is null then '22004' else '22023' end;
     end if;
     perform lockstep._check_owner(j);
     update lockstep.job x set max_attempts = set_max_attempts.max_attempts, updated_at = now() where x.job = j.job;

@@ -10,6 +10,7 @@ recompute.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -376,6 +377,29 @@ def test_watch_that_cannot_lock_its_table_says_so_and_changes_nothing(app, conne
         admin.execute("select lockstep.watch('band', 'app.txn', 'aid')")
     user.execute("rollback")
     assert enqueue_triggers(app, "app.txn") == before
+
+
+def test_watch_names_the_writers_whose_writes_its_triggers_would_fail(app, connect):
+    """A role that may write a watched table but not lockstep's queue gets 42501 on every write once the
+    table is watched (docs/security.md lists the grants); a newcomer's application hit it first, and
+    nothing said so at watch() (found by a probe). watch() now names such roles in a WARNING."""
+    role = f"lsw_{os.getpid()}_{secrets.token_hex(3)}"
+    app.execute(f"create role {role} login")
+    try:
+        app.execute(f"grant usage on schema app to {role}; grant insert, update on app.txn to {role}")
+        notices: list[str] = []
+        app.add_notice_handler(lambda d: notices.append(d.message_primary or ""))
+        app.execute("select lockstep.watch('band', 'app.txn', 'aid')")
+        assert any(role in n and "fail with 42501" in n for n in notices), notices
+        notices.clear()
+        app.execute(
+            f"grant usage on schema lockstep to {role};"
+            f" grant insert on lockstep.queue, lockstep.recompute_flag to {role}"
+        )
+        app.execute("select lockstep.watch('band', 'app.txn', 'aid')")
+        assert not any("42501" in n for n in notices), notices
+    finally:
+        app.execute(f"drop owned by {role}; drop role {role}")
 
 
 LONG_SQL = """

@@ -226,6 +226,9 @@ def test_convergence_with_random_changes_and_work_passes(ex):
         ("lockstep.work('nope')", "LSJ01", "unknown job"),
         (f"lockstep.retry('{JOB}', null::bigint[])", "22004", "must not be NULL"),
         (f"lockstep.set_max_attempts('{JOB}', 0)", "22023", "positive"),
+        (f"lockstep.set_max_attempts('{JOB}', null)", "22004", "got NULL"),  # was 22023 (README: 22004)
+        (f"lockstep.set_batch_parents('{JOB}', null)", "22004", "got NULL"),
+        (f"lockstep.set_batch_parents('{JOB}', 0)", "22023", "between 1 and 1000000"),
         (f"lockstep.watch('{JOB}', 'example.exam', 'nope')", "42703", "has no column"),
         (f"lockstep.watch('{JOB}', 'example.exam', 'title')", "LSQ01", "is text"),
         (f"lockstep.watch('{JOB}', null, 'id')", "22004", "NULL"),
