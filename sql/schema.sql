@@ -1090,6 +1090,14 @@ begin
 end;
 $$;
 
+CREATE FUNCTION lockstep._drop_watch_ddl(job text, tables regclass[]) RETURNS text[]
+    LANGUAGE sql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+    select array(select pg_catalog.format('drop trigger if exists %I on %s', lockstep._trigger_name(job, o), x)
+                 from pg_catalog.unnest(tables) x, pg_catalog.unnest(array['insert', 'update', 'delete', 'truncate']) o);
+$$;
+
 CREATE FUNCTION lockstep._dry_run(compute regprocedure, key_type regtype) RETURNS void
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -3173,9 +3181,7 @@ begin
         perform lockstep._job(job);  -- LSJ01
     end if;
     perform lockstep._ddl(lockstep._family(source),
-                          array(select pg_catalog.format('drop trigger if exists %I on %s', lockstep._trigger_name(job, op), x)
-                                from pg_catalog.unnest(lockstep._family(source)) x,
-                                     pg_catalog.unnest(array['insert', 'update', 'delete', 'truncate']) op),
+                          lockstep._drop_watch_ddl(job, lockstep._family(source)),
                           pg_catalog.format('unwatch(%L, %L)', job, source));
     perform lockstep._drop_unused_triggers();
 end;
@@ -3218,8 +3224,7 @@ begin
     -- the fast path (a third argument) where the column's JSON text is the key's canonical text
     v_fast := v_type::text = any(lockstep._fast_types()) and j.key_type::text = any(lockstep._fast_types());
     -- the triggers of an earlier watch() go in the same attempts (lockstep._ddl), named in its errors as watch
-    v_ddl := array(select pg_catalog.format('drop trigger if exists %I on %s', lockstep._trigger_name(j.job, o), x)
-                   from pg_catalog.unnest(v_tables) x, pg_catalog.unnest(array['insert', 'update', 'delete', 'truncate']) o);
+    v_ddl := lockstep._drop_watch_ddl(j.job, v_tables);
     if v_fast then  -- a function that reads only the key column, where the session may create one
         v_fn := coalesce(lockstep._gen_trigger(j, source, key_column), v_fn);
     end if;

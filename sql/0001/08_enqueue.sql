@@ -668,6 +668,17 @@ as $$
                  where c.relkind in ('r', 'p') group by f.rel order by min(f.depth), f.rel);
 $$;
 
+-- lockstep._drop_watch_ddl(job, tables): the DROP TRIGGER IF EXISTS statements for the four triggers
+-- lockstep.watch() creates for job on each of tables (run through lockstep._ddl by watch and unwatch).
+-- locks: nothing (returns text).
+create function lockstep._drop_watch_ddl(job text, tables regclass[]) returns text[]
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select array(select pg_catalog.format('drop trigger if exists %I on %s', lockstep._trigger_name(job, o), x)
+                 from pg_catalog.unnest(tables) x, pg_catalog.unnest(array['insert', 'update', 'delete', 'truncate']) o);
+$$;
+
 -- lockstep._warn_writers(tables): after watch(): a WARNING naming the roles that may write one of tables
 -- (granted INSERT, UPDATE, DELETE or TRUNCATE, or its owner) but lack what the trigger needs as them
 -- (USAGE on schema lockstep, INSERT on lockstep.queue and lockstep.recompute_flag; docs/security.md): their
@@ -754,8 +765,7 @@ begin
     -- the fast path (a third argument) where the column's JSON text is the key's canonical text
     v_fast := v_type::text = any(lockstep._fast_types()) and j.key_type::text = any(lockstep._fast_types());
     -- the triggers of an earlier watch() go in the same attempts (lockstep._ddl), named in its errors as watch
-    v_ddl := array(select pg_catalog.format('drop trigger if exists %I on %s', lockstep._trigger_name(j.job, o), x)
-                   from pg_catalog.unnest(v_tables) x, pg_catalog.unnest(array['insert', 'update', 'delete', 'truncate']) o);
+    v_ddl := lockstep._drop_watch_ddl(j.job, v_tables);
     if v_fast then  -- a function that reads only the key column, where the session may create one
         v_fn := coalesce(lockstep._gen_trigger(j, source, key_column), v_fn);
     end if;
@@ -807,9 +817,7 @@ begin
         perform lockstep._job(job);  -- LSJ01
     end if;
     perform lockstep._ddl(lockstep._family(source),
-                          array(select pg_catalog.format('drop trigger if exists %I on %s', lockstep._trigger_name(job, op), x)
-                                from pg_catalog.unnest(lockstep._family(source)) x,
-                                     pg_catalog.unnest(array['insert', 'update', 'delete', 'truncate']) op),
+                          lockstep._drop_watch_ddl(job, lockstep._family(source)),
                           pg_catalog.format('unwatch(%L, %L)', job, source));
     perform lockstep._drop_unused_triggers();
 end;
