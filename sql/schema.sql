@@ -386,9 +386,9 @@ CREATE FUNCTION lockstep._check_key_type(j lockstep.job, t regtype, what text) R
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
 begin
-    if t is distinct from j.key_type
-       and (select typcategory from pg_catalog.pg_type where oid = t)
-           is distinct from (select typcategory from pg_catalog.pg_type where oid = j.key_type) then
+    if t is distinct from j.key_type and not lockstep._castable(t, j.key_type)
+       and not (t::text = any(array['smallint', 'integer', 'bigint'])
+                and j.key_type::text = any(array['smallint', 'integer', 'bigint'])) then
         raise exception 'lockstep: % is %, but the parent key %.% of job "%" is %', what, coalesce(t::text, 'not an array'),
             j.parent, j.parent_key, j.job, j.key_type
             using errcode = 'LSQ01', hint = pg_catalog.format('Pass an array of %s.', j.key_type);
@@ -2850,6 +2850,14 @@ begin
         set lock_group = excluded.lock_group, call = excluded.call, every = excluded.every,
             backoff = excluded.backoff, updated_at = now();
     insert into lockstep.job_state (job) values (job) on conflict do nothing;
+    -- as define_derived: another call is due now, a new every counts from the last run (the old
+    -- next_run_at was kept: an hour's schedule shortened to a second still waited the hour)
+    if old.job is not null then
+        update lockstep.job_state s
+        set next_run_at = case when old.call is distinct from call::text then now()
+                               else least(s.next_run_at, coalesce(s.last_started_at, now()) + every) end
+        where s.job = define_job.job;
+    end if;
 end;
 $$;
 

@@ -79,7 +79,9 @@ $$;
 
 -- lockstep.define_job(job, call, lock_group, every, backoff): register or update a generic job: `call` is
 -- run on schedule under the lock-group rules. `call` must be a function callable with no argument.
--- locks: the job's registry row (insert or update). Nothing a runner holds.
+-- Redefining it with another call makes it due at once; a new every counts from the last run.
+-- locks: the job's registry row (insert or update), then, on a redefinition, its status row. Nothing a
+-- runner holds.
 create function lockstep.define_job(job text, call regprocedure, lock_group text default null,
                                     every interval default '1 minute', backoff interval default '1 hour')
 returns void
@@ -119,6 +121,14 @@ begin
         set lock_group = excluded.lock_group, call = excluded.call, every = excluded.every,
             backoff = excluded.backoff, updated_at = now();
     insert into lockstep.job_state (job) values (job) on conflict do nothing;
+    -- as define_derived: another call is due now, a new every counts from the last run (the old
+    -- next_run_at was kept: an hour's schedule shortened to a second still waited the hour)
+    if old.job is not null then
+        update lockstep.job_state s
+        set next_run_at = case when old.call is distinct from call::text then now()
+                               else least(s.next_run_at, coalesce(s.last_started_at, now()) + every) end
+        where s.job = define_job.job;
+    end if;
 end;
 $$;
 

@@ -152,6 +152,27 @@ def test_redefine_updates_schedule_and_keeps_state(jobs):
     assert row[0].total_seconds() == 300 and row[1] == "other" and row[2] == 1
 
 
+def test_a_redefinition_reschedules_as_define_derived_does(jobs):
+    """define_job kept the old next_run_at: an hourly job redefined to run every second (or with another
+    call) still waited the hour (found by a probe). Now a new every counts from the last run, another call
+    is due at once, and the same definition leaves the schedule alone."""
+
+    def next_in() -> float:
+        return jobs.execute(
+            "select extract(epoch from next_run_at - last_started_at) from lockstep.status where job = 't'"
+        ).fetchone()[0]
+
+    jobs.execute("select lockstep.define_job('t', 'tick()', every => '1 hour')")
+    assert result(jobs, "lockstep.run('t')")["outcome"] == "done"
+    jobs.execute("select lockstep.define_job('t', 'tick()', every => '1 hour')")
+    assert next_in() == pytest.approx(3600, abs=1)  # unchanged
+    jobs.execute("select lockstep.define_job('t', 'tick()', every => '1 second')")
+    assert next_in() == pytest.approx(1, abs=0.5)  # before: still 3600
+    jobs.execute("update lockstep.job_state set next_run_at = now() + interval '1 day' where job = 't'")
+    jobs.execute("select lockstep.define_job('t', 'slow()', every => '1 day')")  # another call: due now
+    assert jobs.execute("select next_run_at <= now() from lockstep.status where job = 't'").fetchone()[0]
+
+
 @pytest.mark.parametrize(
     ("call", "sqlstate", "match"),
     [

@@ -218,7 +218,10 @@ def test_convergence_with_random_changes_and_work_passes(ex):
         (f"lockstep.enqueue('{JOB}', null::bigint[])", "22004", "must not be NULL"),
         (f"lockstep.enqueue('{JOB}', array[1, null]::bigint[])", "22004", "must not contain NULL"),
         (f"lockstep.enqueue('{JOB}', array['a', 'b'])", "LSQ01", "parent key example.exam.id"),
-        (f"lockstep.enqueue('{JOB}', array[1.5]::numeric[])", "22P02", "invalid input syntax"),
+        (f"lockstep.enqueue('{JOB}', array[1.5]::numeric[])", "LSQ01", "is numeric"),  # was 22P02
+        (f"lockstep.enqueue('{JOB}', array[3]::numeric[])", "LSQ01", "is numeric"),  # was accepted, as 3
+        (f"lockstep.enqueue('{JOB}', array[3.7]::float8[])", "LSQ01", "is double precision"),
+        (f"lockstep.enqueue('{JOB}', array[1e30]::numeric[])", "LSQ01", "is numeric"),  # was 22003
         ("lockstep.enqueue('nope', array[1])", "LSJ01", "unknown job"),
         ("lockstep.enqueue(null, array[1])", "22004", "NULL"),
         (f"lockstep.work('{JOB}', 0)", "22023", "positive"),
