@@ -84,21 +84,25 @@ begin
     drop table pg_temp.lockstep_first;
     execute pg_catalog.format('analyze pg_temp.%I', v_gone);
     execute pg_catalog.format('analyze pg_temp.%I', v_put);
-    v_changed := lockstep._enqueue_text(j, array(select r.key from pg_temp.lockstep_rest r));
+    -- the rest goes to the queue, but not a second time: a parent still queued (an earlier hand-off, the
+    -- application's change) is computed afresh by the pass that takes that entry
+    perform lockstep._enqueue_missing(j, array(select r.key from pg_temp.lockstep_rest r));
+    v_changed := (select count(*) from pg_temp.lockstep_rest);
     perform pg_catalog.set_config('lockstep.handed_off', v_changed::text, true);
     return v_changed;
 end;
 $$;
 
--- lockstep._hand_off(j, keys, before, total): queue keys (the parents the write skipped, or every parent)
--- and record the recompute's hand-off in the job's status row: total parents changed and the range of queue
--- ids above before (the job's highest id when the recompute started), from which lockstep.status derives
--- recompute_done until the worker has taken them all. total NULL: this recompute is not spread over
--- transactions. An earlier hand-off still in progress is carried on, not forgotten: the range starts at its
--- first id, so its entries still queued count as to do (distinct parents: a parent queued by both counts
--- once); done counts this recompute's written parents, so the total never exceeds the parents changed.
+-- lockstep._hand_off(j, keys, before, written): queue the keys not yet queued (the parents the write
+-- skipped, or every parent: lockstep._enqueue_missing) and record the recompute's hand-off in the job's
+-- status row: parents written in this transaction, plus the distinct parents still queued in the range of
+-- queue ids above before (the job's highest id when the recompute started), from which lockstep.status
+-- derives recompute_done until the worker has taken them all. written NULL: this recompute is not spread
+-- over transactions. An earlier hand-off still in progress is carried on, not forgotten: the range starts
+-- at its first id, so its entries still queued count as to do (each parent once), and a parent the
+-- second recompute found still queued is not queued again; the total never exceeds the parents changed.
 -- locks: appends to lockstep.queue; the job's lockstep.job_state row (FOR NO KEY UPDATE, by the update).
-create function lockstep._hand_off(j lockstep.job, keys text[], before bigint, total bigint) returns void
+create function lockstep._hand_off(j lockstep.job, keys text[], before bigint, written bigint) returns void
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
@@ -106,26 +110,26 @@ declare
     s lockstep.job_state;
     v_from bigint;
     v_to bigint;
-    v_done bigint;
+    v_old boolean;
 begin
-    perform lockstep._enqueue_text(j, keys);
+    perform lockstep._enqueue_missing(j, keys);
     select * into s from lockstep.job_state x where x.job = j.job;
-    if total is null then  -- nothing spread over transactions: an earlier hand-off's progress, if done, goes
-        if s.recompute_total is not null
-           and lockstep._handoff_todo(j.job, s.recompute_queue_from, s.recompute_queue_to) = 0 then
+    v_old := s.recompute_total is not null
+             and lockstep._handoff_todo(j.job, s.recompute_queue_from, s.recompute_queue_to) > 0;
+    if written is null then  -- nothing spread over transactions: an earlier hand-off's progress, if done, goes
+        if s.recompute_total is not null and not v_old then
             update lockstep.job_state x set recompute_total = null, recompute_queue_from = null, recompute_queue_to = null
             where x.job = j.job;
         end if;
         return;
     end if;
     select min(q.id), max(q.id) into v_from, v_to from lockstep.queue q where q.job = j.job and q.id > before;
-    v_done := total - lockstep._handoff_todo(j.job, v_from, v_to);
-    if s.recompute_total is not null
-       and lockstep._handoff_todo(j.job, s.recompute_queue_from, s.recompute_queue_to) > 0 then
+    if v_old then
         v_from := s.recompute_queue_from;
+        v_to := coalesce(v_to, s.recompute_queue_to);
     end if;
     update lockstep.job_state x set
-        recompute_total = v_done + lockstep._handoff_todo(j.job, v_from, v_to),
+        recompute_total = written + lockstep._handoff_todo(j.job, v_from, v_to),
         recompute_queue_from = v_from,
         recompute_queue_to = v_to
     where x.job = j.job;
@@ -177,7 +181,7 @@ begin
     end;
     v_keys := lockstep._parent_keys(j);
     select coalesce(max(q.id), 0) into v_before from lockstep.queue q where q.job = j.job;
-    perform lockstep._hand_off(j, v_keys, v_before, nullif(cardinality(v_keys), 0));
+    perform lockstep._hand_off(j, v_keys, v_before, case when cardinality(v_keys) > 0 then 0 end);
     perform lockstep._finish(j, 'recompute', 'done', started);
     return lockstep._result('done', j.job, 'recompute', null,
         pg_catalog.format('the whole-table pass failed (%s); its %s parents were handed to the worker, which '
@@ -233,7 +237,9 @@ begin
     -- the rest of the difference was handed to the queue before the write (_limit_batch)
     v_rest := coalesce(nullif(pg_catalog.current_setting('lockstep.handed_off', true), ''), '0')::bigint;
     if j.parent is not null then
-        perform lockstep._hand_off(j, p.skipped, v_before, case when v_rest > 0 then j.batch_parents + v_rest end);
+        -- the batch was j.batch_parents parents (the first of the difference), its skipped ones re-queued
+        perform lockstep._hand_off(j, p.skipped, v_before,
+                                   case when v_rest > 0 then j.batch_parents - cardinality(p.skipped) end);
     end if;
     perform lockstep._clear_flag(j, v_snap, v_started);
     perform lockstep._finish(j, 'recompute', 'done', v_started, p);

@@ -98,6 +98,22 @@ begin
 end;
 $$;
 
+-- lockstep._enqueue_missing(j, keys): lockstep._enqueue_text of the keys (canonical text) that have no
+-- queue entry of j yet: a recompute's hand-off (keys it did not write) while an earlier hand-off or the
+-- application's changes have them queued. An entry still queued is taken by a later worker pass, which
+-- computes the parent afresh from then-current data, so a second entry adds nothing but a duplicate that
+-- fills a pass (a second recompute over a pending hand-off doubled the queue, 160 -> 325 entries). Only
+-- for callers that hold the job's group lock: no worker pass is taking those entries meanwhile.
+-- locks: as lockstep._enqueue_text.
+create function lockstep._enqueue_missing(j lockstep.job, keys text[]) returns bigint
+language sql
+set search_path = pg_catalog, pg_temp
+as $$
+    select lockstep._enqueue_text(j, array(
+        select k from pg_catalog.unnest(keys) k
+        where not exists (select from lockstep.queue q where q.key = k and (q.job = j.job) is true)));
+$$;
+
 -- lockstep._queue_job(job): the registry row of a derived job that has a queue (it has a parent).
 -- locks: nothing.
 create function lockstep._queue_job(job text) returns lockstep.job

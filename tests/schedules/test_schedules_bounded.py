@@ -167,6 +167,8 @@ def test_a_due_recompute_is_not_starved_by_its_own_hand_off(ex):
     # Its progress carries the first hand-off on: its 50 written parents done, the 150 parents still queued
     # to do (the first one's entries for 51-200, its own for 101-200: each parent once).
     assert ex.execute(STATUS_SQL).fetchone() == (50, 200)
+    # and it queued none of them again: each is still queued once (before: 250 entries, 100 duplicates)
+    assert ex.execute("select count(*), count(distinct key) from lockstep.queue").fetchone() == (150, 150)
     # and it is not due again: no re-run loop; the worker finishes, and each pass shows in the progress
     # (before, the passes over the first hand-off's entries left it at 50 / 150)
     r = result(ex, f"lockstep.run('{JOB}')")
