@@ -186,6 +186,10 @@ begin
     if keys is null then
         raise exception 'lockstep: keys must not be NULL' using errcode = '22004';
     end if;
+    if pg_catalog.array_ndims(keys) > 1 then  -- it failed with 0A000 in the NULL check below
+        raise exception 'lockstep: keys must be a one-dimensional array (got % dimensions)', pg_catalog.array_ndims(keys)
+            using errcode = '22023';
+    end if;
     perform lockstep._check_key_type(j, (select typelem from pg_catalog.pg_type where oid = pg_catalog.pg_typeof(keys)),
                                      'keys');
     if pg_catalog.array_position(keys, null) is not null then
@@ -697,11 +701,12 @@ as $$
                  from pg_catalog.unnest(tables) x, pg_catalog.unnest(array['insert', 'update', 'delete', 'truncate']) o);
 $$;
 
--- lockstep._warn_writers(tables): after watch(): a WARNING naming the roles that may write one of tables
--- (granted INSERT, UPDATE, DELETE or TRUNCATE, or its owner) but lack what the trigger needs as them
--- (USAGE on schema lockstep, INSERT on lockstep.queue and lockstep.recompute_flag; docs/security.md): their
--- writes would fail with 42501 from now on. Said when watch() runs, not at the application's next write.
--- Roles granted through a group are checked as the group (members inherit what it holds).
+-- lockstep._warn_writers(tables): after watch(): a WARNING naming each role that may write one of tables
+-- (granted INSERT, UPDATE, DELETE or TRUNCATE on it or on one of its columns, or its owner) but lacks what
+-- the triggers need as that role, and what it lacks: USAGE on schema lockstep and INSERT on lockstep.queue
+-- (every write of it fails with 42501 without them), INSERT on lockstep.recompute_flag (a write the
+-- trigger cannot enqueue, which it flags instead, fails without it); docs/security.md. Said when watch()
+-- runs, not at the application's next write. Roles granted through a group are checked as the group.
 -- locks: nothing.
 create function lockstep._warn_writers(tables regclass[]) returns void
 language plpgsql
@@ -711,24 +716,34 @@ declare
     v_roles text;
 begin
     with w as (
-        select distinct a.grantee as r
+        select a.grantee as r
         from pg_catalog.pg_class c, pg_catalog.aclexplode(c.relacl) a
         where c.oid = any(tables) and a.privilege_type in ('INSERT', 'UPDATE', 'DELETE', 'TRUNCATE')
         union
+        select a.grantee
+        from pg_catalog.pg_attribute t, pg_catalog.aclexplode(t.attacl) a
+        where t.attrelid = any(tables) and t.attacl is not null and a.privilege_type in ('INSERT', 'UPDATE')
+        union
         select c.relowner from pg_catalog.pg_class c where c.oid = any(tables)
+    ), n as (
+        select coalesce(r.rolname, 'public') as name, coalesce(r.rolname, 'PUBLIC') as shown
+        from w left join pg_catalog.pg_roles r on r.oid = w.r
+        where not coalesce(r.rolsuper, false)
+    ), m as (
+        select n.shown, pg_catalog.concat_ws(', ',
+                   case when not pg_catalog.has_schema_privilege(n.name, 'lockstep', 'USAGE') then 'USAGE on schema lockstep' end,
+                   case when not pg_catalog.has_table_privilege(n.name, 'lockstep.queue', 'INSERT') then 'INSERT on lockstep.queue' end,
+                   case when not pg_catalog.has_table_privilege(n.name, 'lockstep.recompute_flag', 'INSERT')
+                        then 'INSERT on lockstep.recompute_flag' end) as lacks
+        from n
     )
-    select pg_catalog.string_agg(coalesce(r.rolname, 'PUBLIC'), ', ' order by coalesce(r.rolname, 'PUBLIC'))
+    select pg_catalog.string_agg(pg_catalog.format('%s (lacks %s)', m.shown, m.lacks), '; ' order by m.shown)
     into v_roles
-    from w left join pg_catalog.pg_roles r on r.oid = w.r
-    where not coalesce(r.rolsuper, false)
-      and not (pg_catalog.has_schema_privilege(coalesce(r.rolname, 'public'), 'lockstep', 'USAGE')
-               and pg_catalog.has_table_privilege(coalesce(r.rolname, 'public'), 'lockstep.queue', 'INSERT')
-               and pg_catalog.has_table_privilege(coalesce(r.rolname, 'public'), 'lockstep.recompute_flag', 'INSERT'));
+    from m where m.lacks <> '';
     if v_roles is not null then
-        raise warning 'lockstep: % may write % but not lockstep''s queue: their writes fail with 42501 from now on',
-            v_roles, pg_catalog.array_to_string(tables, ', ')
-            using hint = pg_catalog.format('grant usage on schema lockstep to ...; grant insert on lockstep.queue, '
-                                           'lockstep.recompute_flag to ... (docs/security.md, Application).');
+        raise warning 'lockstep: roles that may write % lack grants watch()''s triggers need: %', pg_catalog.array_to_string(tables, ', '), v_roles
+            using hint = 'Without USAGE on schema lockstep or INSERT on lockstep.queue every write of theirs fails with 42501; '
+                         'without INSERT on lockstep.recompute_flag one the trigger cannot enqueue does (docs/security.md, Application).';
     end if;
 end;
 $$;

@@ -218,6 +218,7 @@ def test_convergence_with_random_changes_and_work_passes(ex):
         (f"lockstep.enqueue('{JOB}', null::bigint[])", "22004", "must not be NULL"),
         (f"lockstep.enqueue('{JOB}', array[1, null]::bigint[])", "22004", "must not contain NULL"),
         (f"lockstep.enqueue('{JOB}', array['a', 'b'])", "LSQ01", "parent key example.exam.id"),
+        (f"lockstep.enqueue('{JOB}', array[array[1, 2], array[3, 4]]::bigint[])", "22023", "one-dimensional"),
         (f"lockstep.enqueue('{JOB}', array[1.5]::numeric[])", "LSQ01", "is numeric"),  # was 22P02
         (f"lockstep.enqueue('{JOB}', array[3]::numeric[])", "LSQ01", "is numeric"),  # was accepted, as 3
         (f"lockstep.enqueue('{JOB}', array[3.7]::float8[])", "LSQ01", "is double precision"),

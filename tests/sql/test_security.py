@@ -346,6 +346,9 @@ def recipe_scenario(ex: psycopg.Connection, dsn: str, roles, without: tuple[str,
         a.execute("update example.exam set title = 'alpha beta gamma ' || id where id between 1 and 5")
         a.execute("insert into example.exam_item (exam_id, body) values (8, 'delta epsilon')")
         a.execute("delete from example.exam where id = 9")
+        # exam 3's change is not in the queue (as for a change made before watch()): the recompute finds
+        # it, skips the parent held below and must queue it itself (an entry already queued it leaves)
+        ex.execute("delete from lockstep.queue where key = '3'")
         side.execute("select 1 from example.exam where id = 3 for update")
         res = _run(r, "exam_keys")  # due since define: the recompute
         _check((res["action"], res["outcome"]) == ("recompute", "done"), f"recompute: {res}")
