@@ -1523,6 +1523,7 @@ declare
     v_gone text := lockstep._tmp(j, 'gone');
     v_put text := lockstep._tmp(j, 'put');
     v_changed bigint;
+    v_rest text[];
 begin
     if budget is null or j.parent is null then
         return 0;
@@ -1579,8 +1580,9 @@ begin
     execute pg_catalog.format('analyze pg_temp.%I', v_put);
     -- the rest goes to the queue, but not a second time: a parent still queued (an earlier hand-off, the
     -- application's change) is computed afresh by the pass that takes that entry
-    perform lockstep._enqueue_missing(j, array(select r.key from pg_temp.lockstep_rest r));
-    v_changed := (select count(*) from pg_temp.lockstep_rest);
+    v_rest := array(select r.key from pg_temp.lockstep_rest r);
+    perform lockstep._enqueue_missing(j, v_rest);
+    v_changed := cardinality(v_rest);
     perform pg_catalog.set_config('lockstep.handed_off', v_changed::text, true);
     return v_changed;
 end;
@@ -2681,9 +2683,11 @@ begin
     into v_roles
     from m where m.lacks <> '';
     if v_roles is not null then
-        raise warning 'lockstep: roles that may write % lack grants watch()''s triggers need: %', pg_catalog.array_to_string(tables, ', '), v_roles
-            using hint = 'Without USAGE on schema lockstep or INSERT on lockstep.queue every write of theirs fails with 42501; '
-                         'without INSERT on lockstep.recompute_flag one the trigger cannot enqueue does (docs/security.md, Application).';
+        raise warning 'lockstep: roles that may write % lack grants watch()''s triggers need: %',
+            pg_catalog.array_to_string(tables, ', '), v_roles
+            using hint = 'Without USAGE on schema lockstep or INSERT on lockstep.queue every write of theirs fails '
+                         'with 42501; without INSERT on lockstep.recompute_flag one the trigger cannot enqueue does '
+                         '(docs/security.md, Application).';
     end if;
 end;
 $$;
@@ -2896,12 +2900,16 @@ CREATE FUNCTION lockstep.drop_job(job text) RETURNS void
     AS $$
 declare
     j lockstep.job := lockstep._job(job);
+    v_rels regclass[];
+    v_drops text[];
 begin
     perform lockstep._check_owner(j);
     -- all the watched tables at once, never holding an application up for long (lockstep._ddl, 08_enqueue.sql)
-    perform lockstep._ddl(array(select w.rel from lockstep._watchers(j.job) w),
-                          array(select pg_catalog.format('drop trigger %I on %s', w.tgname, w.rel)
-                                from lockstep._watchers(j.job) w),
+    select coalesce(array_agg(w.rel), '{}'),
+           coalesce(array_agg(pg_catalog.format('drop trigger %I on %s', w.tgname, w.rel)), '{}')
+    into v_rels, v_drops
+    from lockstep._watchers(j.job) w;
+    perform lockstep._ddl(v_rels, v_drops,
                           pg_catalog.format('drop_job(%L)', j.job));
     perform lockstep._drop_unused_triggers();  -- 08_enqueue.sql
     delete from lockstep.queue q where q.job = j.job;
@@ -3205,6 +3213,8 @@ CREATE FUNCTION lockstep.unwatch(job text, source regclass) RETURNS void
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET client_min_messages TO 'warning'
     AS $$
+declare
+    v_tables regclass[] := lockstep._family(source);
 begin
     if job is null or source is null then
         raise exception 'lockstep: job and source must not be NULL' using errcode = '22004';
@@ -3216,8 +3226,7 @@ begin
                              from pg_catalog.unnest(array['insert', 'update', 'delete', 'truncate']) o)) then
         perform lockstep._job(job);  -- LSJ01
     end if;
-    perform lockstep._ddl(lockstep._family(source),
-                          lockstep._drop_watch_ddl(job, lockstep._family(source)),
+    perform lockstep._ddl(v_tables, lockstep._drop_watch_ddl(job, v_tables),
                           pg_catalog.format('unwatch(%L, %L)', job, source));
     perform lockstep._drop_unused_triggers();
 end;

@@ -232,12 +232,16 @@ set jit = off  -- lockstep._no_jit_note (03_helpers.sql)
 as $$
 declare
     j lockstep.job := lockstep._job(job);
+    v_rels regclass[];
+    v_drops text[];
 begin
     perform lockstep._check_owner(j);
     -- all the watched tables at once, never holding an application up for long (lockstep._ddl, 08_enqueue.sql)
-    perform lockstep._ddl(array(select w.rel from lockstep._watchers(j.job) w),
-                          array(select pg_catalog.format('drop trigger %I on %s', w.tgname, w.rel)
-                                from lockstep._watchers(j.job) w),
+    select coalesce(array_agg(w.rel), '{}'),
+           coalesce(array_agg(pg_catalog.format('drop trigger %I on %s', w.tgname, w.rel)), '{}')
+    into v_rels, v_drops
+    from lockstep._watchers(j.job) w;
+    perform lockstep._ddl(v_rels, v_drops,
                           pg_catalog.format('drop_job(%L)', j.job));
     perform lockstep._drop_unused_triggers();  -- 08_enqueue.sql
     delete from lockstep.queue q where q.job = j.job;

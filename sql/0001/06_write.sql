@@ -664,8 +664,9 @@ $$;
 
 -- lockstep._upsert_rows(j, updates, inserts): write step 3c. The rows of j's put work table: those that exist
 -- (if updates: the diff found some) are updated where _lock_rows locked them (by ctid: a TID scan, no index
--- probe per row; matched by primary key too, for a partitioned target), the new ones (if inserts) inserted in primary-key order by one INSERT ... ON CONFLICT
--- DO UPDATE ... WHERE IS DISTINCT FROM (a row an application inserted meanwhile is updated, not a 23505).
+-- probe per row; matched by primary key too, for a partitioned target), the new ones (if inserts) inserted
+-- in primary-key order by one INSERT ... ON CONFLICT DO UPDATE ... WHERE IS DISTINCT FROM (a row an
+-- application inserted meanwhile is updated, not a 23505).
 -- locks: the target rows it updates (already held by _lock_rows), then those it inserts.
 create function lockstep._upsert_rows(j lockstep.job, updates boolean, inserts boolean,
                                       out inserted bigint, out updated bigint)

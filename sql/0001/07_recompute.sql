@@ -30,6 +30,7 @@ declare
     v_gone text := lockstep._tmp(j, 'gone');
     v_put text := lockstep._tmp(j, 'put');
     v_changed bigint;
+    v_rest text[];
 begin
     if budget is null or j.parent is null then
         return 0;
@@ -86,8 +87,9 @@ begin
     execute pg_catalog.format('analyze pg_temp.%I', v_put);
     -- the rest goes to the queue, but not a second time: a parent still queued (an earlier hand-off, the
     -- application's change) is computed afresh by the pass that takes that entry
-    perform lockstep._enqueue_missing(j, array(select r.key from pg_temp.lockstep_rest r));
-    v_changed := (select count(*) from pg_temp.lockstep_rest);
+    v_rest := array(select r.key from pg_temp.lockstep_rest r);
+    perform lockstep._enqueue_missing(j, v_rest);
+    v_changed := cardinality(v_rest);
     perform pg_catalog.set_config('lockstep.handed_off', v_changed::text, true);
     return v_changed;
 end;

@@ -741,9 +741,11 @@ begin
     into v_roles
     from m where m.lacks <> '';
     if v_roles is not null then
-        raise warning 'lockstep: roles that may write % lack grants watch()''s triggers need: %', pg_catalog.array_to_string(tables, ', '), v_roles
-            using hint = 'Without USAGE on schema lockstep or INSERT on lockstep.queue every write of theirs fails with 42501; '
-                         'without INSERT on lockstep.recompute_flag one the trigger cannot enqueue does (docs/security.md, Application).';
+        raise warning 'lockstep: roles that may write % lack grants watch()''s triggers need: %',
+            pg_catalog.array_to_string(tables, ', '), v_roles
+            using hint = 'Without USAGE on schema lockstep or INSERT on lockstep.queue every write of theirs fails '
+                         'with 42501; without INSERT on lockstep.recompute_flag one the trigger cannot enqueue does '
+                         '(docs/security.md, Application).';
     end if;
 end;
 $$;
@@ -838,6 +840,8 @@ language plpgsql
 set search_path = pg_catalog, pg_temp
 set client_min_messages = warning
 as $$
+declare
+    v_tables regclass[] := lockstep._family(source);
 begin
     if job is null or source is null then
         raise exception 'lockstep: job and source must not be NULL' using errcode = '22004';
@@ -849,8 +853,7 @@ begin
                              from pg_catalog.unnest(array['insert', 'update', 'delete', 'truncate']) o)) then
         perform lockstep._job(job);  -- LSJ01
     end if;
-    perform lockstep._ddl(lockstep._family(source),
-                          lockstep._drop_watch_ddl(job, lockstep._family(source)),
+    perform lockstep._ddl(v_tables, lockstep._drop_watch_ddl(job, v_tables),
                           pg_catalog.format('unwatch(%L, %L)', job, source));
     perform lockstep._drop_unused_triggers();
 end;
