@@ -907,7 +907,7 @@ declare
 begin
     execute pg_catalog.format('delete from %1$s t using pg_temp.%2$I g '
                               'where t.ctid = any(array(select lockstep_ctid from pg_temp.%2$I)) and %3$s',
-                              j.target, lockstep._tmp(j, 'gone'), lockstep._eq(j.target_key, 't', 'g'));
+                              j.target, lockstep._tmp(j, 'gone'), lockstep._eq(j.target_key, 't', 'g', j.target));
     get diagnostics n = row_count;
     return n;
 end;
@@ -942,17 +942,17 @@ begin
            lockstep._cols(j.target_key) as pk,
            (select pg_catalog.string_agg(pg_catalog.format('%I is null', k), ' or ')
             from pg_catalog.unnest(j.target_key) k) as pknull,
-           lockstep._eq(j.target_key, 'd', 'c') as dc, lockstep._eq(j.target_key, 't', 'd') as td,
+           lockstep._eq(j.target_key, 'd', 'c', j.target) as dc, lockstep._eq(j.target_key, 't', 'd', j.target) as td,
            (select lockstep._callable(p.oid, 1) from pg_catalog.pg_proc p where p.oid = j.compute::regprocedure) as fn,
            (select pg_catalog.format_type(p.proargtypes[0], null) from pg_catalog.pg_proc p where p.oid = j.compute::regprocedure) as arg,
            (select pg_catalog.format_type(t.typarray, null) from pg_catalog.pg_type t where t.oid = j.key_type) as arr,
-           lockstep._tmp(j, 'gone') as gone, lockstep._tmp(j, 'put') as put
+           lockstep._tmp(j, 'gone') as gone, lockstep._tmp(j, 'put') as put, lockstep._eq_op(j.key_type) as op
     into f;
     -- a subset has a parent column (else lockstep._diff_all, above)
     v_cpar := pg_catalog.format('c.%I::text', j.parent_column);
     v_dpar := pg_catalog.format('d.%I::text', j.parent_column);
     v_cur := pg_catalog.format('select t.* from pg_catalog.unnest($1::%s) k(v), lateral (select %s, t.ctid as lockstep_ctid '
-                               'from %s t where t.%I = k.v offset 0) t', f.arr, f.tcols, j.target, j.parent_column);
+                               'from %s t where t.%I %s k.v offset 0) t', f.arr, f.tcols, j.target, j.parent_column, f.op);
     if j.parent_column = any(j.target_key) then
         -- the primary key holds the parent: a row of that key has that parent, so it is among the current
         -- rows read above or does not exist; no probe per new row (at 100 % changed, 7,000 probes a pass)
@@ -984,7 +984,7 @@ begin
         'from (select count(*) filter (where p.lockstep_new) as n, count(*) filter (where p.pin) as pin, '
         '      count(*) filter (where not p.lockstep_new) as kept from p) pc',
         f.gone, f.put, f.cols, f.fn, f.arg,
-        pg_catalog.format('where d.%I = any($1::%s)', j.parent_column, f.arr),
+        pg_catalog.format('where d.%I %s any($1::%s)', j.parent_column, f.op, f.arr),
         f.pk, f.pknull, 'materialized', v_cur,
         f.ccols, v_cpar, f.dc, f.dcols, v_dpar, v_oldpar, v_new, v_old, v_moved)
         into n.gone, n.fresh, n.pin, n.kept, v_bad, v_null using keys;
@@ -1043,7 +1043,7 @@ begin
         lockstep._cols(j.columns, 'd'), v_tpar,
         (select pg_catalog.string_agg(pg_catalog.format('t.%I as %I', c, v_t[o]), ', ' order by o)
          from pg_catalog.unnest(j.columns) with ordinality u(c, o)),
-        j.target, lockstep._eq(j.target_key, 't', 'd'), lockstep._cols(j.columns, 't'),
+        j.target, lockstep._eq(j.target_key, 't', 'd', j.target), lockstep._cols(j.columns, 't'),
         lockstep._cols(j.target_key), v_pknull, lockstep._cols(v_t, 'c'), v_par)
         into n.gone, n.fresh, n.pin, n.kept, v_bad, v_null, v_once using keys;
     if not v_once and v_bad is null then  -- a current row matched twice: name its key (error path only)
@@ -1168,13 +1168,42 @@ begin
 end;
 $$;
 
-CREATE FUNCTION lockstep._eq(cols name[], a text, b text) RETURNS text
-    LANGUAGE plpgsql IMMUTABLE
+CREATE FUNCTION lockstep._eq(cols name[], a text, b text, rel regclass DEFAULT NULL::regclass) RETURNS text
+    LANGUAGE plpgsql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
 begin
-    return (select pg_catalog.string_agg(pg_catalog.format('%I.%I = %I.%I', a, c, b, c), ' and ' order by o)
-            from pg_catalog.unnest(cols) with ordinality as u(c, o));
+    return (select pg_catalog.string_agg(pg_catalog.format('%I.%I %s %I.%I', a, u.c,
+                                             case when y.typnamespace = 'pg_catalog'::regnamespace or y.oid is null
+                                                  then '=' else lockstep._eq_op(y.oid) end, b, u.c),
+                                         ' and ' order by u.o)
+            from pg_catalog.unnest(cols) with ordinality as u(c, o)
+            left join pg_catalog.pg_attribute t on t.attrelid = rel and t.attname = u.c and not t.attisdropped
+            left join pg_catalog.pg_type y on y.oid = t.atttypid);
+end;
+$$;
+
+CREATE FUNCTION lockstep._eq_op(t regtype) RETURNS text
+    LANGUAGE plpgsql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    v_base oid := (select case when y.typtype = 'd' then y.typbasetype else y.oid end
+                   from pg_catalog.pg_type y where y.oid = t);
+    v text;
+begin
+    if (select y.typnamespace from pg_catalog.pg_type y where y.oid = v_base) = 'pg_catalog'::regnamespace then
+        return '=';
+    end if;
+    select pg_catalog.format('operator(%I.%s)', n.nspname, o.oprname) into v
+    from pg_catalog.pg_opclass c
+    join pg_catalog.pg_am a on a.oid = c.opcmethod and a.amname = 'btree'
+    join pg_catalog.pg_amop ao on ao.amopfamily = c.opcfamily and ao.amoplefttype = c.opcintype
+                              and ao.amoprighttype = c.opcintype and ao.amopstrategy = 3
+    join pg_catalog.pg_operator o on o.oid = ao.amopopr
+    join pg_catalog.pg_namespace n on n.oid = o.oprnamespace
+    where c.opcdefault and c.opcintype = v_base and n.nspname <> 'pg_catalog';
+    return coalesce(v, '=');
 end;
 $$;
 
@@ -1650,7 +1679,7 @@ begin
         'select row(%1$s)::text as lockstep_root, t.tableoid as lockstep_rel, t.ctid as lockstep_ctid, '
         '$1::regclass as lockstep_table, true as lockstep_deletes, 0 as lockstep_depth '
         'from pg_temp.%4$I g join %2$s t on %3$s',
-        lockstep._cols(j.target_key, 'g'), j.target, lockstep._eq(j.target_key, 't', 'g'), lockstep._tmp(j, 'gone'))
+        lockstep._cols(j.target_key, 'g'), j.target, lockstep._eq(j.target_key, 't', 'g', j.target), lockstep._tmp(j, 'gone'))
         using j.target;
     while exists (select from pg_temp.lockstep_doomed d where d.lockstep_depth = v_depth) loop
         if v_depth > 100 then
@@ -1707,7 +1736,7 @@ begin
         '       returning lockstep_parent) '
         'select coalesce(array_agg(distinct k) filter (where k is not null), ''{}'') '
         'from (select * from dg union all select * from dp) s(k)',
-        v_lock, lockstep._tmp(j, 'gone'), lockstep._tmp(j, 'put'), lockstep._eq(j.target_key, 'l', 'w')) into v_skip;
+        v_lock, lockstep._tmp(j, 'gone'), lockstep._tmp(j, 'put'), lockstep._eq(j.target_key, 'l', 'w', j.target)) into v_skip;
     return v_skip;
 end;
 $_$;
@@ -1876,10 +1905,12 @@ begin
         'with n as (select coalesce(array_agg(distinct k), ''{}'') as a from ('
         '  select lockstep_parent from pg_temp.%1$I'
         '  where lockstep_new or lockstep_parent is distinct from lockstep_old_parent) s(k) where k is not null), '
-        'p as (select %2$I::text as k from %3$s where %2$I = any((select n.a from n)::%4$s) '
+        'p as (select %2$I::text as k from %3$s where %2$I %5$s any((select n.a from n)::%4$s) '
         '      order by %2$I for key share skip locked) '
-        'select n.a, (select coalesce(array_agg(p.k), ''{}'') from p) from n',
-        lockstep._tmp(j, 'put'), j.parent_key, j.parent, lockstep._array_type(j.key_type))
+        'select n.a, (select coalesce(array_agg(distinct x), ''{}'') from pg_catalog.unnest(n.a) x '
+        '             join p on p.k::%6$s %5$s x::%6$s) from n',
+        lockstep._tmp(j, 'put'), j.parent_key, j.parent, lockstep._array_type(j.key_type), lockstep._eq_op(j.key_type),
+        j.key_type)
         into v_need, v_pinned;
     v_skip := array(select pg_catalog.unnest(v_need) except select pg_catalog.unnest(v_pinned));
     if cardinality(v_skip) > 0 then
@@ -2146,7 +2177,7 @@ declare
     v_keys text[];
     v_before bigint;
 begin
-    if j.parent is null or sqlstate like '42%' or sqlstate like 'LSD%' then
+    if j.parent is null or sqlstate like '42%' or (sqlstate like 'LSD%' and sqlstate <> 'LSD05') then
         return lockstep._failed(j, 'recompute', started, error);
     end if;
     begin
@@ -2614,7 +2645,7 @@ begin
             '             and not w.lockstep_new and %4$s and (%5$s) is distinct from (%6$s) returning 1) '
             'select count(*) from u',
             j.target, (select pg_catalog.string_agg(pg_catalog.format('%I = w.%I', x, x), ', ') from pg_catalog.unnest(v_rest) x),
-            v_put, lockstep._eq(j.target_key, 't', 'w'), lockstep._cols(v_rest, 't'), lockstep._cols(v_rest, 'w'))
+            v_put, lockstep._eq(j.target_key, 't', 'w', j.target), lockstep._cols(v_rest, 't'), lockstep._cols(v_rest, 'w'))
             into updated;
     end if;
     if not inserts then
@@ -2806,8 +2837,9 @@ begin
     v_skip := array(select distinct pg_catalog.unnest(v_skip));
     if j.parent is not null and cardinality(v_skip) > 0 then
         execute pg_catalog.format('select coalesce(array_agg(k order by k), ''{}'') from pg_catalog.unnest($1) k '
-                                  'where exists (select from %s where %I = k::%s)',
-                                  j.parent, j.parent_key, j.key_type) into p.skipped using v_skip;
+                                  'where exists (select from %s where %I %s k::%s)',
+                                  j.parent, j.parent_key, lockstep._eq_op(j.key_type), j.key_type)
+            into p.skipped using v_skip;
         p.gone := cardinality(v_skip) - cardinality(p.skipped);
     else
         p.skipped := v_skip;

@@ -44,15 +44,52 @@ begin
 end;
 $$;
 
--- lockstep._eq(cols, a, b): "a.c1 = b.c1 and a.c2 = b.c2".
+-- lockstep._eq_op(t): the equality operator of type t (of its base type, for a domain) as SQL text: '='
+-- for a type whose operators are pg_catalog's, else that of its default btree operator class, qualified
+-- ('operator(public.=)'). lockstep's functions run with search_path = pg_catalog, pg_temp, where a bare =
+-- between two citext values resolves through citext's implicit cast to text = text: case-sensitive where
+-- the parent's key is not (a key queued as 'red' found neither the parent 'Red' nor its rows, and the
+-- pass dropped the change).
 -- locks: nothing.
-create function lockstep._eq(cols name[], a text, b text) returns text
-language plpgsql immutable
+create function lockstep._eq_op(t regtype) returns text
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_base oid := (select case when y.typtype = 'd' then y.typbasetype else y.oid end
+                   from pg_catalog.pg_type y where y.oid = t);
+    v text;
+begin
+    if (select y.typnamespace from pg_catalog.pg_type y where y.oid = v_base) = 'pg_catalog'::regnamespace then
+        return '=';
+    end if;
+    select pg_catalog.format('operator(%I.%s)', n.nspname, o.oprname) into v
+    from pg_catalog.pg_opclass c
+    join pg_catalog.pg_am a on a.oid = c.opcmethod and a.amname = 'btree'
+    join pg_catalog.pg_amop ao on ao.amopfamily = c.opcfamily and ao.amoplefttype = c.opcintype
+                              and ao.amoprighttype = c.opcintype and ao.amopstrategy = 3
+    join pg_catalog.pg_operator o on o.oid = ao.amopopr
+    join pg_catalog.pg_namespace n on n.oid = o.oprnamespace
+    where c.opcdefault and c.opcintype = v_base and n.nspname <> 'pg_catalog';
+    return coalesce(v, '=');
+end;
+$$;
+
+-- lockstep._eq(cols, a, b, rel): "a.c1 = b.c1 and a.c2 = b.c2", each = that of the column's type in rel
+-- (lockstep._eq_op; rel NULL: a bare =).
+-- locks: nothing.
+create function lockstep._eq(cols name[], a text, b text, rel regclass default null) returns text
+language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
 begin
-    return (select pg_catalog.string_agg(pg_catalog.format('%I.%I = %I.%I', a, c, b, c), ' and ' order by o)
-            from pg_catalog.unnest(cols) with ordinality as u(c, o));
+    return (select pg_catalog.string_agg(pg_catalog.format('%I.%I %s %I.%I', a, u.c,
+                                             case when y.typnamespace = 'pg_catalog'::regnamespace or y.oid is null
+                                                  then '=' else lockstep._eq_op(y.oid) end, b, u.c),
+                                         ' and ' order by u.o)
+            from pg_catalog.unnest(cols) with ordinality as u(c, o)
+            left join pg_catalog.pg_attribute t on t.attrelid = rel and t.attname = u.c and not t.attisdropped
+            left join pg_catalog.pg_type y on y.oid = t.atttypid);
 end;
 $$;
 

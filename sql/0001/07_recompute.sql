@@ -158,8 +158,10 @@ $$;
 
 -- lockstep._recompute_failed(j, started, error, sqlstate): the whole-table pass raised error. If it is a
 -- definition error (SQLSTATE class 42, or lockstep's LSDxx: the target, its keys, its foreign keys or the
--- shape of compute's rows), or an empty pass raises too, or the job has no parent, the job itself is broken:
--- a failed run with its backoff. Otherwise (an error of compute or of a constraint) some parents are poison: every parent is handed to the queue, where the worker's bisection isolates,
+-- shape of compute's rows; not LSD05, a primary key computed twice or NULL, which is a fault of the rows of
+-- some parents, as the worker treats it), or an empty pass raises too, or the job has no parent, the job
+-- itself is broken: a failed run with its backoff. Otherwise (an error of compute or of a constraint, or
+-- LSD05) some parents are poison: every parent is handed to the queue, where the worker's bisection isolates,
 -- retries and parks the failing ones (lockstep.failing_keys / parked_keys) and writes all the others; the
 -- recompute is done (no backoff) and reports the error.
 -- locks: the group lock is already held; the empty pass as lockstep._write (no row lock: nothing to write);
@@ -173,7 +175,7 @@ declare
     v_keys text[];
     v_before bigint;
 begin
-    if j.parent is null or sqlstate like '42%' or sqlstate like 'LSD%' then
+    if j.parent is null or sqlstate like '42%' or (sqlstate like 'LSD%' and sqlstate <> 'LSD05') then
         return lockstep._failed(j, 'recompute', started, error);
     end if;
     begin

@@ -283,6 +283,43 @@ def test_a_poison_parent_in_a_recompute_is_parked_while_the_rest_is_written(ex):
     assert divergence(ex) == (0, 0)
 
 
+DOUBLED = """
+create function example.doubled(ids bigint[]) returns table (exam_id bigint, key text, weight integer)
+language sql stable as $$
+    select * from example.exam_key_compute(ids)
+    union all  -- exam 13's first key twice: a duplicate primary key (LSD05) for that parent only
+    (select * from example.exam_key_compute(array[13]::bigint[]) where ids is null or 13 = any(ids)
+     order by key limit 1) $$;
+"""
+
+
+def test_a_parent_computed_with_a_duplicate_key_in_a_recompute_is_isolated(ex):
+    # LSD05 (compute returned a primary key twice) is a fault of one parent's rows, as the worker treats it:
+    # the recompute failed as a whole and backed off for an hour, writing no other parent. Now its parents
+    # go to the worker's bisection like any poison parent's.
+    ex.execute(DOUBLED)
+    ex.execute(
+        f"select lockstep.define_derived('{JOB}', 'example.exam_key', 'example.doubled(bigint[])',"
+        " 'example.exam', every => '1 day')"
+    )
+    _rewrite(ex, list(range(10, 17)))
+    ex.execute("delete from lockstep.queue")
+    r = result(ex, f"lockstep.recompute('{JOB}')")
+    assert (r["outcome"], r["more"]) == ("done", True), r
+    assert "more than one row for primary key" in r["error"] and "handed to the worker" in r["error"]
+    _drain(ex)
+    st = ex.execute(f"select failing_keys, last_outcome from lockstep.status where job = '{JOB}'").fetchone()
+    assert st == (1, "done")
+    assert ex.execute("select key from lockstep.failing_keys").fetchall() == [("13",)]
+    assert (
+        ex.execute(
+            "select count(*) from (select * from example.exam_key_compute(null) where exam_id <> 13"
+            " except select * from example.exam_key where exam_id <> 13) s"
+        ).fetchone()[0]
+        == 0
+    )
+
+
 def test_retry_ends_the_failure_backoff_of_the_recompute(ex):
     ex.execute(PICKY)
     ex.execute(DEFINE_PICKY)

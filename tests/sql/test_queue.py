@@ -546,3 +546,54 @@ def test_settling_a_pass_is_linear_in_its_queue_entries(ex):
     settle = [p for p in plans if "Delete on queue" in p]
     assert len(settle) == 1, plans
     assert "Tid Scan on queue" in settle[0] and "ANY" not in settle[0], settle[0]
+
+
+CITEXT = """
+create extension citext;
+create table tag (name citext primary key);
+create table tagging (id int generated always as identity primary key,
+                      tag citext not null references tag on update cascade on delete cascade);
+create table tag_usage (tag citext primary key references tag on update cascade on delete cascade, uses int not null);
+create table tag_word (tag citext not null references tag on update cascade on delete cascade, word citext,
+                       n int not null, primary key (tag, word));
+create function tag_usage_compute(keys citext[]) returns table (tag citext, uses int)
+language sql stable set search_path = public, pg_catalog as $$
+    select t.name, (select count(*) from tagging g where g.tag = t.name)::int
+    from tag t where keys is null or t.name = any(keys) $$;
+create function tag_word_compute(keys citext[]) returns table (tag citext, word citext, n int)
+language sql stable set search_path = public, pg_catalog as $$
+    select g.tag, 'W' || g.id % 2, count(*)::int from tagging g
+    where keys is null or g.tag = any(keys) group by 1, 2 $$;
+insert into tag values ('Red'), ('Blue');
+select lockstep.define_derived('usage', 'tag_usage', 'tag_usage_compute(citext[])', 'tag');
+select lockstep.define_derived('words', 'tag_word', 'tag_word_compute(citext[])', 'tag');
+select lockstep.watch('usage', 'tagging', 'tag');
+select lockstep.watch('words', 'tagging', 'tag');
+select lockstep.recompute('usage');
+select lockstep.recompute('words');
+"""
+
+
+def test_keys_of_an_extension_type_compare_with_its_own_equality(conn):
+    # A citext key queued as 'red' for the parent 'Red' (the child's foreign key accepts it): lockstep's
+    # functions run with search_path = pg_catalog, where a bare = on citext resolves to text = text
+    # (case-sensitive), so the pass found neither computed nor current rows for 'red', reported done and
+    # deleted the entry: the change was lost until the next recompute. Keys now compare with the type's
+    # own equality operator (that of its default btree operator class).
+    conn.execute(CITEXT)
+    conn.execute("insert into tagging (tag) values ('red'), ('RED'), ('blue')")
+    assert "Red" not in queue_keys(conn) and {k.lower() for k in queue_keys(conn)} == {"red", "blue"}
+    for job in ("usage", "words"):
+        drain(conn, job)
+    assert conn.execute("select tag::text, uses from tag_usage order by 1").fetchall() == [("Blue", 1), ("Red", 2)]
+    want = conn.execute("select tag::text, word::text, n from tag_word_compute(null) order by 1, 2").fetchall()
+    assert conn.execute("select tag::text, word::text, n from tag_word order by 1, 2").fetchall() == want
+    assert len(want) == 3
+    conn.execute("delete from tagging where tag = 'RED'")  # the rows for 'Red' go, through key 'red'
+    for job in ("usage", "words"):
+        drain(conn, job)
+    assert conn.execute("select tag::text, uses from tag_usage order by 1").fetchall() == [("Blue", 1), ("Red", 0)]
+    assert conn.execute("select tag::text, word::text, n from tag_word order by 1, 2").fetchall() == [
+        ("blue", "W1", 1)
+    ]
+    assert queue_keys(conn) == []
