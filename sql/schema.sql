@@ -611,8 +611,10 @@ begin
     if job is null or every is null or backoff is null then
         raise exception 'lockstep: job, every and backoff must not be NULL' using errcode = '22004';
     end if;
-    if job = '' or lock_group = '' then
-        raise exception 'lockstep: job and lock_group must not be empty strings' using errcode = '22023';
+    if pg_catalog.btrim(job, E' \t\n\r') = '' or pg_catalog.btrim(lock_group, E' \t\n\r') = '' then
+        raise exception 'lockstep: job and lock_group must not be empty or blank strings (got %)',
+            pg_catalog.quote_literal(case when pg_catalog.btrim(job, E' \t\n\r') = '' then job else lock_group end)
+            using errcode = '22023';
     end if;
     if pg_catalog.octet_length(job) > 63 then
         raise exception 'lockstep: job names must be at most 63 bytes (got %)', pg_catalog.octet_length(job)
@@ -3284,6 +3286,12 @@ begin
     end if;
     if not exists (select from pg_catalog.pg_class c where c.oid = source and c.relkind in ('r', 'p')) then
         raise exception 'lockstep: source % is not a table', source using errcode = '42809';
+    end if;
+    if j.target = any(v_tables) or source = any(lockstep._family(j.target)) then
+        raise exception 'lockstep: % is the target of job "%" (or a partition of it)', source, j.job
+            using errcode = '22023',
+                  hint = 'The job writes this table: its own writes would queue its parents again, for ever. '
+                         'watch the tables compute reads.';
     end if;
     select a.atttypid into v_type from pg_catalog.pg_attribute a
     where a.attrelid = source and a.attname = key_column and a.attnum > 0 and not a.attisdropped;

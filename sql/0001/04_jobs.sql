@@ -11,8 +11,10 @@ begin
     if job is null or every is null or backoff is null then
         raise exception 'lockstep: job, every and backoff must not be NULL' using errcode = '22004';
     end if;
-    if job = '' or lock_group = '' then
-        raise exception 'lockstep: job and lock_group must not be empty strings' using errcode = '22023';
+    if pg_catalog.btrim(job, E' \t\n\r') = '' or pg_catalog.btrim(lock_group, E' \t\n\r') = '' then
+        raise exception 'lockstep: job and lock_group must not be empty or blank strings (got %)',
+            pg_catalog.quote_literal(case when pg_catalog.btrim(job, E' \t\n\r') = '' then job else lock_group end)
+            using errcode = '22023';
     end if;
     if pg_catalog.octet_length(job) > 63 then
         raise exception 'lockstep: job names must be at most 63 bytes (got %)', pg_catalog.octet_length(job)

@@ -784,6 +784,12 @@ begin
     if not exists (select from pg_catalog.pg_class c where c.oid = source and c.relkind in ('r', 'p')) then
         raise exception 'lockstep: source % is not a table', source using errcode = '42809';
     end if;
+    if j.target = any(v_tables) or source = any(lockstep._family(j.target)) then
+        raise exception 'lockstep: % is the target of job "%" (or a partition of it)', source, j.job
+            using errcode = '22023',
+                  hint = 'The job writes this table: its own writes would queue its parents again, for ever. '
+                         'watch the tables compute reads.';
+    end if;
     select a.atttypid into v_type from pg_catalog.pg_attribute a
     where a.attrelid = source and a.attname = key_column and a.attnum > 0 and not a.attisdropped;
     if v_type is null then

@@ -74,6 +74,8 @@ CASES = [
     ("lockstep.define_derived('j', null, 'good(bigint[])', 'p')", "22004", "must not be NULL"),
     ("lockstep.define_derived('j', 'd', null, 'p')", "22004", "must not be NULL"),
     ("lockstep.define_derived('', 'd', 'good(bigint[])', 'p')", "22023", "empty"),
+    ("lockstep.define_derived('  ', 'd', 'good(bigint[])', 'p')", "22023", "blank"),
+    ("lockstep.define_derived('j', 'd', 'good(bigint[])', 'p', lock_group => E'\\t')", "22023", "blank"),
     ("lockstep.define_derived('j', 'd', 'good(bigint[])', 'p', every => '0 s')", "22023", "positive"),
     ("lockstep.define_derived('j', 'd', 'good(bigint[])', 'p', backoff => '-1 s')", "22023", "positive"),
     ("lockstep.define_derived('j', 'no_such_table', 'good(bigint[])', 'p')", "42P01", "does not exist"),
@@ -196,7 +198,7 @@ def test_a_compute_taking_a_wider_type_than_the_parent_key_is_accepted(db):
         db.execute("select lockstep.define_derived('nj', 'nd', 'nf(float8[])', 'np')")
 
 
-def test_compute_returning_duplicate_keys_fails_the_run_with_a_clear_error(db):
+def test_compute_returning_duplicate_keys_fails_the_pass_with_a_clear_error(db):
     db.execute("insert into p values (1, 1), (2, 2)")
     db.execute(
         "create function dup(ids bigint[]) returns table (p_id bigint, k text, w int) language sql"
@@ -205,13 +207,18 @@ def test_compute_returning_duplicate_keys_fails_the_run_with_a_clear_error(db):
     )
     db.execute("select lockstep.define_derived('j', 'd', 'dup(bigint[])', 'p')")
     r = db.execute("select outcome, error from lockstep.recompute('j')").fetchone()
-    assert r[0] == "failed"
+    # LSD05 is a fault of some parents' rows: the whole-table pass fails, its parents go to the worker
+    assert r[0] == "done"
+    assert "more than one row for primary key" in r[1] and "handed to the worker" in r[1]
+    assert db.execute("select count(*) from d").fetchone()[0] == 0
+    r = db.execute("select outcome, error from lockstep.work('j')").fetchone()
     assert "more than one row for primary key" in r[1]
+    assert db.execute("select count(*) from lockstep.failing_keys").fetchone()[0] == 2
     assert db.execute("select count(*) from d").fetchone()[0] == 0
 
 
 @pytest.mark.parametrize("second", ["v", "v + 1"], ids=["identical", "different"])
-def test_compute_duplicating_a_key_the_target_already_holds_fails_the_run(db, second):
+def test_compute_duplicating_a_key_the_target_already_holds_fails_the_pass(db, second):
     """The whole-table diff finds a duplicate among rows that match a current row (from its counts), whether
     the two copies are identical to the current row or one differs, and names the key."""
     db.execute("insert into p values (1, 1), (2, 2)")
@@ -229,8 +236,8 @@ def test_compute_duplicating_a_key_the_target_already_holds_fails_the_run(db, se
         " where id = 2 and (ids is null or id = any(ids)) $$"
     )
     r = db.execute("select outcome, error from lockstep.recompute('j')").fetchone()
-    assert r[0] == "failed"
-    assert "more than one row for primary key (2,same)" in r[1]
+    assert r[0] == "done"
+    assert "more than one row for primary key (2,same)" in r[1] and "handed to the worker" in r[1]
     assert db.execute("select * from d order by p_id").fetchall() == before
 
 
