@@ -2683,6 +2683,28 @@ begin
 end;
 $$;
 
+CREATE FUNCTION lockstep._warn_unique(target regclass) RETURNS void
+    LANGUAGE plpgsql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    c record;
+begin
+    for c in
+        select i.indexrelid::regclass as idx, pg_catalog.pg_get_indexdef(i.indexrelid) as def
+        from pg_catalog.pg_index i
+        where i.indrelid = target and i.indisunique and not i.indisprimary and i.indimmediate
+        order by 1
+    loop
+        raise warning 'lockstep: unique index % on % besides its primary key: rows whose values move between '
+                      'parents (a swap) fail with 23505 at every try and their parents are parked', c.idx, target
+            using detail = c.def,
+                  hint = 'Drop it if compute guarantees it, or make it a DEFERRABLE unique constraint (checked at '
+                         'the end of each statement: a swap within one pass then works).';
+    end loop;
+end;
+$$;
+
 CREATE FUNCTION lockstep._warn_writers(tables regclass[]) RETURNS void
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -2871,6 +2893,7 @@ begin
     perform lockstep._check_parent_delete(target, parent);
     perform lockstep._callable(compute, 1);
     perform lockstep._warn_index(target, v_par.parent_column);
+    perform lockstep._warn_unique(target);
     perform lockstep._dry_run(compute, v_par.key_type);
     perform lockstep._check_watchers(job, parent, v_par.key_type);
     perform lockstep._check_target_free(job, target);

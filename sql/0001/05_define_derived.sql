@@ -1,6 +1,6 @@
 -- lockstep 0001: define_derived: every check on a derived job's definition, before anything is written.
 -- define_derived runs one named check per concern (_check_target, _check_compute, _check_parent,
--- _check_columns, _check_target_fks, _check_referencing, _check_parent_delete, _callable, _warn_index,
+-- _check_columns, _check_target_fks, _check_referencing, _check_parent_delete, _callable, _warn_index, _warn_unique,
 -- _dry_run), then _save_derived. Each check raises with a SQLSTATE and a hint, so an error changes nothing.
 
 -- lockstep._proc_columns(f): the output columns (name, type) of a set-returning function.
@@ -385,6 +385,34 @@ begin
 end;
 $$;
 
+-- lockstep._warn_unique(target): a warning for each unique index of target besides its primary key that is
+-- checked row by row (not a DEFERRABLE constraint): a pass writes a parent's rows in one statement per step,
+-- so values that move between rows (two parents swapping a unique value) fail with 23505 whatever the
+-- order, each time, and those parents end up parked. A DEFERRABLE constraint is checked at the end of each
+-- statement: a swap within one pass then works.
+-- locks: nothing.
+create function lockstep._warn_unique(target regclass) returns void
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    c record;
+begin
+    for c in
+        select i.indexrelid::regclass as idx, pg_catalog.pg_get_indexdef(i.indexrelid) as def
+        from pg_catalog.pg_index i
+        where i.indrelid = target and i.indisunique and not i.indisprimary and i.indimmediate
+        order by 1
+    loop
+        raise warning 'lockstep: unique index % on % besides its primary key: rows whose values move between '
+                      'parents (a swap) fail with 23505 at every try and their parents are parked', c.idx, target
+            using detail = c.def,
+                  hint = 'Drop it if compute guarantees it, or make it a DEFERRABLE unique constraint (checked at '
+                         'the end of each statement: a swap within one pass then works).';
+    end loop;
+end;
+$$;
+
 -- lockstep._dry_run(compute, key_type): run compute on no keys, then roll it back: catches what only
 -- execution shows (e.g. tables the function cannot see with lockstep's search_path).
 -- locks: whatever compute locks, released by the rollback of the subtransaction.
@@ -445,6 +473,7 @@ begin
     perform lockstep._check_parent_delete(target, parent);
     perform lockstep._callable(compute, 1);
     perform lockstep._warn_index(target, v_par.parent_column);
+    perform lockstep._warn_unique(target);
     perform lockstep._dry_run(compute, v_par.key_type);
     perform lockstep._check_watchers(job, parent, v_par.key_type);
     perform lockstep._check_target_free(job, target);

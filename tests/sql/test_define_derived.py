@@ -295,3 +295,33 @@ def test_a_parent_key_on_update_no_action_is_warned_about_at_define(conn):
     conn.execute(DEFINE_D)
     assert not any("ON UPDATE" in n for n in notices), notices
     conn.execute("update p set id = 2 where id = 1")
+
+
+def test_a_unique_index_besides_the_primary_key_is_warned_about(conn):
+    # accepted silently before (found by a probe): two parents swapping a unique value failed with 23505
+    # at every try and were parked; the derived table never converged
+    conn.execute(
+        "create table p (id bigint primary key, r int not null);"
+        " create table d (p_id bigint primary key references p on delete cascade, r int not null unique);"
+        " create function rk(ids bigint[]) returns table (p_id bigint, r int) language sql stable"
+        " as $$ select id, r from public.p where ids is null or id = any(ids) $$;"
+        " insert into p values (1, 1), (2, 2)"
+    )
+    define = "select lockstep.define_derived('rank', 'd', 'rk(bigint[])', 'p')"
+    notices: list[str] = []
+    conn.add_notice_handler(lambda d: notices.append(d.message_primary or ""))
+    conn.execute(define)
+    assert any("unique index public.d_r_key on public.d besides its primary key" in n for n in notices), notices
+    conn.execute("select lockstep.recompute('rank')")
+    conn.execute("update p set r = 3 - r")  # a swap
+    conn.execute("select lockstep.enqueue('rank', array[1, 2])")
+    r = conn.execute("select outcome, error from lockstep.work('rank')").fetchone()
+    assert "duplicate key value violates unique constraint" in r[1]  # what the warning says
+    conn.execute("alter table d drop constraint d_r_key, add unique (r) deferrable")  # what its hint says
+    notices.clear()
+    conn.execute(define)
+    assert not any("unique index" in n for n in notices), notices
+    conn.execute("delete from lockstep.key_failure")
+    conn.execute("select lockstep.enqueue('rank', array[1, 2])")
+    assert conn.execute("select outcome, updated from lockstep.work('rank')").fetchone() == ("done", 2)
+    assert conn.execute("select * from d order by 1").fetchall() == [(1, 2), (2, 1)]
