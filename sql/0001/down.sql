@@ -1,3 +1,31 @@
 -- lockstep 0001 downgrade: remove everything revision 0001 installed.
--- Triggers created by lockstep.watch() on user tables depend on lockstep.enqueue_trigger and go with it.
+-- First the triggers lockstep.watch() created on application tables are dropped, with those tables and
+-- lockstep's own tables and views locked through lockstep._ddl (08_enqueue.sql): a plain DROP SCHEMA
+-- queued behind one open application transaction on a watched table (a dropped trigger needs ACCESS
+-- EXCLUSIVE on its table) while already holding locks on lockstep's objects, so the application's next
+-- writes waited behind it until that transaction ended, or deadlocked with it. _ddl waits at most 100 ms
+-- at a time and gives way between attempts; after ~10 s, 55P03 and nothing is dropped. Then the schema,
+-- whose tables are all locked by then.
+-- locks: the watched tables, then lockstep's tables and views (ACCESS EXCLUSIVE, as lockstep._ddl).
+do $$
+declare
+    v_tables regclass[];
+    v_stmts text[];
+begin
+    if pg_catalog.to_regnamespace('lockstep') is null then
+        return;
+    end if;
+    select coalesce(array_agg(t.tgrelid::regclass order by t.tgrelid, t.tgname), '{}'),
+           coalesce(array_agg(pg_catalog.format('drop trigger if exists %I on %s', t.tgname, t.tgrelid::regclass)
+                              order by t.tgrelid, t.tgname), '{}')
+    into v_tables, v_stmts
+    from pg_catalog.pg_trigger t
+    join pg_catalog.pg_proc p on p.oid = t.tgfoid
+    where p.pronamespace = 'lockstep'::regnamespace and not t.tgisinternal;
+    v_tables := v_tables || array(select c.oid::regclass from pg_catalog.pg_class c
+                                  where c.relnamespace = 'lockstep'::regnamespace and c.relkind in ('r', 'p', 'v')
+                                  order by c.relname);
+    perform lockstep._ddl(v_tables, v_stmts, 'the downgrade');
+end;
+$$;
 drop schema if exists lockstep cascade;

@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -429,3 +430,57 @@ def test_checkout_alembic_ini(empty_dsn):
     assert versions(empty_dsn) == [HEAD]
     alembic("-x", f"dsn={empty_dsn}", "downgrade", "base")
     assert versions(empty_dsn) == []
+
+
+WATCHED = """
+create table p (id bigint primary key);
+create table d (p_id bigint primary key references p on delete cascade, n int);
+create function dc(ids bigint[]) returns table (p_id bigint, n int) language sql stable
+    as $$ select id, 1 from public.p where ids is null or id = any(ids) $$;
+select lockstep.define_derived('d', 'd', 'dc(bigint[])', 'p');
+select lockstep.watch('d', 'p', 'id');
+insert into p values (1), (2);
+"""
+
+
+def test_a_downgrade_never_keeps_the_application_waiting(empty_dsn, connect):
+    # A plain DROP SCHEMA lockstep CASCADE queued behind an open application transaction on a watched table
+    # (its triggers go with the schema: ACCESS EXCLUSIVE on the table) while holding locks on lockstep's
+    # own objects, so the application's next write waited behind it until that transaction ended (7 s
+    # seen, or a deadlock; found by a probe). It now locks through lockstep._ddl: at most 100 ms at a time.
+    migrate(empty_dsn)
+    observer = connect(empty_dsn)
+    observer.execute(WATCHED)
+    holder = connect(empty_dsn)
+    holder.execute("begin")
+    holder.execute("update p set id = id where id = 1")  # fires the trigger: holds p and the queue
+    app = connect(empty_dsn)
+    app.execute("set statement_timeout = '5s'")
+    known = [c.info.backend_pid for c in (observer, holder, app)]
+    outcome: dict[str, object] = {}
+
+    def downgrade() -> None:
+        try:
+            outcome["result"] = migrate(empty_dsn, "base", downgrade=True)
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=downgrade)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not observer.execute(
+            "select exists (select from pg_stat_activity where pid <> all(%s) and datname = current_database()"
+            " and %s = any(pg_blocking_pids(pid)))",
+            [known, holder.info.backend_pid],
+        ).fetchone()[0]:
+            assert time.monotonic() < deadline and thread.is_alive(), outcome
+            time.sleep(0.01)
+        app.execute("insert into p values (3)")  # did not wait for the holder (57014 after 5 s before)
+        assert thread.is_alive()  # the downgrade is still waiting for the holder, giving way meanwhile
+    finally:
+        holder.execute("commit")
+        thread.join(60)
+    assert "error" not in outcome, outcome
+    assert observer.execute("select to_regnamespace('lockstep') is null").fetchone()[0]
+    assert observer.execute("select count(*) from p").fetchone()[0] == 3
