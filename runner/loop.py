@@ -353,6 +353,9 @@ class Runner:
                 fields["ms"],
                 extra={"fields": fields},
             )
+            if r.error:  # done, but some keys failed (isolated, retried, parked) or the recompute handed off
+                fields["error"] = r.error
+                log.warning("%s %s: %s", r.job, r.action, r.error, extra={"fields": fields})
 
     def _vacuum(self) -> None:
         """Every VACUUM_EVERY seconds of work, VACUUM the queue: it churns (every pass deletes what it

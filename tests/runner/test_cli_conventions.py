@@ -84,6 +84,24 @@ def test_log_level_and_verbose(dsn):
     assert "DEBUG" not in lockstep("-v", "run", "--once", "--log-level", "info", "--dsn", dsn).stderr
 
 
+def test_a_pass_whose_keys_failed_is_logged_as_a_warning(dsn):
+    # it was logged as a plain "work done: +0 ~0 -0" at INFO: an operator reading the logs did not see the
+    # poison key (found by a probe)
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute(
+            "create table p (id bigint primary key); insert into p values (1), (2);"
+            " create table d (p_id bigint primary key references p on delete cascade, n int);"
+            " create function dc(ids bigint[]) returns table (p_id bigint, n int) language sql stable"
+            " as $$ select id, 1 / (id - 2)::int from public.p where ids is null or id = any(ids) $$;"
+            " select lockstep.define_derived('d', 'd', 'dc(bigint[])', 'p', every => '1 day');"
+            " select lockstep.recompute('d');"  # fails as a whole: then the pass below is the worker's
+            " select lockstep.enqueue('d', array[1, 2]);"
+        )
+    p = lockstep("run", "--once", "--dsn", dsn)
+    warnings = [ln for ln in p.stderr.splitlines() if " WARNING " in ln and "d work" in ln]
+    assert warnings and "key(s) failed" in warnings[0] and "division by zero" in warnings[0], p.stderr
+
+
 # LOCKSTEP_* environment variables ------------------------------------------------------------------------
 
 

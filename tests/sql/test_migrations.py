@@ -470,8 +470,8 @@ def test_a_downgrade_never_keeps_the_application_waiting(empty_dsn, connect):
     try:
         deadline = time.monotonic() + 20
         while not observer.execute(
-            "select exists (select from pg_stat_activity where pid <> all(%s) and datname = current_database()"
-            " and %s = any(pg_blocking_pids(pid)))",
+            "select exists (select from pg_stat_activity where pid <> all(%s)"
+            " and datname = current_database() and %s = any(pg_blocking_pids(pid)))",
             [known, holder.info.backend_pid],
         ).fetchone()[0]:
             assert time.monotonic() < deadline and thread.is_alive(), outcome

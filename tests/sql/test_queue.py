@@ -553,7 +553,8 @@ create extension citext;
 create table tag (name citext primary key);
 create table tagging (id int generated always as identity primary key,
                       tag citext not null references tag on update cascade on delete cascade);
-create table tag_usage (tag citext primary key references tag on update cascade on delete cascade, uses int not null);
+create table tag_usage (tag citext primary key references tag on update cascade on delete cascade,
+                        uses int not null);
 create table tag_word (tag citext not null references tag on update cascade on delete cascade, word citext,
                        n int not null, primary key (tag, word));
 create function tag_usage_compute(keys citext[]) returns table (tag citext, uses int)
@@ -585,15 +586,15 @@ def test_keys_of_an_extension_type_compare_with_its_own_equality(conn):
     assert "Red" not in queue_keys(conn) and {k.lower() for k in queue_keys(conn)} == {"red", "blue"}
     for job in ("usage", "words"):
         drain(conn, job)
-    assert conn.execute("select tag::text, uses from tag_usage order by 1").fetchall() == [("Blue", 1), ("Red", 2)]
-    want = conn.execute("select tag::text, word::text, n from tag_word_compute(null) order by 1, 2").fetchall()
-    assert conn.execute("select tag::text, word::text, n from tag_word order by 1, 2").fetchall() == want
+    usage = "select tag::text, uses from tag_usage order by 1"
+    words = "select tag::text, word::text, n from tag_word order by 1, 2"
+    assert conn.execute(usage).fetchall() == [("Blue", 1), ("Red", 2)]
+    want = conn.execute(words.replace("from tag_word", "from tag_word_compute(null)")).fetchall()
+    assert conn.execute(words).fetchall() == want
     assert len(want) == 3
     conn.execute("delete from tagging where tag = 'RED'")  # the rows for 'Red' go, through key 'red'
     for job in ("usage", "words"):
         drain(conn, job)
-    assert conn.execute("select tag::text, uses from tag_usage order by 1").fetchall() == [("Blue", 1), ("Red", 0)]
-    assert conn.execute("select tag::text, word::text, n from tag_word order by 1, 2").fetchall() == [
-        ("blue", "W1", 1)
-    ]
+    assert conn.execute(usage).fetchall() == [("Blue", 1), ("Red", 0)]
+    assert conn.execute(words).fetchall() == [("blue", "W1", 1)]
     assert queue_keys(conn) == []
