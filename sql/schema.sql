@@ -1174,14 +1174,25 @@ CREATE FUNCTION lockstep._eq(cols name[], a text, b text, rel regclass DEFAULT N
     LANGUAGE plpgsql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
+declare
+    v text[] := '{}';
+    v_type oid;
+    c name;
 begin
-    return (select pg_catalog.string_agg(pg_catalog.format('%I.%I %s %I.%I', a, u.c,
-                                             case when y.typnamespace = 'pg_catalog'::regnamespace or y.oid is null
-                                                  then '=' else lockstep._eq_op(y.oid) end, b, u.c),
-                                         ' and ' order by u.o)
-            from pg_catalog.unnest(cols) with ordinality as u(c, o)
-            left join pg_catalog.pg_attribute t on t.attrelid = rel and t.attname = u.c and not t.attisdropped
-            left join pg_catalog.pg_type y on y.oid = t.atttypid);
+    -- one index probe per column (a join of unnest(cols) with pg_attribute was planned as a scan of
+    -- pg_attribute: ~100 us a call, several calls a pass); a type made by initdb (oid below 16384,
+    -- FirstNormalObjectId) has pg_catalog's operators
+    foreach c in array cols loop
+        v_type := null;
+        if rel is not null then
+            select t.atttypid into v_type from pg_catalog.pg_attribute t
+            where t.attrelid = rel and t.attname = c and not t.attisdropped;
+        end if;
+        v := v || pg_catalog.format('%I.%I %s %I.%I', a, c,
+                                    case when v_type is null or v_type < 16384 then '=' else lockstep._eq_op(v_type) end,
+                                    b, c);
+    end loop;
+    return pg_catalog.array_to_string(v, ' and ');
 end;
 $$;
 
@@ -1190,10 +1201,14 @@ CREATE FUNCTION lockstep._eq_op(t regtype) RETURNS text
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
 declare
-    v_base oid := (select case when y.typtype = 'd' then y.typbasetype else y.oid end
-                   from pg_catalog.pg_type y where y.oid = t);
+    v_base oid;
     v text;
 begin
+    if t < 16384 then  -- made by initdb (below FirstNormalObjectId): pg_catalog's operators
+        return '=';
+    end if;
+    v_base := (select case when y.typtype = 'd' then y.typbasetype else y.oid end
+               from pg_catalog.pg_type y where y.oid = t);
     if (select y.typnamespace from pg_catalog.pg_type y where y.oid = v_base) = 'pg_catalog'::regnamespace then
         return '=';
     end if;
