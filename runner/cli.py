@@ -433,10 +433,19 @@ def _connect(dsn: str | None, app_name: str):
     show_default=True,
     help="With --history: how many runs.",
 )
+@option(
+    "--max-lag",
+    type=click.FloatRange(min=0),
+    default=900.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="Unhealthy when a job's oldest queued key (parked ones aside) waits longer (0: not checked).",
+)
 @log_options
-def status(dsn: str | None, json: bool, history: bool, job: str | None, limit: int) -> None:
-    """Show lockstep.status. Exit 0 healthy; 1 when a job is failing, has parked keys or is flagged for a
-    full recompute; 3 no server answered; 4 no lockstep schema (or database, role).
+def status(dsn: str | None, json: bool, history: bool, job: str | None, limit: int, max_lag: float) -> None:
+    """Show lockstep.status. Exit 0 healthy; 1 when a job is failing, has parked keys, is flagged for a
+    full recompute or has a key queued longer than --max-lag; 3 no server answered; 4 no lockstep schema
+    (or database, role).
     --history: the newest runs of lockstep.run_log, oldest first (exit 0)."""
     from runner import db
     from runner import status as st
@@ -450,7 +459,7 @@ def status(dsn: str | None, json: bool, history: bool, job: str | None, limit: i
     with _connect(dsn, "lockstep-status") as conn:
         rows = db.status(conn)
     click.echo(st.to_json(rows) if json else st.to_table(rows))
-    raise SystemExit(st.exit_code(rows))
+    raise SystemExit(st.exit_code(rows, max_lag))
 
 
 @main.command()

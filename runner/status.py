@@ -10,6 +10,7 @@ TABLE_COLUMNS = (
     "job",
     "kind",
     "queue_depth",
+    "queue_lag",  # how long ago the oldest queued key (parked ones aside) was enqueued
     "parked_keys",
     "failing_keys",
     "last_outcome",
@@ -40,18 +41,28 @@ def to_json(rows: list[dict]) -> str:
     return json.dumps([{k: jsonable(v) for k, v in r.items()} for r in rows], indent=2)
 
 
-def unhealthy(rows: list[dict]) -> bool:
-    """Any job failing (consecutive_failures > 0), with parked keys, or flagged for a full recompute
-    (``needs_recompute`` set: a trigger could not enqueue; the column exists once sql/0001 has it)."""
+MAX_LAG = 900.0  # seconds: a queued key older than this makes ``lockstep status`` unhealthy (--max-lag)
+
+
+def _lagging(r: dict, max_lag: float | None) -> bool:
+    lag = r.get("queue_lag")
+    return bool(max_lag) and isinstance(lag, dt.timedelta) and lag.total_seconds() > max_lag
+
+
+def unhealthy(rows: list[dict], max_lag: float | None = MAX_LAG) -> bool:
+    """Any job failing (consecutive_failures > 0), with parked keys, flagged for a full recompute
+    (``needs_recompute`` set: a trigger could not enqueue), or whose oldest queued key waits longer than
+    ``max_lag`` seconds (nothing drains its queue; None or 0: not checked)."""
     return any(
         (r.get("consecutive_failures") or 0) > 0
         or (r.get("parked_keys") or 0) > 0
         or r.get("needs_recompute") is not None
+        or _lagging(r, max_lag)
         for r in rows
     )
 
 
-def exit_code(rows: list[dict]) -> int:
+def exit_code(rows: list[dict], max_lag: float | None = MAX_LAG) -> int:
     """``lockstep status``'s exit code for these rows: 0 healthy, 1 unhealthy (runner.errors.EXIT_*).
 
     The other codes come before any row is read: 2 usage error, 3 no server answered, 4 permanent
@@ -59,7 +70,7 @@ def exit_code(rows: list[dict]) -> int:
     """
     from runner.errors import EXIT_OK, EXIT_UNHEALTHY
 
-    return EXIT_UNHEALTHY if unhealthy(rows) else EXIT_OK
+    return EXIT_UNHEALTHY if unhealthy(rows, max_lag) else EXIT_OK
 
 
 def _cell(value) -> str:
@@ -69,6 +80,8 @@ def _cell(value) -> str:
         return value.strftime("%Y-%m-%d %H:%M:%S")
     if isinstance(value, float):
         return f"{value:.1f}"
+    if isinstance(value, dt.timedelta):
+        return f"{value.total_seconds():.1f} s"
     text = " ".join(str(value).split())
     return text if len(text) <= 60 else text[:57] + "..."
 

@@ -2066,6 +2066,17 @@ begin
 end;
 $$;
 
+CREATE FUNCTION lockstep._queue_lag(job text) RETURNS interval
+    LANGUAGE sql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    SET jit TO 'off'
+    AS $$
+    select now() - q.enqueued_at from lockstep.queue q
+    where q.job = _queue_lag.job
+      and not exists (select from lockstep.key_failure f where f.job = q.job and f.key = q.key and f.parked)
+    order by q.id limit 1;
+$$;
+
 CREATE FUNCTION lockstep._queueable(job text, keys text[]) RETURNS text[]
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -3538,7 +3549,8 @@ CREATE VIEW lockstep.status WITH (security_invoker='true') AS
            FROM lockstep.recompute_flag f
           WHERE (f.job = j.job)
           ORDER BY f.flagged_at DESC
-         LIMIT 1) AS trigger_problem
+         LIMIT 1) AS trigger_problem,
+    lockstep._queue_lag(j.job) AS queue_lag
    FROM ((lockstep.job j
      JOIN lockstep.job_state s ON ((s.job = j.job)))
      CROSS JOIN LATERAL ( SELECT

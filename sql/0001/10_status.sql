@@ -28,6 +28,23 @@ as $$
       and not exists (select from lockstep.key_failure f where f.job = q.job and f.key = q.key and f.parked);
 $$;
 
+-- lockstep._queue_lag(job): how long ago the job's oldest queue entry was enqueued (parked keys' entries
+-- aside; NULL: none). Its lowest id, by the primary key (job, id): ids grow with time, so the first entry
+-- not of a parked key is the oldest, and no other entry is read. An alert on it catches a queue nothing
+-- drains (no runner, or a runner whose failures cannot be recorded: a read-only session). JIT off, as
+-- lockstep._queue_depth.
+-- locks: nothing.
+create function lockstep._queue_lag(job text) returns interval
+language sql stable
+set search_path = pg_catalog, pg_temp
+set jit = off
+as $$
+    select now() - q.enqueued_at from lockstep.queue q
+    where q.job = _queue_lag.job
+      and not exists (select from lockstep.key_failure f where f.job = q.job and f.key = q.key and f.parked)
+    order by q.id limit 1;
+$$;
+
 -- one row per job.
 create view lockstep.status with (security_invoker = true) as
 select j.job,
@@ -62,7 +79,8 @@ select j.job,
        case when h.todo > 0 then s.recompute_total end as recompute_total,
        (select min(f.flagged_at) from lockstep.recompute_flag f where f.job = j.job) as needs_recompute,
        (select f.problem from lockstep.recompute_flag f where f.job = j.job order by f.flagged_at desc limit 1)
-           as trigger_problem
+           as trigger_problem,
+       lockstep._queue_lag(j.job) as queue_lag
 from lockstep.job j
 join lockstep.job_state s on s.job = j.job
 cross join lateral (

@@ -60,3 +60,35 @@ def test_status_without_the_schema_is_a_setup_error_with_a_hint(empty_dsn):
     assert p.returncode == 4
     assert p.stderr.startswith("Error: ") and "Traceback" not in p.stderr, p.stderr
     assert "lockstep migrate" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_a_queue_nothing_drains_makes_status_unhealthy(conn, dsn):
+    # A runner that cannot write (a read-only session: 25006) cannot record its own failures, so status
+    # said healthy while the queue only grew (found by a probe). The age of the oldest queued key, parked
+    # ones aside, is in the view (queue_lag) and, past --max-lag, makes status exit 1.
+    conn.execute(
+        "create table p (id bigint primary key); insert into p values (1), (2);"
+        " create table d (p_id bigint primary key references p on delete cascade, n int);"
+        " create function dc(ids bigint[]) returns table (p_id bigint, n int) language sql stable"
+        " as $$ select id, 1 from public.p where ids is null or id = any(ids) $$;"
+        " select lockstep.define_derived('d', 'd', 'dc(bigint[])', 'p', every => '1 day');"
+        " select lockstep.recompute('d');"
+    )
+    assert conn.execute("select queue_lag from lockstep.status").fetchone()[0] is None
+    conn.execute("select lockstep.enqueue('d', array[1, 2])")
+    assert status(dsn).returncode == 0  # just queued
+    conn.execute("update lockstep.queue set enqueued_at = now() - interval '20 minutes' where key = '1'")
+    lag = conn.execute("select extract(epoch from queue_lag) from lockstep.status").fetchone()[0]
+    assert 1199 < lag < 1300
+    p = status(dsn)
+    assert p.returncode == 1 and "queue_lag" in p.stdout.splitlines()[0], p.stdout
+    assert status(dsn, "--max-lag", "3600").returncode == 0
+    assert status(dsn, "--max-lag", "0").returncode == 0
+    # a parked key's entries are set aside: they do not count as lag (parked keys are reported already)
+    conn.execute(
+        "insert into lockstep.key_failure (job, key, attempts, parked, last_error, retry_at)"
+        " values ('d', '1', 5, true, 'x', now())"
+    )
+    assert conn.execute("select queue_lag < interval '1 minute' from lockstep.status").fetchone()[0]
+    conn.execute("select lockstep.work('d')")  # key 2 written; key 1 stays queued (parked)
+    assert conn.execute("select queue_lag from lockstep.status").fetchone()[0] is None
