@@ -196,8 +196,13 @@ begin
         raise exception 'lockstep: keys must not contain NULL (job "%")', j.job using errcode = '22004';
     end if;
     -- through text (canonical here): 1.5 for a bigint key is an error, not a rounded 2
-    execute pg_catalog.format('select array_agg(k::text::%s::text) from pg_catalog.unnest($1) k', j.key_type)
-        into v using keys;
+    begin
+        execute pg_catalog.format('select array_agg(k::text::%s::text) from pg_catalog.unnest($1) k', j.key_type)
+            into v using keys;
+    exception when data_exception then  -- 3000000000 for an integer key: say whose key, keep the SQLSTATE
+        raise exception 'lockstep: a key does not fit the parent key type % of job "%": %', j.key_type, j.job, sqlerrm
+            using errcode = sqlstate, hint = 'Enqueue keys the parent table can hold.';
+    end;
     return coalesce(v, '{}');
 end;
 $$;

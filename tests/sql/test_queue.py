@@ -598,3 +598,20 @@ def test_keys_of_an_extension_type_compare_with_its_own_equality(conn):
     assert conn.execute(usage).fetchall() == [("Blue", 1), ("Red", 0)]
     assert conn.execute(words).fetchall() == [("blue", "W1", 1)]
     assert queue_keys(conn) == []
+
+
+def test_an_out_of_range_key_is_refused_naming_the_job_and_its_key_type(conn):
+    # it failed with PostgreSQL's bare 22003 "value ... is out of range for type integer", no word of
+    # lockstep or the job (found by a probe)
+    conn.execute(
+        "create table p (id int primary key);"
+        " create table d (p_id int primary key references p on delete cascade, n int);"
+        " create function dc(ids int[]) returns table (p_id int, n int) language sql stable"
+        " as $$ select id, 1 from public.p where ids is null or id = any(ids) $$;"
+        " select lockstep.define_derived('d', 'd', 'dc(int[])', 'p');"
+    )
+    before = snapshot(conn)
+    with raises_sqlstate("22003", 'does not fit the parent key type integer of job "d"'):
+        conn.execute("select lockstep.enqueue('d', array[1, 3000000000]::bigint[])")
+    assert snapshot(conn) == before
+    assert conn.execute("select lockstep.enqueue('d', array[1, 2]::bigint[])").fetchone()[0] == 2
