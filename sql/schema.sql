@@ -414,6 +414,7 @@ CREATE FUNCTION lockstep._check_parent(target regclass, compute regprocedure, co
     AS $$
 declare
     v_fks name[];
+    v_other text;
     v_arg oid := (select p.proargtypes[0] from pg_catalog.pg_proc p where p.oid = compute);
 begin
     if parent is null and parent_column is not null then
@@ -454,6 +455,19 @@ begin
                       where a.attrelid = target and a.attname = parent_column and a.attnum > 0 and not a.attisdropped) then
         raise exception 'lockstep: target % has no column %', target, parent_column using errcode = 'LSD04';
     elsif not parent_column = any(coalesce(v_fks, '{}')) then
+        select pg_catalog.string_agg(pa.attname, ', ') into v_other  -- a key to another (unique) column
+        from pg_catalog.pg_constraint con
+        join pg_catalog.pg_attribute a on a.attrelid = con.conrelid and a.attnum = con.conkey[1]
+        join pg_catalog.pg_attribute pa on pa.attrelid = con.confrelid and pa.attnum = con.confkey[1]
+        where con.conrelid = target and con.confrelid = parent and con.contype = 'f'
+          and cardinality(con.conkey) = 1 and a.attname = parent_column;
+        if v_other is not null then
+            raise exception 'lockstep: %.% references %(%), not the primary key %(%)', target, parent_column,
+                parent, v_other, parent, parent_key
+                using errcode = 'LSD04',
+                      hint = pg_catalog.format('The parent key must be the parent''s primary key: reference %s(%I), '
+                                               'or make %s the primary key.', parent, parent_key, v_other);
+        end if;
         raise exception 'lockstep: %.% does not reference %(%) through a foreign key', target, parent_column, parent, parent_key
             using errcode = 'LSD04',
                   hint = 'lockstep pins parents with the lock an FK check takes; add the foreign key.';
@@ -1106,6 +1120,7 @@ CREATE FUNCTION lockstep._dry_run(compute regprocedure, key_type regtype) RETURN
     AS $_$
 declare
     v_err text;
+    v_state text;
 begin
     if key_type is null then
         return;
@@ -1117,11 +1132,13 @@ begin
 exception when sqlstate 'LSDRY' then
     null;
 when others then
-    get stacked diagnostics v_err = message_text;
+    get stacked diagnostics v_err = message_text, v_state = returned_sqlstate;
     raise exception 'lockstep: compute function % failed on an empty key array: %', compute, v_err
         using errcode = 'LSD02',
-              hint = 'lockstep runs compute with search_path = pg_catalog, pg_temp: schema-qualify table names '
-                     'or give the function its own SET search_path.';
+              hint = case when v_state like '42%'  -- an unknown table, function, operator...: the path
+                          then 'lockstep runs compute with search_path = pg_catalog, pg_temp: schema-qualify '
+                               'table names or give the function its own SET search_path.'
+                          else 'compute must return no rows, without error, for an empty key array.' end;
 end;
 $_$;
 

@@ -326,3 +326,21 @@ def test_a_unique_index_besides_the_primary_key_is_warned_about(conn):
     conn.execute("select lockstep.enqueue('rank', array[1, 2])")
     assert conn.execute("select outcome, updated from lockstep.work('rank')").fetchone() == ("done", 2)
     assert conn.execute("select * from d order by 1").fetchall() == [(1, 2), (2, 1)]
+
+
+def test_a_parent_column_referencing_a_unique_column_says_the_parent_key_must_be_the_primary_key(conn):
+    # it said the foreign key was missing and hinted "add the foreign key", though it exists (a probe)
+    conn.execute(
+        "create table m (id bigint primary key, handle text not null unique);"
+        " create table mp (handle text not null references m (handle) on delete cascade, post int,"
+        " n int, primary key (handle, post));"
+        " create function mpc(ids text[]) returns table (handle text, post int, n int) language sql stable"
+        " as $$ select null::text, null::int, null::int where false $$;"
+    )
+    before = snapshot(conn)
+    with raises_sqlstate("LSD04", r"mp.handle references public.m\(handle\), not the primary key") as info:
+        conn.execute(
+            "select lockstep.define_derived('mp', 'mp', 'mpc(text[])', 'm', parent_column => 'handle')"
+        )
+    assert "must be the parent's primary key" in (info.value.diag.message_hint or "")
+    assert snapshot(conn) == before
