@@ -2301,7 +2301,9 @@ begin
     return row(outcome,
                coalesce(p.inserted, 0), coalesce(p.updated, 0), coalesce(p.deleted, 0),
                coalesce(pg_catalog.cardinality(p.skipped), 0),
-               coalesce(p.compute_ms, 0), coalesce(p.write_ms, 0),
+               -- to the microsecond: clock differences in ms carry float noise (37.818000000000005)
+               pg_catalog.round(coalesce(p.compute_ms, 0)::numeric, 3)::float8,
+               pg_catalog.round(coalesce(p.write_ms, 0)::numeric, 3)::float8,
                error, job, action, more)::lockstep.result;
 end;
 $$;

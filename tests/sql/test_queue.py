@@ -615,3 +615,11 @@ def test_an_out_of_range_key_is_refused_naming_the_job_and_its_key_type(conn):
         conn.execute("select lockstep.enqueue('d', array[1, 3000000000]::bigint[])")
     assert snapshot(conn) == before
     assert conn.execute("select lockstep.enqueue('d', array[1, 2]::bigint[])").fetchone()[0] == 2
+
+
+def test_result_times_are_rounded_to_the_microsecond(ex):
+    # compute_ms showed float noise such as 37.818000000000005 (found by a probe)
+    ex.execute(f"select lockstep.enqueue('{JOB}', array[1, 2, 3])")
+    r = result(ex, f"lockstep.work('{JOB}')")
+    for k in ("compute_ms", "write_ms"):
+        assert r[k] == round(r[k], 3) and len(repr(r[k]).split(".")[-1]) <= 3, r
