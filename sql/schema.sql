@@ -90,7 +90,11 @@ begin
     if j.owner is distinct from current_user then
         return lockstep._as_owner(j, keys);
     end if;
-    p := lockstep._write(j, keys);  -- it leaves the work tables empty (a failed call: rolled back)
+    if j.kind = 'rest' then  -- lockstep._continue: the next batch of a recompute without a parent
+        p := lockstep._write_rest(j);
+    else
+        p := lockstep._write(j, keys);  -- it leaves the work tables empty (a failed call: rolled back)
+    end if;
     p.compute_ms := extract(epoch from clock_timestamp() - v_t0) * 1000 - p.write_ms;
     return p;
 end;
@@ -847,6 +851,56 @@ begin
     return (select pg_catalog.string_agg(coalesce(pg_catalog.quote_ident(alias) || '.', '') || pg_catalog.quote_ident(c),
                                          ', ' order by o)
             from pg_catalog.unnest(cols) with ordinality as u(c, o));
+end;
+$$;
+
+CREATE FUNCTION lockstep._continue(j lockstep.job) RETURNS lockstep.result
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    s lockstep.job_state;
+    v lockstep.job := j;
+    v_started timestamptz := clock_timestamp();
+    v_left bigint;
+    v_err text;
+    p lockstep._pass;
+begin
+    if not lockstep._try_lock(j.lock_group) then
+        return lockstep._result('busy', j.job, 'recompute');
+    end if;
+    select * into s from lockstep.job_state st where st.job = j.job;
+    if s.recompute_rest is null then
+        return lockstep._result(lockstep._not_due(s), j.job, 'recompute');
+    end if;
+    if s.recompute_rest_session is distinct from lockstep._session() then
+        if s.recompute_rest_at > now() - interval '30 seconds' and exists (
+               select from pg_catalog.pg_stat_activity a
+               where a.pid::text || '@' || extract(epoch from a.backend_start)::text = s.recompute_rest_session) then
+            return lockstep._result('busy', j.job, 'recompute');
+        end if;
+        return lockstep._recompute(j, false);
+    end if;
+    v.kind := 'rest';  -- lockstep._apply: the next batch of the rest (as the owner)
+    begin
+        p := lockstep._apply(v, null);
+    exception when others then
+        get stacked diagnostics v_err = message_text;
+        update lockstep.job_state st set recompute_rest = null, recompute_rest_session = null, recompute_total = null
+        where st.job = j.job;
+        return lockstep._failed(j, 'recompute', v_started, v_err);
+    end;
+    v_left := pg_catalog.current_setting('lockstep.handed_off')::bigint;
+    if v_left < 0 then  -- this session's rest table is gone (DISCARD TEMP): recompute again
+        return lockstep._recompute(j, false);
+    end if;
+    update lockstep.job_state st
+    set recompute_rest = nullif(v_left, 0), recompute_rest_at = clock_timestamp(),
+        recompute_total = case when v_left > 0 then st.recompute_total end,
+        recompute_rest_session = case when v_left > 0 then st.recompute_rest_session end
+    where st.job = j.job;
+    perform lockstep._finish(j, 'recompute', 'done', v_started, p);
+    return lockstep._result('done', j.job, 'recompute', p, null, v_left > 0);
 end;
 $$;
 
@@ -1656,6 +1710,81 @@ begin
 end;
 $_$;
 
+CREATE FUNCTION lockstep._limit_rows(j lockstep.job, budget integer) RETURNS bigint
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    SET client_min_messages TO 'warning'
+    SET jit TO 'off'
+    AS $_$
+declare
+    v_gone text := lockstep._tmp(j, 'gone');
+    v_put text := lockstep._tmp(j, 'put');
+    v_rest text := lockstep._tmp(j, 'rest');
+    v_n bigint;
+begin
+    execute pg_catalog.format('select (select count(*) from pg_temp.%I) + (select count(*) from pg_temp.%I)',
+                              v_gone, v_put) into v_n;
+    if budget is null or v_n <= budget then
+        return 0;
+    end if;
+    execute pg_catalog.format('create temp table if not exists %I as select p.*, false as lockstep_gone, '
+                              '0::bigint as lockstep_n from pg_temp.%I p with no data', v_rest, v_put);
+    execute pg_catalog.format('truncate pg_temp.%I', v_rest);  -- an earlier recompute's rest: superseded
+    execute pg_catalog.format(
+        'insert into pg_temp.%1$I (%4$s, lockstep_parent, lockstep_old_parent, lockstep_new, lockstep_ctid, '
+        '                          lockstep_gone, lockstep_n) '
+        'select %4$s, lockstep_parent, lockstep_old_parent, lockstep_new, lockstep_ctid, lockstep_gone, '
+        '       pg_catalog.row_number() over (order by %5$s) from ('
+        '  select %4$s, lockstep_parent, null::text as lockstep_old_parent, null::boolean as lockstep_new, '
+        '         lockstep_ctid, true as lockstep_gone from pg_temp.%2$I'
+        '  union all select %4$s, lockstep_parent, lockstep_old_parent, lockstep_new, lockstep_ctid, false '
+        '  from pg_temp.%3$I) s',
+        v_rest, v_gone, v_put, lockstep._cols(j.columns), lockstep._cols(j.target_key));
+    execute pg_catalog.format('truncate pg_temp.%I, pg_temp.%I', v_gone, v_put);
+    perform lockstep._load_rest(j, budget);
+    return v_n - budget;
+end;
+$_$;
+
+CREATE FUNCTION lockstep._load_rest(j lockstep.job, budget integer) RETURNS lockstep._diff_counts
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    SET client_min_messages TO 'warning'
+    SET jit TO 'off'
+    AS $_$
+declare
+    v_rest text := lockstep._tmp(j, 'rest');
+    v_left bigint;
+    n lockstep._diff_counts := row(0, 0, 0, 0);
+begin
+    if pg_catalog.to_regclass(pg_catalog.format('pg_temp.%I', v_rest)) is null then
+        perform pg_catalog.set_config('lockstep.handed_off', '-1', true);
+        return n;
+    end if;
+    execute pg_catalog.format(
+        'with m as (delete from pg_temp.%1$I r where r.lockstep_n in '
+        '             (select x.lockstep_n from pg_temp.%1$I x order by x.lockstep_n limit $1) returning r.*), '
+        'c as materialized (select m.*, t.ctid as lockstep_now, (%6$s) is distinct from (%7$s) as lockstep_differs '
+        '                   from m left join %4$s t on %5$s), '
+        'g as (insert into pg_temp.%2$I (%8$s, lockstep_parent, lockstep_ctid) '
+        '      select %8$s, lockstep_parent, lockstep_now from c where lockstep_gone and lockstep_now is not null '
+        '      returning 1), '
+        'p as (insert into pg_temp.%3$I (%8$s, lockstep_parent, lockstep_old_parent, lockstep_new, lockstep_ctid) '
+        '      select %8$s, lockstep_parent, case when lockstep_now is not null then lockstep_parent end, '
+        '             lockstep_now is null, lockstep_now from c '
+        '      where not lockstep_gone and (lockstep_now is null or lockstep_differs) returning lockstep_new) '
+        'select (select count(*) from g), (select count(*) filter (where lockstep_new) from p), '
+        '       (select count(*) filter (where not lockstep_new) from p), '
+        '       (select count(*) from pg_temp.%1$I) - (select count(*) from m)',
+        v_rest, lockstep._tmp(j, 'gone'), lockstep._tmp(j, 'put'), j.target,
+        lockstep._eq(j.target_key, 'm', 't', j.target), lockstep._cols(j.columns, 'm'), lockstep._cols(j.columns, 't'),
+        lockstep._cols(j.columns))
+        into n.gone, n.fresh, n.kept, v_left using budget;
+    perform pg_catalog.set_config('lockstep.handed_off', v_left::text, true);
+    return n;
+end;
+$_$;
+
 CREATE FUNCTION lockstep._lock_level(t regclass, depth integer) RETURNS text[]
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -1864,7 +1993,10 @@ CREATE TABLE lockstep.job_state (
     recompute_total bigint,
     recompute_queue_from bigint,
     recompute_queue_to bigint,
-    deferred_until timestamp with time zone
+    deferred_until timestamp with time zone,
+    recompute_rest bigint,
+    recompute_rest_session text,
+    recompute_rest_at timestamp with time zone
 );
 
 CREATE FUNCTION lockstep._not_due(s lockstep.job_state) RETURNS text
@@ -2206,9 +2338,18 @@ begin
             get stacked diagnostics v_err = message_text, v_state = returned_sqlstate;
             return lockstep._recompute_failed(j, v_started, v_err, v_state);
     end;
-    -- the rest of the difference was handed to the queue before the write (_limit_batch)
+    -- the rest of the difference was handed to the queue before the write (_limit_batch), or, without a
+    -- parent, left in this session's rest table (_limit_rows)
     v_rest := coalesce(nullif(pg_catalog.current_setting('lockstep.handed_off', true), ''), '0')::bigint;
-    if j.parent is not null then
+    if j.parent is null and (v_rest > 0 or s.recompute_rest is not null) then
+        update lockstep.job_state st
+        set recompute_rest = nullif(v_rest, 0),
+            recompute_total = case when v_rest > 0
+                                   then v_rest + p.inserted + p.updated + p.deleted + cardinality(p.skipped) end,
+            recompute_rest_session = case when v_rest > 0 then lockstep._session() end,
+            recompute_rest_at = clock_timestamp()
+        where st.job = j.job;
+    elsif j.parent is not null then
         -- the batch was j.batch_parents parents (the first of the difference), its skipped ones re-queued
         perform lockstep._hand_off(j, p.skipped, v_before,
                                    case when v_rest > 0 then j.batch_parents - cardinality(p.skipped) end);
@@ -2369,6 +2510,14 @@ begin
         where s.job = _save_derived.job;
     end if;
 end;
+$$;
+
+CREATE FUNCTION lockstep._session() RETURNS text
+    LANGUAGE sql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+    select pg_catalog.pg_backend_pid()::text || '@' || extract(epoch from a.backend_start)::text
+    from pg_catalog.pg_stat_activity a where a.pid = pg_catalog.pg_backend_pid();
 $$;
 
 CREATE FUNCTION lockstep._settle(j lockstep.job, kind text, raw text[], ids bigint[], ctids tid[], entry_keys text[], p lockstep._pass, bad text[], bad_errors text[]) RETURNS text
@@ -2868,22 +3017,57 @@ CREATE FUNCTION lockstep._write(j lockstep.job, keys text[]) RETURNS lockstep._p
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET client_min_messages TO 'warning'
     SET jit TO 'off'
-    AS $_$
+    AS $$
 declare
     v_t0 timestamptz := clock_timestamp();
-    v_t1 timestamptz;
-    v_skip text[] := '{}';
-    v_handed bigint;
+    v_handed bigint := 0;
     d lockstep._diff_counts := lockstep._diff(j, keys);
-    p lockstep._pass := row(0, 0, 0, '{}', 0, 0, 0, '{}', '{}');
+    p lockstep._pass;
 begin
     if d.gone + d.fresh + d.kept = 0 then
+        p := row(0, 0, 0, '{}', 0, 0, 0, '{}', '{}');
         p.compute_ms := extract(epoch from clock_timestamp() - v_t0) * 1000;
         return p;  -- nothing to write: no lock taken at all, and the work tables are empty (nothing to clear)
     end if;
-    v_handed := lockstep._limit_batch(j, case when keys is null then j.batch_parents end);  -- 07_recompute.sql
-    v_t1 := clock_timestamp();
-    p.compute_ms := extract(epoch from v_t1 - v_t0) * 1000;
+    if keys is null and j.parent is null then  -- 07_recompute.sql: the rest waits in a session table
+        v_handed := lockstep._limit_rows(j, j.batch_parents);
+    elsif keys is null then  -- 07_recompute.sql: the rest is handed to the queue
+        v_handed := lockstep._limit_batch(j, j.batch_parents);
+    end if;
+    p := lockstep._write_steps(j, d, v_handed = 0);
+    p.compute_ms := extract(epoch from clock_timestamp() - v_t0) * 1000 - p.write_ms;
+    return p;
+end;
+$$;
+
+CREATE FUNCTION lockstep._write_rest(j lockstep.job) RETURNS lockstep._pass
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    SET client_min_messages TO 'warning'
+    SET jit TO 'off'
+    AS $$
+declare
+    v_t0 timestamptz := clock_timestamp();
+    d lockstep._diff_counts := lockstep._load_rest(j, j.batch_parents);
+    p lockstep._pass;
+begin
+    p := lockstep._write_steps(j, d, true);
+    p.compute_ms := extract(epoch from clock_timestamp() - v_t0) * 1000 - p.write_ms;
+    return p;
+end;
+$$;
+
+CREATE FUNCTION lockstep._write_steps(j lockstep.job, d lockstep._diff_counts, exact boolean) RETURNS lockstep._pass
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    SET client_min_messages TO 'warning'
+    SET jit TO 'off'
+    AS $_$
+declare
+    v_t1 timestamptz := clock_timestamp();
+    v_skip text[] := '{}';
+    p lockstep._pass := row(0, 0, 0, '{}', 0, 0, 0, '{}', '{}');
+begin
     -- a step with nothing to do is not run (d: counted before _limit_batch and the steps drop rows, so an
     -- upper bound): each is a statement planned at every pass, ~0.1-0.2 ms of a pass of 50 keys
     if d.pin > 0 then
@@ -2891,7 +3075,7 @@ begin
     end if;
     v_skip := v_skip || lockstep._pin_refs(j);
     if d.gone + d.kept > 0 then  -- how many rows to lock is known while no step has dropped any
-        v_skip := v_skip || lockstep._lock_rows(j, case when v_handed = 0 and cardinality(v_skip) = 0
+        v_skip := v_skip || lockstep._lock_rows(j, case when exact and cardinality(v_skip) = 0
                                                         then d.gone + d.kept end);
     end if;
     if d.gone > 0 then
@@ -3034,6 +3218,7 @@ CREATE FUNCTION lockstep.due(jobs text[] DEFAULT NULL::text[]) RETURNS TABLE(job
            least(s.next_run_at,
                  case when j.kind = 'derived' and s.consecutive_failures = 0
                        and exists (select from lockstep.recompute_flag f where f.job = j.job) then now() end,
+                 case when j.parent is null and s.recompute_rest > 0 then now() end,
                  case when j.parent is not null and lockstep._has_ready(j)
                       then greatest(now(), coalesce(s.retry_at, now())) end,
                  case when j.parent is not null then
@@ -3231,6 +3416,9 @@ begin
         return lockstep._recompute(j, false);
     end if;
     if j.parent is null then
+        if s.recompute_rest is not null then  -- a recompute spread over transactions (07_recompute.sql)
+            return lockstep._continue(j);
+        end if;
         return lockstep._result(lockstep._not_due(s), j.job, 'recompute');
     end if;
     r := lockstep._work(j, j.batch_parents);
@@ -3246,7 +3434,7 @@ CREATE FUNCTION lockstep.set_batch_parents(job text, batch_parents integer) RETU
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
 declare
-    j lockstep.job := lockstep._queue_job(job);
+    j lockstep.job := lockstep._job(job, 'derived');  -- without a parent: rows per transaction
 begin
     if batch_parents is null or batch_parents not between 1 and 1000000 then
         raise exception 'lockstep: batch_parents must be an integer between 1 and 1000000 (got %)',
@@ -3560,10 +3748,11 @@ CREATE VIEW lockstep.status WITH (security_invoker='true') AS
     j.max_attempts,
         CASE
             WHEN (h.todo > 0) THEN (s.recompute_total - h.todo)
+            WHEN (s.recompute_rest > 0) THEN (s.recompute_total - s.recompute_rest)
             ELSE NULL::bigint
         END AS recompute_done,
         CASE
-            WHEN (h.todo > 0) THEN s.recompute_total
+            WHEN ((h.todo > 0) OR (s.recompute_rest > 0)) THEN s.recompute_total
             ELSE NULL::bigint
         END AS recompute_total,
     ( SELECT min(f.flagged_at) AS min

@@ -134,7 +134,14 @@ create table lockstep.job_state (
     -- here, not found in the queue: min(ready_at) over the job's entries read every entry at every tick
     -- (84-128 ms with a million handed-off keys queued; a sequential scan of the whole heap with stale
     -- statistics), and an index for it cost every enqueue ~2.6 us (17 % of the trigger).
-    deferred_until          timestamptz
+    deferred_until          timestamptz,
+    -- a recompute of a job without a parent spread over several transactions (its difference exceeded
+    -- batch_parents rows): the rows still to write (recompute_total: all of them), kept in a temp table of
+    -- the session recompute_rest_session (backend pid and start) that wrote the last batch, at
+    -- recompute_rest_at (lockstep._continue). NULL: none.
+    recompute_rest          bigint,
+    recompute_rest_session  text,
+    recompute_rest_at       timestamptz
 );
 
 -- the queue of changed parents: append-only, no unique constraint on (job, key), so an enqueuer never

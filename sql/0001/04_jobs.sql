@@ -214,6 +214,9 @@ begin
         return lockstep._recompute(j, false);
     end if;
     if j.parent is null then
+        if s.recompute_rest is not null then  -- a recompute spread over transactions (07_recompute.sql)
+            return lockstep._continue(j);
+        end if;
         return lockstep._result(lockstep._not_due(s), j.job, 'recompute');
     end if;
     r := lockstep._work(j, j.batch_parents);

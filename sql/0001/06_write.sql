@@ -14,7 +14,9 @@
 -- Pooler-safe (PgBouncer transaction pooling: consecutive transactions of one server connection serve
 -- other clients and jobs): a run empties the tables before it fills them, and lockstep._write empties
 -- them again before it returns (unless the difference was empty: then nothing was put in them), so no row
--- outlives the transaction that wrote it, whoever uses the connection next. DISCARD ALL / DISCARD TEMP (a pooler's server_reset_query) drops them; the next run
+-- outlives the transaction that wrote it, whoever uses the connection next. The one exception is the rest
+-- of a recompute without a parent (pg_temp.lockstep_rest_<s>, 07_recompute.sql): it waits for the next
+-- run() of the session that wrote it, owned by the job's owner, and any other session recomputes instead. DISCARD ALL / DISCARD TEMP (a pooler's server_reset_query) drops them; the next run
 -- creates them again. They are emptied by DELETE, not ON COMMIT DELETE ROWS (measured: that truncates
 -- every such table of the session at every commit, 0.3-0.7 ms each, and sends a shared invalidation per
 -- table) and not TRUNCATE (a new relfilenode: catalog writes, ~50 KB of WAL). Autovacuum never visits
@@ -735,19 +737,41 @@ set jit = off
 as $$
 declare
     v_t0 timestamptz := clock_timestamp();
-    v_t1 timestamptz;
-    v_skip text[] := '{}';
-    v_handed bigint;
+    v_handed bigint := 0;
     d lockstep._diff_counts := lockstep._diff(j, keys);
-    p lockstep._pass := row(0, 0, 0, '{}', 0, 0, 0, '{}', '{}');
+    p lockstep._pass;
 begin
     if d.gone + d.fresh + d.kept = 0 then
+        p := row(0, 0, 0, '{}', 0, 0, 0, '{}', '{}');
         p.compute_ms := extract(epoch from clock_timestamp() - v_t0) * 1000;
         return p;  -- nothing to write: no lock taken at all, and the work tables are empty (nothing to clear)
     end if;
-    v_handed := lockstep._limit_batch(j, case when keys is null then j.batch_parents end);  -- 07_recompute.sql
-    v_t1 := clock_timestamp();
-    p.compute_ms := extract(epoch from v_t1 - v_t0) * 1000;
+    if keys is null and j.parent is null then  -- 07_recompute.sql: the rest waits in a session table
+        v_handed := lockstep._limit_rows(j, j.batch_parents);
+    elsif keys is null then  -- 07_recompute.sql: the rest is handed to the queue
+        v_handed := lockstep._limit_batch(j, j.batch_parents);
+    end if;
+    p := lockstep._write_steps(j, d, v_handed = 0);
+    p.compute_ms := extract(epoch from clock_timestamp() - v_t0) * 1000 - p.write_ms;
+    return p;
+end;
+$$;
+
+-- lockstep._write_steps(j, d, exact): the write phase of lockstep._write, over j's work tables (d: what the
+-- difference held, an upper bound of what they hold now; exact: they still hold all of it, so how many
+-- rows to lock is known). Each step runs only if it has rows to write.
+-- locks: as lockstep._write: parents of new rows, other referenced rows, target rows, referencing rows.
+create function lockstep._write_steps(j lockstep.job, d lockstep._diff_counts, exact boolean) returns lockstep._pass
+language plpgsql
+set search_path = pg_catalog, pg_temp
+set client_min_messages = warning
+set jit = off
+as $$
+declare
+    v_t1 timestamptz := clock_timestamp();
+    v_skip text[] := '{}';
+    p lockstep._pass := row(0, 0, 0, '{}', 0, 0, 0, '{}', '{}');
+begin
     -- a step with nothing to do is not run (d: counted before _limit_batch and the steps drop rows, so an
     -- upper bound): each is a statement planned at every pass, ~0.1-0.2 ms of a pass of 50 keys
     if d.pin > 0 then
@@ -755,7 +779,7 @@ begin
     end if;
     v_skip := v_skip || lockstep._pin_refs(j);
     if d.gone + d.kept > 0 then  -- how many rows to lock is known while no step has dropped any
-        v_skip := v_skip || lockstep._lock_rows(j, case when v_handed = 0 and cardinality(v_skip) = 0
+        v_skip := v_skip || lockstep._lock_rows(j, case when exact and cardinality(v_skip) = 0
                                                         then d.gone + d.kept end);
     end if;
     if d.gone > 0 then
@@ -788,6 +812,27 @@ begin
 end;
 $$;
 
+-- lockstep._write_rest(j): the next batch of a recompute of a job without a parent spread over
+-- transactions: at most j.batch_parents rows of this session's rest table (lockstep._load_rest), written
+-- as lockstep._write writes. The rows left are in the transaction's setting lockstep.handed_off.
+-- locks: as lockstep._write_steps.
+create function lockstep._write_rest(j lockstep.job) returns lockstep._pass
+language plpgsql
+set search_path = pg_catalog, pg_temp
+set client_min_messages = warning
+set jit = off
+as $$
+declare
+    v_t0 timestamptz := clock_timestamp();
+    d lockstep._diff_counts := lockstep._load_rest(j, j.batch_parents);
+    p lockstep._pass;
+begin
+    p := lockstep._write_steps(j, d, true);
+    p.compute_ms := extract(epoch from clock_timestamp() - v_t0) * 1000 - p.write_ms;
+    return p;
+end;
+$$;
+
 -- lockstep._apply(j, keys): compute, diff and write for the parents in keys (NULL: all), then empty the
 -- work tables. The only path by which lockstep writes a derived table. It runs as the job's owner: called by another role, it comes back
 -- here through lockstep._as_owner (SET LOCAL ROLE owner, in the owner's SECURITY DEFINER trampoline), or
@@ -804,7 +849,11 @@ begin
     if j.owner is distinct from current_user then
         return lockstep._as_owner(j, keys);
     end if;
-    p := lockstep._write(j, keys);  -- it leaves the work tables empty (a failed call: rolled back)
+    if j.kind = 'rest' then  -- lockstep._continue: the next batch of a recompute without a parent
+        p := lockstep._write_rest(j);
+    else
+        p := lockstep._write(j, keys);  -- it leaves the work tables empty (a failed call: rolled back)
+    end if;
     p.compute_ms := extract(epoch from clock_timestamp() - v_t0) * 1000 - p.write_ms;
     return p;
 end;

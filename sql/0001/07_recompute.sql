@@ -95,6 +95,161 @@ begin
 end;
 $$;
 
+-- A job without a parent has no queue to hand its rest to: a recompute whose difference exceeds
+-- batch_parents rows writes the first batch_parents of them (in primary-key order) and keeps the others in a
+-- temp table of its session (pg_temp.lockstep_rest_<s>, the work tables' shape), which the next run() calls
+-- of that session write, batch_parents rows each (lockstep._continue). A new recompute supersedes it. The
+-- session is recorded in the job's status row; if it ends (a killed runner, a pooler's other connection),
+-- the rest is gone with it and the next run recomputes: nothing is lost, one batch is written per compute.
+
+-- lockstep._limit_rows(j, budget): write step 0 for a job without a parent: if j's work tables hold more
+-- than budget rows, move them all to the rest table, numbered in primary-key order, and load the first
+-- budget back (lockstep._load_rest). Returns how many rows were left in the rest table.
+-- locks: nothing outside pg_temp.
+create function lockstep._limit_rows(j lockstep.job, budget integer) returns bigint
+language plpgsql
+set search_path = pg_catalog, pg_temp
+set client_min_messages = warning
+set jit = off
+as $$
+declare
+    v_gone text := lockstep._tmp(j, 'gone');
+    v_put text := lockstep._tmp(j, 'put');
+    v_rest text := lockstep._tmp(j, 'rest');
+    v_n bigint;
+begin
+    execute pg_catalog.format('select (select count(*) from pg_temp.%I) + (select count(*) from pg_temp.%I)',
+                              v_gone, v_put) into v_n;
+    if budget is null or v_n <= budget then
+        return 0;
+    end if;
+    execute pg_catalog.format('create temp table if not exists %I as select p.*, false as lockstep_gone, '
+                              '0::bigint as lockstep_n from pg_temp.%I p with no data', v_rest, v_put);
+    execute pg_catalog.format('truncate pg_temp.%I', v_rest);  -- an earlier recompute's rest: superseded
+    execute pg_catalog.format(
+        'insert into pg_temp.%1$I (%4$s, lockstep_parent, lockstep_old_parent, lockstep_new, lockstep_ctid, '
+        '                          lockstep_gone, lockstep_n) '
+        'select %4$s, lockstep_parent, lockstep_old_parent, lockstep_new, lockstep_ctid, lockstep_gone, '
+        '       pg_catalog.row_number() over (order by %5$s) from ('
+        '  select %4$s, lockstep_parent, null::text as lockstep_old_parent, null::boolean as lockstep_new, '
+        '         lockstep_ctid, true as lockstep_gone from pg_temp.%2$I'
+        '  union all select %4$s, lockstep_parent, lockstep_old_parent, lockstep_new, lockstep_ctid, false '
+        '  from pg_temp.%3$I) s',
+        v_rest, v_gone, v_put, lockstep._cols(j.columns), lockstep._cols(j.target_key));
+    execute pg_catalog.format('truncate pg_temp.%I, pg_temp.%I', v_gone, v_put);
+    perform lockstep._load_rest(j, budget);
+    return v_n - budget;
+end;
+$$;
+
+-- lockstep._load_rest(j, budget): move the first budget rows of j's rest table to its work tables, each
+-- checked against the target as it is now (its current ctid; a row already as wanted, or one to delete that
+-- is gone, is dropped). Returns what the work tables hold, and leaves how many rows the rest table still
+-- holds in the transaction's setting lockstep.handed_off (-1: this session has no rest table for j).
+-- locks: nothing outside pg_temp (the target is read under MVCC).
+create function lockstep._load_rest(j lockstep.job, budget integer) returns lockstep._diff_counts
+language plpgsql
+set search_path = pg_catalog, pg_temp
+set client_min_messages = warning
+set jit = off
+as $$
+declare
+    v_rest text := lockstep._tmp(j, 'rest');
+    v_left bigint;
+    n lockstep._diff_counts := row(0, 0, 0, 0);
+begin
+    if pg_catalog.to_regclass(pg_catalog.format('pg_temp.%I', v_rest)) is null then
+        perform pg_catalog.set_config('lockstep.handed_off', '-1', true);
+        return n;
+    end if;
+    execute pg_catalog.format(
+        'with m as (delete from pg_temp.%1$I r where r.lockstep_n in '
+        '             (select x.lockstep_n from pg_temp.%1$I x order by x.lockstep_n limit $1) returning r.*), '
+        'c as materialized (select m.*, t.ctid as lockstep_now, (%6$s) is distinct from (%7$s) as lockstep_differs '
+        '                   from m left join %4$s t on %5$s), '
+        'g as (insert into pg_temp.%2$I (%8$s, lockstep_parent, lockstep_ctid) '
+        '      select %8$s, lockstep_parent, lockstep_now from c where lockstep_gone and lockstep_now is not null '
+        '      returning 1), '
+        'p as (insert into pg_temp.%3$I (%8$s, lockstep_parent, lockstep_old_parent, lockstep_new, lockstep_ctid) '
+        '      select %8$s, lockstep_parent, case when lockstep_now is not null then lockstep_parent end, '
+        '             lockstep_now is null, lockstep_now from c '
+        '      where not lockstep_gone and (lockstep_now is null or lockstep_differs) returning lockstep_new) '
+        'select (select count(*) from g), (select count(*) filter (where lockstep_new) from p), '
+        '       (select count(*) filter (where not lockstep_new) from p), '
+        '       (select count(*) from pg_temp.%1$I) - (select count(*) from m)',
+        v_rest, lockstep._tmp(j, 'gone'), lockstep._tmp(j, 'put'), j.target,
+        lockstep._eq(j.target_key, 'm', 't', j.target), lockstep._cols(j.columns, 'm'), lockstep._cols(j.columns, 't'),
+        lockstep._cols(j.columns))
+        into n.gone, n.fresh, n.kept, v_left using budget;
+    perform pg_catalog.set_config('lockstep.handed_off', v_left::text, true);
+    return n;
+end;
+$$;
+
+-- lockstep._session(): this session, as recorded with a rest (backend pid @ backend start).
+-- locks: nothing.
+create function lockstep._session() returns text
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select pg_catalog.pg_backend_pid()::text || '@' || extract(epoch from a.backend_start)::text
+    from pg_catalog.pg_stat_activity a where a.pid = pg_catalog.pg_backend_pid();
+$$;
+
+-- lockstep._continue(j, s): run() for a job without a parent whose recompute left a rest (s its status
+-- row): write the next batch if this session holds the rest; busy while another live session that wrote a
+-- batch in the last 30 s holds it; else (that session ended, or stalled behind a pooler) recompute again.
+-- locks: the group lock (try: busy if taken); then as lockstep._write_steps; the job's status row last.
+create function lockstep._continue(j lockstep.job) returns lockstep.result
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    s lockstep.job_state;
+    v lockstep.job := j;
+    v_started timestamptz := clock_timestamp();
+    v_left bigint;
+    v_err text;
+    p lockstep._pass;
+begin
+    if not lockstep._try_lock(j.lock_group) then
+        return lockstep._result('busy', j.job, 'recompute');
+    end if;
+    select * into s from lockstep.job_state st where st.job = j.job;
+    if s.recompute_rest is null then
+        return lockstep._result(lockstep._not_due(s), j.job, 'recompute');
+    end if;
+    if s.recompute_rest_session is distinct from lockstep._session() then
+        if s.recompute_rest_at > now() - interval '30 seconds' and exists (
+               select from pg_catalog.pg_stat_activity a
+               where a.pid::text || '@' || extract(epoch from a.backend_start)::text = s.recompute_rest_session) then
+            return lockstep._result('busy', j.job, 'recompute');
+        end if;
+        return lockstep._recompute(j, false);
+    end if;
+    v.kind := 'rest';  -- lockstep._apply: the next batch of the rest (as the owner)
+    begin
+        p := lockstep._apply(v, null);
+    exception when others then
+        get stacked diagnostics v_err = message_text;
+        update lockstep.job_state st set recompute_rest = null, recompute_rest_session = null, recompute_total = null
+        where st.job = j.job;
+        return lockstep._failed(j, 'recompute', v_started, v_err);
+    end;
+    v_left := pg_catalog.current_setting('lockstep.handed_off')::bigint;
+    if v_left < 0 then  -- this session's rest table is gone (DISCARD TEMP): recompute again
+        return lockstep._recompute(j, false);
+    end if;
+    update lockstep.job_state st
+    set recompute_rest = nullif(v_left, 0), recompute_rest_at = clock_timestamp(),
+        recompute_total = case when v_left > 0 then st.recompute_total end,
+        recompute_rest_session = case when v_left > 0 then st.recompute_rest_session end
+    where st.job = j.job;
+    perform lockstep._finish(j, 'recompute', 'done', v_started, p);
+    return lockstep._result('done', j.job, 'recompute', p, null, v_left > 0);
+end;
+$$;
+
 -- lockstep._hand_off(j, keys, before, written): queue the keys not yet queued (the parents the write
 -- skipped, or every parent: lockstep._enqueue_missing) and record the recompute's hand-off in the job's
 -- status row: parents written in this transaction, plus the distinct parents still queued in the range of
@@ -238,9 +393,18 @@ begin
             get stacked diagnostics v_err = message_text, v_state = returned_sqlstate;
             return lockstep._recompute_failed(j, v_started, v_err, v_state);
     end;
-    -- the rest of the difference was handed to the queue before the write (_limit_batch)
+    -- the rest of the difference was handed to the queue before the write (_limit_batch), or, without a
+    -- parent, left in this session's rest table (_limit_rows)
     v_rest := coalesce(nullif(pg_catalog.current_setting('lockstep.handed_off', true), ''), '0')::bigint;
-    if j.parent is not null then
+    if j.parent is null and (v_rest > 0 or s.recompute_rest is not null) then
+        update lockstep.job_state st
+        set recompute_rest = nullif(v_rest, 0),
+            recompute_total = case when v_rest > 0
+                                   then v_rest + p.inserted + p.updated + p.deleted + cardinality(p.skipped) end,
+            recompute_rest_session = case when v_rest > 0 then lockstep._session() end,
+            recompute_rest_at = clock_timestamp()
+        where st.job = j.job;
+    elsif j.parent is not null then
         -- the batch was j.batch_parents parents (the first of the difference), its skipped ones re-queued
         perform lockstep._hand_off(j, p.skipped, v_before,
                                    case when v_rest > 0 then j.batch_parents - cardinality(p.skipped) end);
@@ -276,7 +440,7 @@ language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    j lockstep.job := lockstep._queue_job(job);
+    j lockstep.job := lockstep._job(job, 'derived');  -- without a parent: rows per transaction
 begin
     if batch_parents is null or batch_parents not between 1 and 1000000 then
         raise exception 'lockstep: batch_parents must be an integer between 1 and 1000000 (got %)',

@@ -75,8 +75,9 @@ select j.job,
        j.max_attempts,
        -- a recompute spread over transactions: parents done / changed, until the worker has taken the
        -- hand-off (its queue entries still there, parked ones aside); NULL when none is in progress
-       case when h.todo > 0 then s.recompute_total - h.todo end as recompute_done,
-       case when h.todo > 0 then s.recompute_total end as recompute_total,
+       case when h.todo > 0 then s.recompute_total - h.todo
+            when s.recompute_rest > 0 then s.recompute_total - s.recompute_rest end as recompute_done,
+       case when h.todo > 0 or s.recompute_rest > 0 then s.recompute_total end as recompute_total,
        (select min(f.flagged_at) from lockstep.recompute_flag f where f.job = j.job) as needs_recompute,
        (select f.problem from lockstep.recompute_flag f where f.job = j.job order by f.flagged_at desc limit 1)
            as trigger_problem,
@@ -117,6 +118,7 @@ as $$
            least(s.next_run_at,
                  case when j.kind = 'derived' and s.consecutive_failures = 0
                        and exists (select from lockstep.recompute_flag f where f.job = j.job) then now() end,
+                 case when j.parent is null and s.recompute_rest > 0 then now() end,
                  case when j.parent is not null and lockstep._has_ready(j)
                       then greatest(now(), coalesce(s.retry_at, now())) end,
                  case when j.parent is not null then

@@ -359,3 +359,92 @@ def test_set_batch_parents_checks_its_arguments(ex, conn):
     with raises_sqlstate("LSJ01"):
         ex.execute("select lockstep.set_batch_parents('nope', 10)")
     assert ex.execute(f"select batch_parents from lockstep.job where job = '{JOB}'").fetchone()[0] == 500
+
+
+# -- a job without a parent: batches of rows, the rest in the session that wrote the first -------------------
+
+PARENTLESS = """
+create schema lb;
+create table lb.src (id int primary key, bucket int not null, n int not null);
+create table lb.total (bucket int primary key, total bigint not null);
+create table lb.note (id int generated always as identity primary key,
+                      bucket int not null references lb.total on delete cascade);
+create function lb.totals(ignored int[]) returns table (bucket int, total bigint) language sql stable
+    as $$ select bucket, sum(n) from lb.src group by bucket $$;
+insert into lb.src select g, g % 9 + 1, g from generate_series(1, 90) g;
+select lockstep.define_derived('lb', 'lb.total', 'lb.totals(int[])', every => '1 day');
+select lockstep.recompute('lb');
+select lockstep.set_batch_parents('lb', 3);
+"""
+LB_STATUS = "select recompute_done, recompute_total from lockstep.status where job = 'lb'"
+LB_DIVERGENCE = (
+    "select count(*) from ((select * from lb.total except all select * from lb.totals(null))"
+    " union all (select * from lb.totals(null) except all select * from lb.total)) s"
+)
+
+
+def test_a_recompute_without_a_parent_writes_bounded_batches_of_rows(conn, dsn, expected_trace):
+    # A job without a parent has no queue to hand its rest to: its recompute wrote the whole difference in
+    # one transaction, holding every row it changed (an application inserting a note for any bucket waited
+    # for all of it). Now batch_parents rows per transaction, in primary-key order; the rest waits in the
+    # session that wrote the first batch, and its next run() calls write it.
+    conn.execute(PARENTLESS)
+    conn.execute("update lb.src set n = n + 1")  # every bucket changes: 9 rows, batches of 3
+    spec = Spec(dsn, sessions=SESSIONS)
+    for s in SESSIONS:
+        spec.step(f"{s}begin", s, "begin;")
+        spec.step(f"{s}c", s, "commit;")
+    spec.step("s1recompute", "s1", "select updated, more from lockstep.recompute('lb');")
+    spec.step("s1run", "s1", "select action, outcome, updated, more from lockstep.run('lb');")
+    spec.step("s1again", "s1", "select action, outcome, updated, more from lockstep.run('lb');")
+    spec.step("s2note5", "s2", "insert into lb.note (bucket) values (5);")
+    spec.step("s2note8", "s2", "insert into lb.note (bucket) values (8);")
+    spec.step("s2note9", "s2", "insert into lb.note (bucket) values (9);")
+    for n in (1, 2, 3):
+        spec.step(f"s3status{n}", "s3", LB_STATUS + ";")
+    spec.step("s3run", "s3", "select outcome from lockstep.run('lb');")
+    deadlocks = _deadlocks(conn)
+    r = spec.run(
+        # batch 1 = buckets 1-3; the app's foreign-key check on bucket 5 (batch 2) does not wait
+        ["s1begin", "s1recompute", "s2begin", "s2note5", "s2c", "s1c", "s3status1"]
+        # batch 2 (buckets 4-6) from the same session; bucket 8 (batch 3) does not wait
+        + ["s1begin", "s1run", "s2begin", "s2note8", "s2c", "s1c", "s3status2"]
+        # another session leaves the rest to the live session that holds it
+        + ["s3run"]
+        # contrast: a row of the batch being written is waited for, for that one short transaction only
+        + ["s1begin", "s1again", "s2begin", "s2note9", "s1c", "s2c", "s3status3"]
+    )
+    assert r.rows("s1recompute") == [(3, True)], r.trace
+    assert not r.waited("s2note5") and r.rows("s3status1") == [(3, 9)], r.trace
+    assert r.rows("s1run") == [("recompute", "done", 3, True)], r.trace
+    assert not r.waited("s2note8") and r.rows("s3status2") == [(6, 9)], r.trace
+    assert r.rows("s3run") == [("busy",)], r.trace
+    assert r.rows("s1again") == [("recompute", "done", 3, False)], r.trace
+    assert r.waited("s2note9") and r.blocked_by("s2note9") == ["s1"] and r.error("s2note9") is None, r.trace
+    assert r.rows("s3status3") == [(None, None)], r.trace
+    assert conn.execute(LB_DIVERGENCE).fetchone()[0] == 0
+    expected_trace(r)
+    assert _deadlocks(conn) == deadlocks
+
+
+def test_the_rest_of_a_recompute_without_a_parent_survives_its_session(conn, connect):
+    # the session holding the rest ends (a runner killed between batches): nothing is lost, the next run
+    # recomputes and goes on in its own session
+    conn.execute(PARENTLESS)
+    conn.execute("update lb.src set n = n + 1")
+    runner = connect()
+    assert result(runner, "lockstep.recompute('lb')")["more"] is True
+    assert result(conn, "lockstep.run('lb')")["outcome"] == "busy"  # the holder is alive
+    conn.execute("select pg_terminate_backend(%s, 10000)", [runner.info.backend_pid])  # waits for its exit
+    conn.execute("select pg_stat_clear_snapshot()")
+    r = result(conn, "lockstep.run('lb')")
+    assert (r["action"], r["outcome"], r["updated"], r["more"]) == ("recompute", "done", 3, True), r
+    assert conn.execute(LB_STATUS).fetchone() == (3, 6)  # buckets 4-9 left: the first 3 were written
+    due = conn.execute("select due_at <= now() from lockstep.due(array['lb'])").fetchone()[0]
+    assert due  # the runner's one query says: now
+    for _ in range(5):
+        if not result(conn, "lockstep.run('lb')")["more"]:
+            break
+    assert conn.execute(LB_STATUS).fetchone() == (None, None)
+    assert conn.execute(LB_DIVERGENCE).fetchone()[0] == 0
+    assert result(conn, "lockstep.run('lb')")["outcome"] == "not_due"
