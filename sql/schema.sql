@@ -1729,6 +1729,10 @@ begin
     end if;
     execute pg_catalog.format('create temp table if not exists %I as select p.*, false as lockstep_gone, '
                               '0::bigint as lockstep_n from pg_temp.%I p with no data', v_rest, v_put);
+    if not lockstep._own_temp(v_rest) then  -- another role's table of that name: never written (06_write.sql)
+        raise exception 'lockstep: pg_temp.% belongs to another role: another job''s code created it in this session', v_rest
+            using errcode = '42501', hint = 'The next session (a runner restart) starts without it.';
+    end if;
     execute pg_catalog.format('truncate pg_temp.%I', v_rest);  -- an earlier recompute's rest: superseded
     execute pg_catalog.format(
         'insert into pg_temp.%1$I (%4$s, lockstep_parent, lockstep_old_parent, lockstep_new, lockstep_ctid, '
@@ -1757,7 +1761,7 @@ declare
     v_left bigint;
     n lockstep._diff_counts := row(0, 0, 0, 0);
 begin
-    if pg_catalog.to_regclass(pg_catalog.format('pg_temp.%I', v_rest)) is null then
+    if not lockstep._own_temp(v_rest) then  -- none (or another role's: never read, 06_write.sql)
         perform pg_catalog.set_config('lockstep.handed_off', '-1', true);
         return n;
     end if;
@@ -2004,6 +2008,18 @@ CREATE FUNCTION lockstep._not_due(s lockstep.job_state) RETURNS text
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
     select case when s.consecutive_failures > 0 and s.last_outcome = 'failed' then 'backoff' else 'not_due' end;
+$$;
+
+CREATE FUNCTION lockstep._own_temp(name text) RETURNS boolean
+    LANGUAGE plpgsql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+begin
+    return exists (select from pg_catalog.pg_class c
+                   where c.relname = _own_temp.name and c.relnamespace = pg_catalog.pg_my_temp_schema()
+                     and c.relkind = 'r'
+                     and c.relowner = (select r.oid from pg_catalog.pg_roles r where r.rolname = current_user));
+end;
 $$;
 
 CREATE FUNCTION lockstep._owner_run(j lockstep.job, keys text[], sandboxed boolean) RETURNS lockstep._pass
@@ -2470,7 +2486,8 @@ CREATE FUNCTION lockstep._safe_key_type(t regtype) RETURNS boolean
     LANGUAGE sql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
-    select t is null or exists (select from pg_catalog.pg_type ty where ty.oid = t and ty.typtype in ('b', 'e'));
+    select t is null or exists (select from pg_catalog.pg_type ty
+                                where ty.oid = t and (ty.typtype = 'e' or (ty.typtype = 'b' and ty.typcategory <> 'A')));
 $$;
 
 CREATE FUNCTION lockstep._save_derived(job text, target regclass, compute regprocedure, parent regclass, parent_column name, parent_key name, key_type regtype, target_key name[], columns name[], lock_group text, every interval, backoff interval) RETURNS void
@@ -2690,6 +2707,7 @@ CREATE FUNCTION lockstep._tmp_setup(j lockstep.job) RETURNS text
     AS $$
 declare
     v_layout constant text := 'v3 parent,ctid | parent,old_parent,new,ctid';
+    v_me oid := (select r.oid from pg_catalog.pg_roles r where r.rolname = current_user);
     v_s text;
     v_cols text;
 begin
@@ -2701,11 +2719,32 @@ begin
     into v_s, v_cols
     from pg_catalog.unnest(j.columns) with ordinality u(c, o)
     left join pg_catalog.pg_attribute a on a.attrelid = j.target and a.attname = u.c and not a.attisdropped;
-    if pg_catalog.to_regclass(pg_catalog.format('pg_temp.%I', 'lockstep_put_' || v_s)) is null then
-        execute pg_catalog.format('create temp table if not exists %I as '
+    -- only tables of this role: the temp schema is the session's, shared by every job it runs, and another
+    -- owner's code (run by the same runner session) can create tables of these predictable names, grant
+    -- them to PUBLIC and put triggers on them, which would then fire as this role. So this role's own pair,
+    -- under the plain name or, when another role holds that, under a random suffix (found again here).
+    if lockstep._own_temp('lockstep_put_' || v_s) and lockstep._own_temp('lockstep_gone_' || v_s) then
+        null;  -- the common case: two index probes of pg_class
+    elsif exists (select from pg_catalog.pg_class c
+                  where c.relnamespace = pg_catalog.pg_my_temp_schema() and c.relowner = v_me and c.relkind = 'r'
+                    and c.relname like 'lockstep\_put\_' || v_s || '\_%'
+                    and lockstep._own_temp('lockstep_gone_' || pg_catalog.substr(c.relname, 14))) then
+        select pg_catalog.substr(c.relname, 14) into v_s  -- 14: after 'lockstep_put_'
+        from pg_catalog.pg_class c
+        where c.relnamespace = pg_catalog.pg_my_temp_schema() and c.relowner = v_me and c.relkind = 'r'
+          and c.relname like 'lockstep\_put\_' || v_s || '\_%'
+          and lockstep._own_temp('lockstep_gone_' || pg_catalog.substr(c.relname, 14))
+        order by c.relname limit 1;
+    else
+        if pg_catalog.to_regclass(pg_catalog.format('pg_temp.%I', 'lockstep_put_' || v_s)) is not null
+           or pg_catalog.to_regclass(pg_catalog.format('pg_temp.%I', 'lockstep_gone_' || v_s)) is not null
+           or pg_catalog.to_regclass(pg_catalog.format('pg_temp.%I', 'lockstep_rest_' || v_s)) is not null then
+            v_s := v_s || '_' || pg_catalog.substr(pg_catalog.md5(pg_catalog.random()::text), 1, 8);
+        end if;
+        execute pg_catalog.format('create temp table %I as '
                                   'select %s, null::text as lockstep_parent, null::tid as lockstep_ctid '
                                   'from %s t with no data', 'lockstep_gone_' || v_s, v_cols, j.target);
-        execute pg_catalog.format('create temp table if not exists %I as '
+        execute pg_catalog.format('create temp table %I as '
                                   'select %s, null::text as lockstep_parent, null::text as lockstep_old_parent, '
                                   'null::boolean as lockstep_new, null::tid as lockstep_ctid '
                                   'from %s t with no data', 'lockstep_put_' || v_s, v_cols, j.target);

@@ -125,6 +125,10 @@ begin
     end if;
     execute pg_catalog.format('create temp table if not exists %I as select p.*, false as lockstep_gone, '
                               '0::bigint as lockstep_n from pg_temp.%I p with no data', v_rest, v_put);
+    if not lockstep._own_temp(v_rest) then  -- another role's table of that name: never written (06_write.sql)
+        raise exception 'lockstep: pg_temp.% belongs to another role: another job''s code created it in this session', v_rest
+            using errcode = '42501', hint = 'The next session (a runner restart) starts without it.';
+    end if;
     execute pg_catalog.format('truncate pg_temp.%I', v_rest);  -- an earlier recompute's rest: superseded
     execute pg_catalog.format(
         'insert into pg_temp.%1$I (%4$s, lockstep_parent, lockstep_old_parent, lockstep_new, lockstep_ctid, '
@@ -158,7 +162,7 @@ declare
     v_left bigint;
     n lockstep._diff_counts := row(0, 0, 0, 0);
 begin
-    if pg_catalog.to_regclass(pg_catalog.format('pg_temp.%I', v_rest)) is null then
+    if not lockstep._own_temp(v_rest) then  -- none (or another role's: never read, 06_write.sql)
         perform pg_catalog.set_config('lockstep.handed_off', '-1', true);
         return n;
     end if;

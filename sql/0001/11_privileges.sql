@@ -46,15 +46,18 @@ as $$
        and (pg_catalog.pg_has_role(current_user, owner, 'MEMBER') or lockstep._is_admin());
 $$;
 
--- lockstep._safe_key_type(t): t may be a parent key type: a base or enum type. Casting a queued key to
--- it runs no user code (a domain's CHECK or a composite's column types could), and lockstep casts keys
--- as the runner and as the application, outside the owner's sandbox.
+-- lockstep._safe_key_type(t): t may be a parent key type: a base type that is not an array, or an enum.
+-- Casting a queued key to it runs no user code (a domain's CHECK or a composite's column types could, and
+-- so could an array of either: its typtype is 'b' too, which let a hand-written job row through, and the
+-- runner's cast ran the domain's CHECK as the runner; found by a probe), and lockstep casts keys as the
+-- runner and as the application, outside the owner's sandbox.
 -- locks: nothing.
 create function lockstep._safe_key_type(t regtype) returns boolean
 language sql stable
 set search_path = pg_catalog, pg_temp
 as $$
-    select t is null or exists (select from pg_catalog.pg_type ty where ty.oid = t and ty.typtype in ('b', 'e'));
+    select t is null or exists (select from pg_catalog.pg_type ty
+                                where ty.oid = t and (ty.typtype = 'e' or (ty.typtype = 'b' and ty.typcategory <> 'A')));
 $$;
 
 -- the registry: readable by every role granted SELECT (applications look their jobs up); rows are

@@ -1043,6 +1043,12 @@ def test_parent_key_of_a_domain_type_is_refused(ex, example_dsn, mallory):
     with _as(example_dsn, mallory) as m:
         with raises_sqlstate("42501", match="row-level security"):
             m.execute("update lockstep.job set key_type = 'public.dkey'::regtype where job = 'mine'")
+        # an array of a domain is typtype 'b' too: it passed, and the runner's cast of the queued keys ran the
+        # domain's CHECK as the runner, outside the sandbox (found by a probe)
+        with raises_sqlstate("42501", match="row-level security"):
+            m.execute("update lockstep.job set key_type = 'public.dkey[]'::regtype where job = 'mine'")
+        with raises_sqlstate("42501", match="row-level security"):
+            m.execute("update lockstep.job set key_type = 'bigint[]'::regtype where job = 'mine'")
 
 
 def test_trampoline_is_executable_by_its_owner_only(ex, example_dsn, mallory, roles):
@@ -1102,3 +1108,50 @@ def test_job_code_may_not_replace_the_sessions_prepared_statements(ex, example_d
     with raises_sqlstate("26000"):
         ex.execute("execute victim")
     assert ex.execute("execute bystander").fetchone() == (2,)
+
+
+def test_work_tables_another_role_created_in_the_session_are_never_used(ex, exconnect, mallory):
+    """The temp schema is the session's: another owner's code run by the same runner session could create
+    tables with the predictable names of a job's work tables, grant them to PUBLIC and put a trigger on
+    them; the job's next pass in that session wrote into them, and the trigger ran with that job's owner's
+    rights (here a superuser's; found by a probe). A table of another role is never used now: the job gets
+    its own tables under another name."""
+    ex.execute(f"select lockstep.enqueue('{example.JOB}', array[1])")
+    assert result(ex, f"lockstep.work('{example.JOB}')")["outcome"] == "done"
+    names = [
+        r[0]
+        for r in ex.execute(
+            "select relname from pg_class where relnamespace = pg_my_temp_schema()"
+            " and relname ~ '^lockstep_(gone|put)_' order by 1"
+        )
+    ]
+    assert len(names) == 2
+    ex.execute("grant insert on mal.loot to public")
+    s = exconnect()  # another runner session: mallory's job ran first in it
+    s.execute(sql.SQL("set role {}").format(sql.Identifier(mallory)))
+    s.execute(
+        "create function mal.pwn() returns trigger language plpgsql as"
+        " $$ begin insert into mal.loot values (current_user); return null; end $$"
+    )
+    cols = "exam_id bigint, key text, weight integer, lockstep_parent text"
+    for name in names:
+        extra = (
+            ", lockstep_ctid tid"
+            if "_gone_" in name
+            else ", lockstep_old_parent text, lockstep_new boolean, lockstep_ctid tid"
+        )
+        s.execute(sql.SQL("create temp table {} (" + cols + extra + ")").format(sql.Identifier(name)))
+        s.execute(sql.SQL("grant all on pg_temp.{} to public").format(sql.Identifier(name)))
+        s.execute(
+            sql.SQL("create trigger pwn before insert or delete on pg_temp.{}"
+                    " for each statement execute function mal.pwn()").format(sql.Identifier(name))
+        )  # fmt: skip
+    s.execute("reset role")
+    ex.execute(
+        "update example.exam set body = body || ' planted' where id in (2, 3);"
+        f" select lockstep.enqueue('{example.JOB}', array[2, 3])"
+    )
+    r = result(s, f"lockstep.work('{example.JOB}')")
+    assert (r["outcome"], r["error"]) == ("done", None), r
+    assert ex.execute("select count(*) from mal.loot").fetchone()[0] == 0
+    assert example.divergence(ex) == (0, 0)
