@@ -249,6 +249,7 @@ set search_path = pg_catalog, pg_temp
 as $$
 declare
     k text;
+    v_one text;
     v_err text;
     v_all text := pg_catalog.array_to_string(keys, ',');
     v_one_each boolean := pg_catalog.length(v_all) - pg_catalog.length(pg_catalog.replace(v_all, ',', ''))
@@ -276,17 +277,29 @@ begin
         null;  -- some key does not read back: find which, one by one
     end;
     raw := '{}';
+    canon := '{}';
     foreach k in array keys loop
         begin
-            execute pg_catalog.format('select $1::%s', j.key_type) using k;
+            execute pg_catalog.format('select $1::%s::text', j.key_type) into v_one using k;
             raw := raw || k;
+            canon := canon || v_one;
         exception when others then
             get stacked diagnostics v_err = message_text;
             bad := bad || k;
             errors := errors || pg_catalog.format('lockstep: queued key cannot be read as %s: %s', j.key_type, v_err);
         end;
     end loop;
-    select r.canon, r.raw into canon, raw from lockstep._readable(j, raw) r;
+    -- canonical, distinct and sorted as the type sorts, when the keys left read back together; else (the
+    -- type's schema not even usable: every key failed) as text. Never again recursively: with no key left
+    -- the same failure recursed until the stack ran out, and the runner backed off for every job (a probe).
+    if cardinality(canon) > 0 then
+        begin
+            execute pg_catalog.format('select array_agg(v::text order by v) from (select distinct r::%s as v '
+                                      'from pg_catalog.unnest($1::text[]) r) s', j.key_type) into canon using canon;
+        exception when others then
+            canon := array(select distinct c from pg_catalog.unnest(canon) c order by c);
+        end;
+    end if;
 end;
 $$;
 

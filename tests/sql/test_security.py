@@ -1155,3 +1155,35 @@ def test_work_tables_another_role_created_in_the_session_are_never_used(ex, exco
     assert (r["outcome"], r["error"]) == ("done", None), r
     assert ex.execute("select count(*) from mal.loot").fetchone()[0] == 0
     assert example.divergence(ex) == (0, 0)
+
+
+def test_keys_a_runner_cannot_read_are_parked_not_recursed_on(ex, example_dsn, roles):
+    """An enum key type in a schema the runner may not use: every queued key failed its cast, and the
+    retry of the keys left (none) recursed until the stack ran out (54001), raised out of run(): the
+    runner backed off for every job it serves (found by a review). Now the keys are isolated and parked,
+    with the error, like any key that does not read back."""
+    owner = roles("enum_owner", OWNER_GRANTS, login=False)
+    runner = roles("lockstep_runner", RUNNER_GRANTS, attrs="noinherit", owner=owner)
+    ex.execute(sql.SQL("create schema col authorization {}").format(sql.Identifier(owner)))
+    ex.execute(sql.SQL("set role {}").format(sql.Identifier(owner)))
+    ex.execute(
+        "create type col.color as enum ('red', 'green');"
+        " create table col.cp (c col.color primary key, n int);"
+        " create table col.ct (c col.color primary key references col.cp on delete cascade, n2 int);"
+        " create function col.cc(ks col.color[]) returns table (c col.color, n2 int) language sql stable"
+        " as $$ select c, n * 2 from col.cp where ks is null or c = any(ks) $$;"
+        " insert into col.cp values ('red', 1), ('green', 2);"
+        " select lockstep.define_derived('colors', 'col.ct', 'col.cc(col.color[])', 'col.cp', every => '1 day');"
+        " select lockstep.enqueue('colors', array['red', 'green']::col.color[]);"
+    )
+    ex.execute("reset role")
+    with psycopg.connect(as_role(example_dsn, runner), autocommit=True) as r:
+        ex.execute(
+            "update lockstep.job_state set next_run_at = now() + interval '1 day' where job = 'colors'"
+        )
+        got = r.execute("select outcome, error from lockstep.work('colors', 10)").fetchone()
+        assert got[0] == "done" and "permission denied for schema col" in (got[1] or ""), got
+        failing = ex.execute(
+            "select key from lockstep.failing_keys where job = 'colors' order by 1"
+        ).fetchall()
+        assert failing == [("green",), ("red",)]
