@@ -407,7 +407,7 @@ CREATE FUNCTION lockstep._check_owner(j lockstep.job) RETURNS void
 begin
     if not lockstep._may_manage(j.owner) then
         raise exception 'lockstep: job "%" is owned by role "%"', j.job, j.owner
-            using errcode = '42501', hint = 'Only members of the owner role can redefine or drop it.';
+            using errcode = '42501', hint = 'Only members of the owner role can redefine, watch or drop it.';
     end if;
 end;
 $$;
@@ -3597,6 +3597,9 @@ begin
     if source is null or key_column is null then
         raise exception 'lockstep: source and key_column must not be NULL' using errcode = '22004';
     end if;
+    -- only who manages the job feeds it (another owner's triggers on its own tables fed the job, and the
+    -- job's owner could then neither unwatch them nor drop the job; found by a review)
+    perform lockstep._check_owner(j);
     if not exists (select from pg_catalog.pg_class c where c.oid = source and c.relkind in ('r', 'p')) then
         raise exception 'lockstep: source % is not a table', source using errcode = '42809';
     end if;

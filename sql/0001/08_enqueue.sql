@@ -786,6 +786,9 @@ begin
     if source is null or key_column is null then
         raise exception 'lockstep: source and key_column must not be NULL' using errcode = '22004';
     end if;
+    -- only who manages the job feeds it (another owner's triggers on its own tables fed the job, and the
+    -- job's owner could then neither unwatch them nor drop the job; found by a review)
+    perform lockstep._check_owner(j);
     if not exists (select from pg_catalog.pg_class c where c.oid = source and c.relkind in ('r', 'p')) then
         raise exception 'lockstep: source % is not a table', source using errcode = '42809';
     end if;

@@ -682,6 +682,14 @@ def test_job_cannot_be_redefined_or_dropped_by_another_role(ex, example_dsn, own
         with raises_sqlstate("42501", match=f'owned by role "{owner}"'):
             x.execute("select lockstep.drop_job('owned')")
     assert ex.execute("select * from lockstep.job where job = 'owned'").fetchone() == before
+    # watch() too: another role's triggers on its own table fed the job, which its owner could then
+    # neither unwatch nor drop (found by a review)
+    ex.execute("create table public.feed (id bigint primary key)")
+    ex.execute(sql.SQL("alter table public.feed owner to {}").format(sql.Identifier(other)))
+    with psycopg.connect(as_role(example_dsn, other), autocommit=True) as x:
+        with raises_sqlstate("42501", match='owned by role "root"'):
+            x.execute("select lockstep.watch('exam_keys', 'public.feed', 'id')")
+    assert ex.execute("select count(*) from pg_trigger where tgrelid = 'public.feed'::regclass").fetchone()[0] == 0
 
 
 def test_member_of_the_owner_role_can_redefine_and_drop(ex, example_dsn, owners):
