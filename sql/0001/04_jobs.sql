@@ -1,12 +1,16 @@
 -- lockstep 0001: generic scheduled jobs, lockstep.run() (the runner's entry point) and drop_job.
 
--- lockstep._check_schedule(job, lock_group, every, backoff): argument checks shared by define_*.
+-- lockstep._check_schedule(job, lock_group, every, backoff): argument checks shared by define_*, and the
+-- lock group free of jobs of roles the caller may not manage.
 -- locks: nothing.
 create function lockstep._check_schedule(job text, lock_group text, every interval, backoff interval)
 returns void
-language plpgsql immutable
+language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
+declare
+    v_job text;
+    v_owner name;
 begin
     if job is null or every is null or backoff is null then
         raise exception 'lockstep: job, every and backoff must not be NULL' using errcode = '22004';
@@ -23,6 +27,17 @@ begin
     if every <= interval '0' or backoff <= interval '0' then
         raise exception 'lockstep: every and backoff must be positive intervals (got every %, backoff %)',
             every, backoff using errcode = '22023';
+    end if;
+    -- a lock group is its jobs' owners': another role's job in it would decide when theirs may run (busy
+    -- while it runs, a worker giving way while it is due; found by a review)
+    select x.job, x.owner into v_job, v_owner from lockstep.job x
+    where x.lock_group = coalesce(_check_schedule.lock_group, _check_schedule.job) and x.job <> _check_schedule.job
+      and not lockstep._may_manage(x.owner)
+    order by x.job limit 1;
+    if v_job is not null then
+        raise exception 'lockstep: lock group "%" is used by job "%" of role "%"',
+            coalesce(lock_group, job), v_job, v_owner
+            using errcode = '42501', hint = 'Choose another lock_group: a group holds the jobs of one owner.';
     end if;
 end;
 $$;

@@ -690,6 +690,13 @@ def test_job_cannot_be_redefined_or_dropped_by_another_role(ex, example_dsn, own
         with raises_sqlstate("42501", match='owned by role "root"'):
             x.execute("select lockstep.watch('exam_keys', 'public.feed', 'id')")
     assert ex.execute("select count(*) from pg_trigger where tgrelid = 'public.feed'::regclass").fetchone()[0] == 0
+    # nor may it put a job in the owner's lock group: it would decide when the owner's jobs may run
+    with psycopg.connect(as_role(example_dsn, other), autocommit=True) as x:
+        with raises_sqlstate("42501", match='lock group "owned" is used by job "owned"'):
+            x.execute(
+                "select lockstep.define_job('hog', 'public.lockstep_noop()', lock_group => 'owned',"
+                " every => '1 second')"
+            )
 
 
 def test_member_of_the_owner_role_can_redefine_and_drop(ex, example_dsn, owners):
