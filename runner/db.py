@@ -13,6 +13,7 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import dict_row
+from psycopg.types.datetime import DateLoader, TimestampLoader, TimestamptzLoader
 
 from runner import dsn as dsns
 
@@ -66,6 +67,36 @@ def _options(conninfo: str, check_interval: str) -> str:
     return f"{given} -c client_connection_check_interval={check_interval}".strip()
 
 
+class _InfTimestamptz(TimestamptzLoader):
+    """'infinity' / '-infinity' as datetime.max / min (UTC): Python has no infinite datetime, and one job's
+    next_run_at = 'infinity' (its owner may set it) made every read of lockstep.status fail."""
+
+    def load(self, data):  # type: ignore[override]
+        if bytes(data) == b"infinity":
+            return dt.datetime.max.replace(tzinfo=dt.UTC)
+        if bytes(data) == b"-infinity":
+            return dt.datetime.min.replace(tzinfo=dt.UTC)
+        return super().load(data)
+
+
+class _InfTimestamp(TimestampLoader):
+    def load(self, data):  # type: ignore[override]
+        if bytes(data) == b"infinity":
+            return dt.datetime.max
+        if bytes(data) == b"-infinity":
+            return dt.datetime.min
+        return super().load(data)
+
+
+class _InfDate(DateLoader):
+    def load(self, data):  # type: ignore[override]
+        if bytes(data) == b"infinity":
+            return dt.date.max
+        if bytes(data) == b"-infinity":
+            return dt.date.min
+        return super().load(data)
+
+
 def connect(
     dsn: str | None,
     *,
@@ -88,7 +119,11 @@ def connect(
         kwargs["prepare_threshold"] = None
     if check_interval is not None:
         kwargs["options"] = _options(conninfo, check_interval)
-    return psycopg.connect(conninfo, **kwargs)
+    conn = psycopg.connect(conninfo, **kwargs)
+    conn.adapters.register_loader("timestamptz", _InfTimestamptz)
+    conn.adapters.register_loader("timestamp", _InfTimestamp)
+    conn.adapters.register_loader("date", _InfDate)
+    return conn
 
 
 def queue_sequence(conn: psycopg.Connection) -> str | None:

@@ -92,3 +92,18 @@ def test_a_queue_nothing_drains_makes_status_unhealthy(conn, dsn):
     assert conn.execute("select queue_lag < interval '1 minute' from lockstep.status").fetchone()[0]
     conn.execute("select lockstep.work('d')")  # key 2 written; key 1 stays queued (parked)
     assert conn.execute("select queue_lag from lockstep.status").fetchone()[0] is None
+
+
+def test_an_infinite_next_run_does_not_break_status(conn, dsn):
+    # an owner may set its own job's next_run_at = 'infinity': Python has no infinite datetime, and every
+    # read of lockstep.status by lockstep status (and the web page) failed for every role that saw that job
+    # (found by a review)
+    conn.execute(
+        "create function public.ok() returns void language sql as $$ select $$;"
+        " select lockstep.define_job('ok', 'public.ok()', every => '1 minute');"
+        " update lockstep.job_state set next_run_at = 'infinity' where job = 'ok'"
+    )
+    p = status(dsn)
+    assert p.returncode == 0 and "ok" in p.stdout, p.stderr
+    p = status(dsn, "--json")
+    assert p.returncode == 0 and json.loads(p.stdout)[0]["next_run_at"].startswith("9999-12-31"), p.stdout

@@ -689,7 +689,10 @@ def test_job_cannot_be_redefined_or_dropped_by_another_role(ex, example_dsn, own
     with psycopg.connect(as_role(example_dsn, other), autocommit=True) as x:
         with raises_sqlstate("42501", match='owned by role "root"'):
             x.execute("select lockstep.watch('exam_keys', 'public.feed', 'id')")
-    assert ex.execute("select count(*) from pg_trigger where tgrelid = 'public.feed'::regclass").fetchone()[0] == 0
+    assert (
+        ex.execute("select count(*) from pg_trigger where tgrelid = 'public.feed'::regclass").fetchone()[0]
+        == 0
+    )
     # nor may it put a job in the owner's lock group: it would decide when the owner's jobs may run
     with psycopg.connect(as_role(example_dsn, other), autocommit=True) as x:
         with raises_sqlstate("42501", match='lock group "owned" is used by job "owned"'):
@@ -1188,7 +1191,8 @@ def test_keys_a_runner_cannot_read_are_parked_not_recursed_on(ex, example_dsn, r
         " create function col.cc(ks col.color[]) returns table (c col.color, n2 int) language sql stable"
         " as $$ select c, n * 2 from col.cp where ks is null or c = any(ks) $$;"
         " insert into col.cp values ('red', 1), ('green', 2);"
-        " select lockstep.define_derived('colors', 'col.ct', 'col.cc(col.color[])', 'col.cp', every => '1 day');"
+        " select lockstep.define_derived('colors', 'col.ct', 'col.cc(col.color[])', 'col.cp',"
+        " every => '1 day');"
         " select lockstep.enqueue('colors', array['red', 'green']::col.color[]);"
     )
     ex.execute("reset role")
