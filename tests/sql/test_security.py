@@ -47,6 +47,7 @@ OWNER_GRANTS = [
     "grant delete on lockstep.key_failure to {role}",  # retry
     "grant select on lockstep.recompute_flag to {role}",  # lockstep.status shows the flags
     "grant delete on lockstep.recompute_flag to {role}",  # drop_job
+    "grant insert on lockstep.recompute_flag to {role}",  # its own TRUNCATE of a watched table flags the job
     "grant select on lockstep.status to {role}",
     "grant select on lockstep.failing_keys to {role}",
     "grant temp on database {db} to {role}",  # the compute/write work tables and its trampoline
@@ -363,6 +364,13 @@ def recipe_scenario(ex: psycopg.Connection, dsn: str, roles, without: tuple[str,
         _check(failing == [("7",)], f"owner sees failing keys {failing}")
         a.execute("update example.exam set title = 'cured' where id = 7")
         _check(o.execute("select lockstep.retry('exam_keys')").fetchone()[0] == 1, "retry")
+        _drain(r, "exam_keys")
+        assert example.divergence(ex) == (0, 0)
+        # the owner writes its own watched table: a TRUNCATE flags the job (it failed with 42501 before
+        # the recipe had INSERT on recompute_flag: found by a probe)
+        o.execute("truncate example.exam_item")
+        res = _run(r, "exam_keys")
+        _check((res["action"], res["outcome"]) == ("recompute", "done"), f"flagged recompute: {res}")
         _drain(r, "exam_keys")
         assert example.divergence(ex) == (0, 0)
 
