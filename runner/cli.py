@@ -73,9 +73,15 @@ def _failure(exc: BaseException, command: str | None = None) -> Failure:
         hint = MIGRATE_PRIVILEGE_HINT  # not the runner's grants: the installer's
     if hint is not None:
         return Failure(f"{text} (hint: {hint})", codes.EXIT_SETUP)
-    if isinstance(err, psycopg.OperationalError):
-        return Failure(text, codes.EXIT_UNREACHABLE)
-    return Failure(text)
+    state = getattr(err, "sqlstate", None)
+    if isinstance(err, psycopg.OperationalError) and (state is None or state[:2] in ("08", "57", "53")):
+        return Failure(text, codes.EXIT_UNREACHABLE)  # no server answered, or it went away
+    # the server answered with an error (55P03: a lock the command gave up on): say which, and its hint
+    diag = getattr(err, "diag", None)
+    server_hint = getattr(diag, "message_hint", None) if diag is not None else None
+    if state:
+        text = f"{state}: {text}"
+    return Failure(f"{text} (hint: {server_hint})" if server_hint else text)
 
 
 class _Group(click.Group):

@@ -135,3 +135,25 @@ def test_migrate_unreachable_server():
     assert p.returncode == 3, p.stderr
     errors = [line for line in p.stderr.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and "Connection refused" in errors[0], p.stderr
+
+
+def test_drop_that_gives_up_on_a_busy_table_exits_1_with_the_sqlstate_and_hint(dsn, connect):
+    # 55P03 (psycopg's OperationalError family) was reported as exit 3, "no server answered", without the
+    # code or the server's hint: a deploy script took the database for down (found by a probe)
+    setup = connect(dsn)
+    setup.execute(
+        "create table p (id bigint primary key); create table d (p_id bigint primary key references p"
+        " on delete cascade, n int); create function dc(ids bigint[]) returns table (p_id bigint, n int)"
+        " language sql stable as $$ select id, 1 from public.p where ids is null or id = any(ids) $$;"
+        " select lockstep.define_derived('d', 'd', 'dc(bigint[])', 'p');"
+        " select lockstep.watch('d', 'p', 'id')"
+    )
+    holder = connect(dsn)
+    holder.execute("begin")
+    holder.execute("lock table p in row exclusive mode")  # an application transaction that stays open
+    sep = "&" if "?" in dsn else "?"
+    p = lockstep("drop", "d", "--dsn", f"{dsn}{sep}options=-c%20deadlock_timeout%3D20ms", timeout=60)
+    holder.execute("rollback")
+    line = assert_clean(p, 1, "55P03", "could not lock its tables", "hint:")
+    assert "Nothing was changed" in line, line
+    assert setup.execute("select count(*) from lockstep.job").fetchone()[0] == 1
