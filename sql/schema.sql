@@ -1992,6 +1992,22 @@ CREATE FUNCTION lockstep._may_own(owner name) RETURNS boolean
        and (pg_catalog.pg_has_role(current_user, owner, 'MEMBER') or lockstep._is_admin());
 $$;
 
+CREATE FUNCTION lockstep._may_view(owner name) RETURNS boolean
+    LANGUAGE plpgsql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+begin
+    if lockstep._may_manage(owner) then
+        return true;
+    end if;
+    if not pg_catalog.has_table_privilege('lockstep.viewer', 'SELECT') then
+        return false;  -- apart: a query naming the table checks its privilege before it runs
+    end if;
+    return exists (select from lockstep.viewer v
+                   where v.owner = _may_view.owner and pg_catalog.pg_has_role(current_user, v.viewer, 'MEMBER'));
+end;
+$$;
+
 CREATE TABLE lockstep.job_state (
     job text NOT NULL,
     next_run_at timestamp with time zone DEFAULT now() NOT NULL,
@@ -3841,6 +3857,11 @@ CREATE VIEW lockstep.status WITH (security_invoker='true') AS
                     ELSE NULL::bigint
                 END AS todo) h);
 
+CREATE TABLE lockstep.viewer (
+    viewer name NOT NULL,
+    owner name NOT NULL
+);
+
 ALTER TABLE ONLY lockstep.job
     ADD CONSTRAINT job_pkey PRIMARY KEY (job);
 
@@ -3858,6 +3879,9 @@ ALTER TABLE ONLY lockstep.run_log
 
 ALTER TABLE ONLY lockstep.setting
     ADD CONSTRAINT setting_pkey PRIMARY KEY (only_row);
+
+ALTER TABLE ONLY lockstep.viewer
+    ADD CONSTRAINT viewer_pkey PRIMARY KEY (viewer, owner);
 
 CREATE INDEX queue_key_job_idx ON lockstep.queue USING btree (key, job);
 
@@ -3889,6 +3913,10 @@ CREATE POLICY job_state_own ON lockstep.job_state USING ((job IN ( SELECT j.job
    FROM lockstep.job j
   WHERE lockstep._may_manage(j.owner))));
 
+CREATE POLICY job_state_view ON lockstep.job_state FOR SELECT USING ((job IN ( SELECT j.job
+   FROM lockstep.job j
+  WHERE lockstep._may_view(j.owner))));
+
 CREATE POLICY job_update ON lockstep.job FOR UPDATE USING (lockstep._may_manage(owner)) WITH CHECK ((lockstep._may_own(owner) AND lockstep._safe_key_type(key_type)));
 
 ALTER TABLE lockstep.key_failure ENABLE ROW LEVEL SECURITY;
@@ -3898,6 +3926,10 @@ CREATE POLICY key_failure_own ON lockstep.key_failure USING ((job IN ( SELECT j.
   WHERE lockstep._may_manage(j.owner)))) WITH CHECK ((job IN ( SELECT j.job
    FROM lockstep.job j
   WHERE lockstep._may_manage(j.owner))));
+
+CREATE POLICY key_failure_view ON lockstep.key_failure FOR SELECT USING ((job IN ( SELECT j.job
+   FROM lockstep.job j
+  WHERE lockstep._may_view(j.owner))));
 
 ALTER TABLE lockstep.queue ENABLE ROW LEVEL SECURITY;
 
@@ -3909,7 +3941,7 @@ CREATE POLICY queue_delete ON lockstep.queue FOR DELETE USING ((job IN ( SELECT 
 
 CREATE POLICY queue_read ON lockstep.queue FOR SELECT USING (((job IN ( SELECT j.job
    FROM lockstep.job j
-  WHERE lockstep._may_manage(j.owner))) OR (NOT has_column_privilege(('lockstep.queue'::regclass)::oid, 'key'::text, 'SELECT'::text))));
+  WHERE lockstep._may_view(j.owner))) OR (NOT has_column_privilege(('lockstep.queue'::regclass)::oid, 'key'::text, 'SELECT'::text))));
 
 CREATE POLICY queue_update ON lockstep.queue FOR UPDATE USING ((job IN ( SELECT j.job
    FROM lockstep.job j
@@ -3927,7 +3959,7 @@ CREATE POLICY recompute_flag_delete ON lockstep.recompute_flag FOR DELETE USING 
 
 CREATE POLICY recompute_flag_own ON lockstep.recompute_flag FOR SELECT USING ((job IN ( SELECT j.job
    FROM lockstep.job j
-  WHERE lockstep._may_manage(j.owner))));
+  WHERE lockstep._may_view(j.owner))));
 
 ALTER TABLE lockstep.run_log ENABLE ROW LEVEL SECURITY;
 
@@ -3935,4 +3967,10 @@ CREATE POLICY run_log_delete ON lockstep.run_log FOR DELETE USING (lockstep._may
 
 CREATE POLICY run_log_insert ON lockstep.run_log FOR INSERT WITH CHECK (lockstep._may_manage(owner));
 
-CREATE POLICY run_log_read ON lockstep.run_log FOR SELECT USING (lockstep._may_manage(owner));
+CREATE POLICY run_log_read ON lockstep.run_log FOR SELECT USING (lockstep._may_view(owner));
+
+ALTER TABLE lockstep.viewer ENABLE ROW LEVEL SECURITY;
+
+CREATE POLICY viewer_read ON lockstep.viewer FOR SELECT USING ((pg_has_role(CURRENT_USER, viewer, 'MEMBER'::text) OR lockstep._may_manage(owner)));
+
+CREATE POLICY viewer_write ON lockstep.viewer USING (lockstep._may_manage(owner)) WITH CHECK (lockstep._may_manage(owner));

@@ -35,6 +35,41 @@ begin
 end;
 $$;
 
+-- lockstep.viewer: roles that may read, never change, the jobs of an owner (lockstep status, lockstep web),
+-- without being members of the owner role: membership is the owner's rights, and SET ROLE to it (a viewer
+-- recipe that granted the owner role could delete derived rows and drop tables; found by a review).
+-- Written by the owner for its own jobs, or by an admin.
+create table lockstep.viewer (
+    viewer name not null,
+    owner  name not null,
+    primary key (viewer, owner)
+);
+alter table lockstep.viewer enable row level security;
+create policy viewer_read on lockstep.viewer for select
+    using (pg_catalog.pg_has_role(current_user, viewer, 'MEMBER') or lockstep._may_manage(owner));
+create policy viewer_write on lockstep.viewer for all
+    using (lockstep._may_manage(owner)) with check (lockstep._may_manage(owner));
+
+-- lockstep._may_view(owner): the current role may read the rows of a job owned by owner: it may manage
+-- them, or lockstep.viewer lets it (or a role it is a member of) read them. A role without SELECT on
+-- lockstep.viewer (a runner, an application) is only asked lockstep._may_manage.
+-- locks: nothing.
+create function lockstep._may_view(owner name) returns boolean
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if lockstep._may_manage(owner) then
+        return true;
+    end if;
+    if not pg_catalog.has_table_privilege('lockstep.viewer', 'SELECT') then
+        return false;  -- apart: a query naming the table checks its privilege before it runs
+    end if;
+    return exists (select from lockstep.viewer v
+                   where v.owner = _may_view.owner and pg_catalog.pg_has_role(current_user, v.viewer, 'MEMBER'));
+end;
+$$;
+
 -- lockstep._may_own(owner): a registry row written by the current role may name owner: an existing role
 -- the current role is, or is a member of (or any role, for an admin).
 -- locks: nothing.
@@ -81,6 +116,11 @@ alter table lockstep.key_failure enable row level security;
 create policy key_failure_own on lockstep.key_failure for all
     using (job in (select j.job from lockstep.job j where lockstep._may_manage(j.owner)))
     with check (job in (select j.job from lockstep.job j where lockstep._may_manage(j.owner)));
+-- and read by the roles lockstep.viewer names (permissive policies: either one lets a row through)
+create policy job_state_view on lockstep.job_state for select
+    using (job in (select j.job from lockstep.job j where lockstep._may_view(j.owner)));
+create policy key_failure_view on lockstep.key_failure for select
+    using (job in (select j.job from lockstep.job j where lockstep._may_view(j.owner)));
 
 -- the queue: any role granted INSERT may append (applications enqueue through triggers running as
 -- themselves); only the jobs a role manages may be read, updated or deleted. A role granted SELECT on
@@ -88,7 +128,7 @@ create policy key_failure_own on lockstep.key_failure for all
 alter table lockstep.queue enable row level security;
 create policy queue_append on lockstep.queue for insert with check (true);
 create policy queue_read on lockstep.queue for select
-    using (job in (select j.job from lockstep.job j where lockstep._may_manage(j.owner))
+    using (job in (select j.job from lockstep.job j where lockstep._may_view(j.owner))
            or not pg_catalog.has_column_privilege('lockstep.queue'::pg_catalog.regclass, 'key', 'SELECT'));
 create policy queue_update on lockstep.queue for update
     using (job in (select j.job from lockstep.job j where lockstep._may_manage(j.owner)))
@@ -101,7 +141,7 @@ create policy queue_delete on lockstep.queue for delete
 alter table lockstep.recompute_flag enable row level security;
 create policy recompute_flag_append on lockstep.recompute_flag for insert with check (true);
 create policy recompute_flag_own on lockstep.recompute_flag for select
-    using (job in (select j.job from lockstep.job j where lockstep._may_manage(j.owner)));
+    using (job in (select j.job from lockstep.job j where lockstep._may_view(j.owner)));
 create policy recompute_flag_delete on lockstep.recompute_flag for delete
     using (job in (select j.job from lockstep.job j where lockstep._may_manage(j.owner)));
 

@@ -52,7 +52,7 @@ create index run_log_finished_at_idx on lockstep.run_log (finished_at);
 -- rules of lockstep.job); no UPDATE policy, so rows are never changed. Superusers and the table owner
 -- bypass it. Nothing is granted: see the role recipes in docs/web.md.
 alter table lockstep.run_log enable row level security;
-create policy run_log_read on lockstep.run_log for select using (lockstep._may_manage(owner));
+create policy run_log_read on lockstep.run_log for select using (lockstep._may_view(owner));
 create policy run_log_insert on lockstep.run_log for insert with check (lockstep._may_manage(owner));
 create policy run_log_delete on lockstep.run_log for delete using (lockstep._may_manage(owner));
 
