@@ -646,7 +646,11 @@ begin
             every, backoff using errcode = '22023';
     end if;
     -- a lock group is its jobs' owners': another role's job in it would decide when theirs may run (busy
-    -- while it runs, a worker giving way while it is due; found by a review)
+    -- while it runs, a worker giving way while it is due; found by a review). A role that may not read
+    -- the registry is refused by the checks that follow, with their own message.
+    if not pg_catalog.has_table_privilege('lockstep.job', 'SELECT') then
+        return;
+    end if;
     select x.job, x.owner into v_job, v_owner from lockstep.job x
     where x.lock_group = coalesce(_check_schedule.lock_group, _check_schedule.job) and x.job <> _check_schedule.job
       and not lockstep._may_manage(x.owner)
@@ -2414,6 +2418,10 @@ begin
                                    case when v_rest > 0 then j.batch_parents - cardinality(p.skipped) end);
     end if;
     perform lockstep._clear_flag(j, v_snap, v_started);
+    -- every parent computed without an error (the whole-table pass went through): the job's failing and
+    -- parked keys are cured (a parked key fixed meanwhile kept lockstep status unhealthy until someone ran
+    -- retry: a probe); their queue entries, and the hand-off, are claimed again by the worker
+    delete from lockstep.key_failure f where f.job = j.job;
     perform lockstep._finish(j, 'recompute', 'done', v_started, p);
     return lockstep._result('done', j.job, 'recompute', p, null, v_rest > 0);
 end;

@@ -29,7 +29,11 @@ begin
             every, backoff using errcode = '22023';
     end if;
     -- a lock group is its jobs' owners': another role's job in it would decide when theirs may run (busy
-    -- while it runs, a worker giving way while it is due; found by a review)
+    -- while it runs, a worker giving way while it is due; found by a review). A role that may not read
+    -- the registry is refused by the checks that follow, with their own message.
+    if not pg_catalog.has_table_privilege('lockstep.job', 'SELECT') then
+        return;
+    end if;
     select x.job, x.owner into v_job, v_owner from lockstep.job x
     where x.lock_group = coalesce(_check_schedule.lock_group, _check_schedule.job) and x.job <> _check_schedule.job
       and not lockstep._may_manage(x.owner)

@@ -414,6 +414,10 @@ begin
                                    case when v_rest > 0 then j.batch_parents - cardinality(p.skipped) end);
     end if;
     perform lockstep._clear_flag(j, v_snap, v_started);
+    -- every parent computed without an error (the whole-table pass went through): the job's failing and
+    -- parked keys are cured (a parked key fixed meanwhile kept lockstep status unhealthy until someone ran
+    -- retry: a probe); their queue entries, and the hand-off, are claimed again by the worker
+    delete from lockstep.key_failure f where f.job = j.job;
     perform lockstep._finish(j, 'recompute', 'done', v_started, p);
     return lockstep._result('done', j.job, 'recompute', p, null, v_rest > 0);
 end;

@@ -623,3 +623,34 @@ def test_result_times_are_rounded_to_the_microsecond(ex):
     r = result(ex, f"lockstep.work('{JOB}')")
     for k in ("compute_ms", "write_ms"):
         assert r[k] == round(r[k], 3) and len(repr(r[k]).split(".")[-1]) <= 3, r
+
+
+def test_a_recompute_that_computes_every_parent_cures_the_parked_keys(ex):
+    # a parked key whose data was fixed kept lockstep status unhealthy (parked_keys) until someone ran
+    # retry, though the next recompute computed it without error (found by a probe)
+    ex.execute(
+        """
+        create table example.bad (id bigint primary key);
+        insert into example.bad values (13);
+        create function example.picky(ids bigint[]) returns table (exam_id bigint, key text, weight integer)
+        language plpgsql stable as $$ begin
+            if exists (select from example.bad b where ids is null or b.id = any(ids)) then
+                raise exception 'cannot compute exam 13'; end if;
+            return query select * from example.exam_key_compute(ids); end $$;
+        """
+    )
+    ex.execute(
+        f"select lockstep.define_derived('{JOB}', 'example.exam_key', 'example.picky(bigint[])',"
+        " 'example.exam', every => '1 day')"
+    )
+    ex.execute(f"select lockstep.set_max_attempts('{JOB}', 1)")
+    not_due(ex, JOB)
+    ex.execute("update example.exam set body = body || ' poisonword' where id in (12, 13)")
+    result(ex, f"lockstep.work('{JOB}')")
+    assert ex.execute("select key from lockstep.parked_keys").fetchall() == [("13",)]
+    ex.execute("delete from example.bad")  # the data is fixed; nobody runs retry
+    r = result(ex, f"lockstep.recompute('{JOB}')")
+    assert (r["outcome"], r["error"]) == ("done", None), r
+    assert ex.execute("select parked_keys, failing_keys from lockstep.status").fetchone() == (0, 0)
+    drain(ex, JOB)
+    assert divergence(ex) == (0, 0)
