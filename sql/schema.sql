@@ -1159,6 +1159,36 @@ begin
 end;
 $$;
 
+CREATE FUNCTION lockstep._drop_temp_objects() RETURNS void
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    v_me oid := (select r.oid from pg_catalog.pg_roles r where r.rolname = current_user);
+    v text;
+begin
+    if pg_catalog.pg_my_temp_schema() = 0 then
+        return;
+    end if;
+    for v in
+        select pg_catalog.format('drop %s if exists pg_temp.%I cascade',
+                                 case c.relkind when 'v' then 'view' when 'm' then 'materialized view'
+                                                when 'S' then 'sequence' when 'f' then 'foreign table'
+                                                when 'c' then 'type' else 'table' end, c.relname)
+        from pg_catalog.pg_class c
+        where c.relnamespace = pg_catalog.pg_my_temp_schema() and c.relowner = v_me
+          and c.relkind in ('r', 'p', 'v', 'm', 'S', 'f', 'c') and c.relname not like 'lockstep\_%'
+        union all
+        select pg_catalog.format('drop type if exists pg_temp.%I cascade', t.typname)
+        from pg_catalog.pg_type t
+        where t.typnamespace = pg_catalog.pg_my_temp_schema() and t.typowner = v_me
+          and t.typtype in ('d', 'e', 'r', 'm') and t.typname not like 'lockstep\_%' and t.typname not like '\_%'
+    loop
+        execute v;
+    end loop;
+end;
+$$;
+
 CREATE FUNCTION lockstep._drop_unused_triggers() RETURNS void
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -1477,6 +1507,17 @@ begin
 end;
 $$;
 
+CREATE FUNCTION lockstep._group_free(lock_group text, job text) RETURNS boolean
+    LANGUAGE plpgsql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+begin
+    return not exists (select from lockstep.job x
+                       where x.lock_group = _group_free.lock_group and x.job <> _group_free.job
+                         and not lockstep._may_manage(x.owner));
+end;
+$$;
+
 CREATE FUNCTION lockstep._hand_off(j lockstep.job, keys text[], before bigint, written bigint) RETURNS void
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -1553,6 +1594,16 @@ CREATE FUNCTION lockstep._is_admin() RETURNS boolean
 begin
     return (select pg_catalog.pg_has_role(current_user, c.relowner, 'MEMBER')
             from pg_catalog.pg_class c where c.oid = 'lockstep.job'::pg_catalog.regclass);
+end;
+$$;
+
+CREATE FUNCTION lockstep._is_member(role name) RETURNS boolean
+    LANGUAGE plpgsql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+begin
+    return coalesce((select pg_catalog.pg_has_role(current_user, r.oid, 'MEMBER')
+                     from pg_catalog.pg_roles r where r.rolname = _is_member.role), false);
 end;
 $$;
 
@@ -2007,8 +2058,7 @@ begin
     if not pg_catalog.has_table_privilege('lockstep.viewer', 'SELECT') then
         return false;  -- apart: a query naming the table checks its privilege before it runs
     end if;
-    return exists (select from lockstep.viewer v
-                   where v.owner = _may_view.owner and pg_catalog.pg_has_role(current_user, v.viewer, 'MEMBER'));
+    return exists (select from lockstep.viewer v where v.owner = _may_view.owner and lockstep._is_member(v.viewer));
 end;
 $$;
 
@@ -2085,6 +2135,7 @@ begin
         perform pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', false);
         set constraints all immediate;
         perform pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', false);
+        perform lockstep._drop_temp_objects();
         if lockstep._held_cursors() is distinct from v_cursors then
             raise exception 'lockstep: job "%" left a WITH HOLD cursor open', j.job using errcode = '42501';
         end if;
@@ -2418,10 +2469,13 @@ begin
                                    case when v_rest > 0 then j.batch_parents - cardinality(p.skipped) end);
     end if;
     perform lockstep._clear_flag(j, v_snap, v_started);
-    -- every parent computed without an error (the whole-table pass went through): the job's failing and
-    -- parked keys are cured (a parked key fixed meanwhile kept lockstep status unhealthy until someone ran
-    -- retry: a probe); their queue entries, and the hand-off, are claimed again by the worker
-    delete from lockstep.key_failure f where f.job = j.job;
+    -- every parent computed and written without an error in this transaction (the whole-table pass went
+    -- through and handed nothing off): the job's failing and parked keys are cured (a parked key fixed
+    -- meanwhile kept lockstep status unhealthy until someone ran retry: a probe). After a hand-off the
+    -- worker still has to write some parents: a key that fails only at its write keeps its attempts.
+    if v_rest = 0 then
+        delete from lockstep.key_failure f where f.job = j.job;
+    end if;
     perform lockstep._finish(j, 'recompute', 'done', v_started, p);
     return lockstep._result('done', j.job, 'recompute', p, null, v_rest > 0);
 end;
@@ -3909,7 +3963,7 @@ ALTER TABLE lockstep.job ENABLE ROW LEVEL SECURITY;
 
 CREATE POLICY job_delete ON lockstep.job FOR DELETE USING (lockstep._may_manage(owner));
 
-CREATE POLICY job_insert ON lockstep.job FOR INSERT WITH CHECK (((owner = CURRENT_USER) AND lockstep._safe_key_type(key_type)));
+CREATE POLICY job_insert ON lockstep.job FOR INSERT WITH CHECK (((owner = CURRENT_USER) AND lockstep._safe_key_type(key_type) AND lockstep._group_free(lock_group, job)));
 
 CREATE POLICY job_read ON lockstep.job FOR SELECT USING (true);
 
@@ -3925,7 +3979,7 @@ CREATE POLICY job_state_view ON lockstep.job_state FOR SELECT USING ((job IN ( S
    FROM lockstep.job j
   WHERE lockstep._may_view(j.owner))));
 
-CREATE POLICY job_update ON lockstep.job FOR UPDATE USING (lockstep._may_manage(owner)) WITH CHECK ((lockstep._may_own(owner) AND lockstep._safe_key_type(key_type)));
+CREATE POLICY job_update ON lockstep.job FOR UPDATE USING (lockstep._may_manage(owner)) WITH CHECK ((lockstep._may_own(owner) AND lockstep._safe_key_type(key_type) AND lockstep._group_free(lock_group, job)));
 
 ALTER TABLE lockstep.key_failure ENABLE ROW LEVEL SECURITY;
 
@@ -3979,6 +4033,6 @@ CREATE POLICY run_log_read ON lockstep.run_log FOR SELECT USING (lockstep._may_v
 
 ALTER TABLE lockstep.viewer ENABLE ROW LEVEL SECURITY;
 
-CREATE POLICY viewer_read ON lockstep.viewer FOR SELECT USING ((pg_has_role(CURRENT_USER, viewer, 'MEMBER'::text) OR lockstep._may_manage(owner)));
+CREATE POLICY viewer_read ON lockstep.viewer FOR SELECT USING ((lockstep._is_member(viewer) OR lockstep._may_manage(owner)));
 
 CREATE POLICY viewer_write ON lockstep.viewer USING (lockstep._may_manage(owner)) WITH CHECK (lockstep._may_manage(owner));

@@ -414,10 +414,13 @@ begin
                                    case when v_rest > 0 then j.batch_parents - cardinality(p.skipped) end);
     end if;
     perform lockstep._clear_flag(j, v_snap, v_started);
-    -- every parent computed without an error (the whole-table pass went through): the job's failing and
-    -- parked keys are cured (a parked key fixed meanwhile kept lockstep status unhealthy until someone ran
-    -- retry: a probe); their queue entries, and the hand-off, are claimed again by the worker
-    delete from lockstep.key_failure f where f.job = j.job;
+    -- every parent computed and written without an error in this transaction (the whole-table pass went
+    -- through and handed nothing off): the job's failing and parked keys are cured (a parked key fixed
+    -- meanwhile kept lockstep status unhealthy until someone ran retry: a probe). After a hand-off the
+    -- worker still has to write some parents: a key that fails only at its write keeps its attempts.
+    if v_rest = 0 then
+        delete from lockstep.key_failure f where f.job = j.job;
+    end if;
     perform lockstep._finish(j, 'recompute', 'done', v_started, p);
     return lockstep._result('done', j.job, 'recompute', p, null, v_rest > 0);
 end;

@@ -35,6 +35,20 @@ begin
 end;
 $$;
 
+-- lockstep._is_member(role): the current role is role or a member of it; false for a name no role has (a
+-- viewer row naming a role dropped since, or never created: pg_has_role raised 42704 inside the read
+-- policies, and every other owner's runs and status failed; found by a review).
+-- locks: nothing.
+create function lockstep._is_member(role name) returns boolean
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    return coalesce((select pg_catalog.pg_has_role(current_user, r.oid, 'MEMBER')
+                     from pg_catalog.pg_roles r where r.rolname = _is_member.role), false);
+end;
+$$;
+
 -- lockstep.viewer: roles that may read, never change, the jobs of an owner (lockstep status, lockstep web),
 -- without being members of the owner role: membership is the owner's rights, and SET ROLE to it (a viewer
 -- recipe that granted the owner role could delete derived rows and drop tables; found by a review).
@@ -46,7 +60,7 @@ create table lockstep.viewer (
 );
 alter table lockstep.viewer enable row level security;
 create policy viewer_read on lockstep.viewer for select
-    using (pg_catalog.pg_has_role(current_user, viewer, 'MEMBER') or lockstep._may_manage(owner));
+    using (lockstep._is_member(viewer) or lockstep._may_manage(owner));
 create policy viewer_write on lockstep.viewer for all
     using (lockstep._may_manage(owner)) with check (lockstep._may_manage(owner));
 
@@ -65,8 +79,7 @@ begin
     if not pg_catalog.has_table_privilege('lockstep.viewer', 'SELECT') then
         return false;  -- apart: a query naming the table checks its privilege before it runs
     end if;
-    return exists (select from lockstep.viewer v
-                   where v.owner = _may_view.owner and pg_catalog.pg_has_role(current_user, v.viewer, 'MEMBER'));
+    return exists (select from lockstep.viewer v where v.owner = _may_view.owner and lockstep._is_member(v.viewer));
 end;
 $$;
 
@@ -95,14 +108,30 @@ as $$
                                 where ty.oid = t and (ty.typtype = 'e' or (ty.typtype = 'b' and ty.typcategory <> 'A')));
 $$;
 
+-- lockstep._group_free(lock_group, job): no job but job in lock_group is owned by a role the current role may
+-- not manage (define_* say so with a message first; this holds for a hand-written registry row too: an
+-- UPDATE of lock_group put one owner's job in another's group; found by a review).
+-- locks: nothing.
+create function lockstep._group_free(lock_group text, job text) returns boolean
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    return not exists (select from lockstep.job x
+                       where x.lock_group = _group_free.lock_group and x.job <> _group_free.job
+                         and not lockstep._may_manage(x.owner));
+end;
+$$;
+
 -- the registry: readable by every role granted SELECT (applications look their jobs up); rows are
 -- written only for an owner the writer may act as, with a key type that runs no code.
 alter table lockstep.job enable row level security;
 create policy job_read on lockstep.job for select using (true);
 create policy job_insert on lockstep.job for insert
-    with check (owner = current_user and lockstep._safe_key_type(key_type));
+    with check (owner = current_user and lockstep._safe_key_type(key_type) and lockstep._group_free(lock_group, job));
 create policy job_update on lockstep.job for update
-    using (lockstep._may_manage(owner)) with check (lockstep._may_own(owner) and lockstep._safe_key_type(key_type));
+    using (lockstep._may_manage(owner))
+    with check (lockstep._may_own(owner) and lockstep._safe_key_type(key_type) and lockstep._group_free(lock_group, job));
 create policy job_delete on lockstep.job for delete using (lockstep._may_manage(owner));
 
 -- status rows and failures (they hold last_error): only the jobs the role manages, for every command.
@@ -287,6 +316,7 @@ begin
         perform pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', false);
         set constraints all immediate;
         perform pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', false);
+        perform lockstep._drop_temp_objects();
         if lockstep._held_cursors() is distinct from v_cursors then
             raise exception 'lockstep: job "%" left a WITH HOLD cursor open', j.job using errcode = '42501';
         end if;
@@ -297,6 +327,43 @@ begin
         end if;
     end if;
     return p;
+end;
+$$;
+
+-- lockstep._drop_temp_objects(): drop the temporary relations and types of the current role (the job's
+-- owner, at the end of its sandbox) but lockstep's own (lockstep_*): a compute whose search_path does not
+-- name pg_temp (`set search_path = public, pg_catalog`, the README's advice) looks there first for
+-- relations and types, and the runner's session serves other owners next, so a temp view another owner's
+-- job left named like a table of this one's ran that owner's code with this one's rights (found by a
+-- review). A job's temporary objects therefore do not outlive its run.
+-- locks: those objects (dropped; nobody else can hold them: they are this session's).
+create function lockstep._drop_temp_objects() returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_me oid := (select r.oid from pg_catalog.pg_roles r where r.rolname = current_user);
+    v text;
+begin
+    if pg_catalog.pg_my_temp_schema() = 0 then
+        return;
+    end if;
+    for v in
+        select pg_catalog.format('drop %s if exists pg_temp.%I cascade',
+                                 case c.relkind when 'v' then 'view' when 'm' then 'materialized view'
+                                                when 'S' then 'sequence' when 'f' then 'foreign table'
+                                                when 'c' then 'type' else 'table' end, c.relname)
+        from pg_catalog.pg_class c
+        where c.relnamespace = pg_catalog.pg_my_temp_schema() and c.relowner = v_me
+          and c.relkind in ('r', 'p', 'v', 'm', 'S', 'f', 'c') and c.relname not like 'lockstep\_%'
+        union all
+        select pg_catalog.format('drop type if exists pg_temp.%I cascade', t.typname)
+        from pg_catalog.pg_type t
+        where t.typnamespace = pg_catalog.pg_my_temp_schema() and t.typowner = v_me
+          and t.typtype in ('d', 'e', 'r', 'm') and t.typname not like 'lockstep\_%' and t.typname not like '\_%'
+    loop
+        execute v;
+    end loop;
 end;
 $$;
 

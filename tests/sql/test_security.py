@@ -1214,3 +1214,88 @@ def test_keys_a_runner_cannot_read_are_parked_not_recursed_on(ex, example_dsn, r
             "select key from lockstep.failing_keys where job = 'colors' order by 1"
         ).fetchall()
         assert failing == [("green",), ("red",)]
+
+
+def test_another_owners_temp_view_never_stands_in_for_a_jobs_table(ex, example_dsn, roles):
+    """A compute with its own search_path that does not name pg_temp (the README's advice) looks there first
+    for relations; the runner session serves several owners, so a temp view another owner's job left named
+    like a table of this one ran that owner's code with this one's rights (found by a review). A job's
+    temporary objects are dropped at the end of its sandbox."""
+    victim = roles("victim", OWNER_GRANTS, login=False)
+    attacker = roles("attacker", OWNER_GRANTS, login=False)
+    runner = roles("lockstep_runner", RUNNER_GRANTS, attrs="noinherit", owner=victim)
+    ex.execute(sql.SQL("grant {} to {}").format(sql.Identifier(attacker), sql.Identifier(runner)))
+    for who in (victim, attacker):
+        ex.execute(
+            sql.SQL("create schema {} authorization {}").format(sql.Identifier(who), sql.Identifier(who))
+        )
+    v, a = sql.Identifier(victim), sql.Identifier(attacker)
+    ex.execute(sql.SQL("set role {}").format(v))
+    ex.execute(
+        sql.SQL(
+            "create table {v}.secret (s text); insert into {v}.secret values ('victim secret');"
+            " create table {v}.item (id int primary key, n int); insert into {v}.item values (1, 1), (2, 2);"
+            " create table {v}.item_sum (id int primary key, n int);"
+            " create function {v}.sums(ignored int[]) returns table (id int, n int) language sql stable"
+            "  set search_path = {v}, pg_catalog as $$ select id, n from item $$;"
+            " select lockstep.define_derived('sums', {vs}, {vf}, every => '1 day');"
+        ).format(v=v, vs=sql.Literal(f'"{victim}".item_sum'), vf=sql.Literal(f'"{victim}".sums(int[])'))
+    )
+    ex.execute(sql.SQL("set role {}").format(a))
+    ex.execute(
+        sql.SQL(
+            "create table {a}.loot (who text, what text); grant insert on {a}.loot to public;"
+            " grant usage on schema {a} to public;"
+            " create function {a}.steal() returns table (id int, n int) language plpgsql as"
+            "  $$ begin insert into {a}.loot select current_user, s from {v}.secret;"
+            "  return query select 9, 9; end $$;"
+            " grant execute on function {a}.steal() to public;"
+            " create table {a}.t (bucket int primary key, total bigint);"
+            " create function {a}.plant(ignored int[]) returns table (bucket int, total bigint)"
+            "  language plpgsql"
+            "  as $$ begin if to_regclass('pg_temp.item') is null then"
+            "  execute format('create temp view item as select * from %s.steal()', {aq});"
+            "  execute 'grant select on pg_temp.item to public'; end if; return; end $$;"
+            " select lockstep.define_derived('plant', {at}, {af}, every => '1 day');"
+        ).format(
+            a=a,
+            v=v,
+            aq=sql.Literal(sql.Identifier(attacker).as_string(ex)),
+            at=sql.Literal(f'"{attacker}".t'),
+            af=sql.Literal(f'"{attacker}".plant(int[])'),
+        )
+    )
+    ex.execute("reset role")
+    with psycopg.connect(as_role(example_dsn, runner), autocommit=True) as r:
+        assert result(r, "lockstep.recompute('plant')")["outcome"] == "done"
+        assert result(r, "lockstep.recompute('sums')")["inserted"] == 2
+    assert ex.execute(sql.SQL("select count(*) from {}.loot").format(a)).fetchone()[0] == 0
+    assert ex.execute(sql.SQL("select * from {}.item_sum order by 1").format(v)).fetchall() == [
+        (1, 1),
+        (2, 2),
+    ]
+
+
+def test_a_viewer_row_for_a_role_that_does_not_exist_breaks_nobody(ex, example_dsn, owners):
+    # pg_has_role raised 42704 inside the read policies: another owner's runs and status failed (a review)
+    owner, other, _ = owners
+    ex.execute("grant select on lockstep.viewer to public")
+    ex.execute("insert into lockstep.viewer values ('no_such_role_x', %s)", [owner])
+    with psycopg.connect(as_role(example_dsn, other), autocommit=True) as x:
+        _define_noop(x, "others")
+        assert result(x, "lockstep.run('others')")["outcome"] == "done"
+        assert [j for (j,) in x.execute("select job from lockstep.status")] == ["others"]
+        x.execute("select * from lockstep.viewer")
+
+
+def test_a_lock_group_cannot_be_taken_by_plain_dml(ex, example_dsn, owners):
+    # define_* refused it, but UPDATE on lockstep.job (in the owner recipe) put a job in another owner's
+    # group all the same (found by a review)
+    owner, other, _ = owners
+    with psycopg.connect(as_role(example_dsn, owner), autocommit=True) as o:
+        _define_noop(o)
+    with psycopg.connect(as_role(example_dsn, other), autocommit=True) as x:
+        _define_noop(x, "mine")
+        with raises_sqlstate("42501", "row-level security"):
+            x.execute("update lockstep.job set lock_group = 'owned' where job = 'mine'")
+    assert ex.execute("select lock_group from lockstep.job where job = 'mine'").fetchone()[0] == "mine"
