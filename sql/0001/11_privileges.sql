@@ -332,7 +332,7 @@ $$;
 
 -- lockstep._drop_temp_objects(): drop the temporary relations and types of the current role (the job's
 -- owner, at the end of its sandbox) but lockstep's own (lockstep_*): a compute whose search_path does not
--- name pg_temp (`set search_path = public, pg_catalog`, the README's advice) looks there first for
+-- name pg_temp (`set search_path = public, pg_catalog`) looks there first for
 -- relations and types, and the runner's session serves other owners next, so a temp view another owner's
 -- job left named like a table of this one's ran that owner's code with this one's rights (found by a
 -- review). A job's temporary objects therefore do not outlive its run.
