@@ -2199,6 +2199,7 @@ CREATE FUNCTION lockstep._pin_refs(j lockstep.job) RETURNS text[]
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $_$
 declare
+    v_needs text;
     v_skip text[] := '{}';
     v_unpinned text;
     c record;
@@ -2227,21 +2228,21 @@ begin
         order by con.conname
     loop
         continue when not (c.fk <@ j.columns);
+        -- a row of put (alias w) the FK check looks up: new, or its key columns change
+        v_needs := pg_catalog.format(
+            '(%1$s) is not null and (w.lockstep_new or exists (select from %2$s t where t.ctid = w.lockstep_ctid '
+            'and %3$s and (%4$s) is distinct from (%1$s)))',
+            lockstep._cols(c.fk, 'w'), j.target, lockstep._eq(j.target_key, 't', 'w', j.target), lockstep._cols(c.fk, 't'));
         drop table if exists pg_temp.lockstep_ref;
         execute pg_catalog.format(
             'create temp table lockstep_ref on commit drop as '
-            'select %1$s from %2$s r where (%1$s) in ('
-            '  select %3$s from pg_temp.%5$I where %4$s'
-            '  union select %3$s from pg_temp.%6$I where %4$s) '
+            'select %1$s from %2$s r where (%1$s) in (select %3$s from pg_temp.%4$I w where %5$s) '
             'order by %1$s for key share skip locked',
-            lockstep._cols(c.rk, 'r'), c.ref, lockstep._cols(c.fk),
-            (select pg_catalog.string_agg(pg_catalog.format('%I is not null', x), ' and ') from pg_catalog.unnest(c.fk) x),
-            lockstep._tmp(j, 'put'), lockstep._tmp(j, 'gone'));
+            lockstep._cols(c.rk, 'r'), c.ref, lockstep._cols(c.fk, 'w'), lockstep._tmp(j, 'put'), v_needs);
         v_unpinned := pg_catalog.format(
-            '(%s) is not null and not exists (select from pg_temp.lockstep_ref r where (%s) = (%s))',
-            lockstep._cols(c.fk), lockstep._cols(c.rk, 'r'), lockstep._cols(c.fk));
-        v_skip := v_skip || lockstep._drop_rows(lockstep._tmp(j, 'put'), v_unpinned)
-                         || lockstep._drop_rows(lockstep._tmp(j, 'gone'), v_unpinned);
+            '%s and not exists (select from pg_temp.lockstep_ref r where (%s) = (%s))',
+            v_needs, lockstep._cols(c.rk, 'r'), lockstep._cols(c.fk, 'w'));
+        v_skip := v_skip || lockstep._drop_rows(lockstep._tmp(j, 'put'), v_unpinned);
     end loop;
     return v_skip;
 end;
