@@ -462,45 +462,60 @@ $$;
 -- A partitioned target (or one with inheritance children) has one ctid space per partition: the same
 -- ctid names a row of another parent in another partition, so there the rows found by ctid are also
 -- matched by primary key before they are locked (the primary key is unique across partitions).
--- locks: those target rows, FOR UPDATE SKIP LOCKED, in primary-key order.
+-- locks: those target rows, SKIP LOCKED, in primary-key order: the rows to delete FOR UPDATE, then the rows
+-- to update FOR NO KEY UPDATE (FOR UPDATE where the target has another unique index).
 create function lockstep._lock_rows(j lockstep.job, expected bigint default null) returns text[]
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_skip text[];
-    v_mine text := '';
-    v_lock text;
+    v_gone text := lockstep._tmp(j, 'gone');
+    v_put text := lockstep._tmp(j, 'put');
+    v_mine_g text := '';
+    v_mine_p text := '';
+    v_strength text := 'no key update';
+    v_lock_g text;
+    v_lock_p text;
     v_locked bigint;
 begin
     if exists (select from pg_catalog.pg_class c where c.oid = j.target and (c.relkind = 'p' or c.relhassubclass)) then
-        v_mine := pg_catalog.format(
-            ' and (%1$s) in (select %2$s from pg_temp.%3$I'
-            '  union all select %2$s from pg_temp.%4$I where not lockstep_new)',
-            lockstep._cols(j.target_key, 't'), lockstep._cols(j.target_key), lockstep._tmp(j, 'gone'),
-            lockstep._tmp(j, 'put'));
+        v_mine_g := pg_catalog.format(' and (%s) in (select %s from pg_temp.%I)',
+                                      lockstep._cols(j.target_key, 't'), lockstep._cols(j.target_key), v_gone);
+        v_mine_p := pg_catalog.format(' and (%s) in (select %s from pg_temp.%I where not lockstep_new)',
+                                      lockstep._cols(j.target_key, 't'), lockstep._cols(j.target_key), v_put);
     end if;
-    v_lock := pg_catalog.format(
-        'select %1$s from %2$s t where t.ctid = any(array('
-        '  select lockstep_ctid from pg_temp.%3$I'
-        '  union all select lockstep_ctid from pg_temp.%4$I where not lockstep_new))%5$s '
-        '  order by %1$s for update of t skip locked',
-        lockstep._cols(j.target_key, 't'), j.target, lockstep._tmp(j, 'gone'), lockstep._tmp(j, 'put'), v_mine);
+    -- a row updated in place keeps its primary key: FOR NO KEY UPDATE, the lock its UPDATE takes, which an
+    -- application's foreign-key check of that row (FOR KEY SHARE) neither waits for nor blocks (FOR UPDATE
+    -- did both: such rows were skipped while a referencing row was inserted; found by a probe). Not with
+    -- another unique index on the target, whose columns the update may change.
+    if exists (select from pg_catalog.pg_index i where i.indrelid = j.target and i.indisunique and not i.indisprimary) then
+        v_strength := 'update';
+    end if;
+    v_lock_g := pg_catalog.format(
+        'select %1$s from %2$s t where t.ctid = any(array(select lockstep_ctid from pg_temp.%3$I))%4$s '
+        'order by %1$s for update of t skip locked',
+        lockstep._cols(j.target_key, 't'), j.target, v_gone, v_mine_g);
+    v_lock_p := pg_catalog.format(
+        'select %1$s from %2$s t where t.ctid = any(array(select lockstep_ctid from pg_temp.%3$I where not lockstep_new))%4$s '
+        'order by %1$s for %5$s of t skip locked',
+        lockstep._cols(j.target_key, 't'), j.target, v_put, v_mine_p, v_strength);
     if expected is not null then
-        execute pg_catalog.format('select count(*) from (%s) l', v_lock) into v_locked;
+        execute pg_catalog.format('select (select count(*) from (%s) g) + (select count(*) from (%s) p)', v_lock_g, v_lock_p)
+            into v_locked;
         if v_locked = expected then
             return '{}';
         end if;
     end if;
-    -- the rows locked (l), then the rows of gone and put that are not among them dropped
+    -- the rows locked (lg, lp), then the rows of gone and put that are not among them dropped
     execute pg_catalog.format(
-        'with l as materialized (%1$s), '
-        'dg as (delete from pg_temp.%2$I w where not exists (select from l where %4$s) returning lockstep_parent), '
-        'dp as (delete from pg_temp.%3$I w where not lockstep_new and not exists (select from l where %4$s) '
+        'with lg as materialized (%1$s), lp as materialized (%2$s), '
+        'dg as (delete from pg_temp.%3$I w where not exists (select from lg l where %5$s) returning lockstep_parent), '
+        'dp as (delete from pg_temp.%4$I w where not lockstep_new and not exists (select from lp l where %5$s) '
         '       returning lockstep_parent) '
         'select coalesce(array_agg(distinct k) filter (where k is not null), ''{}'') '
         'from (select * from dg union all select * from dp) s(k)',
-        v_lock, lockstep._tmp(j, 'gone'), lockstep._tmp(j, 'put'), lockstep._eq(j.target_key, 'l', 'w', j.target)) into v_skip;
+        v_lock_g, v_lock_p, v_gone, v_put, lockstep._eq(j.target_key, 'l', 'w', j.target)) into v_skip;
     return v_skip;
 end;
 $$;

@@ -214,6 +214,33 @@ def test_a_row_updated_in_place_does_not_pin_what_its_other_foreign_keys_referen
     app.execute("rollback")
 
 
+def test_a_row_updated_in_place_is_locked_for_no_key_update(conn, connect):
+    # an application inserting a row that references a derived row takes FOR KEY SHARE on it (its FK
+    # check); lockstep locked rows to update FOR UPDATE, which conflicts: the row was skipped (and an
+    # application FK check arriving during the write phase waited for it; found by a probe)
+    conn.execute(
+        """
+        create table p (id int primary key, n int not null);
+        create table d (p_id int primary key references p on delete cascade, n int not null);
+        create table pin (id int generated always as identity primary key,
+                          p_id int not null references d on delete cascade);
+        insert into p values (1, 1), (2, 1);
+        create function f(ids int[]) returns table (p_id int, n int) language sql
+            as $$ select id, n from public.p where ids is null or id = any(ids) $$;
+        select lockstep.define_derived('j', 'd', 'f(int[])', 'p');
+        select lockstep.recompute('j');
+        update p set n = 2;
+        """
+    )
+    app = connect()
+    app.execute("begin")
+    app.execute("insert into pin (p_id) values (2)")  # holds FOR KEY SHARE on d's row 2
+    r = result(conn, "lockstep.recompute('j')")
+    assert (r["outcome"], r["updated"], r["skipped"]) == ("done", 2, 0), r
+    app.execute("commit")
+    assert conn.execute("select * from d order by 1").fetchall() == [(1, 2), (2, 2)]
+
+
 PIN_SCHEMA = """
 create table acc (id int primary key, bal int not null);
 create table band (id int primary key references acc on delete cascade, band text not null, bal int not null)
