@@ -165,7 +165,9 @@ def test_schema_gone_after_a_good_start_is_retried_not_fatal(dsn, connect):
         _until_line(proc, "mark call done", seen)  # a tick went through
         conn.execute("drop schema lockstep cascade")
         line = _until_line(proc, "retrying with backoff", seen)
-        assert "3F000" in line or "does not exist" in line, line
+        # the schema is gone: 3F000 / "does not exist"; or, when the drop commits while a statement is
+        # planned against it, XX000 "could not open relation with OID" (seen once in CI): retried the same
+        assert "3F000" in line or "does not exist" in line or "could not open relation" in line, line
         assert proc.poll() is None, "".join(seen)
     finally:
         rc = _stop(proc, seen)
