@@ -452,3 +452,20 @@ def test_the_rest_of_a_recompute_without_a_parent_survives_its_session(conn, con
     assert conn.execute(LB_STATUS).fetchone() == (None, None)
     assert conn.execute(LB_DIVERGENCE).fetchone()[0] == 0
     assert result(conn, "lockstep.run('lb')")["outcome"] == "not_due"
+
+
+def test_the_rest_of_a_recompute_without_a_parent_lost_to_discard_temp_is_recomputed(conn):
+    # a pooler's server_reset_query (DISCARD ALL / DISCARD TEMP) drops the session's rest table between
+    # two calls of the same session: the next run recomputes instead of writing a rest it no longer has
+    conn.execute(PARENTLESS)
+    conn.execute("update lb.src set n = n + 1")
+    assert result(conn, "lockstep.recompute('lb')")["more"] is True
+    conn.execute("discard temp")
+    r = result(conn, "lockstep.run('lb')")
+    assert (r["action"], r["outcome"], r["updated"], r["more"]) == ("recompute", "done", 3, True), r
+    assert conn.execute(LB_STATUS).fetchone() == (3, 6)
+    for _ in range(5):
+        if not result(conn, "lockstep.run('lb')")["more"]:
+            break
+    assert conn.execute(LB_STATUS).fetchone() == (None, None)
+    assert conn.execute(LB_DIVERGENCE).fetchone()[0] == 0
