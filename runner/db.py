@@ -67,34 +67,29 @@ def _options(conninfo: str, check_interval: str) -> str:
     return f"{given} -c client_connection_check_interval={check_interval}".strip()
 
 
-class _InfTimestamptz(TimestamptzLoader):
-    """'infinity' / '-infinity' as datetime.max / min (UTC): Python has no infinite datetime, and one job's
-    next_run_at = 'infinity' (its owner may set it) made every read of lockstep.status fail."""
+def _infinite(base: type, pos: object, neg: object) -> type:
+    """A loader like base that reads 'infinity' / '-infinity' as pos / neg: Python has no infinite date or
+    datetime, and one job's next_run_at = 'infinity' (its owner may set it) made every read of
+    lockstep.status fail."""
 
-    def load(self, data):  # type: ignore[override]
-        if bytes(data) == b"infinity":
-            return dt.datetime.max.replace(tzinfo=dt.UTC)
-        if bytes(data) == b"-infinity":
-            return dt.datetime.min.replace(tzinfo=dt.UTC)
-        return super().load(data)
+    class Loader(base):  # type: ignore[misc, valid-type]
+        def load(self, data):  # type: ignore[override]
+            if bytes(data) == b"infinity":
+                return pos
+            if bytes(data) == b"-infinity":
+                return neg
+            return super().load(data)
 
-
-class _InfTimestamp(TimestampLoader):
-    def load(self, data):  # type: ignore[override]
-        if bytes(data) == b"infinity":
-            return dt.datetime.max
-        if bytes(data) == b"-infinity":
-            return dt.datetime.min
-        return super().load(data)
+    return Loader
 
 
-class _InfDate(DateLoader):
-    def load(self, data):  # type: ignore[override]
-        if bytes(data) == b"infinity":
-            return dt.date.max
-        if bytes(data) == b"-infinity":
-            return dt.date.min
-        return super().load(data)
+_LOADERS = {
+    "timestamptz": _infinite(
+        TimestamptzLoader, dt.datetime.max.replace(tzinfo=dt.UTC), dt.datetime.min.replace(tzinfo=dt.UTC)
+    ),
+    "timestamp": _infinite(TimestampLoader, dt.datetime.max, dt.datetime.min),
+    "date": _infinite(DateLoader, dt.date.max, dt.date.min),
+}
 
 
 def connect(
@@ -120,9 +115,8 @@ def connect(
     if check_interval is not None:
         kwargs["options"] = _options(conninfo, check_interval)
     conn = psycopg.connect(conninfo, **kwargs)
-    conn.adapters.register_loader("timestamptz", _InfTimestamptz)
-    conn.adapters.register_loader("timestamp", _InfTimestamp)
-    conn.adapters.register_loader("date", _InfDate)
+    for name, loader in _LOADERS.items():
+        conn.adapters.register_loader(name, loader)
     return conn
 
 
