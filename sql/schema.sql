@@ -90,8 +90,8 @@ begin
     if j.owner is distinct from current_user then
         return lockstep._as_owner(j, keys);
     end if;
-    if j.kind = 'rest' then  -- lockstep._continue: the next batch of a recompute without a parent
-        p := lockstep._write_rest(j);
+    if j.kind = 'rest' then  -- lockstep._continue: the next batch of a recompute without a parent (07_recompute.sql)
+        p := lockstep._write_steps(j, lockstep._load_rest(j, j.batch_parents), true);
     else
         p := lockstep._write(j, keys);  -- it leaves the work tables empty (a failed call: rolled back)
     end if;
@@ -626,16 +626,16 @@ CREATE FUNCTION lockstep._check_schedule(job text, lock_group text, every interv
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
 declare
-    v_job text;
-    v_owner name;
+    g record;
+    v_blank text := case when pg_catalog.btrim(job, E' \t\n\r') = '' then job
+                         when pg_catalog.btrim(lock_group, E' \t\n\r') = '' then lock_group end;
 begin
     if job is null or every is null or backoff is null then
         raise exception 'lockstep: job, every and backoff must not be NULL' using errcode = '22004';
     end if;
-    if pg_catalog.btrim(job, E' \t\n\r') = '' or pg_catalog.btrim(lock_group, E' \t\n\r') = '' then
+    if v_blank is not null then
         raise exception 'lockstep: job and lock_group must not be empty or blank strings (got %)',
-            pg_catalog.quote_literal(case when pg_catalog.btrim(job, E' \t\n\r') = '' then job else lock_group end)
-            using errcode = '22023';
+            pg_catalog.quote_literal(v_blank) using errcode = '22023';
     end if;
     if pg_catalog.octet_length(job) > 63 then
         raise exception 'lockstep: job names must be at most 63 bytes (got %)', pg_catalog.octet_length(job)
@@ -645,19 +645,15 @@ begin
         raise exception 'lockstep: every and backoff must be positive intervals (got every %, backoff %)',
             every, backoff using errcode = '22023';
     end if;
-    -- a lock group is its jobs' owners': another role's job in it would decide when theirs may run (busy
-    -- while it runs, a worker giving way while it is due; found by a review). A role that may not read
-    -- the registry is refused by the checks that follow, with their own message.
+    -- the lock group free of other owners' jobs (lockstep._group_holder, 11_privileges.sql). A role that
+    -- may not read the registry is refused by the checks that follow, with their own message.
     if not pg_catalog.has_table_privilege('lockstep.job', 'SELECT') then
         return;
     end if;
-    select x.job, x.owner into v_job, v_owner from lockstep.job x
-    where x.lock_group = coalesce(_check_schedule.lock_group, _check_schedule.job) and x.job <> _check_schedule.job
-      and not lockstep._may_manage(x.owner)
-    order by x.job limit 1;
-    if v_job is not null then
+    g := lockstep._group_holder(coalesce(lock_group, job), job);
+    if g.holder is not null then
         raise exception 'lockstep: lock group "%" is used by job "%" of role "%"',
-            coalesce(lock_group, job), v_job, v_owner
+            coalesce(lock_group, job), g.holder, g.holder_owner
             using errcode = '42501', hint = 'Choose another lock_group: a group holds the jobs of one owner.';
     end if;
 end;
@@ -892,9 +888,9 @@ begin
         return lockstep._result(lockstep._not_due(s), j.job, 'recompute');
     end if;
     if s.recompute_rest_session is distinct from lockstep._session() then
-        if s.recompute_rest_at > now() - interval '30 seconds' and exists (
-               select from pg_catalog.pg_stat_activity a
-               where a.pid::text || '@' || extract(epoch from a.backend_start)::text = s.recompute_rest_session) then
+        if s.recompute_rest_at > now() - interval '30 seconds'
+           and lockstep._session(pg_catalog.split_part(s.recompute_rest_session, '@', 1)::integer)
+               = s.recompute_rest_session then  -- that session still runs
             return lockstep._result('busy', j.job, 'recompute');
         end if;
         return lockstep._recompute(j, false);
@@ -904,19 +900,14 @@ begin
         p := lockstep._apply(v, null);
     exception when others then
         get stacked diagnostics v_err = message_text;
-        update lockstep.job_state st set recompute_rest = null, recompute_rest_session = null, recompute_total = null
-        where st.job = j.job;
+        perform lockstep._set_rest(j, 0);
         return lockstep._failed(j, 'recompute', v_started, v_err);
     end;
     v_left := pg_catalog.current_setting('lockstep.handed_off')::bigint;
     if v_left < 0 then  -- this session's rest table is gone (DISCARD TEMP): recompute again
         return lockstep._recompute(j, false);
     end if;
-    update lockstep.job_state st
-    set recompute_rest = nullif(v_left, 0), recompute_rest_at = clock_timestamp(),
-        recompute_total = case when v_left > 0 then st.recompute_total end,
-        recompute_rest_session = case when v_left > 0 then st.recompute_rest_session end
-    where st.job = j.job;
+    perform lockstep._set_rest(j, v_left);
     perform lockstep._finish(j, 'recompute', 'done', v_started, p);
     return lockstep._result('done', j.job, 'recompute', p, null, v_left > 0);
 end;
@@ -1299,17 +1290,14 @@ declare
     c name;
 begin
     -- one index probe per column (a join of unnest(cols) with pg_attribute was planned as a scan of
-    -- pg_attribute: ~100 us a call, several calls a pass); a type made by initdb (oid below 16384,
-    -- FirstNormalObjectId) has pg_catalog's operators
+    -- pg_attribute: ~100 us a call, several calls a pass)
     foreach c in array cols loop
         v_type := null;
         if rel is not null then
             select t.atttypid into v_type from pg_catalog.pg_attribute t
             where t.attrelid = rel and t.attname = c and not t.attisdropped;
         end if;
-        v := v || pg_catalog.format('%I.%I %s %I.%I', a, c,
-                                    case when v_type is null or v_type < 16384 then '=' else lockstep._eq_op(v_type) end,
-                                    b, c);
+        v := v || pg_catalog.format('%I.%I %s %I.%I', a, c, lockstep._eq_op(v_type), b, c);
     end loop;
     return pg_catalog.array_to_string(v, ' and ');
 end;
@@ -1323,7 +1311,7 @@ declare
     v_base oid;
     v text;
 begin
-    if t < 16384 then  -- made by initdb (below FirstNormalObjectId): pg_catalog's operators
+    if t is null or t < 16384 then  -- made by initdb (below FirstNormalObjectId): pg_catalog's operators
         return '=';
     end if;
     v_base := (select case when y.typtype = 'd' then y.typbasetype else y.oid end
@@ -1512,9 +1500,19 @@ CREATE FUNCTION lockstep._group_free(lock_group text, job text) RETURNS boolean
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
 begin
-    return not exists (select from lockstep.job x
-                       where x.lock_group = _group_free.lock_group and x.job <> _group_free.job
-                         and not lockstep._may_manage(x.owner));
+    return (lockstep._group_holder(lock_group, job)).holder is null;
+end;
+$$;
+
+CREATE FUNCTION lockstep._group_holder(lock_group text, job text, OUT holder text, OUT holder_owner name) RETURNS record
+    LANGUAGE plpgsql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+begin
+    select x.job, x.owner into holder, holder_owner from lockstep.job x
+    where x.lock_group = _group_holder.lock_group and x.job <> _group_holder.job
+      and not lockstep._may_manage(x.owner)
+    order by x.job limit 1;
 end;
 $$;
 
@@ -2394,8 +2392,7 @@ begin
         return;
     end if;
     begin
-        execute pg_catalog.format('select array_agg(v::text order by v) from (select distinct r::%s as v '
-                                  'from pg_catalog.unnest($1::text[]) r) s', j.key_type) into canon using keys;
+        canon := lockstep._sorted_keys(j, keys);
         raw := keys;
         return;
     exception when others then
@@ -2419,8 +2416,7 @@ begin
     -- the same failure recursed until the stack ran out, and the runner backed off for every job (a probe).
     if cardinality(canon) > 0 then
         begin
-            execute pg_catalog.format('select array_agg(v::text order by v) from (select distinct r::%s as v '
-                                      'from pg_catalog.unnest($1::text[]) r) s', j.key_type) into canon using canon;
+            canon := lockstep._sorted_keys(j, canon);
         exception when others then
             canon := array(select distinct c from pg_catalog.unnest(canon) c order by c);
         end;
@@ -2471,13 +2467,7 @@ begin
     -- parent, left in this session's rest table (_limit_rows)
     v_rest := coalesce(nullif(pg_catalog.current_setting('lockstep.handed_off', true), ''), '0')::bigint;
     if j.parent is null and (v_rest > 0 or s.recompute_rest is not null) then
-        update lockstep.job_state st
-        set recompute_rest = nullif(v_rest, 0),
-            recompute_total = case when v_rest > 0
-                                   then v_rest + p.inserted + p.updated + p.deleted + cardinality(p.skipped) end,
-            recompute_rest_session = case when v_rest > 0 then lockstep._session() end,
-            recompute_rest_at = clock_timestamp()
-        where st.job = j.job;
+        perform lockstep._set_rest(j, v_rest, v_rest + p.inserted + p.updated + p.deleted + cardinality(p.skipped));
     elsif j.parent is not null then
         -- the batch was j.batch_parents parents (the first of the difference), its skipped ones re-queued
         perform lockstep._hand_off(j, p.skipped, v_before,
@@ -2649,12 +2639,26 @@ begin
 end;
 $$;
 
-CREATE FUNCTION lockstep._session() RETURNS text
+CREATE FUNCTION lockstep._session(pid integer DEFAULT pg_backend_pid()) RETURNS text
     LANGUAGE sql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
-    select pg_catalog.pg_backend_pid()::text || '@' || extract(epoch from a.backend_start)::text
-    from pg_catalog.pg_stat_activity a where a.pid = pg_catalog.pg_backend_pid();
+    select a.pid::text || '@' || extract(epoch from a.backend_start)::text
+    from pg_catalog.pg_stat_activity a where a.pid = _session.pid;
+$$;
+
+CREATE FUNCTION lockstep._set_rest(j lockstep.job, rows_left bigint, total bigint DEFAULT NULL::bigint) RETURNS void
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+begin
+    update lockstep.job_state st
+    set recompute_rest = nullif(rows_left, 0),
+        recompute_total = case when rows_left > 0 then coalesce(total, st.recompute_total) end,
+        recompute_rest_session = case when rows_left > 0 then lockstep._session() end,
+        recompute_rest_at = clock_timestamp()
+    where st.job = j.job;
+end;
 $$;
 
 CREATE FUNCTION lockstep._settle(j lockstep.job, kind text, raw text[], ids bigint[], ctids tid[], entry_keys text[], p lockstep._pass, bad text[], bad_errors text[]) RETURNS text
@@ -2758,6 +2762,19 @@ begin
 end;
 $$;
 
+CREATE FUNCTION lockstep._sorted_keys(j lockstep.job, keys text[]) RETURNS text[]
+    LANGUAGE plpgsql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $_$
+declare
+    v text[];
+begin
+    execute pg_catalog.format('select array_agg(v::text order by v) from (select distinct r::%s as v '
+                              'from pg_catalog.unnest($1::text[]) r) s', j.key_type) into v using keys;
+    return v;
+end;
+$_$;
+
 CREATE FUNCTION lockstep._tgarg(args bytea, n integer) RETURNS text
     LANGUAGE plpgsql IMMUTABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -2829,6 +2846,7 @@ declare
     v_layout constant text := 'v3 parent,ctid | parent,old_parent,new,ctid';
     v_me oid := (select r.oid from pg_catalog.pg_roles r where r.rolname = current_user);
     v_s text;
+    v_other text;
     v_cols text;
 begin
     select pg_catalog.left(pg_catalog.md5(pg_catalog.concat_ws('|', j.target::oid, v_layout, current_user,
@@ -2843,31 +2861,30 @@ begin
     -- owner's code (run by the same runner session) can create tables of these predictable names, grant
     -- them to PUBLIC and put triggers on them, which would then fire as this role. So this role's own pair,
     -- under the plain name or, when another role holds that, under a random suffix (found again here).
-    if lockstep._own_temp('lockstep_put_' || v_s) and lockstep._own_temp('lockstep_gone_' || v_s) then
-        null;  -- the common case: two index probes of pg_class
-    elsif exists (select from pg_catalog.pg_class c
-                  where c.relnamespace = pg_catalog.pg_my_temp_schema() and c.relowner = v_me and c.relkind = 'r'
-                    and c.relname like 'lockstep\_put\_' || v_s || '\_%'
-                    and lockstep._own_temp('lockstep_gone_' || pg_catalog.substr(c.relname, 14))) then
-        select pg_catalog.substr(c.relname, 14) into v_s  -- 14: after 'lockstep_put_'
-        from pg_catalog.pg_class c
+    -- the common case: two index probes of pg_class
+    if not (lockstep._own_temp('lockstep_put_' || v_s) and lockstep._own_temp('lockstep_gone_' || v_s)) then
+        select pg_catalog.substr(c.relname, 14) into v_other  -- this role's pair under another suffix (14:
+        from pg_catalog.pg_class c                            -- after 'lockstep_put_')
         where c.relnamespace = pg_catalog.pg_my_temp_schema() and c.relowner = v_me and c.relkind = 'r'
           and c.relname like 'lockstep\_put\_' || v_s || '\_%'
           and lockstep._own_temp('lockstep_gone_' || pg_catalog.substr(c.relname, 14))
         order by c.relname limit 1;
-    else
-        if pg_catalog.to_regclass(pg_catalog.format('pg_temp.%I', 'lockstep_put_' || v_s)) is not null
-           or pg_catalog.to_regclass(pg_catalog.format('pg_temp.%I', 'lockstep_gone_' || v_s)) is not null
-           or pg_catalog.to_regclass(pg_catalog.format('pg_temp.%I', 'lockstep_rest_' || v_s)) is not null then
-            v_s := v_s || '_' || pg_catalog.substr(pg_catalog.md5(pg_catalog.random()::text), 1, 8);
+        if v_other is not null then
+            v_s := v_other;
+        else
+            if pg_catalog.to_regclass(pg_catalog.format('pg_temp.%I', 'lockstep_put_' || v_s)) is not null
+               or pg_catalog.to_regclass(pg_catalog.format('pg_temp.%I', 'lockstep_gone_' || v_s)) is not null
+               or pg_catalog.to_regclass(pg_catalog.format('pg_temp.%I', 'lockstep_rest_' || v_s)) is not null then
+                v_s := v_s || '_' || pg_catalog.substr(pg_catalog.md5(pg_catalog.random()::text), 1, 8);
+            end if;
+            execute pg_catalog.format('create temp table %I as '
+                                      'select %s, null::text as lockstep_parent, null::tid as lockstep_ctid '
+                                      'from %s t with no data', 'lockstep_gone_' || v_s, v_cols, j.target);
+            execute pg_catalog.format('create temp table %I as '
+                                      'select %s, null::text as lockstep_parent, null::text as lockstep_old_parent, '
+                                      'null::boolean as lockstep_new, null::tid as lockstep_ctid '
+                                      'from %s t with no data', 'lockstep_put_' || v_s, v_cols, j.target);
         end if;
-        execute pg_catalog.format('create temp table %I as '
-                                  'select %s, null::text as lockstep_parent, null::tid as lockstep_ctid '
-                                  'from %s t with no data', 'lockstep_gone_' || v_s, v_cols, j.target);
-        execute pg_catalog.format('create temp table %I as '
-                                  'select %s, null::text as lockstep_parent, null::text as lockstep_old_parent, '
-                                  'null::boolean as lockstep_new, null::tid as lockstep_ctid '
-                                  'from %s t with no data', 'lockstep_put_' || v_s, v_cols, j.target);
     end if;
     perform pg_catalog.set_config('lockstep.tmp', v_s, true);
     perform pg_catalog.set_config('lockstep.tmp_job', j.job, true);
@@ -3194,23 +3211,6 @@ begin
         v_handed := lockstep._limit_batch(j, j.batch_parents);
     end if;
     p := lockstep._write_steps(j, d, v_handed = 0);
-    p.compute_ms := extract(epoch from clock_timestamp() - v_t0) * 1000 - p.write_ms;
-    return p;
-end;
-$$;
-
-CREATE FUNCTION lockstep._write_rest(j lockstep.job) RETURNS lockstep._pass
-    LANGUAGE plpgsql
-    SET search_path TO 'pg_catalog', 'pg_temp'
-    SET client_min_messages TO 'warning'
-    SET jit TO 'off'
-    AS $$
-declare
-    v_t0 timestamptz := clock_timestamp();
-    d lockstep._diff_counts := lockstep._load_rest(j, j.batch_parents);
-    p lockstep._pass;
-begin
-    p := lockstep._write_steps(j, d, true);
     p.compute_ms := extract(epoch from clock_timestamp() - v_t0) * 1000 - p.write_ms;
     return p;
 end;

@@ -59,7 +59,7 @@ declare
     v_base oid;
     v text;
 begin
-    if t < 16384 then  -- made by initdb (below FirstNormalObjectId): pg_catalog's operators
+    if t is null or t < 16384 then  -- made by initdb (below FirstNormalObjectId): pg_catalog's operators
         return '=';
     end if;
     v_base := (select case when y.typtype = 'd' then y.typbasetype else y.oid end
@@ -92,17 +92,14 @@ declare
     c name;
 begin
     -- one index probe per column (a join of unnest(cols) with pg_attribute was planned as a scan of
-    -- pg_attribute: ~100 us a call, several calls a pass); a type made by initdb (oid below 16384,
-    -- FirstNormalObjectId) has pg_catalog's operators
+    -- pg_attribute: ~100 us a call, several calls a pass)
     foreach c in array cols loop
         v_type := null;
         if rel is not null then
             select t.atttypid into v_type from pg_catalog.pg_attribute t
             where t.attrelid = rel and t.attname = c and not t.attisdropped;
         end if;
-        v := v || pg_catalog.format('%I.%I %s %I.%I', a, c,
-                                    case when v_type is null or v_type < 16384 then '=' else lockstep._eq_op(v_type) end,
-                                    b, c);
+        v := v || pg_catalog.format('%I.%I %s %I.%I', a, c, lockstep._eq_op(v_type), b, c);
     end loop;
     return pg_catalog.array_to_string(v, ' and ');
 end;

@@ -9,16 +9,16 @@ language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_job text;
-    v_owner name;
+    g record;
+    v_blank text := case when pg_catalog.btrim(job, E' \t\n\r') = '' then job
+                         when pg_catalog.btrim(lock_group, E' \t\n\r') = '' then lock_group end;
 begin
     if job is null or every is null or backoff is null then
         raise exception 'lockstep: job, every and backoff must not be NULL' using errcode = '22004';
     end if;
-    if pg_catalog.btrim(job, E' \t\n\r') = '' or pg_catalog.btrim(lock_group, E' \t\n\r') = '' then
+    if v_blank is not null then
         raise exception 'lockstep: job and lock_group must not be empty or blank strings (got %)',
-            pg_catalog.quote_literal(case when pg_catalog.btrim(job, E' \t\n\r') = '' then job else lock_group end)
-            using errcode = '22023';
+            pg_catalog.quote_literal(v_blank) using errcode = '22023';
     end if;
     if pg_catalog.octet_length(job) > 63 then
         raise exception 'lockstep: job names must be at most 63 bytes (got %)', pg_catalog.octet_length(job)
@@ -28,19 +28,15 @@ begin
         raise exception 'lockstep: every and backoff must be positive intervals (got every %, backoff %)',
             every, backoff using errcode = '22023';
     end if;
-    -- a lock group is its jobs' owners': another role's job in it would decide when theirs may run (busy
-    -- while it runs, a worker giving way while it is due; found by a review). A role that may not read
-    -- the registry is refused by the checks that follow, with their own message.
+    -- the lock group free of other owners' jobs (lockstep._group_holder, 11_privileges.sql). A role that
+    -- may not read the registry is refused by the checks that follow, with their own message.
     if not pg_catalog.has_table_privilege('lockstep.job', 'SELECT') then
         return;
     end if;
-    select x.job, x.owner into v_job, v_owner from lockstep.job x
-    where x.lock_group = coalesce(_check_schedule.lock_group, _check_schedule.job) and x.job <> _check_schedule.job
-      and not lockstep._may_manage(x.owner)
-    order by x.job limit 1;
-    if v_job is not null then
+    g := lockstep._group_holder(coalesce(lock_group, job), job);
+    if g.holder is not null then
         raise exception 'lockstep: lock group "%" is used by job "%" of role "%"',
-            coalesce(lock_group, job), v_job, v_owner
+            coalesce(lock_group, job), g.holder, g.holder_owner
             using errcode = '42501', hint = 'Choose another lock_group: a group holds the jobs of one owner.';
     end if;
 end;

@@ -35,6 +35,7 @@ declare
     v_layout constant text := 'v3 parent,ctid | parent,old_parent,new,ctid';
     v_me oid := (select r.oid from pg_catalog.pg_roles r where r.rolname = current_user);
     v_s text;
+    v_other text;
     v_cols text;
 begin
     select pg_catalog.left(pg_catalog.md5(pg_catalog.concat_ws('|', j.target::oid, v_layout, current_user,
@@ -49,31 +50,30 @@ begin
     -- owner's code (run by the same runner session) can create tables of these predictable names, grant
     -- them to PUBLIC and put triggers on them, which would then fire as this role. So this role's own pair,
     -- under the plain name or, when another role holds that, under a random suffix (found again here).
-    if lockstep._own_temp('lockstep_put_' || v_s) and lockstep._own_temp('lockstep_gone_' || v_s) then
-        null;  -- the common case: two index probes of pg_class
-    elsif exists (select from pg_catalog.pg_class c
-                  where c.relnamespace = pg_catalog.pg_my_temp_schema() and c.relowner = v_me and c.relkind = 'r'
-                    and c.relname like 'lockstep\_put\_' || v_s || '\_%'
-                    and lockstep._own_temp('lockstep_gone_' || pg_catalog.substr(c.relname, 14))) then
-        select pg_catalog.substr(c.relname, 14) into v_s  -- 14: after 'lockstep_put_'
-        from pg_catalog.pg_class c
+    -- the common case: two index probes of pg_class
+    if not (lockstep._own_temp('lockstep_put_' || v_s) and lockstep._own_temp('lockstep_gone_' || v_s)) then
+        select pg_catalog.substr(c.relname, 14) into v_other  -- this role's pair under another suffix (14:
+        from pg_catalog.pg_class c                            -- after 'lockstep_put_')
         where c.relnamespace = pg_catalog.pg_my_temp_schema() and c.relowner = v_me and c.relkind = 'r'
           and c.relname like 'lockstep\_put\_' || v_s || '\_%'
           and lockstep._own_temp('lockstep_gone_' || pg_catalog.substr(c.relname, 14))
         order by c.relname limit 1;
-    else
-        if pg_catalog.to_regclass(pg_catalog.format('pg_temp.%I', 'lockstep_put_' || v_s)) is not null
-           or pg_catalog.to_regclass(pg_catalog.format('pg_temp.%I', 'lockstep_gone_' || v_s)) is not null
-           or pg_catalog.to_regclass(pg_catalog.format('pg_temp.%I', 'lockstep_rest_' || v_s)) is not null then
-            v_s := v_s || '_' || pg_catalog.substr(pg_catalog.md5(pg_catalog.random()::text), 1, 8);
+        if v_other is not null then
+            v_s := v_other;
+        else
+            if pg_catalog.to_regclass(pg_catalog.format('pg_temp.%I', 'lockstep_put_' || v_s)) is not null
+               or pg_catalog.to_regclass(pg_catalog.format('pg_temp.%I', 'lockstep_gone_' || v_s)) is not null
+               or pg_catalog.to_regclass(pg_catalog.format('pg_temp.%I', 'lockstep_rest_' || v_s)) is not null then
+                v_s := v_s || '_' || pg_catalog.substr(pg_catalog.md5(pg_catalog.random()::text), 1, 8);
+            end if;
+            execute pg_catalog.format('create temp table %I as '
+                                      'select %s, null::text as lockstep_parent, null::tid as lockstep_ctid '
+                                      'from %s t with no data', 'lockstep_gone_' || v_s, v_cols, j.target);
+            execute pg_catalog.format('create temp table %I as '
+                                      'select %s, null::text as lockstep_parent, null::text as lockstep_old_parent, '
+                                      'null::boolean as lockstep_new, null::tid as lockstep_ctid '
+                                      'from %s t with no data', 'lockstep_put_' || v_s, v_cols, j.target);
         end if;
-        execute pg_catalog.format('create temp table %I as '
-                                  'select %s, null::text as lockstep_parent, null::tid as lockstep_ctid '
-                                  'from %s t with no data', 'lockstep_gone_' || v_s, v_cols, j.target);
-        execute pg_catalog.format('create temp table %I as '
-                                  'select %s, null::text as lockstep_parent, null::text as lockstep_old_parent, '
-                                  'null::boolean as lockstep_new, null::tid as lockstep_ctid '
-                                  'from %s t with no data', 'lockstep_put_' || v_s, v_cols, j.target);
     end if;
     perform pg_catalog.set_config('lockstep.tmp', v_s, true);
     perform pg_catalog.set_config('lockstep.tmp_job', j.job, true);
@@ -869,27 +869,6 @@ begin
 end;
 $$;
 
--- lockstep._write_rest(j): the next batch of a recompute of a job without a parent spread over
--- transactions: at most j.batch_parents rows of this session's rest table (lockstep._load_rest), written
--- as lockstep._write writes. The rows left are in the transaction's setting lockstep.handed_off.
--- locks: as lockstep._write_steps.
-create function lockstep._write_rest(j lockstep.job) returns lockstep._pass
-language plpgsql
-set search_path = pg_catalog, pg_temp
-set client_min_messages = warning
-set jit = off
-as $$
-declare
-    v_t0 timestamptz := clock_timestamp();
-    d lockstep._diff_counts := lockstep._load_rest(j, j.batch_parents);
-    p lockstep._pass;
-begin
-    p := lockstep._write_steps(j, d, true);
-    p.compute_ms := extract(epoch from clock_timestamp() - v_t0) * 1000 - p.write_ms;
-    return p;
-end;
-$$;
-
 -- lockstep._apply(j, keys): compute, diff and write for the parents in keys (NULL: all), then empty the
 -- work tables. The only path by which lockstep writes a derived table. It runs as the job's owner: called by another role, it comes back
 -- here through lockstep._as_owner (SET LOCAL ROLE owner, in the owner's SECURITY DEFINER trampoline), or
@@ -906,8 +885,8 @@ begin
     if j.owner is distinct from current_user then
         return lockstep._as_owner(j, keys);
     end if;
-    if j.kind = 'rest' then  -- lockstep._continue: the next batch of a recompute without a parent
-        p := lockstep._write_rest(j);
+    if j.kind = 'rest' then  -- lockstep._continue: the next batch of a recompute without a parent (07_recompute.sql)
+        p := lockstep._write_steps(j, lockstep._load_rest(j, j.batch_parents), true);
     else
         p := lockstep._write(j, keys);  -- it leaves the work tables empty (a failed call: rolled back)
     end if;

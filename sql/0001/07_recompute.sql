@@ -190,14 +190,32 @@ begin
 end;
 $$;
 
--- lockstep._session(): this session, as recorded with a rest (backend pid @ backend start).
+-- lockstep._session(pid): the session of backend pid (default: this one), as recorded with a rest (pid @
+-- backend start); NULL if no such backend is running.
 -- locks: nothing.
-create function lockstep._session() returns text
+create function lockstep._session(pid integer default pg_catalog.pg_backend_pid()) returns text
 language sql stable
 set search_path = pg_catalog, pg_temp
 as $$
-    select pg_catalog.pg_backend_pid()::text || '@' || extract(epoch from a.backend_start)::text
-    from pg_catalog.pg_stat_activity a where a.pid = pg_catalog.pg_backend_pid();
+    select a.pid::text || '@' || extract(epoch from a.backend_start)::text
+    from pg_catalog.pg_stat_activity a where a.pid = _session.pid;
+$$;
+
+-- lockstep._set_rest(j, rows_left, total): record in j's status row the rows of a recompute without a
+-- parent still to write, held by this session (total NULL: keep the one recorded); none when rows_left is 0.
+-- locks: the job's lockstep.job_state row (by the update).
+create function lockstep._set_rest(j lockstep.job, rows_left bigint, total bigint default null) returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    update lockstep.job_state st
+    set recompute_rest = nullif(rows_left, 0),
+        recompute_total = case when rows_left > 0 then coalesce(total, st.recompute_total) end,
+        recompute_rest_session = case when rows_left > 0 then lockstep._session() end,
+        recompute_rest_at = clock_timestamp()
+    where st.job = j.job;
+end;
 $$;
 
 -- lockstep._continue(j, s): run() for a job without a parent whose recompute left a rest (s its status
@@ -224,9 +242,9 @@ begin
         return lockstep._result(lockstep._not_due(s), j.job, 'recompute');
     end if;
     if s.recompute_rest_session is distinct from lockstep._session() then
-        if s.recompute_rest_at > now() - interval '30 seconds' and exists (
-               select from pg_catalog.pg_stat_activity a
-               where a.pid::text || '@' || extract(epoch from a.backend_start)::text = s.recompute_rest_session) then
+        if s.recompute_rest_at > now() - interval '30 seconds'
+           and lockstep._session(pg_catalog.split_part(s.recompute_rest_session, '@', 1)::integer)
+               = s.recompute_rest_session then  -- that session still runs
             return lockstep._result('busy', j.job, 'recompute');
         end if;
         return lockstep._recompute(j, false);
@@ -236,19 +254,14 @@ begin
         p := lockstep._apply(v, null);
     exception when others then
         get stacked diagnostics v_err = message_text;
-        update lockstep.job_state st set recompute_rest = null, recompute_rest_session = null, recompute_total = null
-        where st.job = j.job;
+        perform lockstep._set_rest(j, 0);
         return lockstep._failed(j, 'recompute', v_started, v_err);
     end;
     v_left := pg_catalog.current_setting('lockstep.handed_off')::bigint;
     if v_left < 0 then  -- this session's rest table is gone (DISCARD TEMP): recompute again
         return lockstep._recompute(j, false);
     end if;
-    update lockstep.job_state st
-    set recompute_rest = nullif(v_left, 0), recompute_rest_at = clock_timestamp(),
-        recompute_total = case when v_left > 0 then st.recompute_total end,
-        recompute_rest_session = case when v_left > 0 then st.recompute_rest_session end
-    where st.job = j.job;
+    perform lockstep._set_rest(j, v_left);
     perform lockstep._finish(j, 'recompute', 'done', v_started, p);
     return lockstep._result('done', j.job, 'recompute', p, null, v_left > 0);
 end;
@@ -401,13 +414,7 @@ begin
     -- parent, left in this session's rest table (_limit_rows)
     v_rest := coalesce(nullif(pg_catalog.current_setting('lockstep.handed_off', true), ''), '0')::bigint;
     if j.parent is null and (v_rest > 0 or s.recompute_rest is not null) then
-        update lockstep.job_state st
-        set recompute_rest = nullif(v_rest, 0),
-            recompute_total = case when v_rest > 0
-                                   then v_rest + p.inserted + p.updated + p.deleted + cardinality(p.skipped) end,
-            recompute_rest_session = case when v_rest > 0 then lockstep._session() end,
-            recompute_rest_at = clock_timestamp()
-        where st.job = j.job;
+        perform lockstep._set_rest(j, v_rest, v_rest + p.inserted + p.updated + p.deleted + cardinality(p.skipped));
     elsif j.parent is not null then
         -- the batch was j.batch_parents parents (the first of the difference), its skipped ones re-queued
         perform lockstep._hand_off(j, p.skipped, v_before,

@@ -234,6 +234,22 @@ begin
 end;
 $$;
 
+-- lockstep._sorted_keys(j, keys): keys read back as j's parent key type, distinct, sorted as the type
+-- sorts, as canonical text; raises if one does not read back.
+-- locks: nothing.
+create function lockstep._sorted_keys(j lockstep.job, keys text[]) returns text[]
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v text[];
+begin
+    execute pg_catalog.format('select array_agg(v::text order by v) from (select distinct r::%s as v '
+                              'from pg_catalog.unnest($1::text[]) r) s', j.key_type) into v using keys;
+    return v;
+end;
+$$;
+
 -- lockstep._readable(j, keys): the queued keys read back as the parent key type: canon (their canonical
 -- text, distinct, sorted by key) and raw (the queued text of the keys that read back); a key that cannot be
 -- read back goes to bad, with its error in errors (it is parked, never left to stall the queue).
@@ -269,8 +285,7 @@ begin
         return;
     end if;
     begin
-        execute pg_catalog.format('select array_agg(v::text order by v) from (select distinct r::%s as v '
-                                  'from pg_catalog.unnest($1::text[]) r) s', j.key_type) into canon using keys;
+        canon := lockstep._sorted_keys(j, keys);
         raw := keys;
         return;
     exception when others then
@@ -294,8 +309,7 @@ begin
     -- the same failure recursed until the stack ran out, and the runner backed off for every job (a probe).
     if cardinality(canon) > 0 then
         begin
-            execute pg_catalog.format('select array_agg(v::text order by v) from (select distinct r::%s as v '
-                                      'from pg_catalog.unnest($1::text[]) r) s', j.key_type) into canon using canon;
+            canon := lockstep._sorted_keys(j, canon);
         exception when others then
             canon := array(select distinct c from pg_catalog.unnest(canon) c order by c);
         end;

@@ -108,18 +108,32 @@ as $$
                                 where ty.oid = t and (ty.typtype = 'e' or (ty.typtype = 'b' and ty.typcategory <> 'A')));
 $$;
 
--- lockstep._group_free(lock_group, job): no job but job in lock_group is owned by a role the current role may
--- not manage (define_* say so with a message first; this holds for a hand-written registry row too: an
--- UPDATE of lock_group put one owner's job in another's group; found by a review).
+-- lockstep._group_holder(lock_group, job): the first job but job in lock_group (and its owner) owned by a
+-- role the current role may not manage; NULLs if none. A lock group belongs to its jobs' owners: another
+-- role's job in it would decide when theirs may run (busy while it runs, a worker giving way while it is
+-- due; found by a review). define_* say so with this job's name (lockstep._check_schedule); the registry's
+-- policies refuse a hand-written row (lockstep._group_free: an UPDATE of lock_group did it).
+-- locks: nothing.
+create function lockstep._group_holder(lock_group text, job text, out holder text, out holder_owner name)
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    select x.job, x.owner into holder, holder_owner from lockstep.job x
+    where x.lock_group = _group_holder.lock_group and x.job <> _group_holder.job
+      and not lockstep._may_manage(x.owner)
+    order by x.job limit 1;
+end;
+$$;
+
+-- lockstep._group_free(lock_group, job): no other owner's job holds lock_group (lockstep._group_holder).
 -- locks: nothing.
 create function lockstep._group_free(lock_group text, job text) returns boolean
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
 begin
-    return not exists (select from lockstep.job x
-                       where x.lock_group = _group_free.lock_group and x.job <> _group_free.job
-                         and not lockstep._may_manage(x.owner));
+    return (lockstep._group_holder(lock_group, job)).holder is null;
 end;
 $$;
 
