@@ -105,6 +105,31 @@ begin
 end;
 $$;
 
+-- lockstep._fk_eq(con, pk, fk): "pk.r1 = fk.c1 and ...", the match foreign key con's own check makes:
+-- each referenced column (alias pk) against its referencing column (alias fk) with the constraint's
+-- PK = FK operator (conpfeqop), written schema-qualified unless it is pg_catalog's. A bare = under
+-- lockstep's search_path compared two citext columns as text: a row referencing 'Red' as 'red' (which
+-- the key accepts) was not found, so it was neither pinned nor locked.
+-- locks: nothing.
+create function lockstep._fk_eq(con oid, pk text, fk text) returns text
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select pg_catalog.string_agg(
+               pg_catalog.format('%I.%I %s %I.%I', pk, ra.attname,
+                                 case when o.oprnamespace = 'pg_catalog'::regnamespace then o.oprname
+                                      else pg_catalog.format('operator(%I.%s)', n.nspname, o.oprname) end,
+                                 fk, fa.attname),
+               ' and ' order by k.o)
+    from pg_catalog.pg_constraint c
+    cross join lateral unnest(c.confkey, c.conkey, c.conpfeqop) with ordinality k(r, f, op, o)  -- ROWS FROM: not qualified
+    join pg_catalog.pg_attribute ra on ra.attrelid = c.confrelid and ra.attnum = k.r
+    join pg_catalog.pg_attribute fa on fa.attrelid = c.conrelid and fa.attnum = k.f
+    join pg_catalog.pg_operator o on o.oid = k.op
+    join pg_catalog.pg_namespace n on n.oid = o.oprnamespace
+    where c.oid = con
+$$;
+
 -- lockstep._array_type(t): the array type of t, as SQL text.
 -- locks: nothing.
 create function lockstep._array_type(t regtype) returns text

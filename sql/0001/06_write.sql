@@ -419,7 +419,7 @@ begin
     end if;
     perform lockstep._check_target_fks(j.target, j.columns);
     for c in
-        select con.conname, con.confrelid::regclass as ref,
+        select con.oid, con.conname, con.confrelid::regclass as ref,
                array(select a.attname from pg_catalog.unnest(con.conkey) with ordinality k(n, o)
                      join pg_catalog.pg_attribute a on a.attrelid = con.conrelid and a.attnum = k.n order by k.o) as fk,
                array(select a.attname from pg_catalog.unnest(con.confkey) with ordinality k(n, o)
@@ -440,12 +440,11 @@ begin
         drop table if exists pg_temp.lockstep_ref;
         execute pg_catalog.format(
             'create temp table lockstep_ref on commit drop as '
-            'select %1$s from %2$s r where (%1$s) in (select %3$s from pg_temp.%4$I w where %5$s) '
+            'select %1$s from %2$s r where exists (select from pg_temp.%3$I w where %4$s and %5$s) '
             'order by %1$s for key share skip locked',
-            lockstep._cols(c.rk, 'r'), c.ref, lockstep._cols(c.fk, 'w'), lockstep._tmp(j, 'put'), v_needs);
+            lockstep._cols(c.rk, 'r'), c.ref, lockstep._tmp(j, 'put'), v_needs, lockstep._fk_eq(c.oid, 'r', 'w'));
         v_unpinned := pg_catalog.format(
-            '%s and not exists (select from pg_temp.lockstep_ref r where (%s) = (%s))',
-            v_needs, lockstep._cols(c.rk, 'r'), lockstep._cols(c.fk, 'w'));
+            '%s and not exists (select from pg_temp.lockstep_ref r where %s)', v_needs, lockstep._fk_eq(c.oid, 'r', 'w'));
         v_skip := v_skip || lockstep._drop_rows(lockstep._tmp(j, 'put'), v_unpinned);
     end loop;
     return v_skip;
@@ -531,7 +530,7 @@ $$;
 -- Used by _check_referencing (define_derived refuses) and _lock_level (a key added later fails the run).
 -- locks: nothing.
 create function lockstep._referencing(rel regclass, key name[] default null, cols name[] default null)
-returns table (conname name, refrel regclass, fk name[], rk name[], ord name[], deletes boolean)
+returns table (conoid oid, conname name, refrel regclass, fk name[], rk name[], ord name[], deletes boolean)
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
@@ -539,7 +538,7 @@ declare
     c record;
 begin
     for c in
-        select con.conname, con.conrelid::regclass as refrel, con.confdeltype,
+        select con.oid, con.conname, con.conrelid::regclass as refrel, con.confdeltype,
                lockstep._attnames(con.conrelid, con.conkey) as fk, lockstep._attnames(con.confrelid, con.confkey) as rk,
                (select lockstep._attnames(pk.conrelid, pk.conkey) from pg_catalog.pg_constraint pk
                 where pk.conrelid = con.conrelid and pk.contype = 'p') as ord,
@@ -572,7 +571,7 @@ begin
                     c.refrel, c.rk, rel
                 using errcode = 'LSD06', hint = 'Reference the target''s primary key.';
         end if;
-        conname := c.conname; refrel := c.refrel; fk := c.fk; rk := c.rk; ord := c.ord; deletes := c.confdeltype = 'c';
+        conoid := c.oid; conname := c.conname; refrel := c.refrel; fk := c.fk; rk := c.rk; ord := c.ord; deletes := c.confdeltype = 'c';
         return next;
     end loop;
 end;
@@ -629,10 +628,10 @@ begin
         v_from := pg_catalog.format(
             'from %1$s p join pg_temp.lockstep_doomed d on d.lockstep_rel = p.tableoid and d.lockstep_ctid = p.ctid '
             'and d.lockstep_depth = $1 and d.lockstep_table = $2 and d.lockstep_deletes '
-            'join %2$s n on (%3$s) = (%4$s) '
+            'join %2$s n on %3$s '
             'where p.ctid = any(array(select lockstep_ctid from pg_temp.lockstep_doomed '
             '                         where lockstep_depth = $1 and lockstep_table = $2 and lockstep_deletes))',
-            t, c.refrel, lockstep._cols(c.fk, 'n'), lockstep._cols(c.rk, 'p'));
+            t, c.refrel, lockstep._fk_eq(c.conoid, 'p', 'n'));
         execute pg_catalog.format(
             'with l as (select d.lockstep_root, n.tableoid as rel, n.ctid as tid %1$s '
             '  and not exists (select from pg_temp.lockstep_doomed x where x.lockstep_rel = n.tableoid and x.lockstep_ctid = n.ctid) '
