@@ -105,7 +105,7 @@ CREATE FUNCTION lockstep._array_type(t regtype) RETURNS text
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
 begin
-    return (select pg_catalog.format_type(ty.typarray, null) from pg_catalog.pg_type ty where ty.oid = t);
+    return (select pg_catalog.format_type(ty.typarray, -1) from pg_catalog.pg_type ty where ty.oid = t);
 end;
 $$;
 
@@ -1023,8 +1023,8 @@ begin
             from pg_catalog.unnest(j.target_key) k) as pknull,
            lockstep._eq(j.target_key, 'd', 'c', j.target) as dc, lockstep._eq(j.target_key, 't', 'd', j.target) as td,
            (select lockstep._callable(p.oid, 1) from pg_catalog.pg_proc p where p.oid = j.compute::regprocedure) as fn,
-           (select pg_catalog.format_type(p.proargtypes[0], null) from pg_catalog.pg_proc p where p.oid = j.compute::regprocedure) as arg,
-           (select pg_catalog.format_type(t.typarray, null) from pg_catalog.pg_type t where t.oid = j.key_type) as arr,
+           (select pg_catalog.format_type(p.proargtypes[0], -1) from pg_catalog.pg_proc p where p.oid = j.compute::regprocedure) as arg,
+           lockstep._array_type(j.key_type) as arr,
            lockstep._tmp(j, 'gone') as gone, lockstep._tmp(j, 'put') as put, lockstep._eq_op(j.key_type) as op
     into f;
     -- a subset has a parent column (else lockstep._diff_all, above)
@@ -1080,7 +1080,7 @@ CREATE FUNCTION lockstep._diff_all(j lockstep.job, keys text[]) RETURNS lockstep
     AS $_$
 declare
     v_fn text := (select lockstep._callable(p.oid, 1) from pg_catalog.pg_proc p where p.oid = j.compute::regprocedure);
-    v_arg text := (select pg_catalog.format_type(p.proargtypes[0], null) from pg_catalog.pg_proc p
+    v_arg text := (select pg_catalog.format_type(p.proargtypes[0], -1) from pg_catalog.pg_proc p
                    where p.oid = j.compute::regprocedure);
     v_t name[] := array(select ('lockstep_t' || o)::name from pg_catalog.generate_series(1, cardinality(j.columns)) o);
     v_pknull text := (select pg_catalog.string_agg(pg_catalog.format('%I is null', k), ' or ')
@@ -1711,7 +1711,8 @@ begin
     end if;
     -- through text (canonical here): 1.5 for a bigint key is an error, not a rounded 2
     begin
-        execute pg_catalog.format('select array_agg(k::text::%s::text) from pg_catalog.unnest($1) k', j.key_type)
+        execute pg_catalog.format('select array_agg(k::text::%s::text) from pg_catalog.unnest($1) k',
+                                  lockstep._type_sql(j.key_type))
             into v using keys;
     exception when data_exception then  -- 3000000000 for an integer key: say whose key, keep the SQLSTATE
         raise exception 'lockstep: a key does not fit the parent key type % of job "%": %', j.key_type, j.job, sqlerrm
@@ -1756,7 +1757,7 @@ begin
         '  select lockstep_parent from pg_temp.%2$I'
         '  union all select lockstep_parent from pg_temp.%3$I'
         '  union all select lockstep_old_parent from pg_temp.%3$I) s(k) where k is not null) s',
-        j.key_type, v_gone, v_put);
+        lockstep._type_sql(j.key_type), v_gone, v_put);
     if not exists (select from pg_temp.lockstep_parents c where c.n > budget) then
         drop table pg_temp.lockstep_parents;
         return 0;
@@ -2213,7 +2214,7 @@ begin
         'select n.a, (select coalesce(array_agg(distinct x), ''{}'') from pg_catalog.unnest(n.a) x '
         '             join p on p.k::%6$s %5$s x::%6$s) from n',
         lockstep._tmp(j, 'put'), j.parent_key, j.parent, lockstep._array_type(j.key_type), lockstep._eq_op(j.key_type),
-        j.key_type)
+        lockstep._type_sql(j.key_type))
         into v_need, v_pinned;
     v_skip := array(select pg_catalog.unnest(v_need) except select pg_catalog.unnest(v_pinned));
     if cardinality(v_skip) > 0 then
@@ -2237,7 +2238,7 @@ declare
 begin
     -- the common case, no foreign key but the parent's (on a column compute returns): nothing to pin or check
     if not exists (select from pg_catalog.pg_constraint con
-                   where con.conrelid = j.target and con.contype = 'f'
+                   where con.conrelid = j.target and con.contype = 'f' and con.conparentid = 0
                      and not (j.parent is not null and con.confrelid = j.parent and j.parent <> j.target
                               and j.parent_column = any(j.columns)
                               and con.conkey = array[(select a.attnum from pg_catalog.pg_attribute a
@@ -2252,7 +2253,7 @@ begin
                array(select a.attname from pg_catalog.unnest(con.confkey) with ordinality k(n, o)
                      join pg_catalog.pg_attribute a on a.attrelid = con.confrelid and a.attnum = k.n order by k.o) as rk
         from pg_catalog.pg_constraint con
-        where con.conrelid = j.target and con.contype = 'f'
+        where con.conrelid = j.target and con.contype = 'f' and con.conparentid = 0
           and not (j.parent is not null and con.confrelid = j.parent
                    and con.conkey = array[(select a.attnum from pg_catalog.pg_attribute a
                                            where a.attrelid = j.target and a.attname = j.parent_column)])
@@ -2420,7 +2421,7 @@ begin
     canon := '{}';
     foreach k in array keys loop
         begin
-            execute pg_catalog.format('select $1::%s::text', j.key_type) into v_one using k;
+            execute pg_catalog.format('select $1::%s::text', lockstep._type_sql(j.key_type)) into v_one using k;
             raw := raw || k;
             canon := canon || v_one;
         exception when others then
@@ -2698,9 +2699,9 @@ begin
     v_leave := p.failed || v_skip || v_susp;
     if cardinality(v_leave) > 0 then  -- the queued (raw) text of those keys
         execute pg_catalog.format('select coalesce(array_agg(r), ''{}'') from pg_catalog.unnest($1) r '
-                                  'where r::%s::text = any($2)', j.key_type) into v_leave using raw, v_leave;
+                                  'where r::%s::text = any($2)', lockstep._type_sql(j.key_type)) into v_leave using raw, v_leave;
         execute pg_catalog.format('select coalesce(array_agg(r), ''{}'') from pg_catalog.unnest($1) r '
-                                  'where r::%s::text = any($2)', j.key_type) into v_skip using raw, v_skip;
+                                  'where r::%s::text = any($2)', lockstep._type_sql(j.key_type)) into v_skip using raw, v_skip;
     end if;
     v_leave := v_leave || bad;  -- their entries stay, shown as parked
     -- the entries done go, a parent an application holds is retried a second later (disjoint rows: v_skip
@@ -2788,7 +2789,7 @@ declare
     v text[];
 begin
     execute pg_catalog.format('select array_agg(v::text order by v) from (select distinct r::%s as v '
-                              'from pg_catalog.unnest($1::text[]) r) s', j.key_type) into v using keys;
+                              'from pg_catalog.unnest($1::text[]) r) s', lockstep._type_sql(j.key_type)) into v using keys;
     return v;
 end;
 $_$;
@@ -3020,6 +3021,13 @@ CREATE FUNCTION lockstep._try_lock(lock_group text) RETURNS boolean
 begin
     return pg_catalog.pg_try_advisory_xact_lock(pg_catalog.hashtextextended('lockstep:' || lock_group, 0));
 end;
+$$;
+
+CREATE FUNCTION lockstep._type_sql(t regtype) RETURNS text
+    LANGUAGE sql STABLE STRICT
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+    select pg_catalog.format_type(t, -1)
 $$;
 
 CREATE FUNCTION lockstep._upsert_rows(j lockstep.job, updates boolean, inserts boolean, OUT inserted bigint, OUT updated bigint) RETURNS record
@@ -3273,7 +3281,7 @@ begin
     if j.parent is not null and cardinality(v_skip) > 0 then
         execute pg_catalog.format('select coalesce(array_agg(k order by k), ''{}'') from pg_catalog.unnest($1) k '
                                   'where exists (select from %s where %I %s k::%s)',
-                                  j.parent, j.parent_key, lockstep._eq_op(j.key_type), j.key_type)
+                                  j.parent, j.parent_key, lockstep._eq_op(j.key_type), lockstep._type_sql(j.key_type))
             into p.skipped using v_skip;
         p.gone := cardinality(v_skip) - cardinality(p.skipped);
     else
@@ -3508,8 +3516,8 @@ begin
     -- checked above: the column exists and converts without loss, so this cannot fail (no subtransaction:
     -- a write in one would take a subtransaction id per statement)
     v_sql := pg_catalog.concat_ws(' union all ',
-        case when v_new is not null then pg_catalog.format('select %I::%s k from %I', tg_argv[1], v_type, v_new) end,
-        case when v_old is not null then pg_catalog.format('select %I::%s k from %I', tg_argv[1], v_type, v_old) end);
+        case when v_new is not null then pg_catalog.format('select %I::%s k from %I', tg_argv[1], lockstep._type_sql(v_type), v_new) end,
+        case when v_old is not null then pg_catalog.format('select %I::%s k from %I', tg_argv[1], lockstep._type_sql(v_type), v_old) end);
     if v_type::pg_catalog.text operator(pg_catalog.=) any (lockstep._fast_types()) then  -- the same text under every setting
         execute pg_catalog.format('select array(select k::pg_catalog.text '
                                   'from (select distinct k from (%s) s where k is not null) d order by k)', v_sql)

@@ -130,14 +130,26 @@ as $$
     where c.oid = con
 $$;
 
--- lockstep._array_type(t): the array type of t, as SQL text.
+-- lockstep._type_sql(t): type t as SQL text for a cast, with no type modifier: format_type(t, -1), not
+-- t::text. A type's SQL name can carry a default modifier: character means char(1) and bit means bit(1),
+-- so a char(5) key cast to t::text ('character') was cut to its first character (the queue held 'a' for
+-- 'abcde'); bpchar and "bit" keep every character.
+-- locks: nothing.
+create function lockstep._type_sql(t regtype) returns text
+language sql stable strict
+set search_path = pg_catalog, pg_temp
+as $$
+    select pg_catalog.format_type(t, -1)
+$$;
+
+-- lockstep._array_type(t): the array type of t, as SQL text for a cast (no type modifier: _type_sql).
 -- locks: nothing.
 create function lockstep._array_type(t regtype) returns text
 language plpgsql stable strict
 set search_path = pg_catalog, pg_temp
 as $$
 begin
-    return (select pg_catalog.format_type(ty.typarray, null) from pg_catalog.pg_type ty where ty.oid = t);
+    return (select pg_catalog.format_type(ty.typarray, -1) from pg_catalog.pg_type ty where ty.oid = t);
 end;
 $$;
 

@@ -189,7 +189,7 @@ set jit = off
 as $$
 declare
     v_fn text := (select lockstep._callable(p.oid, 1) from pg_catalog.pg_proc p where p.oid = j.compute::regprocedure);
-    v_arg text := (select pg_catalog.format_type(p.proargtypes[0], null) from pg_catalog.pg_proc p
+    v_arg text := (select pg_catalog.format_type(p.proargtypes[0], -1) from pg_catalog.pg_proc p
                    where p.oid = j.compute::regprocedure);
     v_t name[] := array(select ('lockstep_t' || o)::name from pg_catalog.generate_series(1, cardinality(j.columns)) o);
     v_pknull text := (select pg_catalog.string_agg(pg_catalog.format('%I is null', k), ' or ')
@@ -293,8 +293,8 @@ begin
             from pg_catalog.unnest(j.target_key) k) as pknull,
            lockstep._eq(j.target_key, 'd', 'c', j.target) as dc, lockstep._eq(j.target_key, 't', 'd', j.target) as td,
            (select lockstep._callable(p.oid, 1) from pg_catalog.pg_proc p where p.oid = j.compute::regprocedure) as fn,
-           (select pg_catalog.format_type(p.proargtypes[0], null) from pg_catalog.pg_proc p where p.oid = j.compute::regprocedure) as arg,
-           (select pg_catalog.format_type(t.typarray, null) from pg_catalog.pg_type t where t.oid = j.key_type) as arr,
+           (select pg_catalog.format_type(p.proargtypes[0], -1) from pg_catalog.pg_proc p where p.oid = j.compute::regprocedure) as arg,
+           lockstep._array_type(j.key_type) as arr,
            lockstep._tmp(j, 'gone') as gone, lockstep._tmp(j, 'put') as put, lockstep._eq_op(j.key_type) as op
     into f;
     -- a subset has a parent column (else lockstep._diff_all, above)
@@ -375,7 +375,7 @@ begin
         'select n.a, (select coalesce(array_agg(distinct x), ''{}'') from pg_catalog.unnest(n.a) x '
         '             join p on p.k::%6$s %5$s x::%6$s) from n',
         lockstep._tmp(j, 'put'), j.parent_key, j.parent, lockstep._array_type(j.key_type), lockstep._eq_op(j.key_type),
-        j.key_type)
+        lockstep._type_sql(j.key_type))
         into v_need, v_pinned;
     v_skip := array(select pg_catalog.unnest(v_need) except select pg_catalog.unnest(v_pinned));
     if cardinality(v_skip) > 0 then
@@ -395,7 +395,9 @@ $$;
 -- a probe). Rows whose referenced row could not be pinned are dropped. Returns the parent keys of the
 -- rows dropped. A foreign key whose columns compute does not
 -- all return is one whose missing columns are always NULL (_check_target_fks, also run here for keys
--- added after define_derived): no FK check looks anything up for it.
+-- added after define_derived): no FK check looks anything up for it. Only top-level constraints
+-- (conparentid = 0): a key to a partitioned table has one child constraint per partition, and pinning each
+-- row in every partition failed in all but one (a partitioned parent never converged; found by a probe).
 -- locks: the referenced rows, FOR KEY SHARE SKIP LOCKED, one constraint at a time in constraint-name
 -- order, each in key order.
 create function lockstep._pin_refs(j lockstep.job) returns text[]
@@ -410,7 +412,7 @@ declare
 begin
     -- the common case, no foreign key but the parent's (on a column compute returns): nothing to pin or check
     if not exists (select from pg_catalog.pg_constraint con
-                   where con.conrelid = j.target and con.contype = 'f'
+                   where con.conrelid = j.target and con.contype = 'f' and con.conparentid = 0
                      and not (j.parent is not null and con.confrelid = j.parent and j.parent <> j.target
                               and j.parent_column = any(j.columns)
                               and con.conkey = array[(select a.attnum from pg_catalog.pg_attribute a
@@ -425,7 +427,7 @@ begin
                array(select a.attname from pg_catalog.unnest(con.confkey) with ordinality k(n, o)
                      join pg_catalog.pg_attribute a on a.attrelid = con.confrelid and a.attnum = k.n order by k.o) as rk
         from pg_catalog.pg_constraint con
-        where con.conrelid = j.target and con.contype = 'f'
+        where con.conrelid = j.target and con.contype = 'f' and con.conparentid = 0
           and not (j.parent is not null and con.confrelid = j.parent
                    and con.conkey = array[(select a.attnum from pg_catalog.pg_attribute a
                                            where a.attrelid = j.target and a.attname = j.parent_column)])
@@ -856,7 +858,7 @@ begin
     if j.parent is not null and cardinality(v_skip) > 0 then
         execute pg_catalog.format('select coalesce(array_agg(k order by k), ''{}'') from pg_catalog.unnest($1) k '
                                   'where exists (select from %s where %I %s k::%s)',
-                                  j.parent, j.parent_key, lockstep._eq_op(j.key_type), j.key_type)
+                                  j.parent, j.parent_key, lockstep._eq_op(j.key_type), lockstep._type_sql(j.key_type))
             into p.skipped using v_skip;
         p.gone := cardinality(v_skip) - cardinality(p.skipped);
     else

@@ -55,7 +55,7 @@ begin
         '  select lockstep_parent from pg_temp.%2$I'
         '  union all select lockstep_parent from pg_temp.%3$I'
         '  union all select lockstep_old_parent from pg_temp.%3$I) s(k) where k is not null) s',
-        j.key_type, v_gone, v_put);
+        lockstep._type_sql(j.key_type), v_gone, v_put);
     if not exists (select from pg_temp.lockstep_parents c where c.n > budget) then
         drop table pg_temp.lockstep_parents;
         return 0;

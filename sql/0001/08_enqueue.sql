@@ -197,7 +197,8 @@ begin
     end if;
     -- through text (canonical here): 1.5 for a bigint key is an error, not a rounded 2
     begin
-        execute pg_catalog.format('select array_agg(k::text::%s::text) from pg_catalog.unnest($1) k', j.key_type)
+        execute pg_catalog.format('select array_agg(k::text::%s::text) from pg_catalog.unnest($1) k',
+                                  lockstep._type_sql(j.key_type))
             into v using keys;
     exception when data_exception then  -- 3000000000 for an integer key: say whose key, keep the SQLSTATE
         raise exception 'lockstep: a key does not fit the parent key type % of job "%": %', j.key_type, j.job, sqlerrm
@@ -399,8 +400,8 @@ begin
     -- checked above: the column exists and converts without loss, so this cannot fail (no subtransaction:
     -- a write in one would take a subtransaction id per statement)
     v_sql := pg_catalog.concat_ws(' union all ',
-        case when v_new is not null then pg_catalog.format('select %I::%s k from %I', tg_argv[1], v_type, v_new) end,
-        case when v_old is not null then pg_catalog.format('select %I::%s k from %I', tg_argv[1], v_type, v_old) end);
+        case when v_new is not null then pg_catalog.format('select %I::%s k from %I', tg_argv[1], lockstep._type_sql(v_type), v_new) end,
+        case when v_old is not null then pg_catalog.format('select %I::%s k from %I', tg_argv[1], lockstep._type_sql(v_type), v_old) end);
     if v_type::pg_catalog.text operator(pg_catalog.=) any (lockstep._fast_types()) then  -- the same text under every setting
         execute pg_catalog.format('select array(select k::pg_catalog.text '
                                   'from (select distinct k from (%s) s where k is not null) d order by k)', v_sql)

@@ -245,7 +245,7 @@ declare
     v text[];
 begin
     execute pg_catalog.format('select array_agg(v::text order by v) from (select distinct r::%s as v '
-                              'from pg_catalog.unnest($1::text[]) r) s', j.key_type) into v using keys;
+                              'from pg_catalog.unnest($1::text[]) r) s', lockstep._type_sql(j.key_type)) into v using keys;
     return v;
 end;
 $$;
@@ -295,7 +295,7 @@ begin
     canon := '{}';
     foreach k in array keys loop
         begin
-            execute pg_catalog.format('select $1::%s::text', j.key_type) into v_one using k;
+            execute pg_catalog.format('select $1::%s::text', lockstep._type_sql(j.key_type)) into v_one using k;
             raw := raw || k;
             canon := canon || v_one;
         exception when others then
@@ -416,9 +416,9 @@ begin
     v_leave := p.failed || v_skip || v_susp;
     if cardinality(v_leave) > 0 then  -- the queued (raw) text of those keys
         execute pg_catalog.format('select coalesce(array_agg(r), ''{}'') from pg_catalog.unnest($1) r '
-                                  'where r::%s::text = any($2)', j.key_type) into v_leave using raw, v_leave;
+                                  'where r::%s::text = any($2)', lockstep._type_sql(j.key_type)) into v_leave using raw, v_leave;
         execute pg_catalog.format('select coalesce(array_agg(r), ''{}'') from pg_catalog.unnest($1) r '
-                                  'where r::%s::text = any($2)', j.key_type) into v_skip using raw, v_skip;
+                                  'where r::%s::text = any($2)', lockstep._type_sql(j.key_type)) into v_skip using raw, v_skip;
     end if;
     v_leave := v_leave || bad;  -- their entries stay, shown as parked
     -- the entries done go, a parent an application holds is retried a second later (disjoint rows: v_skip
