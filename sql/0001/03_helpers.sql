@@ -105,6 +105,32 @@ begin
 end;
 $$;
 
+-- lockstep._key_eq(j): the comparison of two of j's parent keys as SQL text to put between them: the key
+-- type's equality (lockstep._eq_op), after a COLLATE of the parent key column's collation when that is
+-- nondeterministic (e.g. case-insensitive ICU): 'abc' names the parent 'ABC' there, but compute's rows
+-- carry the default collation (a function's result columns have no other), so their key compared with
+-- the queued 'abc' as different: the pass found no computed row and deleted the parent's (found by a
+-- probe). A deterministic collation compares equal strings only, whatever its order: no COLLATE then.
+-- locks: nothing.
+create function lockstep._key_eq(j lockstep.job) returns text
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_coll text;
+begin
+    if j.parent is not null
+       and (select y.typcollation <> 0 from pg_catalog.pg_type y where y.oid = j.key_type) then
+        select pg_catalog.format('collate %I.%I ', n.nspname, c.collname) into v_coll
+        from pg_catalog.pg_attribute a
+        join pg_catalog.pg_collation c on c.oid = a.attcollation and not c.collisdeterministic
+        join pg_catalog.pg_namespace n on n.oid = c.collnamespace
+        where a.attrelid = j.parent and a.attname = j.parent_key;
+    end if;
+    return coalesce(v_coll, '') || lockstep._eq_op(j.key_type);
+end;
+$$;
+
 -- lockstep._fk_eq(con, pk, fk): "pk.r1 = fk.c1 and ...", the match foreign key con's own check makes:
 -- each referenced column (alias pk) against its referencing column (alias fk) with the constraint's
 -- PK = FK operator (conpfeqop), written schema-qualified unless it is pg_catalog's. A bare = under

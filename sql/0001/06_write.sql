@@ -295,7 +295,7 @@ begin
            (select lockstep._callable(p.oid, 1) from pg_catalog.pg_proc p where p.oid = j.compute::regprocedure) as fn,
            (select pg_catalog.format_type(p.proargtypes[0], -1) from pg_catalog.pg_proc p where p.oid = j.compute::regprocedure) as arg,
            lockstep._array_type(j.key_type) as arr,
-           lockstep._tmp(j, 'gone') as gone, lockstep._tmp(j, 'put') as put, lockstep._eq_op(j.key_type) as op
+           lockstep._tmp(j, 'gone') as gone, lockstep._tmp(j, 'put') as put, lockstep._key_eq(j) as op
     into f;
     -- a subset has a parent column (else lockstep._diff_all, above)
     v_cpar := pg_catalog.format('c.%I::text', j.parent_column);
@@ -374,7 +374,7 @@ begin
         '      order by %2$I for key share skip locked) '
         'select n.a, (select coalesce(array_agg(distinct x), ''{}'') from pg_catalog.unnest(n.a) x '
         '             join p on p.k::%6$s %5$s x::%6$s) from n',
-        lockstep._tmp(j, 'put'), j.parent_key, j.parent, lockstep._array_type(j.key_type), lockstep._eq_op(j.key_type),
+        lockstep._tmp(j, 'put'), j.parent_key, j.parent, lockstep._array_type(j.key_type), lockstep._key_eq(j),
         lockstep._type_sql(j.key_type))
         into v_need, v_pinned;
     v_skip := array(select pg_catalog.unnest(v_need) except select pg_catalog.unnest(v_pinned));
@@ -858,7 +858,7 @@ begin
     if j.parent is not null and cardinality(v_skip) > 0 then
         execute pg_catalog.format('select coalesce(array_agg(k order by k), ''{}'') from pg_catalog.unnest($1) k '
                                   'where exists (select from %s where %I %s k::%s)',
-                                  j.parent, j.parent_key, lockstep._eq_op(j.key_type), lockstep._type_sql(j.key_type))
+                                  j.parent, j.parent_key, lockstep._key_eq(j), lockstep._type_sql(j.key_type))
             into p.skipped using v_skip;
         p.gone := cardinality(v_skip) - cardinality(p.skipped);
     else

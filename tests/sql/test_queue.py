@@ -718,6 +718,34 @@ def test_a_partitioned_parent_converges(conn):
     assert conn.execute("select count(*) from pd").fetchone()[0] == 4
 
 
+def test_a_parent_key_of_a_nondeterministic_collation_compares_under_it(conn):
+    # 'abc' names the parent 'ABC' under a case-insensitive collation (the child's key accepts it, the
+    # trigger queues 'abc'), but compute's rows carry the default collation: the pass compared their key
+    # with the queued 'abc' as different, found no computed row and deleted the parent's (found by a probe).
+    conn.execute(
+        "create collation ci (provider = icu, locale = 'und-u-ks-level2', deterministic = false);"
+        " create table np (k text collate ci primary key);"
+        " create table nc (id serial primary key,"
+        "                  k text collate ci not null references np on delete cascade);"
+        " create table nd (k text collate ci primary key references np on delete cascade, n int not null);"
+        " create function ncomp(ks text[]) returns table (k text, n int) language sql stable as $$"
+        "   select p.k, count(c.id)::int from public.np p left join public.nc c on c.k = p.k"
+        "   where ks is null or p.k = any(ks) group by p.k $$;"
+        " select lockstep.define_derived('nd', 'nd', 'ncomp(text[])', 'np');"
+        " select lockstep.watch('nd', 'np', 'k');"
+        " select lockstep.watch('nd', 'nc', 'k');"
+        " insert into np values ('ABC'), ('Xy');"
+    )
+    assert result(conn, "lockstep.recompute('nd')")["inserted"] == 2
+    conn.execute("delete from lockstep.queue")
+    conn.execute("insert into nc (k) values ('abc'), ('ABC'), ('xY')")
+    assert sorted(k.lower() for k in queue_keys(conn)) == ["abc", "xy"]  # one per parent, in any case
+    r = result(conn, "lockstep.work('nd')")
+    assert (r["outcome"], r["updated"], r["deleted"]) == ("done", 2, 0), r
+    assert conn.execute("select k::text, n from nd order by 1").fetchall() == [("ABC", 2), ("Xy", 1)]
+    assert queue_keys(conn) == []
+
+
 def test_an_out_of_range_key_is_refused_naming_the_job_and_its_key_type(conn):
     # it failed with PostgreSQL's bare 22003 "value ... is out of range for type integer", no word of
     # lockstep or the job (found by a probe)
