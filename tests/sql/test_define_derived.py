@@ -20,6 +20,8 @@ create table d_json (p_id bigint not null references p (id), k text not null, j 
 create table d_req (p_id bigint not null references p (id), k text not null, w int, must int not null,
                     primary key (p_id, k));
 create view v as select * from d;
+create table d_ident (p_id bigint not null references p (id) on delete cascade, k text not null,
+                      w int generated always as identity, primary key (p_id, k));
 create function good(ids bigint[]) returns table (p_id bigint, k text, w int) language sql
     as $$ select id, 'k' || v, v from public.p where ids is null or id = any(ids) $$;
 create function wrong_arg(ids int[]) returns table (p_id bigint, k text, w int) language sql
@@ -91,6 +93,8 @@ CASES = [
     ("lockstep.define_derived('j', 'd', 'no_pk_col(bigint[])', 'p')", "LSD03", "primary-key column"),
     ("lockstep.define_derived('j', 'd_req', 'good(bigint[])', 'p')", "LSD03", "NOT NULL column"),
     ("lockstep.define_derived('j', 'd_json', 'json_out(bigint[])', 'p')", "LSD03", "no equality operator"),
+    # accepted, then every run failed with 428C9 (found by a probe)
+    ("lockstep.define_derived('j', 'd_ident', 'good(bigint[])', 'p')", "LSD03", "GENERATED ALWAYS AS IDENTITY"),
     ("lockstep.define_derived('j', 'd_nofk', 'good(bigint[])', 'p')", "LSD04", "cannot infer parent_column"),
     ("lockstep.define_derived('j', 'd_nofk', 'good(bigint[])', 'p', 'p_id')", "LSD04", "foreign key"),
     ("lockstep.define_derived('j', 'd', 'good(bigint[])', 'p', 'nope')", "LSD04", "has no column nope"),
