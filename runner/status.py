@@ -23,6 +23,7 @@ TABLE_COLUMNS = (
     "recompute",  # done/total parents of a recompute spread over several transactions
     "needs_recompute",
     "last_error",
+    "recompute_error",  # the last full recompute's error, until one succeeds (a good worker pass keeps it)
 )
 
 
@@ -50,11 +51,13 @@ def _lagging(r: dict, max_lag: float | None) -> bool:
 
 
 def unhealthy(rows: list[dict], max_lag: float | None = MAX_LAG) -> bool:
-    """Any job failing (consecutive_failures > 0), with parked keys, flagged for a full recompute
+    """Any job failing (consecutive_failures > 0, or its last full recompute: recompute_error), with parked
+    keys, flagged for a full recompute
     (``needs_recompute`` set: a trigger could not enqueue), or whose oldest queued key waits longer than
     ``max_lag`` seconds (nothing drains its queue; None or 0: not checked)."""
     return any(
         (r.get("consecutive_failures") or 0) > 0
+        or r.get("recompute_error") is not None
         or (r.get("parked_keys") or 0) > 0
         or r.get("needs_recompute") is not None
         or _lagging(r, max_lag)

@@ -857,8 +857,9 @@ CREATE FUNCTION lockstep._clear_flag(j lockstep.job, snap pg_snapshot, started t
     AS $$
 begin
     delete from lockstep.recompute_flag f
-    where f.job = j.job and pg_catalog.pg_visible_in_snapshot(f.xid, snap)
-      and not (f.xid = pg_catalog.pg_current_xact_id_if_assigned() and f.flagged_at >= started);
+    where f.job = j.job
+      and case when f.xid = pg_catalog.pg_current_xact_id_if_assigned() then f.flagged_at < started
+               else pg_catalog.pg_visible_in_snapshot(f.xid, snap) end;
 end;
 $$;
 
@@ -1401,6 +1402,8 @@ begin
             else s.deferred_until end,
         consecutive_failures = case when v_failed then s.consecutive_failures + 1 else 0 end,
         last_error = case when v_failed then error else null end,
+        recompute_error = case when action in ('recompute', 'call') then case when v_failed then error end
+                               else s.recompute_error end,
         runs = s.runs + 1
     where s.job = j.job;
     perform lockstep._log_run(j, action, outcome, started, p, error);
@@ -2133,6 +2136,7 @@ CREATE TABLE lockstep.job_state (
     last_skipped bigint,
     consecutive_failures integer DEFAULT 0 NOT NULL,
     last_error text,
+    recompute_error text,
     runs bigint DEFAULT 0 NOT NULL,
     recompute_total bigint,
     recompute_queue_from bigint,
@@ -2147,7 +2151,8 @@ CREATE FUNCTION lockstep._not_due(s lockstep.job_state) RETURNS text
     LANGUAGE sql IMMUTABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
-    select case when s.consecutive_failures > 0 and s.last_outcome = 'failed' then 'backoff' else 'not_due' end;
+    select case when (s.consecutive_failures > 0 and s.last_outcome = 'failed') or s.recompute_error is not null
+                then 'backoff' else 'not_due' end;
 $$;
 
 CREATE FUNCTION lockstep._own_temp(name text) RETURNS boolean
@@ -2624,13 +2629,22 @@ CREATE FUNCTION lockstep._retry(j lockstep.job, keys text[]) RETURNS bigint
     AS $$
 declare
     v_keys text[];
+    r record;
 begin
     with d as (delete from lockstep.key_failure f
                where f.job = j.job and (keys is null or f.key = any(keys)) returning f.key)
     select array_agg(d.key) into v_keys from d;
+    select * into r from lockstep._readable(j, coalesce(v_keys, '{}'));
+    if cardinality(r.bad) > 0 then
+        delete from lockstep.queue q where q.job = j.job and q.key = any(r.bad);
+        raise warning 'lockstep: % queued key(s) of job "%" cannot be read as %, so name no parent: dropped, first %',
+            cardinality(r.bad), j.job, j.key_type, pg_catalog.quote_literal(r.bad[1])
+            using detail = r.errors[1];
+        v_keys := r.raw;
+    end if;
     perform lockstep._enqueue_text(j, v_keys);
     update lockstep.job_state s set retry_at = null, next_run_at = least(s.next_run_at, now())
-    where s.job = j.job and s.consecutive_failures > 0 and s.last_outcome = 'failed';
+    where s.job = j.job and ((s.consecutive_failures > 0 and s.last_outcome = 'failed') or s.recompute_error is not null);
     return coalesce(cardinality(v_keys), 0);
 end;
 $$;
@@ -3748,6 +3762,7 @@ declare
     v_fn text := 'lockstep.enqueue_trigger';
     v_ddl text[] := '{}';
     v_tables regclass[] := lockstep._family(source);
+    v_new boolean;
     op text;
     t regclass;
 begin
@@ -3781,6 +3796,11 @@ begin
     end if;
     -- the fast path (a third argument) where the column's JSON text is the key's canonical text
     v_fast := v_type::text = any(lockstep._fast_types()) and j.key_type::text = any(lockstep._fast_types());
+    -- a table this job did not watch until now: what it changed before (between an unwatch() and this
+    -- watch(), say) reached no queue, so the job is flagged for its full recompute (found by a probe: four
+    -- rows of 500 stayed wrong, status healthy, until the periodic recompute an hour later)
+    v_new := not exists (select from pg_catalog.pg_trigger tg
+                         where tg.tgrelid = source and tg.tgname = lockstep._trigger_name(j.job, 'insert'));
     -- the triggers of an earlier watch() go in the same attempts (lockstep._ddl), named in its errors as watch
     v_ddl := lockstep._drop_watch_ddl(j.job, v_tables);
     if v_fast then  -- a function that reads only the key column, where the session may create one
@@ -3804,6 +3824,11 @@ begin
                                             lockstep._trigger_name(j.job, 'truncate'), t, j.job, key_column);
     end loop;
     perform lockstep._ddl(v_tables, v_ddl, pg_catalog.format('watch(%L, %L)', j.job, source));
+    if v_new then
+        insert into lockstep.recompute_flag (job, flagged_at, problem)  -- clock time, as _flag (_clear_flag)
+        values (j.job, pg_catalog.clock_timestamp(),
+                pg_catalog.format('%s newly watched: its earlier changes wait for the full recompute', source));
+    end if;
     perform lockstep._warn_writers(v_tables);
     if exists (select from pg_catalog.pg_class c where c.oid = source and c.relkind = 'p') then
         raise warning 'lockstep: watch(%, %) covers its % partition(s) of today; run it again after attaching or creating one',
@@ -3949,6 +3974,7 @@ CREATE VIEW lockstep.status WITH (security_invoker='true') AS
     s.last_skipped,
     s.consecutive_failures,
     s.last_error,
+    s.recompute_error,
     s.next_run_at,
     s.retry_at,
     s.runs,

@@ -122,6 +122,10 @@ create table lockstep.job_state (
     last_skipped            bigint,
     consecutive_failures    integer not null default 0,
     last_error              text,
+    -- the error of the job's last full recompute (recompute or a generic job's call) if it failed, NULL
+    -- once one succeeds: a worker pass that succeeds meanwhile resets consecutive_failures and last_error,
+    -- but not this, nor the recompute's backoff (next_run_at)
+    recompute_error         text,
     runs                    bigint not null default 0,
     -- a recompute spread over several transactions (its difference exceeded batch_parents): how many
     -- parents it changed, and the queue ids of the hand-off of those it left to the worker (lockstep.status

@@ -36,7 +36,8 @@ create function lockstep._not_due(s lockstep.job_state) returns text
 language sql immutable
 set search_path = pg_catalog, pg_temp
 as $$
-    select case when s.consecutive_failures > 0 and s.last_outcome = 'failed' then 'backoff' else 'not_due' end;
+    select case when (s.consecutive_failures > 0 and s.last_outcome = 'failed') or s.recompute_error is not null
+                then 'backoff' else 'not_due' end;
 $$;
 
 -- lockstep._is_statement_timeout(started): a query_canceled error came from statement_timeout (recorded

@@ -269,6 +269,8 @@ begin
             else s.deferred_until end,
         consecutive_failures = case when v_failed then s.consecutive_failures + 1 else 0 end,
         last_error = case when v_failed then error else null end,
+        recompute_error = case when action in ('recompute', 'call') then case when v_failed then error end
+                               else s.recompute_error end,
         runs = s.runs + 1
     where s.job = j.job;
     perform lockstep._log_run(j, action, outcome, started, p, error);

@@ -240,8 +240,10 @@ $$;
 -- started with snapshot snap: forget the flags whose transactions snap already saw (their changes are in the
 -- recompute). Flags committed later stay, and so do those this transaction raised after started (the
 -- recompute's own hand-off of a key too long for the queue flags the job: that parent is not written yet).
--- pg_visible_in_snapshot counts the snapshot's own transaction as seen, whenever its row was written: two
--- recomputes in one transaction lost the first one's flag in the second, and the parent stayed stale.
+-- This transaction's own flags are told apart by clock time, not by the snapshot: those raised before
+-- started are covered (the recompute read what this transaction wrote before it: a watch() and a
+-- recompute in one transaction), those raised after are not (two recomputes in one transaction lost the
+-- first one's hand-off flag in the second, when the snapshot decided, and the parent stayed stale).
 -- locks: the job's lockstep.recompute_flag rows (deleted).
 create function lockstep._clear_flag(j lockstep.job, snap pg_snapshot, started timestamptz) returns void
 language plpgsql
@@ -249,8 +251,9 @@ set search_path = pg_catalog, pg_temp
 as $$
 begin
     delete from lockstep.recompute_flag f
-    where f.job = j.job and pg_catalog.pg_visible_in_snapshot(f.xid, snap)
-      and not (f.xid = pg_catalog.pg_current_xact_id_if_assigned() and f.flagged_at >= started);
+    where f.job = j.job
+      and case when f.xid = pg_catalog.pg_current_xact_id_if_assigned() then f.flagged_at < started
+               else pg_catalog.pg_visible_in_snapshot(f.xid, snap) end;
 end;
 $$;
 
@@ -768,7 +771,8 @@ $$;
 -- form, lockstep.enqueue_trigger().
 -- locks: source and the tables below it (DROP / CREATE TRIGGER) through lockstep._ddl: it waits for their
 -- writers, like any DDL, but never holds an application up for more than 100 ms at a time (it retries for
--- ~10 s, then 55P03). Run it at deploy time.
+-- ~10 s, then 55P03). Run it at deploy time. Then, if source was not watched for job before, appends a
+-- lockstep.recompute_flag row (its earlier changes wait for the job's full recompute).
 create function lockstep.watch(job text, source regclass, key_column name) returns void
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -781,6 +785,7 @@ declare
     v_fn text := 'lockstep.enqueue_trigger';
     v_ddl text[] := '{}';
     v_tables regclass[] := lockstep._family(source);
+    v_new boolean;
     op text;
     t regclass;
 begin
@@ -814,6 +819,11 @@ begin
     end if;
     -- the fast path (a third argument) where the column's JSON text is the key's canonical text
     v_fast := v_type::text = any(lockstep._fast_types()) and j.key_type::text = any(lockstep._fast_types());
+    -- a table this job did not watch until now: what it changed before (between an unwatch() and this
+    -- watch(), say) reached no queue, so the job is flagged for its full recompute (found by a probe: four
+    -- rows of 500 stayed wrong, status healthy, until the periodic recompute an hour later)
+    v_new := not exists (select from pg_catalog.pg_trigger tg
+                         where tg.tgrelid = source and tg.tgname = lockstep._trigger_name(j.job, 'insert'));
     -- the triggers of an earlier watch() go in the same attempts (lockstep._ddl), named in its errors as watch
     v_ddl := lockstep._drop_watch_ddl(j.job, v_tables);
     if v_fast then  -- a function that reads only the key column, where the session may create one
@@ -837,6 +847,11 @@ begin
                                             lockstep._trigger_name(j.job, 'truncate'), t, j.job, key_column);
     end loop;
     perform lockstep._ddl(v_tables, v_ddl, pg_catalog.format('watch(%L, %L)', j.job, source));
+    if v_new then
+        insert into lockstep.recompute_flag (job, flagged_at, problem)  -- clock time, as _flag (_clear_flag)
+        values (j.job, pg_catalog.clock_timestamp(),
+                pg_catalog.format('%s newly watched: its earlier changes wait for the full recompute', source));
+    end if;
     perform lockstep._warn_writers(v_tables);
     if exists (select from pg_catalog.pg_class c where c.oid = source and c.relkind = 'p') then
         raise warning 'lockstep: watch(%, %) covers its % partition(s) of today; run it again after attaching or creating one',

@@ -548,23 +548,37 @@ end;
 $$;
 
 -- lockstep._retry(j, keys): forget the failures of keys (NULL: all of j's), queue them again, and end the
--- job's failure backoff, if its last run failed: the worker may run at once (retry_at) and the periodic
+-- job's failure backoff, if its last run (or its last full recompute) failed: the worker may run at once (retry_at) and the periodic
 -- recompute is due now (next_run_at). A job whose last run did not fail keeps its schedule.
--- locks: the job's key_failure rows of those keys (deleted); appends to the queue; then, if its last run
--- failed, the job's lockstep.job_state row (FOR NO KEY UPDATE, by the update).
+-- A key that cannot be read as the parent key type (queued by a trigger on a column whose type changed
+-- since) names no parent, so no derived row: its failure and its queue entries are deleted with a
+-- WARNING, not queued again. Queued again, it failed the whole retry with 22P02, so no other key of the
+-- job could be retried, and its entries parked it again after every recompute (found by a probe).
+-- locks: the job's key_failure rows of those keys (deleted); the queue entries of unreadable keys
+-- (deleted); appends to the queue; then, if its last run failed, the job's lockstep.job_state row (FOR NO
+-- KEY UPDATE, by the update).
 create function lockstep._retry(j lockstep.job, keys text[]) returns bigint
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_keys text[];
+    r record;
 begin
     with d as (delete from lockstep.key_failure f
                where f.job = j.job and (keys is null or f.key = any(keys)) returning f.key)
     select array_agg(d.key) into v_keys from d;
+    select * into r from lockstep._readable(j, coalesce(v_keys, '{}'));
+    if cardinality(r.bad) > 0 then
+        delete from lockstep.queue q where q.job = j.job and q.key = any(r.bad);
+        raise warning 'lockstep: % queued key(s) of job "%" cannot be read as %, so name no parent: dropped, first %',
+            cardinality(r.bad), j.job, j.key_type, pg_catalog.quote_literal(r.bad[1])
+            using detail = r.errors[1];
+        v_keys := r.raw;
+    end if;
     perform lockstep._enqueue_text(j, v_keys);
     update lockstep.job_state s set retry_at = null, next_run_at = least(s.next_run_at, now())
-    where s.job = j.job and s.consecutive_failures > 0 and s.last_outcome = 'failed';
+    where s.job = j.job and ((s.consecutive_failures > 0 and s.last_outcome = 'failed') or s.recompute_error is not null);
     return coalesce(cardinality(v_keys), 0);
 end;
 $$;

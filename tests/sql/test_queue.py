@@ -9,6 +9,14 @@ import pytest
 from util import advisory_locks, drain, flushed_stat, not_due, raises_sqlstate, result, snapshot
 
 from runner.lab.example import JOB, divergence
+from runner.status import exit_code
+
+
+def status_exit_code(conn) -> int:
+    """lockstep status's exit code for the rows of lockstep.status as they are now."""
+    cur = conn.execute("select * from lockstep.status")
+    names = [c.name for c in cur.description]
+    return exit_code([dict(zip(names, row, strict=True)) for row in cur.fetchall()])
 
 
 def queue_keys(conn) -> list[str]:
@@ -31,10 +39,28 @@ def test_a_row_that_to_jsonb_cannot_convert_is_still_enqueued(ex):
     catches it and enqueues through the general path; the application's statement succeeds."""
     ex.execute("create table public.doc (exam_id bigint primary key, body json)")
     ex.execute(f"select lockstep.watch('{JOB}', 'public.doc', 'exam_id')")
+    ex.execute("delete from lockstep.recompute_flag")  # watch()'s own: the table was not watched before
     ex.execute("""insert into public.doc values (3, '"\\u0000"'), (1, '{}')""")
     ex.execute("""update public.doc set body = '["\\u0000"]' where exam_id = 1""")
     assert queue_keys(ex) == ["1", "3", "1"]
     assert ex.execute("select count(*) from lockstep.recompute_flag").fetchone()[0] == 0
+
+
+def test_a_table_watched_anew_flags_the_job_for_its_full_recompute(ex):
+    # Changes made while a table is not watched (between unwatch() and watch(), say) reach no queue: four
+    # rows of 500 stayed wrong, status healthy, until the periodic recompute (found by a probe). watch() of
+    # a table not watched for the job flags it; watch() again over its own triggers loses nothing: no flag.
+    flags = "select count(*) from lockstep.recompute_flag"
+    ex.execute(f"select lockstep.unwatch('{JOB}', 'example.exam')")
+    ex.execute("update example.exam set body = body || ' unseen' where id = 3")
+    ex.execute(f"select lockstep.watch('{JOB}', 'example.exam', 'id')")
+    assert ex.execute(flags).fetchone()[0] == 1
+    st = ex.execute("select needs_recompute is not null, trigger_problem from lockstep.status").fetchone()
+    assert st[0] and "example.exam newly watched" in st[1], st
+    assert result(ex, f"lockstep.run('{JOB}')")["action"] == "recompute"  # the flag makes it due
+    assert ex.execute(flags).fetchone()[0] == 0 and divergence(ex) == (0, 0)
+    ex.execute(f"select lockstep.watch('{JOB}', 'example.exam', 'id')")
+    assert ex.execute(flags).fetchone()[0] == 0
 
 
 def test_a_trigger_of_watchs_form_with_other_transition_tables_still_enqueues(ex):
@@ -161,6 +187,69 @@ def test_poison_key_is_isolated_retried_parked_and_retried_on_demand(ex):
     assert result(ex, f"lockstep.work('{JOB}')")["outcome"] == "done"
     assert ex.execute("select count(*) from lockstep.key_failure").fetchone()[0] == 0
     assert divergence(ex) == (0, 0)
+
+
+def test_retry_drops_a_queued_key_that_names_no_parent_and_retries_the_others(ex):
+    # A trigger on a column whose type changed since watch() can queue 'abc' for a bigint job: the worker
+    # parks it (it cannot be read as bigint). retry() queued it again through the bigint cast, failed with
+    # 22P02, and so retried none of the job's other parked keys; recompute cleared the failure, and the
+    # still-queued entries parked it again (found by a probe). It names no parent: retry drops it.
+    not_due(ex, JOB)
+    ex.execute(f"insert into lockstep.queue (job, key) values ('{JOB}', 'abc')")
+    ex.execute(f"select lockstep.enqueue('{JOB}', array[5])")
+    ex.execute(
+        "insert into lockstep.key_failure (job, key, attempts, parked, retry_at)"
+        f" values ('{JOB}', '5', 5, true, now())"
+    )
+    result(ex, f"lockstep.work('{JOB}')")
+    parked = "select key from lockstep.parked_keys order by 1"
+    assert ex.execute(parked).fetchall() == [("5",), ("abc",)]
+    warnings: list[str] = []
+    ex.add_notice_handler(lambda d: warnings.append(d.message_primary or ""))
+    assert ex.execute(f"select lockstep.retry('{JOB}')").fetchone()[0] == 1  # 5 only
+    assert any("cannot be read as bigint" in w and "'abc'" in w for w in warnings), warnings
+    assert set(queue_keys(ex)) == {"5"}  # its parked entry and the retry's
+    assert result(ex, f"lockstep.work('{JOB}')")["outcome"] == "done"
+    assert ex.execute(parked).fetchall() == [] and queue_keys(ex) == []
+    assert divergence(ex) == (0, 0)
+
+
+def test_a_failed_recompute_stays_reported_after_good_worker_passes_and_retry_ends_its_backoff(ex):
+    # A worker pass that succeeded reset consecutive_failures and last_error: lockstep status turned healthy
+    # while the failed recompute waited out its hour of backoff, and retry() (which looked at those) then
+    # no longer ended it (found by a probe).
+    ex.execute(
+        """
+        create function example.no_full(ids bigint[]) returns table (exam_id bigint, key text, weight integer)
+        language plpgsql as $$ begin
+            if ids is null then
+                raise exception 'the full recompute may not read' using errcode = '42501';
+            end if;
+            return query select * from example.exam_key_compute(ids); end $$;
+        """
+    )
+    ex.execute(
+        f"select lockstep.define_derived('{JOB}', 'example.exam_key', 'example.no_full(bigint[])',"
+        " 'example.exam')"
+    )
+    r = result(ex, f"lockstep.run('{JOB}')")
+    assert (r["action"], r["outcome"]) == ("recompute", "failed"), r
+    ex.execute("update example.exam set body = body || ' edited' where id = 3")
+    r = result(ex, f"lockstep.work('{JOB}')")
+    assert r["outcome"] == "done", r
+    st = "select consecutive_failures, last_error, recompute_error, next_run_at > now() from lockstep.status"
+    fails, last, rerr, later = ex.execute(st).fetchone()
+    assert (fails, last, later) == (0, None, True) and "may not read" in rerr
+    assert status_exit_code(ex) == 1
+    assert result(ex, f"lockstep.run('{JOB}')")["outcome"] == "backoff"
+    ex.execute(f"select lockstep.retry('{JOB}')")
+    assert ex.execute(st).fetchone()[3] is False  # the recompute is due again
+    ex.execute(
+        f"select lockstep.define_derived('{JOB}', 'example.exam_key',"
+        " 'example.exam_key_compute(bigint[])', 'example.exam')"
+    )
+    assert result(ex, f"lockstep.recompute('{JOB}')")["outcome"] == "done"
+    assert ex.execute(st).fetchone()[2] is None and status_exit_code(ex) == 0
 
 
 def test_a_broken_job_fails_as_a_whole_and_poisons_no_key(ex):
