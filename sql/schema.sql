@@ -157,8 +157,12 @@ begin
         p := t.p;
         return;
     end if;
-    -- the job itself is broken (every key would fail) or some keys are poison: an empty pass tells.
-    if (select e.error from lockstep._try(j, '{}'::text[]) e) is not null or lockstep._timed_out() is not null then
+    -- the job itself is broken (every key would fail) or some keys are poison: an empty pass tells, and an
+    -- error of class 42 (a privilege revoked, a column gone) is the job's wherever it is raised: one that
+    -- only writing raises (INSERT on the target revoked) passed the empty pass, and parked key after key
+    -- while the job looked healthy (found by a probe)
+    if pg_catalog.left(t.state, 2) = '42' or (select e.error from lockstep._try(j, '{}'::text[]) e) is not null
+       or lockstep._timed_out() is not null then
         job_error := t.error;
         return;
     end if;
@@ -3031,7 +3035,7 @@ begin
 end;
 $$;
 
-CREATE FUNCTION lockstep._try(j lockstep.job, keys text[], OUT p lockstep._pass, OUT error text) RETURNS record
+CREATE FUNCTION lockstep._try(j lockstep.job, keys text[], OUT p lockstep._pass, OUT error text, OUT state text) RETURNS record
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
@@ -3048,7 +3052,7 @@ exception
         p := row(0, 0, 0, '{}', 0, 0, 0, '{}', '{}');
         error := null;
     when others then
-        get stacked diagnostics error = message_text;
+        get stacked diagnostics error = message_text, state = returned_sqlstate;
 end;
 $$;
 

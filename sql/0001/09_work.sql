@@ -12,11 +12,12 @@ as $$
 $$;
 
 -- lockstep._try(j, keys): one attempt at keys, in a subtransaction: its pass, or the error it raised
--- (pass NULL). A statement timeout is remembered for the rest of the pass (lockstep._timed_out: these
+-- and its SQLSTATE (pass NULL). A statement timeout is remembered for the rest of the pass (lockstep._timed_out: these
 -- keys) and returns an empty pass: after it, nothing in this statement is bounded any more, because
 -- statement_timeout fires once per top-level statement.
 -- locks: as lockstep._write (nothing is left behind by a failed attempt).
-create function lockstep._try(j lockstep.job, keys text[], out p lockstep._pass, out error text)
+create function lockstep._try(j lockstep.job, keys text[], out p lockstep._pass, out error text,
+                              out state text)
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
@@ -33,7 +34,7 @@ exception
         p := row(0, 0, 0, '{}', 0, 0, 0, '{}', '{}');
         error := null;
     when others then
-        get stacked diagnostics error = message_text;
+        get stacked diagnostics error = message_text, state = returned_sqlstate;
 end;
 $$;
 
@@ -351,8 +352,12 @@ begin
         p := t.p;
         return;
     end if;
-    -- the job itself is broken (every key would fail) or some keys are poison: an empty pass tells.
-    if (select e.error from lockstep._try(j, '{}'::text[]) e) is not null or lockstep._timed_out() is not null then
+    -- the job itself is broken (every key would fail) or some keys are poison: an empty pass tells, and an
+    -- error of class 42 (a privilege revoked, a column gone) is the job's wherever it is raised: one that
+    -- only writing raises (INSERT on the target revoked) passed the empty pass, and parked key after key
+    -- while the job looked healthy (found by a probe)
+    if pg_catalog.left(t.state, 2) = '42' or (select e.error from lockstep._try(j, '{}'::text[]) e) is not null
+       or lockstep._timed_out() is not null then
         job_error := t.error;
         return;
     end if;

@@ -252,6 +252,26 @@ def test_a_failed_recompute_stays_reported_after_good_worker_passes_and_retry_en
     assert ex.execute(st).fetchone()[2] is None and status_exit_code(ex) == 0
 
 
+def test_a_privilege_only_the_write_needs_fails_the_job_not_key_after_key(ex):
+    # INSERT on the target revoked from the job's role: an empty pass writes nothing and went through, so
+    # the batch was bisected and key after key failed and was parked while the job looked healthy (found
+    # by a probe). An error of class 42 is the job's wherever it is raised. (The revoked privilege is played
+    # by a trigger raising 42501 on insert: the job's role here is the superuser.)
+    ex.execute(
+        """
+        create function example.deny() returns trigger language plpgsql as $$ begin
+            raise exception 'permission denied for table exam_key' using errcode = '42501'; end $$;
+        create trigger deny before insert on example.exam_key for each row execute function example.deny();
+        """
+    )
+    not_due(ex, JOB)
+    ex.execute("update example.exam set body = body || ' newword' where id in (3, 4)")
+    r = result(ex, f"lockstep.work('{JOB}')")
+    assert r["outcome"] == "failed" and "permission denied" in r["error"], r
+    assert ex.execute("select count(*) from lockstep.key_failure").fetchone()[0] == 0
+    assert sorted(queue_keys(ex)) == ["3", "4"]
+
+
 def test_a_broken_job_fails_as_a_whole_and_poisons_no_key(ex):
     ex.execute(f"select lockstep.enqueue('{JOB}', array[1, 2, 3])")
     ex.execute("alter table example.exam_key rename column weight to w2")
