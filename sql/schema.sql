@@ -1329,14 +1329,12 @@ begin
     if (select y.typnamespace from pg_catalog.pg_type y where y.oid = v_base) = 'pg_catalog'::regnamespace then
         return '=';
     end if;
-    select pg_catalog.format('operator(%I.%s)', n.nspname, o.oprname) into v
+    select lockstep._op_sql(ao.amopopr) into v
     from pg_catalog.pg_opclass c
     join pg_catalog.pg_am a on a.oid = c.opcmethod and a.amname = 'btree'
     join pg_catalog.pg_amop ao on ao.amopfamily = c.opcfamily and ao.amoplefttype = c.opcintype
                               and ao.amoprighttype = c.opcintype and ao.amopstrategy = 3
-    join pg_catalog.pg_operator o on o.oid = ao.amopopr
-    join pg_catalog.pg_namespace n on n.oid = o.oprnamespace
-    where c.opcdefault and c.opcintype = v_base and n.nspname <> 'pg_catalog';
+    where c.opcdefault and c.opcintype = v_base;
     return coalesce(v, '=');
 end;
 $$;
@@ -1419,17 +1417,12 @@ CREATE FUNCTION lockstep._fk_eq(con oid, pk text, fk text) RETURNS text
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
     select pg_catalog.string_agg(
-               pg_catalog.format('%I.%I %s %I.%I', pk, ra.attname,
-                                 case when o.oprnamespace = 'pg_catalog'::regnamespace then o.oprname
-                                      else pg_catalog.format('operator(%I.%s)', n.nspname, o.oprname) end,
-                                 fk, fa.attname),
+               pg_catalog.format('%I.%I %s %I.%I', pk, ra.attname, lockstep._op_sql(k.op), fk, fa.attname),
                ' and ' order by k.o)
     from pg_catalog.pg_constraint c
     cross join lateral unnest(c.confkey, c.conkey, c.conpfeqop) with ordinality k(r, f, op, o)  -- ROWS FROM: not qualified
     join pg_catalog.pg_attribute ra on ra.attrelid = c.confrelid and ra.attnum = k.r
     join pg_catalog.pg_attribute fa on fa.attrelid = c.conrelid and fa.attnum = k.f
-    join pg_catalog.pg_operator o on o.oid = k.op
-    join pg_catalog.pg_namespace n on n.oid = o.oprnamespace
     where c.oid = con
 $$;
 
@@ -2159,6 +2152,17 @@ CREATE FUNCTION lockstep._not_due(s lockstep.job_state) RETURNS text
                 then 'backoff' else 'not_due' end;
 $$;
 
+CREATE FUNCTION lockstep._op_sql(op oid) RETURNS text
+    LANGUAGE sql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+    select case when o.oprnamespace = 'pg_catalog'::regnamespace then o.oprname::text
+                else pg_catalog.format('operator(%I.%s)', n.nspname, o.oprname) end
+    from pg_catalog.pg_operator o
+    join pg_catalog.pg_namespace n on n.oid = o.oprnamespace
+    where o.oid = op
+$$;
+
 CREATE FUNCTION lockstep._own_temp(name text) RETURNS boolean
     LANGUAGE plpgsql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -2265,6 +2269,7 @@ CREATE FUNCTION lockstep._pin_refs(j lockstep.job) RETURNS text[]
     AS $_$
 declare
     v_needs text;
+    v_match text;
     v_skip text[] := '{}';
     v_unpinned text;
     c record;
@@ -2298,14 +2303,16 @@ begin
             '(%1$s) is not null and (w.lockstep_new or exists (select from %2$s t where t.ctid = w.lockstep_ctid '
             'and %3$s and (%4$s) is distinct from (%1$s)))',
             lockstep._cols(c.fk, 'w'), j.target, lockstep._eq(j.target_key, 't', 'w', j.target), lockstep._cols(c.fk, 't'));
+        -- a referenced row r of that row w, in the table and in lockstep_ref (which keeps rk's names)
+        v_match := lockstep._fk_eq(c.oid, 'r', 'w');
         drop table if exists pg_temp.lockstep_ref;
         execute pg_catalog.format(
             'create temp table lockstep_ref on commit drop as '
             'select %1$s from %2$s r where exists (select from pg_temp.%3$I w where %4$s and %5$s) '
             'order by %1$s for key share skip locked',
-            lockstep._cols(c.rk, 'r'), c.ref, lockstep._tmp(j, 'put'), v_needs, lockstep._fk_eq(c.oid, 'r', 'w'));
-        v_unpinned := pg_catalog.format(
-            '%s and not exists (select from pg_temp.lockstep_ref r where %s)', v_needs, lockstep._fk_eq(c.oid, 'r', 'w'));
+            lockstep._cols(c.rk, 'r'), c.ref, lockstep._tmp(j, 'put'), v_needs, v_match);
+        v_unpinned := pg_catalog.format('%s and not exists (select from pg_temp.lockstep_ref r where %s)',
+                                        v_needs, v_match);
         v_skip := v_skip || lockstep._drop_rows(lockstep._tmp(j, 'put'), v_unpinned);
     end loop;
     return v_skip;
@@ -2648,7 +2655,7 @@ begin
     end if;
     perform lockstep._enqueue_text(j, v_keys);
     update lockstep.job_state s set retry_at = null, next_run_at = least(s.next_run_at, now())
-    where s.job = j.job and ((s.consecutive_failures > 0 and s.last_outcome = 'failed') or s.recompute_error is not null);
+    where s.job = j.job and lockstep._not_due(s) = 'backoff';  -- in its failure backoff (02_lock_group.sql)
     return coalesce(cardinality(v_keys), 0);
 end;
 $$;

@@ -44,6 +44,20 @@ begin
 end;
 $$;
 
+-- lockstep._op_sql(op): operator op as SQL text to put between two operands: its bare name if it is
+-- pg_catalog's (lockstep's search_path finds it), else schema-qualified ('operator(public.=)').
+-- locks: nothing.
+create function lockstep._op_sql(op oid) returns text
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select case when o.oprnamespace = 'pg_catalog'::regnamespace then o.oprname::text
+                else pg_catalog.format('operator(%I.%s)', n.nspname, o.oprname) end
+    from pg_catalog.pg_operator o
+    join pg_catalog.pg_namespace n on n.oid = o.oprnamespace
+    where o.oid = op
+$$;
+
 -- lockstep._eq_op(t): the equality operator of type t (of its base type, for a domain) as SQL text: '='
 -- for a type whose operators are pg_catalog's, else that of its default btree operator class, qualified
 -- ('operator(public.=)'). lockstep's functions run with search_path = pg_catalog, pg_temp, where a bare =
@@ -67,14 +81,12 @@ begin
     if (select y.typnamespace from pg_catalog.pg_type y where y.oid = v_base) = 'pg_catalog'::regnamespace then
         return '=';
     end if;
-    select pg_catalog.format('operator(%I.%s)', n.nspname, o.oprname) into v
+    select lockstep._op_sql(ao.amopopr) into v
     from pg_catalog.pg_opclass c
     join pg_catalog.pg_am a on a.oid = c.opcmethod and a.amname = 'btree'
     join pg_catalog.pg_amop ao on ao.amopfamily = c.opcfamily and ao.amoplefttype = c.opcintype
                               and ao.amoprighttype = c.opcintype and ao.amopstrategy = 3
-    join pg_catalog.pg_operator o on o.oid = ao.amopopr
-    join pg_catalog.pg_namespace n on n.oid = o.oprnamespace
-    where c.opcdefault and c.opcintype = v_base and n.nspname <> 'pg_catalog';
+    where c.opcdefault and c.opcintype = v_base;
     return coalesce(v, '=');
 end;
 $$;
@@ -133,7 +145,7 @@ $$;
 
 -- lockstep._fk_eq(con, pk, fk): "pk.r1 = fk.c1 and ...", the match foreign key con's own check makes:
 -- each referenced column (alias pk) against its referencing column (alias fk) with the constraint's
--- PK = FK operator (conpfeqop), written schema-qualified unless it is pg_catalog's. A bare = under
+-- PK = FK operator (conpfeqop, as lockstep._op_sql writes it). A bare = under
 -- lockstep's search_path compared two citext columns as text: a row referencing 'Red' as 'red' (which
 -- the key accepts) was not found, so it was neither pinned nor locked.
 -- locks: nothing.
@@ -142,17 +154,12 @@ language sql stable
 set search_path = pg_catalog, pg_temp
 as $$
     select pg_catalog.string_agg(
-               pg_catalog.format('%I.%I %s %I.%I', pk, ra.attname,
-                                 case when o.oprnamespace = 'pg_catalog'::regnamespace then o.oprname
-                                      else pg_catalog.format('operator(%I.%s)', n.nspname, o.oprname) end,
-                                 fk, fa.attname),
+               pg_catalog.format('%I.%I %s %I.%I', pk, ra.attname, lockstep._op_sql(k.op), fk, fa.attname),
                ' and ' order by k.o)
     from pg_catalog.pg_constraint c
     cross join lateral unnest(c.confkey, c.conkey, c.conpfeqop) with ordinality k(r, f, op, o)  -- ROWS FROM: not qualified
     join pg_catalog.pg_attribute ra on ra.attrelid = c.confrelid and ra.attnum = k.r
     join pg_catalog.pg_attribute fa on fa.attrelid = c.conrelid and fa.attnum = k.f
-    join pg_catalog.pg_operator o on o.oid = k.op
-    join pg_catalog.pg_namespace n on n.oid = o.oprnamespace
     where c.oid = con
 $$;
 

@@ -406,6 +406,7 @@ set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_needs text;
+    v_match text;
     v_skip text[] := '{}';
     v_unpinned text;
     c record;
@@ -439,14 +440,16 @@ begin
             '(%1$s) is not null and (w.lockstep_new or exists (select from %2$s t where t.ctid = w.lockstep_ctid '
             'and %3$s and (%4$s) is distinct from (%1$s)))',
             lockstep._cols(c.fk, 'w'), j.target, lockstep._eq(j.target_key, 't', 'w', j.target), lockstep._cols(c.fk, 't'));
+        -- a referenced row r of that row w, in the table and in lockstep_ref (which keeps rk's names)
+        v_match := lockstep._fk_eq(c.oid, 'r', 'w');
         drop table if exists pg_temp.lockstep_ref;
         execute pg_catalog.format(
             'create temp table lockstep_ref on commit drop as '
             'select %1$s from %2$s r where exists (select from pg_temp.%3$I w where %4$s and %5$s) '
             'order by %1$s for key share skip locked',
-            lockstep._cols(c.rk, 'r'), c.ref, lockstep._tmp(j, 'put'), v_needs, lockstep._fk_eq(c.oid, 'r', 'w'));
-        v_unpinned := pg_catalog.format(
-            '%s and not exists (select from pg_temp.lockstep_ref r where %s)', v_needs, lockstep._fk_eq(c.oid, 'r', 'w'));
+            lockstep._cols(c.rk, 'r'), c.ref, lockstep._tmp(j, 'put'), v_needs, v_match);
+        v_unpinned := pg_catalog.format('%s and not exists (select from pg_temp.lockstep_ref r where %s)',
+                                        v_needs, v_match);
         v_skip := v_skip || lockstep._drop_rows(lockstep._tmp(j, 'put'), v_unpinned);
     end loop;
     return v_skip;

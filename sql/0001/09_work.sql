@@ -583,7 +583,7 @@ begin
     end if;
     perform lockstep._enqueue_text(j, v_keys);
     update lockstep.job_state s set retry_at = null, next_run_at = least(s.next_run_at, now())
-    where s.job = j.job and ((s.consecutive_failures > 0 and s.last_outcome = 'failed') or s.recompute_error is not null);
+    where s.job = j.job and lockstep._not_due(s) = 'backoff';  -- in its failure backoff (02_lock_group.sql)
     return coalesce(cardinality(v_keys), 0);
 end;
 $$;

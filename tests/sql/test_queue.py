@@ -8,15 +8,14 @@ import psycopg
 import pytest
 from util import advisory_locks, drain, flushed_stat, not_due, raises_sqlstate, result, snapshot
 
+from runner import db
 from runner.lab.example import JOB, divergence
 from runner.status import exit_code
 
 
 def status_exit_code(conn) -> int:
     """lockstep status's exit code for the rows of lockstep.status as they are now."""
-    cur = conn.execute("select * from lockstep.status")
-    names = [c.name for c in cur.description]
-    return exit_code([dict(zip(names, row, strict=True)) for row in cur.fetchall()])
+    return exit_code(db.status(conn))
 
 
 def queue_keys(conn) -> list[str]:
