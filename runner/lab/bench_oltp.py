@@ -42,6 +42,7 @@ from typing import Any
 
 import psycopg
 
+from runner.db import APP_NAME
 from runner.lab import scratch
 from runner.migrate import migrate
 
@@ -105,6 +106,9 @@ begin
 end $$;
 """
 SEQ_SQL = "select coalesce(pg_sequence_last_value(pg_get_serial_sequence('lockstep.queue', 'id')), 0)"
+RUNNER_BACKENDS_SQL = (
+    "select pid from pg_stat_activity where application_name = %s and datname = current_database()"
+)
 
 Progress = Callable[[str], None]
 
@@ -141,6 +145,25 @@ def parse_pgbench(out: str) -> dict[str, Any]:
         "failed": int(num(r"number of failed transactions: (\d+)") or 0),
         "update_accounts_ms": float(upd.group(1)) if upd else None,
     }
+
+
+def _process_cpu_ms(pid: int) -> float | None:
+    """User + system CPU of a process of this host so far (ms), or None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) * 1000.0 / os.sysconf("SC_CLK_TCK")
+
+
+def _backend_cpu_ms(pid: int) -> float | None:
+    """CPU of a server backend of this host so far (ms, /proc/<pid>/schedstat), or None (gone, elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            return int(f.read().split()[0]) / 1e6
+    except OSError:
+        return None
 
 
 class Oltp:
@@ -219,6 +242,12 @@ class Oltp:
             sampler = threading.Thread(target=self._sample, args=(samples, stop), daemon=True)
             sampler.start()
             self.progress(f"lockstep {round_}: {self.opts['seconds']} s with {self.opts['runners']} runners")
+            # CPU counted from when every runner is connected (its imports and start-up are not the worker's)
+            deadline = time.monotonic() + 30
+            while len(self._runner_backends_cpu()) < len(runners) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            backends0 = self._runner_backends_cpu()
+            runners0 = [_process_cpu_ms(p.pid) for p, _ in runners]
             r = self.load()
             stop.set()
             sampler.join()
@@ -230,6 +259,11 @@ class Oltp:
                     break
                 time.sleep(0.05)
             r["drain_s"] = time.monotonic() - t0
+            r["runner_cpu_ms"] = _cpu_delta(runners0, [_process_cpu_ms(p.pid) for p, _ in runners])
+            backends1 = self._runner_backends_cpu()
+            r["runner_backend_cpu_ms"] = _cpu_delta(
+                [backends0.get(pid) for pid in backends1], list(backends1.values())
+            )
             r["queue_left"] = depth
             r["wal_per_txn"] = (self._lsn() - wal0) / max(r["transactions"], 1)
             keys = self.conn.execute(SEQ_SQL).fetchone()[0] - seq0
@@ -253,7 +287,14 @@ class Oltp:
                         passes += 1
         shutil.rmtree(logdir, ignore_errors=True)
         lags = sorted(s[0] for s in samples)
+        cpu = None
+        if r["runner_cpu_ms"] is not None and r["runner_backend_cpu_ms"] is not None:
+            cpu = r["runner_cpu_ms"] + r["runner_backend_cpu_ms"]
         r.update(
+            worker_cpu_ms_per_key=cpu / keys if cpu is not None and keys else None,
+            worker_backend_cpu_ms_per_key=r["runner_backend_cpu_ms"] / keys
+            if r["runner_backend_cpu_ms"] is not None and keys
+            else None,
             trigger_us_per_update=trigger_us,
             keys_enqueued=keys,
             worker_passes=passes,
@@ -268,6 +309,10 @@ class Oltp:
         r["converged"] = r["queue_left"] == 0 and r["divergence"] == 0
         return r
 
+    def _runner_backends_cpu(self) -> dict[int, float | None]:
+        """pid -> CPU ms so far of the runners' server backends (application_name lockstep's)."""
+        return {r[0]: _backend_cpu_ms(r[0]) for r in self.conn.execute(RUNNER_BACKENDS_SQL, [APP_NAME])}
+
     def _sample(self, samples: list[tuple[float, int, int]], stop: threading.Event) -> None:
         with psycopg.connect(self.dsn, autocommit=True) as c:
             while not stop.wait(0.5):
@@ -275,6 +320,14 @@ class Oltp:
 
     def close(self) -> None:
         self.conn.close()
+
+
+def _cpu_delta(before: list[float | None], after: list[float | None]) -> float | None:
+    """Summed CPU ms between two samples of the same processes (a backend that started meanwhile counts
+    from 0); None if any is unreadable at the end."""
+    if not after or any(a is None for a in after):
+        return None
+    return sum(a - (b or 0.0) for b, a in zip(before, after, strict=True))  # type: ignore[operator]
 
 
 def options(**overrides: int | None) -> dict[str, int]:
@@ -355,9 +408,12 @@ def render(r: dict[str, Any]) -> str:
     for i, rd in enumerate(rounds, 1):
         ls = rd["lockstep"]
         lines += [
-            f"  round {i}: worker {_f(ls['worker_ms_per_key'], '{:.3f}')} ms per queued key"
+            f"  round {i}: worker {_f(ls['worker_ms_per_key'], '{:.3f}')} ms per queued key (wall, under the"
+            " load)"
             f" ({ls['keys_enqueued']:,} keys, {ls['worker_passes']} passes,"
-            f" {_f(ls['worker_ms'], '{:,.0f}')} ms)",
+            f" {_f(ls['worker_ms'], '{:,.0f}')} ms); CPU {_f(ls.get('worker_cpu_ms_per_key'), '{:.3f}')} ms"
+            f" per key (runner processes and their backends; backends alone"
+            f" {_f(ls.get('worker_backend_cpu_ms_per_key'), '{:.3f}')})",
             f"  round {i}: queue oldest entry p50 {_f(ls['queue_lag_p50_s'])} s,"
             f" max {_f(ls['queue_lag_max_s'])} s (target <= 1 s), depth max {ls['queue_depth_max']},"
             f" size max {_f(ls['queue_bytes_max'], '{:,}')} B, drained {_f(ls['drain_s'])} s after the load",
