@@ -65,10 +65,14 @@ MIGRATE_HINT = "install or upgrade the lockstep schema with `lockstep migrate` (
 # Start-up failures that retrying cannot fix: (pattern in libpq's message or SQLSTATE, what it means, hint).
 _PERMANENT_MESSAGES = (
     (
-        re.compile(r'database "[^"]*" does not exist'),
+        # PostgreSQL's text, and PgBouncer's for a database missing from its [databases]
+        re.compile(r'database "[^"]*" does not exist|no such database: '),
         "check the database name in --dsn / DATABASE_URL / PGDATABASE (createdb, or CREATE DATABASE)",
     ),
-    (re.compile(r'role "[^"]*" does not exist'), "check the user in --dsn / DATABASE_URL / PGUSER"),
+    (
+        re.compile(r'role "[^"]*" does not exist|no such user: '),  # PostgreSQL's, PgBouncer's (auth_file)
+        "check the user in --dsn / DATABASE_URL / PGUSER",
+    ),
     (
         re.compile(r"password authentication failed|authentication failed for user|no pg_hba\.conf entry"),
         "check the password (~/.pgpass, PGPASSFILE, PGPASSWORD) and the server's pg_hba.conf",

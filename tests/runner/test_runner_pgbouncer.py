@@ -17,6 +17,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +26,7 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from runner_procs import SLOW_FN, in_slow_call, wait_for
 
+from runner.errors import EXIT_SETUP
 from runner.lab.example import JOB, divergence
 
 pytestmark = pytest.mark.skipif(shutil.which("pgbouncer") is None, reason="pgbouncer is not installed")
@@ -246,3 +248,23 @@ def test_a_second_signal_cancels_the_call_through_pgbouncer(ex, pgbouncer, runne
     assert locks.fetchone()[0] == 0
     assert ex.execute("select count(*) from public.ticks").fetchone()[0] == 0
     assert "cancelling" in r.stderr and "could not cancel" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("mode", [[], ["--once"]], ids=["loop", "once"])
+def test_a_database_pgbouncer_does_not_know_is_a_permanent_start_up_error(pgbouncer, mode):
+    """PgBouncer answers a database missing from its [databases] with its own FATAL text ("no such
+    database: x"), not PostgreSQL's: the runner exited 3 (no server answered) and, in its loop, retried for
+    ever (found by a probe). It is exit 4 with the database hint, as behind no pooler."""
+    dsn = make_conninfo(pgbouncer.dsn, dbname="lockstep_pgb_no_such_alias")
+    try:
+        p = subprocess.run(
+            [sys.executable, "-m", "runner", "run", *mode, "--dsn", dsn, "--no-listen", "--no-prepare"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            stdin=subprocess.DEVNULL,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("lockstep run was still retrying after 30 s")
+    assert p.returncode == EXIT_SETUP, p.stderr
+    assert "no such database" in p.stderr and "database name" in p.stderr, p.stderr
