@@ -1376,7 +1376,17 @@ CREATE FUNCTION lockstep._finish(j lockstep.job, action text, outcome text, star
     AS $$
 declare
     v_failed boolean := outcome = 'failed';
+    v_only_skipped boolean := action = 'work' and outcome = 'done' and error is null
+                              and p.inserted + p.updated + p.deleted + p.gone = 0
+                              and cardinality(p.failed) = 0 and cardinality(p.skipped) > 0;
+    v_again boolean := false;
 begin
+    if v_only_skipped then  -- the previous pass only skipped too (read under the group lock: no other writer)
+        select s.last_action = 'work' and s.last_outcome = 'done' and s.last_error is null
+               and s.last_inserted + s.last_updated + s.last_deleted = 0 and s.last_skipped > 0
+        into v_again
+        from lockstep.job_state s where s.job = j.job;
+    end if;
     update lockstep.job_state s set
         next_run_at = case
             when action in ('recompute', 'call') and v_failed then now() + j.backoff
@@ -1406,9 +1416,11 @@ begin
         last_error = case when v_failed then error else null end,
         recompute_error = case when action in ('recompute', 'call') then case when v_failed then error end
                                else s.recompute_error end,
-        runs = s.runs + 1
+        runs = s.runs + case when v_again then 0 else 1 end
     where s.job = j.job;
-    perform lockstep._log_run(j, action, outcome, started, p, error);
+    if not coalesce(v_again, false) then
+        perform lockstep._log_run(j, action, outcome, started, p, error);
+    end if;
 end;
 $$;
 

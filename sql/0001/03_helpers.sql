@@ -239,6 +239,11 @@ $$;
 
 -- lockstep._finish(job, action, outcome, started, pass, error): write the job's status row.
 -- Called last in every run that did something, after all other writes.
+-- A worker pass that only skipped parents an application holds (wrote, deleted and failed nothing), right
+-- after a pass that only skipped too, is not a new run: the status row's last_* show it, but runs is not
+-- counted up and lockstep.run_log gets no row. A parent held for minutes is retried every second
+-- (lockstep._defer_until), and each retry was a run: the job's 1000 logged runs were pushed out in 17
+-- minutes (found by a probe); now a held period is one run.
 -- locks: the job's lockstep.job_state row (FOR NO KEY UPDATE, by the update); then as lockstep._log_run.
 create function lockstep._finish(j lockstep.job, action text, outcome text, started timestamptz,
                                  p lockstep._pass default null, error text default null)
@@ -248,7 +253,17 @@ set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_failed boolean := outcome = 'failed';
+    v_only_skipped boolean := action = 'work' and outcome = 'done' and error is null
+                              and p.inserted + p.updated + p.deleted + p.gone = 0
+                              and cardinality(p.failed) = 0 and cardinality(p.skipped) > 0;
+    v_again boolean := false;
 begin
+    if v_only_skipped then  -- the previous pass only skipped too (read under the group lock: no other writer)
+        select s.last_action = 'work' and s.last_outcome = 'done' and s.last_error is null
+               and s.last_inserted + s.last_updated + s.last_deleted = 0 and s.last_skipped > 0
+        into v_again
+        from lockstep.job_state s where s.job = j.job;
+    end if;
     update lockstep.job_state s set
         next_run_at = case
             when action in ('recompute', 'call') and v_failed then now() + j.backoff
@@ -278,9 +293,11 @@ begin
         last_error = case when v_failed then error else null end,
         recompute_error = case when action in ('recompute', 'call') then case when v_failed then error end
                                else s.recompute_error end,
-        runs = s.runs + 1
+        runs = s.runs + case when v_again then 0 else 1 end
     where s.job = j.job;
-    perform lockstep._log_run(j, action, outcome, started, p, error);
+    if not coalesce(v_again, false) then
+        perform lockstep._log_run(j, action, outcome, started, p, error);
+    end if;
 end;
 $$;
 

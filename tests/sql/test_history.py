@@ -348,3 +348,35 @@ def test_status_history_for_a_role_that_may_not_read_it_is_a_one_line_error(ex, 
     assert p.returncode == 4  # a setup error (privileges), with a hint
     assert p.stderr.startswith("Error: permission denied for table run_log"), p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_passes_that_only_skip_a_held_parent_again_are_one_run(ex, exconnect):
+    """An application holding a parent's derived rows for minutes made every worker pass (one a second:
+    the skipped key's entry is deferred a second) a new run_log row and a new run, so the job's history of
+    1000 runs was pushed out in 17 minutes (found by a probe). A pass that only skips, right after a pass
+    that only skipped, updates the status row and is neither logged nor counted."""
+    app = exconnect()
+    ex.execute("update example.exam set body = 'held parent rewritten' where id = 3")
+    ex.execute("delete from lockstep.queue")
+    ex.execute("delete from lockstep.run_log")
+    app.execute("begin")
+    app.execute("select * from example.exam_key where exam_id = 3 for update")  # the app holds them
+    ex.execute("select lockstep.enqueue('exam_keys', array[3]::bigint[])")
+    runs0 = ex.execute("select runs from lockstep.job_state where job = 'exam_keys'").fetchone()[0]
+    finished = []
+    for _ in range(4):
+        ex.execute("update lockstep.queue set ready_at = now() where job = 'exam_keys'")  # the deferral over
+        r = result(ex, "lockstep.work('exam_keys')")
+        assert (r["outcome"], r["skipped"], r["inserted"] + r["updated"] + r["deleted"]) == ("done", 1, 0)
+        finished.append(
+            ex.execute("select last_finished_at from lockstep.job_state where job = 'exam_keys'").fetchone()[0]
+        )
+    rows = logged(ex, "exam_keys")
+    assert [(r["action"], r["skipped"], r["run_no"]) for r in rows] == [("work", 1, runs0 + 1)]
+    state = ex.execute("select runs, last_skipped from lockstep.job_state where job = 'exam_keys'").fetchone()
+    assert state == (runs0 + 1, 1) and finished == sorted(finished) and finished[0] < finished[-1]
+    app.execute("rollback")  # the application lets go: the next pass writes, and is a run of its own
+    ex.execute("update lockstep.queue set ready_at = now() where job = 'exam_keys'")
+    r = result(ex, "lockstep.work('exam_keys')")
+    assert r["outcome"] == "done" and r["skipped"] == 0 and r["inserted"] + r["deleted"] > 0
+    assert [(r["skipped"], r["run_no"]) for r in logged(ex, "exam_keys")] == [(1, runs0 + 1), (0, runs0 + 2)]
