@@ -497,8 +497,8 @@ begin
     perform lockstep._warn_index(target, v_par.parent_column);
     perform lockstep._warn_unique(target);
     perform lockstep._dry_run(compute, v_par.key_type);
-    perform lockstep._check_watchers(job, parent, v_par.key_type);
-    perform lockstep._check_target_free(job, target);
+    perform lockstep._check_target_free(job, target);  -- before the watchers: a taken table is LSD07, not
+    perform lockstep._check_watchers(job, parent, v_par.key_type);  -- LSQ01 about this job's triggers
     perform lockstep._save_derived(job, target, compute, parent, v_par.parent_column, v_par.parent_key,
                                    v_par.key_type, v_key, v_cols, lock_group, every, backoff);
 end;

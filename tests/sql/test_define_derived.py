@@ -147,6 +147,27 @@ def test_a_second_job_on_the_same_target_is_refused(db):
         db.execute("select lockstep.define_derived('whole', 'dp', 'good(bigint[])', 'p')")
 
 
+def test_moving_a_job_onto_another_jobs_target_is_refused_as_taken(db):
+    """Redefining a watched job onto another job's target, with a parent of another key type, was refused
+    with LSQ01 about its triggers' key type (the watchers were checked first), which sent the user to
+    unwatch instead of saying that the table is taken (found by a probe): the taken target is LSD07."""
+    db.execute(
+        """
+        create table tp (code text primary key, v int not null);
+        create table td (code text primary key references tp on delete cascade, w int not null);
+        create function tf(codes text[]) returns table (code text, w int) language sql
+            as $$ select code, v from public.tp where codes is null or code = any(codes) $$;
+        """
+    )
+    db.execute("select lockstep.define_derived('owner', 'd', 'good(bigint[])', 'p')")
+    db.execute("select lockstep.define_derived('mover', 'td', 'tf(text[])', 'tp')")
+    db.execute("select lockstep.watch('mover', 'tp', 'code')")
+    before = snapshot(db, "d"), db.execute("select * from lockstep.job order by job").fetchall()
+    with raises_sqlstate("LSD07", 'already written by job "owner"'):
+        db.execute("select lockstep.define_derived('mover', 'd', 'good(bigint[])', 'p')")
+    assert (snapshot(db, "d"), db.execute("select * from lockstep.job order by job").fetchall()) == before
+
+
 def test_concurrent_definitions_on_one_target_are_serialized(db, connect):
     """Two define_derived on one target in concurrent transactions both passed the check and both committed
     (found by a probe): now the second waits for the first and is refused."""
