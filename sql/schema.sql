@@ -2564,6 +2564,7 @@ CREATE FUNCTION lockstep._recompute_failed(j lockstep.job, started timestamp wit
 declare
     v_keys text[];
     v_before bigint;
+    v_msg text;
 begin
     if j.parent is null or sqlstate like '42%' or (sqlstate like 'LSD%' and sqlstate <> 'LSD05') then
         return lockstep._failed(j, 'recompute', started, error);
@@ -2576,11 +2577,11 @@ begin
     v_keys := lockstep._parent_keys(j);
     select coalesce(max(q.id), 0) into v_before from lockstep.queue q where q.job = j.job;
     perform lockstep._hand_off(j, v_keys, v_before, case when cardinality(v_keys) > 0 then 0 end);
-    perform lockstep._finish(j, 'recompute', 'done', started);
-    return lockstep._result('done', j.job, 'recompute', null,
-        pg_catalog.format('the whole-table pass failed (%s); its %s parents were handed to the worker, which '
-                          'isolates the failing ones (lockstep.failing_keys)', error, cardinality(v_keys)),
-        cardinality(v_keys) > 0);
+    v_msg := pg_catalog.format('the whole-table pass failed (%s); its %s parents were handed to the worker, '
+                               'which isolates the failing ones (lockstep.failing_keys)', error, cardinality(v_keys));
+    -- a done run with its reason: lockstep.run_log.error has it (the status row keeps last_error for failures)
+    perform lockstep._finish(j, 'recompute', 'done', started, null, v_msg);
+    return lockstep._result('done', j.job, 'recompute', null, v_msg, cardinality(v_keys) > 0);
 end;
 $$;
 

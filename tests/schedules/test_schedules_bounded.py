@@ -258,6 +258,12 @@ def test_a_poison_parent_in_a_recompute_is_parked_while_the_rest_is_written(ex):
     # today: the whole recompute fails and backs off an hour; now the parents go to the worker's bisection
     assert (r["outcome"], r["more"]) == ("done", True), r
     assert "cannot compute exam 13" in r["error"] and "handed to the worker" in r["error"]
+    # the history says why too: run_log.error was NULL for this run (found by a probe)
+    logged = ex.execute(
+        f"select outcome, error from lockstep.run_log where job = '{JOB}' and action = 'recompute'"
+        " order by id desc limit 1"
+    ).fetchone()
+    assert logged == ("done", r["error"])
     assert ex.execute(STATUS_SQL).fetchone() == (0, 200)
     _drain(ex)
     st = ex.execute(
