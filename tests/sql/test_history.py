@@ -369,7 +369,9 @@ def test_passes_that_only_skip_a_held_parent_again_are_one_run(ex, exconnect):
         r = result(ex, "lockstep.work('exam_keys')")
         assert (r["outcome"], r["skipped"], r["inserted"] + r["updated"] + r["deleted"]) == ("done", 1, 0)
         finished.append(
-            ex.execute("select last_finished_at from lockstep.job_state where job = 'exam_keys'").fetchone()[0]
+            ex.execute("select last_finished_at from lockstep.job_state where job = 'exam_keys'").fetchone()[
+                0
+            ]
         )
     rows = logged(ex, "exam_keys")
     assert [(r["action"], r["skipped"], r["run_no"]) for r in rows] == [("work", 1, runs0 + 1)]
