@@ -1783,17 +1783,21 @@ begin
         return 0;
     end if;
     -- every changed parent once, in key order, numbered: the first budget are the batch, the rest is handed off.
+    -- Parents whose key is too long for the queue (lockstep._queueable) come first: handed off, each flagged
+    -- the job for another full recompute, which again wrote one batch and flagged again while the worker had
+    -- not caught up: one whole compute per batch (found by a probe). In the batch they are written now.
     -- The filters below test membership in the batch's small set (an uncorrelated IN, hashed), never in the
     -- rest (a NOT EXISTS inside an OR cannot become an anti-join and rescanned the rest for every row:
     -- quadratic in the size of the change).
     drop table if exists pg_temp.lockstep_parents, pg_temp.lockstep_rest, pg_temp.lockstep_first;
     execute pg_catalog.format(
         'create temp table lockstep_parents on commit drop as '
-        'select k::text as key, pg_catalog.row_number() over (order by k) as n from (select distinct k::%1$s as k from ('
+        'select k::text as key, pg_catalog.row_number() over (order by pg_catalog.octet_length(k::text) > %4$s desc, k) as n '
+        'from (select distinct k::%1$s as k from ('
         '  select lockstep_parent from pg_temp.%2$I'
         '  union all select lockstep_parent from pg_temp.%3$I'
         '  union all select lockstep_old_parent from pg_temp.%3$I) s(k) where k is not null) s',
-        lockstep._type_sql(j.key_type), v_gone, v_put);
+        lockstep._type_sql(j.key_type), v_gone, v_put, lockstep._max_key_bytes() - pg_catalog.octet_length(j.job));
     if not exists (select from pg_temp.lockstep_parents c where c.n > budget) then
         drop table pg_temp.lockstep_parents;
         return 0;

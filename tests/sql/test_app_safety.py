@@ -476,21 +476,52 @@ def test_a_recompute_keeps_the_flag_its_own_hand_off_raised_even_in_one_transact
     (pg_visible_in_snapshot counts the transaction's own xid as seen once a later one has committed), the
     parent stayed stale and nothing said so (found by a fault probe)."""
     app.execute(LONG_SQL)
-    app.execute(f"insert into app.tag (name, hits) values ('a', 1), ('b', 2), ('zz' || ({LONG_KEY}), 3)")
+    longs = [f"'{c}' || ({LONG_KEY})" for c in "xyz"]  # three, so that each recompute hands one off
+    app.execute(
+        f"insert into app.tag (name, hits) values ('a', 1), ('b', 2), {', '.join(f'({k}, 3)' for k in longs)}"
+    )
     app.execute(f"select lockstep.set_batch_parents('{TAGS}', 1)")
     other = connect()
     with app.transaction():
         app.execute("select pg_current_xact_id()")  # the transaction has its xid before either snapshot
-        for _ in range(2):  # each writes the first parent left, hands the others off
+        for _ in range(2):  # each writes the first parent left (a long key first), hands the others off
             other.execute("select pg_current_xact_id()")  # a later xid commits: xmax passes ours
             assert result(app, f"lockstep.recompute('{TAGS}')")["outcome"] == "done"
-    assert app.execute("select name from app.tag_hits order by name").fetchall() == [("a",), ("b",)]
+    assert [r[0][0] for r in app.execute("select name from app.tag_hits order by name")] == ["x", "y"]
     assert flag(app, TAGS)[0] and "too long for the queue" in flag(app, TAGS)[1]  # before: no flag
     # the flag makes the recompute due: run() writes the long key's parent and only then clears it
     for _ in range(5):
         result(app, f"lockstep.run('{TAGS}')")
-    assert app.execute("select count(*) from app.tag_hits").fetchone()[0] == 3
+    assert app.execute("select count(*) from app.tag_hits").fetchone()[0] == 5
     assert flag(app, TAGS) == (False, None)
+
+
+def test_a_recompute_writes_the_parents_of_keys_too_long_for_the_queue_in_its_batch(app):
+    """A recompute hands what exceeds its batch to the queue; a key too long for the queue flags the job for
+    another full recompute instead. With the long key last, each recompute wrote one batch and flagged the
+    job again while the worker had not caught up: one whole compute per batch_parents parents (found by a
+    probe). Parents of long keys are now written in the batch, so one recompute and the worker converge."""
+    app.execute(LONG_SQL)
+    app.execute(
+        "insert into app.tag (name, hits) select 'k' || g, g from generate_series(1, 6) g;"
+        f" insert into app.tag (name, hits) values ('zz' || ({LONG_KEY}), 7)"
+    )
+    app.execute(f"select lockstep.set_batch_parents('{TAGS}', 2)")
+    app.execute("delete from lockstep.run_log")
+    r = result(app, f"lockstep.recompute('{TAGS}')")
+    assert (r["outcome"], r["inserted"]) == ("done", 2)
+    assert app.execute("select count(*) from app.tag_hits where name like 'zz%'").fetchone()[0] == 1
+    assert flag(app, TAGS) == (False, None)  # before: flagged, so the next run() recomputed everything
+    assert queue(app, TAGS) == ["k2", "k3", "k4", "k5", "k6"]
+    for _ in range(10):
+        result(app, f"lockstep.run('{TAGS}')")
+    assert app.execute("select count(*) from app.tag_hits").fetchone()[0] == 7
+    assert (
+        app.execute(
+            f"select count(*) from lockstep.run_log where job = '{TAGS}' and action = 'recompute'"
+        ).fetchone()[0]
+        == 1
+    )
 
 
 # -- the hostile application catalogue ---------------------------------------------------------------------
