@@ -161,7 +161,8 @@ begin
     -- error of class 42 (a privilege revoked, a column gone) is the job's wherever it is raised: one that
     -- only writing raises (INSERT on the target revoked) passed the empty pass, and parked key after key
     -- while the job looked healthy (found by a probe)
-    if pg_catalog.left(t.state, 2) = '42' or (select e.error from lockstep._try(j, '{}'::text[]) e) is not null
+    if pg_catalog.left(t.state, 2) = '42' or lockstep._transient(t.state)
+       or (select e.error from lockstep._try(j, '{}'::text[]) e) is not null
        or lockstep._timed_out() is not null then
         job_error := t.error;
         return;
@@ -1659,8 +1660,8 @@ declare
     v_err text := error;
     t record;
 begin
-    if lockstep._timed_out() is not null then
-        return row(0, 0, 0, keys, 0, 0, 0, '{}', '{}')::lockstep._pass;
+    if lockstep._timed_out() is not null or pg_catalog.current_setting('lockstep.transient', true) <> '' then
+        return row(0, 0, 0, keys, 0, 0, 0, '{}', '{}')::lockstep._pass;  -- not tried, not blamed
     end if;
     if v_err is null then
         select * into t from lockstep._try(j, keys);
@@ -2570,7 +2571,8 @@ declare
     v_before bigint;
     v_msg text;
 begin
-    if j.parent is null or sqlstate like '42%' or (sqlstate like 'LSD%' and sqlstate <> 'LSD05') then
+    if j.parent is null or sqlstate like '42%' or (sqlstate like 'LSD%' and sqlstate <> 'LSD05')
+       or lockstep._transient(sqlstate) then  -- a lock timeout (say) is the moment's, not some parents'
         return lockstep._failed(j, 'recompute', started, error);
     end if;
     begin
@@ -3007,6 +3009,13 @@ begin
 end;
 $$;
 
+CREATE FUNCTION lockstep._transient(state text) RETURNS boolean
+    LANGUAGE sql IMMUTABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+    select coalesce(state in ('55P03', '40P01', '40001'), false);
+$$;
+
 CREATE FUNCTION lockstep._trigger_fns() RETURNS SETOF oid
     LANGUAGE sql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -3077,6 +3086,9 @@ exception
         error := null;
     when others then
         get stacked diagnostics error = message_text, state = returned_sqlstate;
+        if lockstep._transient(state) then  -- remembered for the rest of the pass (lockstep._work fails it)
+            perform pg_catalog.set_config('lockstep.transient', error, true);
+        end if;
 end;
 $$;
 
@@ -3255,6 +3267,7 @@ begin
     end if;
     v_started := clock_timestamp();
     perform pg_catalog.set_config('lockstep.timed_out', '', true);
+    perform pg_catalog.set_config('lockstep.transient', '', true);
     if s.last_action = 'work' and s.last_outcome = 'failed' and s.last_error like 'lockstep: statement timeout on %' then
         v_err := lockstep._check_timed_out(j, batch);
         if v_err is not null then
@@ -3270,8 +3283,10 @@ begin
     end if;
     select * into r from lockstep._readable(j, c.keys);
     select * into a from lockstep._attempt(j, coalesce(r.canon, '{}'), c.kind);
-    if a.job_error is not null then
-        return lockstep._failed(j, 'work', v_started, a.job_error);
+    -- a lock timeout, deadlock or serialization failure in any part (lockstep._transient): the pass fails
+    v_err := coalesce(a.job_error, nullif(pg_catalog.current_setting('lockstep.transient', true), ''));
+    if v_err is not null then
+        return lockstep._failed(j, 'work', v_started, v_err);
     end if;
     v_err := lockstep._settle(j, c.kind, r.raw, e.ids, e.ctids, e.entry_keys, a.p, r.bad, r.errors);
     perform lockstep._finish(j, 'work', 'done', v_started, a.p, null);

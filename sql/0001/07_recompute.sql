@@ -337,7 +337,8 @@ $$;
 -- definition error (SQLSTATE class 42, or lockstep's LSDxx: the target, its keys, its foreign keys or the
 -- shape of compute's rows; not LSD05, a primary key computed twice or NULL, which is a fault of the rows of
 -- some parents, as the worker treats it), or an empty pass raises too, or the job has no parent, the job
--- itself is broken: a failed run with its backoff. Otherwise (an error of compute or of a constraint, or
+-- itself is broken: a failed run with its backoff. So is an error of the moment (lockstep._transient: a
+-- lock timeout, say), which is no parent's fault either. Otherwise (an error of compute or of a constraint, or
 -- LSD05) some parents are poison: every parent is handed to the queue, where the worker's bisection isolates,
 -- retries and parks the failing ones (lockstep.failing_keys / parked_keys) and writes all the others; the
 -- recompute is done (no backoff) and reports the error.
@@ -353,7 +354,8 @@ declare
     v_before bigint;
     v_msg text;
 begin
-    if j.parent is null or sqlstate like '42%' or (sqlstate like 'LSD%' and sqlstate <> 'LSD05') then
+    if j.parent is null or sqlstate like '42%' or (sqlstate like 'LSD%' and sqlstate <> 'LSD05')
+       or lockstep._transient(sqlstate) then  -- a lock timeout (say) is the moment's, not some parents'
         return lockstep._failed(j, 'recompute', started, error);
     end if;
     begin

@@ -11,6 +11,19 @@ as $$
                a.failed || b.failed, a.errors || b.errors)::lockstep._pass;
 $$;
 
+-- lockstep._transient(state): an error that says nothing about the keys being computed, only about the
+-- moment: a lock_timeout (55P03: an application's table lock on the target, say), a deadlock (40P01) or a
+-- serialization failure (40001). A pass that meets one fails as a whole and is tried again after the
+-- job's backoff; its keys stay queued and none is blamed (the bisection parked them one by one after
+-- max_attempts, so the changes waited for a manual retry long after the lock was gone: found by a probe).
+-- locks: nothing.
+create function lockstep._transient(state text) returns boolean
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select coalesce(state in ('55P03', '40P01', '40001'), false);
+$$;
+
 -- lockstep._try(j, keys): one attempt at keys, in a subtransaction: its pass, or the error it raised
 -- and its SQLSTATE (pass NULL). A statement timeout is remembered for the rest of the pass (lockstep._timed_out: these
 -- keys) and returns an empty pass: after it, nothing in this statement is bounded any more, because
@@ -35,6 +48,9 @@ exception
         error := null;
     when others then
         get stacked diagnostics error = message_text, state = returned_sqlstate;
+        if lockstep._transient(state) then  -- remembered for the rest of the pass (lockstep._work fails it)
+            perform pg_catalog.set_config('lockstep.transient', error, true);
+        end if;
 end;
 $$;
 
@@ -63,8 +79,8 @@ declare
     v_err text := error;
     t record;
 begin
-    if lockstep._timed_out() is not null then
-        return row(0, 0, 0, keys, 0, 0, 0, '{}', '{}')::lockstep._pass;
+    if lockstep._timed_out() is not null or pg_catalog.current_setting('lockstep.transient', true) <> '' then
+        return row(0, 0, 0, keys, 0, 0, 0, '{}', '{}')::lockstep._pass;  -- not tried, not blamed
     end if;
     if v_err is null then
         select * into t from lockstep._try(j, keys);
@@ -356,7 +372,8 @@ begin
     -- error of class 42 (a privilege revoked, a column gone) is the job's wherever it is raised: one that
     -- only writing raises (INSERT on the target revoked) passed the empty pass, and parked key after key
     -- while the job looked healthy (found by a probe)
-    if pg_catalog.left(t.state, 2) = '42' or (select e.error from lockstep._try(j, '{}'::text[]) e) is not null
+    if pg_catalog.left(t.state, 2) = '42' or lockstep._transient(t.state)
+       or (select e.error from lockstep._try(j, '{}'::text[]) e) is not null
        or lockstep._timed_out() is not null then
         job_error := t.error;
         return;
@@ -503,6 +520,7 @@ begin
     end if;
     v_started := clock_timestamp();
     perform pg_catalog.set_config('lockstep.timed_out', '', true);
+    perform pg_catalog.set_config('lockstep.transient', '', true);
     if s.last_action = 'work' and s.last_outcome = 'failed' and s.last_error like 'lockstep: statement timeout on %' then
         v_err := lockstep._check_timed_out(j, batch);
         if v_err is not null then
@@ -518,8 +536,10 @@ begin
     end if;
     select * into r from lockstep._readable(j, c.keys);
     select * into a from lockstep._attempt(j, coalesce(r.canon, '{}'), c.kind);
-    if a.job_error is not null then
-        return lockstep._failed(j, 'work', v_started, a.job_error);
+    -- a lock timeout, deadlock or serialization failure in any part (lockstep._transient): the pass fails
+    v_err := coalesce(a.job_error, nullif(pg_catalog.current_setting('lockstep.transient', true), ''));
+    if v_err is not null then
+        return lockstep._failed(j, 'work', v_started, v_err);
     end if;
     v_err := lockstep._settle(j, c.kind, r.raw, e.ids, e.ctids, e.entry_keys, a.p, r.bad, r.errors);
     perform lockstep._finish(j, 'work', 'done', v_started, a.p, null);

@@ -282,6 +282,31 @@ def test_a_broken_job_fails_as_a_whole_and_poisons_no_key(ex):
     assert result(ex, f"lockstep.work('{JOB}')")["outcome"] == "backoff"
 
 
+def test_a_lock_timeout_fails_the_pass_as_a_whole_and_parks_no_key(ex, exconnect):
+    """A runner with lock_timeout whose pass meets an application's table lock on the target (55P03) is not
+    a fault of its keys: the bisection blamed them one by one and parked them after max_attempts, so the
+    changes waited for a manual retry after the lock was long gone (found by a probe). Like a deadlock or a
+    serialization failure, it now fails the pass as a whole: keys stay queued, none is failing, and the
+    pass after the backoff writes them."""
+    ex.execute(f"select lockstep.set_max_attempts('{JOB}', 1)")
+    ex.execute("update example.exam set body = body || ' locked out' where id in (1, 2, 3)")
+    ex.execute("delete from lockstep.queue")
+    ex.execute(f"select lockstep.enqueue('{JOB}', array[1, 2, 3])")
+    app = exconnect()
+    app.execute("begin")
+    app.execute("lock table example.exam_key in exclusive mode")  # blocks row locks, not reads
+    ex.execute("set lock_timeout = '100ms'")
+    r = result(ex, f"lockstep.work('{JOB}')")
+    assert r["outcome"] == "failed" and "lock timeout" in r["error"], r
+    assert ex.execute("select count(*) from lockstep.key_failure").fetchone()[0] == 0
+    assert sorted(queue_keys(ex)) == ["1", "2", "3"]
+    app.execute("rollback")
+    ex.execute("update lockstep.job_state set retry_at = now()")  # the backoff over
+    r = result(ex, f"lockstep.work('{JOB}')")
+    assert r["outcome"] == "done" and r["inserted"] + r["deleted"] > 0, r
+    assert queue_keys(ex) == [] and divergence(ex) == (0, 0)
+
+
 def test_a_due_recompute_is_not_starved_by_the_worker(ex):
     """Rule 7: with keys always queued, a worker gives way once the group's periodic job is due."""
     ex.execute("update lockstep.job_state set next_run_at = now() - interval '1 second'")
