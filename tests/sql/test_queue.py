@@ -307,6 +307,23 @@ def test_a_lock_timeout_fails_the_pass_as_a_whole_and_parks_no_key(ex, exconnect
     assert queue_keys(ex) == [] and divergence(ex) == (0, 0)
 
 
+def test_a_lock_timeout_fails_a_recompute_as_a_whole_and_hands_nothing_off(ex, exconnect):
+    """The same for a recompute: a lock timeout in its whole-table pass was taken for poison parents, and
+    every parent was handed to the worker's bisection."""
+    ex.execute("update example.exam set body = body || ' locked out' where id in (1, 2, 3)")
+    ex.execute("delete from lockstep.queue")
+    app = exconnect()
+    app.execute("begin")
+    app.execute("lock table example.exam_key in exclusive mode")
+    ex.execute("set lock_timeout = '100ms'")
+    r = result(ex, f"lockstep.recompute('{JOB}')")
+    assert r["outcome"] == "failed" and "lock timeout" in r["error"], r
+    assert queue_keys(ex) == [] and ex.execute("select count(*) from lockstep.key_failure").fetchone()[0] == 0
+    app.execute("rollback")
+    assert result(ex, f"lockstep.recompute('{JOB}')")["outcome"] == "done"
+    assert divergence(ex) == (0, 0)
+
+
 def test_a_due_recompute_is_not_starved_by_the_worker(ex):
     """Rule 7: with keys always queued, a worker gives way once the group's periodic job is due."""
     ex.execute("update lockstep.job_state set next_run_at = now() - interval '1 second'")
