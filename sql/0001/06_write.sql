@@ -342,6 +342,24 @@ begin
 end;
 $$;
 
+-- lockstep._pin_timeout(): the lock_timeout of a FOR KEY SHARE SKIP LOCKED pin (write steps 1 and 2):
+-- 10ms, or the session's own if it is shorter. SKIP LOCKED does not cover one case: a row whose visible
+-- version an application transaction updated without changing its key (which FOR KEY SHARE does not
+-- conflict with) and whose newer version that transaction then deleted or locked FOR UPDATE. PostgreSQL
+-- locks the old version, follows the update chain to the new one and waits for the application there,
+-- whatever SKIP LOCKED says, holding the pins it took before: the application's DELETE of one of those
+-- then deadlocked with lockstep, and got 40P01 (found by a probe; an ORM's "update, then lock" is enough).
+-- Such a wait is the only one a SKIP LOCKED pin can meet on a row, so it is cut short, and the pin is taken
+-- again FOR SHARE SKIP LOCKED (lockstep._pin_mode), which conflicts with that update and skips the row.
+-- locks: nothing.
+create function lockstep._pin_timeout() returns text
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select case when s::interval > interval '0' and s::interval < interval '10ms' then s else '10ms' end
+    from pg_catalog.current_setting('lock_timeout') s;
+$$;
+
 -- lockstep._pin_parents(j): write step 1. Pin the parent of every row of j's put work table that the
 -- target's foreign-key check will look up: a row to insert, or one that moves to another parent (its new
 -- parent). Rows whose parent could not be pinned are dropped from both work tables. Returns the parent
@@ -353,7 +371,9 @@ $$;
 -- CASCADE locks the target rows, which _lock_rows then skips; an application that has locked the parent
 -- and not yet deleted waits at most for this write phase.
 -- locks: those parent rows, FOR KEY SHARE SKIP LOCKED, in parent-key order (a parent an application holds,
--- e.g. one being deleted, is skipped, never waited for).
+-- e.g. one being deleted, is skipped, never waited for), with lock_timeout lockstep._pin_timeout(); if that
+-- ends a wait (a row an application updated, then deleted or locked), the same rows again FOR SHARE SKIP
+-- LOCKED, in the same order (the first attempt's locks are released with its subtransaction).
 create function lockstep._pin_parents(j lockstep.job) returns text[]
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -362,21 +382,36 @@ declare
     v_need text[];
     v_pinned text[];
     v_skip text[];
+    v_timeout text := pg_catalog.current_setting('lock_timeout');
+    v_mode text;
 begin
     if j.parent is null then
         return '{}';
     end if;
-    execute pg_catalog.format(
-        'with n as (select coalesce(array_agg(distinct k), ''{}'') as a from ('
-        '  select lockstep_parent from pg_temp.%1$I'
-        '  where lockstep_new or lockstep_parent is distinct from lockstep_old_parent) s(k) where k is not null), '
-        'p as (select %2$I::text as k from %3$s where %2$I %5$s any((select n.a from n)::%4$s) '
-        '      order by %2$I for key share skip locked) '
-        'select n.a, (select coalesce(array_agg(distinct x), ''{}'') from pg_catalog.unnest(n.a) x '
-        '             join p on p.k::%6$s %5$s x::%6$s) from n',
-        lockstep._tmp(j, 'put'), j.parent_key, j.parent, lockstep._array_type(j.key_type), lockstep._key_eq(j),
-        lockstep._type_sql(j.key_type))
-        into v_need, v_pinned;
+    foreach v_mode in array array['key share', 'share'] loop  -- 'share': lockstep._pin_timeout says why
+        begin
+            if v_mode = 'key share' then
+                perform pg_catalog.set_config('lock_timeout', lockstep._pin_timeout(), true);
+            end if;
+            execute pg_catalog.format(
+                'with n as (select coalesce(array_agg(distinct k), ''{}'') as a from ('
+                '  select lockstep_parent from pg_temp.%1$I'
+                '  where lockstep_new or lockstep_parent is distinct from lockstep_old_parent) s(k) where k is not null), '
+                'p as (select %2$I::text as k from %3$s where %2$I %5$s any((select n.a from n)::%4$s) '
+                '      order by %2$I for %7$s skip locked) '
+                'select n.a, (select coalesce(array_agg(distinct x), ''{}'') from pg_catalog.unnest(n.a) x '
+                '             join p on p.k::%6$s %5$s x::%6$s) from n',
+                lockstep._tmp(j, 'put'), j.parent_key, j.parent, lockstep._array_type(j.key_type), lockstep._key_eq(j),
+                lockstep._type_sql(j.key_type), v_mode)
+                into v_need, v_pinned;
+            perform pg_catalog.set_config('lock_timeout', v_timeout, true);
+            exit;
+        exception when lock_not_available then
+            if v_mode = 'share' then  -- the session's own lock_timeout (a table lock): as before
+                raise;
+            end if;
+        end;
+    end loop;
     v_skip := array(select pg_catalog.unnest(v_need) except select pg_catalog.unnest(v_pinned));
     if cardinality(v_skip) > 0 then
         perform lockstep._drop_rows(lockstep._tmp(j, 'gone'), 'lockstep_parent = any($1)', v_skip);
@@ -399,7 +434,7 @@ $$;
 -- (conparentid = 0): a key to a partitioned table has one child constraint per partition, and pinning each
 -- row in every partition failed in all but one (a partitioned parent never converged; found by a probe).
 -- locks: the referenced rows, FOR KEY SHARE SKIP LOCKED, one constraint at a time in constraint-name
--- order, each in key order.
+-- order, each in key order; as lockstep._pin_parents, FOR SHARE SKIP LOCKED after lockstep._pin_timeout.
 create function lockstep._pin_refs(j lockstep.job) returns text[]
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -409,6 +444,8 @@ declare
     v_match text;
     v_skip text[] := '{}';
     v_unpinned text;
+    v_timeout text := pg_catalog.current_setting('lock_timeout');
+    v_mode text;
     c record;
 begin
     -- the common case, no foreign key but the parent's (on a column compute returns): nothing to pin or check
@@ -443,11 +480,24 @@ begin
         -- a referenced row r of that row w, in the table and in lockstep_ref (which keeps rk's names)
         v_match := lockstep._fk_eq(c.oid, 'r', 'w');
         drop table if exists pg_temp.lockstep_ref;
-        execute pg_catalog.format(
-            'create temp table lockstep_ref on commit drop as '
-            'select %1$s from %2$s r where exists (select from pg_temp.%3$I w where %4$s and %5$s) '
-            'order by %1$s for key share skip locked',
-            lockstep._cols(c.rk, 'r'), c.ref, lockstep._tmp(j, 'put'), v_needs, v_match);
+        foreach v_mode in array array['key share', 'share'] loop  -- as lockstep._pin_parents
+            begin
+                if v_mode = 'key share' then
+                    perform pg_catalog.set_config('lock_timeout', lockstep._pin_timeout(), true);
+                end if;
+                execute pg_catalog.format(
+                    'create temp table lockstep_ref on commit drop as '
+                    'select %1$s from %2$s r where exists (select from pg_temp.%3$I w where %4$s and %5$s) '
+                    'order by %1$s for %6$s skip locked',
+                    lockstep._cols(c.rk, 'r'), c.ref, lockstep._tmp(j, 'put'), v_needs, v_match, v_mode);
+                perform pg_catalog.set_config('lock_timeout', v_timeout, true);
+                exit;
+            exception when lock_not_available then
+                if v_mode = 'share' then
+                    raise;
+                end if;
+            end;
+        end loop;
         v_unpinned := pg_catalog.format('%s and not exists (select from pg_temp.lockstep_ref r where %s)',
                                         v_needs, v_match);
         v_skip := v_skip || lockstep._drop_rows(lockstep._tmp(j, 'put'), v_unpinned);

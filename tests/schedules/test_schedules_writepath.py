@@ -532,3 +532,79 @@ def test_a_cascade_two_levels_deep_skips_what_the_app_holds(conn, dsn, expected_
     drain(conn, "slots")
     assert conn.execute("select count(*) from wp.booking_note").fetchone()[0] == 0
     assert conn.execute("select count(*) from wp.slot").fetchone()[0] == 3
+
+
+# -- a row an application updated, then deleted or locked: SKIP LOCKED follows the update chain and waits --
+
+UPDATED_THEN_HELD = """
+create schema wp;
+create table wp.lang (code text primary key, name text not null);
+create table wp.post (id int primary key, title text not null, lang text not null references wp.lang);
+create table wp.word (post_id int not null references wp.post on delete cascade, word text not null,
+                      lang text not null references wp.lang, primary key (post_id, word));
+create function wp.words(ids int[]) returns table (post_id int, word text, lang text)
+language sql stable as $$
+    select p.id, w, p.lang from wp.post p, regexp_split_to_table(p.title, ' ') w
+    where ids is null or p.id = any(ids)
+$$;
+insert into wp.lang values ('en', 'English'), ('fr', 'French');
+select lockstep.define_derived('words', 'wp.word', 'wp.words(int[])', 'wp.post', every => '1 day');
+insert into wp.post values (1, 'one title', 'en'), (2, 'two title', 'fr');
+select lockstep.enqueue('words', array[1, 2]);
+update lockstep.job_state set next_run_at = now() + interval '1 day' where job = 'words';
+"""
+
+
+HELD_SESSIONS = {
+    "s1": ["set deadlock_timeout = '1s'"],
+    "s2": ["set deadlock_timeout = '100ms'"],  # the application detects the deadlock first: it is the victim
+    "s3": ["set deadlock_timeout = '10s'"],
+}
+POST2_UPDATED = "update wp.post set title = title where id = 2;"
+HOLD = {  # the application's hold, and the row the naive pin holds that it then deletes
+    "parent-update-lock": (
+        POST2_UPDATED + " select from wp.post where id = 2 for update;",
+        "wp.post where id = 1",
+    ),
+    "parent-update-delete": (POST2_UPDATED + " delete from wp.post where id = 2;", "wp.post where id = 1"),
+    "other-fk-update-lock": (
+        "update wp.lang set name = name where code = 'fr'; select from wp.lang where code = 'fr' for update;",
+        "wp.lang where code = 'en'",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(HOLD))
+def test_a_row_the_app_updated_then_holds_is_skipped_not_waited_for(dsn, case):
+    """FOR KEY SHARE SKIP LOCKED does not skip a row whose visible version an application updated (a
+    change of no key column, which KEY SHARE does not conflict with) and whose newer version it then deleted
+    or locked: PostgreSQL locks the old version, follows the update chain and waits for the application
+    there. The naive pin (s3, permutation 1) waits for the application, holding its pin of post 1, so the
+    application's DELETE of post 1 deadlocks and fails with 40P01. lockstep pinned the same way and did the
+    same (found by a probe); it now cuts that wait short and pins FOR SHARE SKIP LOCKED, which skips the row:
+    post 1 is written, the held row's post re-queued, the application's DELETE does not wait. s1after is
+    sent only once s1work completed (with s2 still open: the old code never did, a StepTimeout). No expected
+    trace: whether the observer sees lockstep's 10 ms wait is a matter of timing."""
+    held, victim = HOLD[case]
+    ref = "wp.lang order by 1" if case.startswith("other") else "wp.post where id in (1, 2) order by 1"
+    spec = Spec(
+        dsn,
+        setup=[UPDATED_THEN_HELD],
+        teardown=["select lockstep.drop_job('words')", "drop schema wp cascade"],
+        sessions=HELD_SESSIONS,
+    )
+    steps(spec)
+    spec.step("s2hold", "s2", held, show_rows=False)
+    spec.step("s2del", "s2", "delete from wp.post where id = 1;")
+    spec.step("s2delnaive", "s2", f"delete from {victim};")
+    spec.step("s2r", "s2", "rollback;")
+    spec.step("s3naive", "s3", f"select 1 from {ref} for key share skip locked;", show_rows=False)
+    spec.step("s1work", "s1", "select outcome, inserted, skipped from lockstep.work('words');")
+    spec.step("s1after", "s1", "select key from lockstep.queue where job = 'words';")
+    naive = spec.run(["s2begin", "s2hold", "s3begin", "s3naive", "s2delnaive", "s2r", "s3c"])
+    assert naive.waited("s3naive") and naive.blocked_by("s3naive") == ["s2"], naive.trace
+    assert naive.sqlstate("s2delnaive") == "40P01", naive.trace  # the application fails
+    r = spec.run(["s2begin", "s2hold", "s1work", "s1after", "s2del", "s2c"])
+    assert r.rows("s1work") == [("done", 2, 1)], r.trace  # post 1's two words; post 2 skipped
+    assert r.rows("s1after") == [("2",)], r.trace  # re-queued
+    assert r.error("s2del") is None and not r.waited("s2del"), r.trace
