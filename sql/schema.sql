@@ -3520,7 +3520,7 @@ CREATE FUNCTION lockstep.due(jobs text[] DEFAULT NULL::text[]) RETURNS TABLE(job
     AS $$
     select j.job, j.lock_group,
            least(s.next_run_at,
-                 case when j.kind = 'derived' and s.consecutive_failures = 0
+                 case when j.kind = 'derived' and s.consecutive_failures = 0 and s.recompute_error is null
                        and exists (select from lockstep.recompute_flag f where f.job = j.job) then now() end,
                  case when j.parent is null and s.recompute_rest > 0 then now() end,
                  case when j.parent is not null and lockstep._has_ready(j)
@@ -3715,8 +3715,11 @@ begin
     if s.next_run_at <= now() then
         return lockstep._recompute(j, true);
     end if;
-    -- a trigger fell back on flagging the job: its recompute is due now (unless failing: then its backoff)
-    if s.consecutive_failures = 0 and exists (select from lockstep.recompute_flag f where f.job = j.job) then
+    -- a trigger fell back on flagging the job: its recompute is due now (unless failing: then its backoff;
+    -- a good worker pass resets consecutive_failures but not recompute_error, which a failed recompute set:
+    -- read alone, the flag re-ran a failing recompute after every worker pass; found by a probe)
+    if s.consecutive_failures = 0 and s.recompute_error is null
+       and exists (select from lockstep.recompute_flag f where f.job = j.job) then
         return lockstep._recompute(j, false);
     end if;
     if j.parent is null then

@@ -324,6 +324,47 @@ def test_a_lock_timeout_fails_a_recompute_as_a_whole_and_hands_nothing_off(ex, e
     assert divergence(ex) == (0, 0)
 
 
+def test_a_flagged_job_whose_recompute_fails_waits_out_its_backoff_between_worker_passes(ex):
+    """A job flagged for its full recompute (a TRUNCATE, a newly watched table) whose recompute failed ran
+    it again after every worker pass: a good pass reset consecutive_failures, and the flag was read only
+    while that was 0, so the hour of backoff was ignored and a 1.5 s recompute ran 20 times in 30 s
+    (found by a probe). The failed recompute's error (recompute_error) now holds the flag back too."""
+    ex.execute(
+        "create function example.whole_fails(ids bigint[])"
+        " returns table (exam_id bigint, key text, weight integer) language plpgsql stable as $$ begin"
+        " if ids is null and current_setting('test.whole_fails', true) = 'on' then"
+        "   raise exception 'the whole table is unavailable' using errcode = '42501'; end if;"
+        " return query select * from example.exam_key_compute(ids); end $$"
+    )
+    ex.execute(
+        f"select lockstep.define_derived('{JOB}', 'example.exam_key', 'example.whole_fails(bigint[])',"
+        " 'example.exam', every => '1 day')"
+    )
+    ex.execute("update lockstep.job_state set next_run_at = now() + interval '1 day'")
+    ex.execute("delete from lockstep.queue; delete from lockstep.run_log")
+    ex.execute("set test.whole_fails = 'on'")
+    ex.execute(f"insert into lockstep.recompute_flag (job, problem) values ('{JOB}', 'a test flag')")
+    r = result(ex, f"lockstep.run('{JOB}')")
+    assert (r["action"], r["outcome"]) == ("recompute", "failed"), r
+    ex.execute(f"select lockstep.enqueue('{JOB}', array[1, 2])")
+    assert result(ex, f"lockstep.run('{JOB}')")["action"] == "work"  # the worker goes on meanwhile
+    for _ in range(3):
+        r = result(ex, f"lockstep.run('{JOB}')")
+        assert r["action"] != "recompute", r  # before: recompute, failed, after every pass
+    due = ex.execute(f"select due_at > now() + interval '30 minutes' from lockstep.due(array['{JOB}'])")
+    assert due.fetchone()[0]  # before: due now, so the runner called it at once
+    recomputes = ex.execute(
+        f"select count(*) from lockstep.run_log where job = '{JOB}' and action = 'recompute'"
+    ).fetchone()[0]
+    assert recomputes == 1
+    # retry ends the backoff: the recompute runs at once, succeeds and clears the flag
+    ex.execute("reset test.whole_fails")
+    ex.execute(f"select lockstep.retry('{JOB}')")
+    r = result(ex, f"lockstep.run('{JOB}')")
+    assert (r["action"], r["outcome"]) == ("recompute", "done"), r
+    assert ex.execute("select count(*) from lockstep.recompute_flag").fetchone()[0] == 0
+
+
 def test_a_due_recompute_is_not_starved_by_the_worker(ex):
     """Rule 7: with keys always queued, a worker gives way once the group's periodic job is due."""
     ex.execute("update lockstep.job_state set next_run_at = now() - interval '1 second'")
