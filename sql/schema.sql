@@ -2247,6 +2247,33 @@ begin
 end;
 $$;
 
+CREATE FUNCTION lockstep._pin_each(rel regclass, cond text, args text[]) RETURNS text[]
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    v_timeout text := pg_catalog.current_setting('lock_timeout');
+    v_pinned text[] := '{}';
+    v_n bigint;
+    a text;
+begin
+    foreach a in array args loop
+        begin
+            perform pg_catalog.set_config('lock_timeout', lockstep._pin_timeout(), true);
+            execute pg_catalog.format('select count(*) from (select from %s r where %s for key share skip locked) s',
+                                      rel, cond) into v_n using a;
+            perform pg_catalog.set_config('lock_timeout', v_timeout, true);
+        exception when lock_not_available then
+            v_n := 0;  -- the subtransaction's rollback restored lock_timeout
+        end;
+        if v_n > 0 then
+            v_pinned := v_pinned || a;
+        end if;
+    end loop;
+    return v_pinned;
+end;
+$$;
+
 CREATE FUNCTION lockstep._pin_parents(j lockstep.job) RETURNS text[]
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -2256,35 +2283,34 @@ declare
     v_pinned text[];
     v_skip text[];
     v_timeout text := pg_catalog.current_setting('lock_timeout');
-    v_mode text;
+    v_need_sql text;
 begin
     if j.parent is null then
         return '{}';
     end if;
-    foreach v_mode in array array['key share', 'share'] loop  -- 'share': lockstep._pin_timeout says why
-        begin
-            if v_mode = 'key share' then
-                perform pg_catalog.set_config('lock_timeout', lockstep._pin_timeout(), true);
-            end if;
-            execute pg_catalog.format(
-                'with n as (select coalesce(array_agg(distinct k), ''{}'') as a from ('
-                '  select lockstep_parent from pg_temp.%1$I'
-                '  where lockstep_new or lockstep_parent is distinct from lockstep_old_parent) s(k) where k is not null), '
-                'p as (select %2$I::text as k from %3$s where %2$I %5$s any((select n.a from n)::%4$s) '
-                '      order by %2$I for %7$s skip locked) '
-                'select n.a, (select coalesce(array_agg(distinct x), ''{}'') from pg_catalog.unnest(n.a) x '
-                '             join p on p.k::%6$s %5$s x::%6$s) from n',
-                lockstep._tmp(j, 'put'), j.parent_key, j.parent, lockstep._array_type(j.key_type), lockstep._key_eq(j),
-                lockstep._type_sql(j.key_type), v_mode)
-                into v_need, v_pinned;
-            perform pg_catalog.set_config('lock_timeout', v_timeout, true);
-            exit;
-        exception when lock_not_available then
-            if v_mode = 'share' then  -- the session's own lock_timeout (a table lock): as before
-                raise;
-            end if;
-        end;
-    end loop;
+    v_need_sql := pg_catalog.format(
+        'select coalesce(array_agg(distinct k), ''{}'') as a from ('
+        '  select lockstep_parent from pg_temp.%1$I'
+        '  where lockstep_new or lockstep_parent is distinct from lockstep_old_parent) s(k) where k is not null',
+        lockstep._tmp(j, 'put'));
+    begin  -- one statement, its waits cut short (lockstep._pin_timeout)
+        perform pg_catalog.set_config('lock_timeout', lockstep._pin_timeout(), true);
+        execute pg_catalog.format(
+            'with n as (%1$s), '
+            'p as (select %2$I::text as k from %3$s where %2$I %5$s any((select n.a from n)::%4$s) '
+            '      order by %2$I for key share skip locked) '
+            'select n.a, (select coalesce(array_agg(distinct x), ''{}'') from pg_catalog.unnest(n.a) x '
+            '             join p on p.k::%6$s %5$s x::%6$s) from n',
+            v_need_sql, j.parent_key, j.parent, lockstep._array_type(j.key_type), lockstep._key_eq(j),
+            lockstep._type_sql(j.key_type))
+            into v_need, v_pinned;
+        perform pg_catalog.set_config('lock_timeout', v_timeout, true);
+    exception when lock_not_available then  -- a row an application updated, then holds: one at a time
+        execute pg_catalog.format('select array_agg(x order by x::%s) from pg_catalog.unnest((%s)) x',
+                                  lockstep._type_sql(j.key_type), v_need_sql) into v_need;
+        v_pinned := lockstep._pin_each(j.parent, pg_catalog.format('r.%I %s $1::%s', j.parent_key, lockstep._key_eq(j),
+                                                                   lockstep._type_sql(j.key_type)), v_need);
+    end;
     v_skip := array(select pg_catalog.unnest(v_need) except select pg_catalog.unnest(v_pinned));
     if cardinality(v_skip) > 0 then
         perform lockstep._drop_rows(lockstep._tmp(j, 'gone'), 'lockstep_parent = any($1)', v_skip);
@@ -2305,7 +2331,7 @@ declare
     v_skip text[] := '{}';
     v_unpinned text;
     v_timeout text := pg_catalog.current_setting('lock_timeout');
-    v_mode text;
+    v_rows text[];
     c record;
 begin
     -- the common case, no foreign key but the parent's (on a column compute returns): nothing to pin or check
@@ -2340,24 +2366,26 @@ begin
         -- a referenced row r of that row w, in the table and in lockstep_ref (which keeps rk's names)
         v_match := lockstep._fk_eq(c.oid, 'r', 'w');
         drop table if exists pg_temp.lockstep_ref;
-        foreach v_mode in array array['key share', 'share'] loop  -- as lockstep._pin_parents
-            begin
-                if v_mode = 'key share' then
-                    perform pg_catalog.set_config('lock_timeout', lockstep._pin_timeout(), true);
-                end if;
-                execute pg_catalog.format(
-                    'create temp table lockstep_ref on commit drop as '
-                    'select %1$s from %2$s r where exists (select from pg_temp.%3$I w where %4$s and %5$s) '
-                    'order by %1$s for %6$s skip locked',
-                    lockstep._cols(c.rk, 'r'), c.ref, lockstep._tmp(j, 'put'), v_needs, v_match, v_mode);
-                perform pg_catalog.set_config('lock_timeout', v_timeout, true);
-                exit;
-            exception when lock_not_available then
-                if v_mode = 'share' then
-                    raise;
-                end if;
-            end;
-        end loop;
+        begin  -- as lockstep._pin_parents
+            perform pg_catalog.set_config('lock_timeout', lockstep._pin_timeout(), true);
+            execute pg_catalog.format(
+                'create temp table lockstep_ref on commit drop as '
+                'select %1$s from %2$s r where exists (select from pg_temp.%3$I w where %4$s and %5$s) '
+                'order by %1$s for key share skip locked',
+                lockstep._cols(c.rk, 'r'), c.ref, lockstep._tmp(j, 'put'), v_needs, v_match);
+            perform pg_catalog.set_config('lock_timeout', v_timeout, true);
+        exception when lock_not_available then  -- one row at a time, named by (tableoid, ctid), in key order
+            execute pg_catalog.format(
+                'create temp table lockstep_ref on commit drop as '
+                'select %1$s, r.tableoid::text || '':'' || r.ctid::text as lockstep_row, '
+                '       pg_catalog.row_number() over (order by %1$s) as lockstep_n '
+                'from %2$s r where exists (select from pg_temp.%3$I w where %4$s and %5$s)',
+                lockstep._cols(c.rk, 'r'), c.ref, lockstep._tmp(j, 'put'), v_needs, v_match);
+            v_rows := array(select x.lockstep_row from pg_temp.lockstep_ref x order by x.lockstep_n);
+            v_rows := lockstep._pin_each(c.ref, 'r.ctid = pg_catalog.split_part($1, '':'', 2)::tid '
+                                                'and r.tableoid = pg_catalog.split_part($1, '':'', 1)::oid', v_rows);
+            delete from pg_temp.lockstep_ref x where x.lockstep_row <> all(v_rows);
+        end;
         v_unpinned := pg_catalog.format('%s and not exists (select from pg_temp.lockstep_ref r where %s)',
                                         v_needs, v_match);
         v_skip := v_skip || lockstep._drop_rows(lockstep._tmp(j, 'put'), v_unpinned);

@@ -349,8 +349,11 @@ $$;
 -- locks the old version, follows the update chain to the new one and waits for the application there,
 -- whatever SKIP LOCKED says, holding the pins it took before: the application's DELETE of one of those
 -- then deadlocked with lockstep, and got 40P01 (found by a probe; an ORM's "update, then lock" is enough).
--- Such a wait is the only one a SKIP LOCKED pin can meet on a row, so it is cut short, and the pin is taken
--- again FOR SHARE SKIP LOCKED (lockstep._pin_mode), which conflicts with that update and skips the row.
+-- Such a wait is the only one a SKIP LOCKED pin can meet on a row, so it is cut short, and the pins are
+-- taken again one row at a time (lockstep._pin_each), each with that timeout: the row an application
+-- holds so is skipped after 10 ms, every other row pinned FOR KEY SHARE as before. (Not FOR SHARE SKIP
+-- LOCKED, which skips such a row at once: held to the end of the pass, it made an application's plain
+-- UPDATE of every other parent of the write wait for the whole pass; found by a review.)
 -- locks: nothing.
 create function lockstep._pin_timeout() returns text
 language sql stable
@@ -358,6 +361,38 @@ set search_path = pg_catalog, pg_temp
 as $$
     select case when s::interval > interval '0' and s::interval < interval '10ms' then s else '10ms' end
     from pg_catalog.current_setting('lock_timeout') s;
+$$;
+
+-- lockstep._pin_each(rel, cond, args): lockstep._pin_timeout's slow path. Pin FOR KEY SHARE SKIP LOCKED
+-- the row of rel matching cond ($1 = args[i], alias r) for each element of args, in order, each in a
+-- subtransaction with lock_timeout lockstep._pin_timeout(). Returns the elements whose row was pinned (a
+-- row another transaction holds is skipped; one it updated and holds, after that timeout).
+-- locks: those rows of rel, FOR KEY SHARE SKIP LOCKED, one at a time in the order of args.
+create function lockstep._pin_each(rel regclass, cond text, args text[]) returns text[]
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_timeout text := pg_catalog.current_setting('lock_timeout');
+    v_pinned text[] := '{}';
+    v_n bigint;
+    a text;
+begin
+    foreach a in array args loop
+        begin
+            perform pg_catalog.set_config('lock_timeout', lockstep._pin_timeout(), true);
+            execute pg_catalog.format('select count(*) from (select from %s r where %s for key share skip locked) s',
+                                      rel, cond) into v_n using a;
+            perform pg_catalog.set_config('lock_timeout', v_timeout, true);
+        exception when lock_not_available then
+            v_n := 0;  -- the subtransaction's rollback restored lock_timeout
+        end;
+        if v_n > 0 then
+            v_pinned := v_pinned || a;
+        end if;
+    end loop;
+    return v_pinned;
+end;
 $$;
 
 -- lockstep._pin_parents(j): write step 1. Pin the parent of every row of j's put work table that the
@@ -383,35 +418,34 @@ declare
     v_pinned text[];
     v_skip text[];
     v_timeout text := pg_catalog.current_setting('lock_timeout');
-    v_mode text;
+    v_need_sql text;
 begin
     if j.parent is null then
         return '{}';
     end if;
-    foreach v_mode in array array['key share', 'share'] loop  -- 'share': lockstep._pin_timeout says why
-        begin
-            if v_mode = 'key share' then
-                perform pg_catalog.set_config('lock_timeout', lockstep._pin_timeout(), true);
-            end if;
-            execute pg_catalog.format(
-                'with n as (select coalesce(array_agg(distinct k), ''{}'') as a from ('
-                '  select lockstep_parent from pg_temp.%1$I'
-                '  where lockstep_new or lockstep_parent is distinct from lockstep_old_parent) s(k) where k is not null), '
-                'p as (select %2$I::text as k from %3$s where %2$I %5$s any((select n.a from n)::%4$s) '
-                '      order by %2$I for %7$s skip locked) '
-                'select n.a, (select coalesce(array_agg(distinct x), ''{}'') from pg_catalog.unnest(n.a) x '
-                '             join p on p.k::%6$s %5$s x::%6$s) from n',
-                lockstep._tmp(j, 'put'), j.parent_key, j.parent, lockstep._array_type(j.key_type), lockstep._key_eq(j),
-                lockstep._type_sql(j.key_type), v_mode)
-                into v_need, v_pinned;
-            perform pg_catalog.set_config('lock_timeout', v_timeout, true);
-            exit;
-        exception when lock_not_available then
-            if v_mode = 'share' then  -- the session's own lock_timeout (a table lock): as before
-                raise;
-            end if;
-        end;
-    end loop;
+    v_need_sql := pg_catalog.format(
+        'select coalesce(array_agg(distinct k), ''{}'') as a from ('
+        '  select lockstep_parent from pg_temp.%1$I'
+        '  where lockstep_new or lockstep_parent is distinct from lockstep_old_parent) s(k) where k is not null',
+        lockstep._tmp(j, 'put'));
+    begin  -- one statement, its waits cut short (lockstep._pin_timeout)
+        perform pg_catalog.set_config('lock_timeout', lockstep._pin_timeout(), true);
+        execute pg_catalog.format(
+            'with n as (%1$s), '
+            'p as (select %2$I::text as k from %3$s where %2$I %5$s any((select n.a from n)::%4$s) '
+            '      order by %2$I for key share skip locked) '
+            'select n.a, (select coalesce(array_agg(distinct x), ''{}'') from pg_catalog.unnest(n.a) x '
+            '             join p on p.k::%6$s %5$s x::%6$s) from n',
+            v_need_sql, j.parent_key, j.parent, lockstep._array_type(j.key_type), lockstep._key_eq(j),
+            lockstep._type_sql(j.key_type))
+            into v_need, v_pinned;
+        perform pg_catalog.set_config('lock_timeout', v_timeout, true);
+    exception when lock_not_available then  -- a row an application updated, then holds: one at a time
+        execute pg_catalog.format('select array_agg(x order by x::%s) from pg_catalog.unnest((%s)) x',
+                                  lockstep._type_sql(j.key_type), v_need_sql) into v_need;
+        v_pinned := lockstep._pin_each(j.parent, pg_catalog.format('r.%I %s $1::%s', j.parent_key, lockstep._key_eq(j),
+                                                                   lockstep._type_sql(j.key_type)), v_need);
+    end;
     v_skip := array(select pg_catalog.unnest(v_need) except select pg_catalog.unnest(v_pinned));
     if cardinality(v_skip) > 0 then
         perform lockstep._drop_rows(lockstep._tmp(j, 'gone'), 'lockstep_parent = any($1)', v_skip);
@@ -445,7 +479,7 @@ declare
     v_skip text[] := '{}';
     v_unpinned text;
     v_timeout text := pg_catalog.current_setting('lock_timeout');
-    v_mode text;
+    v_rows text[];
     c record;
 begin
     -- the common case, no foreign key but the parent's (on a column compute returns): nothing to pin or check
@@ -480,24 +514,26 @@ begin
         -- a referenced row r of that row w, in the table and in lockstep_ref (which keeps rk's names)
         v_match := lockstep._fk_eq(c.oid, 'r', 'w');
         drop table if exists pg_temp.lockstep_ref;
-        foreach v_mode in array array['key share', 'share'] loop  -- as lockstep._pin_parents
-            begin
-                if v_mode = 'key share' then
-                    perform pg_catalog.set_config('lock_timeout', lockstep._pin_timeout(), true);
-                end if;
-                execute pg_catalog.format(
-                    'create temp table lockstep_ref on commit drop as '
-                    'select %1$s from %2$s r where exists (select from pg_temp.%3$I w where %4$s and %5$s) '
-                    'order by %1$s for %6$s skip locked',
-                    lockstep._cols(c.rk, 'r'), c.ref, lockstep._tmp(j, 'put'), v_needs, v_match, v_mode);
-                perform pg_catalog.set_config('lock_timeout', v_timeout, true);
-                exit;
-            exception when lock_not_available then
-                if v_mode = 'share' then
-                    raise;
-                end if;
-            end;
-        end loop;
+        begin  -- as lockstep._pin_parents
+            perform pg_catalog.set_config('lock_timeout', lockstep._pin_timeout(), true);
+            execute pg_catalog.format(
+                'create temp table lockstep_ref on commit drop as '
+                'select %1$s from %2$s r where exists (select from pg_temp.%3$I w where %4$s and %5$s) '
+                'order by %1$s for key share skip locked',
+                lockstep._cols(c.rk, 'r'), c.ref, lockstep._tmp(j, 'put'), v_needs, v_match);
+            perform pg_catalog.set_config('lock_timeout', v_timeout, true);
+        exception when lock_not_available then  -- one row at a time, named by (tableoid, ctid), in key order
+            execute pg_catalog.format(
+                'create temp table lockstep_ref on commit drop as '
+                'select %1$s, r.tableoid::text || '':'' || r.ctid::text as lockstep_row, '
+                '       pg_catalog.row_number() over (order by %1$s) as lockstep_n '
+                'from %2$s r where exists (select from pg_temp.%3$I w where %4$s and %5$s)',
+                lockstep._cols(c.rk, 'r'), c.ref, lockstep._tmp(j, 'put'), v_needs, v_match);
+            v_rows := array(select x.lockstep_row from pg_temp.lockstep_ref x order by x.lockstep_n);
+            v_rows := lockstep._pin_each(c.ref, 'r.ctid = pg_catalog.split_part($1, '':'', 2)::tid '
+                                                'and r.tableoid = pg_catalog.split_part($1, '':'', 1)::oid', v_rows);
+            delete from pg_temp.lockstep_ref x where x.lockstep_row <> all(v_rows);
+        end;
         v_unpinned := pg_catalog.format('%s and not exists (select from pg_temp.lockstep_ref r where %s)',
                                         v_needs, v_match);
         v_skip := v_skip || lockstep._drop_rows(lockstep._tmp(j, 'put'), v_unpinned);

@@ -561,15 +561,21 @@ HELD_SESSIONS = {
     "s3": ["set deadlock_timeout = '10s'"],
 }
 POST2_UPDATED = "update wp.post set title = title where id = 2;"
-HOLD = {  # the application's hold, and the row the naive pin holds that it then deletes
+HOLD = {  # the application's hold, the row the naive pin holds that it then deletes, a row lockstep pins
     "parent-update-lock": (
         POST2_UPDATED + " select from wp.post where id = 2 for update;",
         "wp.post where id = 1",
+        "wp.post set title = title where id = 1",
     ),
-    "parent-update-delete": (POST2_UPDATED + " delete from wp.post where id = 2;", "wp.post where id = 1"),
+    "parent-update-delete": (
+        POST2_UPDATED + " delete from wp.post where id = 2;",
+        "wp.post where id = 1",
+        "wp.post set title = title where id = 1",
+    ),
     "other-fk-update-lock": (
         "update wp.lang set name = name where code = 'fr'; select from wp.lang where code = 'fr' for update;",
         "wp.lang where code = 'en'",
+        "wp.lang set name = name where code = 'en'",
     ),
 }
 
@@ -585,7 +591,7 @@ def test_a_row_the_app_updated_then_holds_is_skipped_not_waited_for(dsn, case):
     post 1 is written, the held row's post re-queued, the application's DELETE does not wait. s1after is
     sent only once s1work completed (with s2 still open: the old code never did, a StepTimeout). No expected
     trace: whether the observer sees lockstep's 10 ms wait is a matter of timing."""
-    held, victim = HOLD[case]
+    held, victim, pinned = HOLD[case]
     ref = "wp.lang order by 1" if case.startswith("other") else "wp.post where id in (1, 2) order by 1"
     spec = Spec(
         dsn,
@@ -601,10 +607,14 @@ def test_a_row_the_app_updated_then_holds_is_skipped_not_waited_for(dsn, case):
     spec.step("s3naive", "s3", f"select 1 from {ref} for key share skip locked;", show_rows=False)
     spec.step("s1work", "s1", "select outcome, inserted, skipped from lockstep.work('words');")
     spec.step("s1after", "s1", "select key from lockstep.queue where job = 'words';")
+    spec.step("s3up", "s3", f"update {pinned};")
     naive = spec.run(["s2begin", "s2hold", "s3begin", "s3naive", "s2delnaive", "s2r", "s3c"])
     assert naive.waited("s3naive") and naive.blocked_by("s3naive") == ["s2"], naive.trace
     assert naive.sqlstate("s2delnaive") == "40P01", naive.trace  # the application fails
-    r = spec.run(["s2begin", "s2hold", "s1work", "s1after", "s2del", "s2c"])
+    r = spec.run(["s2begin", "s2hold", "s1begin", "s1work", "s1after", "s3up", "s1c", "s2del", "s2c"])
     assert r.rows("s1work") == [("done", 2, 1)], r.trace  # post 1's two words; post 2 skipped
     assert r.rows("s1after") == [("2",)], r.trace  # re-queued
+    # the rows it pinned are held FOR KEY SHARE, as always: an application's UPDATE of them does not wait
+    # (pinned FOR SHARE, they made it wait for lockstep's whole transaction; found by a review)
+    assert r.error("s3up") is None and not r.waited("s3up"), r.trace
     assert r.error("s2del") is None and not r.waited("s2del"), r.trace
