@@ -161,7 +161,7 @@ begin
     -- error of class 42 (a privilege revoked, a column gone) is the job's wherever it is raised: one that
     -- only writing raises (INSERT on the target revoked) passed the empty pass, and parked key after key
     -- while the job looked healthy (found by a probe)
-    if pg_catalog.left(t.state, 2) = '42' or lockstep._transient(t.state)
+    if pg_catalog.left(t.state, 2) = '42' or lockstep._whole_pass_error(t.state)
        or (select e.error from lockstep._try(j, '{}'::text[]) e) is not null
        or lockstep._timed_out() is not null then
         job_error := t.error;
@@ -1371,13 +1371,13 @@ CREATE FUNCTION lockstep._fast_types() RETURNS text[]
     select array['bigint', 'integer', 'smallint', 'numeric', 'text', 'character varying', 'uuid'];
 $$;
 
-CREATE FUNCTION lockstep._finish(j lockstep.job, action text, outcome text, started timestamp with time zone, p lockstep._pass DEFAULT NULL::lockstep._pass, error text DEFAULT NULL::text) RETURNS void
+CREATE FUNCTION lockstep._finish(j lockstep.job, action text, outcome text, started timestamp with time zone, p lockstep._pass DEFAULT NULL::lockstep._pass, error text DEFAULT NULL::text, only_skipped boolean DEFAULT false) RETURNS void
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
 declare
     v_failed boolean := outcome = 'failed';
-    v_only_skipped boolean := action = 'work' and outcome = 'done' and error is null
+    v_only_skipped boolean := only_skipped and action = 'work' and outcome = 'done' and error is null
                               and p.inserted + p.updated + p.deleted + p.gone = 0
                               and cardinality(p.failed) = 0 and cardinality(p.skipped) > 0;
     v_again boolean := false;
@@ -2636,10 +2636,20 @@ declare
     v_keys text[];
     v_before bigint;
     v_msg text;
+    v_result lockstep.result;
 begin
-    if j.parent is null or sqlstate like '42%' or (sqlstate like 'LSD%' and sqlstate <> 'LSD05')
-       or lockstep._transient(sqlstate) then  -- a lock timeout (say) is the moment's, not some parents'
+    if j.parent is null or sqlstate like '42%' or (sqlstate like 'LSD%' and sqlstate <> 'LSD05') then
         return lockstep._failed(j, 'recompute', started, error);
+    end if;
+    -- a lock timeout (say) is likely the moment's, not some parents': the first time, a failed run tried
+    -- again within a minute (not after the job's whole backoff: a review); if it fails again, the parents go
+    -- to the worker's bisection as below (a parent whose compute always raises it is isolated, not a stall)
+    if lockstep._transient(sqlstate)
+       and (select s.recompute_error is null from lockstep.job_state s where s.job = j.job) then
+        v_result := lockstep._failed(j, 'recompute', started, error);
+        update lockstep.job_state s set next_run_at = least(s.next_run_at, now() + interval '1 minute')
+        where s.job = j.job;
+        return v_result;
     end if;
     begin
         perform lockstep._apply(j, '{}'::text[]);
@@ -3152,7 +3162,7 @@ exception
         error := null;
     when others then
         get stacked diagnostics error = message_text, state = returned_sqlstate;
-        if lockstep._transient(state) then  -- remembered for the rest of the pass (lockstep._work fails it)
+        if lockstep._whole_pass_error(state) then  -- remembered for the rest of the pass (lockstep._work fails it)
             perform pg_catalog.set_config('lockstep.transient', error, true);
         end if;
 end;
@@ -3304,6 +3314,13 @@ CREATE FUNCTION lockstep._watchers(job text) RETURNS TABLE(rel regclass, tgname 
     order by 1, 2;
 $$;
 
+CREATE FUNCTION lockstep._whole_pass_error(state text) RETURNS boolean
+    LANGUAGE sql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+    select lockstep._transient(state) and pg_catalog.current_setting('lockstep.transient_whole', true) = 'on';
+$$;
+
 CREATE FUNCTION lockstep._work(j lockstep.job, batch integer) RETURNS lockstep.result
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -3334,6 +3351,8 @@ begin
     v_started := clock_timestamp();
     perform pg_catalog.set_config('lockstep.timed_out', '', true);
     perform pg_catalog.set_config('lockstep.transient', '', true);
+    perform pg_catalog.set_config('lockstep.transient_whole',
+                                  case when s.consecutive_failures < 3 then 'on' else '' end, true);
     if s.last_action = 'work' and s.last_outcome = 'failed' and s.last_error like 'lockstep: statement timeout on %' then
         v_err := lockstep._check_timed_out(j, batch);
         if v_err is not null then
@@ -3355,7 +3374,9 @@ begin
         return lockstep._failed(j, 'work', v_started, v_err);
     end if;
     v_err := lockstep._settle(j, c.kind, r.raw, e.ids, e.ctids, e.entry_keys, a.p, r.bad, r.errors);
-    perform lockstep._finish(j, 'work', 'done', v_started, a.p, null);
+    -- (a pass whose every claimed key was skipped: lockstep._finish may count it with the one before)
+    perform lockstep._finish(j, 'work', 'done', v_started, a.p, null,
+                             cardinality((a.p).skipped) = cardinality(coalesce(r.canon, '{}')) and cardinality(r.bad) = 0);
     return lockstep._result('done', j.job, 'work', a.p, v_err,
                             (c.kind <> 'batch' or c.full) and lockstep._has_ready(j));
 end;

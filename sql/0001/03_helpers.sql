@@ -239,21 +239,22 @@ $$;
 
 -- lockstep._finish(job, action, outcome, started, pass, error): write the job's status row.
 -- Called last in every run that did something, after all other writes.
--- A worker pass that only skipped parents an application holds (wrote, deleted and failed nothing), right
--- after a pass that only skipped too, is not a new run: the status row's last_* show it, but runs is not
+-- A worker pass that only skipped parents an application holds (only_skipped: every key it claimed was
+-- skipped; it wrote, deleted and failed nothing), right after a pass that only skipped too, is not a new run: the status row's last_* show it, but runs is not
 -- counted up and lockstep.run_log gets no row. A parent held for minutes is retried every second
 -- (lockstep._defer_until), and each retry was a run: the job's 1000 logged runs were pushed out in 17
 -- minutes (found by a probe); now a held period is one run.
 -- locks: the job's lockstep.job_state row (FOR NO KEY UPDATE, by the update); then as lockstep._log_run.
 create function lockstep._finish(j lockstep.job, action text, outcome text, started timestamptz,
-                                 p lockstep._pass default null, error text default null)
+                                 p lockstep._pass default null, error text default null,
+                                 only_skipped boolean default false)
 returns void
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_failed boolean := outcome = 'failed';
-    v_only_skipped boolean := action = 'work' and outcome = 'done' and error is null
+    v_only_skipped boolean := only_skipped and action = 'work' and outcome = 'done' and error is null
                               and p.inserted + p.updated + p.deleted + p.gone = 0
                               and cardinality(p.failed) = 0 and cardinality(p.skipped) > 0;
     v_again boolean := false;

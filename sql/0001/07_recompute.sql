@@ -337,8 +337,8 @@ $$;
 -- definition error (SQLSTATE class 42, or lockstep's LSDxx: the target, its keys, its foreign keys or the
 -- shape of compute's rows; not LSD05, a primary key computed twice or NULL, which is a fault of the rows of
 -- some parents, as the worker treats it), or an empty pass raises too, or the job has no parent, the job
--- itself is broken: a failed run with its backoff. So is an error of the moment (lockstep._transient: a
--- lock timeout, say), which is no parent's fault either. Otherwise (an error of compute or of a constraint, or
+-- itself is broken: a failed run with its backoff. An error of the moment (lockstep._transient: a lock
+-- timeout, say) fails the run too, retried within a minute, unless the last recompute failed already. Otherwise (an error of compute or of a constraint, or
 -- LSD05) some parents are poison: every parent is handed to the queue, where the worker's bisection isolates,
 -- retries and parks the failing ones (lockstep.failing_keys / parked_keys) and writes all the others; the
 -- recompute is done (no backoff) and reports the error.
@@ -353,10 +353,20 @@ declare
     v_keys text[];
     v_before bigint;
     v_msg text;
+    v_result lockstep.result;
 begin
-    if j.parent is null or sqlstate like '42%' or (sqlstate like 'LSD%' and sqlstate <> 'LSD05')
-       or lockstep._transient(sqlstate) then  -- a lock timeout (say) is the moment's, not some parents'
+    if j.parent is null or sqlstate like '42%' or (sqlstate like 'LSD%' and sqlstate <> 'LSD05') then
         return lockstep._failed(j, 'recompute', started, error);
+    end if;
+    -- a lock timeout (say) is likely the moment's, not some parents': the first time, a failed run tried
+    -- again within a minute (not after the job's whole backoff: a review); if it fails again, the parents go
+    -- to the worker's bisection as below (a parent whose compute always raises it is isolated, not a stall)
+    if lockstep._transient(sqlstate)
+       and (select s.recompute_error is null from lockstep.job_state s where s.job = j.job) then
+        v_result := lockstep._failed(j, 'recompute', started, error);
+        update lockstep.job_state s set next_run_at = least(s.next_run_at, now() + interval '1 minute')
+        where s.job = j.job;
+        return v_result;
     end if;
     begin
         perform lockstep._apply(j, '{}'::text[]);

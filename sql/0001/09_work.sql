@@ -11,17 +11,30 @@ as $$
                a.failed || b.failed, a.errors || b.errors)::lockstep._pass;
 $$;
 
--- lockstep._transient(state): an error that says nothing about the keys being computed, only about the
--- moment: a lock_timeout (55P03: an application's table lock on the target, say), a deadlock (40P01) or a
--- serialization failure (40001). A pass that meets one fails as a whole and is tried again after the
--- job's backoff; its keys stay queued and none is blamed (the bisection parked them one by one after
--- max_attempts, so the changes waited for a manual retry long after the lock was gone: found by a probe).
+-- lockstep._transient(state): an error that is likely the moment's, not the keys': a lock_timeout (55P03:
+-- an application's table lock on the target, say), a deadlock (40P01) or a serialization failure
+-- (40001). A pass that meets one fails as a whole and is tried again after the job's backoff; its keys
+-- stay queued and none is blamed (the bisection parked them one by one after max_attempts, so the changes
+-- waited for a manual retry long after the lock was gone: found by a probe). But a parent whose own compute
+-- raises one every time (NOWAIT, its own lock_timeout, a remote call) would then stall the whole job (found
+-- by a review): after 3 failed passes in a row the pass bisects as for any error (lockstep._whole_pass_error).
 -- locks: nothing.
 create function lockstep._transient(state text) returns boolean
 language sql immutable
 set search_path = pg_catalog, pg_temp
 as $$
     select coalesce(state in ('55P03', '40P01', '40001'), false);
+$$;
+
+-- lockstep._whole_pass_error(state): this pass treats an error of that SQLSTATE as the moment's
+-- (lockstep._transient), failing the pass as a whole: set by lockstep._work for the job's first 3 failed
+-- passes in a row (lockstep.transient_whole).
+-- locks: nothing.
+create function lockstep._whole_pass_error(state text) returns boolean
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select lockstep._transient(state) and pg_catalog.current_setting('lockstep.transient_whole', true) = 'on';
 $$;
 
 -- lockstep._try(j, keys): one attempt at keys, in a subtransaction: its pass, or the error it raised
@@ -48,7 +61,7 @@ exception
         error := null;
     when others then
         get stacked diagnostics error = message_text, state = returned_sqlstate;
-        if lockstep._transient(state) then  -- remembered for the rest of the pass (lockstep._work fails it)
+        if lockstep._whole_pass_error(state) then  -- remembered for the rest of the pass (lockstep._work fails it)
             perform pg_catalog.set_config('lockstep.transient', error, true);
         end if;
 end;
@@ -372,7 +385,7 @@ begin
     -- error of class 42 (a privilege revoked, a column gone) is the job's wherever it is raised: one that
     -- only writing raises (INSERT on the target revoked) passed the empty pass, and parked key after key
     -- while the job looked healthy (found by a probe)
-    if pg_catalog.left(t.state, 2) = '42' or lockstep._transient(t.state)
+    if pg_catalog.left(t.state, 2) = '42' or lockstep._whole_pass_error(t.state)
        or (select e.error from lockstep._try(j, '{}'::text[]) e) is not null
        or lockstep._timed_out() is not null then
         job_error := t.error;
@@ -521,6 +534,8 @@ begin
     v_started := clock_timestamp();
     perform pg_catalog.set_config('lockstep.timed_out', '', true);
     perform pg_catalog.set_config('lockstep.transient', '', true);
+    perform pg_catalog.set_config('lockstep.transient_whole',
+                                  case when s.consecutive_failures < 3 then 'on' else '' end, true);
     if s.last_action = 'work' and s.last_outcome = 'failed' and s.last_error like 'lockstep: statement timeout on %' then
         v_err := lockstep._check_timed_out(j, batch);
         if v_err is not null then
@@ -542,7 +557,9 @@ begin
         return lockstep._failed(j, 'work', v_started, v_err);
     end if;
     v_err := lockstep._settle(j, c.kind, r.raw, e.ids, e.ctids, e.entry_keys, a.p, r.bad, r.errors);
-    perform lockstep._finish(j, 'work', 'done', v_started, a.p, null);
+    -- (a pass whose every claimed key was skipped: lockstep._finish may count it with the one before)
+    perform lockstep._finish(j, 'work', 'done', v_started, a.p, null,
+                             cardinality((a.p).skipped) = cardinality(coalesce(r.canon, '{}')) and cardinality(r.bad) = 0);
     return lockstep._result('done', j.job, 'work', a.p, v_err,
                             (c.kind <> 'batch' or c.full) and lockstep._has_ready(j));
 end;

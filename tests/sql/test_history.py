@@ -377,8 +377,19 @@ def test_passes_that_only_skip_a_held_parent_again_are_one_run(ex, exconnect):
     assert [(r["action"], r["skipped"], r["run_no"]) for r in rows] == [("work", 1, runs0 + 1)]
     state = ex.execute("select runs, last_skipped from lockstep.job_state where job = 'exam_keys'").fetchone()
     assert state == (runs0 + 1, 1) and finished == sorted(finished) and finished[0] < finished[-1]
+    # a pass that also takes another key (a change with no effect on derived rows) did something: a run
+    # (it was hidden as one more skip; found by a review)
+    ex.execute("update lockstep.queue set ready_at = now() where job = 'exam_keys'")
+    ex.execute("select lockstep.enqueue('exam_keys', array[4]::bigint[])")
+    r = result(ex, "lockstep.work('exam_keys')")
+    assert (r["outcome"], r["skipped"], r["inserted"] + r["updated"] + r["deleted"]) == ("done", 1, 0)
+    assert [(r["skipped"], r["run_no"]) for r in logged(ex, "exam_keys")] == [(1, runs0 + 1), (1, runs0 + 2)]
     app.execute("rollback")  # the application lets go: the next pass writes, and is a run of its own
     ex.execute("update lockstep.queue set ready_at = now() where job = 'exam_keys'")
     r = result(ex, "lockstep.work('exam_keys')")
     assert r["outcome"] == "done" and r["skipped"] == 0 and r["inserted"] + r["deleted"] > 0
-    assert [(r["skipped"], r["run_no"]) for r in logged(ex, "exam_keys")] == [(1, runs0 + 1), (0, runs0 + 2)]
+    assert [(r["skipped"], r["run_no"]) for r in logged(ex, "exam_keys")] == [
+        (1, runs0 + 1),
+        (1, runs0 + 2),
+        (0, runs0 + 3),
+    ]

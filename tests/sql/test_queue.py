@@ -307,6 +307,38 @@ def test_a_lock_timeout_fails_the_pass_as_a_whole_and_parks_no_key(ex, exconnect
     assert queue_keys(ex) == [] and divergence(ex) == (0, 0)
 
 
+def test_a_parent_whose_compute_always_raises_a_transient_error_is_isolated_after_three_passes(ex):
+    """A lock timeout, deadlock or serialization failure fails a pass as a whole (lockstep._transient), but a
+    parent whose own compute raises 40001 every time then failed every pass and every recompute: nothing
+    written, no key parked, the job stalled (found by a review). After 3 failed passes in a row the pass
+    bisects as for any error: the parent is isolated and the others are written."""
+    ex.execute(
+        "create function example.serial(ids bigint[])"
+        " returns table (exam_id bigint, key text, weight integer) language plpgsql stable as $$ begin"
+        " if 3 = any(ids) then raise exception 'compute serialization' using errcode = '40001'; end if;"
+        " return query select * from example.exam_key_compute(ids); end $$"
+    )
+    ex.execute(
+        f"select lockstep.define_derived('{JOB}', 'example.exam_key', 'example.serial(bigint[])',"
+        " 'example.exam', every => '1 day')"
+    )
+    ex.execute("update lockstep.job_state set next_run_at = now() + interval '1 day'")
+    ex.execute("update example.exam set body = body || ' serialword' where id between 1 and 5")
+    ex.execute("delete from lockstep.queue")
+    ex.execute(f"select lockstep.enqueue('{JOB}', array[1, 2, 3, 4, 5])")
+    outcomes = []
+    for _ in range(4):
+        ex.execute("update lockstep.job_state set retry_at = now()")  # the backoff over
+        outcomes.append(result(ex, f"lockstep.work('{JOB}')")["outcome"])
+    assert outcomes == ["failed", "failed", "failed", "done"]
+    assert queue_keys(ex) == ["3"]
+    assert ex.execute("select key from lockstep.key_failure").fetchall() == [("3",)]
+    written = ex.execute(
+        "select array_agg(distinct exam_id order by exam_id) from example.exam_key where key = 'serialword'"
+    ).fetchone()[0]
+    assert written == [1, 2, 4, 5]
+
+
 def test_a_lock_timeout_fails_a_recompute_as_a_whole_and_hands_nothing_off(ex, exconnect):
     """The same for a recompute: a lock timeout in its whole-table pass was taken for poison parents, and
     every parent was handed to the worker's bisection."""
@@ -319,6 +351,9 @@ def test_a_lock_timeout_fails_a_recompute_as_a_whole_and_hands_nothing_off(ex, e
     r = result(ex, f"lockstep.recompute('{JOB}')")
     assert r["outcome"] == "failed" and "lock timeout" in r["error"], r
     assert queue_keys(ex) == [] and ex.execute("select count(*) from lockstep.key_failure").fetchone()[0] == 0
+    # tried again within a minute, not after the job's hour of backoff (found by a review)
+    soon = "select next_run_at <= now() + interval '1 minute' from lockstep.job_state where job = %s"
+    assert ex.execute(soon, [JOB]).fetchone()[0]
     app.execute("rollback")
     assert result(ex, f"lockstep.recompute('{JOB}')")["outcome"] == "done"
     assert divergence(ex) == (0, 0)
