@@ -2247,27 +2247,26 @@ begin
 end;
 $$;
 
-CREATE FUNCTION lockstep._pin_each(rel regclass, cond text, args text[]) RETURNS text[]
+CREATE FUNCTION lockstep._pin_each(rel regclass, stmt text, args text[]) RETURNS text[]
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
 declare
-    v_timeout text := pg_catalog.current_setting('lock_timeout');
     v_pinned text[] := '{}';
-    v_n bigint;
+    v_chunk text[];
+    v_got text[];
     a text;
 begin
-    foreach a in array args loop
-        begin
-            perform pg_catalog.set_config('lock_timeout', lockstep._pin_timeout(), true);
-            execute pg_catalog.format('select count(*) from (select from %s r where %s for key share skip locked) s',
-                                      rel, cond) into v_n using a;
-            perform pg_catalog.set_config('lock_timeout', v_timeout, true);
-        exception when lock_not_available then
-            v_n := 0;  -- the subtransaction's rollback restored lock_timeout
-        end;
-        if v_n > 0 then
-            v_pinned := v_pinned || a;
+    execute pg_catalog.format('select from %s r where false for key share', rel);
+    for i in 0 .. (coalesce(cardinality(args), 0) + 15) / 16 - 1 loop
+        v_chunk := args[i * 16 + 1:i * 16 + 16];
+        v_got := lockstep._pin_try(stmt, v_chunk);
+        if v_got is null then
+            foreach a in array v_chunk loop
+                v_pinned := v_pinned || coalesce(lockstep._pin_try(stmt, array[a]), '{}');
+            end loop;
+        else
+            v_pinned := v_pinned || v_got;
         end if;
     end loop;
     return v_pinned;
@@ -2305,11 +2304,19 @@ begin
             lockstep._type_sql(j.key_type))
             into v_need, v_pinned;
         perform pg_catalog.set_config('lock_timeout', v_timeout, true);
-    exception when lock_not_available then  -- a row an application updated, then holds: one at a time
-        execute pg_catalog.format('select array_agg(x order by x::%s) from pg_catalog.unnest((%s)) x',
-                                  lockstep._type_sql(j.key_type), v_need_sql) into v_need;
-        v_pinned := lockstep._pin_each(j.parent, pg_catalog.format('r.%I %s $1::%s', j.parent_key, lockstep._key_eq(j),
-                                                                   lockstep._type_sql(j.key_type)), v_need);
+    exception when lock_not_available then  -- a row an application updated, then holds: a few at a time
+        -- the keys in the parent key column's own order (its collation), as the one statement locks them
+        execute pg_catalog.format(
+            'select array_agg(x order by (select p.%2$I from %3$s p where p.%2$I %4$s x::%5$s limit 1), x) '
+            'from pg_catalog.unnest((%1$s)) x', v_need_sql, j.parent_key, j.parent, lockstep._key_eq(j),
+            lockstep._type_sql(j.key_type)) into v_need;
+        v_pinned := lockstep._pin_each(j.parent, pg_catalog.format(
+            'with p as (select r.%1$I as k from %2$s r where r.%1$I %3$s any($1::%4$s) order by r.%1$I '
+            '           for key share skip locked) '
+            'select array_agg(a) from pg_catalog.unnest($1) a where exists (select from p where p.k %3$s a::%5$s)',
+            j.parent_key, j.parent, lockstep._key_eq(j), lockstep._array_type(j.key_type), lockstep._type_sql(j.key_type)),
+            coalesce(v_need, '{}'));
+        v_need := coalesce(v_need, '{}');
     end;
     v_skip := array(select pg_catalog.unnest(v_need) except select pg_catalog.unnest(v_pinned));
     if cardinality(v_skip) > 0 then
@@ -2382,8 +2389,11 @@ begin
                 'from %2$s r where exists (select from pg_temp.%3$I w where %4$s and %5$s)',
                 lockstep._cols(c.rk, 'r'), c.ref, lockstep._tmp(j, 'put'), v_needs, v_match);
             v_rows := array(select x.lockstep_row from pg_temp.lockstep_ref x order by x.lockstep_n);
-            v_rows := lockstep._pin_each(c.ref, 'r.ctid = pg_catalog.split_part($1, '':'', 2)::tid '
-                                                'and r.tableoid = pg_catalog.split_part($1, '':'', 1)::oid', v_rows);
+            v_rows := lockstep._pin_each(c.ref, pg_catalog.format(
+                'select array_agg(k) from (select r.tableoid::text || '':'' || r.ctid::text as k from %1$s r '
+                '  where r.ctid = any(array(select pg_catalog.split_part(a, '':'', 2)::tid from pg_catalog.unnest($1) a)) '
+                '    and r.tableoid::text || '':'' || r.ctid::text = any($1) '
+                '  order by %2$s for key share skip locked) s', c.ref, lockstep._cols(c.rk, 'r')), v_rows);
             delete from pg_temp.lockstep_ref x where x.lockstep_row <> all(v_rows);
         end;
         v_unpinned := pg_catalog.format('%s and not exists (select from pg_temp.lockstep_ref r where %s)',
@@ -2400,6 +2410,23 @@ CREATE FUNCTION lockstep._pin_timeout() RETURNS text
     AS $$
     select case when s::interval > interval '0' and s::interval < interval '10ms' then s else '10ms' end
     from pg_catalog.current_setting('lock_timeout') s;
+$$;
+
+CREATE FUNCTION lockstep._pin_try(stmt text, args text[]) RETURNS text[]
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    v_timeout text := pg_catalog.current_setting('lock_timeout');
+    v text[];
+begin
+    perform pg_catalog.set_config('lock_timeout', lockstep._pin_timeout(), true);
+    execute stmt into v using args;
+    perform pg_catalog.set_config('lock_timeout', v_timeout, true);
+    return coalesce(v, '{}');
+exception when lock_not_available then
+    return null;
+end;
 $$;
 
 CREATE FUNCTION lockstep._prepared() RETURNS text[]

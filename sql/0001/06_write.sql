@@ -350,7 +350,7 @@ $$;
 -- whatever SKIP LOCKED says, holding the pins it took before: the application's DELETE of one of those
 -- then deadlocked with lockstep, and got 40P01 (found by a probe; an ORM's "update, then lock" is enough).
 -- Such a wait is the only one a SKIP LOCKED pin can meet on a row, so it is cut short, and the pins are
--- taken again one row at a time (lockstep._pin_each), each with that timeout: the row an application
+-- taken again a few rows at a time (lockstep._pin_each), each with that timeout: the row an application
 -- holds so is skipped after 10 ms, every other row pinned FOR KEY SHARE as before. (Not FOR SHARE SKIP
 -- LOCKED, which skips such a row at once: held to the end of the pass, it made an application's plain
 -- UPDATE of every other parent of the write wait for the whole pass; found by a review.)
@@ -363,32 +363,57 @@ as $$
     from pg_catalog.current_setting('lock_timeout') s;
 $$;
 
--- lockstep._pin_each(rel, cond, args): lockstep._pin_timeout's slow path. Pin FOR KEY SHARE SKIP LOCKED
--- the row of rel matching cond ($1 = args[i], alias r) for each element of args, in order, each in a
--- subtransaction with lock_timeout lockstep._pin_timeout(). Returns the elements whose row was pinned (a
--- row another transaction holds is skipped; one it updated and holds, after that timeout).
--- locks: those rows of rel, FOR KEY SHARE SKIP LOCKED, one at a time in the order of args.
-create function lockstep._pin_each(rel regclass, cond text, args text[]) returns text[]
+-- lockstep._pin_try(stmt, args): run stmt, a FOR KEY SHARE SKIP LOCKED pin of the rows named by args ($1,
+-- text[]) that returns the elements of args it pinned, in a subtransaction with lock_timeout
+-- lockstep._pin_timeout(); NULL if that timeout ended a wait (the subtransaction's rollback releases its
+-- locks and restores lock_timeout).
+-- locks: as stmt.
+create function lockstep._pin_try(stmt text, args text[]) returns text[]
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_timeout text := pg_catalog.current_setting('lock_timeout');
+    v text[];
+begin
+    perform pg_catalog.set_config('lock_timeout', lockstep._pin_timeout(), true);
+    execute stmt into v using args;
+    perform pg_catalog.set_config('lock_timeout', v_timeout, true);
+    return coalesce(v, '{}');
+exception when lock_not_available then
+    return null;
+end;
+$$;
+
+-- lockstep._pin_each(rel, stmt, args): lockstep._pin_timeout's slow path, after the pin of args as one
+-- statement timed out. First the table lock the pin needs (ROW SHARE, by a pin of no row), waited for with
+-- the session's own lock_timeout as the one statement would (a table lock an application holds is not a
+-- held row: retried 10 ms a row, it skipped every key; found by a review). Then stmt (as lockstep._pin_try)
+-- over args in order, 16 at a time, and one at a time within 16 that time out: the held row is skipped
+-- after 10 ms, the others pinned, with few subtransaction ids (one per row overflowed the 64 a backend
+-- caches beyond 64 rows, which slows every snapshot of the cluster while the pass is open).
+-- Returns the elements of args pinned.
+-- locks: rel ROW SHARE; then the rows of args, FOR KEY SHARE SKIP LOCKED, in the order of args.
+create function lockstep._pin_each(rel regclass, stmt text, args text[]) returns text[]
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
     v_pinned text[] := '{}';
-    v_n bigint;
+    v_chunk text[];
+    v_got text[];
     a text;
 begin
-    foreach a in array args loop
-        begin
-            perform pg_catalog.set_config('lock_timeout', lockstep._pin_timeout(), true);
-            execute pg_catalog.format('select count(*) from (select from %s r where %s for key share skip locked) s',
-                                      rel, cond) into v_n using a;
-            perform pg_catalog.set_config('lock_timeout', v_timeout, true);
-        exception when lock_not_available then
-            v_n := 0;  -- the subtransaction's rollback restored lock_timeout
-        end;
-        if v_n > 0 then
-            v_pinned := v_pinned || a;
+    execute pg_catalog.format('select from %s r where false for key share', rel);
+    for i in 0 .. (coalesce(cardinality(args), 0) + 15) / 16 - 1 loop
+        v_chunk := args[i * 16 + 1:i * 16 + 16];
+        v_got := lockstep._pin_try(stmt, v_chunk);
+        if v_got is null then
+            foreach a in array v_chunk loop
+                v_pinned := v_pinned || coalesce(lockstep._pin_try(stmt, array[a]), '{}');
+            end loop;
+        else
+            v_pinned := v_pinned || v_got;
         end if;
     end loop;
     return v_pinned;
@@ -407,8 +432,8 @@ $$;
 -- and not yet deleted waits at most for this write phase.
 -- locks: those parent rows, FOR KEY SHARE SKIP LOCKED, in parent-key order (a parent an application holds,
 -- e.g. one being deleted, is skipped, never waited for), with lock_timeout lockstep._pin_timeout(); if that
--- ends a wait (a row an application updated, then deleted or locked), the same rows again FOR SHARE SKIP
--- LOCKED, in the same order (the first attempt's locks are released with its subtransaction).
+-- ends a wait (a row an application updated, then deleted or locked), then (the statement's locks released
+-- with its subtransaction) the same rows in the same order, a few at a time (lockstep._pin_each).
 create function lockstep._pin_parents(j lockstep.job) returns text[]
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -440,11 +465,19 @@ begin
             lockstep._type_sql(j.key_type))
             into v_need, v_pinned;
         perform pg_catalog.set_config('lock_timeout', v_timeout, true);
-    exception when lock_not_available then  -- a row an application updated, then holds: one at a time
-        execute pg_catalog.format('select array_agg(x order by x::%s) from pg_catalog.unnest((%s)) x',
-                                  lockstep._type_sql(j.key_type), v_need_sql) into v_need;
-        v_pinned := lockstep._pin_each(j.parent, pg_catalog.format('r.%I %s $1::%s', j.parent_key, lockstep._key_eq(j),
-                                                                   lockstep._type_sql(j.key_type)), v_need);
+    exception when lock_not_available then  -- a row an application updated, then holds: a few at a time
+        -- the keys in the parent key column's own order (its collation), as the one statement locks them
+        execute pg_catalog.format(
+            'select array_agg(x order by (select p.%2$I from %3$s p where p.%2$I %4$s x::%5$s limit 1), x) '
+            'from pg_catalog.unnest((%1$s)) x', v_need_sql, j.parent_key, j.parent, lockstep._key_eq(j),
+            lockstep._type_sql(j.key_type)) into v_need;
+        v_pinned := lockstep._pin_each(j.parent, pg_catalog.format(
+            'with p as (select r.%1$I as k from %2$s r where r.%1$I %3$s any($1::%4$s) order by r.%1$I '
+            '           for key share skip locked) '
+            'select array_agg(a) from pg_catalog.unnest($1) a where exists (select from p where p.k %3$s a::%5$s)',
+            j.parent_key, j.parent, lockstep._key_eq(j), lockstep._array_type(j.key_type), lockstep._type_sql(j.key_type)),
+            coalesce(v_need, '{}'));
+        v_need := coalesce(v_need, '{}');
     end;
     v_skip := array(select pg_catalog.unnest(v_need) except select pg_catalog.unnest(v_pinned));
     if cardinality(v_skip) > 0 then
@@ -468,7 +501,7 @@ $$;
 -- (conparentid = 0): a key to a partitioned table has one child constraint per partition, and pinning each
 -- row in every partition failed in all but one (a partitioned parent never converged; found by a probe).
 -- locks: the referenced rows, FOR KEY SHARE SKIP LOCKED, one constraint at a time in constraint-name
--- order, each in key order; as lockstep._pin_parents, FOR SHARE SKIP LOCKED after lockstep._pin_timeout.
+-- order, each in key order; as lockstep._pin_parents, a few at a time after lockstep._pin_timeout.
 create function lockstep._pin_refs(j lockstep.job) returns text[]
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -530,8 +563,11 @@ begin
                 'from %2$s r where exists (select from pg_temp.%3$I w where %4$s and %5$s)',
                 lockstep._cols(c.rk, 'r'), c.ref, lockstep._tmp(j, 'put'), v_needs, v_match);
             v_rows := array(select x.lockstep_row from pg_temp.lockstep_ref x order by x.lockstep_n);
-            v_rows := lockstep._pin_each(c.ref, 'r.ctid = pg_catalog.split_part($1, '':'', 2)::tid '
-                                                'and r.tableoid = pg_catalog.split_part($1, '':'', 1)::oid', v_rows);
+            v_rows := lockstep._pin_each(c.ref, pg_catalog.format(
+                'select array_agg(k) from (select r.tableoid::text || '':'' || r.ctid::text as k from %1$s r '
+                '  where r.ctid = any(array(select pg_catalog.split_part(a, '':'', 2)::tid from pg_catalog.unnest($1) a)) '
+                '    and r.tableoid::text || '':'' || r.ctid::text = any($1) '
+                '  order by %2$s for key share skip locked) s', c.ref, lockstep._cols(c.rk, 'r')), v_rows);
             delete from pg_temp.lockstep_ref x where x.lockstep_row <> all(v_rows);
         end;
         v_unpinned := pg_catalog.format('%s and not exists (select from pg_temp.lockstep_ref r where %s)',

@@ -339,6 +339,28 @@ def test_a_parent_whose_compute_always_raises_a_transient_error_is_isolated_afte
     assert written == [1, 2, 4, 5]
 
 
+def test_a_table_lock_on_the_parent_is_waited_for_as_a_table_lock_not_retried_row_by_row(ex, exconnect):
+    """The pin of parents cuts a row wait short (lockstep._pin_timeout) and retries a few rows at a time;
+    a table lock an application holds on the parent ended the first statement the same way, and the
+    retry then waited 10 ms on it for every row and skipped every key, pass after pass (found by a
+    review). The table lock is now waited for with the session's own lock_timeout, as before: with one
+    set, the pass fails as a whole (lockstep._transient) and its keys stay queued, not deferred."""
+    ex.execute("update example.exam set body = body || ' tablelockword' where id in (1, 2, 3)")
+    ex.execute("delete from lockstep.queue")
+    ex.execute(f"select lockstep.enqueue('{JOB}', array[1, 2, 3])")
+    app = exconnect()
+    app.execute("begin")
+    app.execute("lock table example.exam in exclusive mode")  # reads pass, row locks wait
+    ex.execute("set lock_timeout = '300ms'")
+    r = result(ex, f"lockstep.work('{JOB}')")
+    assert r["outcome"] == "failed" and "lock timeout" in r["error"], r  # before: done, 3 skipped
+    assert ex.execute("select count(*) from lockstep.key_failure").fetchone()[0] == 0
+    app.execute("rollback")
+    ex.execute("update lockstep.job_state set retry_at = now()")
+    r = result(ex, f"lockstep.work('{JOB}')")
+    assert (r["outcome"], r["skipped"]) == ("done", 0) and r["inserted"] == 3, r
+
+
 def test_a_lock_timeout_fails_a_recompute_as_a_whole_and_hands_nothing_off(ex, exconnect):
     """The same for a recompute: a lock timeout in its whole-table pass was taken for poison parents, and
     every parent was handed to the worker's bisection."""
