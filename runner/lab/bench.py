@@ -429,20 +429,14 @@ class Bench:
         out.update(self.pass_costs())
         return out
 
-    def _backend_cpu_ns(self) -> int | None:
-        try:
-            with open(f"/proc/{self.conn.info.backend_pid}/schedstat") as f:
-                return int(f.read().split()[0])
-        except OSError:  # the server runs elsewhere
-            return None
-
     def _timed(self, sql: str, params: list[Any]) -> tuple[float, float | None, Any]:
         """(wall ms, backend CPU ms or None, first row) of one statement."""
-        cpu0, t0 = self._backend_cpu_ns(), time.perf_counter()
+        pid = self.conn.info.backend_pid
+        cpu0, t0 = scratch.backend_cpu_ms(pid), time.perf_counter()
         # never prepared: a generic plan of compute(ids) cannot drop its "ids is null" branch (a scan of all)
         row = self.conn.execute(sql, params, prepare=False).fetchone()
-        wall, cpu1 = (time.perf_counter() - t0) * 1000, self._backend_cpu_ns()
-        return wall, (cpu1 - cpu0) / 1e6 if cpu0 is not None and cpu1 is not None else None, row
+        wall, cpu1 = (time.perf_counter() - t0) * 1000, scratch.backend_cpu_ms(pid)
+        return wall, cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None, row
 
     def _wal(self, sql: str, params: list[Any], checkpoint: bool) -> tuple[int, int, int]:
         """(WAL bytes, full-page images, catalog rows written) of one statement in its own transaction.

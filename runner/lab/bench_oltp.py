@@ -157,15 +157,6 @@ def _process_cpu_ms(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) * 1000.0 / os.sysconf("SC_CLK_TCK")
 
 
-def _backend_cpu_ms(pid: int) -> float | None:
-    """CPU of a server backend of this host so far (ms, /proc/<pid>/schedstat), or None (gone, elsewhere)."""
-    try:
-        with open(f"/proc/{pid}/schedstat") as f:
-            return int(f.read().split()[0]) / 1e6
-    except OSError:
-        return None
-
-
 class Oltp:
     def __init__(self, dsn: str, opts: dict[str, int], progress: Progress) -> None:
         self.dsn, self.opts, self.progress = dsn, opts, progress
@@ -311,7 +302,8 @@ class Oltp:
 
     def _runner_backends_cpu(self) -> dict[int, float | None]:
         """pid -> CPU ms so far of the runners' server backends (application_name lockstep's)."""
-        return {r[0]: _backend_cpu_ms(r[0]) for r in self.conn.execute(RUNNER_BACKENDS_SQL, [APP_NAME])}
+        rows = self.conn.execute(RUNNER_BACKENDS_SQL, [APP_NAME]).fetchall()
+        return {r[0]: scratch.backend_cpu_ms(r[0]) for r in rows}
 
     def _sample(self, samples: list[tuple[float, int, int]], stop: threading.Event) -> None:
         with psycopg.connect(self.dsn, autocommit=True) as c:

@@ -29,3 +29,13 @@ def percentile(values: list[float], q: float) -> float | None:
         return None
     s = sorted(values)
     return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def backend_cpu_ms(pid: int) -> float | None:
+    """CPU time so far of a server backend of this host (ms, ``/proc/<pid>/schedstat``), or None when it is
+    unreadable (the backend is gone, or the server runs elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            return int(f.read().split()[0]) / 1e6
+    except OSError:
+        return None

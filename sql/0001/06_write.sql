@@ -555,7 +555,7 @@ begin
                 'order by %1$s for key share skip locked',
                 lockstep._cols(c.rk, 'r'), c.ref, lockstep._tmp(j, 'put'), v_needs, v_match);
             perform pg_catalog.set_config('lock_timeout', v_timeout, true);
-        exception when lock_not_available then  -- one row at a time, named by (tableoid, ctid), in key order
+        exception when lock_not_available then  -- a few rows at a time, named by (tableoid, ctid), in key order
             execute pg_catalog.format(
                 'create temp table lockstep_ref on commit drop as '
                 'select %1$s, r.tableoid::text || '':'' || r.ctid::text as lockstep_row, '
