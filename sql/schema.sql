@@ -1459,10 +1459,28 @@ declare
     v_name name := ('enqueue_w_' || pg_catalog.left(pg_catalog.md5(
                         pg_catalog.concat_ws(pg_catalog.chr(1), j.job, source::oid, key_column)), 24))::name;
     v_read text := 'v_keys := array(select s.k::pg_catalog.text from (%s) s where s.k is not null order by s.k);';
+    -- a key type whose text always fits the queue: one statement
+    v_long boolean := j.key_type in ('text'::regtype, 'character varying'::regtype, 'numeric'::regtype);
+    v_fast text := case when v_long then v_read
+                        else 'insert into lockstep.queue (job, key) select tg_argv[0], s.k::pg_catalog.text '
+                             'from (%s) s where s.k is not null order by s.k;' end;
+    v_upd text := pg_catalog.format('select x.%1$I as k from lockstep_new x union select x.%1$I from lockstep_old x',
+                                    key_column);
+    v_ins text := pg_catalog.format('select distinct x.%I as k from lockstep_new x', key_column);
+    v_del text := pg_catalog.format('select distinct x.%I as k from lockstep_old x', key_column);
+    v_attnum text;
 begin
     if not pg_catalog.has_schema_privilege('lockstep', 'CREATE') then
         return null;
     end if;
+    -- the key column's attribute number in each table (a partition may number its columns otherwise)
+    select pg_catalog.concat('case ', pg_catalog.string_agg(
+               pg_catalog.format('when tg_relid operator(pg_catalog.=) %s::pg_catalog.oid then %s', t.rel::oid, a.attnum),
+               ' ' order by t.o), ' end')
+    into v_attnum
+    from pg_catalog.unnest(lockstep._family(source)) with ordinality t(rel, o)
+    join pg_catalog.pg_attribute a on a.attrelid = t.rel and a.attname = key_column and a.attnum > 0
+                                      and not a.attisdropped;
     execute pg_catalog.format($gen$
 create or replace function lockstep.%1$I() returns trigger
 language plpgsql
@@ -1472,17 +1490,31 @@ declare
     v_keys pg_catalog.text[];
     v_problem pg_catalog.text;
 begin
-    begin  -- reads only: the subtransaction gets no transaction id
+    -- the column is still %2$I at the attribute number watch() found in this table: no subtransaction
+    if (pg_catalog.pg_identify_object('pg_catalog.pg_class'::pg_catalog.regclass, tg_relid, %3$s)).identity
+       operator(pg_catalog.=) pg_catalog.concat((pg_catalog.pg_identify_object(
+           'pg_catalog.pg_class'::pg_catalog.regclass, tg_relid, 0)).identity, %4$L) then
         if tg_op operator(pg_catalog.=) 'UPDATE' then
-            %3$s
-        elsif tg_op operator(pg_catalog.=) 'INSERT' then
-            %4$s
-        else
             %5$s
+        elsif tg_op operator(pg_catalog.=) 'INSERT' then
+            %6$s
+        else
+            %7$s
         end if;
-    exception when others then
-        get stacked diagnostics v_problem = message_text;
-    end;
+%8$s
+    else
+        begin  -- reads only: the subtransaction gets no transaction id
+            if tg_op operator(pg_catalog.=) 'UPDATE' then
+                %9$s
+            elsif tg_op operator(pg_catalog.=) 'INSERT' then
+                %10$s
+            else
+                %11$s
+            end if;
+        exception when others then
+            get stacked diagnostics v_problem = message_text;
+        end;
+    end if;
     if v_problem is not null then
         begin  -- the same words as lockstep.enqueue_trigger's general path where it can tell
             select coalesce(x.problem, v_problem) into v_problem
@@ -1495,7 +1527,7 @@ begin
         perform lockstep._flag(tg_argv[0], v_problem);
         return null;
     end if;
-%6$s
+%12$s
     if pg_catalog.cardinality(v_keys) operator(pg_catalog.=) 1 then
         insert into lockstep.queue (job, key) values (tg_argv[0], v_keys[1]);
     elsif pg_catalog.cardinality(v_keys) operator(pg_catalog.>) 1 then
@@ -1504,11 +1536,11 @@ begin
     return null;
 end;
 $body$
-$gen$, v_name, key_column,
-        pg_catalog.format(v_read, pg_catalog.format('select x.%1$I as k from lockstep_new x union select x.%1$I from lockstep_old x', key_column)),
-        pg_catalog.format(v_read, pg_catalog.format('select distinct x.%I as k from lockstep_new x', key_column)),
-        pg_catalog.format(v_read, pg_catalog.format('select distinct x.%I as k from lockstep_old x', key_column)),
-        case when j.key_type in ('text'::regtype, 'character varying'::regtype, 'numeric'::regtype) then
+$gen$, v_name, key_column, coalesce(v_attnum, 'null::pg_catalog.int4'), '.' || pg_catalog.quote_ident(key_column),
+        pg_catalog.format(v_fast, v_upd), pg_catalog.format(v_fast, v_ins), pg_catalog.format(v_fast, v_del),
+        case when v_long then '' else '        return null;  -- queued' end,
+        pg_catalog.format(v_read, v_upd), pg_catalog.format(v_read, v_ins), pg_catalog.format(v_read, v_del),
+        case when v_long then
 pg_catalog.format('    if pg_catalog.octet_length(pg_catalog.array_to_string(v_keys, ''''))
        operator(pg_catalog.+) pg_catalog.octet_length(tg_argv[0]) operator(pg_catalog.>) %s then
         v_keys := lockstep._queueable(tg_argv[0], v_keys);  -- a key too long for the queue flags the job

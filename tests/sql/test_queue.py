@@ -589,6 +589,63 @@ def test_watch_triggers_read_only_the_key_column_of_wide_rows(conn, connect):
     )
 
 
+PARTED_SQL = """
+create table acct (id int primary key);
+insert into acct select generate_series(1, 10);
+create table tally (id int primary key references acct on delete cascade, n bigint not null);
+create table ev (aid int not null, amount int not null) partition by range (amount);
+create table ev_lo (junk int, aid int not null, amount int not null);
+alter table ev_lo drop column junk;  -- aid is column 2 here, column 1 in ev
+alter table ev attach partition ev_lo for values from (minvalue) to (100);
+create table ev_hi partition of ev for values from (100) to (maxvalue);
+create function tally_c(keys int[]) returns table (id int, n bigint) language sql stable
+    as $$ select e.aid, count(*) from public.ev e where keys is null or e.aid = any(keys) group by e.aid $$;
+select lockstep.define_derived('tally', 'tally', 'tally_c(int[])', 'acct');
+select lockstep.watch('tally', 'ev', 'aid');
+"""
+
+
+def test_the_generated_trigger_follows_its_column_through_partitions_renames_and_drops(conn, connect):
+    # The generated trigger runs its static statements without a subtransaction only where the key column
+    # is still the one watch() found (its attribute number in each table of the family, written in); a
+    # renamed, dropped or re-added column takes the guarded read. Each step must enqueue, and no
+    # application statement may fail.
+    conn.execute(PARTED_SQL)
+    conn.execute("delete from lockstep.recompute_flag")
+    app = connect()
+
+    def queued() -> list[str]:
+        keys = [k for (k,) in conn.execute("select key from lockstep.queue order by id")]
+        conn.execute("delete from lockstep.queue")
+        return keys
+
+    app.execute("insert into ev values (1, 5), (2, 500)")  # through the parent
+    app.execute("insert into ev_lo values (3, 6)")  # into the partition, whose aid is column 2
+    app.execute("update ev_hi set amount = amount + 1 where aid = 2")
+    app.execute("delete from ev_lo where aid = 3")
+    assert queued() == ["1", "2", "3", "2", "3"]
+    app.execute("alter table ev rename to ev_renamed")  # the table's name is not the column's
+    app.execute("alter table ev_lo set schema lockstep")  # nor its schema
+    app.execute("update ev_renamed set amount = amount + 1 where aid = 1")
+    app.execute("update lockstep.ev_lo set amount = amount + 1 where aid = 1")
+    assert queued() == ["1", "1"]
+    app.execute("alter table ev_renamed rename column aid to acct_id")  # the static read would not plan
+    app.execute("update ev_renamed set amount = amount + 1 where acct_id = 1")
+    assert queued() == [] and conn.execute("select count(*) from lockstep.recompute_flag").fetchone()[0] == 1
+    app.execute("alter table ev_renamed rename column acct_id to aid")
+    app.execute("alter table ev_renamed drop column aid")  # and added again: another attribute number
+    app.execute("alter table ev_renamed add column aid int")
+    app.execute("insert into ev_renamed values (7, 4)")  # (amount, aid)
+    app.execute("update lockstep.ev_lo set aid = 5 where amount = 7")
+    assert queued() == ["4", "4", "5"]
+    fns = conn.execute(
+        "select distinct tgfoid::regproc::text from pg_trigger t"
+        " where tgrelid in ('ev_renamed'::regclass, 'lockstep.ev_lo'::regclass, 'ev_hi'::regclass)"
+        " and not tgisinternal and tgtype & 32 = 0"
+    ).fetchall()
+    assert len(fns) == 1 and fns[0][0].startswith("lockstep.enqueue_w_"), fns
+
+
 def test_unwatch_and_dropped_tables_leave_no_generated_function(conn):
     conn.execute(WIDE_SQL)
     conn.execute("create table wide2 (like wide including all)")
