@@ -1468,6 +1468,10 @@ declare
                                     key_column);
     v_ins text := pg_catalog.format('select distinct x.%I as k from lockstep_new x', key_column);
     v_del text := pg_catalog.format('select distinct x.%I as k from lockstep_old x', key_column);
+    -- the branch on tg_op (formatted twice below): %1$s, %3$s, %4$s the UPDATE, INSERT, DELETE statements, %2$s the indent
+    v_ops text := E'if tg_op operator(pg_catalog.=) ''UPDATE'' then\n%2$s    %1$s\n'
+                  || E'%2$selsif tg_op operator(pg_catalog.=) ''INSERT'' then\n%2$s    %3$s\n'
+                  || E'%2$selse\n%2$s    %4$s\n%2$send if;';
     v_attnum text;
 begin
     if not pg_catalog.has_schema_privilege('lockstep', 'CREATE') then
@@ -1494,23 +1498,11 @@ begin
     if (pg_catalog.pg_identify_object('pg_catalog.pg_class'::pg_catalog.regclass, tg_relid, %3$s)).identity
        operator(pg_catalog.=) pg_catalog.concat((pg_catalog.pg_identify_object(
            'pg_catalog.pg_class'::pg_catalog.regclass, tg_relid, 0)).identity, %4$L) then
-        if tg_op operator(pg_catalog.=) 'UPDATE' then
-            %5$s
-        elsif tg_op operator(pg_catalog.=) 'INSERT' then
-            %6$s
-        else
-            %7$s
-        end if;
-%8$s
+        %5$s
+%6$s
     else
         begin  -- reads only: the subtransaction gets no transaction id
-            if tg_op operator(pg_catalog.=) 'UPDATE' then
-                %9$s
-            elsif tg_op operator(pg_catalog.=) 'INSERT' then
-                %10$s
-            else
-                %11$s
-            end if;
+            %7$s
         exception when others then
             get stacked diagnostics v_problem = message_text;
         end;
@@ -1527,7 +1519,7 @@ begin
         perform lockstep._flag(tg_argv[0], v_problem);
         return null;
     end if;
-%12$s
+%8$s
     if pg_catalog.cardinality(v_keys) operator(pg_catalog.=) 1 then
         insert into lockstep.queue (job, key) values (tg_argv[0], v_keys[1]);
     elsif pg_catalog.cardinality(v_keys) operator(pg_catalog.>) 1 then
@@ -1537,9 +1529,11 @@ begin
 end;
 $body$
 $gen$, v_name, key_column, coalesce(v_attnum, 'null::pg_catalog.int4'), '.' || pg_catalog.quote_ident(key_column),
-        pg_catalog.format(v_fast, v_upd), pg_catalog.format(v_fast, v_ins), pg_catalog.format(v_fast, v_del),
+        pg_catalog.format(v_ops, pg_catalog.format(v_fast, v_upd), '        ', pg_catalog.format(v_fast, v_ins),
+                          pg_catalog.format(v_fast, v_del)),
         case when v_long then '' else '        return null;  -- queued' end,
-        pg_catalog.format(v_read, v_upd), pg_catalog.format(v_read, v_ins), pg_catalog.format(v_read, v_del),
+        pg_catalog.format(v_ops, pg_catalog.format(v_read, v_upd), '            ', pg_catalog.format(v_read, v_ins),
+                          pg_catalog.format(v_read, v_del)),
         case when v_long then
 pg_catalog.format('    if pg_catalog.octet_length(pg_catalog.array_to_string(v_keys, ''''))
        operator(pg_catalog.+) pg_catalog.octet_length(tg_argv[0]) operator(pg_catalog.>) %s then
@@ -2117,7 +2111,7 @@ begin
                                           cardinality(p.failed), p.failed[1], p.errors[1]) end),
                     coalesce(s.runs, 0));
         end if;
-        perform lockstep._prune_run_log(j.job, coalesce(s.runs, 0), v_keep, v_max);
+        perform lockstep._prune_run_log(j.job, coalesce(s.runs, 0), v_keep, v_max, action);
     exception when others then
         raise warning 'lockstep: run of job "%" not logged in lockstep.run_log: %', j.job, sqlerrm
             using hint = 'The role running jobs needs SELECT on lockstep.setting and SELECT, INSERT, DELETE '
@@ -2313,43 +2307,34 @@ declare
     v_need text[];
     v_pinned text[];
     v_skip text[];
-    v_timeout text := pg_catalog.current_setting('lock_timeout');
-    v_need_sql text;
+    v_pin text;
 begin
     if j.parent is null then
         return '{}';
     end if;
-    v_need_sql := pg_catalog.format(
-        'select coalesce(array_agg(distinct k), ''{}'') as a from ('
+    execute pg_catalog.format(
+        'select coalesce(array_agg(distinct k), ''{}'') from ('
         '  select lockstep_parent from pg_temp.%1$I'
         '  where lockstep_new or lockstep_parent is distinct from lockstep_old_parent) s(k) where k is not null',
-        lockstep._tmp(j, 'put'));
-    begin  -- one statement, its waits cut short (lockstep._pin_timeout)
-        perform pg_catalog.set_config('lock_timeout', lockstep._pin_timeout(), true);
-        execute pg_catalog.format(
-            'with n as (%1$s), '
-            'p as (select %2$I::text as k from %3$s where %2$I %5$s any((select n.a from n)::%4$s) '
-            '      order by %2$I for key share skip locked) '
-            'select n.a, (select coalesce(array_agg(distinct x), ''{}'') from pg_catalog.unnest(n.a) x '
-            '             join p on p.k::%6$s %5$s x::%6$s) from n',
-            v_need_sql, j.parent_key, j.parent, lockstep._array_type(j.key_type), lockstep._key_eq(j),
-            lockstep._type_sql(j.key_type))
-            into v_need, v_pinned;
-        perform pg_catalog.set_config('lock_timeout', v_timeout, true);
-    exception when lock_not_available then  -- a row an application updated, then holds: a few at a time
+        lockstep._tmp(j, 'put')) into v_need;
+    if cardinality(v_need) = 0 then
+        return '{}';
+    end if;
+    -- the pin of the parents named by $1, in key order; returns the elements of $1 it pinned
+    v_pin := pg_catalog.format(
+        'with p as (select r.%1$I as k from %2$s r where r.%1$I %3$s any($1::%4$s) order by r.%1$I '
+        '           for key share skip locked) '
+        'select array_agg(a) from pg_catalog.unnest($1) a where exists (select from p where p.k %3$s a::%5$s)',
+        j.parent_key, j.parent, lockstep._key_eq(j), lockstep._array_type(j.key_type), lockstep._type_sql(j.key_type));
+    v_pinned := lockstep._pin_try(v_pin, v_need);  -- one statement, its waits cut short (lockstep._pin_timeout)
+    if v_pinned is null then  -- a row an application updated, then holds: a few at a time
         -- the keys in the parent key column's own order (its collation), as the one statement locks them
         execute pg_catalog.format(
-            'select array_agg(x order by (select p.%2$I from %3$s p where p.%2$I %4$s x::%5$s limit 1), x) '
-            'from pg_catalog.unnest((%1$s)) x', v_need_sql, j.parent_key, j.parent, lockstep._key_eq(j),
-            lockstep._type_sql(j.key_type)) into v_need;
-        v_pinned := lockstep._pin_each(j.parent, pg_catalog.format(
-            'with p as (select r.%1$I as k from %2$s r where r.%1$I %3$s any($1::%4$s) order by r.%1$I '
-            '           for key share skip locked) '
-            'select array_agg(a) from pg_catalog.unnest($1) a where exists (select from p where p.k %3$s a::%5$s)',
-            j.parent_key, j.parent, lockstep._key_eq(j), lockstep._array_type(j.key_type), lockstep._type_sql(j.key_type)),
-            coalesce(v_need, '{}'));
-        v_need := coalesce(v_need, '{}');
-    end;
+            'select array_agg(x order by (select p.%1$I from %2$s p where p.%1$I %3$s x::%4$s limit 1), x) '
+            'from pg_catalog.unnest($1) x', j.parent_key, j.parent, lockstep._key_eq(j),
+            lockstep._type_sql(j.key_type)) into v_need using v_need;
+        v_pinned := lockstep._pin_each(j.parent, v_pin, v_need);
+    end if;
     v_skip := array(select pg_catalog.unnest(v_need) except select pg_catalog.unnest(v_pinned));
     if cardinality(v_skip) > 0 then
         perform lockstep._drop_rows(lockstep._tmp(j, 'gone'), 'lockstep_parent = any($1)', v_skip);
@@ -2489,7 +2474,7 @@ CREATE FUNCTION lockstep._proc_columns(f regprocedure) RETURNS TABLE(name name, 
     order by 3;
 $$;
 
-CREATE FUNCTION lockstep._prune_run_log(job text, run_no bigint, keep interval, max_per_job integer) RETURNS void
+CREATE FUNCTION lockstep._prune_run_log(job text, run_no bigint, keep interval, max_per_job integer, action text DEFAULT NULL::text) RETURNS void
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
@@ -2506,7 +2491,18 @@ begin
                    where o.job = _prune_run_log.job
                      and o.run_no > _prune_run_log.run_no - max_per_job - 10
                      and o.run_no <= _prune_run_log.run_no - max_per_job
+                     and case when o.action = 'recompute'  -- (the look-up only for a recompute's row)
+                              then o.run_no < (select max(r.run_no) from lockstep.run_log r
+                                               where r.job = _prune_run_log.job and r.action = 'recompute')
+                              else true end
                    order by o.run_no limit 10);
+    if action = 'recompute' then  -- the job's earlier recompute spared so (at most one, below the window)
+        delete from lockstep.run_log l
+        where l.id in (select o.id from lockstep.run_log o
+                       where o.job = _prune_run_log.job and o.run_no <= _prune_run_log.run_no - max_per_job
+                         and o.action = 'recompute'
+                       order by o.run_no limit 10);
+    end if;
 end;
 $$;
 

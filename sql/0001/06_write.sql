@@ -442,43 +442,34 @@ declare
     v_need text[];
     v_pinned text[];
     v_skip text[];
-    v_timeout text := pg_catalog.current_setting('lock_timeout');
-    v_need_sql text;
+    v_pin text;
 begin
     if j.parent is null then
         return '{}';
     end if;
-    v_need_sql := pg_catalog.format(
-        'select coalesce(array_agg(distinct k), ''{}'') as a from ('
+    execute pg_catalog.format(
+        'select coalesce(array_agg(distinct k), ''{}'') from ('
         '  select lockstep_parent from pg_temp.%1$I'
         '  where lockstep_new or lockstep_parent is distinct from lockstep_old_parent) s(k) where k is not null',
-        lockstep._tmp(j, 'put'));
-    begin  -- one statement, its waits cut short (lockstep._pin_timeout)
-        perform pg_catalog.set_config('lock_timeout', lockstep._pin_timeout(), true);
-        execute pg_catalog.format(
-            'with n as (%1$s), '
-            'p as (select %2$I::text as k from %3$s where %2$I %5$s any((select n.a from n)::%4$s) '
-            '      order by %2$I for key share skip locked) '
-            'select n.a, (select coalesce(array_agg(distinct x), ''{}'') from pg_catalog.unnest(n.a) x '
-            '             join p on p.k::%6$s %5$s x::%6$s) from n',
-            v_need_sql, j.parent_key, j.parent, lockstep._array_type(j.key_type), lockstep._key_eq(j),
-            lockstep._type_sql(j.key_type))
-            into v_need, v_pinned;
-        perform pg_catalog.set_config('lock_timeout', v_timeout, true);
-    exception when lock_not_available then  -- a row an application updated, then holds: a few at a time
+        lockstep._tmp(j, 'put')) into v_need;
+    if cardinality(v_need) = 0 then
+        return '{}';
+    end if;
+    -- the pin of the parents named by $1, in key order; returns the elements of $1 it pinned
+    v_pin := pg_catalog.format(
+        'with p as (select r.%1$I as k from %2$s r where r.%1$I %3$s any($1::%4$s) order by r.%1$I '
+        '           for key share skip locked) '
+        'select array_agg(a) from pg_catalog.unnest($1) a where exists (select from p where p.k %3$s a::%5$s)',
+        j.parent_key, j.parent, lockstep._key_eq(j), lockstep._array_type(j.key_type), lockstep._type_sql(j.key_type));
+    v_pinned := lockstep._pin_try(v_pin, v_need);  -- one statement, its waits cut short (lockstep._pin_timeout)
+    if v_pinned is null then  -- a row an application updated, then holds: a few at a time
         -- the keys in the parent key column's own order (its collation), as the one statement locks them
         execute pg_catalog.format(
-            'select array_agg(x order by (select p.%2$I from %3$s p where p.%2$I %4$s x::%5$s limit 1), x) '
-            'from pg_catalog.unnest((%1$s)) x', v_need_sql, j.parent_key, j.parent, lockstep._key_eq(j),
-            lockstep._type_sql(j.key_type)) into v_need;
-        v_pinned := lockstep._pin_each(j.parent, pg_catalog.format(
-            'with p as (select r.%1$I as k from %2$s r where r.%1$I %3$s any($1::%4$s) order by r.%1$I '
-            '           for key share skip locked) '
-            'select array_agg(a) from pg_catalog.unnest($1) a where exists (select from p where p.k %3$s a::%5$s)',
-            j.parent_key, j.parent, lockstep._key_eq(j), lockstep._array_type(j.key_type), lockstep._type_sql(j.key_type)),
-            coalesce(v_need, '{}'));
-        v_need := coalesce(v_need, '{}');
-    end;
+            'select array_agg(x order by (select p.%1$I from %2$s p where p.%1$I %3$s x::%4$s limit 1), x) '
+            'from pg_catalog.unnest($1) x', j.parent_key, j.parent, lockstep._key_eq(j),
+            lockstep._type_sql(j.key_type)) into v_need using v_need;
+        v_pinned := lockstep._pin_each(j.parent, v_pin, v_need);
+    end if;
     v_skip := array(select pg_catalog.unnest(v_need) except select pg_catalog.unnest(v_pinned));
     if cardinality(v_skip) > 0 then
         perform lockstep._drop_rows(lockstep._tmp(j, 'gone'), 'lockstep_parent = any($1)', v_skip);

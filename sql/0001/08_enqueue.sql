@@ -471,6 +471,10 @@ declare
                                     key_column);
     v_ins text := pg_catalog.format('select distinct x.%I as k from lockstep_new x', key_column);
     v_del text := pg_catalog.format('select distinct x.%I as k from lockstep_old x', key_column);
+    -- the branch on tg_op (formatted twice below): %1$s, %3$s, %4$s the UPDATE, INSERT, DELETE statements, %2$s the indent
+    v_ops text := E'if tg_op operator(pg_catalog.=) ''UPDATE'' then\n%2$s    %1$s\n'
+                  || E'%2$selsif tg_op operator(pg_catalog.=) ''INSERT'' then\n%2$s    %3$s\n'
+                  || E'%2$selse\n%2$s    %4$s\n%2$send if;';
     v_attnum text;
 begin
     if not pg_catalog.has_schema_privilege('lockstep', 'CREATE') then
@@ -497,23 +501,11 @@ begin
     if (pg_catalog.pg_identify_object('pg_catalog.pg_class'::pg_catalog.regclass, tg_relid, %3$s)).identity
        operator(pg_catalog.=) pg_catalog.concat((pg_catalog.pg_identify_object(
            'pg_catalog.pg_class'::pg_catalog.regclass, tg_relid, 0)).identity, %4$L) then
-        if tg_op operator(pg_catalog.=) 'UPDATE' then
-            %5$s
-        elsif tg_op operator(pg_catalog.=) 'INSERT' then
-            %6$s
-        else
-            %7$s
-        end if;
-%8$s
+        %5$s
+%6$s
     else
         begin  -- reads only: the subtransaction gets no transaction id
-            if tg_op operator(pg_catalog.=) 'UPDATE' then
-                %9$s
-            elsif tg_op operator(pg_catalog.=) 'INSERT' then
-                %10$s
-            else
-                %11$s
-            end if;
+            %7$s
         exception when others then
             get stacked diagnostics v_problem = message_text;
         end;
@@ -530,7 +522,7 @@ begin
         perform lockstep._flag(tg_argv[0], v_problem);
         return null;
     end if;
-%12$s
+%8$s
     if pg_catalog.cardinality(v_keys) operator(pg_catalog.=) 1 then
         insert into lockstep.queue (job, key) values (tg_argv[0], v_keys[1]);
     elsif pg_catalog.cardinality(v_keys) operator(pg_catalog.>) 1 then
@@ -540,9 +532,11 @@ begin
 end;
 $body$
 $gen$, v_name, key_column, coalesce(v_attnum, 'null::pg_catalog.int4'), '.' || pg_catalog.quote_ident(key_column),
-        pg_catalog.format(v_fast, v_upd), pg_catalog.format(v_fast, v_ins), pg_catalog.format(v_fast, v_del),
+        pg_catalog.format(v_ops, pg_catalog.format(v_fast, v_upd), '        ', pg_catalog.format(v_fast, v_ins),
+                          pg_catalog.format(v_fast, v_del)),
         case when v_long then '' else '        return null;  -- queued' end,
-        pg_catalog.format(v_read, v_upd), pg_catalog.format(v_read, v_ins), pg_catalog.format(v_read, v_del),
+        pg_catalog.format(v_ops, pg_catalog.format(v_read, v_upd), '            ', pg_catalog.format(v_read, v_ins),
+                          pg_catalog.format(v_read, v_del)),
         case when v_long then
 pg_catalog.format('    if pg_catalog.octet_length(pg_catalog.array_to_string(v_keys, ''''))
        operator(pg_catalog.+) pg_catalog.octet_length(tg_argv[0]) operator(pg_catalog.>) %s then

@@ -91,18 +91,22 @@ begin
 end;
 $$;
 
--- lockstep._prune_run_log(job, run_no, keep, max_per_job): delete at most 10 rows finished before now() -
+-- lockstep._prune_run_log(job, run_no, keep, max_per_job, action): delete at most 10 rows finished before now() -
 -- keep, and the rows of job that just fell off its max_per_job newest (run_no in (run_no - max_per_job -
 -- 10, run_no - max_per_job]: a window, so the scan never walks the dead entries of older prunes). Each
 -- run adds one row and may delete up to 20, so the table stays bounded (a row that slips below the window,
 -- when ten prunes in a row were skipped, goes by age). Both look-ups are index range scans that stop at
 -- once when there is nothing to prune. One pruner at a time (try lock): runners never wait for each other.
+-- The job's newest recompute is spared by the per-job prune until the next one (action: the run just
+-- logged) is logged: during a backlog, 1000 worker passes pushed a failed recompute out of the job's
+-- history within ~40 s, while status still showed its error (found by a probe).
 -- Generic plans: with custom plans (PostgreSQL's choice here, since `finished_at < now() - keep` looks
 -- selective only once keep is known) both deletes were planned again at every run: ~300 us per run
 -- against ~30 us with the cached generic plans, which are the same index scans (measured, docs/web.md).
 -- locks: the advisory lock (lockstep, run_log), transaction-level, without waiting (not taken: no prune);
 -- then the run_log rows it deletes (no application touches them).
-create function lockstep._prune_run_log(job text, run_no bigint, keep interval, max_per_job integer)
+create function lockstep._prune_run_log(job text, run_no bigint, keep interval, max_per_job integer,
+                                        action text default null)
 returns void
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -120,7 +124,18 @@ begin
                    where o.job = _prune_run_log.job
                      and o.run_no > _prune_run_log.run_no - max_per_job - 10
                      and o.run_no <= _prune_run_log.run_no - max_per_job
+                     and case when o.action = 'recompute'  -- (the look-up only for a recompute's row)
+                              then o.run_no < (select max(r.run_no) from lockstep.run_log r
+                                               where r.job = _prune_run_log.job and r.action = 'recompute')
+                              else true end
                    order by o.run_no limit 10);
+    if action = 'recompute' then  -- the job's earlier recompute spared so (at most one, below the window)
+        delete from lockstep.run_log l
+        where l.id in (select o.id from lockstep.run_log o
+                       where o.job = _prune_run_log.job and o.run_no <= _prune_run_log.run_no - max_per_job
+                         and o.action = 'recompute'
+                       order by o.run_no limit 10);
+    end if;
 end;
 $$;
 
@@ -161,7 +176,7 @@ begin
                                           cardinality(p.failed), p.failed[1], p.errors[1]) end),
                     coalesce(s.runs, 0));
         end if;
-        perform lockstep._prune_run_log(j.job, coalesce(s.runs, 0), v_keep, v_max);
+        perform lockstep._prune_run_log(j.job, coalesce(s.runs, 0), v_keep, v_max, action);
     exception when others then
         raise warning 'lockstep: run of job "%" not logged in lockstep.run_log: %', j.job, sqlerrm
             using hint = 'The role running jobs needs SELECT on lockstep.setting and SELECT, INSERT, DELETE '

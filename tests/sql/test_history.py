@@ -122,6 +122,40 @@ def test_max_per_job_keeps_the_newest_runs_of_each_job(ex):
     assert logged(ex, "ok") == []
 
 
+def test_the_jobs_last_recompute_outlives_max_per_job_until_the_next_one(ex):
+    # during a backlog, 1000 worker passes pushed a failed recompute out of run_log in ~40 s while
+    # lockstep status still showed its error (found by a probe): the newest recompute is kept
+    ex.execute("select lockstep.set_run_log_retention(max_per_job => 3)")
+    ex.execute("alter function example.exam_key_compute(bigint[]) rename to exam_key_compute_orig")
+    ex.execute(
+        "create function example.exam_key_compute(keys bigint[])"
+        " returns table (exam_id bigint, key text, weight integer) language plpgsql"
+        " set search_path = pg_catalog, pg_temp as $$"
+        " begin if keys is null then raise exception 'the whole table: no access'"
+        " using errcode = '42501'; end if;"
+        " return query select * from example.exam_key_compute_orig(keys); end $$"
+    )
+    assert result(ex, "lockstep.recompute('exam_keys')")["outcome"] == "failed"
+
+    def passes(n: int) -> None:
+        for i in range(n):
+            ex.execute("update example.exam_item set body = body || ' x' where exam_id = %s", [i + 1])
+            assert result(ex, "lockstep.work('exam_keys')")["outcome"] == "done"
+
+    passes(5)
+    rows = [(r["action"], r["outcome"]) for r in logged(ex, "exam_keys")]
+    assert rows == [("recompute", "failed"), ("work", "done"), ("work", "done"), ("work", "done")], rows
+    status = ex.execute("select last_error is null, recompute_error from lockstep.status where job = 'exam_keys'")
+    assert status.fetchone() == (True, "the whole table: no access")
+    # the next recompute is the one kept; the earlier goes once it falls off
+    ex.execute("alter function example.exam_key_compute(bigint[]) rename to exam_key_compute_poison")
+    ex.execute("alter function example.exam_key_compute_orig(bigint[]) rename to exam_key_compute")
+    assert result(ex, "lockstep.recompute('exam_keys')")["outcome"] == "done"
+    passes(4)
+    rows = [(r["action"], r["outcome"]) for r in logged(ex, "exam_keys")]
+    assert rows == [("recompute", "done"), ("work", "done"), ("work", "done"), ("work", "done")], rows
+
+
 def test_a_run_prunes_only_at_its_jobs_boundary(ex):
     """The per-job prune looks at the 10 run numbers just past the limit, never further down (there lie
     the dead index entries of earlier prunes); rows below that window go by age."""
