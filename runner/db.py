@@ -156,11 +156,13 @@ def backend_pid(conn: psycopg.Connection) -> int:
     return conn.info.backend_pid
 
 
-def due(conn: psycopg.Connection, jobs: list[str] | None = None) -> list[Due]:
+def due(conn: psycopg.Connection, jobs: list[str] | None = None, gather: float = 0.0) -> list[Due]:
+    """What is due; ``gather`` (seconds, --batch-wait): a job's ready keys wait that long after its last
+    worker pass, whichever runner made it."""
     rows = conn.execute(
         "select job, lock_group, due_at, extract(epoch from due_at - now())::float8"
-        " from lockstep.due(%s::text[])",
-        [jobs],
+        " from lockstep.due(%s::text[], make_interval(secs => %s))",
+        [jobs, gather],
     ).fetchall()
     return [Due(*r) for r in rows]
 

@@ -238,7 +238,7 @@ class Runner:
         assert self.conn is not None
         if self._sequence is not None:
             self._mark = db.queue_mark(self.conn, self._sequence)  # before due(): later keys wake us
-        rows = db.due(self.conn, self.opts.jobs)
+        rows = db.due(self.conn, self.opts.jobs, self.opts.batch_wait if sleep else 0.0)
         if self.opts.jobs:
             self._check_known(rows)
         now = time.monotonic()
@@ -250,12 +250,18 @@ class Runner:
         for row in rows:
             if self.stopping:
                 return progressed
-            if row.wait is None or row.wait > 0:
+            if row.wait is None:
+                continue
+            gather = self._gather_until.get(row.job, 0.0) - now
+            if row.wait > 0:
+                # lockstep.due() keeps the --batch-wait window of the job's last pass, whichever runner
+                # made it; after this runner's own pass, new keys need not wake it before the window ends
+                if sleep and gather > 0 and row.wait <= self.opts.batch_wait:
+                    gathering.append(row.wait)
                 continue
             held = self._job_errors.get(row.job)
             if held is not None and held.until > now:
                 continue
-            gather = self._gather_until.get(row.job, 0.0) - now
             if gather > 0 and sleep:
                 gathering.append(gather)
                 continue

@@ -3617,7 +3617,7 @@ begin
 end;
 $$;
 
-CREATE FUNCTION lockstep.due(jobs text[] DEFAULT NULL::text[]) RETURNS TABLE(job text, lock_group text, due_at timestamp with time zone)
+CREATE FUNCTION lockstep.due(jobs text[] DEFAULT NULL::text[], gather interval DEFAULT NULL::interval) RETURNS TABLE(job text, lock_group text, due_at timestamp with time zone)
     LANGUAGE sql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET jit TO 'off'
@@ -3628,7 +3628,9 @@ CREATE FUNCTION lockstep.due(jobs text[] DEFAULT NULL::text[]) RETURNS TABLE(job
                        and exists (select from lockstep.recompute_flag f where f.job = j.job) then now() end,
                  case when j.parent is null and s.recompute_rest > 0 then now() end,
                  case when j.parent is not null and lockstep._has_ready(j)
-                      then greatest(now(), coalesce(s.retry_at, now())) end,
+                      then greatest(now(), coalesce(s.retry_at, now()),
+                                    case when s.last_action = 'work' and s.last_outcome = 'done'
+                                         then s.last_finished_at + gather end) end,
                  case when j.parent is not null then
                       (select case when min(f.retry_at) is not null
                                    then greatest(min(f.retry_at), coalesce(s.retry_at, now())) end

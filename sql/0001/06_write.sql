@@ -491,6 +491,10 @@ $$;
 -- added after define_derived): no FK check looks anything up for it. Only top-level constraints
 -- (conparentid = 0): a key to a partitioned table has one child constraint per partition, and pinning each
 -- row in every partition failed in all but one (a partitioned parent never converged; found by a probe).
+-- Two pin statements, unlike lockstep._pin_parents: the one statement pins the rows its key match finds
+-- as it reads them; the slow path first reads them unpinned, then pins them a few at a time by row
+-- (tableoid, ctid), since a foreign key may span columns. Pinned by ctid in the fast path too, a row an
+-- application updated between the read and the pin would be skipped for nothing.
 -- locks: the referenced rows, FOR KEY SHARE SKIP LOCKED, one constraint at a time in constraint-name
 -- order, each in key order; as lockstep._pin_parents, a few at a time after lockstep._pin_timeout.
 create function lockstep._pin_refs(j lockstep.job) returns text[]

@@ -108,8 +108,13 @@ from lockstep.key_failure f;
 --   entry is ready (a key skipped because an application held its parent: job_state.deferred_until, so no
 --   read of the queue beyond its first ready entry).
 -- jobs: restrict to these names (NULL: all).
+-- gather: after a worker pass of a derived job that ended well (by any runner), its ready keys are due only
+--   gather after that pass ended (lockstep run --batch-wait): keys that arrive meanwhile gather for one
+--   larger pass. NULL (the default): at once. Shared through the job's status row, so several runners make
+--   the passes one runner would (each runner's own window let two runners make twice as many, smaller
+--   passes: ~10 a second against ~5 under bench oltp's load, each with its fixed cost of ~4 ms).
 -- locks: nothing.
-create function lockstep.due(jobs text[] default null)
+create function lockstep.due(jobs text[] default null, gather interval default null)
 returns table (job text, lock_group text, due_at timestamptz)
 language sql stable
 set search_path = pg_catalog, pg_temp
@@ -121,7 +126,9 @@ as $$
                        and exists (select from lockstep.recompute_flag f where f.job = j.job) then now() end,
                  case when j.parent is null and s.recompute_rest > 0 then now() end,
                  case when j.parent is not null and lockstep._has_ready(j)
-                      then greatest(now(), coalesce(s.retry_at, now())) end,
+                      then greatest(now(), coalesce(s.retry_at, now()),
+                                    case when s.last_action = 'work' and s.last_outcome = 'done'
+                                         then s.last_finished_at + gather end) end,
                  case when j.parent is not null then
                       (select case when min(f.retry_at) is not null
                                    then greatest(min(f.retry_at), coalesce(s.retry_at, now())) end

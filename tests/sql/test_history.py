@@ -145,7 +145,9 @@ def test_the_jobs_last_recompute_outlives_max_per_job_until_the_next_one(ex):
     passes(5)
     rows = [(r["action"], r["outcome"]) for r in logged(ex, "exam_keys")]
     assert rows == [("recompute", "failed"), ("work", "done"), ("work", "done"), ("work", "done")], rows
-    status = ex.execute("select last_error is null, recompute_error from lockstep.status where job = 'exam_keys'")
+    status = ex.execute(
+        "select last_error is null, recompute_error from lockstep.status where job = 'exam_keys'"
+    )
     assert status.fetchone() == (True, "the whole table: no access")
     # the next recompute is the one kept; the earlier goes once it falls off
     ex.execute("alter function example.exam_key_compute(bigint[]) rename to exam_key_compute_poison")
