@@ -1588,6 +1588,7 @@ declare
     v_from bigint;
     v_to bigint;
     v_old boolean;
+    v_carried bigint := 0;
 begin
     perform lockstep._enqueue_missing(j, keys);
     select * into s from lockstep.job_state x where x.job = j.job;
@@ -1604,9 +1605,12 @@ begin
     if v_old then
         v_from := s.recompute_queue_from;
         v_to := coalesce(v_to, s.recompute_queue_to);
+        -- done of the earlier hand-off, less this batch's parents it still has queued (counted as to do)
+        v_carried := s.recompute_total - lockstep._handoff_todo(j.job, s.recompute_queue_from, s.recompute_queue_to)
+                     - coalesce(nullif(pg_catalog.current_setting('lockstep.batch_queued', true), ''), '0')::bigint;
     end if;
     update lockstep.job_state x set
-        recompute_total = written + lockstep._handoff_todo(j.job, v_from, v_to),
+        recompute_total = greatest(written + v_carried, 0) + lockstep._handoff_todo(j.job, v_from, v_to),
         recompute_queue_from = v_from,
         recompute_queue_to = v_to
     where x.job = j.job;
@@ -1834,6 +1838,17 @@ begin
     create temp table lockstep_first on commit drop as
         select c.key from pg_temp.lockstep_parents c where c.n <= budget;
     drop table pg_temp.lockstep_parents;
+    -- parents of the batch an earlier hand-off still has queued: written now, and still "to do" until the
+    -- worker takes their entries (lockstep._hand_off counts them once)
+    -- (lockstep.handoff_from: the first queue id of that hand-off, set by lockstep._recompute, which may read
+    -- the job's status row; this runs as the job's owner)
+    if coalesce(pg_catalog.current_setting('lockstep.handoff_from', true), '') <> '' then
+        perform pg_catalog.set_config('lockstep.batch_queued', (
+            select count(*) from pg_temp.lockstep_first f
+            where exists (select from lockstep.queue q
+                          where q.key = f.key and (q.job = j.job) is true
+                            and q.id >= pg_catalog.current_setting('lockstep.handoff_from')::bigint))::text, true);
+    end if;
     -- keep the batch's rows, compacted (a DELETE would leave the write steps scanning every dead row)
     drop table if exists pg_temp.lockstep_keep;
     execute pg_catalog.format(
@@ -2646,6 +2661,8 @@ begin
     v_started := clock_timestamp();
     select coalesce(max(q.id), 0) into v_before from lockstep.queue q where q.job = j.job;
     perform pg_catalog.set_config('lockstep.handed_off', '0', true);
+    perform pg_catalog.set_config('lockstep.batch_queued', '0', true);
+    perform pg_catalog.set_config('lockstep.handoff_from', coalesce(s.recompute_queue_from::text, ''), true);
     v_snap := pg_catalog.pg_current_snapshot();  -- flags this snapshot sees are covered by this recompute
     begin
         p := lockstep._apply(j, null);

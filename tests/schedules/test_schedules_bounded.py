@@ -178,6 +178,26 @@ def test_a_due_recompute_is_not_starved_by_its_own_hand_off(ex):
     assert divergence(ex) == (0, 0)
 
 
+def test_a_recompute_due_during_a_hand_off_carries_its_progress_on(ex):
+    # a recompute that came due when the worker had done half of a hand-off started its progress over:
+    # 50 / 150 where the first had shown 100 / 200 (found by a probe)
+    ex.execute(f"select lockstep.set_batch_parents('{JOB}', 50)")
+    _rewrite(ex, list(range(1, 201)))
+    assert result(ex, f"lockstep.recompute('{JOB}')")["more"] is True
+    assert ex.execute(STATUS_SQL).fetchone() == (50, 200)
+    assert result(ex, f"lockstep.work('{JOB}')")["outcome"] == "done"  # parents 51-100
+    assert ex.execute(STATUS_SQL).fetchone() == (100, 200)
+    # the second recompute: its difference is parents 101-200, all still queued; it writes 101-150
+    r = result(ex, f"lockstep.recompute('{JOB}')")
+    assert (r["outcome"], r["more"]) == ("done", True)
+    assert ex.execute(STATUS_SQL).fetchone() == (100, 200)  # 101-150 stay "to do" until their entries go
+    assert result(ex, f"lockstep.work('{JOB}')")["outcome"] == "done"  # entries of 101-150: nothing to write
+    assert ex.execute(STATUS_SQL).fetchone() == (150, 200)
+    _drain(ex)
+    assert ex.execute(STATUS_SQL).fetchone() == (None, None)
+    assert divergence(ex) == (0, 0)
+
+
 # -- no lost update, skipped parents retried -----------------------------------------------------------------
 
 
