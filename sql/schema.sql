@@ -1371,7 +1371,7 @@ CREATE FUNCTION lockstep._fast_types() RETURNS text[]
     select array['bigint', 'integer', 'smallint', 'numeric', 'text', 'character varying', 'uuid'];
 $$;
 
-CREATE FUNCTION lockstep._finish(j lockstep.job, action text, outcome text, started timestamp with time zone, p lockstep._pass DEFAULT NULL::lockstep._pass, error text DEFAULT NULL::text, only_skipped boolean DEFAULT false) RETURNS void
+CREATE FUNCTION lockstep._finish(j lockstep.job, action text, outcome text, started timestamp with time zone, p lockstep._pass DEFAULT NULL::lockstep._pass, error text DEFAULT NULL::text, only_skipped boolean DEFAULT false, more boolean DEFAULT NULL::boolean) RETURNS void
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
@@ -1407,6 +1407,7 @@ begin
         last_updated = coalesce(p.updated, 0),
         last_deleted = coalesce(p.deleted, 0),
         last_skipped = coalesce(cardinality(p.skipped), 0),
+        last_more = more,
         -- a work pass deferred the entries of its skipped keys (lockstep._settle_entries): the earliest
         -- pending deferral (least ignores NULL; a past one is dropped)
         deferred_until = case
@@ -1588,7 +1589,7 @@ declare
     v_from bigint;
     v_to bigint;
     v_old boolean;
-    v_carried bigint := 0;
+    v_total bigint;
 begin
     perform lockstep._enqueue_missing(j, keys);
     select * into s from lockstep.job_state x where x.job = j.job;
@@ -1605,12 +1606,10 @@ begin
     if v_old then
         v_from := s.recompute_queue_from;
         v_to := coalesce(v_to, s.recompute_queue_to);
-        -- done of the earlier hand-off, less this batch's parents it still has queued (counted as to do)
-        v_carried := s.recompute_total - lockstep._handoff_todo(j.job, s.recompute_queue_from, s.recompute_queue_to)
-                     - coalesce(nullif(pg_catalog.current_setting('lockstep.batch_queued', true), ''), '0')::bigint;
     end if;
+    v_total := written + lockstep._handoff_todo(j.job, v_from, v_to);
     update lockstep.job_state x set
-        recompute_total = greatest(written + v_carried, 0) + lockstep._handoff_todo(j.job, v_from, v_to),
+        recompute_total = case when v_old then greatest(s.recompute_total, v_total) else v_total end,
         recompute_queue_from = v_from,
         recompute_queue_to = v_to
     where x.job = j.job;
@@ -1838,17 +1837,6 @@ begin
     create temp table lockstep_first on commit drop as
         select c.key from pg_temp.lockstep_parents c where c.n <= budget;
     drop table pg_temp.lockstep_parents;
-    -- parents of the batch an earlier hand-off still has queued: written now, and still "to do" until the
-    -- worker takes their entries (lockstep._hand_off counts them once)
-    -- (lockstep.handoff_from: the first queue id of that hand-off, set by lockstep._recompute, which may read
-    -- the job's status row; this runs as the job's owner)
-    if coalesce(pg_catalog.current_setting('lockstep.handoff_from', true), '') <> '' then
-        perform pg_catalog.set_config('lockstep.batch_queued', (
-            select count(*) from pg_temp.lockstep_first f
-            where exists (select from lockstep.queue q
-                          where q.key = f.key and (q.job = j.job) is true
-                            and q.id >= pg_catalog.current_setting('lockstep.handoff_from')::bigint))::text, true);
-    end if;
     -- keep the batch's rows, compacted (a DELETE would leave the write steps scanning every dead row)
     drop table if exists pg_temp.lockstep_keep;
     execute pg_catalog.format(
@@ -2189,6 +2177,7 @@ CREATE TABLE lockstep.job_state (
     last_updated bigint,
     last_deleted bigint,
     last_skipped bigint,
+    last_more boolean,
     consecutive_failures integer DEFAULT 0 NOT NULL,
     last_error text,
     recompute_error text,
@@ -2661,8 +2650,6 @@ begin
     v_started := clock_timestamp();
     select coalesce(max(q.id), 0) into v_before from lockstep.queue q where q.job = j.job;
     perform pg_catalog.set_config('lockstep.handed_off', '0', true);
-    perform pg_catalog.set_config('lockstep.batch_queued', '0', true);
-    perform pg_catalog.set_config('lockstep.handoff_from', coalesce(s.recompute_queue_from::text, ''), true);
     v_snap := pg_catalog.pg_current_snapshot();  -- flags this snapshot sees are covered by this recompute
     begin
         p := lockstep._apply(j, null);
@@ -3405,6 +3392,7 @@ declare
     a record;
     e record;
     v_err text;
+    v_more boolean;
 begin
     select * into s from lockstep.job_state st where st.job = j.job;
     if s.retry_at > now() then
@@ -3446,11 +3434,12 @@ begin
         return lockstep._failed(j, 'work', v_started, v_err);
     end if;
     v_err := lockstep._settle(j, c.kind, r.raw, e.ids, e.ctids, e.entry_keys, a.p, r.bad, r.errors);
+    v_more := (c.kind <> 'batch' or c.full) and lockstep._has_ready(j);
     -- (a pass whose every claimed key was skipped: lockstep._finish may count it with the one before)
     perform lockstep._finish(j, 'work', 'done', v_started, a.p, null,
-                             cardinality((a.p).skipped) = cardinality(coalesce(r.canon, '{}')) and cardinality(r.bad) = 0);
-    return lockstep._result('done', j.job, 'work', a.p, v_err,
-                            (c.kind <> 'batch' or c.full) and lockstep._has_ready(j));
+                             cardinality((a.p).skipped) = cardinality(coalesce(r.canon, '{}')) and cardinality(r.bad) = 0,
+                             v_more);
+    return lockstep._result('done', j.job, 'work', a.p, v_err, v_more);
 end;
 $$;
 
@@ -3647,7 +3636,8 @@ CREATE FUNCTION lockstep.due(jobs text[] DEFAULT NULL::text[], gather interval D
                  case when j.parent is not null and lockstep._has_ready(j)
                       then greatest(now(), coalesce(s.retry_at, now()),
                                     case when s.last_action = 'work' and s.last_outcome = 'done'
-                                         then s.last_finished_at + gather end) end,
+                                              and not coalesce(s.last_more, false)
+                                         then least(s.last_finished_at, now()) + gather end) end,
                  case when j.parent is not null then
                       (select case when min(f.retry_at) is not null
                                    then greatest(min(f.retry_at), coalesce(s.retry_at, now())) end
@@ -3928,7 +3918,10 @@ begin
     delete from lockstep.run_log r where r.finished_at < now() - s.run_log_keep;
     delete from lockstep.run_log r
     using lockstep.job_state st
-    where st.job = r.job and r.run_no <= st.runs - s.run_log_max_per_job;
+    where st.job = r.job and r.run_no <= st.runs - s.run_log_max_per_job
+      and (s.run_log_max_per_job = 0 or r.action <> 'recompute'
+           or r.run_no < (select max(x.run_no) from lockstep.run_log x
+                          where x.job = r.job and x.action = 'recompute'));  -- as lockstep._prune_run_log
     return s;
 end;
 $$;

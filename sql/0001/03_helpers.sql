@@ -237,8 +237,9 @@ as $$
     select now() + interval '1 second';
 $$;
 
--- lockstep._finish(job, action, outcome, started, pass, error): write the job's status row.
--- Called last in every run that did something, after all other writes.
+-- lockstep._finish(job, action, outcome, started, pass, error, only_skipped, more): write the job's status
+-- row. Called last in every run that did something, after all other writes. more: a worker pass left ready
+-- keys behind (a backlog: lockstep.due() opens no --batch-wait window after it).
 -- A worker pass that only skipped parents an application holds (only_skipped: every key it claimed was
 -- skipped; it wrote, deleted and failed nothing), right after a pass that only skipped too, is not a new run: the status row's last_* show it, but runs is not
 -- counted up and lockstep.run_log gets no row. A parent held for minutes is retried every second
@@ -247,7 +248,7 @@ $$;
 -- locks: the job's lockstep.job_state row (FOR NO KEY UPDATE, by the update); then as lockstep._log_run.
 create function lockstep._finish(j lockstep.job, action text, outcome text, started timestamptz,
                                  p lockstep._pass default null, error text default null,
-                                 only_skipped boolean default false)
+                                 only_skipped boolean default false, more boolean default null)
 returns void
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -284,6 +285,7 @@ begin
         last_updated = coalesce(p.updated, 0),
         last_deleted = coalesce(p.deleted, 0),
         last_skipped = coalesce(cardinality(p.skipped), 0),
+        last_more = more,
         -- a work pass deferred the entries of its skipped keys (lockstep._settle_entries): the earliest
         -- pending deferral (least ignores NULL; a past one is dropped)
         deferred_until = case

@@ -70,17 +70,6 @@ begin
     create temp table lockstep_first on commit drop as
         select c.key from pg_temp.lockstep_parents c where c.n <= budget;
     drop table pg_temp.lockstep_parents;
-    -- parents of the batch an earlier hand-off still has queued: written now, and still "to do" until the
-    -- worker takes their entries (lockstep._hand_off counts them once)
-    -- (lockstep.handoff_from: the first queue id of that hand-off, set by lockstep._recompute, which may read
-    -- the job's status row; this runs as the job's owner)
-    if coalesce(pg_catalog.current_setting('lockstep.handoff_from', true), '') <> '' then
-        perform pg_catalog.set_config('lockstep.batch_queued', (
-            select count(*) from pg_temp.lockstep_first f
-            where exists (select from lockstep.queue q
-                          where q.key = f.key and (q.job = j.job) is true
-                            and q.id >= pg_catalog.current_setting('lockstep.handoff_from')::bigint))::text, true);
-    end if;
     -- keep the batch's rows, compacted (a DELETE would leave the write steps scanning every dead row)
     drop table if exists pg_temp.lockstep_keep;
     execute pg_catalog.format(
@@ -291,10 +280,12 @@ $$;
 -- over transactions. An earlier hand-off still in progress is carried on, not forgotten: the range starts
 -- at its first id, so its entries still queued count as to do (each parent once), and a parent the
 -- second recompute found still queued is not queued again; the total never exceeds the parents changed.
--- The earlier hand-off's progress is carried on too: the parents it had done count as done, and a parent
--- of this batch it still has queued counts once (lockstep.batch_queued, from lockstep._limit_batch). Without
--- that, a recompute that came due when the worker had done half of a hand-off showed 50 / 150 where the
--- first had shown 100 / 200 (found by a probe).
+-- The earlier hand-off's total is carried on too: the total is the larger of it and this recompute's own
+-- (written + to do), so what that hand-off had done stays done where this recompute found nothing new.
+-- Without that, a recompute that came due when the worker had done half of a hand-off showed 50 / 150
+-- where the first had shown 100 / 200 (found by a probe). Adding up the two instead counted a parent twice
+-- when this recompute found it changed again (100 / 300 with 200 parents; found by a review): which
+-- parents the earlier hand-off wrote is not kept, so an exact union is not known.
 -- locks: appends to lockstep.queue; the job's lockstep.job_state row (FOR NO KEY UPDATE, by the update).
 create function lockstep._hand_off(j lockstep.job, keys text[], before bigint, written bigint) returns void
 language plpgsql
@@ -305,7 +296,7 @@ declare
     v_from bigint;
     v_to bigint;
     v_old boolean;
-    v_carried bigint := 0;
+    v_total bigint;
 begin
     perform lockstep._enqueue_missing(j, keys);
     select * into s from lockstep.job_state x where x.job = j.job;
@@ -322,12 +313,10 @@ begin
     if v_old then
         v_from := s.recompute_queue_from;
         v_to := coalesce(v_to, s.recompute_queue_to);
-        -- done of the earlier hand-off, less this batch's parents it still has queued (counted as to do)
-        v_carried := s.recompute_total - lockstep._handoff_todo(j.job, s.recompute_queue_from, s.recompute_queue_to)
-                     - coalesce(nullif(pg_catalog.current_setting('lockstep.batch_queued', true), ''), '0')::bigint;
     end if;
+    v_total := written + lockstep._handoff_todo(j.job, v_from, v_to);
     update lockstep.job_state x set
-        recompute_total = greatest(written + v_carried, 0) + lockstep._handoff_todo(j.job, v_from, v_to),
+        recompute_total = case when v_old then greatest(s.recompute_total, v_total) else v_total end,
         recompute_queue_from = v_from,
         recompute_queue_to = v_to
     where x.job = j.job;
@@ -433,8 +422,6 @@ begin
     v_started := clock_timestamp();
     select coalesce(max(q.id), 0) into v_before from lockstep.queue q where q.job = j.job;
     perform pg_catalog.set_config('lockstep.handed_off', '0', true);
-    perform pg_catalog.set_config('lockstep.batch_queued', '0', true);
-    perform pg_catalog.set_config('lockstep.handoff_from', coalesce(s.recompute_queue_from::text, ''), true);
     v_snap := pg_catalog.pg_current_snapshot();  -- flags this snapshot sees are covered by this recompute
     begin
         p := lockstep._apply(j, null);

@@ -516,6 +516,7 @@ declare
     a record;
     e record;
     v_err text;
+    v_more boolean;
 begin
     select * into s from lockstep.job_state st where st.job = j.job;
     if s.retry_at > now() then
@@ -557,11 +558,12 @@ begin
         return lockstep._failed(j, 'work', v_started, v_err);
     end if;
     v_err := lockstep._settle(j, c.kind, r.raw, e.ids, e.ctids, e.entry_keys, a.p, r.bad, r.errors);
+    v_more := (c.kind <> 'batch' or c.full) and lockstep._has_ready(j);
     -- (a pass whose every claimed key was skipped: lockstep._finish may count it with the one before)
     perform lockstep._finish(j, 'work', 'done', v_started, a.p, null,
-                             cardinality((a.p).skipped) = cardinality(coalesce(r.canon, '{}')) and cardinality(r.bad) = 0);
-    return lockstep._result('done', j.job, 'work', a.p, v_err,
-                            (c.kind <> 'batch' or c.full) and lockstep._has_ready(j));
+                             cardinality((a.p).skipped) = cardinality(coalesce(r.canon, '{}')) and cardinality(r.bad) = 0,
+                             v_more);
+    return lockstep._result('done', j.job, 'work', a.p, v_err, v_more);
 end;
 $$;
 

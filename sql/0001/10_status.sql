@@ -108,9 +108,10 @@ from lockstep.key_failure f;
 --   entry is ready (a key skipped because an application held its parent: job_state.deferred_until, so no
 --   read of the queue beyond its first ready entry).
 -- jobs: restrict to these names (NULL: all).
--- gather: after a worker pass of a derived job that ended well (by any runner), its ready keys are due only
---   gather after that pass ended (lockstep run --batch-wait): keys that arrive meanwhile gather for one
---   larger pass. NULL (the default): at once. Shared through the job's status row, so several runners make
+-- gather: after a worker pass of a derived job that ended well and left no ready keys behind (by any
+--   runner; a full pass of a backlog opens no window), its ready keys are due only gather after that pass
+--   ended (lockstep run --batch-wait): keys that arrive meanwhile gather for one larger pass (a server
+--   clock stepped back delays them no longer). NULL (the default): at once. Shared through the job's status row, so several runners make
 --   the passes one runner would (each runner's own window let two runners make twice as many, smaller
 --   passes: ~10 a second against ~5 under bench oltp's load, each with its fixed cost of ~4 ms).
 -- locks: nothing.
@@ -128,7 +129,8 @@ as $$
                  case when j.parent is not null and lockstep._has_ready(j)
                       then greatest(now(), coalesce(s.retry_at, now()),
                                     case when s.last_action = 'work' and s.last_outcome = 'done'
-                                         then s.last_finished_at + gather end) end,
+                                              and not coalesce(s.last_more, false)
+                                         then least(s.last_finished_at, now()) + gather end) end,
                  case when j.parent is not null then
                       (select case when min(f.retry_at) is not null
                                    then greatest(min(f.retry_at), coalesce(s.retry_at, now())) end

@@ -86,7 +86,10 @@ begin
     delete from lockstep.run_log r where r.finished_at < now() - s.run_log_keep;
     delete from lockstep.run_log r
     using lockstep.job_state st
-    where st.job = r.job and r.run_no <= st.runs - s.run_log_max_per_job;
+    where st.job = r.job and r.run_no <= st.runs - s.run_log_max_per_job
+      and (s.run_log_max_per_job = 0 or r.action <> 'recompute'
+           or r.run_no < (select max(x.run_no) from lockstep.run_log x
+                          where x.job = r.job and x.action = 'recompute'));  -- as lockstep._prune_run_log
     return s;
 end;
 $$;

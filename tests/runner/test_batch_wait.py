@@ -178,6 +178,40 @@ def test_a_backlog_is_drained_without_waiting(shop, dsn, clock):
         r._close()
 
 
+def test_a_backlog_goes_on_at_the_next_tick_without_waiting(shop, dsn, clock):
+    # due(jobs, gather) opened the window after a full pass too: a backlog that outlasted a tick's
+    # --drain-limit then waited --batch-wait at every tick (found by a review)
+    shop.execute("select lockstep.set_batch_parents('item_band', 3)")
+    sleeps: list[tuple[float, bool]] = []
+    r = loop.Runner(loop.Options(dsn=dsn, batch_wait=5.0, tick=30.0, drain_limit=2))
+    r._sleep = lambda seconds, wake=False: sleeps.append((seconds, wake)) or False  # type: ignore[method-assign]
+    r._connect()
+    try:
+        shop.execute("update shop.item set price = 500 where id between 1 and 10")  # 10 keys, batch 3
+        assert r._tick(sleep=True) is True  # two full passes: 6 keys
+        assert _queued(shop) == 4
+        assert r._tick(sleep=True) is True  # the next tick goes on at once
+        assert _queued(shop) == 0 and sleeps == []
+    finally:
+        r._close()
+
+
+def test_a_periodic_recompute_due_right_after_a_pass_is_not_held_by_the_window(shop, dsn, clock):
+    # the runner's own window held back every job due within --batch-wait of its pass, the periodic
+    # recompute, a flag or a retry included, not only the ready keys (found by a review)
+    sleeps: list[tuple[float, bool]] = []
+    r = _runner(dsn, 5.0, sleeps)
+    try:
+        _dear(shop, 1)
+        assert r._tick(sleep=True) is True
+        shop.execute("update lockstep.job_state set next_run_at = now() where job = 'item_band'")
+        assert r._tick(sleep=True) is True
+        action = shop.execute("select last_action from lockstep.job_state where job = 'item_band'").fetchone()
+        assert action == ("recompute",) and sleeps == []
+    finally:
+        r._close()
+
+
 def test_once_does_not_wait(shop, dsn, clock):
     sleeps: list[tuple[float, bool]] = []
     r = _runner(dsn, 60.0, sleeps)

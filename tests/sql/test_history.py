@@ -149,6 +149,9 @@ def test_the_jobs_last_recompute_outlives_max_per_job_until_the_next_one(ex):
         "select last_error is null, recompute_error from lockstep.status where job = 'exam_keys'"
     )
     assert status.fetchone() == (True, "the whole table: no access")
+    # set_run_log_retention applies the limit as the runs do (it had deleted the spared recompute)
+    ex.execute("select lockstep.set_run_log_retention(keep => '7 days')")
+    assert [r["action"] for r in logged(ex, "exam_keys")] == ["recompute", "work", "work", "work"]
     # the next recompute is the one kept; the earlier goes once it falls off
     ex.execute("alter function example.exam_key_compute(bigint[]) rename to exam_key_compute_poison")
     ex.execute("alter function example.exam_key_compute_orig(bigint[]) rename to exam_key_compute")
