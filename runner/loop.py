@@ -262,9 +262,9 @@ class Runner:
             held = self._job_errors.get(row.job)
             if held is not None and held.until > now:
                 continue
-            # due now, whatever this runner's own window says: the window is due()'s, for ready keys only
-            # (checked here too, the runner's window also held back a periodic recompute, a flag or a
-            # retry that came due within --batch-wait of its pass; found by a review)
+            # due now: run it, whatever this runner's own window says. The window is due()'s, for ready
+            # keys only; applied here as well, it held back a periodic recompute, a flag or a retry that
+            # came due within --batch-wait of this runner's pass (found by a review)
             shared = groups[row.lock_group] > 1
             progressed |= self._drain(row.job, min(self.opts.drain_limit, SHARED_DRAIN) if shared else None)
         self._update_depths()
