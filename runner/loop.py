@@ -252,11 +252,11 @@ class Runner:
                 return progressed
             if row.wait is None:
                 continue
-            gather = self._gather_until.get(row.job, 0.0) - now
             if row.wait > 0:
                 # lockstep.due() keeps the --batch-wait window of the job's last pass, whichever runner
                 # made it; after this runner's own pass, new keys need not wake it before the window ends
-                if sleep and gather > 0 and row.wait <= self.opts.batch_wait:
+                own_window = self._gather_until.get(row.job, 0.0) > now
+                if sleep and own_window and row.wait <= self.opts.batch_wait:
                     gathering.append(row.wait)
                 continue
             held = self._job_errors.get(row.job)

@@ -2495,12 +2495,9 @@ begin
                    where o.job = _prune_run_log.job
                      and o.run_no > _prune_run_log.run_no - max_per_job - 10
                      and o.run_no <= _prune_run_log.run_no - max_per_job
-                     and case when o.action = 'recompute'  -- (the look-up only for a recompute's row)
-                              then o.run_no < (select max(r.run_no) from lockstep.run_log r
-                                               where r.job = _prune_run_log.job and r.action = 'recompute')
-                              else true end
+                     and not lockstep._spared_run(o.job, o.action, o.run_no, max_per_job)
                    order by o.run_no limit 10);
-    if action = 'recompute' then  -- the job's earlier recompute spared so (at most one, below the window)
+    if action = 'recompute' then  -- the recompute lockstep._spared_run spared until now (below the window)
         delete from lockstep.run_log l
         where l.id in (select o.id from lockstep.run_log o
                        where o.job = _prune_run_log.job and o.run_no <= _prune_run_log.run_no - max_per_job
@@ -2996,6 +2993,16 @@ begin
     return v;
 end;
 $_$;
+
+CREATE FUNCTION lockstep._spared_run(job text, action text, run_no bigint, max_per_job integer) RETURNS boolean
+    LANGUAGE sql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+    select case when max_per_job > 0 and action = 'recompute'
+                then run_no >= (select max(r.run_no) from lockstep.run_log r
+                                where r.job = _spared_run.job and r.action = 'recompute')
+                else false end;
+$$;
 
 CREATE FUNCTION lockstep._tgarg(args bytea, n integer) RETURNS text
     LANGUAGE plpgsql IMMUTABLE
@@ -3919,9 +3926,7 @@ begin
     delete from lockstep.run_log r
     using lockstep.job_state st
     where st.job = r.job and r.run_no <= st.runs - s.run_log_max_per_job
-      and (s.run_log_max_per_job = 0 or r.action <> 'recompute'
-           or r.run_no < (select max(x.run_no) from lockstep.run_log x
-                          where x.job = r.job and x.action = 'recompute'));  -- as lockstep._prune_run_log
+      and not lockstep._spared_run(r.job, r.action, r.run_no, s.run_log_max_per_job);
     return s;
 end;
 $$;

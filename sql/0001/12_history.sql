@@ -56,6 +56,23 @@ create policy run_log_read on lockstep.run_log for select using (lockstep._may_v
 create policy run_log_insert on lockstep.run_log for insert with check (lockstep._may_manage(owner));
 create policy run_log_delete on lockstep.run_log for delete using (lockstep._may_manage(owner));
 
+-- lockstep._spared_run(job, action, run_no, max_per_job): whether the count limit spares this run_log row:
+-- the job's newest recompute is kept until the next one is logged, so a backlog's worker passes cannot
+-- push a failed recompute out of the history while status still shows its error (found by a probe: 1000
+-- passes did it in ~40 s). max_per_job 0 (logging stopped) spares nothing. The newest recompute is looked
+-- up only for a recompute's row (CASE: the only evaluation order SQL guarantees).
+-- locks: nothing.
+create function lockstep._spared_run(job text, action text, run_no bigint, max_per_job integer)
+returns boolean
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select case when max_per_job > 0 and action = 'recompute'
+                then run_no >= (select max(r.run_no) from lockstep.run_log r
+                                where r.job = _spared_run.job and r.action = 'recompute')
+                else false end;
+$$;
+
 -- lockstep.set_run_log_retention(keep, max_per_job): change the retention (NULL: leave as is), and apply
 -- it to the rows already there at once (runs prune only at their own job's boundary).
 -- locks: the pruners' advisory lock (lockstep, run_log), waiting for a run that holds it to commit (runs
@@ -87,9 +104,7 @@ begin
     delete from lockstep.run_log r
     using lockstep.job_state st
     where st.job = r.job and r.run_no <= st.runs - s.run_log_max_per_job
-      and (s.run_log_max_per_job = 0 or r.action <> 'recompute'
-           or r.run_no < (select max(x.run_no) from lockstep.run_log x
-                          where x.job = r.job and x.action = 'recompute'));  -- as lockstep._prune_run_log
+      and not lockstep._spared_run(r.job, r.action, r.run_no, s.run_log_max_per_job);
     return s;
 end;
 $$;
@@ -100,9 +115,8 @@ $$;
 -- run adds one row and may delete up to 20, so the table stays bounded (a row that slips below the window,
 -- when ten prunes in a row were skipped, goes by age). Both look-ups are index range scans that stop at
 -- once when there is nothing to prune. One pruner at a time (try lock): runners never wait for each other.
--- The job's newest recompute is spared by the per-job prune until the next one (action: the run just
--- logged) is logged: during a backlog, 1000 worker passes pushed a failed recompute out of the job's
--- history within ~40 s, while status still showed its error (found by a probe).
+-- The per-job prune spares what lockstep._spared_run spares (the job's newest recompute); a recompute
+-- logged (action: the run just logged) then deletes the one it supersedes if that is past the limit.
 -- Generic plans: with custom plans (PostgreSQL's choice here, since `finished_at < now() - keep` looks
 -- selective only once keep is known) both deletes were planned again at every run: ~300 us per run
 -- against ~30 us with the cached generic plans, which are the same index scans (measured, docs/web.md).
@@ -127,12 +141,9 @@ begin
                    where o.job = _prune_run_log.job
                      and o.run_no > _prune_run_log.run_no - max_per_job - 10
                      and o.run_no <= _prune_run_log.run_no - max_per_job
-                     and case when o.action = 'recompute'  -- (the look-up only for a recompute's row)
-                              then o.run_no < (select max(r.run_no) from lockstep.run_log r
-                                               where r.job = _prune_run_log.job and r.action = 'recompute')
-                              else true end
+                     and not lockstep._spared_run(o.job, o.action, o.run_no, max_per_job)
                    order by o.run_no limit 10);
-    if action = 'recompute' then  -- the job's earlier recompute spared so (at most one, below the window)
+    if action = 'recompute' then  -- the recompute lockstep._spared_run spared until now (below the window)
         delete from lockstep.run_log l
         where l.id in (select o.id from lockstep.run_log o
                        where o.job = _prune_run_log.job and o.run_no <= _prune_run_log.run_no - max_per_job

@@ -9,6 +9,8 @@ schedule is deterministic and nothing here sleeps.
 
 from __future__ import annotations
 
+from typing import Any
+
 import psycopg
 import pytest
 
@@ -72,8 +74,8 @@ def clock(monkeypatch: pytest.MonkeyPatch, shop: psycopg.Connection) -> Clock:
     return c
 
 
-def _runner(dsn: str, batch_wait: float, sleeps: list[tuple[float, bool]]) -> loop.Runner:
-    r = loop.Runner(loop.Options(dsn=dsn, batch_wait=batch_wait, tick=30.0))
+def _runner(dsn: str, batch_wait: float, sleeps: list[tuple[float, bool]], **options: Any) -> loop.Runner:
+    r = loop.Runner(loop.Options(dsn=dsn, batch_wait=batch_wait, tick=30.0, **options))
     r._sleep = lambda seconds, wake=False: sleeps.append((seconds, wake)) or False  # type: ignore[method-assign]
     r._connect()
     return r
@@ -183,9 +185,7 @@ def test_a_backlog_goes_on_at_the_next_tick_without_waiting(shop, dsn, clock):
     # --drain-limit then waited --batch-wait at every tick (found by a review)
     shop.execute("select lockstep.set_batch_parents('item_band', 3)")
     sleeps: list[tuple[float, bool]] = []
-    r = loop.Runner(loop.Options(dsn=dsn, batch_wait=5.0, tick=30.0, drain_limit=2))
-    r._sleep = lambda seconds, wake=False: sleeps.append((seconds, wake)) or False  # type: ignore[method-assign]
-    r._connect()
+    r = _runner(dsn, 5.0, sleeps, drain_limit=2)
     try:
         shop.execute("update shop.item set price = 500 where id between 1 and 10")  # 10 keys, batch 3
         assert r._tick(sleep=True) is True  # two full passes: 6 keys
