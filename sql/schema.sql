@@ -2285,15 +2285,22 @@ declare
     v_pinned text[] := '{}';
     v_chunk text[];
     v_got text[];
+    v_waits integer := 0;  -- waits cut short so far
     a text;
 begin
     execute pg_catalog.format('select from %s r where false for key share', rel);
+    <<chunks>>
     for i in 0 .. (coalesce(cardinality(args), 0) + 15) / 16 - 1 loop
+        exit chunks when v_waits >= lockstep._pin_waits();
         v_chunk := args[i * 16 + 1:i * 16 + 16];
         v_got := lockstep._pin_try(stmt, v_chunk);
         if v_got is null then
+            v_waits := v_waits + 1;
             foreach a in array v_chunk loop
-                v_pinned := v_pinned || coalesce(lockstep._pin_try(stmt, array[a]), '{}');
+                exit chunks when v_waits >= lockstep._pin_waits();
+                v_got := lockstep._pin_try(stmt, array[a]);
+                v_waits := v_waits + (v_got is null)::integer;
+                v_pinned := v_pinned || coalesce(v_got, '{}');
             end loop;
         else
             v_pinned := v_pinned || v_got;
@@ -2448,6 +2455,13 @@ begin
 exception when lock_not_available then
     return null;
 end;
+$$;
+
+CREATE FUNCTION lockstep._pin_waits() RETURNS integer
+    LANGUAGE sql IMMUTABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+    select 4;
 $$;
 
 CREATE FUNCTION lockstep._prepared() RETURNS text[]

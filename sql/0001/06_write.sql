@@ -363,6 +363,17 @@ as $$
     from pg_catalog.current_setting('lock_timeout') s;
 $$;
 
+-- lockstep._pin_waits(): how many waits lockstep._pin_each cuts short (lockstep._pin_timeout each) before
+-- it leaves every row not pinned yet out: 4, so a pin of one table waits 50 ms at most in all (the first
+-- statement's wait included), far below the 1 s of PostgreSQL's default deadlock_timeout.
+-- locks: nothing.
+create function lockstep._pin_waits() returns integer
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select 4;
+$$;
+
 -- lockstep._pin_try(stmt, args): run stmt, a FOR KEY SHARE SKIP LOCKED pin of the rows named by args ($1,
 -- text[]) that returns the elements of args it pinned, in a subtransaction with lock_timeout
 -- lockstep._pin_timeout(); NULL if that timeout ended a wait (the subtransaction's rollback releases its
@@ -391,7 +402,12 @@ $$;
 -- held row: retried 10 ms a row, it skipped every key; found by a review). Then stmt (as lockstep._pin_try)
 -- over args in order, 16 at a time, and one at a time within 16 that time out: the held row is skipped
 -- after 10 ms, the others pinned, with few subtransaction ids (one per row overflowed the 64 a backend
--- caches beyond 64 rows, which slows every snapshot of the cluster while the pass is open).
+-- caches beyond 64 rows, which slows every snapshot of the cluster while the pass is open). At most 4
+-- waits are cut short in all (lockstep._pin_waits): then every row not pinned yet is left out, untried. A
+-- wait is taken holding the pins before it, so an application that held many such rows and then deleted
+-- one lockstep had pinned waited for all of them, 10 ms each, while lockstep waited for it: 300 rows held,
+-- and the application's deadlock check (deadlock_timeout, 1 s) found the cycle and failed it with 40P01
+-- (found by a probe). The rows left out are skipped (their parents re-queued a second later).
 -- Returns the elements of args pinned.
 -- locks: rel ROW SHARE; then the rows of args, FOR KEY SHARE SKIP LOCKED, in the order of args.
 create function lockstep._pin_each(rel regclass, stmt text, args text[]) returns text[]
@@ -402,15 +418,22 @@ declare
     v_pinned text[] := '{}';
     v_chunk text[];
     v_got text[];
+    v_waits integer := 0;  -- waits cut short so far
     a text;
 begin
     execute pg_catalog.format('select from %s r where false for key share', rel);
+    <<chunks>>
     for i in 0 .. (coalesce(cardinality(args), 0) + 15) / 16 - 1 loop
+        exit chunks when v_waits >= lockstep._pin_waits();
         v_chunk := args[i * 16 + 1:i * 16 + 16];
         v_got := lockstep._pin_try(stmt, v_chunk);
         if v_got is null then
+            v_waits := v_waits + 1;
             foreach a in array v_chunk loop
-                v_pinned := v_pinned || coalesce(lockstep._pin_try(stmt, array[a]), '{}');
+                exit chunks when v_waits >= lockstep._pin_waits();
+                v_got := lockstep._pin_try(stmt, array[a]);
+                v_waits := v_waits + (v_got is null)::integer;
+                v_pinned := v_pinned || coalesce(v_got, '{}');
             end loop;
         else
             v_pinned := v_pinned || v_got;

@@ -618,3 +618,59 @@ def test_a_row_the_app_updated_then_holds_is_skipped_not_waited_for(dsn, case):
     # (pinned FOR SHARE, they made it wait for lockstep's whole transaction; found by a review)
     assert r.error("s3up") is None and not r.waited("s3up"), r.trace
     assert r.error("s2del") is None and not r.waited("s2del"), r.trace
+
+
+MANY_HELD = """
+create schema wp;
+create table wp.lang (code text primary key, name text not null);
+create table wp.post (id int primary key, title text not null, lang text not null references wp.lang);
+create table wp.word (post_id int not null references wp.post on delete cascade, word text not null,
+                      lang text not null references wp.lang, primary key (post_id, word));
+create function wp.words(ids int[]) returns table (post_id int, word text, lang text)
+language sql stable as $$
+    select p.id, w, p.lang from wp.post p, regexp_split_to_table(p.title, ' ') w
+    where ids is null or p.id = any(ids)
+$$;
+insert into wp.lang values ('en', 'English');
+insert into wp.lang select 'l' || lpad(g::text, 3, '0'), 'lang ' || g from generate_series(1, 150) g;
+insert into wp.post values (1, 'one title', 'en');
+insert into wp.post select g + 1, 'title ' || g, 'l' || lpad(g::text, 3, '0') from generate_series(1, 150) g;
+select lockstep.define_derived('words', 'wp.word', 'wp.words(int[])', 'wp.post', every => '1 day');
+select lockstep.enqueue('words', array(select id from wp.post order by id));
+update lockstep.job_state set next_run_at = now() + interval '1 day' where job = 'words';
+"""
+
+
+def test_many_rows_the_app_updated_then_holds_cost_lockstep_a_bounded_wait_not_one_each(dsn):
+    """The pin's short waits (lockstep._pin_timeout) are taken holding the pins before them. An application
+    that updated and then locked 150 rows the pass must pin (here the target's other foreign key, wp.lang)
+    and then deleted post 1, which lockstep had pinned in the step before, waited on lockstep while lockstep
+    waited 10 ms on each of its 150 rows in turn: the application's deadlock check (1 s, the default) found
+    the cycle and failed its DELETE with 40P01 (found by a probe, with 300 parents held). The waits are
+    now bounded in all (lockstep._pin_waits): the rows not pinned by then are skipped untried, so lockstep
+    stops waiting long before the application's check, which finds no cycle. Post 1 is written; the 150
+    posts are re-queued."""
+    spec = Spec(
+        dsn,
+        setup=[MANY_HELD],
+        teardown=["select lockstep.drop_job('words')", "drop schema wp cascade"],
+        sessions={"s1": ["set deadlock_timeout = '10s'"], "s2": ["set deadlock_timeout = '1s'"]},
+    )
+    spec.step("s1begin", "s1", "begin;")
+    spec.step("s1c", "s1", "commit;")
+    spec.step("s2begin", "s2", "begin;")
+    spec.step("s2c", "s2", "commit;")
+    spec.step(
+        "s2hold",
+        "s2",
+        "update wp.lang set name = name where code like 'l%';"
+        " select from wp.lang where code like 'l%' for update;",
+        show_rows=False,
+    )
+    spec.step("s1work", "s1", "select outcome, inserted, skipped from lockstep.work('words');")
+    spec.step("s2del", "s2", "delete from wp.post where id = 1;")
+    spec.step("s1queued", "s1", "select count(*) from lockstep.queue where job = 'words';")
+    r = spec.run(["s2begin", "s2hold", "s1begin", "s1work", "s2del", "s1queued", "s1c", "s2c"])
+    assert r.error("s2del") is None, r.trace  # before: 40P01, the application failed
+    assert r.rows("s1work") == [("done", 2, 150)], r.trace  # post 1's words; the held langs' posts skipped
+    assert r.rows("s1queued") == [(150,)], r.trace  # re-queued
