@@ -85,8 +85,22 @@ CREATE FUNCTION lockstep._apply(j lockstep.job, keys text[]) RETURNS lockstep._p
     AS $$
 declare
     v_t0 timestamptz := clock_timestamp();
+    v_gone record;
     p lockstep._pass;
 begin
+    -- a table dropped since define_derived: its oid is all the job still has (the next statement that
+    -- named it failed with 'syntax error at or near "43073"'; found by a probe). Class 42: the job's error
+    -- at once (lockstep._attempt), no key blamed.
+    select t.what, t.rel into v_gone
+    from (values ('target', j.target, 1), ('parent', j.parent, 2)) t(what, rel, o)
+    where t.rel is not null and not exists (select from pg_catalog.pg_class c where c.oid = t.rel)
+    order by t.o limit 1;
+    if v_gone.what is not null then
+        raise exception 'lockstep: the % table of job "%" no longer exists (it was oid %)', v_gone.what, j.job,
+                        v_gone.rel::oid
+            using errcode = '42P01',
+                  hint = 'Create it again and run lockstep.define_derived() again, or lockstep.drop_job().';
+    end if;
     if j.owner is distinct from current_user then
         return lockstep._as_owner(j, keys);
     end if;

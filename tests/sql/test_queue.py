@@ -1105,3 +1105,31 @@ def test_a_recompute_that_computes_every_parent_cures_the_parked_keys(ex):
     assert ex.execute("select parked_keys, failing_keys from lockstep.status").fetchone() == (0, 0)
     drain(ex, JOB)
     assert divergence(ex) == (0, 0)
+
+
+def test_a_dropped_target_fails_the_job_with_a_message_that_names_it(conn):
+    """After DROP TABLE of a job's target, work and recompute failed with 'syntax error at or near "43073"'
+    (the table's old oid, all the job still had; found by a probe). They now fail the job, not its keys, with
+    a message that says what is gone and what to do; nothing is parked and the keys stay queued."""
+    conn.execute(
+        """
+        create table acct (id uuid primary key, owner text not null);
+        create table acct_tag (acct_id uuid primary key references acct on delete cascade, tag text not null);
+        create function acct_tags(ids uuid[]) returns table (acct_id uuid, tag text) language sql
+            as $$ select id, upper(owner) from public.acct where ids is null or id = any(ids) $$;
+        select lockstep.define_derived('tags', 'acct_tag', 'acct_tags(uuid[])', 'acct', every => '1 day');
+        select lockstep.watch('tags', 'acct', 'id');
+        insert into acct values (gen_random_uuid(), 'ann'), (gen_random_uuid(), 'bob');
+        drop table acct_tag;
+        """
+    )
+    r = result(conn, "lockstep.recompute('tags')")  # due: watch() flagged it
+    assert r["outcome"] == "failed", r
+    assert 'the target table of job "tags" no longer exists' in r["error"], r  # before: a syntax error
+    conn.execute("delete from lockstep.recompute_flag")
+    conn.execute("update lockstep.job_state set retry_at = null, next_run_at = now() + interval '1 day'")
+    r = result(conn, "lockstep.work('tags')")
+    assert r["outcome"] == "failed" and "target table" in r["error"], r
+    assert conn.execute("select count(*) from lockstep.key_failure").fetchone()[0] == 0
+    assert conn.execute("select count(*) from lockstep.queue where job = 'tags'").fetchone()[0] == 2
+    conn.execute("select lockstep.drop_job('tags')")
