@@ -96,6 +96,14 @@ begin
     perform lockstep._enqueue_missing(j, v_rest);
     v_changed := cardinality(v_rest);
     perform pg_catalog.set_config('lockstep.handed_off', v_changed::text, true);
+    -- the hand-off's parents to do, counted now, before the first row lock (lockstep._hand_off): counted
+    -- after the write, a distinct count over the whole hand-off, they held the batch's row locks ~1 ms per
+    -- 1,000 parents handed off (582 ms at 600,000; found by a probe)
+    if pg_catalog.current_setting('lockstep.handoff_from', true) <> '' then
+        perform pg_catalog.set_config('lockstep.handoff_todo', lockstep._handoff_todo(j.job,
+            pg_catalog.current_setting('lockstep.handoff_from')::bigint,
+            (select max(q.id) from lockstep.queue q where q.job = j.job))::text, true);
+    end if;
     return v_changed;
 end;
 $$;
@@ -286,6 +294,9 @@ $$;
 -- where the first had shown 100 / 200 (found by a probe). Adding up the two instead counted a parent twice
 -- when this recompute found it changed again (100 / 300 with 200 parents; found by a review): which
 -- parents the earlier hand-off wrote is not kept, so an exact union is not known.
+-- With the batch's row locks held, it reads nothing whose size grows with the hand-off: the count of the
+-- parents to do was taken before the write (lockstep._limit_batch, from lockstep.handoff_from, which
+-- lockstep._recompute sets), and an earlier hand-off is seen in progress by its first entry still queued.
 -- locks: appends to lockstep.queue; the job's lockstep.job_state row (FOR NO KEY UPDATE, by the update).
 create function lockstep._hand_off(j lockstep.job, keys text[], before bigint, written bigint) returns void
 language plpgsql
@@ -297,11 +308,12 @@ declare
     v_to bigint;
     v_old boolean;
     v_total bigint;
+    v_queued bigint;
 begin
-    perform lockstep._enqueue_missing(j, keys);
+    v_queued := lockstep._enqueue_missing(j, keys);
     select * into s from lockstep.job_state x where x.job = j.job;
     v_old := s.recompute_total is not null
-             and lockstep._handoff_todo(j.job, s.recompute_queue_from, s.recompute_queue_to) > 0;
+             and lockstep._handoff_any(j.job, s.recompute_queue_from, s.recompute_queue_to);
     if written is null then  -- nothing spread over transactions: an earlier hand-off's progress, if done, goes
         if s.recompute_total is not null and not v_old then
             update lockstep.job_state x set recompute_total = null, recompute_queue_from = null, recompute_queue_to = null
@@ -314,7 +326,9 @@ begin
         v_from := s.recompute_queue_from;
         v_to := coalesce(v_to, s.recompute_queue_to);
     end if;
-    v_total := written + lockstep._handoff_todo(j.job, v_from, v_to);
+    -- to do: as counted before the write (lockstep._limit_batch), plus the skipped parents queued since
+    v_total := written + coalesce(nullif(pg_catalog.current_setting('lockstep.handoff_todo', true), '')::bigint + v_queued,
+                                  lockstep._handoff_todo(j.job, v_from, v_to));
     update lockstep.job_state x set
         recompute_total = case when v_old then greatest(s.recompute_total, v_total) else v_total end,
         recompute_queue_from = v_from,
@@ -349,9 +363,10 @@ $$;
 -- timeout, say) fails the run too, retried within a minute, unless the last recompute failed already. Otherwise (an error of compute or of a constraint, or
 -- LSD05) some parents are poison: every parent is handed to the queue, where the worker's bisection isolates,
 -- retries and parks the failing ones (lockstep.failing_keys / parked_keys) and writes all the others; the
--- recompute is done (no backoff) and reports the error.
+-- recompute is done (no backoff), reports the error and clears the job's recompute flags. With no parent
+-- to hand off, the run fails.
 -- locks: the group lock is already held; the empty pass as lockstep._write (no row lock: nothing to write);
--- then as lockstep._hand_off; the job's status row last.
+-- then as lockstep._hand_off; the job's status row; its lockstep.recompute_flag rows (deleted).
 create function lockstep._recompute_failed(j lockstep.job, started timestamptz, error text, sqlstate text)
 returns lockstep.result
 language plpgsql
@@ -382,12 +397,22 @@ begin
         return lockstep._failed(j, 'recompute', started, error);
     end;
     v_keys := lockstep._parent_keys(j);
+    if cardinality(v_keys) = 0 then  -- no parent to blame or hand off: the job's failure
+        return lockstep._failed(j, 'recompute', started, error);
+    end if;
     select coalesce(max(q.id), 0) into v_before from lockstep.queue q where q.job = j.job;
     perform lockstep._hand_off(j, v_keys, v_before, case when cardinality(v_keys) > 0 then 0 end);
     v_msg := pg_catalog.format('the whole-table pass failed (%s); its %s parents were handed to the worker, '
                                'which isolates the failing ones (lockstep.failing_keys)', error, cardinality(v_keys));
     -- a done run with its reason: lockstep.run_log.error has it (the status row keeps last_error for failures)
     perform lockstep._finish(j, 'recompute', 'done', started, null, v_msg);
+    -- every parent is now queued, and the worker computes each afresh: the flags seen so far
+    -- (lockstep.recompute_flag), this transaction's own included (a key too long for the queue), are
+    -- covered as far as any recompute can cover them while a parent fails. Kept, a flag made run()
+    -- recompute again at once, fail the same way and hand off again, forever: the worker never took the
+    -- hand-off and no parent was written (a runner looped ~120 recomputes a second; found by a probe).
+    -- The periodic recompute remains the safety net.
+    perform lockstep._clear_flag(j, pg_catalog.pg_current_snapshot(), pg_catalog.clock_timestamp());
     return lockstep._result('done', j.job, 'recompute', null, v_msg, cardinality(v_keys) > 0);
 end;
 $$;
@@ -422,6 +447,13 @@ begin
     v_started := clock_timestamp();
     select coalesce(max(q.id), 0) into v_before from lockstep.queue q where q.job = j.job;
     perform pg_catalog.set_config('lockstep.handed_off', '0', true);
+    -- where this recompute's hand-off starts in the queue, for lockstep._limit_batch to count it before the
+    -- write: at an earlier hand-off still in progress (lockstep._hand_off carries it on), else after v_before
+    perform pg_catalog.set_config('lockstep.handoff_todo', '', true);
+    perform pg_catalog.set_config('lockstep.handoff_from',
+        case when s.recompute_total is not null
+                  and lockstep._handoff_any(j.job, s.recompute_queue_from, s.recompute_queue_to)
+             then s.recompute_queue_from else v_before + 1 end::text, true);
     v_snap := pg_catalog.pg_current_snapshot();  -- flags this snapshot sees are covered by this recompute
     begin
         p := lockstep._apply(j, null);

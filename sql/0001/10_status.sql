@@ -28,6 +28,20 @@ as $$
       and not exists (select from lockstep.key_failure f where f.job = q.job and f.key = q.key and f.parked);
 $$;
 
+-- lockstep._handoff_any(job, from_id, to_id): lockstep._handoff_todo(job, from_id, to_id) > 0, stopping at
+-- the first entry: lockstep._hand_off runs it with a batch's row locks held.
+-- locks: nothing.
+create function lockstep._handoff_any(job text, from_id bigint, to_id bigint) returns boolean
+language sql stable
+set search_path = pg_catalog, pg_temp
+set jit = off
+as $$
+    select exists (select from lockstep.queue q
+                   where q.job = _handoff_any.job and q.id between from_id and to_id
+                     and not exists (select from lockstep.key_failure f
+                                     where f.job = q.job and f.key = q.key and f.parked));
+$$;
+
 -- lockstep._queue_lag(job): how long ago the job's oldest queue entry was enqueued (parked keys' entries
 -- aside; NULL: none). Its lowest id, by the primary key (job, id): ids grow with time, so the first entry
 -- not of a parked key is the oldest, and no other entry is read. An alert on it catches a queue nothing

@@ -505,3 +505,45 @@ def test_worker_pass_settles_by_row_id_not_by_a_scan_of_the_queue_index(conn):
     assert conn.execute("select count(*) from lockstep.queue where job = 'ho'").fetchone()[0] == 0
     index_pages = conn.execute("select pg_relation_size('lockstep.queue_pkey') / 8192").fetchone()[0]
     assert touched <= 4 * index_pages, (touched, index_pages)  # a few walks (the claim), never one per key
+
+
+def test_a_poison_parent_of_a_flagged_job_is_isolated_not_recomputed_forever(conn):
+    """A job flagged for its full recompute (a TRUNCATE of a watched table, a newly watched table) with one
+    parent whose compute raises: the whole-table pass failed, every parent was handed to the worker, and the
+    run was done, leaving the flag. run() then took the flag again at once: recompute, fail, hand off,
+    forever; the worker never ran and no parent was written (a runner looped ~120 recomputes a second;
+    found by a probe). The hand-off now clears the flags it covers (every parent queued, each computed afresh
+    by the worker): the next runs are worker passes, which isolate the poison parent and write the others."""
+    conn.execute(
+        """
+        create table team (id text primary key, name text not null);
+        create table team_badge (team_id text primary key references team on delete cascade, badge text);
+        create function badges(ids text[]) returns table (team_id text, badge text) language sql as $$
+            select id, case when name = 'bad' then (1 / (length(name) - 3))::text else upper(name) end
+            from public.team where ids is null or id = any(ids) $$;
+        insert into team select 't' || g, 'n' || g from generate_series(1, 9) g;
+        insert into team values ('t10', 'bad');
+        select lockstep.define_derived('badges', 'team_badge', 'badges(text[])', 'team', every => '1 day');
+        select lockstep.watch('badges', 'team', 'id');
+        """
+    )
+    assert conn.execute("select count(*) from lockstep.recompute_flag").fetchone()[0] == 1  # newly watched
+    actions = [result(conn, "lockstep.run('badges')")["action"] for _ in range(8)]
+    assert actions[0] == "recompute" and "work" in actions, actions  # before: recompute 8 times
+    conn.execute("update lockstep.queue set ready_at = now()")
+    for _ in range(20):
+        conn.execute("update lockstep.job_state set retry_at = null")
+        conn.execute("update lockstep.key_failure set retry_at = now()")
+        result(conn, "lockstep.run('badges')")
+    written = conn.execute("select count(*) from team_badge").fetchone()[0]
+    assert written == 9  # every healthy parent
+    assert conn.execute("select key from lockstep.key_failure").fetchall() == [("t10",)]
+    assert conn.execute("select count(*) from lockstep.recompute_flag").fetchone()[0] == 0
+    # fixed and retried: the worker writes it
+    conn.execute("update team set name = 'good' where id = 't10'")
+    conn.execute("select lockstep.retry('badges')")
+    r = result(conn, "lockstep.run('badges')")
+    assert (r["action"], r["outcome"], r["inserted"]) == ("work", "done", 1), r
+    assert conn.execute("select count(*) from team_badge").fetchone()[0] == 10
+    assert conn.execute("select count(*) from lockstep.key_failure").fetchone()[0] == 0
+    conn.execute("select lockstep.drop_job('badges')")
