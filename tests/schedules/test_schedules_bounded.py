@@ -126,8 +126,6 @@ def test_the_hand_off_is_counted_before_the_batch_is_locked(spec, ex):
     assert divergence(ex) == (0, 0)
 
 
-
-
 def test_app_deletes_a_parent_of_the_next_batch_while_a_batch_is_written_without_waiting(
     spec, ex, expected_trace
 ):
