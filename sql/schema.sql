@@ -61,6 +61,7 @@ CREATE TABLE lockstep.job (
     key_type regtype,
     target_key name[],
     columns name[],
+    image_columns name[] DEFAULT '{}'::name[] NOT NULL,
     every interval NOT NULL,
     backoff interval NOT NULL,
     max_attempts integer DEFAULT 5 NOT NULL,
@@ -337,7 +338,9 @@ begin
             execute pg_catalog.format('select null::%s is distinct from null::%s', v_col.type::regtype, v_col.type::regtype);
         exception when undefined_function then
             raise exception 'lockstep: column % has type %, which has no equality operator', v_col.name, v_col.type::regtype
-                using errcode = 'LSD03', hint = 'lockstep compares rows with IS DISTINCT FROM; use jsonb rather than json.';
+                using errcode = 'LSD03',
+                      hint = 'lockstep compares each column with its type''s equality; use a type that has one '
+                             '(jsonb rather than json, text rather than xml).';
         end;
     end loop;
     select array_agg(k) into v_err from pg_catalog.unnest(key) k where not k = any(cols);
@@ -1082,7 +1085,7 @@ begin
         '      select %11$s, %12$s, c.lockstep_ctid from c where not exists (select from d where %13$s) returning 1), '
         'p as (insert into pg_temp.%2$I (%3$s, lockstep_parent, lockstep_old_parent, lockstep_new, lockstep_ctid) '
         '      select %14$s, %15$s, %16$s, %17$s, %18$s from d left join c on %13$s %19$s '
-        '      where c.lockstep_ctid is null or (%14$s) is distinct from (%11$s) '
+        '      where c.lockstep_ctid is null or %20$s '
         '      returning lockstep_new, lockstep_new or lockstep_parent is distinct from lockstep_old_parent as pin) '
         'select (select count(*) from g), pc.n, pc.pin, pc.kept, (select k from x), (select n from x) '
         'from (select count(*) filter (where p.lockstep_new) as n, count(*) filter (where p.pin) as pin, '
@@ -1090,7 +1093,7 @@ begin
         f.gone, f.put, f.cols, f.fn, f.arg,
         pg_catalog.format('where d.%I %s any($1::%s)', j.parent_column, f.op, f.arr),
         f.pk, f.pknull, 'materialized', v_cur,
-        f.ccols, v_cpar, f.dc, f.dcols, v_dpar, v_oldpar, v_new, v_old, v_moved)
+        f.ccols, v_cpar, f.dc, f.dcols, v_dpar, v_oldpar, v_new, v_old, v_moved, lockstep._differs(j, 'd', 'c'))
         into n.gone, n.fresh, n.pin, n.kept, v_bad, v_null using keys;
     perform lockstep._check_computed_key(j, v_bad, v_null);
     return n;
@@ -1129,7 +1132,7 @@ begin
         'd as materialized (select %3$s, true as lockstep_d from (select * from %4$s($1::%5$s) offset 0) d), '
         'c as materialized (select %6$s, d.lockstep_d, t.ctid as lockstep_ctid, %7$s as lockstep_tpar, %8$s '
         '  from d full join %9$s t on %10$s '
-        '  where d.lockstep_d is null or t.ctid is null or (%6$s) is distinct from (%11$s)), '
+        '  where d.lockstep_d is null or t.ctid is null or %16$s), '
         'x as (select row(%12$s)::text as k, bool_or(%13$s) as n from c d where d.lockstep_d and d.lockstep_ctid is null '
         '      group by %12$s having count(*) > 1 or bool_or(%13$s) order by 2 desc limit 1), '
         'g as (insert into pg_temp.%1$I (%3$s, lockstep_parent, lockstep_ctid) '
@@ -1148,7 +1151,7 @@ begin
         (select pg_catalog.string_agg(pg_catalog.format('t.%I as %I', c, v_t[o]), ', ' order by o)
          from pg_catalog.unnest(j.columns) with ordinality u(c, o)),
         j.target, lockstep._eq(j.target_key, 't', 'd', j.target), lockstep._cols(j.columns, 't'),
-        lockstep._cols(j.target_key), v_pknull, lockstep._cols(v_t, 'c'), v_par)
+        lockstep._cols(j.target_key), v_pknull, lockstep._cols(v_t, 'c'), v_par, lockstep._differs(j, 'd', 't'))
         into n.gone, n.fresh, n.pin, n.kept, v_bad, v_null, v_once using keys;
     if not v_once and v_bad is null then  -- a current row matched twice: name its key (error path only)
         execute pg_catalog.format('select row(%1$s)::text from (select * from %2$s($1::%3$s) offset 0) d '
@@ -1160,6 +1163,32 @@ begin
     return n;
 end;
 $_$;
+
+CREATE FUNCTION lockstep._differs(j lockstep.job, a text, b text, cols name[] DEFAULT NULL::name[]) RETURNS text
+    LANGUAGE plpgsql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    v_cols name[] := coalesce(cols, j.columns);
+    v_eq name[] := array(select c from pg_catalog.unnest(v_cols) c where c <> all(j.image_columns));
+    v_img name[] := array(select c from pg_catalog.unnest(v_cols) c where c = any(j.image_columns));
+    v_out text[] := '{}';
+begin
+    if cardinality(v_eq) > 0 then
+        v_out := v_out || pg_catalog.format('(%s) is distinct from (%s)', lockstep._cols(v_eq, a), lockstep._cols(v_eq, b));
+    end if;
+    if cardinality(v_img) > 0 then
+        v_out := v_out || pg_catalog.format(
+            'not (row(%s)::record operator(pg_catalog.*=) row(%s)::record)',
+            (select pg_catalog.string_agg(pg_catalog.format('%s::%s', lockstep._cols(array[x.c], a),
+                                                            pg_catalog.format_type(t.atttypid, t.atttypmod)), ', ' order by x.o)
+             from pg_catalog.unnest(v_img) with ordinality x(c, o)
+             join pg_catalog.pg_attribute t on t.attrelid = j.target and t.attname = x.c),
+            lockstep._cols(v_img, b));
+    end if;
+    return pg_catalog.format('(%s)', coalesce(nullif(pg_catalog.array_to_string(v_out, ' or '), ''), 'false'));
+end;
+$$;
 
 CREATE FUNCTION lockstep._drop_rows(tbl text, cond text, keys text[] DEFAULT NULL::text[]) RETURNS text[]
     LANGUAGE plpgsql
@@ -1679,6 +1708,53 @@ begin
 end;
 $$;
 
+CREATE FUNCTION lockstep._image_columns(target regclass, cols name[]) RETURNS name[]
+    LANGUAGE plpgsql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    c record;
+    v_proc regproc;
+    v_same boolean;
+    v_out name[] := '{}';
+begin
+    for c in
+        select a.attname, a.attcollation,
+               (with recursive b(t, base) as (
+                    select y.oid, y.typbasetype from pg_catalog.pg_type y where y.oid = a.atttypid
+                    union all
+                    select y.oid, y.typbasetype from b join pg_catalog.pg_type y on y.oid = b.base where b.base <> 0)
+                select b.t from b where b.base = 0) as base
+        from pg_catalog.unnest(cols) with ordinality x(name, o)
+        join pg_catalog.pg_attribute a on a.attrelid = target and a.attname = x.name and a.attnum > 0
+        order by x.o
+    loop
+        select p.amproc into v_proc
+        from pg_catalog.pg_opclass oc
+        join pg_catalog.pg_am am on am.oid = oc.opcmethod and am.amname = 'btree'
+        join pg_catalog.pg_amproc p on p.amprocfamily = oc.opcfamily and p.amproclefttype = oc.opcintype
+                                   and p.amprocrighttype = oc.opcintype and p.amprocnum = 4
+        where oc.opcdefault
+          and (oc.opcintype = c.base
+               or exists (select from pg_catalog.pg_cast k where k.castsource = c.base and k.casttarget = oc.opcintype
+                                                             and k.castmethod = 'b'))
+        order by oc.opcintype = c.base desc
+        limit 1;
+        -- PostgreSQL's two equalimage functions (any other: compared by image): btequalimage says yes,
+        -- btvarstrequalimage yes for a deterministic collation (it reads the call's collation, which no SQL
+        -- call of it can set)
+        v_same := v_proc = 'pg_catalog.btequalimage'::regproc
+                  or (v_proc = 'pg_catalog.btvarstrequalimage'::regproc
+                      and coalesce((select l.collisdeterministic from pg_catalog.pg_collation l
+                                    where l.oid = c.attcollation), true));
+        if not coalesce(v_same, false) then
+            v_out := v_out || c.attname;
+        end if;
+    end loop;
+    return v_out;
+end;
+$$;
+
 CREATE FUNCTION lockstep._is_admin() RETURNS boolean
     LANGUAGE plpgsql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -1961,7 +2037,7 @@ begin
     execute pg_catalog.format(
         'with m as (delete from pg_temp.%1$I r where r.lockstep_n in '
         '             (select x.lockstep_n from pg_temp.%1$I x order by x.lockstep_n limit $1) returning r.*), '
-        'c as materialized (select m.*, t.ctid as lockstep_now, (%6$s) is distinct from (%7$s) as lockstep_differs '
+        'c as materialized (select m.*, t.ctid as lockstep_now, %6$s as lockstep_differs '
         '                   from m left join %4$s t on %5$s), '
         'g as (insert into pg_temp.%2$I (%8$s, lockstep_parent, lockstep_ctid) '
         '      select %8$s, lockstep_parent, lockstep_now from c where lockstep_gone and lockstep_now is not null '
@@ -1974,7 +2050,7 @@ begin
         '       (select count(*) filter (where not lockstep_new) from p), '
         '       (select count(*) from pg_temp.%1$I) - (select count(*) from m)',
         v_rest, lockstep._tmp(j, 'gone'), lockstep._tmp(j, 'put'), j.target,
-        lockstep._eq(j.target_key, 'm', 't', j.target), lockstep._cols(j.columns, 'm'), lockstep._cols(j.columns, 't'),
+        lockstep._eq(j.target_key, 'm', 't', j.target), lockstep._differs(j, 'm', 't'), null,
         lockstep._cols(j.columns))
         into n.gone, n.fresh, n.kept, v_left using budget;
     perform pg_catalog.set_config('lockstep.handed_off', v_left::text, true);
@@ -2902,14 +2978,14 @@ begin
         end if;
     end if;
     insert into lockstep.job as j (job, kind, lock_group, target, compute, parent, parent_column, parent_key,
-                                   key_type, target_key, columns, every, backoff)
+                                   key_type, target_key, columns, image_columns, every, backoff)
     values (job, 'derived', coalesce(lock_group, job), target, compute::text, parent, parent_column, parent_key,
-            key_type, target_key, columns, every, backoff)
+            key_type, target_key, columns, lockstep._image_columns(target, columns), every, backoff)
     on conflict on constraint job_pkey do update
         set lock_group = excluded.lock_group, target = excluded.target, compute = excluded.compute,
             parent = excluded.parent, parent_column = excluded.parent_column, parent_key = excluded.parent_key,
             key_type = excluded.key_type, target_key = excluded.target_key, columns = excluded.columns,
-            every = excluded.every, backoff = excluded.backoff, updated_at = now();
+            image_columns = excluded.image_columns, every = excluded.every, backoff = excluded.backoff, updated_at = now();
     insert into lockstep.job_state (job) values (job) on conflict do nothing;
     -- a redefinition whose rows may differ (another compute, target, parent or columns) makes the recompute
     -- due now: the derived table was left a mix of the two definitions until the old next_run_at; a new
@@ -3332,19 +3408,19 @@ begin
         execute pg_catalog.format(
             'with u as (update %1$s t set %2$s from pg_temp.%3$I w '
             '           where t.ctid = any(array(select lockstep_ctid from pg_temp.%3$I where not lockstep_new)) '
-            '             and not w.lockstep_new and %4$s and (%5$s) is distinct from (%6$s) returning 1) '
+            '             and not w.lockstep_new and %4$s and %5$s returning 1) '
             'select count(*) from u',
             j.target, (select pg_catalog.string_agg(pg_catalog.format('%I = w.%I', x, x), ', ') from pg_catalog.unnest(v_rest) x),
-            v_put, lockstep._eq(j.target_key, 't', 'w', j.target), lockstep._cols(v_rest, 't'), lockstep._cols(v_rest, 'w'))
+            v_put, lockstep._eq(j.target_key, 't', 'w', j.target), lockstep._differs(j, 'w', 't', v_rest))
             into updated;
     end if;
     if not inserts then
         return;
     end if;
     if cardinality(v_rest) > 0 then
-        v_action := pg_catalog.format('do update set %s where (%s) is distinct from (%s)',
+        v_action := pg_catalog.format('do update set %s where %s',
             (select pg_catalog.string_agg(pg_catalog.format('%I = excluded.%I', x, x), ', ') from pg_catalog.unnest(v_rest) x),
-            lockstep._cols(v_rest, 't'), lockstep._cols(v_rest, 'excluded'));
+            lockstep._differs(j, 'excluded', 't', v_rest));
     end if;
     execute pg_catalog.format(
         'with i as (insert into %1$s as t (%2$s) select %2$s from pg_temp.%5$I where lockstep_new order by %3$s '
@@ -3857,8 +3933,16 @@ CREATE FUNCTION lockstep.retry(job text) RETURNS bigint
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET jit TO 'off'
     AS $$
+declare
+    j lockstep.job := lockstep._job(job);
 begin
-    return lockstep._retry(lockstep._queue_job(job), null);
+    if j.kind = 'derived' and j.parent is not null then
+        return lockstep._retry(j, null);
+    end if;
+    perform lockstep._check_owner(j);
+    update lockstep.job_state s set retry_at = null, next_run_at = least(s.next_run_at, now())
+    where s.job = j.job and lockstep._not_due(s) = 'backoff';  -- in its failure backoff (02_lock_group.sql)
+    return 0;
 end;
 $$;
 

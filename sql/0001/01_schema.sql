@@ -90,6 +90,9 @@ create table lockstep.job (
     key_type        regtype,        -- parent's primary-key type (type of compute's array elements)
     target_key      name[],         -- target's primary-key columns, in index order
     columns         name[],         -- columns compute returns (all of them written to the target)
+    -- columns compared by their binary image, not by their type's equality, which does not tell every change
+    -- (numeric 1.0 = 1.000, box by area, text under a nondeterministic collation): lockstep._image_columns
+    image_columns   name[] not null default '{}',
     every           interval not null check (every > interval '0'),
     backoff         interval not null check (backoff > interval '0'),
     max_attempts    integer not null default 5 check (max_attempts > 0),

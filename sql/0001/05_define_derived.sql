@@ -215,6 +215,61 @@ begin
 end;
 $$;
 
+-- lockstep._image_columns(target, cols): the columns of target among cols whose type's equality does not
+-- imply identical values, so that IS DISTINCT FROM misses changes: found by a probe, a box moved to a box of
+-- the same area, 'abc' -> 'ABC' under a case-insensitive collation and 1.0 -> 1.000 were never written,
+-- recompute included. A column's equality implies identity where the default btree operator class of its
+-- (base) type, or of a type it is binary-coercible to, has an equalimage support function that says so for
+-- the column's collation (PostgreSQL's own test for B-tree deduplication); every other column (numeric,
+-- float, jsonb, arrays, types with no btree class) is compared by binary image (lockstep._differs).
+-- locks: nothing.
+create function lockstep._image_columns(target regclass, cols name[]) returns name[]
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    c record;
+    v_proc regproc;
+    v_same boolean;
+    v_out name[] := '{}';
+begin
+    for c in
+        select a.attname, a.attcollation,
+               (with recursive b(t, base) as (
+                    select y.oid, y.typbasetype from pg_catalog.pg_type y where y.oid = a.atttypid
+                    union all
+                    select y.oid, y.typbasetype from b join pg_catalog.pg_type y on y.oid = b.base where b.base <> 0)
+                select b.t from b where b.base = 0) as base
+        from pg_catalog.unnest(cols) with ordinality x(name, o)
+        join pg_catalog.pg_attribute a on a.attrelid = target and a.attname = x.name and a.attnum > 0
+        order by x.o
+    loop
+        select p.amproc into v_proc
+        from pg_catalog.pg_opclass oc
+        join pg_catalog.pg_am am on am.oid = oc.opcmethod and am.amname = 'btree'
+        join pg_catalog.pg_amproc p on p.amprocfamily = oc.opcfamily and p.amproclefttype = oc.opcintype
+                                   and p.amprocrighttype = oc.opcintype and p.amprocnum = 4
+        where oc.opcdefault
+          and (oc.opcintype = c.base
+               or exists (select from pg_catalog.pg_cast k where k.castsource = c.base and k.casttarget = oc.opcintype
+                                                             and k.castmethod = 'b'))
+        order by oc.opcintype = c.base desc
+        limit 1;
+        -- PostgreSQL's two equalimage functions (any other: compared by image): btequalimage says yes,
+        -- btvarstrequalimage yes for a deterministic collation (it reads the call's collation, which no SQL
+        -- call of it can set)
+        v_same := v_proc = 'pg_catalog.btequalimage'::regproc
+                  or (v_proc = 'pg_catalog.btvarstrequalimage'::regproc
+                      and coalesce((select l.collisdeterministic from pg_catalog.pg_collation l
+                                    where l.oid = c.attcollation), true));
+        if not coalesce(v_same, false) then
+            v_out := v_out || c.attname;
+        end if;
+    end loop;
+    return v_out;
+end;
+$$;
+
 -- lockstep._check_columns(target, compute, key, cols): every column compute returns exists in the target
 -- with the same type, once, is writable and comparable; the primary key and every NOT NULL column without
 -- a default are among them.
@@ -258,7 +313,9 @@ begin
             execute pg_catalog.format('select null::%s is distinct from null::%s', v_col.type::regtype, v_col.type::regtype);
         exception when undefined_function then
             raise exception 'lockstep: column % has type %, which has no equality operator', v_col.name, v_col.type::regtype
-                using errcode = 'LSD03', hint = 'lockstep compares rows with IS DISTINCT FROM; use jsonb rather than json.';
+                using errcode = 'LSD03',
+                      hint = 'lockstep compares each column with its type''s equality; use a type that has one '
+                             '(jsonb rather than json, text rather than xml).';
         end;
     end loop;
     select array_agg(k) into v_err from pg_catalog.unnest(key) k where not k = any(cols);
@@ -525,14 +582,14 @@ begin
         end if;
     end if;
     insert into lockstep.job as j (job, kind, lock_group, target, compute, parent, parent_column, parent_key,
-                                   key_type, target_key, columns, every, backoff)
+                                   key_type, target_key, columns, image_columns, every, backoff)
     values (job, 'derived', coalesce(lock_group, job), target, compute::text, parent, parent_column, parent_key,
-            key_type, target_key, columns, every, backoff)
+            key_type, target_key, columns, lockstep._image_columns(target, columns), every, backoff)
     on conflict on constraint job_pkey do update
         set lock_group = excluded.lock_group, target = excluded.target, compute = excluded.compute,
             parent = excluded.parent, parent_column = excluded.parent_column, parent_key = excluded.parent_key,
             key_type = excluded.key_type, target_key = excluded.target_key, columns = excluded.columns,
-            every = excluded.every, backoff = excluded.backoff, updated_at = now();
+            image_columns = excluded.image_columns, every = excluded.every, backoff = excluded.backoff, updated_at = now();
     insert into lockstep.job_state (job) values (job) on conflict do nothing;
     -- a redefinition whose rows may differ (another compute, target, parent or columns) makes the recompute
     -- due now: the derived table was left a mix of the two definitions until the old next_run_at; a new

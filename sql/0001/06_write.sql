@@ -168,6 +168,39 @@ begin
 end;
 $$;
 
+-- lockstep._differs(j, a, b, cols): SQL that is true where the columns cols (NULL: all of j's) of row a
+-- (compute's, or a work table's) differ from those of row b (the target's): IS DISTINCT FROM for the columns
+-- whose type's equality implies identity, and for the others (j.image_columns: numeric, float, jsonb, a box
+-- compared by area, text under a nondeterministic collation) their binary images, a's values cast to the
+-- target's column types (record *=, as REFRESH MATERIALIZED VIEW CONCURRENTLY compares rows). In
+-- parentheses: it is an OR, and an AND beside it (the primary key's match) must not bind tighter.
+-- locks: nothing.
+create function lockstep._differs(j lockstep.job, a text, b text, cols name[] default null) returns text
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_cols name[] := coalesce(cols, j.columns);
+    v_eq name[] := array(select c from pg_catalog.unnest(v_cols) c where c <> all(j.image_columns));
+    v_img name[] := array(select c from pg_catalog.unnest(v_cols) c where c = any(j.image_columns));
+    v_out text[] := '{}';
+begin
+    if cardinality(v_eq) > 0 then
+        v_out := v_out || pg_catalog.format('(%s) is distinct from (%s)', lockstep._cols(v_eq, a), lockstep._cols(v_eq, b));
+    end if;
+    if cardinality(v_img) > 0 then
+        v_out := v_out || pg_catalog.format(
+            'not (row(%s)::record operator(pg_catalog.*=) row(%s)::record)',
+            (select pg_catalog.string_agg(pg_catalog.format('%s::%s', lockstep._cols(array[x.c], a),
+                                                            pg_catalog.format_type(t.atttypid, t.atttypmod)), ', ' order by x.o)
+             from pg_catalog.unnest(v_img) with ordinality x(c, o)
+             join pg_catalog.pg_attribute t on t.attrelid = j.target and t.attname = x.c),
+            lockstep._cols(v_img, b));
+    end if;
+    return pg_catalog.format('(%s)', coalesce(nullif(pg_catalog.array_to_string(v_out, ' or '), ''), 'false'));
+end;
+$$;
+
 -- lockstep._diff_all(j, keys): lockstep._diff of the whole table (keys NULL, or a job without a parent
 -- column): compute's rows and the target's in one hash full join on the primary key, each side read once
 -- (compute's rows through a materialized CTE, which is also counted), only the rows that differ kept (a
@@ -213,7 +246,7 @@ begin
         'd as materialized (select %3$s, true as lockstep_d from (select * from %4$s($1::%5$s) offset 0) d), '
         'c as materialized (select %6$s, d.lockstep_d, t.ctid as lockstep_ctid, %7$s as lockstep_tpar, %8$s '
         '  from d full join %9$s t on %10$s '
-        '  where d.lockstep_d is null or t.ctid is null or (%6$s) is distinct from (%11$s)), '
+        '  where d.lockstep_d is null or t.ctid is null or %16$s), '
         'x as (select row(%12$s)::text as k, bool_or(%13$s) as n from c d where d.lockstep_d and d.lockstep_ctid is null '
         '      group by %12$s having count(*) > 1 or bool_or(%13$s) order by 2 desc limit 1), '
         'g as (insert into pg_temp.%1$I (%3$s, lockstep_parent, lockstep_ctid) '
@@ -232,7 +265,7 @@ begin
         (select pg_catalog.string_agg(pg_catalog.format('t.%I as %I', c, v_t[o]), ', ' order by o)
          from pg_catalog.unnest(j.columns) with ordinality u(c, o)),
         j.target, lockstep._eq(j.target_key, 't', 'd', j.target), lockstep._cols(j.columns, 't'),
-        lockstep._cols(j.target_key), v_pknull, lockstep._cols(v_t, 'c'), v_par)
+        lockstep._cols(j.target_key), v_pknull, lockstep._cols(v_t, 'c'), v_par, lockstep._differs(j, 'd', 't'))
         into n.gone, n.fresh, n.pin, n.kept, v_bad, v_null, v_once using keys;
     if not v_once and v_bad is null then  -- a current row matched twice: name its key (error path only)
         execute pg_catalog.format('select row(%1$s)::text from (select * from %2$s($1::%3$s) offset 0) d '
@@ -327,7 +360,7 @@ begin
         '      select %11$s, %12$s, c.lockstep_ctid from c where not exists (select from d where %13$s) returning 1), '
         'p as (insert into pg_temp.%2$I (%3$s, lockstep_parent, lockstep_old_parent, lockstep_new, lockstep_ctid) '
         '      select %14$s, %15$s, %16$s, %17$s, %18$s from d left join c on %13$s %19$s '
-        '      where c.lockstep_ctid is null or (%14$s) is distinct from (%11$s) '
+        '      where c.lockstep_ctid is null or %20$s '
         '      returning lockstep_new, lockstep_new or lockstep_parent is distinct from lockstep_old_parent as pin) '
         'select (select count(*) from g), pc.n, pc.pin, pc.kept, (select k from x), (select n from x) '
         'from (select count(*) filter (where p.lockstep_new) as n, count(*) filter (where p.pin) as pin, '
@@ -335,7 +368,7 @@ begin
         f.gone, f.put, f.cols, f.fn, f.arg,
         pg_catalog.format('where d.%I %s any($1::%s)', j.parent_column, f.op, f.arr),
         f.pk, f.pknull, 'materialized', v_cur,
-        f.ccols, v_cpar, f.dc, f.dcols, v_dpar, v_oldpar, v_new, v_old, v_moved)
+        f.ccols, v_cpar, f.dc, f.dcols, v_dpar, v_oldpar, v_new, v_old, v_moved, lockstep._differs(j, 'd', 'c'))
         into n.gone, n.fresh, n.pin, n.kept, v_bad, v_null using keys;
     perform lockstep._check_computed_key(j, v_bad, v_null);
     return n;
@@ -889,19 +922,19 @@ begin
         execute pg_catalog.format(
             'with u as (update %1$s t set %2$s from pg_temp.%3$I w '
             '           where t.ctid = any(array(select lockstep_ctid from pg_temp.%3$I where not lockstep_new)) '
-            '             and not w.lockstep_new and %4$s and (%5$s) is distinct from (%6$s) returning 1) '
+            '             and not w.lockstep_new and %4$s and %5$s returning 1) '
             'select count(*) from u',
             j.target, (select pg_catalog.string_agg(pg_catalog.format('%I = w.%I', x, x), ', ') from pg_catalog.unnest(v_rest) x),
-            v_put, lockstep._eq(j.target_key, 't', 'w', j.target), lockstep._cols(v_rest, 't'), lockstep._cols(v_rest, 'w'))
+            v_put, lockstep._eq(j.target_key, 't', 'w', j.target), lockstep._differs(j, 'w', 't', v_rest))
             into updated;
     end if;
     if not inserts then
         return;
     end if;
     if cardinality(v_rest) > 0 then
-        v_action := pg_catalog.format('do update set %s where (%s) is distinct from (%s)',
+        v_action := pg_catalog.format('do update set %s where %s',
             (select pg_catalog.string_agg(pg_catalog.format('%I = excluded.%I', x, x), ', ') from pg_catalog.unnest(v_rest) x),
-            lockstep._cols(v_rest, 't'), lockstep._cols(v_rest, 'excluded'));
+            lockstep._differs(j, 'excluded', 't', v_rest));
     end if;
     execute pg_catalog.format(
         'with i as (insert into %1$s as t (%2$s) select %2$s from pg_temp.%5$I where lockstep_new order by %3$s '

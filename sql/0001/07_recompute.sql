@@ -182,7 +182,7 @@ begin
     execute pg_catalog.format(
         'with m as (delete from pg_temp.%1$I r where r.lockstep_n in '
         '             (select x.lockstep_n from pg_temp.%1$I x order by x.lockstep_n limit $1) returning r.*), '
-        'c as materialized (select m.*, t.ctid as lockstep_now, (%6$s) is distinct from (%7$s) as lockstep_differs '
+        'c as materialized (select m.*, t.ctid as lockstep_now, %6$s as lockstep_differs '
         '                   from m left join %4$s t on %5$s), '
         'g as (insert into pg_temp.%2$I (%8$s, lockstep_parent, lockstep_ctid) '
         '      select %8$s, lockstep_parent, lockstep_now from c where lockstep_gone and lockstep_now is not null '
@@ -195,7 +195,7 @@ begin
         '       (select count(*) filter (where not lockstep_new) from p), '
         '       (select count(*) from pg_temp.%1$I) - (select count(*) from m)',
         v_rest, lockstep._tmp(j, 'gone'), lockstep._tmp(j, 'put'), j.target,
-        lockstep._eq(j.target_key, 'm', 't', j.target), lockstep._cols(j.columns, 'm'), lockstep._cols(j.columns, 't'),
+        lockstep._eq(j.target_key, 'm', 't', j.target), lockstep._differs(j, 'm', 't'), null,
         lockstep._cols(j.columns))
         into n.gone, n.fresh, n.kept, v_left using budget;
     perform pg_catalog.set_config('lockstep.handed_off', v_left::text, true);

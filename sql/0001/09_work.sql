@@ -641,15 +641,27 @@ begin
 end;
 $$;
 
--- lockstep.retry(job): put every failing or parked key of job back in the queue now.
--- locks: as lockstep._retry.
+-- lockstep.retry(job): put every failing or parked key of job back in the queue now, and end the job's
+-- failure backoff. A job with no queue (a generic job, a derived job without a parent) has no key to put
+-- back: its backoff ends, and 0 is returned (it raised LSJ02, so nothing but waiting out the backoff or
+-- defining the job again could run a fixed job sooner; found by a probe).
+-- locks: as lockstep._retry; for a job with no queue, its lockstep.job_state row (FOR NO KEY UPDATE, by
+-- the update).
 create function lockstep.retry(job text) returns bigint
 language plpgsql
 set search_path = pg_catalog, pg_temp
 set jit = off  -- lockstep._no_jit_note (03_helpers.sql)
 as $$
+declare
+    j lockstep.job := lockstep._job(job);
 begin
-    return lockstep._retry(lockstep._queue_job(job), null);
+    if j.kind = 'derived' and j.parent is not null then
+        return lockstep._retry(j, null);
+    end if;
+    perform lockstep._check_owner(j);
+    update lockstep.job_state s set retry_at = null, next_run_at = least(s.next_run_at, now())
+    where s.job = j.job and lockstep._not_due(s) = 'backoff';  -- in its failure backoff (02_lock_group.sql)
+    return 0;
 end;
 $$;
 

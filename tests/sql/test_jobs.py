@@ -228,3 +228,24 @@ def test_drop_job_removes_everything(jobs):
     jobs.execute("select lockstep.drop_job('t')")
     assert jobs.execute("select count(*) from lockstep.status").fetchone()[0] == 0
     assert jobs.execute("select count(*) from lockstep.job_state").fetchone()[0] == 0
+
+
+def test_retry_ends_the_failure_backoff_of_a_job_without_a_queue(jobs):
+    """README: retry(job) ends the job's failure backoff. For a generic job it raised LSJ02 ("a generic job,
+    not a derived job"), so a fixed job waited out its whole backoff (found by a probe). It now ends the
+    backoff (and returns 0: no key to put back); a job whose last run did not fail keeps its schedule."""
+    jobs.execute(
+        "create function flaky() returns void language plpgsql as $$ begin"
+        " if current_setting('test.broken', true) = 'on' then raise exception 'not yet'; end if;"
+        " insert into public.ticks values (2); end $$"
+    )
+    jobs.execute("select lockstep.define_job('f', 'flaky()', every => '1 day', backoff => '1 hour')")
+    jobs.execute("set test.broken = 'on'")
+    assert result(jobs, "lockstep.run('f')")["outcome"] == "failed"
+    assert result(jobs, "lockstep.run('f')")["outcome"] == "backoff"
+    jobs.execute("reset test.broken")
+    assert jobs.execute("select lockstep.retry('f')").fetchone()[0] == 0  # before: LSJ02
+    assert result(jobs, "lockstep.run('f')")["outcome"] == "done"
+    assert jobs.execute("select count(*) from ticks where n = 2").fetchone()[0] == 1
+    jobs.execute("select lockstep.retry('f')")  # not failing: its next run stays a day away
+    assert result(jobs, "lockstep.run('f')")["outcome"] == "not_due"

@@ -547,3 +547,44 @@ def test_a_poison_parent_of_a_flagged_job_is_isolated_not_recomputed_forever(con
     assert conn.execute("select count(*) from team_badge").fetchone()[0] == 10
     assert conn.execute("select count(*) from lockstep.key_failure").fetchone()[0] == 0
     conn.execute("select lockstep.drop_job('badges')")
+
+
+def test_a_change_the_columns_equality_does_not_see_is_still_written(conn):
+    """A box moved to a box of the same area, 'abc' -> 'ABC' under a case-insensitive collation, 1.0 ->
+    1.000: each is equal by its type's = (box compares areas), so IS DISTINCT FROM found no difference and
+    neither work() nor recompute() ever wrote them (found by a probe). Such columns
+    (lockstep.job.image_columns) are compared by binary image; a no-op recompute still writes nothing."""
+    conn.execute(
+        """
+        create collation ci (provider = icu, locale = 'und-u-ks-level2', deterministic = false);
+        create table shape (id int primary key, label text not null, amount numeric, b box, n int);
+        create table shape_view (shape_id int primary key references shape on delete cascade,
+                                 label text collate ci not null, amount numeric, b box, n int);
+        create function shape_rows(ids int[])
+            returns table (shape_id int, label text, amount numeric, b box, n int) language sql
+            as $$ select id, label, amount, b, n from public.shape where ids is null or id = any(ids) $$;
+        insert into shape values (1, 'abc', 1.0, box '(1,1),(0,0)', 7), (2, 'x', 2, box '(2,2),(0,0)', 8);
+        select lockstep.define_derived('shapes', 'shape_view', 'shape_rows(int[])', 'shape',
+                                       every => '1 day');
+        select lockstep.watch('shapes', 'shape', 'id');
+        """
+    )
+    image = conn.execute("select image_columns from lockstep.job where job = 'shapes'").fetchone()[0]
+    assert image == ["label", "amount", "b"]  # not shape_id, n (integer equality is identity)
+    assert result(conn, "lockstep.recompute('shapes')")["outcome"] == "done"
+    shown = "select label, amount::text, b::text, n from shape_view where shape_id = 1"
+    conn.execute("update shape set label = 'ABC', amount = 1.000, b = box '(6,6),(5,5)' where id = 1")
+    r = result(conn, "lockstep.work('shapes')")
+    assert (r["outcome"], r["updated"]) == ("done", 1), r  # before: done, 0 updated
+    assert conn.execute(shown).fetchone() == ("ABC", "1.000", "(6,6),(5,5)", 7)
+    other = "select label, amount::text, b::text, n from shape_view where shape_id = 2"
+    assert conn.execute(other).fetchone() == ("x", "2", "(2,2),(0,0)", 8)  # untouched
+    # the same through the recompute (nothing queued)
+    conn.execute("update shape set label = 'abc', amount = 1.0, b = box '(1,1),(0,0)' where id = 1")
+    conn.execute("delete from lockstep.queue")
+    r = result(conn, "lockstep.recompute('shapes')")
+    assert (r["outcome"], r["updated"]) == ("done", 1), r
+    assert conn.execute(shown).fetchone() == ("abc", "1.0", "(1,1),(0,0)", 7)
+    r = result(conn, "lockstep.recompute('shapes')")
+    assert (r["outcome"], r["inserted"], r["updated"], r["deleted"]) == ("done", 0, 0, 0), r
+    conn.execute("select lockstep.drop_job('shapes')")
