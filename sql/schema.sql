@@ -1461,6 +1461,7 @@ begin
         last_error = case when v_failed then error else null end,
         recompute_error = case when action in ('recompute', 'call') then case when v_failed then error end
                                else s.recompute_error end,
+        recompute_poisoned_at = case when action = 'recompute' then null else s.recompute_poisoned_at end,
         runs = s.runs + case when v_again then 0 else 1 end
     where s.job = j.job;
     if not coalesce(v_again, false) then
@@ -1729,17 +1730,22 @@ begin
         join pg_catalog.pg_attribute a on a.attrelid = target and a.attname = x.name and a.attnum > 0
         order by x.o
     loop
+        -- the default class as PostgreSQL picks it (GetDefaultOpClass): the type's own, else one of a type
+        -- it is binary-coercible to; then its equalimage function, if it has one (citext's class has none:
+        -- picked through its cast to text, it passed for exact, and a change of case was never written;
+        -- found by a review)
         select p.amproc into v_proc
-        from pg_catalog.pg_opclass oc
-        join pg_catalog.pg_am am on am.oid = oc.opcmethod and am.amname = 'btree'
-        join pg_catalog.pg_amproc p on p.amprocfamily = oc.opcfamily and p.amproclefttype = oc.opcintype
-                                   and p.amprocrighttype = oc.opcintype and p.amprocnum = 4
-        where oc.opcdefault
-          and (oc.opcintype = c.base
-               or exists (select from pg_catalog.pg_cast k where k.castsource = c.base and k.casttarget = oc.opcintype
-                                                             and k.castmethod = 'b'))
-        order by oc.opcintype = c.base desc
-        limit 1;
+        from (select oc.opcfamily, oc.opcintype
+              from pg_catalog.pg_opclass oc
+              join pg_catalog.pg_am am on am.oid = oc.opcmethod and am.amname = 'btree'
+              where oc.opcdefault
+                and (oc.opcintype = c.base
+                     or exists (select from pg_catalog.pg_cast k
+                                where k.castsource = c.base and k.casttarget = oc.opcintype and k.castmethod = 'b'))
+              order by oc.opcintype = c.base desc
+              limit 1) oc
+        left join pg_catalog.pg_amproc p on p.amprocfamily = oc.opcfamily and p.amproclefttype = oc.opcintype
+                                        and p.amprocrighttype = oc.opcintype and p.amprocnum = 4;
         -- PostgreSQL's two equalimage functions (any other: compared by image): btequalimage says yes,
         -- btvarstrequalimage yes for a deterministic collation (it reads the call's collation, which no SQL
         -- call of it can set)
@@ -2300,7 +2306,8 @@ CREATE TABLE lockstep.job_state (
     deferred_until timestamp with time zone,
     recompute_rest bigint,
     recompute_rest_session text,
-    recompute_rest_at timestamp with time zone
+    recompute_rest_at timestamp with time zone,
+    recompute_poisoned_at timestamp with time zone
 );
 
 CREATE FUNCTION lockstep._not_due(s lockstep.job_state) RETURNS text
@@ -2855,13 +2862,11 @@ begin
                                'which isolates the failing ones (lockstep.failing_keys)', error, cardinality(v_keys));
     -- a done run with its reason: lockstep.run_log.error has it (the status row keeps last_error for failures)
     perform lockstep._finish(j, 'recompute', 'done', started, null, v_msg);
-    -- every parent is now queued, and the worker computes each afresh: the flags seen so far
-    -- (lockstep.recompute_flag), this transaction's own included (a key too long for the queue), are
-    -- covered as far as any recompute can cover them while a parent fails. Kept, a flag made run()
-    -- recompute again at once, fail the same way and hand off again, forever: the worker never took the
-    -- hand-off and no parent was written (a runner looped ~120 recomputes a second; found by a probe).
-    -- The periodic recompute remains the safety net.
-    perform lockstep._clear_flag(j, pg_catalog.pg_current_snapshot(), pg_catalog.clock_timestamp());
+    -- the job's flags wait for the next periodic recompute or a retry (job_state.recompute_poisoned_at):
+    -- taken again at once, the same pass failed the same way, forever, and the worker never took the
+    -- hand-off (found by a probe). Not cleared: what they flag (a key too long for the queue, rows of a
+    -- parent gone) this hand-off does not cover.
+    update lockstep.job_state s set recompute_poisoned_at = now() where s.job = j.job;
     return lockstep._result('done', j.job, 'recompute', null, v_msg, cardinality(v_keys) > 0);
 end;
 $$;
@@ -2948,8 +2953,10 @@ begin
         v_keys := r.raw;
     end if;
     perform lockstep._enqueue_text(j, v_keys);
-    update lockstep.job_state s set retry_at = null, next_run_at = least(s.next_run_at, now())
-    where s.job = j.job and lockstep._not_due(s) = 'backoff';  -- in its failure backoff (02_lock_group.sql)
+    -- in its failure backoff (02_lock_group.sql), or its flags held since a recompute met poison parents
+    update lockstep.job_state s set retry_at = null, next_run_at = least(s.next_run_at, now()),
+                                    recompute_poisoned_at = null
+    where s.job = j.job and (lockstep._not_due(s) = 'backoff' or s.recompute_poisoned_at is not null);
     return coalesce(cardinality(v_keys), 0);
 end;
 $$;
@@ -2980,7 +2987,11 @@ begin
     insert into lockstep.job as j (job, kind, lock_group, target, compute, parent, parent_column, parent_key,
                                    key_type, target_key, columns, image_columns, every, backoff)
     values (job, 'derived', coalesce(lock_group, job), target, compute::text, parent, parent_column, parent_key,
-            key_type, target_key, columns, lockstep._image_columns(target, columns), every, backoff)
+            key_type, target_key, columns,
+            -- the primary key is matched by its own equality: compared by image, a key that changed only so
+            -- (case, scale) made a row that every pass locked and never wrote (found by a review)
+            lockstep._image_columns(target, array(select c from pg_catalog.unnest(columns) c where c <> all(target_key))),
+            every, backoff)
     on conflict on constraint job_pkey do update
         set lock_group = excluded.lock_group, target = excluded.target, compute = excluded.compute,
             parent = excluded.parent, parent_column = excluded.parent_column, parent_key = excluded.parent_key,
@@ -2993,8 +3004,11 @@ begin
     if old.job is not null then
         update lockstep.job_state s
         set next_run_at = case
-                when (old.compute, old.target, old.parent, old.parent_column, old.columns, old.target_key)
-                     is distinct from (compute::text, target, parent, parent_column, columns, target_key) then now()
+                when (old.compute, old.target, old.parent, old.parent_column, old.columns, old.target_key,
+                      old.image_columns)
+                     is distinct from (compute::text, target, parent, parent_column, columns, target_key,
+                                       (select x.image_columns from lockstep.job x where x.job = _save_derived.job))
+                     then now()
                 else least(s.next_run_at, coalesce(s.last_started_at, now()) + every) end
         where s.job = _save_derived.job;
     end if;
@@ -3781,6 +3795,7 @@ CREATE FUNCTION lockstep.due(jobs text[] DEFAULT NULL::text[], gather interval D
     select j.job, j.lock_group,
            least(s.next_run_at,
                  case when j.kind = 'derived' and s.consecutive_failures = 0 and s.recompute_error is null
+                       and s.recompute_poisoned_at is null
                        and exists (select from lockstep.recompute_flag f where f.job = j.job) then now() end,
                  case when j.parent is null and s.recompute_rest > 0 then now() end,
                  case when j.parent is not null and lockstep._has_ready(j)
@@ -3988,8 +4003,9 @@ begin
     end if;
     -- a trigger fell back on flagging the job: its recompute is due now (unless failing: then its backoff;
     -- a good worker pass resets consecutive_failures but not recompute_error, which a failed recompute set:
-    -- read alone, the flag re-ran a failing recompute after every worker pass; found by a probe)
-    if s.consecutive_failures = 0 and s.recompute_error is null
+    -- read alone, the flag re-ran a failing recompute after every worker pass; found by a probe; nor
+    -- after a recompute that handed every parent to the worker because some are poison: recompute_poisoned_at)
+    if s.consecutive_failures = 0 and s.recompute_error is null and s.recompute_poisoned_at is null
        and exists (select from lockstep.recompute_flag f where f.job = j.job) then
         return lockstep._recompute(j, false);
     end if;

@@ -149,7 +149,13 @@ create table lockstep.job_state (
     -- recompute_rest_at (lockstep._continue). NULL: none.
     recompute_rest          bigint,
     recompute_rest_session  text,
-    recompute_rest_at       timestamptz
+    recompute_rest_at       timestamptz,
+    -- when the job's last recompute found poison parents and handed every parent to the worker
+    -- (lockstep._recompute_failed): its recompute flags wait, not cleared (that pass saw what they flag only
+    -- for the parents it handed off) and not taken again at once (each time the same pass failed the same
+    -- way: a loop of ~120 recomputes a second, and no parent written; found by a probe), until the next
+    -- periodic recompute or lockstep.retry. NULL after any other recompute.
+    recompute_poisoned_at   timestamptz
 );
 
 -- the queue of changed parents: append-only, no unique constraint on (job, key), so an enqueuer never

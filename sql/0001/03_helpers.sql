@@ -296,6 +296,7 @@ begin
         last_error = case when v_failed then error else null end,
         recompute_error = case when action in ('recompute', 'call') then case when v_failed then error end
                                else s.recompute_error end,
+        recompute_poisoned_at = case when action = 'recompute' then null else s.recompute_poisoned_at end,
         runs = s.runs + case when v_again then 0 else 1 end
     where s.job = j.job;
     if not coalesce(v_again, false) then

@@ -244,17 +244,22 @@ begin
         join pg_catalog.pg_attribute a on a.attrelid = target and a.attname = x.name and a.attnum > 0
         order by x.o
     loop
+        -- the default class as PostgreSQL picks it (GetDefaultOpClass): the type's own, else one of a type
+        -- it is binary-coercible to; then its equalimage function, if it has one (citext's class has none:
+        -- picked through its cast to text, it passed for exact, and a change of case was never written;
+        -- found by a review)
         select p.amproc into v_proc
-        from pg_catalog.pg_opclass oc
-        join pg_catalog.pg_am am on am.oid = oc.opcmethod and am.amname = 'btree'
-        join pg_catalog.pg_amproc p on p.amprocfamily = oc.opcfamily and p.amproclefttype = oc.opcintype
-                                   and p.amprocrighttype = oc.opcintype and p.amprocnum = 4
-        where oc.opcdefault
-          and (oc.opcintype = c.base
-               or exists (select from pg_catalog.pg_cast k where k.castsource = c.base and k.casttarget = oc.opcintype
-                                                             and k.castmethod = 'b'))
-        order by oc.opcintype = c.base desc
-        limit 1;
+        from (select oc.opcfamily, oc.opcintype
+              from pg_catalog.pg_opclass oc
+              join pg_catalog.pg_am am on am.oid = oc.opcmethod and am.amname = 'btree'
+              where oc.opcdefault
+                and (oc.opcintype = c.base
+                     or exists (select from pg_catalog.pg_cast k
+                                where k.castsource = c.base and k.casttarget = oc.opcintype and k.castmethod = 'b'))
+              order by oc.opcintype = c.base desc
+              limit 1) oc
+        left join pg_catalog.pg_amproc p on p.amprocfamily = oc.opcfamily and p.amproclefttype = oc.opcintype
+                                        and p.amprocrighttype = oc.opcintype and p.amprocnum = 4;
         -- PostgreSQL's two equalimage functions (any other: compared by image): btequalimage says yes,
         -- btvarstrequalimage yes for a deterministic collation (it reads the call's collation, which no SQL
         -- call of it can set)
@@ -584,7 +589,11 @@ begin
     insert into lockstep.job as j (job, kind, lock_group, target, compute, parent, parent_column, parent_key,
                                    key_type, target_key, columns, image_columns, every, backoff)
     values (job, 'derived', coalesce(lock_group, job), target, compute::text, parent, parent_column, parent_key,
-            key_type, target_key, columns, lockstep._image_columns(target, columns), every, backoff)
+            key_type, target_key, columns,
+            -- the primary key is matched by its own equality: compared by image, a key that changed only so
+            -- (case, scale) made a row that every pass locked and never wrote (found by a review)
+            lockstep._image_columns(target, array(select c from pg_catalog.unnest(columns) c where c <> all(target_key))),
+            every, backoff)
     on conflict on constraint job_pkey do update
         set lock_group = excluded.lock_group, target = excluded.target, compute = excluded.compute,
             parent = excluded.parent, parent_column = excluded.parent_column, parent_key = excluded.parent_key,
@@ -597,8 +606,11 @@ begin
     if old.job is not null then
         update lockstep.job_state s
         set next_run_at = case
-                when (old.compute, old.target, old.parent, old.parent_column, old.columns, old.target_key)
-                     is distinct from (compute::text, target, parent, parent_column, columns, target_key) then now()
+                when (old.compute, old.target, old.parent, old.parent_column, old.columns, old.target_key,
+                      old.image_columns)
+                     is distinct from (compute::text, target, parent, parent_column, columns, target_key,
+                                       (select x.image_columns from lockstep.job x where x.job = _save_derived.job))
+                     then now()
                 else least(s.next_run_at, coalesce(s.last_started_at, now()) + every) end
         where s.job = _save_derived.job;
     end if;

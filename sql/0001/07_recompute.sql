@@ -363,10 +363,10 @@ $$;
 -- timeout, say) fails the run too, retried within a minute, unless the last recompute failed already. Otherwise (an error of compute or of a constraint, or
 -- LSD05) some parents are poison: every parent is handed to the queue, where the worker's bisection isolates,
 -- retries and parks the failing ones (lockstep.failing_keys / parked_keys) and writes all the others; the
--- recompute is done (no backoff), reports the error and clears the job's recompute flags. With no parent
--- to hand off, the run fails.
+-- recompute is done (no backoff) and reports the error; the job's recompute flags wait for the next
+-- periodic recompute or a retry (recompute_poisoned_at). With no parent to hand off, the run fails.
 -- locks: the group lock is already held; the empty pass as lockstep._write (no row lock: nothing to write);
--- then as lockstep._hand_off; the job's status row; its lockstep.recompute_flag rows (deleted).
+-- then as lockstep._hand_off; the job's status row last.
 create function lockstep._recompute_failed(j lockstep.job, started timestamptz, error text, sqlstate text)
 returns lockstep.result
 language plpgsql
@@ -406,13 +406,11 @@ begin
                                'which isolates the failing ones (lockstep.failing_keys)', error, cardinality(v_keys));
     -- a done run with its reason: lockstep.run_log.error has it (the status row keeps last_error for failures)
     perform lockstep._finish(j, 'recompute', 'done', started, null, v_msg);
-    -- every parent is now queued, and the worker computes each afresh: the flags seen so far
-    -- (lockstep.recompute_flag), this transaction's own included (a key too long for the queue), are
-    -- covered as far as any recompute can cover them while a parent fails. Kept, a flag made run()
-    -- recompute again at once, fail the same way and hand off again, forever: the worker never took the
-    -- hand-off and no parent was written (a runner looped ~120 recomputes a second; found by a probe).
-    -- The periodic recompute remains the safety net.
-    perform lockstep._clear_flag(j, pg_catalog.pg_current_snapshot(), pg_catalog.clock_timestamp());
+    -- the job's flags wait for the next periodic recompute or a retry (job_state.recompute_poisoned_at):
+    -- taken again at once, the same pass failed the same way, forever, and the worker never took the
+    -- hand-off (found by a probe). Not cleared: what they flag (a key too long for the queue, rows of a
+    -- parent gone) this hand-off does not cover.
+    update lockstep.job_state s set recompute_poisoned_at = now() where s.job = j.job;
     return lockstep._result('done', j.job, 'recompute', null, v_msg, cardinality(v_keys) > 0);
 end;
 $$;

@@ -621,8 +621,10 @@ begin
         v_keys := r.raw;
     end if;
     perform lockstep._enqueue_text(j, v_keys);
-    update lockstep.job_state s set retry_at = null, next_run_at = least(s.next_run_at, now())
-    where s.job = j.job and lockstep._not_due(s) = 'backoff';  -- in its failure backoff (02_lock_group.sql)
+    -- in its failure backoff (02_lock_group.sql), or its flags held since a recompute met poison parents
+    update lockstep.job_state s set retry_at = null, next_run_at = least(s.next_run_at, now()),
+                                    recompute_poisoned_at = null
+    where s.job = j.job and (lockstep._not_due(s) = 'backoff' or s.recompute_poisoned_at is not null);
     return coalesce(cardinality(v_keys), 0);
 end;
 $$;

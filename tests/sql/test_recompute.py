@@ -512,8 +512,8 @@ def test_a_poison_parent_of_a_flagged_job_is_isolated_not_recomputed_forever(con
     parent whose compute raises: the whole-table pass failed, every parent was handed to the worker, and the
     run was done, leaving the flag. run() then took the flag again at once: recompute, fail, hand off,
     forever; the worker never ran and no parent was written (a runner looped ~120 recomputes a second;
-    found by a probe). The hand-off now clears the flags it covers (every parent queued, each computed afresh
-    by the worker): the next runs are worker passes, which isolate the poison parent and write the others."""
+    found by a probe). The flag now waits (job_state.recompute_poisoned_at) for the next periodic recompute
+    or a retry: the next runs are worker passes, which isolate the poison parent and write the others."""
     conn.execute(
         """
         create table team (id text primary key, name text not null);
@@ -538,12 +538,13 @@ def test_a_poison_parent_of_a_flagged_job_is_isolated_not_recomputed_forever(con
     written = conn.execute("select count(*) from team_badge").fetchone()[0]
     assert written == 9  # every healthy parent
     assert conn.execute("select key from lockstep.key_failure").fetchall() == [("t10",)]
-    assert conn.execute("select count(*) from lockstep.recompute_flag").fetchone()[0] == 0
-    # fixed and retried: the worker writes it
+    assert conn.execute("select count(*) from lockstep.recompute_flag").fetchone()[0] == 1  # still flagged
+    # fixed and retried: the recompute runs at once, succeeds and clears the flag
     conn.execute("update team set name = 'good' where id = 't10'")
     conn.execute("select lockstep.retry('badges')")
     r = result(conn, "lockstep.run('badges')")
-    assert (r["action"], r["outcome"], r["inserted"]) == ("work", "done", 1), r
+    assert (r["action"], r["outcome"]) == ("recompute", "done"), r
+    assert conn.execute("select count(*) from lockstep.recompute_flag").fetchone()[0] == 0
     assert conn.execute("select count(*) from team_badge").fetchone()[0] == 10
     assert conn.execute("select count(*) from lockstep.key_failure").fetchone()[0] == 0
     conn.execute("select lockstep.drop_job('badges')")
@@ -556,35 +557,42 @@ def test_a_change_the_columns_equality_does_not_see_is_still_written(conn):
     (lockstep.job.image_columns) are compared by binary image; a no-op recompute still writes nothing."""
     conn.execute(
         """
+        create extension if not exists citext;
         create collation ci (provider = icu, locale = 'und-u-ks-level2', deterministic = false);
-        create table shape (id int primary key, label text not null, amount numeric, b box, n int);
+        create table shape (id int primary key, label text not null, amount numeric, b box, n int,
+                            tag citext);
         create table shape_view (shape_id int primary key references shape on delete cascade,
-                                 label text collate ci not null, amount numeric, b box, n int);
+                                 label text collate ci not null, amount numeric, b box, n int, tag citext);
         create function shape_rows(ids int[])
-            returns table (shape_id int, label text, amount numeric, b box, n int) language sql
-            as $$ select id, label, amount, b, n from public.shape where ids is null or id = any(ids) $$;
-        insert into shape values (1, 'abc', 1.0, box '(1,1),(0,0)', 7), (2, 'x', 2, box '(2,2),(0,0)', 8);
+            returns table (shape_id int, label text, amount numeric, b box, n int, tag citext) language sql
+            as $$ select id, label, amount, b, n, tag from public.shape where ids is null or id = any(ids) $$;
+        insert into shape values (1, 'abc', 1.0, box '(1,1),(0,0)', 7, 'red'),
+                                 (2, 'x', 2, box '(2,2),(0,0)', 8, 'x');
         select lockstep.define_derived('shapes', 'shape_view', 'shape_rows(int[])', 'shape',
                                        every => '1 day');
         select lockstep.watch('shapes', 'shape', 'id');
         """
     )
     image = conn.execute("select image_columns from lockstep.job where job = 'shapes'").fetchone()[0]
-    assert image == ["label", "amount", "b"]  # not shape_id, n (integer equality is identity)
+    assert image == ["label", "amount", "b", "tag"]  # not n (integer equality is identity), nor the key
     assert result(conn, "lockstep.recompute('shapes')")["outcome"] == "done"
-    shown = "select label, amount::text, b::text, n from shape_view where shape_id = 1"
-    conn.execute("update shape set label = 'ABC', amount = 1.000, b = box '(6,6),(5,5)' where id = 1")
+    shown = "select label, amount::text, b::text, n, tag::text from shape_view where shape_id = 1"
+    conn.execute(
+        "update shape set label = 'ABC', amount = 1.000, b = box '(6,6),(5,5)', tag = 'RED' where id = 1"
+    )
     r = result(conn, "lockstep.work('shapes')")
     assert (r["outcome"], r["updated"]) == ("done", 1), r  # before: done, 0 updated
-    assert conn.execute(shown).fetchone() == ("ABC", "1.000", "(6,6),(5,5)", 7)
-    other = "select label, amount::text, b::text, n from shape_view where shape_id = 2"
-    assert conn.execute(other).fetchone() == ("x", "2", "(2,2),(0,0)", 8)  # untouched
+    assert conn.execute(shown).fetchone() == ("ABC", "1.000", "(6,6),(5,5)", 7, "RED")
+    other = "select label, amount::text, b::text, n, tag::text from shape_view where shape_id = 2"
+    assert conn.execute(other).fetchone() == ("x", "2", "(2,2),(0,0)", 8, "x")  # untouched
     # the same through the recompute (nothing queued)
-    conn.execute("update shape set label = 'abc', amount = 1.0, b = box '(1,1),(0,0)' where id = 1")
+    conn.execute(
+        "update shape set label = 'abc', amount = 1.0, b = box '(1,1),(0,0)', tag = 'red' where id = 1"
+    )
     conn.execute("delete from lockstep.queue")
     r = result(conn, "lockstep.recompute('shapes')")
     assert (r["outcome"], r["updated"]) == ("done", 1), r
-    assert conn.execute(shown).fetchone() == ("abc", "1.0", "(1,1),(0,0)", 7)
+    assert conn.execute(shown).fetchone() == ("abc", "1.0", "(1,1),(0,0)", 7, "red")
     r = result(conn, "lockstep.recompute('shapes')")
     assert (r["outcome"], r["inserted"], r["updated"], r["deleted"]) == ("done", 0, 0, 0), r
     conn.execute("select lockstep.drop_job('shapes')")
