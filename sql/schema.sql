@@ -1289,6 +1289,17 @@ when others then
 end;
 $_$;
 
+CREATE FUNCTION lockstep._end_backoff(j lockstep.job) RETURNS void
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+begin
+    update lockstep.job_state s set retry_at = null, next_run_at = least(s.next_run_at, now()),
+                                    recompute_poisoned_at = null
+    where s.job = j.job and (lockstep._not_due(s) = 'backoff' or s.recompute_poisoned_at is not null);
+end;
+$$;
+
 CREATE FUNCTION lockstep._enqueue_missing(j lockstep.job, keys text[]) RETURNS bigint
     LANGUAGE sql
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -1494,6 +1505,42 @@ begin
     raise warning 'lockstep: could not enqueue for job "%": %; job flagged for a full recompute', job, problem
         using hint = 'See trigger_problem in lockstep.status; lockstep.recompute(job) clears the flag.';
 end;
+$$;
+
+CREATE TABLE lockstep.job_state (
+    job text NOT NULL,
+    next_run_at timestamp with time zone DEFAULT now() NOT NULL,
+    retry_at timestamp with time zone,
+    last_outcome text,
+    last_action text,
+    last_started_at timestamp with time zone,
+    last_finished_at timestamp with time zone,
+    last_duration_ms double precision,
+    last_inserted bigint,
+    last_updated bigint,
+    last_deleted bigint,
+    last_skipped bigint,
+    last_more boolean,
+    consecutive_failures integer DEFAULT 0 NOT NULL,
+    last_error text,
+    recompute_error text,
+    runs bigint DEFAULT 0 NOT NULL,
+    recompute_total bigint,
+    recompute_queue_from bigint,
+    recompute_queue_to bigint,
+    deferred_until timestamp with time zone,
+    recompute_rest bigint,
+    recompute_rest_session text,
+    recompute_rest_at timestamp with time zone,
+    recompute_poisoned_at timestamp with time zone
+);
+
+CREATE FUNCTION lockstep._flag_due(s lockstep.job_state) RETURNS boolean
+    LANGUAGE sql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+    select s.consecutive_failures = 0 and s.recompute_error is null and s.recompute_poisoned_at is null
+           and exists (select from lockstep.recompute_flag f where f.job = s.job);
 $$;
 
 CREATE FUNCTION lockstep._gen_trigger(j lockstep.job, source regclass, key_column name) RETURNS text
@@ -2282,34 +2329,6 @@ begin
 end;
 $$;
 
-CREATE TABLE lockstep.job_state (
-    job text NOT NULL,
-    next_run_at timestamp with time zone DEFAULT now() NOT NULL,
-    retry_at timestamp with time zone,
-    last_outcome text,
-    last_action text,
-    last_started_at timestamp with time zone,
-    last_finished_at timestamp with time zone,
-    last_duration_ms double precision,
-    last_inserted bigint,
-    last_updated bigint,
-    last_deleted bigint,
-    last_skipped bigint,
-    last_more boolean,
-    consecutive_failures integer DEFAULT 0 NOT NULL,
-    last_error text,
-    recompute_error text,
-    runs bigint DEFAULT 0 NOT NULL,
-    recompute_total bigint,
-    recompute_queue_from bigint,
-    recompute_queue_to bigint,
-    deferred_until timestamp with time zone,
-    recompute_rest bigint,
-    recompute_rest_session text,
-    recompute_rest_at timestamp with time zone,
-    recompute_poisoned_at timestamp with time zone
-);
-
 CREATE FUNCTION lockstep._not_due(s lockstep.job_state) RETURNS text
     LANGUAGE sql IMMUTABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -2953,10 +2972,7 @@ begin
         v_keys := r.raw;
     end if;
     perform lockstep._enqueue_text(j, v_keys);
-    -- in its failure backoff (02_lock_group.sql), or its flags held since a recompute met poison parents
-    update lockstep.job_state s set retry_at = null, next_run_at = least(s.next_run_at, now()),
-                                    recompute_poisoned_at = null
-    where s.job = j.job and (lockstep._not_due(s) = 'backoff' or s.recompute_poisoned_at is not null);
+    perform lockstep._end_backoff(j);
     return coalesce(cardinality(v_keys), 0);
 end;
 $$;
@@ -3794,9 +3810,7 @@ CREATE FUNCTION lockstep.due(jobs text[] DEFAULT NULL::text[], gather interval D
     AS $$
     select j.job, j.lock_group,
            least(s.next_run_at,
-                 case when j.kind = 'derived' and s.consecutive_failures = 0 and s.recompute_error is null
-                       and s.recompute_poisoned_at is null
-                       and exists (select from lockstep.recompute_flag f where f.job = j.job) then now() end,
+                 case when j.kind = 'derived' and lockstep._flag_due(s) then now() end,
                  case when j.parent is null and s.recompute_rest > 0 then now() end,
                  case when j.parent is not null and lockstep._has_ready(j)
                       then greatest(now(), coalesce(s.retry_at, now()),
@@ -3955,8 +3969,7 @@ begin
         return lockstep._retry(j, null);
     end if;
     perform lockstep._check_owner(j);
-    update lockstep.job_state s set retry_at = null, next_run_at = least(s.next_run_at, now())
-    where s.job = j.job and lockstep._not_due(s) = 'backoff';  -- in its failure backoff (02_lock_group.sql)
+    perform lockstep._end_backoff(j);
     return 0;
 end;
 $$;
@@ -4001,12 +4014,8 @@ begin
     if s.next_run_at <= now() then
         return lockstep._recompute(j, true);
     end if;
-    -- a trigger fell back on flagging the job: its recompute is due now (unless failing: then its backoff;
-    -- a good worker pass resets consecutive_failures but not recompute_error, which a failed recompute set:
-    -- read alone, the flag re-ran a failing recompute after every worker pass; found by a probe; nor
-    -- after a recompute that handed every parent to the worker because some are poison: recompute_poisoned_at)
-    if s.consecutive_failures = 0 and s.recompute_error is null and s.recompute_poisoned_at is null
-       and exists (select from lockstep.recompute_flag f where f.job = j.job) then
+    -- a trigger fell back on flagging the job: its recompute is due now (unless failing: lockstep._flag_due)
+    if lockstep._flag_due(s) then
         return lockstep._recompute(j, false);
     end if;
     if j.parent is null then

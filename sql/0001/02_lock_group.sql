@@ -40,6 +40,21 @@ as $$
                 then 'backoff' else 'not_due' end;
 $$;
 
+-- lockstep._flag_due(s): a derived job's recompute flag (lockstep.recompute_flag: a trigger fell back on
+-- flagging it) makes its recompute due now, for run() and due() alike: it has one, and no failure holds it
+-- back. A good worker pass resets consecutive_failures but not recompute_error, which a failed recompute
+-- set: read alone, the flag re-ran a failing recompute after every worker pass (found by a probe); nor does
+-- it after a recompute that handed every parent to the worker because some are poison
+-- (recompute_poisoned_at: it ran again at once and failed the same way, forever; found by a probe).
+-- locks: nothing.
+create function lockstep._flag_due(s lockstep.job_state) returns boolean
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select s.consecutive_failures = 0 and s.recompute_error is null and s.recompute_poisoned_at is null
+           and exists (select from lockstep.recompute_flag f where f.job = s.job);
+$$;
+
 -- lockstep._is_statement_timeout(started): a query_canceled error came from statement_timeout (recorded
 -- as a failure with backoff) rather than from a cancel request (re-raised: the runner is shutting down).
 -- locks: nothing.

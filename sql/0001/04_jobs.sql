@@ -224,12 +224,8 @@ begin
     if s.next_run_at <= now() then
         return lockstep._recompute(j, true);
     end if;
-    -- a trigger fell back on flagging the job: its recompute is due now (unless failing: then its backoff;
-    -- a good worker pass resets consecutive_failures but not recompute_error, which a failed recompute set:
-    -- read alone, the flag re-ran a failing recompute after every worker pass; found by a probe; nor
-    -- after a recompute that handed every parent to the worker because some are poison: recompute_poisoned_at)
-    if s.consecutive_failures = 0 and s.recompute_error is null and s.recompute_poisoned_at is null
-       and exists (select from lockstep.recompute_flag f where f.job = j.job) then
+    -- a trigger fell back on flagging the job: its recompute is due now (unless failing: lockstep._flag_due)
+    if lockstep._flag_due(s) then
         return lockstep._recompute(j, false);
     end if;
     if j.parent is null then

@@ -591,9 +591,24 @@ begin
 end;
 $$;
 
--- lockstep._retry(j, keys): forget the failures of keys (NULL: all of j's), queue them again, and end the
--- job's failure backoff, if its last run (or its last full recompute) failed: the worker may run at once (retry_at) and the periodic
+-- lockstep._end_backoff(j): the job's failure backoff is over, if it is in one (its last run or its last
+-- full recompute failed: 02_lock_group.sql), or its recompute flags are held since a recompute met poison
+-- parents (job_state.recompute_poisoned_at): the worker may run at once (retry_at) and the periodic
 -- recompute is due now (next_run_at). A job whose last run did not fail keeps its schedule.
+-- locks: the job's lockstep.job_state row (FOR NO KEY UPDATE, by the update), if so.
+create function lockstep._end_backoff(j lockstep.job) returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    update lockstep.job_state s set retry_at = null, next_run_at = least(s.next_run_at, now()),
+                                    recompute_poisoned_at = null
+    where s.job = j.job and (lockstep._not_due(s) = 'backoff' or s.recompute_poisoned_at is not null);
+end;
+$$;
+
+-- lockstep._retry(j, keys): forget the failures of keys (NULL: all of j's), queue them again, and end the
+-- job's failure backoff (lockstep._end_backoff).
 -- A key that cannot be read as the parent key type (queued by a trigger on a column whose type changed
 -- since) names no parent, so no derived row: its failure and its queue entries are deleted with a
 -- WARNING, not queued again. Queued again, it failed the whole retry with 22P02, so no other key of the
@@ -621,10 +636,7 @@ begin
         v_keys := r.raw;
     end if;
     perform lockstep._enqueue_text(j, v_keys);
-    -- in its failure backoff (02_lock_group.sql), or its flags held since a recompute met poison parents
-    update lockstep.job_state s set retry_at = null, next_run_at = least(s.next_run_at, now()),
-                                    recompute_poisoned_at = null
-    where s.job = j.job and (lockstep._not_due(s) = 'backoff' or s.recompute_poisoned_at is not null);
+    perform lockstep._end_backoff(j);
     return coalesce(cardinality(v_keys), 0);
 end;
 $$;
@@ -647,8 +659,7 @@ $$;
 -- failure backoff. A job with no queue (a generic job, a derived job without a parent) has no key to put
 -- back: its backoff ends, and 0 is returned (it raised LSJ02, so nothing but waiting out the backoff or
 -- defining the job again could run a fixed job sooner; found by a probe).
--- locks: as lockstep._retry; for a job with no queue, its lockstep.job_state row (FOR NO KEY UPDATE, by
--- the update).
+-- locks: as lockstep._retry; for a job with no queue, as lockstep._end_backoff.
 create function lockstep.retry(job text) returns bigint
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -661,8 +672,7 @@ begin
         return lockstep._retry(j, null);
     end if;
     perform lockstep._check_owner(j);
-    update lockstep.job_state s set retry_at = null, next_run_at = least(s.next_run_at, now())
-    where s.job = j.job and lockstep._not_due(s) = 'backoff';  -- in its failure backoff (02_lock_group.sql)
+    perform lockstep._end_backoff(j);
     return 0;
 end;
 $$;

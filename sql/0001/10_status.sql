@@ -137,9 +137,7 @@ set jit = off  -- lockstep._no_jit_note (03_helpers.sql)
 as $$
     select j.job, j.lock_group,
            least(s.next_run_at,
-                 case when j.kind = 'derived' and s.consecutive_failures = 0 and s.recompute_error is null
-                       and s.recompute_poisoned_at is null
-                       and exists (select from lockstep.recompute_flag f where f.job = j.job) then now() end,
+                 case when j.kind = 'derived' and lockstep._flag_due(s) then now() end,
                  case when j.parent is null and s.recompute_rest > 0 then now() end,
                  case when j.parent is not null and lockstep._has_ready(j)
                       then greatest(now(), coalesce(s.retry_at, now()),
