@@ -536,7 +536,8 @@ def test_a_cascade_two_levels_deep_skips_what_the_app_holds(conn, dsn, expected_
 
 # -- a row an application updated, then deleted or locked: SKIP LOCKED follows the update chain and waits --
 
-UPDATED_THEN_HELD = """
+# posts, their languages and their words: the target references both
+WP_SCHEMA = """
 create schema wp;
 create table wp.lang (code text primary key, name text not null);
 create table wp.post (id int primary key, title text not null, lang text not null references wp.lang);
@@ -547,12 +548,17 @@ language sql stable as $$
     select p.id, w, p.lang from wp.post p, regexp_split_to_table(p.title, ' ') w
     where ids is null or p.id = any(ids)
 $$;
+"""
+UPDATED_THEN_HELD = (
+    WP_SCHEMA
+    + """
 insert into wp.lang values ('en', 'English'), ('fr', 'French');
 select lockstep.define_derived('words', 'wp.word', 'wp.words(int[])', 'wp.post', every => '1 day');
 insert into wp.post values (1, 'one title', 'en'), (2, 'two title', 'fr');
 select lockstep.enqueue('words', array[1, 2]);
 update lockstep.job_state set next_run_at = now() + interval '1 day' where job = 'words';
 """
+)
 
 
 HELD_SESSIONS = {
@@ -620,17 +626,9 @@ def test_a_row_the_app_updated_then_holds_is_skipped_not_waited_for(dsn, case):
     assert r.error("s2del") is None and not r.waited("s2del"), r.trace
 
 
-MANY_HELD = """
-create schema wp;
-create table wp.lang (code text primary key, name text not null);
-create table wp.post (id int primary key, title text not null, lang text not null references wp.lang);
-create table wp.word (post_id int not null references wp.post on delete cascade, word text not null,
-                      lang text not null references wp.lang, primary key (post_id, word));
-create function wp.words(ids int[]) returns table (post_id int, word text, lang text)
-language sql stable as $$
-    select p.id, w, p.lang from wp.post p, regexp_split_to_table(p.title, ' ') w
-    where ids is null or p.id = any(ids)
-$$;
+MANY_HELD = (
+    WP_SCHEMA
+    + """
 insert into wp.lang values ('en', 'English');
 insert into wp.lang select 'l' || lpad(g::text, 3, '0'), 'lang ' || g from generate_series(1, 150) g;
 insert into wp.post values (1, 'one title', 'en');
@@ -639,6 +637,7 @@ select lockstep.define_derived('words', 'wp.word', 'wp.words(int[])', 'wp.post',
 select lockstep.enqueue('words', array(select id from wp.post order by id));
 update lockstep.job_state set next_run_at = now() + interval '1 day' where job = 'words';
 """
+)
 
 
 def test_many_rows_the_app_updated_then_holds_cost_lockstep_a_bounded_wait_not_one_each(dsn):
