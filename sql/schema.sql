@@ -3713,6 +3713,8 @@ declare
 begin
     perform lockstep._check_schedule(job, lock_group, every, backoff);
     v_key := lockstep._check_target(target, compute, parent);
+    -- a taken table first: LSD07, before the warnings of the checks below and before the dry run
+    perform lockstep._check_target_free(job, target);
     v_cols := lockstep._check_compute(compute);
     select * into v_par from lockstep._check_parent(target, compute, v_cols, parent, parent_column);
     perform lockstep._check_columns(target, compute, v_key, v_cols);
@@ -3723,8 +3725,7 @@ begin
     perform lockstep._warn_index(target, v_par.parent_column);
     perform lockstep._warn_unique(target);
     perform lockstep._dry_run(compute, v_par.key_type);
-    perform lockstep._check_target_free(job, target);  -- before the watchers: a taken table is LSD07, not
-    perform lockstep._check_watchers(job, parent, v_par.key_type);  -- LSQ01 about this job's triggers
+    perform lockstep._check_watchers(job, parent, v_par.key_type);
     perform lockstep._save_derived(job, target, compute, parent, v_par.parent_column, v_par.parent_key,
                                    v_par.key_type, v_key, v_cols, lock_group, every, backoff);
 end;

@@ -147,6 +147,21 @@ def test_a_second_job_on_the_same_target_is_refused(db):
         db.execute("select lockstep.define_derived('whole', 'dp', 'good(bigint[])', 'p')")
 
 
+def test_a_taken_target_is_refused_before_any_warning_about_it(db):
+    """define_derived on another job's target printed the warnings of its later checks (the parent key's
+    ON UPDATE NO ACTION) and ran the dry run, then refused the table as taken (found by a review): the
+    taken table is checked first, so the refusal comes alone."""
+    db.execute("select lockstep.define_derived('first', 'd', 'good(bigint[])', 'p')")
+    notices: list[str] = []
+    db.add_notice_handler(lambda d: notices.append(d.message_primary or ""))
+    with raises_sqlstate("LSD07", 'already written by job "first"'):
+        db.execute("select lockstep.define_derived('second', 'd', 'good(bigint[])', 'p')")
+    assert notices == []
+    db.execute("select lockstep.drop_job('first')")
+    db.execute("select lockstep.define_derived('second', 'd', 'good(bigint[])', 'p')")
+    assert any("ON UPDATE NO ACTION" in n for n in notices)  # the same definition on a free table warns
+
+
 def test_moving_a_job_onto_another_jobs_target_is_refused_as_taken(db):
     """Redefining a watched job onto another job's target, with a parent of another key type, was refused
     with LSQ01 about its triggers' key type (the watchers were checked first), which sent the user to
