@@ -8,7 +8,7 @@ import sys
 
 import psycopg
 
-from runner.lab.bench import LEVELS, METHODS
+from runner.lab.bench import LEVELS, METHODS, max_over, scaling_summary
 
 
 def test_bench_small_json(admin_dsn):
@@ -57,3 +57,36 @@ def test_bench_small_json(admin_dsn):
     with psycopg.connect(admin_dsn) as admin:  # its database is dropped
         name = f"lockstep_bench_{proc.pid}"
         assert admin.execute("select count(*) from pg_database where datname = %s", [name]).fetchone()[0] == 0
+
+
+def _run(lat: list[float]) -> dict:
+    return {
+        "100%": {
+            "lockstep": {
+                "max_lock_ms": 80.0,
+                "total_ms": 1000.0,
+                "transactions": 3,
+                "app_delete_rewritten": {
+                    "n": len(lat),
+                    "p99_ms": max(lat),
+                    "max_ms": max(lat),
+                    "latencies_ms": lat,
+                },
+            }
+        }
+    }
+
+
+def test_scaling_compares_the_longest_wait_over_as_many_deletes_at_both_sizes():
+    """A run with 4x the deletes meets its slowest wait 4x as often: one 30 ms wait among 800 deletes of
+    the large run is no longer than the one per 200 of the small run, and the like-for-like max says so."""
+    small = [1.0] * 199 + [12.0]
+    big = [1.0] * 800
+    for i, ms in ((100, 11.0), (300, 13.0), (500, 30.0), (700, 12.0)):
+        big[i] = ms
+    assert max_over(big, 200) == 12.5  # chunk maxes 11, 13, 30, 12
+    assert max_over(big, 900) is None and max_over(big, 0) is None
+    out = scaling_summary(_run(big), 50000, {"parents": 12500, "recompute": _run(small)})
+    assert out["12500"]["rewritten_max_same_n_ms"] == 12.0 and out["50000"]["rewritten_max_same_n_ms"] == 12.5
+    assert out["50000"]["rewritten_max_ms"] == 30.0 and out["50000"]["same_n"] == 200
+    assert "_latencies" not in out["50000"]
