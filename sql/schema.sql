@@ -48,6 +48,15 @@ CREATE FUNCTION lockstep._add(a lockstep._pass, b lockstep._pass) RETURNS lockst
                a.failed || b.failed, a.errors || b.errors)::lockstep._pass;
 $$;
 
+CREATE FUNCTION lockstep._append(job text, keys text[]) RETURNS void
+    LANGUAGE sql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    SET row_security TO 'on'
+    AS $$
+    insert into lockstep.queue (job, key)
+    select _append.job, u.k from pg_catalog.unnest(keys) with ordinality u(k, o) order by u.o;
+$$;
+
 CREATE TABLE lockstep.job (
     job text NOT NULL,
     kind text NOT NULL,
@@ -777,6 +786,22 @@ begin
 end;
 $$;
 
+CREATE FUNCTION lockstep._check_target_rls(target regclass) RETURNS void
+    LANGUAGE plpgsql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+begin
+    if pg_catalog.row_security_active(target) then
+        raise exception 'lockstep: row-level security applies to % for role %: lockstep must read and write all its rows',
+            target, current_user
+            using errcode = '42501',
+                  hint = pg_catalog.format('Define the job as the table''s owner (without FORCE ROW LEVEL SECURITY) or '
+                                           'as a role with BYPASSRLS, or alter table %s no force row level security.',
+                                           target);
+    end if;
+end;
+$$;
+
 CREATE FUNCTION lockstep._check_timed_out(j lockstep.job, batch integer) RETURNS text
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -808,6 +833,8 @@ CREATE FUNCTION lockstep._check_watchers(job text, parent regclass, key_type reg
 declare
     w record;
     v_type regtype;
+    v_old regtype := (select x.key_type from lockstep.job x where x.job = _check_watchers.job);
+    v_why text;
 begin
     for w in select * from lockstep._watchers(job) loop
         if parent is null then
@@ -817,10 +844,17 @@ begin
         end if;
         select a.atttypid into v_type from pg_catalog.pg_attribute a
         where a.attrelid = w.rel and a.attname = w.key_column and a.attnum > 0 and not a.attisdropped;
-        if v_type is null or not lockstep._castable(v_type, _check_watchers.key_type)
-           or exists (select from lockstep.job x where x.job = _check_watchers.job and x.key_type <> _check_watchers.key_type) then
-            raise exception 'lockstep: job "%" is fed by trigger % on % (column %, %), which does not fit the new parent key type %',
-                job, w.tgname, w.rel, w.key_column, coalesce(v_type::text, 'missing'), key_type
+        -- the reason in words that say which (one message for all three contradicted itself: "(column
+        -- warehouse_id, bigint) ... does not fit the new parent key type bigint"; found by a probe)
+        v_why := case when v_type is null then pg_catalog.format('its column %I is gone (renamed or dropped)', w.key_column)
+                      when not lockstep._castable(v_type, _check_watchers.key_type) then
+                          pg_catalog.format('its column %I is %s, which does not always convert to the new parent key type %s',
+                                            w.key_column, v_type, key_type)
+                      when v_old <> _check_watchers.key_type then
+                          pg_catalog.format('its trigger was made for the parent key type %s, not the new %s', v_old, key_type)
+                 end;
+        if v_why is not null then
+            raise exception 'lockstep: job "%" is fed by trigger % on %: %', job, w.tgname, w.rel, v_why
                 using errcode = 'LSQ01',
                       hint = pg_catalog.format('First select lockstep.unwatch(%L, %L), then watch() again after redefining.', job, w.rel);
         end if;
@@ -834,8 +868,13 @@ CREATE FUNCTION lockstep._claim(j lockstep.job, batch integer, OUT keys text[], 
     SET plan_cache_mode TO 'force_generic_plan'
     AS $$
 begin
-    -- the common case, no failing key due (one index probe of key_failure): straight to the batch
-    if not exists (select from lockstep.key_failure f where f.job = j.job and not f.parked and f.retry_at <= now()) then
+    -- the common case, no failing key due and no parked key queued again (index probes of key_failure):
+    -- straight to the batch
+    if not exists (select from lockstep.key_failure f where f.job = j.job and not f.parked and f.retry_at <= now())
+       and not exists (select from lockstep.key_failure f
+                       where f.job = j.job and f.parked
+                         and exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true
+                                     and q.enqueued_at > f.last_failed_at)) then
         select array_agg(distinct c.key), count(*) >= batch into keys, full
         from (select q.key from lockstep.queue q
               where q.job = j.job and q.ready_at <= now()
@@ -856,8 +895,9 @@ begin
     end if;
     select array_agg(f.key order by f.key) into keys
     from (select f.key from lockstep.key_failure f
-          where f.job = j.job and f.attempts > 0 and not f.parked and f.retry_at <= now()
-            and exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true)
+          where f.job = j.job and f.attempts > 0 and (f.parked or f.retry_at <= now())
+            and exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true
+                        and (not f.parked or q.enqueued_at > f.last_failed_at))
           order by f.retry_at, f.key limit batch) f;
     if keys is not null then
         kind := 'retry';
@@ -1498,6 +1538,7 @@ $$;
 CREATE FUNCTION lockstep._flag(job text, problem text) RETURNS void
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
+    SET row_security TO 'on'
     AS $$
 begin
     insert into lockstep.recompute_flag (job, flagged_at, problem)
@@ -1565,6 +1606,8 @@ declare
                   || E'%2$selsif tg_op operator(pg_catalog.=) ''INSERT'' then\n%2$s    %3$s\n'
                   || E'%2$selse\n%2$s    %4$s\n%2$send if;';
     v_attnum text;
+    v_type oid := (select a.atttypid from pg_catalog.pg_attribute a
+                   where a.attrelid = source and a.attname = key_column and a.attnum > 0 and not a.attisdropped);
 begin
     if not pg_catalog.has_schema_privilege('lockstep', 'CREATE') then
         return null;
@@ -1581,23 +1624,40 @@ begin
 create or replace function lockstep.%1$I() returns trigger
 language plpgsql
 as $body$
--- generated by lockstep.watch() (lockstep._gen_trigger): reads only the key column %2$I
+-- generated by lockstep.watch() (lockstep._gen_trigger): reads only the key column %2$I (type %9$s)
 declare
     v_keys pg_catalog.text[];
     v_problem pg_catalog.text;
+    v_type pg_catalog.oid := (select a.atttypid from pg_catalog.pg_attribute a
+                              where a.attrelid operator(pg_catalog.=) tg_relid
+                                and a.attnum operator(pg_catalog.=) (%3$s)::pg_catalog.int2
+                                and a.attname operator(pg_catalog.=) %4$L::pg_catalog.name);
 begin
-    -- the column is still %2$I at the attribute number watch() found in this table: no subtransaction
-    if (pg_catalog.pg_identify_object('pg_catalog.pg_class'::pg_catalog.regclass, tg_relid, %3$s)).identity
-       operator(pg_catalog.=) pg_catalog.concat((pg_catalog.pg_identify_object(
-           'pg_catalog.pg_class'::pg_catalog.regclass, tg_relid, 0)).identity, %4$L) then
+    -- the column is still %2$I, of type %9$s, at the attribute number watch() found in this table, and
+    -- row_security is not off: no subtransaction
+    if v_type operator(pg_catalog.=) %10$s::pg_catalog.oid
+       and pg_catalog.current_setting('row_security') operator(pg_catalog.<>) 'off' then
         %5$s
 %6$s
     else
-        begin  -- reads only: the subtransaction gets no transaction id
-            %7$s
-        exception when others then
-            get stacked diagnostics v_problem = message_text;
-        end;
+        if v_type is null then  -- not at that attribute number (renamed, dropped, a table not known here)
+            v_type := (select a.atttypid from pg_catalog.pg_attribute a
+                       where a.attrelid operator(pg_catalog.=) tg_relid
+                         and a.attname operator(pg_catalog.=) %4$L::pg_catalog.name
+                         and a.attnum operator(pg_catalog.>) 0 and not a.attisdropped);
+        end if;
+        if v_type is null or v_type operator(pg_catalog.<>) %10$s::pg_catalog.oid then
+            v_problem := pg_catalog.concat('column ', %11$L, ' of ', tg_relid::pg_catalog.regclass,
+                                           coalesce(' is of type ' operator(pg_catalog.||) v_type::pg_catalog.regtype,
+                                                    ' is gone'),
+                                           %12$L);
+        else
+            begin  -- reads only: the subtransaction gets no transaction id
+                %7$s
+            exception when others then
+                get stacked diagnostics v_problem = message_text;
+            end;
+        end if;
     end if;
     if v_problem is not null then
         begin  -- the same words as lockstep.enqueue_trigger's general path where it can tell
@@ -1612,7 +1672,9 @@ begin
         return null;
     end if;
 %8$s
-    if pg_catalog.cardinality(v_keys) operator(pg_catalog.=) 1 then
+    if pg_catalog.current_setting('row_security') operator(pg_catalog.=) 'off' then
+        perform lockstep._append(tg_argv[0], v_keys);  -- the queue's policies refuse a plain insert then
+    elsif pg_catalog.cardinality(v_keys) operator(pg_catalog.=) 1 then
         insert into lockstep.queue (job, key) values (tg_argv[0], v_keys[1]);
     elsif pg_catalog.cardinality(v_keys) operator(pg_catalog.>) 1 then
         insert into lockstep.queue (job, key) select tg_argv[0], u.k from pg_catalog.unnest(v_keys) u(k);
@@ -1620,17 +1682,20 @@ begin
     return null;
 end;
 $body$
-$gen$, v_name, key_column, coalesce(v_attnum, 'null::pg_catalog.int4'), '.' || pg_catalog.quote_ident(key_column),
+$gen$, v_name, key_column, coalesce(v_attnum, 'null::pg_catalog.int4'), key_column,
         pg_catalog.format(v_ops, pg_catalog.format(v_fast, v_upd), '        ', pg_catalog.format(v_fast, v_ins),
                           pg_catalog.format(v_fast, v_del)),
         case when v_long then '' else '        return null;  -- queued' end,
-        pg_catalog.format(v_ops, pg_catalog.format(v_read, v_upd), '            ', pg_catalog.format(v_read, v_ins),
+        pg_catalog.format(v_ops, pg_catalog.format(v_read, v_upd), '                ', pg_catalog.format(v_read, v_ins),
                           pg_catalog.format(v_read, v_del)),
         case when v_long then
 pg_catalog.format('    if pg_catalog.octet_length(pg_catalog.array_to_string(v_keys, ''''))
        operator(pg_catalog.+) pg_catalog.octet_length(tg_argv[0]) operator(pg_catalog.>) %s then
         v_keys := lockstep._queueable(tg_argv[0], v_keys);  -- a key too long for the queue flags the job
-    end if;', lockstep._max_key_bytes()) else '' end);
+    end if;', lockstep._max_key_bytes()) else '' end,
+        pg_catalog.format_type(v_type, null), coalesce(v_type, 0), pg_catalog.quote_ident(key_column),
+        pg_catalog.format(', not of type %s as when watch() ran: run lockstep.watch() again',
+                          pg_catalog.format_type(v_type, null)));
     return pg_catalog.format('lockstep.%I', v_name);
 exception when insufficient_privilege then  -- a function of that name owned by another role
     return null;
@@ -1742,7 +1807,9 @@ begin
         select from lockstep.queue q
         where q.job = j.job and q.ready_at <= now()
           and not exists (select from lockstep.key_failure f
-                          where f.job = q.job and f.key = q.key and (f.parked or f.retry_at > now())));
+                          where f.job = q.job and f.key = q.key
+                            and case when f.parked then q.enqueued_at <= f.last_failed_at  -- see _claim
+                                     else f.retry_at > now() end));
 end;
 $$;
 
@@ -3353,6 +3420,7 @@ $$;
 CREATE FUNCTION lockstep._trigger_problem(job text, key_column text, rel oid, op text, new_table name, old_table name, OUT problem text, OUT key_type regtype) RETURNS record
     LANGUAGE plpgsql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
+    SET row_security TO 'on'
     AS $$
 declare
     v_queue boolean;
@@ -3473,6 +3541,40 @@ begin
         raise warning 'lockstep: no index on %(%): every worker pass and every cascade delete will scan %',
             target, parent_column, target
             using hint = pg_catalog.format('create index on %s (%I);', target, parent_column);
+    end if;
+end;
+$$;
+
+CREATE FUNCTION lockstep._warn_source(j lockstep.job, source regclass, key_column name, below integer) RETURNS void
+    LANGUAGE plpgsql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    v_up regclass := (select i.inhparent::regclass from pg_catalog.pg_inherits i where i.inhrelid = source limit 1);
+    v_refs text;
+begin
+    if exists (select from pg_catalog.pg_class c where c.oid = source and c.relkind = 'p') then
+        raise warning 'lockstep: watch(%, %) covers its % partition(s) of today; run it again after attaching or creating one',
+            j.job, source, below
+            using hint = 'A write made directly to a partition that is not watched reaches the job only at its next recompute.';
+    end if;
+    if v_up is not null then
+        raise warning 'lockstep: % is a partition or child of %: a write made through % fires the triggers of %, not of %',
+            source, v_up, v_up, v_up, source
+            using hint = pg_catalog.format('Watch %s instead (watch() covers every table below it).', v_up);
+    end if;
+    select pg_catalog.string_agg(distinct c.confrelid::regclass::text, ', ') into v_refs
+    from pg_catalog.pg_constraint c
+    join pg_catalog.pg_attribute a on a.attrelid = c.conrelid and a.attname = key_column
+    where c.conrelid = source and c.contype = 'f' and c.conkey = array[a.attnum]
+      and not exists (select from pg_catalog.pg_constraint p
+                      where p.conrelid = source and p.contype = 'f' and p.conkey = array[a.attnum]
+                        and p.confrelid = any(lockstep._family(j.parent)));
+    if v_refs is not null then
+        raise warning 'lockstep: %.% references %, not the parent % of job "%": its values are keys of that table',
+            source, key_column, v_refs, j.parent, j.job
+            using hint = 'For a table two levels below the parent, write a trigger that enqueues the parent''s keys '
+                         '(README, Writing your own triggers).';
     end if;
 end;
 $$;
@@ -3713,13 +3815,14 @@ declare
 begin
     perform lockstep._check_schedule(job, lock_group, every, backoff);
     v_key := lockstep._check_target(target, compute, parent);
-    -- a taken table first: LSD07, before the warnings of the checks below and before the dry run
-    perform lockstep._check_target_free(job, target);
+    perform lockstep._check_target_rls(target);
     v_cols := lockstep._check_compute(compute);
     select * into v_par from lockstep._check_parent(target, compute, v_cols, parent, parent_column);
     perform lockstep._check_columns(target, compute, v_key, v_cols);
     perform lockstep._check_target_fks(target, v_cols);
     perform lockstep._check_referencing(target, v_key, v_cols);
+    -- a taken table: LSD07 before the warnings from here on and before the dry run
+    perform lockstep._check_target_free(job, target);
     perform lockstep._check_parent_delete(target, parent);
     perform lockstep._callable(compute, 1);
     perform lockstep._warn_index(target, v_par.parent_column);
@@ -3835,6 +3938,7 @@ $$;
 CREATE FUNCTION lockstep.enqueue(job text, keys anyarray) RETURNS bigint
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
+    SET row_security TO 'on'
     AS $$
 declare
     j lockstep.job := lockstep._queue_job(job);
@@ -3885,7 +3989,11 @@ begin
            operator(pg_catalog.+) pg_catalog.octet_length(tg_argv[0]) operator(pg_catalog.>) lockstep._max_key_bytes() then
             v_keys := lockstep._queueable(tg_argv[0], v_keys);  -- a key too long for the queue flags the job
         end if;
-        if pg_catalog.cardinality(v_keys) operator(pg_catalog.=) 1 then  -- the common case: no function scan
+        if pg_catalog.cardinality(v_keys) operator(pg_catalog.>) 0
+           and pg_catalog.current_setting('row_security') operator(pg_catalog.=) 'off' then
+            perform lockstep._append(tg_argv[0], v_keys);  -- the queue's policies refuse a plain insert then
+            return null;
+        elsif pg_catalog.cardinality(v_keys) operator(pg_catalog.=) 1 then  -- the common case: no function scan
             insert into lockstep.queue (job, key) values (tg_argv[0], v_keys[1]);
             return null;
         elsif pg_catalog.cardinality(v_keys) operator(pg_catalog.>) 1 then
@@ -3938,8 +4046,7 @@ begin
         execute pg_catalog.format('select lockstep._canon(pg_catalog.array_agg(k)) from (%s) s', v_sql) into v_keys;
     end if;
     v_keys := lockstep._queueable(tg_argv[0], v_keys);  -- a key too long for the queue flags the job
-    insert into lockstep.queue (job, key) select tg_argv[0], u.k from pg_catalog.unnest(v_keys) with ordinality u(k, o)
-    order by u.o;
+    perform lockstep._append(tg_argv[0], v_keys);
     return null;
 end;
 $$;
@@ -4126,6 +4233,14 @@ begin
                              from pg_catalog.unnest(array['insert', 'update', 'delete', 'truncate']) o)) then
         perform lockstep._job(job);  -- LSJ01
     end if;
+    if not exists (select from pg_catalog.pg_trigger t
+                   where t.tgrelid = any(v_tables) and t.tgname in (select lockstep._trigger_name(unwatch.job, o)
+                         from pg_catalog.unnest(array['insert', 'update', 'delete', 'truncate']) o)) then
+        -- a warning, not an error: unwatch() stays safe to repeat in a deploy script (and a repeated one still
+        -- drops generated functions whose tables are gone)
+        raise warning 'lockstep: job "%" does not watch %: nothing to unwatch', job, source
+            using hint = 'The triggers named lockstep_<job>_* on a table show what a job watches.';
+    end if;
     perform lockstep._ddl(v_tables, lockstep._drop_watch_ddl(job, v_tables),
                           pg_catalog.format('unwatch(%L, %L)', job, source));
     perform lockstep._drop_unused_triggers();
@@ -4181,8 +4296,10 @@ begin
     -- a table this job did not watch until now: what it changed before (between an unwatch() and this
     -- watch(), say) reached no queue, so the job is flagged for its full recompute (found by a probe: four
     -- rows of 500 stayed wrong, status healthy, until the periodic recompute an hour later)
-    v_new := not exists (select from pg_catalog.pg_trigger tg
-                         where tg.tgrelid = source and tg.tgname = lockstep._trigger_name(j.job, 'insert'));
+    -- a partition attached since the last watch() counts: its rows were not watched (found by a probe)
+    v_new := exists (select from pg_catalog.unnest(v_tables) t(rel)
+                     where not exists (select from pg_catalog.pg_trigger tg
+                                       where tg.tgrelid = t.rel and tg.tgname = lockstep._trigger_name(j.job, 'insert')));
     -- the triggers of an earlier watch() go in the same attempts (lockstep._ddl), named in its errors as watch
     v_ddl := lockstep._drop_watch_ddl(j.job, v_tables);
     if v_fast then  -- a function that reads only the key column, where the session may create one
@@ -4212,11 +4329,7 @@ begin
                 pg_catalog.format('%s newly watched: its earlier changes wait for the full recompute', source));
     end if;
     perform lockstep._warn_writers(v_tables);
-    if exists (select from pg_catalog.pg_class c where c.oid = source and c.relkind = 'p') then
-        raise warning 'lockstep: watch(%, %) covers its % partition(s) of today; run it again after attaching or creating one',
-            j.job, source, cardinality(v_tables) - 1
-            using hint = 'A write made directly to a partition that is not watched reaches the job only at its next recompute.';
-    end if;
+    perform lockstep._warn_source(j, source, key_column, cardinality(v_tables) - 1);
     perform lockstep._drop_unused_triggers();  -- a function the replaced triggers used, if no longer any
 end;
 $$;
@@ -4260,7 +4373,10 @@ CREATE VIEW lockstep.failing_keys WITH (security_invoker='true') AS
     f.last_error,
     f.first_failed_at,
     f.last_failed_at,
-    f.retry_at,
+        CASE
+            WHEN (NOT f.parked) THEN f.retry_at
+            ELSE NULL::timestamp with time zone
+        END AS retry_at,
     f.parked
    FROM lockstep.key_failure f;
 

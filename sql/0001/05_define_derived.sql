@@ -61,7 +61,29 @@ begin
 end;
 $$;
 
--- lockstep._check_target_free(job, target): no other job writes target, a table below it (a partition, an
+-- lockstep._check_target_rls(target): row-level security does not apply to the defining role (the job's
+-- owner, as which every run reads and writes the target) on target. Where it does, lockstep sees only the
+-- rows its policies show and may write only the rows they admit: a policy hiding some computed rows failed
+-- every run of the job as a whole with 42501, nothing written (found by a probe). Checked again at each
+-- run only by the failures it causes.
+-- locks: nothing.
+create function lockstep._check_target_rls(target regclass) returns void
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if pg_catalog.row_security_active(target) then
+        raise exception 'lockstep: row-level security applies to % for role %: lockstep must read and write all its rows',
+            target, current_user
+            using errcode = '42501',
+                  hint = pg_catalog.format('Define the job as the table''s owner (without FORCE ROW LEVEL SECURITY) or '
+                                           'as a role with BYPASSRLS, or alter table %s no force row level security.',
+                                           target);
+    end if;
+end;
+$$;
+
+-- lockstep._check_target_free(job, target): no other job writes target-- lockstep._check_target_free(job, target): no other job writes target, a table below it (a partition, an
 -- inheriting table) or one above it. Two jobs on one table rewrite each other's rows at every run (each
 -- one's recompute deletes or reverts what the other computed); a job on a partitioned table and one on
 -- its partition write the same rows. Definitions are serialized (a transaction-level advisory lock, held
@@ -549,13 +571,14 @@ declare
 begin
     perform lockstep._check_schedule(job, lock_group, every, backoff);
     v_key := lockstep._check_target(target, compute, parent);
-    -- a taken table first: LSD07, before the warnings of the checks below and before the dry run
-    perform lockstep._check_target_free(job, target);
+    perform lockstep._check_target_rls(target);
     v_cols := lockstep._check_compute(compute);
     select * into v_par from lockstep._check_parent(target, compute, v_cols, parent, parent_column);
     perform lockstep._check_columns(target, compute, v_key, v_cols);
     perform lockstep._check_target_fks(target, v_cols);
     perform lockstep._check_referencing(target, v_key, v_cols);
+    -- a taken table: LSD07 before the warnings from here on and before the dry run
+    perform lockstep._check_target_free(job, target);
     perform lockstep._check_parent_delete(target, parent);
     perform lockstep._callable(compute, 1);
     perform lockstep._warn_index(target, v_par.parent_column);

@@ -213,6 +213,7 @@ $$;
 create function lockstep.enqueue(job text, keys anyarray) returns bigint
 language plpgsql
 set search_path = pg_catalog, pg_temp
+set row_security = on  -- under off, the policies of lockstep.job and lockstep.queue refuse it (see _append)
 as $$
 declare
     j lockstep.job := lockstep._queue_job(job);
@@ -221,12 +222,30 @@ begin
 end;
 $$;
 
+-- lockstep._append(job, keys): append keys (canonical text, in array order) to the queue for job, with
+-- row_security = on. The triggers' path when the session has row_security = off: PostgreSQL then refuses
+-- (42501), rather than filters, any statement on a table with row-level security (lockstep.queue) from a
+-- role the policies apply to, an application role among them; with the setting on, the queue's insert
+-- policy admits every row (an application session with row_security = off got 42501 on every write of a
+-- watched table; found by a probe). A SET clause costs each call ~1 us, so the triggers' fast path does its
+-- own insert and comes here only then.
+-- locks: none beyond the insert into lockstep.queue.
+create function lockstep._append(job text, keys text[]) returns void
+language sql
+set search_path = pg_catalog, pg_temp
+set row_security = on
+as $$
+    insert into lockstep.queue (job, key)
+    select _append.job, u.k from pg_catalog.unnest(keys) with ordinality u(k, o) order by u.o;
+$$;
+
 -- lockstep._flag(job, problem): the trigger could not enqueue: mark job for its full recompute (one INSERT,
 -- never an UPDATE: application roles may only insert), and say so with a WARNING.
 -- locks: none beyond the insert into lockstep.recompute_flag.
 create function lockstep._flag(job text, problem text) returns void
 language plpgsql
 set search_path = pg_catalog, pg_temp
+set row_security = on  -- under off, the policies of lockstep.recompute_flag refuse the insert (see _append)
 as $$
 begin
     insert into lockstep.recompute_flag (job, flagged_at, problem)
@@ -266,6 +285,7 @@ create function lockstep._trigger_problem(job text, key_column text, rel oid, op
                                           old_table name, out problem text, out key_type regtype)
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
+set row_security = on  -- it reads lockstep.job (see _append)
 as $$
 declare
     v_queue boolean;
@@ -360,7 +380,11 @@ begin
            operator(pg_catalog.+) pg_catalog.octet_length(tg_argv[0]) operator(pg_catalog.>) lockstep._max_key_bytes() then
             v_keys := lockstep._queueable(tg_argv[0], v_keys);  -- a key too long for the queue flags the job
         end if;
-        if pg_catalog.cardinality(v_keys) operator(pg_catalog.=) 1 then  -- the common case: no function scan
+        if pg_catalog.cardinality(v_keys) operator(pg_catalog.>) 0
+           and pg_catalog.current_setting('row_security') operator(pg_catalog.=) 'off' then
+            perform lockstep._append(tg_argv[0], v_keys);  -- the queue's policies refuse a plain insert then
+            return null;
+        elsif pg_catalog.cardinality(v_keys) operator(pg_catalog.=) 1 then  -- the common case: no function scan
             insert into lockstep.queue (job, key) values (tg_argv[0], v_keys[1]);
             return null;
         elsif pg_catalog.cardinality(v_keys) operator(pg_catalog.>) 1 then
@@ -413,8 +437,7 @@ begin
         execute pg_catalog.format('select lockstep._canon(pg_catalog.array_agg(k)) from (%s) s', v_sql) into v_keys;
     end if;
     v_keys := lockstep._queueable(tg_argv[0], v_keys);  -- a key too long for the queue flags the job
-    insert into lockstep.queue (job, key) select tg_argv[0], u.k from pg_catalog.unnest(v_keys) with ordinality u(k, o)
-    order by u.o;
+    perform lockstep._append(tg_argv[0], v_keys);
     return null;
 end;
 $$;
@@ -437,22 +460,31 @@ $$;
 -- statically, so its fast path reads the key through to_jsonb of the whole row, which detoasts and converts
 -- every column: a watched row with a 200 KB text column cost ~500 us per single-row UPDATE against ~5 us
 -- unwatched.
--- Fast path: where the key column is still the one watch() found (pg_identify_object of its attribute
--- number in that table, written in for each table of the family, is the table's identity and the column's
--- name: not dropped, not renamed), the static statements cannot fail to plan, so they run with no
--- subtransaction: for a key type whose text is never too long for the queue, one INSERT ... SELECT from
--- the transition tables, else one read and one INSERT. Measured under pgbench (single-row UPDATEs, one
+-- Fast path: where the key column is still the one watch() found (at the attribute number watch() found in
+-- that table, written in for each table of the family, the same name and the same type: one index probe of
+-- pg_attribute) and row-level security is not off, the static statements cannot fail to plan, so they run
+-- with no subtransaction: for a key type whose text is never too long for the queue, one INSERT ... SELECT
+-- from the transition tables, else one read and one INSERT. Measured under pgbench (single-row UPDATEs, one
 -- client, synchronous_commit off): the earlier body (the read in a subtransaction, then an INSERT: two
 -- statements and their expressions set up again in every transaction) added ~35 us per statement, one
--- INSERT ... SELECT ~16 us.
--- Otherwise (the column renamed, or dropped and added again; a table of the family not known here) the
--- read runs in a block that only reads (its subtransaction gets no transaction id), and where it fails
--- the job is flagged (lockstep._flag); the trigger never raises. Like lockstep.enqueue_trigger() it has no
--- SET search_path and qualifies every name and operator (ORDER BY, DISTINCT and UNION take the type's
--- default operator class, not the search path). Returns NULL (watch() then uses
--- lockstep.enqueue_trigger()) where the session may not create functions in schema lockstep (job owners
--- of docs/security.md's recipe may not) or a function of that name belongs to another role. Generated
--- functions go with their last trigger (lockstep._drop_unused_triggers) and with the schema.
+-- INSERT ... SELECT ~16 us. The type is part of the check: after an ALTER COLUMN ... TYPE that kept the name,
+-- the fast path failed the application's statement (json: no equality for its UNION; text under an integer
+-- key: a 3 KB value too long for the queue's index; found by a probe); such a table now takes the slow path,
+-- which flags the job until watch() runs again. The probe costs ~1 us more than the two pg_identify_object
+-- calls it replaces (which checked the name only; the fastest of 10 chunks of 1,000 single-row UPDATEs).
+-- Otherwise (the column renamed, dropped and added again, of another type; a table of the family not known
+-- here; row_security = off) the column is looked up by name and its type checked, the read runs in a block
+-- that only reads (its subtransaction gets no transaction id), and where either fails the job is flagged
+-- (lockstep._flag); the trigger never raises. Under row_security = off PostgreSQL refuses, rather than
+-- filters, any statement of a role that row-level security applies to on a table that has it
+-- (lockstep.queue, lockstep.recompute_flag): the keys then go through lockstep._append, which sets
+-- row_security = on for its insert (an application session with row_security = off got 42501 on every
+-- write of a watched table; found by a probe). Like lockstep.enqueue_trigger() it has no SET clause and
+-- qualifies every name and operator (ORDER BY, DISTINCT and UNION take the type's default operator class,
+-- not the search path). Returns NULL (watch() then uses lockstep.enqueue_trigger()) where the session may
+-- not create functions in schema lockstep (job owners of docs/security.md's recipe may not) or a function of
+-- that name belongs to another role. Generated functions go with their last trigger
+-- (lockstep._drop_unused_triggers) and with the schema.
 -- locks: nothing (creates or replaces the function).
 create function lockstep._gen_trigger(j lockstep.job, source regclass, key_column name) returns text
 language plpgsql
@@ -476,6 +508,8 @@ declare
                   || E'%2$selsif tg_op operator(pg_catalog.=) ''INSERT'' then\n%2$s    %3$s\n'
                   || E'%2$selse\n%2$s    %4$s\n%2$send if;';
     v_attnum text;
+    v_type oid := (select a.atttypid from pg_catalog.pg_attribute a
+                   where a.attrelid = source and a.attname = key_column and a.attnum > 0 and not a.attisdropped);
 begin
     if not pg_catalog.has_schema_privilege('lockstep', 'CREATE') then
         return null;
@@ -492,23 +526,40 @@ begin
 create or replace function lockstep.%1$I() returns trigger
 language plpgsql
 as $body$
--- generated by lockstep.watch() (lockstep._gen_trigger): reads only the key column %2$I
+-- generated by lockstep.watch() (lockstep._gen_trigger): reads only the key column %2$I (type %9$s)
 declare
     v_keys pg_catalog.text[];
     v_problem pg_catalog.text;
+    v_type pg_catalog.oid := (select a.atttypid from pg_catalog.pg_attribute a
+                              where a.attrelid operator(pg_catalog.=) tg_relid
+                                and a.attnum operator(pg_catalog.=) (%3$s)::pg_catalog.int2
+                                and a.attname operator(pg_catalog.=) %4$L::pg_catalog.name);
 begin
-    -- the column is still %2$I at the attribute number watch() found in this table: no subtransaction
-    if (pg_catalog.pg_identify_object('pg_catalog.pg_class'::pg_catalog.regclass, tg_relid, %3$s)).identity
-       operator(pg_catalog.=) pg_catalog.concat((pg_catalog.pg_identify_object(
-           'pg_catalog.pg_class'::pg_catalog.regclass, tg_relid, 0)).identity, %4$L) then
+    -- the column is still %2$I, of type %9$s, at the attribute number watch() found in this table, and
+    -- row_security is not off: no subtransaction
+    if v_type operator(pg_catalog.=) %10$s::pg_catalog.oid
+       and pg_catalog.current_setting('row_security') operator(pg_catalog.<>) 'off' then
         %5$s
 %6$s
     else
-        begin  -- reads only: the subtransaction gets no transaction id
-            %7$s
-        exception when others then
-            get stacked diagnostics v_problem = message_text;
-        end;
+        if v_type is null then  -- not at that attribute number (renamed, dropped, a table not known here)
+            v_type := (select a.atttypid from pg_catalog.pg_attribute a
+                       where a.attrelid operator(pg_catalog.=) tg_relid
+                         and a.attname operator(pg_catalog.=) %4$L::pg_catalog.name
+                         and a.attnum operator(pg_catalog.>) 0 and not a.attisdropped);
+        end if;
+        if v_type is null or v_type operator(pg_catalog.<>) %10$s::pg_catalog.oid then
+            v_problem := pg_catalog.concat('column ', %11$L, ' of ', tg_relid::pg_catalog.regclass,
+                                           coalesce(' is of type ' operator(pg_catalog.||) v_type::pg_catalog.regtype,
+                                                    ' is gone'),
+                                           %12$L);
+        else
+            begin  -- reads only: the subtransaction gets no transaction id
+                %7$s
+            exception when others then
+                get stacked diagnostics v_problem = message_text;
+            end;
+        end if;
     end if;
     if v_problem is not null then
         begin  -- the same words as lockstep.enqueue_trigger's general path where it can tell
@@ -523,7 +574,9 @@ begin
         return null;
     end if;
 %8$s
-    if pg_catalog.cardinality(v_keys) operator(pg_catalog.=) 1 then
+    if pg_catalog.current_setting('row_security') operator(pg_catalog.=) 'off' then
+        perform lockstep._append(tg_argv[0], v_keys);  -- the queue's policies refuse a plain insert then
+    elsif pg_catalog.cardinality(v_keys) operator(pg_catalog.=) 1 then
         insert into lockstep.queue (job, key) values (tg_argv[0], v_keys[1]);
     elsif pg_catalog.cardinality(v_keys) operator(pg_catalog.>) 1 then
         insert into lockstep.queue (job, key) select tg_argv[0], u.k from pg_catalog.unnest(v_keys) u(k);
@@ -531,17 +584,20 @@ begin
     return null;
 end;
 $body$
-$gen$, v_name, key_column, coalesce(v_attnum, 'null::pg_catalog.int4'), '.' || pg_catalog.quote_ident(key_column),
+$gen$, v_name, key_column, coalesce(v_attnum, 'null::pg_catalog.int4'), key_column,
         pg_catalog.format(v_ops, pg_catalog.format(v_fast, v_upd), '        ', pg_catalog.format(v_fast, v_ins),
                           pg_catalog.format(v_fast, v_del)),
         case when v_long then '' else '        return null;  -- queued' end,
-        pg_catalog.format(v_ops, pg_catalog.format(v_read, v_upd), '            ', pg_catalog.format(v_read, v_ins),
+        pg_catalog.format(v_ops, pg_catalog.format(v_read, v_upd), '                ', pg_catalog.format(v_read, v_ins),
                           pg_catalog.format(v_read, v_del)),
         case when v_long then
 pg_catalog.format('    if pg_catalog.octet_length(pg_catalog.array_to_string(v_keys, ''''))
        operator(pg_catalog.+) pg_catalog.octet_length(tg_argv[0]) operator(pg_catalog.>) %s then
         v_keys := lockstep._queueable(tg_argv[0], v_keys);  -- a key too long for the queue flags the job
-    end if;', lockstep._max_key_bytes()) else '' end);
+    end if;', lockstep._max_key_bytes()) else '' end,
+        pg_catalog.format_type(v_type, null), coalesce(v_type, 0), pg_catalog.quote_ident(key_column),
+        pg_catalog.format(', not of type %s as when watch() ran: run lockstep.watch() again',
+                          pg_catalog.format_type(v_type, null)));
     return pg_catalog.format('lockstep.%I', v_name);
 exception when insufficient_privilege then  -- a function of that name owned by another role
     return null;
@@ -638,6 +694,8 @@ as $$
 declare
     w record;
     v_type regtype;
+    v_old regtype := (select x.key_type from lockstep.job x where x.job = _check_watchers.job);
+    v_why text;
 begin
     for w in select * from lockstep._watchers(job) loop
         if parent is null then
@@ -647,10 +705,17 @@ begin
         end if;
         select a.atttypid into v_type from pg_catalog.pg_attribute a
         where a.attrelid = w.rel and a.attname = w.key_column and a.attnum > 0 and not a.attisdropped;
-        if v_type is null or not lockstep._castable(v_type, _check_watchers.key_type)
-           or exists (select from lockstep.job x where x.job = _check_watchers.job and x.key_type <> _check_watchers.key_type) then
-            raise exception 'lockstep: job "%" is fed by trigger % on % (column %, %), which does not fit the new parent key type %',
-                job, w.tgname, w.rel, w.key_column, coalesce(v_type::text, 'missing'), key_type
+        -- the reason in words that say which (one message for all three contradicted itself: "(column
+        -- warehouse_id, bigint) ... does not fit the new parent key type bigint"; found by a probe)
+        v_why := case when v_type is null then pg_catalog.format('its column %I is gone (renamed or dropped)', w.key_column)
+                      when not lockstep._castable(v_type, _check_watchers.key_type) then
+                          pg_catalog.format('its column %I is %s, which does not always convert to the new parent key type %s',
+                                            w.key_column, v_type, key_type)
+                      when v_old <> _check_watchers.key_type then
+                          pg_catalog.format('its trigger was made for the parent key type %s, not the new %s', v_old, key_type)
+                 end;
+        if v_why is not null then
+            raise exception 'lockstep: job "%" is fed by trigger % on %: %', job, w.tgname, w.rel, v_why
                 using errcode = 'LSQ01',
                       hint = pg_catalog.format('First select lockstep.unwatch(%L, %L), then watch() again after redefining.', job, w.rel);
         end if;
@@ -793,6 +858,48 @@ begin
 end;
 $$;
 
+-- lockstep._warn_source(j, source, key_column, below): watch()'s warnings about what its triggers will not
+-- see. A partitioned source: partitions attached or created later (below: how many it covers today). A
+-- partition or inheriting table: a write through its parent fires the parent's statement triggers, not
+-- its own (watching one partition missed every insert made through the partitioned table; found by a
+-- probe). A key column whose foreign keys all reference another table than the job's parent: it holds
+-- that table's keys (a comments.post_id watched for a job whose parent is authors queued post ids as
+-- author ids; found by a probe).
+-- locks: nothing.
+create function lockstep._warn_source(j lockstep.job, source regclass, key_column name, below integer) returns void
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_up regclass := (select i.inhparent::regclass from pg_catalog.pg_inherits i where i.inhrelid = source limit 1);
+    v_refs text;
+begin
+    if exists (select from pg_catalog.pg_class c where c.oid = source and c.relkind = 'p') then
+        raise warning 'lockstep: watch(%, %) covers its % partition(s) of today; run it again after attaching or creating one',
+            j.job, source, below
+            using hint = 'A write made directly to a partition that is not watched reaches the job only at its next recompute.';
+    end if;
+    if v_up is not null then
+        raise warning 'lockstep: % is a partition or child of %: a write made through % fires the triggers of %, not of %',
+            source, v_up, v_up, v_up, source
+            using hint = pg_catalog.format('Watch %s instead (watch() covers every table below it).', v_up);
+    end if;
+    select pg_catalog.string_agg(distinct c.confrelid::regclass::text, ', ') into v_refs
+    from pg_catalog.pg_constraint c
+    join pg_catalog.pg_attribute a on a.attrelid = c.conrelid and a.attname = key_column
+    where c.conrelid = source and c.contype = 'f' and c.conkey = array[a.attnum]
+      and not exists (select from pg_catalog.pg_constraint p
+                      where p.conrelid = source and p.contype = 'f' and p.conkey = array[a.attnum]
+                        and p.confrelid = any(lockstep._family(j.parent)));
+    if v_refs is not null then
+        raise warning 'lockstep: %.% references %, not the parent % of job "%": its values are keys of that table',
+            source, key_column, v_refs, j.parent, j.job
+            using hint = 'For a table two levels below the parent, write a trigger that enqueues the parent''s keys '
+                         '(README, Writing your own triggers).';
+    end if;
+end;
+$$;
+
 -- lockstep.watch(job, source, key_column): create the three statement triggers (insert, update, delete)
 -- that enqueue source.key_column for job, and one on truncate that flags job for its full recompute, on
 -- source and on every partition (or inheriting table) below it (lockstep._family: a write made directly to
@@ -856,8 +963,10 @@ begin
     -- a table this job did not watch until now: what it changed before (between an unwatch() and this
     -- watch(), say) reached no queue, so the job is flagged for its full recompute (found by a probe: four
     -- rows of 500 stayed wrong, status healthy, until the periodic recompute an hour later)
-    v_new := not exists (select from pg_catalog.pg_trigger tg
-                         where tg.tgrelid = source and tg.tgname = lockstep._trigger_name(j.job, 'insert'));
+    -- a partition attached since the last watch() counts: its rows were not watched (found by a probe)
+    v_new := exists (select from pg_catalog.unnest(v_tables) t(rel)
+                     where not exists (select from pg_catalog.pg_trigger tg
+                                       where tg.tgrelid = t.rel and tg.tgname = lockstep._trigger_name(j.job, 'insert')));
     -- the triggers of an earlier watch() go in the same attempts (lockstep._ddl), named in its errors as watch
     v_ddl := lockstep._drop_watch_ddl(j.job, v_tables);
     if v_fast then  -- a function that reads only the key column, where the session may create one
@@ -887,17 +996,14 @@ begin
                 pg_catalog.format('%s newly watched: its earlier changes wait for the full recompute', source));
     end if;
     perform lockstep._warn_writers(v_tables);
-    if exists (select from pg_catalog.pg_class c where c.oid = source and c.relkind = 'p') then
-        raise warning 'lockstep: watch(%, %) covers its % partition(s) of today; run it again after attaching or creating one',
-            j.job, source, cardinality(v_tables) - 1
-            using hint = 'A write made directly to a partition that is not watched reaches the job only at its next recompute.';
-    end if;
+    perform lockstep._warn_source(j, source, key_column, cardinality(v_tables) - 1);
     perform lockstep._drop_unused_triggers();  -- a function the replaced triggers used, if no longer any
 end;
 $$;
 
 -- lockstep.unwatch(job, source): drop the triggers lockstep.watch() created on source and the tables below
--- it (LSJ01 for an unknown job that has none there).
+-- it (LSJ01 for an unknown job that has none there; a WARNING where the job has none there: it was silent,
+-- and a mistyped table looked unwatched; found by a probe).
 -- locks: source and the tables below it (DROP TRIGGER) through lockstep._ddl, as lockstep.watch.
 create function lockstep.unwatch(job text, source regclass) returns void
 language plpgsql
@@ -916,6 +1022,14 @@ begin
                        where t.tgrelid = source and t.tgname in (select lockstep._trigger_name(unwatch.job, o)
                              from pg_catalog.unnest(array['insert', 'update', 'delete', 'truncate']) o)) then
         perform lockstep._job(job);  -- LSJ01
+    end if;
+    if not exists (select from pg_catalog.pg_trigger t
+                   where t.tgrelid = any(v_tables) and t.tgname in (select lockstep._trigger_name(unwatch.job, o)
+                         from pg_catalog.unnest(array['insert', 'update', 'delete', 'truncate']) o)) then
+        -- a warning, not an error: unwatch() stays safe to repeat in a deploy script (and a repeated one still
+        -- drops generated functions whose tables are gone)
+        raise warning 'lockstep: job "%" does not watch %: nothing to unwatch', job, source
+            using hint = 'The triggers named lockstep_<job>_* on a table show what a job watches.';
     end if;
     perform lockstep._ddl(v_tables, lockstep._drop_watch_ddl(job, v_tables),
                           pg_catalog.format('unwatch(%L, %L)', job, source));

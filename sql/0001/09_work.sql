@@ -128,7 +128,9 @@ begin
         select from lockstep.queue q
         where q.job = j.job and q.ready_at <= now()
           and not exists (select from lockstep.key_failure f
-                          where f.job = q.job and f.key = q.key and (f.parked or f.retry_at > now())));
+                          where f.job = q.job and f.key = q.key
+                            and case when f.parked then q.enqueued_at <= f.last_failed_at  -- see _claim
+                                     else f.retry_at > now() end));
 end;
 $$;
 
@@ -212,7 +214,12 @@ $$;
 --   probe: the first half (by key) of the ready suspects, the keys of a part a statement timeout ended
 --          (key_failure rows with attempts = 0): bisection across passes, each probe with a whole
 --          statement's time;
---   retry: ready failing keys (attempts >= 1), each tried alone (a slow key then fails alone);
+--   retry: ready failing keys (attempts >= 1), each tried alone (a slow key then fails alone), and parked
+--          keys queued again since they were parked: an application changed the parent again, and its
+--          change may be the fix. Tried alone once; failing again, the key is parked again (its
+--          last_failed_at then covers that entry). Before, a parked key's new changes were held until a
+--          retry() or the next periodic recompute, the fix of its data included (found by a probe);
+
 --   batch: the keys of the oldest ready entries, up to batch distinct keys that have no key_failure row;
 --          full: batch entries were taken (more may be ready).
 -- Generic plans (index scans of the queue and key_failure by job; with custom plans, PostgreSQL's choice
@@ -225,8 +232,13 @@ set search_path = pg_catalog, pg_temp
 set plan_cache_mode = force_generic_plan
 as $$
 begin
-    -- the common case, no failing key due (one index probe of key_failure): straight to the batch
-    if not exists (select from lockstep.key_failure f where f.job = j.job and not f.parked and f.retry_at <= now()) then
+    -- the common case, no failing key due and no parked key queued again (index probes of key_failure):
+    -- straight to the batch
+    if not exists (select from lockstep.key_failure f where f.job = j.job and not f.parked and f.retry_at <= now())
+       and not exists (select from lockstep.key_failure f
+                       where f.job = j.job and f.parked
+                         and exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true
+                                     and q.enqueued_at > f.last_failed_at)) then
         select array_agg(distinct c.key), count(*) >= batch into keys, full
         from (select q.key from lockstep.queue q
               where q.job = j.job and q.ready_at <= now()
@@ -247,8 +259,9 @@ begin
     end if;
     select array_agg(f.key order by f.key) into keys
     from (select f.key from lockstep.key_failure f
-          where f.job = j.job and f.attempts > 0 and not f.parked and f.retry_at <= now()
-            and exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true)
+          where f.job = j.job and f.attempts > 0 and (f.parked or f.retry_at <= now())
+            and exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true
+                        and (not f.parked or q.enqueued_at > f.last_failed_at))
           order by f.retry_at, f.key limit batch) f;
     if keys is not null then
         kind := 'retry';

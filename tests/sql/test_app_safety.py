@@ -204,6 +204,78 @@ def test_item4_a_renamed_key_column_falls_back_on_the_recompute(app, dsn):
     assert divergence(app, "band") == 0
 
 
+WIDE_KEY = (
+    "(select string_agg(md5(random()::text), '') from generate_series(1, 100))"  # ~3 KB, incompressible
+)
+
+
+@pytest.mark.parametrize(
+    ("new_type", "value"),
+    [("text", WIDE_KEY), ("json", "'5'"), ("integer", "5")],
+    ids=["text", "json", "integer"],
+)
+def test_a_watched_column_of_another_type_flags_the_job_instead_of_failing(app, new_type, value):
+    """After `alter column ... type` of a watched column that kept its name, watch()'s generated trigger
+    took its fast path and failed the application's statement: text under a bigint key with a 3 KB value
+    (54000, the queue's index), json (42883, no equality for its UNION) (found by a probe). The fast path now
+    checks the column's type too: the job is flagged (nothing is lost: its recompute), the problem names the
+    fix, and watch() again, where the type converts, makes the trigger fast and exact again."""
+    app.execute("alter table app.txn drop constraint txn_aid_fkey")
+    app.execute(f"alter table app.txn alter column aid type {new_type} using aid::text::{new_type}")
+    app.execute(f"insert into app.txn (aid, amount) values ({value}, -50)")  # does not fail
+    flagged, problem = flag(app, "band")
+    assert flagged and "app.txn" in problem and new_type in problem, problem
+    assert queue(app, "band") == []
+    app.execute("select lockstep.recompute('band')")
+    if new_type == "integer":  # converts to the key type: watch() again makes the trigger fast and exact
+        assert "not of type bigint as when watch() ran: run lockstep.watch() again" in problem
+        app.execute("select lockstep.watch('band', 'app.txn', 'aid')")
+        app.execute("select lockstep.recompute('band')")
+        app.execute("insert into app.txn (aid, amount) values (7, 1)")
+        assert queue(app, "band") == ["7"] and flag(app, "band") == (False, None)
+
+
+def test_a_session_with_row_security_off_still_enqueues(app, connect, dsn):
+    """An application role's session with `row_security = off` (pg_dump's scripts set it) got 42501 "query
+    would be affected by row-level security policy" on every write of a watched table, its TRUNCATE and its
+    enqueue() (found by a probe): PostgreSQL refuses such a statement on a table with row-level security
+    (lockstep.queue, lockstep.recompute_flag, lockstep.job) rather than filter it. lockstep's inserts there
+    run with row_security = on; the application's own statements keep its setting."""
+    role = f"app_rls_{secrets.token_hex(4)}"
+    app.execute(f"create role {role} login")
+    try:
+        app.execute(f"grant usage on schema app, lockstep to {role}")
+        app.execute(f"grant select, insert, update, delete, truncate on all tables in schema app to {role}")
+        app.execute(f"grant insert on lockstep.queue, lockstep.recompute_flag to {role}")
+        app.execute(f"grant select on lockstep.job to {role}")
+        with connect(make_conninfo(dsn, user=role)) as c:
+            c.execute("set row_security = off")
+            c.execute("update app.acc set bal = bal + 1 where aid = 3")  # generated trigger, fast path
+            c.execute("insert into app.txn (aid, amount) values (4, 1), (5, 2)")
+            c.execute("select lockstep.enqueue('band', array[6])")
+            c.execute("update app.day set v = v + 1 where d = date '2024-01-02'")
+            assert c.execute("show row_security").fetchone()[0] == "off"  # the session's own setting kept
+        assert sorted(queue(app, "band")) == ["3", "4", "5", "6"] and queue(app, "days") == ["2024-01-02"]
+        with connect(make_conninfo(dsn, user=role)) as c:
+            c.execute("set row_security = off")
+            c.execute("truncate app.day_sum, app.day cascade")  # the TRUNCATE trigger flags the job
+        assert flag(app, "days")[0]
+        # the shared trigger function (watch() by a role that may not create functions in lockstep)
+        app.execute("create table app.note (aid bigint not null, body text)")
+        app.execute(
+            "create trigger note_ins after insert on app.note referencing new table as lockstep_new"
+            " for each statement execute function lockstep.enqueue_trigger('band', 'aid', 'bigint')"
+        )
+        app.execute(f"grant insert on app.note to {role}")
+        with connect(make_conninfo(dsn, user=role)) as c:
+            c.execute("set row_security = off")
+            c.execute("insert into app.note values (8, 'x')")
+        assert sorted(queue(app, "band")) == ["3", "4", "5", "6", "8"]
+    finally:
+        app.execute(f"drop owned by {role}")
+        app.execute(f"drop role {role}")
+
+
 # -- item 5: SERIALIZABLE transactions on different parents ------------------------------------------------
 
 

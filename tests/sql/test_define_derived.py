@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import threading
 
 import psycopg
@@ -160,6 +161,65 @@ def test_a_taken_target_is_refused_before_any_warning_about_it(db):
     db.execute("select lockstep.drop_job('first')")
     db.execute("select lockstep.define_derived('second', 'd', 'good(bigint[])', 'p')")
     assert any("ON UPDATE NO ACTION" in n for n in notices)  # the same definition on a free table warns
+
+
+def test_a_target_whose_row_level_security_applies_to_the_definer_is_refused(db):
+    """A target whose row-level security hid some computed rows from the job's role was accepted, and every
+    run of the job then failed as a whole with 42501, nothing written (found by a probe). lockstep must see
+    and write all the target's rows: refused at define time, changing nothing."""
+    role = f"rls_definer_{secrets.token_hex(4)}"
+    db.execute(f"create role {role} nologin")
+    try:
+        db.execute(
+            f"grant usage on schema public, lockstep to {role};"
+            f"grant select, insert, update, delete on d, p to {role};"
+            f"grant select on lockstep.job to {role};"
+            "alter table d enable row level security;"
+            "create policy d_some on d using (k <> 'hidden')"
+        )
+        before = snapshot(db, "d")
+        db.execute(f"begin; set local role {role}")
+        with raises_sqlstate("42501", "row-level security applies to public.d for role"):
+            db.execute("select lockstep.define_derived('j', 'd', 'good(bigint[])', 'p')")
+        db.execute("rollback")
+        assert snapshot(db, "d") == before
+        db.execute(
+            "select lockstep.define_derived('j', 'd', 'good(bigint[])', 'p')"
+        )  # the owner: not applied
+    finally:
+        db.execute(f"drop owned by {role}")
+        db.execute(f"drop role {role}")
+
+
+def test_a_redefinition_its_watchers_do_not_fit_says_why(db):
+    """define_derived over a watched job whose watchers no longer fit said "(column warehouse_id, bigint)
+    ... does not fit the new parent key type bigint" for a key type changed from integer to bigint, and
+    "(column sku, missing) ... does not fit the new parent key type text" for a renamed column (found by a
+    probe): each reason is now said as it is."""
+    db.execute(
+        """
+        create table ip (id int primary key);
+        create table iw (ip_id int not null, v int);
+        create table idd (ip_id int primary key references ip on delete cascade on update cascade, v int);
+        create function icomp(ids int[]) returns table (ip_id int, v int) language sql
+            as $$ select ip_id, sum(v)::int from public.iw where ids is null or ip_id = any(ids) group by 1 $$;
+        select lockstep.define_derived('ij', 'idd', 'icomp(int[])', 'ip');
+        select lockstep.watch('ij', 'iw', 'ip_id');
+        alter table ip alter column id type bigint;
+        alter table idd alter column ip_id type bigint;
+        alter table iw alter column ip_id type bigint;
+        create function icomp(ids bigint[]) returns table (ip_id bigint, v int) language sql
+            as $$ select ip_id, sum(v)::int from public.iw where ids is null or ip_id = any(ids) group by 1 $$;
+        """
+    )
+    with raises_sqlstate("LSQ01", "made for the parent key type integer, not the new bigint"):
+        db.execute("select lockstep.define_derived('ij', 'idd', 'icomp(bigint[])', 'ip')")
+    db.execute("create table w2 (p_id bigint)")
+    db.execute("select lockstep.define_derived('j', 'd', 'good(bigint[])', 'p')")
+    db.execute("select lockstep.watch('j', 'w2', 'p_id')")
+    db.execute("alter table w2 rename column p_id to p_ref")
+    with raises_sqlstate("LSQ01", "its column p_id is gone \\(renamed or dropped\\)"):
+        db.execute("select lockstep.define_derived('j', 'd', 'good(bigint[])', 'p', every => '1 hour')")
 
 
 def test_moving_a_job_onto_another_jobs_target_is_refused_as_taken(db):

@@ -188,6 +188,46 @@ def test_poison_key_is_isolated_retried_parked_and_retried_on_demand(ex):
     assert divergence(ex) == (0, 0)
 
 
+def test_a_parked_key_queued_again_is_tried_again_once(ex):
+    """A parked key's later changes were held until retry() or the next periodic recompute, the change that
+    fixed its data included (found by a probe). A parked key queued again since it was parked is tried once
+    more, alone: the fix of its data is written; a change that does not fix it parks it again, and the
+    queue does not loop on it."""
+    ex.execute(
+        """
+        create function example.picky(ids bigint[]) returns table (exam_id bigint, key text, weight integer)
+        language plpgsql as $$ begin
+            if exists (select from example.exam e where e.id = any(ids) and e.title like '%poison%') then
+                raise exception 'cannot compute a poisoned exam'; end if;
+            return query select * from example.exam_key_compute(ids); end $$;
+        """
+    )
+    ex.execute(
+        f"select lockstep.define_derived('{JOB}', 'example.exam_key', 'example.picky(bigint[])',"
+        " 'example.exam')"
+    )
+    ex.execute(f"select lockstep.set_max_attempts('{JOB}', 1)")
+    not_due(ex, JOB)
+    ex.execute("update example.exam set title = title || ' poison' where id = 13")
+    ex.execute("update example.exam set body = body || ' fine' where id = 14")
+    result(ex, f"lockstep.work('{JOB}')")
+    assert ex.execute("select key from lockstep.parked_keys").fetchall() == [("13",)]
+    assert ex.execute("select retry_at from lockstep.failing_keys").fetchall() == [(None,)]  # parked: none
+    assert result(ex, f"lockstep.work('{JOB}')")["outcome"] == "idle"
+    # changed again, still poisoned: tried once, parked again, then idle (no loop)
+    ex.execute("update example.exam set body = body || ' again' where id = 13")
+    r = result(ex, f"lockstep.work('{JOB}')")
+    assert r["outcome"] == "done" and "poisoned" in r["error"]
+    assert ex.execute("select key, parked from lockstep.failing_keys").fetchall() == [("13", True)]
+    assert result(ex, f"lockstep.work('{JOB}')")["outcome"] == "idle"
+    # the application fixes the data: the change is written, the key is no longer parked
+    ex.execute("update example.exam set title = replace(title, ' poison', '') where id = 13")
+    r = result(ex, f"lockstep.work('{JOB}')")
+    assert r["outcome"] == "done" and r["error"] is None and r["inserted"] + r["updated"] + r["deleted"] > 0
+    assert ex.execute("select count(*) from lockstep.key_failure").fetchone()[0] == 0
+    assert queue_keys(ex) == [] and divergence(ex) == (0, 0)
+
+
 def test_retry_drops_a_queued_key_that_names_no_parent_and_retries_the_others(ex):
     # A trigger on a column whose type changed since watch() can queue 'abc' for a bigint job: the worker
     # parks it (it cannot be read as bigint). retry() queued it again through the bigint cast, failed with
@@ -778,6 +818,57 @@ def test_writes_made_directly_to_a_partition_of_a_watched_table_are_queued(conn)
     conn.execute("select lockstep.watch('dj', 'c', 'p_id')")
     conn.execute("select lockstep.drop_job('dj')")
     assert triggers() == 0
+
+
+def test_watch_flags_a_partition_attached_since_and_warns_about_what_it_cannot_see(conn):
+    """Found by a probe: watch() again after attaching a partition that already held rows did not flag the
+    job (it flagged only a source not watched before), so those rows stayed missing, status healthy, until
+    the periodic recompute; watch() of one partition, which misses every write made through the
+    partitioned table, and of a column that references another table than the job's parent (a grandchild's
+    key: another table's keys read as the parent's) were accepted without a word; unwatch() of a table the
+    job does not watch passed silently (a warning now: it stays safe to repeat)."""
+    conn.execute(
+        """
+        create table p (id bigint primary key);
+        create table mid (id bigint primary key, p_id bigint not null references p on delete cascade);
+        create table c (id bigint, region text, p_id bigint not null references p on delete cascade,
+                        mid_id bigint references mid, v int, primary key (id, region))
+                        partition by list (region);
+        create table c_eu partition of c for values in ('eu');
+        create table d (p_id bigint primary key references p on delete cascade, total int not null);
+        create function f(ids bigint[]) returns table (p_id bigint, total int) language sql as $$
+            select p.id, coalesce(sum(c.v), 0)::int from public.p left join public.c on c.p_id = p.id
+            where ids is null or p.id = any(ids) group by p.id $$;
+        insert into p values (1), (2);
+        insert into c values (1, 'eu', 1, null, 10);
+        select lockstep.define_derived('dj', 'd', 'f(bigint[])', 'p');
+        select lockstep.watch('dj', 'c', 'p_id');
+        select lockstep.recompute('dj');
+        create table c_us (like c);
+        insert into c_us values (2, 'us', 2, null, 20);
+        alter table c attach partition c_us for values in ('us');
+        """
+    )
+    notices: list[str] = []
+    conn.add_notice_handler(lambda d: notices.append(d.message_primary or ""))
+    flags = "select count(*) from lockstep.recompute_flag where job = 'dj'"
+    assert conn.execute(flags).fetchone()[0] == 0
+    conn.execute("select lockstep.watch('dj', 'c', 'p_id')")
+    assert conn.execute(flags).fetchone()[0] == 1  # c_us is newly watched: its rows wait for the recompute
+    assert result(conn, "lockstep.run('dj')")["action"] == "recompute"
+    assert conn.execute("select p_id, total from d order by 1").fetchall() == [(1, 10), (2, 20)]
+    assert not any("partition or child" in n or "references" in n for n in notices), notices
+    conn.execute("select lockstep.watch('dj', 'c_eu', 'p_id')")
+    assert any(
+        "public.c_eu is a partition or child of public.c: a write made through public.c" in n for n in notices
+    )
+    conn.execute("select lockstep.watch('dj', 'c', 'mid_id')")
+    assert any("public.c.mid_id references public.mid, not the parent public.p" in n for n in notices), (
+        notices
+    )
+    conn.execute("select lockstep.unwatch('dj', 'c')")
+    conn.execute("select lockstep.unwatch('dj', 'c')")  # again: safe to repeat, and says so
+    assert notices[-1] == 'lockstep: job "dj" does not watch public.c: nothing to unwatch', notices
 
 
 def test_a_skipped_key_stays_queued_and_is_retried_a_second_later(ex, exconnect):
