@@ -1230,6 +1230,46 @@ begin
 end;
 $$;
 
+CREATE FUNCTION lockstep._drift(j lockstep.job) RETURNS text
+    LANGUAGE plpgsql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    v_key name[];
+    v_cols name[];
+    v_par record;
+    v_fix text := 'fix it, or run lockstep.define_derived again';
+begin
+    if j.kind <> 'derived' or j.target is null then
+        return null;
+    end if;
+    begin
+        v_key := lockstep._check_target(j.target, j.compute::regprocedure, j.parent);
+        v_cols := lockstep._check_compute(j.compute::regprocedure);
+        if j.parent is not null then
+            select * into v_par
+            from lockstep._check_parent(j.target, j.compute::regprocedure, v_cols, j.parent, j.parent_column);
+        end if;
+        perform lockstep._check_columns(j.target, j.compute::regprocedure, v_key, v_cols);
+    exception when others then
+        return pg_catalog.format('the job''s definition no longer holds: %s; %s', sqlerrm, v_fix);
+    end;
+    if array(select k from pg_catalog.unnest(v_key) k order by k) <> array(select k from pg_catalog.unnest(j.target_key) k order by k) then
+        return pg_catalog.format('the primary key of %s is now (%s), not (%s) as at define_derived; %s', j.target,
+                                 pg_catalog.array_to_string(v_key, ', '), pg_catalog.array_to_string(j.target_key, ', '), v_fix);
+    end if;
+    if array(select c from pg_catalog.unnest(v_cols) c order by c) <> array(select c from pg_catalog.unnest(j.columns) c order by c) then
+        return pg_catalog.format('compute now returns (%s), not (%s) as at define_derived; %s',
+                                 pg_catalog.array_to_string(v_cols, ', '), pg_catalog.array_to_string(j.columns, ', '), v_fix);
+    end if;
+    if j.parent is not null and (v_par.parent_key, v_par.key_type) is distinct from (j.parent_key, j.key_type) then
+        return pg_catalog.format('the parent key of %s is now %s (%s), not %s (%s) as at define_derived; %s', j.parent,
+                                 v_par.parent_key, v_par.key_type, j.parent_key, j.key_type, v_fix);
+    end if;
+    return null;
+end;
+$$;
+
 CREATE FUNCTION lockstep._drop_rows(tbl text, cond text, keys text[] DEFAULT NULL::text[]) RETURNS text[]
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -1438,7 +1478,12 @@ CREATE FUNCTION lockstep._failed(j lockstep.job, action text, started timestamp 
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
+declare
+    v_drift text := lockstep._drift(j);
 begin
+    if v_drift is not null then
+        error := pg_catalog.concat(error, ' (', v_drift, ')');
+    end if;
     perform lockstep._finish(j, action, 'failed', started, null, error);
     return lockstep._result('failed', j.job, action, null, error);
 end;

@@ -306,13 +306,19 @@ end;
 $$;
 
 -- lockstep._failed(j, action, started, error): record a failed run (status row) and return its result.
+-- The error says what no longer holds of a derived job's definition, if anything (lockstep._drift).
 -- locks: the job's lockstep.job_state row, as lockstep._finish.
 create function lockstep._failed(j lockstep.job, action text, started timestamptz, error text)
 returns lockstep.result
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
+declare
+    v_drift text := lockstep._drift(j);
 begin
+    if v_drift is not null then
+        error := pg_catalog.concat(error, ' (', v_drift, ')');
+    end if;
     perform lockstep._finish(j, action, 'failed', started, null, error);
     return lockstep._result('failed', j.job, action, null, error);
 end;

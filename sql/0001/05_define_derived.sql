@@ -590,6 +590,54 @@ begin
 end;
 $$;
 
+-- lockstep._drift(j): for a failed run of a derived job, what no longer holds of the definition
+-- define_derived checked (the checks run again: target, compute, parent, columns), or how the target's
+-- primary key, compute's columns or the parent key type differ from those recorded; NULL if all still
+-- hold. A failed run's error then says the cause and the fix: after DDL on the target, the compute or the
+-- parent, the error was the raw one of lockstep's own statements ("column t.qty does not exist", "there is
+-- no unique or exclusion constraint matching the ON CONFLICT specification"; found by a probe). Only on the
+-- failure path (lockstep._failed): a run that goes well never pays for it.
+-- locks: nothing.
+create function lockstep._drift(j lockstep.job) returns text
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_key name[];
+    v_cols name[];
+    v_par record;
+    v_fix text := 'fix it, or run lockstep.define_derived again';
+begin
+    if j.kind <> 'derived' or j.target is null then
+        return null;
+    end if;
+    begin
+        v_key := lockstep._check_target(j.target, j.compute::regprocedure, j.parent);
+        v_cols := lockstep._check_compute(j.compute::regprocedure);
+        if j.parent is not null then
+            select * into v_par
+            from lockstep._check_parent(j.target, j.compute::regprocedure, v_cols, j.parent, j.parent_column);
+        end if;
+        perform lockstep._check_columns(j.target, j.compute::regprocedure, v_key, v_cols);
+    exception when others then
+        return pg_catalog.format('the job''s definition no longer holds: %s; %s', sqlerrm, v_fix);
+    end;
+    if array(select k from pg_catalog.unnest(v_key) k order by k) <> array(select k from pg_catalog.unnest(j.target_key) k order by k) then
+        return pg_catalog.format('the primary key of %s is now (%s), not (%s) as at define_derived; %s', j.target,
+                                 pg_catalog.array_to_string(v_key, ', '), pg_catalog.array_to_string(j.target_key, ', '), v_fix);
+    end if;
+    if array(select c from pg_catalog.unnest(v_cols) c order by c) <> array(select c from pg_catalog.unnest(j.columns) c order by c) then
+        return pg_catalog.format('compute now returns (%s), not (%s) as at define_derived; %s',
+                                 pg_catalog.array_to_string(v_cols, ', '), pg_catalog.array_to_string(j.columns, ', '), v_fix);
+    end if;
+    if j.parent is not null and (v_par.parent_key, v_par.key_type) is distinct from (j.parent_key, j.key_type) then
+        return pg_catalog.format('the parent key of %s is now %s (%s), not %s (%s) as at define_derived; %s', j.parent,
+                                 v_par.parent_key, v_par.key_type, j.parent_key, j.key_type, v_fix);
+    end if;
+    return null;
+end;
+$$;
+
 -- lockstep._save_derived(...): write a derived job's registry and status rows (define_derived, last).
 -- locks: the job's registry row (insert or update) and its status row (insert, or update on a redefinition).
 create function lockstep._save_derived(job text, target regclass, compute regprocedure, parent regclass,

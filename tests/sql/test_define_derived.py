@@ -202,14 +202,16 @@ def test_a_redefinition_its_watchers_do_not_fit_says_why(db):
         create table iw (ip_id int not null, v int);
         create table idd (ip_id int primary key references ip on delete cascade on update cascade, v int);
         create function icomp(ids int[]) returns table (ip_id int, v int) language sql
-            as $$ select ip_id, sum(v)::int from public.iw where ids is null or ip_id = any(ids) group by 1 $$;
+            as $$ select ip_id, sum(v)::int from public.iw where ids is null or ip_id = any(ids)
+                  group by 1 $$;
         select lockstep.define_derived('ij', 'idd', 'icomp(int[])', 'ip');
         select lockstep.watch('ij', 'iw', 'ip_id');
         alter table ip alter column id type bigint;
         alter table idd alter column ip_id type bigint;
         alter table iw alter column ip_id type bigint;
         create function icomp(ids bigint[]) returns table (ip_id bigint, v int) language sql
-            as $$ select ip_id, sum(v)::int from public.iw where ids is null or ip_id = any(ids) group by 1 $$;
+            as $$ select ip_id, sum(v)::int from public.iw where ids is null or ip_id = any(ids)
+                  group by 1 $$;
         """
     )
     with raises_sqlstate("LSQ01", "made for the parent key type integer, not the new bigint"):
@@ -220,6 +222,39 @@ def test_a_redefinition_its_watchers_do_not_fit_says_why(db):
     db.execute("alter table w2 rename column p_id to p_ref")
     with raises_sqlstate("LSQ01", "its column p_id is gone \\(renamed or dropped\\)"):
         db.execute("select lockstep.define_derived('j', 'd', 'good(bigint[])', 'p', every => '1 hour')")
+
+
+DRIFT = [
+    ("alter table d rename column w to weight", "returns column w, which target public.d does not have"),
+    ("alter table d drop constraint d_pkey", "no primary key"),
+    (
+        "drop function good(bigint[]);"
+        " create function good(ids bigint[]) returns table (p_id bigint, k text, w text) language sql"
+        " as $$ select id, 'k' || v, 'x' from public.p where ids is null or id = any(ids) $$",
+        "w",
+    ),
+    ("alter table p rename column id to ident", "the parent key of public.p is now ident (bigint), not id"),
+]
+
+
+@pytest.mark.parametrize(
+    ("ddl", "names"), DRIFT, ids=["target column", "target pk", "compute type", "parent key"]
+)
+def test_a_run_failing_after_ddl_on_its_tables_says_what_changed(db, ddl, names):
+    """After DDL on the target, the compute or the parent, the job's runs failed with the raw error of
+    lockstep's own statements ("column t.w does not exist", "no unique or exclusion constraint matching the
+    ON CONFLICT specification"), naming neither the cause nor the fix (found by a probe). The failed run's
+    error now says what no longer holds of the definition, and to run define_derived again."""
+    db.execute("insert into p values (1, 1), (2, 2)")
+    db.execute("select lockstep.define_derived('j', 'd', 'good(bigint[])', 'p')")
+    db.execute("select lockstep.recompute('j')")
+    db.execute(ddl)
+    db.execute("update p set v = v + 10")
+    db.execute("select lockstep.enqueue('j', array[1, 2]::bigint[])")
+    r = db.execute("select outcome, error from lockstep.work('j')").fetchone()
+    assert r[0] == "failed", r
+    assert "define_derived again" in r[1] and names in r[1], r[1]
+    assert db.execute("select last_error from lockstep.status").fetchone()[0] == r[1]
 
 
 def test_moving_a_job_onto_another_jobs_target_is_refused_as_taken(db):
