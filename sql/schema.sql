@@ -1262,7 +1262,10 @@ begin
         return pg_catalog.format('compute now returns (%s), not (%s) as at define_derived; %s',
                                  pg_catalog.array_to_string(v_cols, ', '), pg_catalog.array_to_string(j.columns, ', '), v_fix);
     end if;
-    if j.parent is not null and (v_par.parent_key, v_par.key_type) is distinct from (j.parent_key, j.key_type) then
+    if j.parent is null then
+        return null;
+    end if;
+    if (v_par.parent_key, v_par.key_type) is distinct from (j.parent_key, j.key_type) then
         return pg_catalog.format('the parent key of %s is now %s (%s), not %s (%s) as at define_derived; %s', j.parent,
                                  v_par.parent_key, v_par.key_type, j.parent_key, j.key_type, v_fix);
     end if;
@@ -3132,9 +3135,10 @@ begin
     if old.job is not null then
         update lockstep.job_state s
         set next_run_at = case
-                when (old.compute, old.target, old.parent, old.parent_column, old.columns, old.target_key,
-                      old.image_columns)
-                     is distinct from (compute::text, target, parent, parent_column, columns, target_key,
+                when (old.compute, old.target, old.parent, old.parent_column, old.parent_key, old.key_type,
+                      old.columns, old.target_key, old.image_columns)
+                     is distinct from (compute::text, target, parent, parent_column, parent_key, key_type, columns,
+                                       target_key,
                                        (select x.image_columns from lockstep.job x where x.job = _save_derived.job))
                      then now()
                 else least(s.next_run_at, coalesce(s.last_started_at, now()) + every) end

@@ -255,6 +255,16 @@ def test_a_run_failing_after_ddl_on_its_tables_says_what_changed(db, ddl, names)
     assert r[0] == "failed", r
     assert "define_derived again" in r[1] and names in r[1], r[1]
     assert db.execute("select last_error from lockstep.status").fetchone()[0] == r[1]
+    if "parent key" in names:  # the fix: compute follows the rename, define_derived again; recomputed at once
+        db.execute(
+            "create or replace function good(ids bigint[]) returns table (p_id bigint, k text, w int)"
+            " language sql as $$ select ident, 'k' || v, v from public.p"
+            " where ids is null or ident = any(ids) $$"
+        )
+        # a new parent key was not a change of the definition: the recompute stayed in its backoff
+        db.execute("select lockstep.define_derived('j', 'd', 'good(bigint[])', 'p')")
+        r = db.execute("select outcome, action from lockstep.run('j')").fetchone()
+        assert r == ("done", "recompute"), r
 
 
 def test_moving_a_job_onto_another_jobs_target_is_refused_as_taken(db):
