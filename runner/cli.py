@@ -22,6 +22,8 @@ from __future__ import annotations
 import functools
 import json as jsonlib
 import logging
+from datetime import UTC, datetime
+from typing import Any
 
 import click
 
@@ -182,7 +184,9 @@ def log_level(default: int) -> int:
 class _JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         out = {
-            "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
+            # UTC with its offset, so the line means one instant wherever it is read (it was local time
+            # without an offset; found by a probe)
+            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),
@@ -415,11 +419,19 @@ def run(
     raise SystemExit(loop.run(opts, metrics_port, metrics_host))
 
 
+def _server_warning(diag: Any) -> None:  # psycopg.errors.Diagnostic
+    if diag.severity_nonlocalized == "WARNING":
+        logging.getLogger("lockstep").warning("%s", diag.message_primary)
+
+
 def _connect(dsn: str | None, app_name: str):
     """A short connection for the one-shot commands; a missing lockstep schema is exit 4 with a hint."""
     from runner import db
 
     conn = db.connect(dsn, app_name=app_name)
+    # the server's warnings reach the user (retry() dropping a queued key that names no parent said so only
+    # to the server log: "0 keys back in the queue", silently; found by a probe)
+    conn.add_notice_handler(_server_warning)
     if not db.lockstep_installed(conn):
         name = conn.info.dbname
         conn.close()
@@ -465,7 +477,8 @@ def status(dsn: str | None, json: bool, history: bool, job: str | None, limit: i
         raise click.UsageError("--job goes with --history")
     with _connect(dsn, "lockstep-status") as conn:
         rows = db.status(conn)
-    click.echo(st.to_json(rows) if json else st.to_table(rows))
+        user = conn.info.user
+    click.echo(st.to_json(rows) if json else st.to_table(rows, empty=st.no_jobs(user)))
     raise SystemExit(st.exit_code(rows, max_lag))
 
 

@@ -120,6 +120,11 @@ def connect(
     return conn
 
 
+def job_count(conn: psycopg.Connection) -> int:
+    """How many jobs lockstep.job holds (every role granted SELECT on it sees every row)."""
+    return conn.execute("select count(*) from lockstep.job").fetchone()[0]
+
+
 def queue_sequence(conn: psycopg.Connection) -> str | None:
     """The queue's identity sequence (its last_value moves with every enqueued key), or None."""
     row = conn.execute("select pg_get_serial_sequence('lockstep.queue', 'id')").fetchone()

@@ -30,10 +30,18 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(exc, psycopg.Error) and getattr(exc, "sqlstate", None) in RETRY_SQLSTATES
 
 
+# prepared statements lost or doubled: the runner's session is shared behind a transaction pooler
+POOLER_SQLSTATES = {"26000", "42P05"}  # invalid_sql_statement_name, duplicate_prepared_statement
+POOLER_HINT = "behind a transaction-mode pooler (PgBouncer)? run the runner with --no-prepare"
+
+
 def describe(exc: BaseException) -> str:
-    """One line: SQLSTATE (if any) and the first line of the message."""
+    """One line: SQLSTATE (if any) and the first line of the message (and, for a prepared statement lost
+    or doubled, the pooler hint: the runner only said "retrying"; found by a probe)."""
     text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     state = getattr(exc, "sqlstate", None)
+    if state in POOLER_SQLSTATES:
+        text = f"{text} ({POOLER_HINT})"
     return f"{type(exc).__name__}[{state}]: {text}" if state else f"{type(exc).__name__}: {text}"
 
 

@@ -13,7 +13,17 @@ from dataclasses import dataclass, field
 import psycopg
 
 from runner import db
-from runner.errors import EXIT_SETUP, EXIT_UNREACHABLE, Backoff, describe, is_transient, permanent_hint
+from runner.errors import (
+    EXIT_SETUP,
+    EXIT_UNREACHABLE,
+    POOLER_HINT,
+    POOLER_SQLSTATES,
+    Backoff,
+    describe,
+    is_transient,
+    permanent_hint,
+)
+from runner.status import no_jobs
 
 log = logging.getLogger("lockstep.runner")
 
@@ -57,6 +67,9 @@ class Metrics:
         self.depth = p.Gauge("lockstep_queue_depth", "Ready keys queued per job", ["job"])
         self.parked = p.Gauge("lockstep_parked_keys", "Keys set aside after max_attempts failures", ["job"])
         self.retries = p.Counter("lockstep_runner_retries", "Transient errors retried with backoff")
+        self.last_tick = p.Gauge(
+            "lockstep_runner_last_tick_seconds", "Unix time of the runner's last look at what is due"
+        )
         p.start_http_server(port, addr=host)
         self.enabled = True
 
@@ -68,6 +81,10 @@ class Metrics:
     def retry(self) -> None:
         if self.enabled:
             self.retries.inc()
+
+    def tick(self) -> None:
+        if self.enabled:
+            self.last_tick.set_to_current_time()
 
     def depths(self, depths: dict[str, tuple[int, int]]) -> None:
         if self.enabled:
@@ -98,6 +115,8 @@ class Runner:
         self._job_errors: dict[str, _JobError] = {}
         self._depths_at = 0.0
         self._unknown: set[str] = set()
+        self._pooler_seen = False  # a prepared statement was lost or doubled: the session is pooled
+        self._saw_jobs: bool | None = None  # None: not looked yet; False: warned that no job is visible
         self._gather_until: dict[str, float] = {}  # job -> monotonic time its next worker pass may start
         self.started = False  # a tick succeeded: from then on every database error is retried
         self._ran = False  # a run went through since the last database error (a backlog's tick is long)
@@ -126,7 +145,8 @@ class Runner:
     # connection ----------------------------------------------------------------------------------------
     def _connect(self) -> None:
         self._close()
-        conn = db.connect(self.opts.dsn, prepare=self.opts.prepare, check_interval=self.opts.check_interval)
+        prepare = False if self._pooler_seen else self.opts.prepare
+        conn = db.connect(self.opts.dsn, prepare=prepare, check_interval=self.opts.check_interval)
         self.conn = conn
         self.pid = db.backend_pid(conn)
         self._may_vacuum = db.may_vacuum_queue(conn)
@@ -179,6 +199,22 @@ class Runner:
             self._close()
         return 1 if self.any_failed else 0
 
+    def _pooled(self, exc: psycopg.Error) -> None:
+        """A prepared statement lost or doubled: the session is shared behind a transaction pooler, so
+        the runner stops preparing statements on this connection (it kept retrying, and drained about 14
+        times slower; found by a probe), unless --prepare was asked for."""
+        conn = self.conn
+        if (
+            getattr(exc, "sqlstate", None) in POOLER_SQLSTATES
+            and self.opts.prepare is None
+            and conn is not None
+            and not conn.closed
+            and conn.prepare_threshold is not None
+        ):
+            conn.prepare_threshold = None
+            self._pooler_seen = True  # and on the connections after it
+            log.warning("prepared statements turned off: %s", POOLER_HINT)
+
     def _refuse_to_start(self, exc: psycopg.Error) -> bool:
         """Before the first good tick, an error retrying cannot fix: log it with its hint, True."""
         hint = None if self.started else permanent_hint(exc)
@@ -219,6 +255,7 @@ class Runner:
                     trouble = None
                     backoff.reset()
                 self._ran = False
+                self._pooled(exc)
                 if trouble is None:
                     trouble = describe(exc)
                     log.warning("%s; retrying with backoff", trouble)
@@ -239,8 +276,18 @@ class Runner:
         if self._sequence is not None:
             self._mark = db.queue_mark(self.conn, self._sequence)  # before due(): later keys wake us
         rows = db.due(self.conn, self.opts.jobs, self.opts.batch_wait if sleep else 0.0)
+        self.metrics.tick()
         if self.opts.jobs:
             self._check_known(rows)
+        elif not rows and self._saw_jobs is not False:
+            # a runner that is not a member of the jobs' owner roles sees none of them and ran nothing,
+            # exit 0, without a word (found by a probe); no job defined at all is no problem
+            defined = db.job_count(self.conn)
+            if defined:
+                log.warning("%s job(s) defined, but %s", defined, no_jobs(self.conn.info.user))
+            self._saw_jobs = False
+        elif rows:
+            self._saw_jobs = True
         now = time.monotonic()
         progressed = False
         gathering: list[float] = []

@@ -96,6 +96,16 @@ def _progress(r: dict) -> str | None:
     return f"{r.get('recompute_done')}/{r['recompute_total']}"
 
 
+def no_jobs(user: str) -> str:
+    """What an empty status says: which role sees no job, and why that may be (a runner that is not a
+    member of a job's owner role sees none of its jobs: its health check said "no jobs" and exited 0;
+    found by a probe)."""
+    return (
+        f"no jobs visible to role {user} (a role sees the jobs of the owner roles it is a member of, and an"
+        " admin sees all: docs/security.md)"
+    )
+
+
 def to_table(rows: list[dict], columns: tuple[str, ...] = TABLE_COLUMNS, empty: str = "no jobs") -> str:
     if not rows:
         return empty

@@ -981,6 +981,26 @@ begin
 end;
 $$;
 
+CREATE FUNCTION lockstep._cure(j lockstep.job) RETURNS void
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    v_keys text[];
+    v_bad text[];
+begin
+    with d as (delete from lockstep.key_failure f where f.job = j.job returning f.key)
+    select array_agg(d.key) into v_keys from d;
+    if v_keys is null then
+        return;
+    end if;
+    v_bad := (lockstep._readable(j, v_keys)).bad;
+    if cardinality(v_bad) > 0 then
+        delete from lockstep.queue q where q.job = j.job and q.key = any(v_bad);
+    end if;
+end;
+$$;
+
 CREATE FUNCTION lockstep._ddl(tables regclass[], stmts text[], what text) RETURNS void
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -2951,7 +2971,7 @@ begin
     -- meanwhile kept lockstep status unhealthy until someone ran retry: a probe). After a hand-off the
     -- worker still has to write some parents: a key that fails only at its write keeps its attempts.
     if v_rest = 0 then
-        delete from lockstep.key_failure f where f.job = j.job;
+        perform lockstep._cure(j);
     end if;
     perform lockstep._finish(j, 'recompute', 'done', v_started, p);
     return lockstep._result('done', j.job, 'recompute', p, null, v_rest > 0);
@@ -3049,6 +3069,26 @@ begin
         conoid := c.oid; conname := c.conname; refrel := c.refrel; fk := c.fk; rk := c.rk; ord := c.ord; deletes := c.confdeltype = 'c';
         return next;
     end loop;
+end;
+$$;
+
+CREATE FUNCTION lockstep._restore_state(j lockstep.job) RETURNS lockstep.job_state
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    s lockstep.job_state;
+begin
+    insert into lockstep.job_state (job) values (j.job) on conflict do nothing;
+    select * into s from lockstep.job_state st where st.job = j.job;
+    return s;
+exception when insufficient_privilege then
+    raise exception 'lockstep: the status row of job "%" is gone (lockstep.job_state), and role % may not make it again',
+        j.job, current_user
+        using errcode = '42501',
+              hint = pg_catalog.format('Run lockstep.define_%s(%L, ...) again as its owner, or grant insert on '
+                                       'lockstep.job_state to the runner (docs/security.md).',
+                                       case when j.kind = 'job' then 'job' else 'derived' end, j.job);
 end;
 $$;
 
@@ -3291,6 +3331,15 @@ CREATE FUNCTION lockstep._spared_run(job text, action text, run_no bigint, max_p
                 then run_no >= (select max(r.run_no) from lockstep.run_log r
                                 where r.job = _spared_run.job and r.action = 'recompute')
                 else false end;
+$$;
+
+CREATE FUNCTION lockstep._state_gone(owner name) RETURNS boolean
+    LANGUAGE plpgsql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+begin
+    return lockstep._may_manage(owner);
+end;
 $$;
 
 CREATE FUNCTION lockstep._tgarg(args bytea, n integer) RETURNS text
@@ -3674,7 +3723,10 @@ begin
     ), m as (
         select n.shown, pg_catalog.concat_ws(', ',
                    case when not pg_catalog.has_schema_privilege(n.name, 'lockstep', 'USAGE') then 'USAGE on schema lockstep' end,
-                   case when not pg_catalog.has_table_privilege(n.name, 'lockstep.queue', 'INSERT') then 'INSERT on lockstep.queue' end,
+                   -- on the table, or on the two columns every insert of lockstep's triggers names (docs/security.md)
+                   case when not (pg_catalog.has_column_privilege(n.name, 'lockstep.queue', 'job', 'INSERT')
+                                  and pg_catalog.has_column_privilege(n.name, 'lockstep.queue', 'key', 'INSERT'))
+                        then 'INSERT on lockstep.queue' end,
                    case when not pg_catalog.has_table_privilege(n.name, 'lockstep.recompute_flag', 'INSERT')
                         then 'INSERT on lockstep.recompute_flag' end) as lacks
         from n
@@ -3963,6 +4015,7 @@ CREATE FUNCTION lockstep.due(jobs text[] DEFAULT NULL::text[], gather interval D
     AS $$
     select j.job, j.lock_group,
            least(s.next_run_at,
+                 case when s.job is null then now() end,  -- its status row deleted by hand: run() makes it again
                  case when j.kind = 'derived' and lockstep._flag_due(s) then now() end,
                  case when j.parent is null and s.recompute_rest > 0 then now() end,
                  case when j.parent is not null and lockstep._has_ready(j)
@@ -3979,8 +4032,8 @@ CREATE FUNCTION lockstep.due(jobs text[] DEFAULT NULL::text[], gather interval D
                  case when j.parent is not null then
                       case when s.deferred_until > now() then s.deferred_until end end)
     from lockstep.job j
-    join lockstep.job_state s on s.job = j.job
-    where jobs is null or j.job = any(jobs)
+    left join lockstep.job_state s on s.job = j.job  -- a row deleted by hand, as in lockstep.status
+    where (jobs is null or j.job = any(jobs)) and (s.job is not null or lockstep._state_gone(j.owner))
     order by 3, 1;
 $$;
 
@@ -4161,6 +4214,7 @@ begin
     if not found then
         -- its status row is hidden from this role (row-level security): a runner not serving the owner
         perform lockstep._check_act_as(j);
+        s := lockstep._restore_state(j);  -- or it is gone (deleted by hand)
     end if;
     if j.kind = 'job' then
         if s.next_run_at > now() then
@@ -4550,12 +4604,13 @@ CREATE VIEW lockstep.status WITH (security_invoker='true') AS
          LIMIT 1) AS trigger_problem,
     lockstep._queue_lag(j.job) AS queue_lag
    FROM ((lockstep.job j
-     JOIN lockstep.job_state s ON ((s.job = j.job)))
+     LEFT JOIN lockstep.job_state s ON ((s.job = j.job)))
      CROSS JOIN LATERAL ( SELECT
                 CASE
                     WHEN (s.recompute_total IS NOT NULL) THEN lockstep._handoff_todo(j.job, s.recompute_queue_from, s.recompute_queue_to)
                     ELSE NULL::bigint
-                END AS todo) h);
+                END AS todo) h)
+  WHERE ((s.job IS NOT NULL) OR lockstep._state_gone(j.owner));
 
 CREATE TABLE lockstep.viewer (
     viewer name NOT NULL,

@@ -189,7 +189,32 @@ begin
 end;
 $$;
 
--- lockstep.run(job): what the runner calls. Runs whatever part of the job is due:
+-- lockstep._restore_state(j): the job's status row, made again where it is gone (an admin deleted it): the
+-- job had vanished from lockstep.status and lockstep.due(), so no runner ran it again and its queue grew,
+-- with every health check healthy (found by a probe). The new row has the defaults: its periodic part
+-- (the recompute of a derived job, which repairs whatever the lost row described) is due now.
+-- locks: the new lockstep.job_state row (insert).
+create function lockstep._restore_state(j lockstep.job) returns lockstep.job_state
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    s lockstep.job_state;
+begin
+    insert into lockstep.job_state (job) values (j.job) on conflict do nothing;
+    select * into s from lockstep.job_state st where st.job = j.job;
+    return s;
+exception when insufficient_privilege then
+    raise exception 'lockstep: the status row of job "%" is gone (lockstep.job_state), and role % may not make it again',
+        j.job, current_user
+        using errcode = '42501',
+              hint = pg_catalog.format('Run lockstep.define_%s(%L, ...) again as its owner, or grant insert on '
+                                       'lockstep.job_state to the runner (docs/security.md).',
+                                       case when j.kind = 'job' then 'job' else 'derived' end, j.job);
+end;
+$$;
+
+-- lockstep.run(job): what the runner calls.-- lockstep.run(job): what the runner calls. Runs whatever part of the job is due:
 --   generic job: its function, if due (not_due / backoff otherwise);
 --   derived job: the periodic recompute if due or the job is flagged (lockstep.recompute_flag), else a
 --   worker pass over up to batch_parents (default 500) queued parents (idle if none).
@@ -214,6 +239,7 @@ begin
     if not found then
         -- its status row is hidden from this role (row-level security): a runner not serving the owner
         perform lockstep._check_act_as(j);
+        s := lockstep._restore_state(j);  -- or it is gone (deleted by hand)
     end if;
     if j.kind = 'job' then
         if s.next_run_at > now() then

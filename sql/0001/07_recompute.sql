@@ -482,10 +482,35 @@ begin
     -- meanwhile kept lockstep status unhealthy until someone ran retry: a probe). After a hand-off the
     -- worker still has to write some parents: a key that fails only at its write keeps its attempts.
     if v_rest = 0 then
-        delete from lockstep.key_failure f where f.job = j.job;
+        perform lockstep._cure(j);
     end if;
     perform lockstep._finish(j, 'recompute', 'done', v_started, p);
     return lockstep._result('done', j.job, 'recompute', p, null, v_rest > 0);
+end;
+$$;
+
+-- lockstep._cure(j): after a recompute that computed and wrote every parent of j: forget its failing and
+-- parked keys. A key among them that cannot be read as the parent key type (a queue row written by hand,
+-- or by a trigger on a column whose type changed) names no parent: its queue entries go too (left, they
+-- parked it again at the next pass; found by a probe).
+-- locks: the job's key_failure rows (deleted), then the queue entries of keys that do not read back.
+create function lockstep._cure(j lockstep.job) returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_keys text[];
+    v_bad text[];
+begin
+    with d as (delete from lockstep.key_failure f where f.job = j.job returning f.key)
+    select array_agg(d.key) into v_keys from d;
+    if v_keys is null then
+        return;
+    end if;
+    v_bad := (lockstep._readable(j, v_keys)).bad;
+    if cardinality(v_bad) > 0 then
+        delete from lockstep.queue q where q.job = j.job and q.key = any(v_bad);
+    end if;
 end;
 $$;
 

@@ -840,7 +840,10 @@ begin
     ), m as (
         select n.shown, pg_catalog.concat_ws(', ',
                    case when not pg_catalog.has_schema_privilege(n.name, 'lockstep', 'USAGE') then 'USAGE on schema lockstep' end,
-                   case when not pg_catalog.has_table_privilege(n.name, 'lockstep.queue', 'INSERT') then 'INSERT on lockstep.queue' end,
+                   -- on the table, or on the two columns every insert of lockstep's triggers names (docs/security.md)
+                   case when not (pg_catalog.has_column_privilege(n.name, 'lockstep.queue', 'job', 'INSERT')
+                                  and pg_catalog.has_column_privilege(n.name, 'lockstep.queue', 'key', 'INSERT'))
+                        then 'INSERT on lockstep.queue' end,
                    case when not pg_catalog.has_table_privilege(n.name, 'lockstep.recompute_flag', 'INSERT')
                         then 'INSERT on lockstep.recompute_flag' end) as lacks
         from n

@@ -59,6 +59,19 @@ as $$
     order by q.id limit 1;
 $$;
 
+-- lockstep._state_gone(owner): for a job of owner whose status row the current role does not see: the row
+-- is gone (deleted by hand), not hidden by row-level security, because the role manages the job
+-- (lockstep._may_manage, 11_privileges.sql: PL/pgSQL binds it at the first call).
+-- locks: nothing.
+create function lockstep._state_gone(owner name) returns boolean
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    return lockstep._may_manage(owner);
+end;
+$$;
+
 -- one row per job.
 create view lockstep.status with (security_invoker = true) as
 select j.job,
@@ -98,11 +111,14 @@ select j.job,
            as trigger_problem,
        lockstep._queue_lag(j.job) as queue_lag
 from lockstep.job j
-join lockstep.job_state s on s.job = j.job
+-- a status row deleted by hand: the job is shown (and due: run() makes the row again) to the roles that
+-- manage it; to others a missing row is one row-level security hides, as before
+left join lockstep.job_state s on s.job = j.job
 cross join lateral (
     select case when s.recompute_total is not null
                 then lockstep._handoff_todo(j.job, s.recompute_queue_from, s.recompute_queue_to) end as todo
-) h;
+) h
+where s.job is not null or lockstep._state_gone(j.owner);
 
 -- keys set aside after max_attempts failures; lockstep.retry(job, keys) puts them back.
 create view lockstep.parked_keys with (security_invoker = true) as
@@ -139,6 +155,7 @@ set jit = off  -- lockstep._no_jit_note (03_helpers.sql)
 as $$
     select j.job, j.lock_group,
            least(s.next_run_at,
+                 case when s.job is null then now() end,  -- its status row deleted by hand: run() makes it again
                  case when j.kind = 'derived' and lockstep._flag_due(s) then now() end,
                  case when j.parent is null and s.recompute_rest > 0 then now() end,
                  case when j.parent is not null and lockstep._has_ready(j)
@@ -155,7 +172,7 @@ as $$
                  case when j.parent is not null then
                       case when s.deferred_until > now() then s.deferred_until end end)
     from lockstep.job j
-    join lockstep.job_state s on s.job = j.job
-    where jobs is null or j.job = any(jobs)
+    left join lockstep.job_state s on s.job = j.job  -- a row deleted by hand, as in lockstep.status
+    where (jobs is null or j.job = any(jobs)) and (s.job is not null or lockstep._state_gone(j.owner))
     order by 3, 1;
 $$;

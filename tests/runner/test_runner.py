@@ -294,6 +294,16 @@ def test_metrics_endpoint_counts_runs(conn, dsn, runners):
     assert "lockstep_run_seconds_bucket" in text and "lockstep_runner_retries_total 0.0" in text
     text = wait_for(lambda: 'lockstep_parked_keys{job="t"} 0.0' in (t := scrape()) and t, what="gauges")
     assert 'lockstep_queue_depth{job="t"} 0.0' in text
+
+    # the liveness gauge moves at every tick, idle or not (lockstep_runs_total does not: found by a probe)
+    def last_tick() -> float:
+        line = next(
+            (x for x in scrape().splitlines() if x.startswith("lockstep_runner_last_tick_seconds ")), ""
+        )
+        return float(line.split()[1]) if line else 0.0
+
+    first = wait_for(last_tick, what="last tick")
+    wait_for(lambda: last_tick() > first, what="a later tick")
     r.signal()
     assert r.wait() == 0
 

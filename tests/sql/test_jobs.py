@@ -37,6 +37,21 @@ def test_run_calls_the_function_then_not_due(jobs):
     assert st[2].total_seconds() == pytest.approx(3600, abs=1)
 
 
+def test_a_status_row_deleted_by_hand_is_made_again_by_the_next_run(jobs):
+    """An admin's `delete from lockstep.job_state` made the job vanish from lockstep.status and
+    lockstep.due(): no runner ran it again, and every health check said healthy (found by a probe). The job
+    stays shown and is due at once; its next run makes the row again and runs what is due."""
+    jobs.execute("select lockstep.define_job('t', 'tick()', every => '1 hour')")
+    assert result(jobs, "lockstep.run('t')")["outcome"] == "done"
+    jobs.execute("delete from lockstep.job_state where job = 't'")
+    assert jobs.execute("select job from lockstep.status").fetchall() == [("t",)]
+    assert jobs.execute("select job, due_at <= now() from lockstep.due()").fetchall() == [("t", True)]
+    assert result(jobs, "lockstep.run('t')")["outcome"] == "done"  # due: the row's defaults
+    assert jobs.execute("select count(*) from ticks").fetchone()[0] == 2
+    assert jobs.execute("select last_outcome, runs from lockstep.status").fetchone() == ("done", 1)
+    assert result(jobs, "lockstep.run('t')")["outcome"] == "not_due"
+
+
 def test_busy_returns_at_once_while_the_group_lock_is_held(jobs, dsn):
     jobs.execute("select lockstep.define_job('t', 'tick()', lock_group => 'g')")
     # as a schedule: the harness would see any lock wait of ``run`` (pg_blocking_pids), however short;

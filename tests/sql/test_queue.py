@@ -1167,6 +1167,20 @@ def test_result_times_are_rounded_to_the_microsecond(ex):
         assert r[k] == round(r[k], 3) and len(repr(r[k]).split(".")[-1]) <= 3, r
 
 
+def test_a_recompute_that_cures_a_key_naming_no_parent_drops_its_entries(ex):
+    """A queue row whose key cannot be read as the parent key type (written by hand) is parked at once; a
+    recompute that computed every parent cleared its parked row but left its entry, which parked it again
+    at the next pass, for ever (found by a probe). It names no parent: the cure drops its entries too."""
+    not_due(ex, JOB)
+    ex.execute(f"insert into lockstep.queue (job, key) values ('{JOB}', 'abc'), ('{JOB}', '5')")
+    result(ex, f"lockstep.work('{JOB}')")
+    assert ex.execute("select key from lockstep.parked_keys").fetchall() == [("abc",)]
+    r = result(ex, f"lockstep.recompute('{JOB}')")
+    assert (r["outcome"], r["error"]) == ("done", None), r
+    assert queue_keys(ex) == [] and result(ex, f"lockstep.work('{JOB}')")["outcome"] == "idle"
+    assert ex.execute("select parked_keys, failing_keys from lockstep.status").fetchone() == (0, 0)
+
+
 def test_a_recompute_that_computes_every_parent_cures_the_parked_keys(ex):
     # a parked key whose data was fixed kept lockstep status unhealthy (parked_keys) until someone ran
     # retry, though the next recompute computed it without error (found by a probe)

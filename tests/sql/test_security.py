@@ -67,6 +67,7 @@ RUNNER_GRANTS = [
     "grant usage on schema lockstep to {role}",
     "grant select on lockstep.job to {role}",
     "grant select on lockstep.job_state to {role}",
+    "grant insert on lockstep.job_state to {role}",  # run() makes a status row deleted by hand again
     "grant update on lockstep.job_state to {role}",
     "grant select on lockstep.queue to {role}",
     "grant insert on lockstep.queue to {role}",  # a recompute re-queues the parents it had to skip
@@ -374,6 +375,11 @@ def recipe_scenario(ex: psycopg.Connection, dsn: str, roles, without: tuple[str,
         _drain(r, "exam_keys")
         assert example.divergence(ex) == (0, 0)
 
+        # an admin deleted the job's status row (found by a probe: the job had vanished from status and
+        # due(), and no runner ran it again): the runner makes it again, and the recompute is due
+        ex.execute("delete from lockstep.job_state where job = 'exam_keys'")
+        res = _run(r, "exam_keys")
+        _check((res["action"], res["outcome"]) == ("recompute", "done"), f"status row made again: {res}")
         for c, who in ((o, "owner"), (r, "runner"), (ad, "admin")):
             rows = c.execute(
                 "select last_outcome, last_error from lockstep.status where job = 'exam_keys'"
@@ -659,6 +665,37 @@ def test_app_role_without_queue_grant_cannot_write_watched_tables(ex, example_ds
         with raises_sqlstate("42501"):
             a.execute("update example.exam set title = 'upsilon' where id = 7")
     assert ex.execute("select title from example.exam where id = 7").fetchone()[0] != "upsilon"
+
+
+def test_an_app_role_granted_the_queue_columns_only_enqueues_and_cannot_forge_an_entry(
+    ex, example_dsn, roles
+):
+    """With INSERT on the whole queue an application role could write `ready_at = 'infinity'`: an entry
+    never taken, a queue_lag that grows for ever (found by a probe). docs/security.md offers the grant on
+    (job, key) only: every insert lockstep's triggers and enqueue() make names only those columns, and
+    watch() counts it as the grant its triggers need."""
+    app = roles(
+        "lockstep_app",
+        [
+            "grant usage on schema lockstep to {role}",
+            "grant insert (job, key) on lockstep.queue to {role}",
+            "grant insert on lockstep.recompute_flag to {role}",
+            "grant select on lockstep.job to {role}",
+        ],
+        EXAMPLE_APP_GRANTS,
+    )
+    ex.execute("delete from lockstep.queue")
+    notices: list[str] = []
+    ex.add_notice_handler(lambda d: notices.append(d.message_primary or ""))
+    ex.execute("select lockstep.watch('exam_keys', 'example.exam', 'id')")
+    assert not any(app in n for n in notices), notices
+    with psycopg.connect(as_role(example_dsn, app), autocommit=True) as a:
+        a.execute("update example.exam set title = 'upsilon' where id = 7")  # the generated trigger
+        a.execute("select lockstep.enqueue('exam_keys', array[8])")
+        with raises_sqlstate("42501"):
+            a.execute("insert into lockstep.queue (job, key, ready_at) values ('exam_keys', '9', 'infinity')")
+    keys = ex.execute("select key from lockstep.queue order by id").fetchall()
+    assert keys == [("7",), ("8",)]
 
 
 # job ownership -----------------------------------------------------------------------------------------
