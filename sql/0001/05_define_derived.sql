@@ -591,9 +591,11 @@ end;
 $$;
 
 -- lockstep._drift(j): for a failed run of a derived job, what no longer holds of the definition
--- define_derived checked (the checks run again: target, compute, parent, columns), or how the target's
--- primary key, compute's columns or the parent key type differ from those recorded; NULL if all still
--- hold. A failed run's error then says the cause and the fix: after DDL on the target, the compute or the
+-- define_derived checked (its structural checks run again: the target a table with a primary key, compute,
+-- parent, columns; not the caller's privileges, which a runner lacks by design: it runs jobs as their
+-- owner), or how the target's primary key, compute's columns or the parent key differ from those
+-- recorded; NULL if all still hold, or if the caller may not look (a runner of docs/security.md's recipe
+-- has no USAGE on the job's schemas: its failed runs keep their own error). A failed run's error then says the cause and the fix: after DDL on the target, the compute or the
 -- parent, the error was the raw one of lockstep's own statements ("column t.qty does not exist", "there is
 -- no unique or exclusion constraint matching the ON CONFLICT specification"; found by a probe). Only on the
 -- failure path (lockstep._failed): a run that goes well never pays for it.
@@ -612,15 +614,28 @@ begin
         return null;
     end if;
     begin
-        v_key := lockstep._check_target(j.target, j.compute::regprocedure, j.parent);
+        -- the target's structure, not the caller's privileges (_check_target checks those too, and a runner
+        -- has none on the jobs' tables: it runs them as their owner)
+        if not exists (select from pg_catalog.pg_class c where c.oid = j.target and c.relkind in ('r', 'p')) then
+            return pg_catalog.format('the target (oid %s) is no longer a table; %s', j.target::oid, v_fix);
+        end if;
+        v_key := (select lockstep._attnames(con.conrelid, con.conkey) from pg_catalog.pg_constraint con
+                  where con.conrelid = j.target and con.contype = 'p');
+        if v_key is null then
+            return pg_catalog.format('the job''s definition no longer holds: target %s has no primary key; %s',
+                                     j.target, v_fix);
+        end if;
         v_cols := lockstep._check_compute(j.compute::regprocedure);
         if j.parent is not null then
             select * into v_par
             from lockstep._check_parent(j.target, j.compute::regprocedure, v_cols, j.parent, j.parent_column);
         end if;
         perform lockstep._check_columns(j.target, j.compute::regprocedure, v_key, v_cols);
-    exception when others then
-        return pg_catalog.format('the job''s definition no longer holds: %s; %s', sqlerrm, v_fix);
+    exception
+        when insufficient_privilege then  -- a runner of the recipe may not even name the compute: no claim
+            return null;
+        when others then
+            return pg_catalog.format('the job''s definition no longer holds: %s; %s', sqlerrm, v_fix);
     end;
     if array(select k from pg_catalog.unnest(v_key) k order by k) <> array(select k from pg_catalog.unnest(j.target_key) k order by k) then
         return pg_catalog.format('the primary key of %s is now (%s), not (%s) as at define_derived; %s', j.target,
