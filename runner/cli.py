@@ -493,11 +493,20 @@ def retry(job: str, keys: tuple[str, ...], dsn: str | None, json: bool) -> None:
 
     Calls lockstep.retry(job [, keys]); KEYS are cast to the job's parent key type.
     """
+    import psycopg
+
     from runner import db
 
     _setup_logging(level=log_level(logging.WARNING))
     with _connect(dsn, "lockstep-retry") as conn:
-        n = db.retry(conn, job, list(keys) or None)
+        try:
+            n = db.retry(conn, job, list(keys) or None)
+        except psycopg.DataError as exc:  # a KEY not of the job's key type (22P02, 22003...)
+            first = (str(exc).strip().splitlines() or [""])[0]
+            raise Failure(
+                f"[{exc.sqlstate}] {first} (hint: a queued key not of the job's key type names no parent;"
+                f" `lockstep retry {job}` without KEYS drops such keys)"
+            ) from exc
     if json:
         _echo_json({"job": job, "requeued": n})
     else:
