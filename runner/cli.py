@@ -477,8 +477,9 @@ def status(dsn: str | None, json: bool, history: bool, job: str | None, limit: i
         raise click.UsageError("--job goes with --history")
     with _connect(dsn, "lockstep-status") as conn:
         rows = db.status(conn)
-        user = conn.info.user
-    click.echo(st.to_json(rows) if json else st.to_table(rows, empty=st.no_jobs(user)))
+        # none at all is not a visibility problem (that message sent a user after grants; found by a probe)
+        empty = st.no_jobs(conn.info.user) if not rows and db.job_count(conn) else "no jobs defined"
+    click.echo(st.to_json(rows) if json else st.to_table(rows, empty=empty))
     raise SystemExit(st.exit_code(rows, max_lag))
 
 

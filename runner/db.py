@@ -191,7 +191,10 @@ def run_job(conn: psycopg.Connection, job: str) -> Result:
 
 
 def status(conn: psycopg.Connection) -> list[dict]:
-    with conn.cursor(row_factory=dict_row) as cur:
+    """The rows of lockstep.status, tables named with their schema whatever the session's search_path (a
+    table on it came out bare: public.d and other.d both as "d"; found by a probe)."""
+    with conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
+        cur.execute("set local search_path = pg_catalog, pg_temp")
         return cur.execute("select * from lockstep.status order by job").fetchall()
 
 

@@ -159,6 +159,22 @@ def test_metrics_host_binds_that_address():
 # --json --------------------------------------------------------------------------------------------------
 
 
+def test_status_names_tables_with_their_schema_and_says_when_no_job_is_defined(conn, dsn):
+    """status printed a target or parent on the search_path without its schema (public.d and other.d both
+    as "d"), and "no jobs visible to role ..." where no job was defined at all (found by a probe)."""
+    p = lockstep("status", "--dsn", dsn)
+    assert (p.returncode, p.stdout.strip()) == (0, "no jobs defined"), p.stderr
+    conn.execute(
+        "create table p (id int primary key);"
+        " create table d (id int primary key references p on delete cascade, v int);"
+        " create function dc(ids int[]) returns table (id int, v int) language sql"
+        " as $$ select id, 1 from public.p where ids is null or id = any(ids) $$;"
+        " select lockstep.define_derived('dj', 'd', 'dc(int[])', 'p')"
+    )
+    rows = json.loads(lockstep("status", "--json", "--dsn", dsn).stdout)
+    assert (rows[0]["target"], rows[0]["parent"]) == ("public.d", "public.p"), rows
+
+
 def test_json_means_json_on_stdout_everywhere(example_dsn):
     outputs = {
         "status": lockstep("status", "--json", "--dsn", example_dsn),
