@@ -116,7 +116,7 @@ class Runner:
         self._depths_at = 0.0
         self._unknown: set[str] = set()
         self._pooler_seen = False  # a prepared statement was lost or doubled: the session is pooled
-        self._saw_jobs: bool | None = None  # None: not looked yet; False: warned that no job is visible
+        self._looked_for_jobs = False  # due() named no job, and this runner said whether any is defined
         self._gather_until: dict[str, float] = {}  # job -> monotonic time its next worker pass may start
         self.started = False  # a tick succeeded: from then on every database error is retried
         self._ran = False  # a run went through since the last database error (a backlog's tick is long)
@@ -279,15 +279,13 @@ class Runner:
         self.metrics.tick()
         if self.opts.jobs:
             self._check_known(rows)
-        elif not rows and self._saw_jobs is not False:
+        elif not rows and not self._looked_for_jobs:
             # a runner that is not a member of the jobs' owner roles sees none of them and ran nothing,
             # exit 0, without a word (found by a probe); no job defined at all is no problem
             defined = db.job_count(self.conn)
             if defined:
                 log.warning("%s job(s) defined, but %s", defined, no_jobs(self.conn.info.user))
-            self._saw_jobs = False
-        elif rows:
-            self._saw_jobs = True
+        self._looked_for_jobs = not rows
         now = time.monotonic()
         progressed = False
         gathering: list[float] = []

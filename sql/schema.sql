@@ -699,8 +699,6 @@ CREATE FUNCTION lockstep._check_target(target regclass, compute regprocedure, pa
     LANGUAGE plpgsql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
-declare
-    v_key name[];
 begin
     if target is null or compute is null then
         raise exception 'lockstep: target and compute must not be NULL' using errcode = '22004';
@@ -709,14 +707,7 @@ begin
         raise exception 'lockstep: target % is not a table', target using errcode = '42809';
     end if;
     perform lockstep._check_privileges(target, compute, parent);
-    select lockstep._attnames(con.conrelid, con.conkey) into v_key
-    from pg_catalog.pg_constraint con
-    where con.conrelid = target and con.contype = 'p';
-    if v_key is null then
-        raise exception 'lockstep: target % has no primary key', target
-            using errcode = 'LSD01', hint = 'lockstep uses the primary key as the identity of a derived row; add one.';
-    end if;
-    return v_key;
+    return lockstep._target_key(target);
 end;
 $$;
 
@@ -1255,6 +1246,7 @@ CREATE FUNCTION lockstep._drift(j lockstep.job) RETURNS text
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
 declare
+    v_fn regprocedure;
     v_key name[];
     v_cols name[];
     v_par record;
@@ -1264,34 +1256,24 @@ begin
         return null;
     end if;
     begin
-        -- the target's structure, not the caller's privileges (_check_target checks those too, and a runner
-        -- has none on the jobs' tables: it runs them as their owner)
-        if not exists (select from pg_catalog.pg_class c where c.oid = j.target and c.relkind in ('r', 'p')) then
-            return pg_catalog.format('the target (oid %s) is no longer a table; %s', j.target::oid, v_fix);
-        end if;
-        v_key := (select lockstep._attnames(con.conrelid, con.conkey) from pg_catalog.pg_constraint con
-                  where con.conrelid = j.target and con.contype = 'p');
-        if v_key is null then
-            return pg_catalog.format('the job''s definition no longer holds: target %s has no primary key; %s',
-                                     j.target, v_fix);
-        end if;
-        v_cols := lockstep._check_compute(j.compute::regprocedure);
+        v_fn := j.compute::regprocedure;
+        v_key := lockstep._target_key(j.target);  -- not _check_target: a runner has no privilege on the target
+        v_cols := lockstep._check_compute(v_fn);
         if j.parent is not null then
-            select * into v_par
-            from lockstep._check_parent(j.target, j.compute::regprocedure, v_cols, j.parent, j.parent_column);
+            select * into v_par from lockstep._check_parent(j.target, v_fn, v_cols, j.parent, j.parent_column);
         end if;
-        perform lockstep._check_columns(j.target, j.compute::regprocedure, v_key, v_cols);
+        perform lockstep._check_columns(j.target, v_fn, v_key, v_cols);
     exception
         when insufficient_privilege then  -- a runner of the recipe may not even name the compute: no claim
             return null;
         when others then
             return pg_catalog.format('the job''s definition no longer holds: %s; %s', sqlerrm, v_fix);
     end;
-    if array(select k from pg_catalog.unnest(v_key) k order by k) <> array(select k from pg_catalog.unnest(j.target_key) k order by k) then
+    if not (v_key @> j.target_key and v_key <@ j.target_key) then  -- as sets: the index order may differ
         return pg_catalog.format('the primary key of %s is now (%s), not (%s) as at define_derived; %s', j.target,
                                  pg_catalog.array_to_string(v_key, ', '), pg_catalog.array_to_string(j.target_key, ', '), v_fix);
     end if;
-    if array(select c from pg_catalog.unnest(v_cols) c order by c) <> array(select c from pg_catalog.unnest(j.columns) c order by c) then
+    if not (v_cols @> j.columns and v_cols <@ j.columns) then
         return pg_catalog.format('compute now returns (%s), not (%s) as at define_derived; %s',
                                  pg_catalog.array_to_string(v_cols, ', '), pg_catalog.array_to_string(j.columns, ', '), v_fix);
     end if;
@@ -3352,6 +3334,27 @@ CREATE FUNCTION lockstep._state_gone(owner name) RETURNS boolean
     AS $$
 begin
     return lockstep._may_manage(owner);
+end;
+$$;
+
+CREATE FUNCTION lockstep._target_key(target regclass) RETURNS name[]
+    LANGUAGE plpgsql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    v_key name[];
+begin
+    if not exists (select from pg_catalog.pg_class c where c.oid = target and c.relkind in ('r', 'p')) then
+        raise exception 'lockstep: target % is not a table', target using errcode = '42809';
+    end if;
+    select lockstep._attnames(con.conrelid, con.conkey) into v_key
+    from pg_catalog.pg_constraint con
+    where con.conrelid = target and con.contype = 'p';
+    if v_key is null then
+        raise exception 'lockstep: target % has no primary key', target
+            using errcode = 'LSD01', hint = 'lockstep uses the primary key as the identity of a derived row; add one.';
+    end if;
+    return v_key;
 end;
 $$;
 

@@ -657,11 +657,13 @@ def _scaling(admin_dsn: str | None, parents: int, progress: Progress) -> dict[st
 def scaling_summary(big: dict[str, Any], big_parents: int, small: dict[str, Any]) -> dict[str, Any]:
     """lockstep at 100 % changed at both sizes, and the ratios (target: within 2x of each other)."""
     out: dict[str, Any] = {}
+    latencies: dict[str, list[float]] = {}  # rewritten-DELETE waits, in the order issued
     for parents, rec in ((small["parents"], small["recompute"]), (big_parents, big)):
         per = rec.get("100%")
         if per:
             ls = per["lockstep"]
             rw = ls.get("app_delete_rewritten") or {}
+            latencies[str(parents)] = rw.get("latencies_ms") or []
             out[str(parents)] = {
                 "max_lock_ms": ls.get("max_lock_ms"),
                 "rewritten_p99_ms": rw.get("p99_ms"),
@@ -669,16 +671,12 @@ def scaling_summary(big: dict[str, Any], big_parents: int, small: dict[str, Any]
                 "rewritten_n": rw.get("n"),
                 "total_ms": ls["total_ms"],
                 "transactions": ls.get("transactions"),
-                "_latencies": rw.get("latencies_ms") or [],
             }
     if len(out) == 2:  # the longest wait over as many deletes as the smaller run made, at both sizes
-        a, b = out.values()
-        n = min(len(a["_latencies"]), len(b["_latencies"]))
-        for v in (a, b):
-            v["rewritten_max_same_n_ms"] = max_over(v["_latencies"], n)
+        n = min(len(lat) for lat in latencies.values())
+        for size, v in out.items():
+            v["rewritten_max_same_n_ms"] = max_over(latencies[size], n)
             v["same_n"] = n
-    for v in out.values():
-        del v["_latencies"]
     return out
 
 

@@ -415,11 +415,9 @@ def test_recipe_grant_is_needed(ex, example_dsn, roles, recipe, index):
     assert isinstance(info.value, psycopg.errors.InsufficientPrivilege) or "permission denied" in text, text
 
 
-def test_a_failed_run_by_a_least_privilege_runner_blames_nothing_on_the_definition(ex, example_dsn, roles):
-    """A failed run appends what no longer holds of the job's definition (lockstep._drift). Its first version
-    ran define_derived's target check, which also checks the caller's privileges on the target: a runner
-    of the recipe has none (it runs the job as its owner), so every failed run of its jobs would have been
-    blamed on the definition (found by a review)."""
+def _recipe_runner_of_exam_keys(ex: psycopg.Connection, roles) -> str:
+    """exam_keys handed to a job owner of the recipe (with SELECT on the sources and UPDATE (id) on the
+    parent), and a runner of the recipe serving it: the runner's name."""
     owner = roles(
         "exam_owner",
         OWNER_GRANTS,
@@ -432,7 +430,15 @@ def test_a_failed_run_by_a_least_privilege_runner_blames_nothing_on_the_definiti
     ex.execute(
         sql.SQL("update lockstep.job set owner = {} where job = 'exam_keys'").format(sql.Literal(owner))
     )
-    runner = roles("lockstep_runner", RUNNER_GRANTS, attrs="noinherit", owner=owner)
+    return roles("lockstep_runner", RUNNER_GRANTS, attrs="noinherit", owner=owner)
+
+
+def test_a_failed_run_by_a_least_privilege_runner_blames_nothing_on_the_definition(ex, example_dsn, roles):
+    """A failed run appends what no longer holds of the job's definition (lockstep._drift). Its first version
+    ran define_derived's target check, which also checks the caller's privileges on the target: a runner
+    of the recipe has none (it runs the job as its owner), so every failed run of its jobs would have been
+    blamed on the definition (found by a review)."""
+    runner = _recipe_runner_of_exam_keys(ex, roles)
     ex.execute(
         "create or replace function example.exam_key_compute(ids bigint[])"
         " returns table (exam_id bigint, key text, weight integer) language plpgsql stable"
@@ -448,19 +454,7 @@ def test_a_failed_run_by_a_least_privilege_runner_blames_nothing_on_the_definiti
 def test_least_privilege_runner_as_a_cli_process(ex, example_dsn, roles):
     """`lockstep run --once` with the runner recipe: the job runs as its owner, the runner has no right on
     the job's tables."""
-    owner = roles(
-        "exam_owner",
-        OWNER_GRANTS,
-        EXAMPLE_OWNER_GRANTS,
-        [
-            "grant select on example.exam, example.exam_item to {role}",
-            "grant update (id) on example.exam to {role}",
-        ],
-    )
-    ex.execute(
-        sql.SQL("update lockstep.job set owner = {} where job = 'exam_keys'").format(sql.Literal(owner))
-    )
-    runner = roles("lockstep_runner", RUNNER_GRANTS, attrs="noinherit", owner=owner)
+    runner = _recipe_runner_of_exam_keys(ex, roles)
     app_writes(ex)
     ex.execute("update lockstep.job_state set next_run_at = now()")  # the recompute is due as well
     p = lockstep_cli("run", "--once", "--dsn", as_role(example_dsn, runner))
