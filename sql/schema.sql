@@ -4230,7 +4230,13 @@ begin
     if not found then
         -- its status row is hidden from this role (row-level security): a runner not serving the owner
         perform lockstep._check_act_as(j);
-        s := lockstep._restore_state(j);  -- or it is gone (deleted by hand)
+        -- or it is gone (deleted by hand): made again under the group lock (the job's run, which takes
+        -- it again, holds it to its commit), so a second runner is busy at once instead of waiting on
+        -- the first one's uncommitted row until its whole run ends (found by a review)
+        if not lockstep._try_lock(j.lock_group) then
+            return lockstep._result('busy', j.job, case when j.kind = 'job' then 'call' else 'recompute' end);
+        end if;
+        s := lockstep._restore_state(j);
     end if;
     if j.kind = 'job' then
         if s.next_run_at > now() then

@@ -193,7 +193,7 @@ $$;
 -- job had vanished from lockstep.status and lockstep.due(), so no runner ran it again and its queue grew,
 -- with every health check healthy (found by a probe). The new row has the defaults: its periodic part
 -- (the recompute of a derived job, which repairs whatever the lost row described) is due now.
--- locks: the new lockstep.job_state row (insert).
+-- locks: the new lockstep.job_state row (insert); the caller holds the job's group lock.
 create function lockstep._restore_state(j lockstep.job) returns lockstep.job_state
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -220,7 +220,8 @@ $$;
 --   worker pass over up to batch_parents (default 500) queued parents (idle if none).
 -- Keys convert to text in one form whatever the caller's settings (DateStyle, IntervalStyle,
 -- extra_float_digits pinned; see lockstep._canon); jobs and compute functions run under those settings.
--- locks: nothing while looking for work; then as lockstep._call, lockstep.recompute or lockstep.work.
+-- locks: nothing while looking for work (but the group lock, try, when its status row is gone); then as
+-- lockstep._call, lockstep.recompute or lockstep.work.
 create function lockstep.run(job text) returns lockstep.result
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -239,7 +240,13 @@ begin
     if not found then
         -- its status row is hidden from this role (row-level security): a runner not serving the owner
         perform lockstep._check_act_as(j);
-        s := lockstep._restore_state(j);  -- or it is gone (deleted by hand)
+        -- or it is gone (deleted by hand): made again under the group lock (the job's run, which takes
+        -- it again, holds it to its commit), so a second runner is busy at once instead of waiting on
+        -- the first one's uncommitted row until its whole run ends (found by a review)
+        if not lockstep._try_lock(j.lock_group) then
+            return lockstep._result('busy', j.job, case when j.kind = 'job' then 'call' else 'recompute' end);
+        end if;
+        s := lockstep._restore_state(j);
     end if;
     if j.kind = 'job' then
         if s.next_run_at > now() then

@@ -52,6 +52,25 @@ def test_a_status_row_deleted_by_hand_is_made_again_by_the_next_run(jobs):
     assert result(jobs, "lockstep.run('t')")["outcome"] == "not_due"
 
 
+def test_two_runners_restoring_a_deleted_status_row_do_not_wait_for_each_other(jobs, dsn):
+    """The status row was made again before the group lock: a second runner's run() waited on the first
+    one's uncommitted row (its unique index) until the first run's transaction ended, however long its
+    job ran. It is made under the group lock now: the second runner is busy at once."""
+    jobs.execute("select lockstep.define_job('t', 'tick()', every => '1 hour')")
+    jobs.execute("delete from lockstep.job_state where job = 't'")
+    spec = Spec(dsn, sessions={"r1": [], "r2": ["set lock_timeout = 0"]})
+    spec.step("r1begin", "r1", "begin;")
+    spec.step("r1run", "r1", "select outcome from lockstep.run('t');")
+    spec.step("r2run", "r2", "select outcome from lockstep.run('t');")
+    spec.step("r1commit", "r1", "commit;")
+    spec.step("r2again", "r2", "select outcome from lockstep.run('t');")
+    r = spec.run(["r1begin", "r1run", "r2run", "r1commit", "r2again"])
+    assert r.rows("r1run") == [("done",)], r.trace
+    assert not r.waited("r2run") and r.rows("r2run") == [("busy",)], r.trace
+    assert r.rows("r2again") == [("not_due",)], r.trace
+    assert jobs.execute("select count(*) from ticks").fetchone()[0] == 1
+
+
 def test_busy_returns_at_once_while_the_group_lock_is_held(jobs, dsn):
     jobs.execute("select lockstep.define_job('t', 'tick()', lock_group => 'g')")
     # as a schedule: the harness would see any lock wait of ``run`` (pg_blocking_pids), however short;
