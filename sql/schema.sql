@@ -436,6 +436,22 @@ begin
 end;
 $$;
 
+CREATE FUNCTION lockstep._check_not_ours(rel regclass, what text) RETURNS void
+    LANGUAGE plpgsql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+begin
+    if exists (select from pg_catalog.pg_class c
+               where c.oid = any(array[rel] || array(select i.inhparent from pg_catalog.pg_inherits i
+                                                        where i.inhrelid = rel))
+                 and c.relnamespace = 'lockstep'::regnamespace) then
+        raise exception 'lockstep: % is one of lockstep''s own tables: it cannot be %', rel, what
+            using errcode = '22023',
+                  hint = 'Name the application''s tables: the ones compute reads (watch) or the job writes (target).';
+    end if;
+end;
+$$;
+
 CREATE FUNCTION lockstep._check_owner(j lockstep.job) RETURNS void
     LANGUAGE plpgsql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -673,6 +689,12 @@ begin
         raise exception 'lockstep: job and lock_group must not be empty or blank strings (got %)',
             pg_catalog.quote_literal(v_blank) using errcode = '22023';
     end if;
+    -- a newline or another control character in a name garbles every log line and status table that shows it
+    if job ~ '[[:cntrl:]]' or lock_group ~ '[[:cntrl:]]' then
+        raise exception 'lockstep: job and lock_group must not contain control characters (got %)',
+            pg_catalog.quote_literal(case when job ~ '[[:cntrl:]]' then job else lock_group end)
+            using errcode = '22023', hint = 'Choose a name of printable characters.';
+    end if;
     if pg_catalog.octet_length(job) > 63 then
         raise exception 'lockstep: job names must be at most 63 bytes (got %)', pg_catalog.octet_length(job)
             using errcode = '22023', hint = 'Like an SQL identifier: choose a shorter name.';
@@ -706,6 +728,7 @@ begin
     if not exists (select from pg_catalog.pg_class c where c.oid = target and c.relkind in ('r', 'p')) then
         raise exception 'lockstep: target % is not a table', target using errcode = '42809';
     end if;
+    perform lockstep._check_not_ours(target, 'the target of a job');
     perform lockstep._check_privileges(target, compute, parent);
     return lockstep._target_key(target);
 end;
@@ -1382,7 +1405,8 @@ when others then
         using errcode = 'LSD02',
               hint = case when v_state like '42%'  -- an unknown table, function, operator...: the path
                           then 'lockstep runs compute with search_path = pg_catalog, pg_temp: schema-qualify '
-                               'table names or give the function its own SET search_path.'
+                               'table names or give the function its own SET search_path (or, if what it '
+                               'names is really gone, create it again).'
                           else 'compute must return no rows, without error, for an empty key array.' end;
 end;
 $_$;
@@ -3178,6 +3202,14 @@ begin
                      then now()
                 else least(s.next_run_at, coalesce(s.last_started_at, now()) + every) end
         where s.job = _save_derived.job;
+        -- another parent key type: the queued keys (and their failures) name parents of the old one; the
+        -- recompute, due now, covers every parent. Kept, they were parked as unreadable and lockstep status
+        -- reported the job unhealthy until the next periodic recompute (found by a probe). No watcher
+        -- enqueues the old type meanwhile: _check_watchers refused a watched job's new key type.
+        if old.key_type is distinct from key_type then
+            delete from lockstep.queue q where q.job = _save_derived.job;
+            delete from lockstep.key_failure f where f.job = _save_derived.job;
+        end if;
     end if;
 end;
 $$;
@@ -3938,14 +3970,15 @@ begin
     perform lockstep._check_columns(target, compute, v_key, v_cols);
     perform lockstep._check_target_fks(target, v_cols);
     perform lockstep._check_referencing(target, v_key, v_cols);
-    -- a taken table: LSD07 before the warnings from here on and before the dry run
+    -- a taken table: LSD07 before the dry run; every other refusal before the warnings from here on (a
+    -- warning printed before a refusal read as a definition accepted with a caveat; found by a probe)
     perform lockstep._check_target_free(job, target);
-    perform lockstep._check_parent_delete(target, parent);
     perform lockstep._callable(compute, 1);
-    perform lockstep._warn_index(target, v_par.parent_column);
-    perform lockstep._warn_unique(target);
     perform lockstep._dry_run(compute, v_par.key_type);
     perform lockstep._check_watchers(job, parent, v_par.key_type);
+    perform lockstep._check_parent_delete(target, parent);  -- LSD04 refusals, then warnings
+    perform lockstep._warn_index(target, v_par.parent_column);
+    perform lockstep._warn_unique(target);
     perform lockstep._save_derived(job, target, compute, parent, v_par.parent_column, v_par.parent_key,
                                    v_par.key_type, v_key, v_cols, lock_group, every, backoff);
 end;
@@ -4352,8 +4385,9 @@ begin
         raise exception 'lockstep: job and source must not be NULL' using errcode = '22004';
     end if;
     -- an unknown job is an error, as in watch(), unless watch() left triggers of that name on source
-    if not exists (select from lockstep.job x where x.job = unwatch.job)
-       and not exists (select from pg_catalog.pg_trigger t
+    if exists (select from lockstep.job x where x.job = unwatch.job) then
+        perform lockstep._job(job, 'derived');  -- LSJ02 for a generic job, as watch() (found by a probe)
+    elsif not exists (select from pg_catalog.pg_trigger t
                        where t.tgrelid = source and t.tgname in (select lockstep._trigger_name(unwatch.job, o)
                              from pg_catalog.unnest(array['insert', 'update', 'delete', 'truncate']) o)) then
         perform lockstep._job(job);  -- LSJ01
@@ -4397,6 +4431,9 @@ begin
     if not exists (select from pg_catalog.pg_class c where c.oid = source and c.relkind in ('r', 'p')) then
         raise exception 'lockstep: source % is not a table', source using errcode = '42809';
     end if;
+    -- lockstep's own tables: a watched queue fed itself on every enqueue until the stack ran out (54001 on
+    -- every write of every watched table), a watched job_state a job that never went idle (a probe)
+    perform lockstep._check_not_ours(source, 'a watched table');
     if j.target = any(v_tables) or source = any(lockstep._family(j.target)) then
         raise exception 'lockstep: % is the target of job "%" (or a partition of it)', source, j.job
             using errcode = '22023',

@@ -29,6 +29,27 @@ begin
 end;
 $$;
 
+-- lockstep._check_not_ours(rel, what): rel (or the table it is a partition of) is not one of lockstep's
+-- own tables: watched, the queue fed itself on every enqueue until the stack ran out (54001 on every write
+-- of every watched table), job_state a job that never went idle (found by a probe); as a target, a job
+-- would rewrite lockstep's registry.
+-- locks: nothing.
+create function lockstep._check_not_ours(rel regclass, what text) returns void
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if exists (select from pg_catalog.pg_class c
+               where c.oid = any(array[rel] || array(select i.inhparent from pg_catalog.pg_inherits i
+                                                        where i.inhrelid = rel))
+                 and c.relnamespace = 'lockstep'::regnamespace) then
+        raise exception 'lockstep: % is one of lockstep''s own tables: it cannot be %', rel, what
+            using errcode = '22023',
+                  hint = 'Name the application''s tables: the ones compute reads (watch) or the job writes (target).';
+    end if;
+end;
+$$;
+
 -- lockstep._cols(cols, alias): "a.c1, a.c2" with quoted identifiers.
 -- (PL/pgSQL, as the other small helpers a worker pass calls: a SQL function with a SET clause is never
 -- inlined and is planned again at every call, ~30-60 us each; PL/pgSQL caches its plans for the session.)

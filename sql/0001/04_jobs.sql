@@ -20,6 +20,12 @@ begin
         raise exception 'lockstep: job and lock_group must not be empty or blank strings (got %)',
             pg_catalog.quote_literal(v_blank) using errcode = '22023';
     end if;
+    -- a newline or another control character in a name garbles every log line and status table that shows it
+    if job ~ '[[:cntrl:]]' or lock_group ~ '[[:cntrl:]]' then
+        raise exception 'lockstep: job and lock_group must not contain control characters (got %)',
+            pg_catalog.quote_literal(case when job ~ '[[:cntrl:]]' then job else lock_group end)
+            using errcode = '22023', hint = 'Choose a name of printable characters.';
+    end if;
     if pg_catalog.octet_length(job) > 63 then
         raise exception 'lockstep: job names must be at most 63 bytes (got %)', pg_catalog.octet_length(job)
             using errcode = '22023', hint = 'Like an SQL identifier: choose a shorter name.';

@@ -72,6 +72,7 @@ begin
     if not exists (select from pg_catalog.pg_class c where c.oid = target and c.relkind in ('r', 'p')) then
         raise exception 'lockstep: target % is not a table', target using errcode = '42809';
     end if;
+    perform lockstep._check_not_ours(target, 'the target of a job');
     perform lockstep._check_privileges(target, compute, parent);
     return lockstep._target_key(target);
 end;
@@ -558,7 +559,8 @@ when others then
         using errcode = 'LSD02',
               hint = case when v_state like '42%'  -- an unknown table, function, operator...: the path
                           then 'lockstep runs compute with search_path = pg_catalog, pg_temp: schema-qualify '
-                               'table names or give the function its own SET search_path.'
+                               'table names or give the function its own SET search_path (or, if what it '
+                               'names is really gone, create it again).'
                           else 'compute must return no rows, without error, for an empty key array.' end;
 end;
 $$;
@@ -593,14 +595,15 @@ begin
     perform lockstep._check_columns(target, compute, v_key, v_cols);
     perform lockstep._check_target_fks(target, v_cols);
     perform lockstep._check_referencing(target, v_key, v_cols);
-    -- a taken table: LSD07 before the warnings from here on and before the dry run
+    -- a taken table: LSD07 before the dry run; every other refusal before the warnings from here on (a
+    -- warning printed before a refusal read as a definition accepted with a caveat; found by a probe)
     perform lockstep._check_target_free(job, target);
-    perform lockstep._check_parent_delete(target, parent);
     perform lockstep._callable(compute, 1);
-    perform lockstep._warn_index(target, v_par.parent_column);
-    perform lockstep._warn_unique(target);
     perform lockstep._dry_run(compute, v_par.key_type);
     perform lockstep._check_watchers(job, parent, v_par.key_type);
+    perform lockstep._check_parent_delete(target, parent);  -- LSD04 refusals, then warnings
+    perform lockstep._warn_index(target, v_par.parent_column);
+    perform lockstep._warn_unique(target);
     perform lockstep._save_derived(job, target, compute, parent, v_par.parent_column, v_par.parent_key,
                                    v_par.key_type, v_key, v_cols, lock_group, every, backoff);
 end;
@@ -664,7 +667,8 @@ end;
 $$;
 
 -- lockstep._save_derived(...): write a derived job's registry and status rows (define_derived, last).
--- locks: the job's registry row (insert or update) and its status row (insert, or update on a redefinition).
+-- locks: the job's registry row (insert or update) and its status row (insert, or update on a redefinition);
+-- with another parent key type, the job's queue and key_failure rows (deleted).
 create function lockstep._save_derived(job text, target regclass, compute regprocedure, parent regclass,
                                        parent_column name, parent_key name, key_type regtype, target_key name[],
                                        columns name[], lock_group text, every interval, backoff interval)
@@ -711,6 +715,14 @@ begin
                      then now()
                 else least(s.next_run_at, coalesce(s.last_started_at, now()) + every) end
         where s.job = _save_derived.job;
+        -- another parent key type: the queued keys (and their failures) name parents of the old one; the
+        -- recompute, due now, covers every parent. Kept, they were parked as unreadable and lockstep status
+        -- reported the job unhealthy until the next periodic recompute (found by a probe). No watcher
+        -- enqueues the old type meanwhile: _check_watchers refused a watched job's new key type.
+        if old.key_type is distinct from key_type then
+            delete from lockstep.queue q where q.job = _save_derived.job;
+            delete from lockstep.key_failure f where f.job = _save_derived.job;
+        end if;
     end if;
 end;
 $$;

@@ -942,6 +942,9 @@ begin
     if not exists (select from pg_catalog.pg_class c where c.oid = source and c.relkind in ('r', 'p')) then
         raise exception 'lockstep: source % is not a table', source using errcode = '42809';
     end if;
+    -- lockstep's own tables: a watched queue fed itself on every enqueue until the stack ran out (54001 on
+    -- every write of every watched table), a watched job_state a job that never went idle (a probe)
+    perform lockstep._check_not_ours(source, 'a watched table');
     if j.target = any(v_tables) or source = any(lockstep._family(j.target)) then
         raise exception 'lockstep: % is the target of job "%" (or a partition of it)', source, j.job
             using errcode = '22023',
@@ -1020,8 +1023,9 @@ begin
         raise exception 'lockstep: job and source must not be NULL' using errcode = '22004';
     end if;
     -- an unknown job is an error, as in watch(), unless watch() left triggers of that name on source
-    if not exists (select from lockstep.job x where x.job = unwatch.job)
-       and not exists (select from pg_catalog.pg_trigger t
+    if exists (select from lockstep.job x where x.job = unwatch.job) then
+        perform lockstep._job(job, 'derived');  -- LSJ02 for a generic job, as watch() (found by a probe)
+    elsif not exists (select from pg_catalog.pg_trigger t
                        where t.tgrelid = source and t.tgname in (select lockstep._trigger_name(unwatch.job, o)
                              from pg_catalog.unnest(array['insert', 'update', 'delete', 'truncate']) o)) then
         perform lockstep._job(job);  -- LSJ01

@@ -189,6 +189,89 @@ def test_watching_the_jobs_own_target_is_refused(app):
     assert snapshot(app) == before
 
 
+@pytest.mark.parametrize(
+    ("table", "column"),
+    [("lockstep.queue", "id"), ("lockstep.job_state", "job"), ("lockstep.key_failure", "key")],
+)
+def test_watching_one_of_locksteps_own_tables_is_refused(app, table, column):
+    """Accepted before (found by a probe): a watched queue fed itself on every enqueue until the stack ran
+    out, so every application write of every watched table failed with 54001; a watched job_state made a
+    job that never went idle (999 empty passes in one run --once)."""
+    app.execute(
+        "create table app.byname (name text primary key);"
+        "create table app.byname_d (name text primary key references app.byname on delete cascade);"
+        "create function app.byname_c(keys text[]) returns setof app.byname_d language sql stable"
+        " as $$ select b.name from app.byname b where keys is null or b.name = any(keys) $$;"
+        "select lockstep.define_derived('names', 'app.byname_d', 'app.byname_c(text[])',"
+        " parent => 'app.byname')"
+    )
+    job = "band" if column == "id" else "names"
+    before = snapshot(app)
+    with raises_sqlstate("22023", "one of lockstep's own tables"):
+        app.execute("select lockstep.watch(%s, %s, %s)", [job, table, column])
+    assert snapshot(app) == before
+    app.execute("update app.acc set bal = bal + 1 where aid = 2")  # the application's write still enqueues
+    assert queue(app, "band") == ["2"]
+
+
+def test_a_target_among_locksteps_own_tables_is_refused(app):
+    app.execute(
+        "create function app.fake_failures(keys bigint[]) returns setof lockstep.key_failure"
+        " language sql stable as $$ select * from lockstep.key_failure where false $$"
+    )
+    before = snapshot(app)
+    with raises_sqlstate("22023", "one of lockstep's own tables"):
+        app.execute(
+            "select lockstep.define_derived('evil', 'lockstep.key_failure', 'app.fake_failures(bigint[])')"
+        )
+    assert snapshot(app) == before
+
+
+def test_unwatch_of_a_generic_job_is_refused_as_watch_is(app):
+    app.execute("create function app.noop() returns void language sql as $$ select $$")
+    app.execute("select lockstep.define_job('gen', 'app.noop()')")
+    with raises_sqlstate("LSJ02", "generic job"):
+        app.execute("select lockstep.watch('gen', 'app.acc', 'aid')")
+    with raises_sqlstate("LSJ02", "generic job"):
+        app.execute("select lockstep.unwatch('gen', 'app.acc')")
+
+
+def test_a_job_name_with_a_control_character_is_refused(app):
+    app.execute("create function app.noop() returns void language sql as $$ select $$")
+    before = snapshot(app)
+    for name in ["x\n", "a\tb"]:
+        with raises_sqlstate("22023", "control characters"):
+            app.execute("select lockstep.define_job(%s, 'app.noop()')", [name])
+    assert snapshot(app) == before
+
+
+def test_a_new_parent_key_type_drops_the_keys_queued_as_the_old_one(app):
+    """Kept, the old type's queued keys were parked as unreadable after the redefinition, and lockstep
+    status said unhealthy until the next periodic recompute (found by a probe)."""
+    app.execute(
+        "create table app.code (c text primary key);"
+        "insert into app.code values ('x'), ('y');"
+        "create table app.by_code (c text primary key references app.code on delete cascade);"
+        "create function app.by_code_c(keys text[]) returns table (c text) language sql stable"
+        " as $$ select x.c from app.code x where keys is null or x.c = any(keys) $$;"
+        "create table app.by_acc (aid bigint primary key references app.acc on delete cascade);"
+        "create function app.by_acc_c(keys bigint[]) returns table (aid bigint) language sql stable"
+        " as $$ select a.aid from app.acc a where keys is null or a.aid = any(keys) $$;"
+        "select lockstep.define_derived('codes', 'app.by_code', 'app.by_code_c(text[])',"
+        " parent => 'app.code');"
+        "select lockstep.enqueue('codes', array['x', 'y'])"
+    )
+    assert app.execute("select count(*) from lockstep.queue where job = 'codes'").fetchone()[0] == 2
+    app.execute(  # the job now keyed by the accounts (bigint)
+        "select lockstep.define_derived('codes', 'app.by_acc', 'app.by_acc_c(bigint[])', parent => 'app.acc')"
+    )
+    assert app.execute("select count(*) from lockstep.queue where job = 'codes'").fetchone()[0] == 0
+    assert result(app, "lockstep.run('codes')")["outcome"] == "done"  # the recompute, due: the definition
+    assert result(app, "lockstep.run('codes')")["outcome"] == "idle"
+    assert app.execute("select count(*) from lockstep.parked_keys where job = 'codes'").fetchone()[0] == 0
+    assert app.execute("select count(*) from app.by_acc").fetchone()[0] == 20
+
+
 def test_item4_a_renamed_key_column_falls_back_on_the_recompute(app, dsn):
     app.execute("alter table app.txn rename column aid to acc_id")
     app.execute("insert into app.txn (acc_id, amount) values (5, -50)")  # does not fail
