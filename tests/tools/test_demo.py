@@ -191,3 +191,41 @@ def test_demo_against_a_server_that_refuses_exits_without_fallback(admin_dsn, tm
     )
     assert proc.returncode == 4 and "does not exist" in proc.stderr, proc.stderr  # it answered: not transient
     assert not (tmp_path / ".lockstep-demo").exists()
+
+
+def test_a_demo_larger_than_one_batch_fills_every_exam_before_it_measures(admin_dsn, tmp_path):
+    """The first fill is a recompute of more than batch_parents (500) exams: it wrote 500 and handed the
+    rest to the queue, which the demo then emptied, so a short demo did not converge (found by a newcomer
+    probe: 2,618 rows missing, exit 1)."""
+    name = f"{RUN_TAG}_demo_fill"
+    out = tmp_path / "demo.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "runner",
+            "demo",
+            "--parents",
+            "1200",
+            "--seconds",
+            "2",
+            "--naive-seconds",
+            "0",
+            "--clients",
+            "0",
+            "--json-file",
+            str(out),
+            "--dsn",
+            admin_dsn,
+            "--database",
+            name,
+        ],
+        capture_output=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    stdout = proc.stdout.decode()
+    assert proc.returncode == 0, stdout + proc.stderr.decode()
+    r = json.loads(out.read_text())
+    assert r["lockstep"]["converged"] and r["lockstep"]["divergence"] == [0, 0], stdout
+    assert r["lockstep"]["rows_written"] == 0, stdout  # no application: nothing left to write after the fill
