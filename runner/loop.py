@@ -9,6 +9,7 @@ import signal
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import psycopg
 
@@ -33,6 +34,7 @@ SLICE = 0.25  # longest uninterrupted wait, so a signal is noticed quickly
 POLL = 0.1  # how often a sleeping runner looks at the queue's sequence (wake-up latency)
 VACUUM_EVERY = 10.0  # seconds between two VACUUMs of the queue by a runner that worked meanwhile
 BATCH_WAIT = 0.2  # after a worker pass that left no ready keys: let keys gather this long before the next
+WARN_EVERY = 600.0  # the same server WARNING (a run not logged, say: every run says it) once in this long
 RECHECK = 1.0  # after the sequence moved: look at the schedule every POLL this long (the enqueuer may not
 # have committed yet when the sequence moved)
 
@@ -120,6 +122,7 @@ class Runner:
         self._gather_until: dict[str, float] = {}  # job -> monotonic time its next worker pass may start
         self.started = False  # a tick succeeded: from then on every database error is retried
         self._ran = False  # a run went through since the last database error (a backlog's tick is long)
+        self._warned: dict[str, float] = {}  # server WARNING text -> when this runner last logged it
 
     # signals -------------------------------------------------------------------------------------------
     def install_signals(self) -> None:
@@ -147,6 +150,7 @@ class Runner:
         self._close()
         prepare = False if self._pooler_seen else self.opts.prepare
         conn = db.connect(self.opts.dsn, prepare=prepare, check_interval=self.opts.check_interval)
+        conn.add_notice_handler(self._server_warning)
         self.conn = conn
         self.pid = db.backend_pid(conn)
         self._may_vacuum = db.may_vacuum_queue(conn)
@@ -162,6 +166,18 @@ class Runner:
             except psycopg.errors.InsufficientPrivilege as exc:
                 log.warning("cannot read the queue's sequence (%s); waking every --tick only", describe(exc))
         log.debug("connected: backend pid %s, database %s", self.pid, conn.info.dbname)
+
+    def _server_warning(self, diag: Any) -> None:  # psycopg.errors.Diagnostic
+        """The server's WARNINGs reach the runner's log, each text at most once per WARN_EVERY: a run whose
+        history it may not write said so only to the server log (found by a newcomer probe)."""
+        if diag.severity_nonlocalized != "WARNING" or diag.message_primary is None:
+            return
+        now = time.monotonic()
+        last = self._warned.get(diag.message_primary)
+        if last is None or now - last >= WARN_EVERY:
+            self._warned[diag.message_primary] = now
+            hint = f" (hint: {diag.message_hint})" if diag.message_hint else ""
+            log.warning("server: %s%s", diag.message_primary, hint)
 
     def _close(self) -> None:
         if self.conn is not None:

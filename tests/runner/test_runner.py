@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import signal
 import subprocess
@@ -66,6 +67,38 @@ def test_once_exits_1_when_a_run_fails(conn, dsn):
     # nothing due any more (backoff): a second --once runs nothing and succeeds
     p = once(dsn)
     assert p.returncode == 0, p.stderr
+
+
+def test_the_servers_warnings_reach_the_runners_log_once_in_a_while(conn, dsn):
+    """A run's server WARNING (a run it may not log, say) went only to the server log: the runner dropped
+    it (found by a newcomer probe). It is logged, each text at most once per WARN_EVERY."""
+    conn.execute(
+        "create function public.warns() returns void language plpgsql"
+        " as $$ begin raise warning 'disk nearly full' using hint = 'add a disk'; end $$;"
+        " select lockstep.define_job('w', 'public.warns()', every => '1 second')"
+    )
+    p = once(dsn)
+    assert p.returncode == 0, p.stderr
+    assert "server: disk nearly full (hint: add a disk)" in p.stderr, p.stderr
+
+    from runner import loop
+
+    class Diag:
+        severity_nonlocalized, message_primary, message_hint = "WARNING", "run not logged", None
+
+    runner = loop.Runner(loop.Options(dsn=dsn))
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    loop.log.addHandler(handler)
+    try:
+        runner._server_warning(Diag())
+        runner._server_warning(Diag())  # the same text again at once: not logged again
+        Diag.severity_nonlocalized = "NOTICE"
+        runner._server_warning(Diag())
+    finally:
+        loop.log.removeHandler(handler)
+    assert logged == ["server: run not logged"]
 
 
 def test_loop_runs_a_job_repeatedly_and_sigterm_exits_0(conn, dsn, runners):
