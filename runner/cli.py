@@ -480,6 +480,8 @@ def status(dsn: str | None, json: bool, history: bool, job: str | None, limit: i
         # none at all is not a visibility problem (that message sent a user after grants; found by a probe)
         empty = st.no_jobs(conn.info.user) if not rows and db.job_count(conn) else "no jobs defined"
     click.echo(st.to_json(rows) if json else st.to_table(rows, empty=empty))
+    for line in st.reasons(rows, max_lag):
+        click.echo(line, err=True)
     raise SystemExit(st.exit_code(rows, max_lag))
 
 

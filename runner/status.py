@@ -50,6 +50,29 @@ def _lagging(r: dict, max_lag: float | None) -> bool:
     return bool(max_lag) and isinstance(lag, dt.timedelta) and lag.total_seconds() > max_lag
 
 
+def reasons(rows: list[dict], max_lag: float | None = MAX_LAG) -> list[str]:
+    """Why each unhealthy job is (one line each, for ``lockstep status``'s stderr: an exit 1 with only the
+    table left the reader to find the column that made it; found by a newcomer probe)."""
+    out = []
+    for r in rows:
+        why = []
+        if (r.get("consecutive_failures") or 0) > 0:
+            why.append(f"{r['consecutive_failures']} consecutive failure(s)")
+        if r.get("recompute_error") is not None:
+            why.append("its last full recompute failed")
+        if (r.get("parked_keys") or 0) > 0:
+            why.append(f"{r['parked_keys']} parked key(s) (lockstep.parked_keys; lockstep retry)")
+        if r.get("needs_recompute") is not None:
+            why.append("flagged for a full recompute (a trigger could not enqueue: trigger_problem)")
+        if _lagging(r, max_lag):
+            why.append(
+                f"oldest queued key waits {r['queue_lag'].total_seconds():.0f} s (--max-lag {max_lag:g})"
+            )
+        if why:
+            out.append(f"unhealthy: job {r.get('job')}: " + "; ".join(why))
+    return out
+
+
 def unhealthy(rows: list[dict], max_lag: float | None = MAX_LAG) -> bool:
     """Any job failing (consecutive_failures > 0, or its last full recompute: recompute_error), with parked
     keys, flagged for a full recompute

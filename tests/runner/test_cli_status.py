@@ -82,6 +82,10 @@ def test_a_queue_nothing_drains_makes_status_unhealthy(conn, dsn):
     assert 1199 < lag < 1300
     p = status(dsn)
     assert p.returncode == 1 and "queue_lag" in p.stdout.splitlines()[0], p.stdout
+    # and says why on stderr (the table alone left the reader to find the column; a newcomer probe)
+    assert "unhealthy: job d: oldest queued key waits 12" in p.stderr and "(--max-lag 900)" in p.stderr, (
+        p.stderr
+    )
     assert status(dsn, "--max-lag", "3600").returncode == 0
     assert status(dsn, "--max-lag", "0").returncode == 0
     # a parked key's entries are set aside: they do not count as lag (parked keys are reported already)
@@ -90,6 +94,10 @@ def test_a_queue_nothing_drains_makes_status_unhealthy(conn, dsn):
         " values ('d', '1', 5, true, 'x', now())"
     )
     assert conn.execute("select queue_lag < interval '1 minute' from lockstep.status").fetchone()[0]
+    p = status(dsn)
+    assert p.returncode == 1 and p.stderr.strip().splitlines() == [
+        "unhealthy: job d: 1 parked key(s) (lockstep.parked_keys; lockstep retry)"
+    ], p.stderr
     conn.execute("select lockstep.work('d')")  # key 2 written; key 1 stays queued (parked)
     assert conn.execute("select queue_lag from lockstep.status").fetchone()[0] is None
 
