@@ -62,6 +62,12 @@ MIGRATE_PRIVILEGE_HINT = (
 )
 
 
+OTHER_PRIVILEGE_HINT = (
+    "this role lacks a privilege this command needs: docs/security.md lists the grants of each role "
+    "(owner, application, runner, viewer)"
+)
+
+
 def _failure(exc: BaseException, command: str | None = None) -> Failure:
     """One line for any user-facing error, with the exit code and hint its kind calls for."""
     import psycopg
@@ -71,11 +77,17 @@ def _failure(exc: BaseException, command: str | None = None) -> Failure:
     lines = [ln.strip() for ln in str(err).strip().splitlines() if ln.strip()]
     text = lines[0] if lines else type(err).__name__
     hint = codes.permanent_hint(err)
-    if command == "migrate" and getattr(err, "sqlstate", None) == "42501":
+    state = getattr(err, "sqlstate", None)
+    if command == "migrate" and state == "42501":
         hint = MIGRATE_PRIVILEGE_HINT  # not the runner's grants: the installer's
+    elif command not in (None, "run") and state == "42501":
+        # not the runner: an application role's `lockstep status`, another owner's `lockstep drop`... were
+        # told to grant the runner its privileges (found by a newcomer probe). The server's own hint first.
+        diag = getattr(err, "diag", None)
+        hint = getattr(diag, "message_hint", None) or OTHER_PRIVILEGE_HINT
+        return Failure(f"{state}: {text} (hint: {hint})", codes.EXIT_SETUP)
     if hint is not None:
         return Failure(f"{text} (hint: {hint})", codes.EXIT_SETUP)
-    state = getattr(err, "sqlstate", None)
     if isinstance(err, psycopg.OperationalError) and (state is None or state[:2] in ("08", "57", "53")):
         return Failure(text, codes.EXIT_UNREACHABLE)  # no server answered, or it went away
     # the server answered with an error (55P03: a lock the command gave up on): say which, and its hint

@@ -200,3 +200,36 @@ def test_migrate_as_a_role_that_may_not_create_its_tables_says_what_the_installe
         finally:
             admin.execute(sql.SQL("drop owned by {} cascade").format(sql.Identifier(role)))
             admin.execute(sql.SQL("drop role {}").format(sql.Identifier(role)))
+
+
+def test_a_role_without_lockstep_grants_is_not_told_to_grant_the_runner(dsn, conn):
+    """An application role's `lockstep status` and another owner's `lockstep drop` were told to "grant the
+    runner role its privileges" (found by a newcomer probe): the runner was not involved. They get the
+    SQLSTATE and the server's hint, or where each role's grants are listed."""
+    import psycopg
+    from psycopg import sql
+
+    conn.execute(
+        "create function public.noop() returns void language sql as $$ select $$;"
+        " select lockstep.define_job('mine', 'public.noop()')"
+    )
+    role = f"{RUN_TAG}_app"
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute(sql.SQL("create role {} login").format(sql.Identifier(role)))
+        try:
+            p = lockstep("status", "--dsn", with_parts(dsn, user=role))
+            assert p.returncode == EXIT_SETUP, p.stderr
+            line = error_line(p)
+            assert line.startswith("Error: 42501: permission denied for schema lockstep"), line
+            assert "runner role" not in line and "docs/security.md lists the grants of each role" in line, (
+                line
+            )
+            admin.execute(sql.SQL("grant usage on schema lockstep to {}").format(sql.Identifier(role)))
+            admin.execute(sql.SQL("grant select on lockstep.job to {}").format(sql.Identifier(role)))
+            p = lockstep("drop", "mine", "--dsn", with_parts(dsn, user=role))
+            assert p.returncode == EXIT_SETUP, p.stderr
+            line = error_line(p)
+            assert line.startswith("Error: 42501: ") and "runner role" not in line, line
+        finally:
+            admin.execute(sql.SQL("drop owned by {} cascade").format(sql.Identifier(role)))
+            admin.execute(sql.SQL("drop role {}").format(sql.Identifier(role)))
