@@ -20,6 +20,7 @@ error boundary.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json as jsonlib
 import logging
 from datetime import UTC, datetime
@@ -413,6 +414,9 @@ def run(
         check_interval=connection_check_interval,
     )
     metrics = f"http://{metrics_host}:{metrics_port}/metrics" if metrics_port is not None else "off"
+    if metrics_port is not None and importlib.util.find_spec("prometheus_client") is None:
+        # the start-up line named a metrics URL that nothing served (found by a newcomer probe)
+        metrics = "off (prometheus_client is not installed: pip install 'pg-lockstep[metrics]')"
     log.info(
         "lockstep %s run starting: %s; jobs %s; %s; tick %gs; listen %s; batch wait %gs; "
         "prepared statements %s; connection check %s; metrics %s",
@@ -426,7 +430,9 @@ def run(
         "off" if no_prepare else "auto",
         connection_check_interval or "server's",
         metrics,
-        extra={"fields": {"version": __version__, "jobs": list(job), "once": once, "metrics": metrics}},
+        extra={
+            "fields": {"version": __version__, "jobs": list(job) or None, "once": once, "metrics": metrics}
+        },
     )
     raise SystemExit(loop.run(opts, metrics_port, metrics_host))
 

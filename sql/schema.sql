@@ -2502,6 +2502,20 @@ CREATE FUNCTION lockstep._op_sql(op oid) RETURNS text
     where o.oid = op
 $$;
 
+CREATE FUNCTION lockstep._own_enqueuers(job text) RETURNS text
+    LANGUAGE sql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+    select pg_catalog.string_agg(pg_catalog.format('trigger %I on %s (function %s)', t.tgname,
+                                                   t.tgrelid::regclass, p.oid::regprocedure), ', '
+                                 order by t.tgrelid::regclass::text, t.tgname)
+    from pg_catalog.pg_trigger t
+    join pg_catalog.pg_proc p on p.oid = t.tgfoid
+    where not t.tgisinternal and p.pronamespace <> 'lockstep'::regnamespace
+      and p.prosrc ~* 'lockstep\s*\.\s*"?enqueue"?\s*\('
+      and (job is null or pg_catalog.strpos(p.prosrc, pg_catalog.quote_literal(job)) > 0);
+$$;
+
 CREATE FUNCTION lockstep._own_temp(name text) RETURNS boolean
     LANGUAGE plpgsql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -4041,6 +4055,7 @@ declare
     j lockstep.job := lockstep._job(job);
     v_rels regclass[];
     v_drops text[];
+    v_own text;
 begin
     perform lockstep._check_owner(j);
     -- all the watched tables at once, never holding an application up for long (lockstep._ddl, 08_enqueue.sql)
@@ -4054,6 +4069,12 @@ begin
     delete from lockstep.queue q where q.job = j.job;
     delete from lockstep.recompute_flag f where f.job = j.job;
     delete from lockstep.job x where x.job = j.job;
+    v_own := lockstep._own_enqueuers(j.job);
+    if v_own is not null then
+        raise warning 'lockstep: job "%" is dropped, but your own % call(s) lockstep.enqueue(''%'', ...): the next write that fires them fails (LSJ01)',
+            j.job, v_own, j.job
+            using hint = 'Drop those triggers, or define the job again.';
+    end if;
 end;
 $$;
 

@@ -281,6 +281,25 @@ begin
 end;
 $$;
 
+-- lockstep._own_enqueuers(job): the application's own triggers (not lockstep's) whose function calls
+-- lockstep.enqueue, naming job as a literal (job NULL: any job). Read from the functions' source: a
+-- warning's evidence, not a dependency PostgreSQL records. drop_job and the downgrade name them: they fail
+-- the application's next write once the job (LSJ01) or the schema is gone (found by a newcomer probe).
+-- locks: nothing.
+create function lockstep._own_enqueuers(job text) returns text
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select pg_catalog.string_agg(pg_catalog.format('trigger %I on %s (function %s)', t.tgname,
+                                                   t.tgrelid::regclass, p.oid::regprocedure), ', '
+                                 order by t.tgrelid::regclass::text, t.tgname)
+    from pg_catalog.pg_trigger t
+    join pg_catalog.pg_proc p on p.oid = t.tgfoid
+    where not t.tgisinternal and p.pronamespace <> 'lockstep'::regnamespace
+      and p.prosrc ~* 'lockstep\s*\.\s*"?enqueue"?\s*\('
+      and (job is null or pg_catalog.strpos(p.prosrc, pg_catalog.quote_literal(job)) > 0);
+$$;
+
 -- lockstep.drop_job(job): remove a job, its state, its queue, its failures and the triggers that feed it.
 -- locks: the watched tables (drop trigger, through lockstep._ddl: never an application held up for long);
 -- then the job's registry, state, queue and failure rows (deleted).
@@ -293,6 +312,7 @@ declare
     j lockstep.job := lockstep._job(job);
     v_rels regclass[];
     v_drops text[];
+    v_own text;
 begin
     perform lockstep._check_owner(j);
     -- all the watched tables at once, never holding an application up for long (lockstep._ddl, 08_enqueue.sql)
@@ -306,5 +326,11 @@ begin
     delete from lockstep.queue q where q.job = j.job;
     delete from lockstep.recompute_flag f where f.job = j.job;
     delete from lockstep.job x where x.job = j.job;
+    v_own := lockstep._own_enqueuers(j.job);
+    if v_own is not null then
+        raise warning 'lockstep: job "%" is dropped, but your own % call(s) lockstep.enqueue(''%'', ...): the next write that fires them fails (LSJ01)',
+            j.job, v_own, j.job
+            using hint = 'Drop those triggers, or define the job again.';
+    end if;
 end;
 $$;

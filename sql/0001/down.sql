@@ -15,6 +15,11 @@ begin
     if pg_catalog.to_regnamespace('lockstep') is null then
         return;
     end if;
+    if lockstep._own_enqueuers(null) is not null then  -- they fail once the schema is gone
+        raise warning 'lockstep: your own % call lockstep.enqueue: once lockstep is removed, the next write that fires them fails',
+            lockstep._own_enqueuers(null)
+            using hint = 'Drop those triggers (or upgrade again).';
+    end if;
     select coalesce(array_agg(t.tgrelid::regclass order by t.tgrelid, t.tgname), '{}'),
            coalesce(array_agg(pg_catalog.format('drop trigger if exists %I on %s', t.tgname, t.tgrelid::regclass)
                               order by t.tgrelid, t.tgname), '{}')

@@ -137,6 +137,25 @@ def test_item1_a_trigger_written_as_the_manual_shows_enqueues(app):
     assert flag(app, "band") == (False, None)
 
 
+def test_drop_job_names_the_applications_own_triggers_that_still_enqueue_for_it(app):
+    """`lockstep drop` said only "dropped", and the application's own trigger calling lockstep.enqueue for
+    that job failed its next write with LSJ01 (found by a newcomer probe). drop_job names such triggers."""
+    app.execute(
+        "create function app.my_enqueue() returns trigger language plpgsql as $$ begin"
+        " perform lockstep.enqueue('band', array(select distinct aid from new_rows)); return null; end $$;"
+        "create trigger my_txn_ins after insert on app.txn referencing new table as new_rows"
+        " for each statement execute function app.my_enqueue()"
+    )
+    notices: list[str] = []
+    app.add_notice_handler(lambda d: notices.append(d.message_primary or ""))
+    app.execute("select lockstep.drop_job('days')")  # not named in that function: no warning
+    assert not [n for n in notices if "your own" in n], notices
+    app.execute("select lockstep.drop_job('band')")
+    assert [
+        n for n in notices if "your own trigger my_txn_ins on app.txn (function app.my_enqueue())" in n
+    ], notices
+
+
 # -- item 2: redefining a watched job without a parent -----------------------------------------------------
 
 
