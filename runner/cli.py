@@ -531,7 +531,11 @@ def retry(job: str, keys: tuple[str, ...], dsn: str | None, json: bool) -> None:
     if json:
         _echo_json({"job": job, "requeued": n})
     else:
-        click.echo(f"{job}: {n} key{'' if n == 1 else 's'} back in the queue")
+        # and the job's failure backoff ended (lockstep.retry): "0 keys back" after a whole-job failure read
+        # as nothing done (found by a newcomer probe)
+        click.echo(
+            f"{job}: {n} key{'' if n == 1 else 's'} back in the queue; its failure backoff, if any, ended"
+        )
 
 
 @main.command()

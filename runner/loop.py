@@ -413,6 +413,8 @@ class Runner:
                 r.error,
                 extra={"fields": fields},
             )
+        elif r.action == "call":  # a generic job: no rows counted (they read +0 ~0 -0; a newcomer probe)
+            log.info("%s call done in %.1f ms", r.job, fields["ms"], extra={"fields": fields})
         else:
             log.info(
                 "%s %s done: +%d ~%d -%d skipped %d (compute %.1f ms, write %.1f ms, total %.1f ms)",

@@ -1667,8 +1667,10 @@ CREATE FUNCTION lockstep._flag_due(s lockstep.job_state) RETURNS boolean
     LANGUAGE sql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
-    select s.consecutive_failures = 0 and s.recompute_error is null and s.recompute_poisoned_at is null
-           and exists (select from lockstep.recompute_flag f where f.job = s.job);
+    select s.consecutive_failures = 0 and s.recompute_error is null
+           and exists (select from lockstep.recompute_flag f
+                       where f.job = s.job
+                         and (s.recompute_poisoned_at is null or f.flagged_at > s.recompute_poisoned_at));
 $$;
 
 CREATE FUNCTION lockstep._gen_trigger(j lockstep.job, source regclass, key_column name) RETURNS text

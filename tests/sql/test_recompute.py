@@ -550,6 +550,50 @@ def test_a_poison_parent_of_a_flagged_job_is_isolated_not_recomputed_forever(con
     conn.execute("select lockstep.drop_job('badges')")
 
 
+def test_a_flag_raised_after_a_poisoned_recompute_runs_the_recompute_again(conn):
+    """The flags of a job whose recompute was poisoned waited for the next periodic recompute, those
+    raised later too: a TRUNCATE of a watched table after the poison parent was fixed by an ordinary UPDATE
+    left every derived row of the truncated table in place for up to `every` (78,766 stale rows, found by
+    a probe). A flag raised since the poisoned recompute started counts, once."""
+    conn.execute(
+        """
+        create table team (id text primary key, name text not null);
+        create table member (id serial primary key, team_id text not null references team on delete cascade);
+        create table team_size (team_id text primary key references team on delete cascade, n int not null,
+                                badge text);
+        create function sizes(ids text[]) returns table (team_id text, n int, badge text) language sql as $$
+            select t.id, (select count(*) from public.member m where m.team_id = t.id)::int,
+                   case when t.name = 'bad' then (1 / (length(t.name) - 3))::text else upper(t.name) end
+            from public.team t where ids is null or t.id = any(ids) $$;
+        insert into team select 't' || g, 'n' || g from generate_series(1, 9) g;
+        insert into team values ('t10', 'bad');
+        insert into member (team_id) select 't' || (g % 10 + 1) from generate_series(1, 30) g;
+        select lockstep.define_derived('sizes', 'team_size', 'sizes(text[])', 'team', every => '1 day');
+        select lockstep.set_max_attempts('sizes', 1);
+        select lockstep.watch('sizes', 'team', 'id');
+        select lockstep.watch('sizes', 'member', 'team_id');
+        """
+    )
+    r = result(conn, "lockstep.run('sizes')")  # flagged (newly watched): the recompute, poisoned
+    assert r["action"] == "recompute" and "handed to the worker" in (r["error"] or ""), r
+    for _ in range(5):  # the worker writes the healthy teams and parks t10
+        conn.execute("update lockstep.queue set ready_at = now()")
+        conn.execute("update lockstep.job_state set retry_at = null")
+        result(conn, "lockstep.run('sizes')")
+    assert conn.execute("select count(*) from lockstep.parked_keys").fetchone()[0] == 1
+    conn.execute("update team set name = 'good' where id = 't10'")  # the fix, by an ordinary update
+    for _ in range(3):
+        conn.execute("update lockstep.queue set ready_at = now()")
+        result(conn, "lockstep.run('sizes')")
+    assert conn.execute("select count(*) from lockstep.parked_keys").fetchone()[0] == 0
+    assert conn.execute("select count(*) from team_size").fetchone()[0] == 10
+    conn.execute("truncate member")  # a new flag: no transition table names the teams
+    r = result(conn, "lockstep.run('sizes')")
+    assert (r["action"], r["outcome"]) == ("recompute", "done"), r  # before: work (idle), flag held
+    assert conn.execute("select sum(n) from team_size").fetchone()[0] == 0
+    assert conn.execute("select count(*) from lockstep.recompute_flag").fetchone()[0] == 0
+
+
 def test_a_change_the_columns_equality_does_not_see_is_still_written(conn):
     """A box moved to a box of the same area, 'abc' -> 'ABC' under a case-insensitive collation, 1.0 ->
     1.000: each is equal by its type's = (box compares areas), so IS DISTINCT FROM found no difference and
