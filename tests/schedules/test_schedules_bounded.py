@@ -221,6 +221,23 @@ def test_a_recompute_due_during_a_hand_off_carries_its_progress_on(ex):
     assert divergence(ex) == (0, 0)
 
 
+def test_the_progress_counts_the_changed_parents_the_application_had_queued_already(ex):
+    """200 parents changed, 150 of them queued already by the application: the hand-off queued only the
+    other 40, and the progress counted those, 10 / 50, unmoving while the worker took the older entries
+    first (found by a probe). It counts from the first entry of a changed parent."""
+    ex.execute(f"select lockstep.set_batch_parents('{JOB}', 10)")
+    _rewrite(ex, list(range(1, 201)))
+    ex.execute("select lockstep.enqueue(%s, %s::bigint[])", [JOB, list(range(51, 201))])  # the app's
+    r = result(ex, f"lockstep.recompute('{JOB}')")
+    assert (r["outcome"], r["more"]) == ("done", True)
+    assert ex.execute(STATUS_SQL).fetchone() == (10, 200)
+    assert result(ex, f"lockstep.work('{JOB}')")["outcome"] == "done"  # the oldest 10 entries: 51-60
+    assert ex.execute(STATUS_SQL).fetchone() == (20, 200)
+    _drain(ex)
+    assert ex.execute(STATUS_SQL).fetchone() == (None, None)
+    assert divergence(ex) == (0, 0)
+
+
 # -- no lost update, skipped parents retried -----------------------------------------------------------------
 
 
