@@ -1411,14 +1411,14 @@ when others then
 end;
 $_$;
 
-CREATE FUNCTION lockstep._end_backoff(j lockstep.job) RETURNS void
+CREATE FUNCTION lockstep._end_backoff(j lockstep.job, whole boolean) RETURNS void
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
 begin
     update lockstep.job_state s set retry_at = null, next_run_at = least(s.next_run_at, now()),
-                                    recompute_poisoned_at = null
-    where s.job = j.job and (lockstep._not_due(s) = 'backoff' or s.recompute_poisoned_at is not null);
+                                    recompute_poisoned_at = case when whole then null else s.recompute_poisoned_at end
+    where s.job = j.job and (lockstep._not_due(s) = 'backoff' or (whole and s.recompute_poisoned_at is not null));
 end;
 $$;
 
@@ -3174,7 +3174,7 @@ begin
         v_keys := r.raw;
     end if;
     perform lockstep._enqueue_text(j, v_keys);
-    perform lockstep._end_backoff(j);
+    perform lockstep._end_backoff(j, keys is null);
     return coalesce(cardinality(v_keys), 0);
 end;
 $$;
@@ -4263,7 +4263,7 @@ begin
         return lockstep._retry(j, null);
     end if;
     perform lockstep._check_owner(j);
-    perform lockstep._end_backoff(j);
+    perform lockstep._end_backoff(j, true);
     return 0;
 end;
 $$;

@@ -604,19 +604,22 @@ begin
 end;
 $$;
 
--- lockstep._end_backoff(j): the job's failure backoff is over, if it is in one (its last run or its last
--- full recompute failed: 02_lock_group.sql), or its recompute flags are held since a recompute met poison
--- parents (job_state.recompute_poisoned_at): the worker may run at once (retry_at) and the periodic
--- recompute is due now (next_run_at). A job whose last run did not fail keeps its schedule.
+-- lockstep._end_backoff(j, whole): the job's failure backoff is over, if it is in one (its last run or its
+-- last full recompute failed: 02_lock_group.sql), and, for a retry of the whole job (whole), its recompute
+-- flags held since a recompute met poison parents (job_state.recompute_poisoned_at) count again: the
+-- worker may run at once (retry_at) and the periodic recompute is due now (next_run_at). A retry of some
+-- keys leaves that hold: it re-ran the whole-table recompute, which met the other poison parents again and
+-- handed all 56,123 parents to the worker a second time (found by a probe). A job whose last run did not
+-- fail keeps its schedule.
 -- locks: the job's lockstep.job_state row (FOR NO KEY UPDATE, by the update), if so.
-create function lockstep._end_backoff(j lockstep.job) returns void
+create function lockstep._end_backoff(j lockstep.job, whole boolean) returns void
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 begin
     update lockstep.job_state s set retry_at = null, next_run_at = least(s.next_run_at, now()),
-                                    recompute_poisoned_at = null
-    where s.job = j.job and (lockstep._not_due(s) = 'backoff' or s.recompute_poisoned_at is not null);
+                                    recompute_poisoned_at = case when whole then null else s.recompute_poisoned_at end
+    where s.job = j.job and (lockstep._not_due(s) = 'backoff' or (whole and s.recompute_poisoned_at is not null));
 end;
 $$;
 
@@ -649,7 +652,7 @@ begin
         v_keys := r.raw;
     end if;
     perform lockstep._enqueue_text(j, v_keys);
-    perform lockstep._end_backoff(j);
+    perform lockstep._end_backoff(j, keys is null);
     return coalesce(cardinality(v_keys), 0);
 end;
 $$;
@@ -685,7 +688,7 @@ begin
         return lockstep._retry(j, null);
     end if;
     perform lockstep._check_owner(j);
-    perform lockstep._end_backoff(j);
+    perform lockstep._end_backoff(j, true);
     return 0;
 end;
 $$;

@@ -594,6 +594,46 @@ def test_a_flag_raised_after_a_poisoned_recompute_runs_the_recompute_again(conn)
     assert conn.execute("select count(*) from lockstep.recompute_flag").fetchone()[0] == 0
 
 
+def test_a_retry_of_some_keys_does_not_rerun_a_poisoned_recompute(conn):
+    """lockstep retry JOB KEY after a poisoned recompute re-ran the whole-table recompute, which met the
+    other poison parent again and handed every parent to the worker a second time (found by a probe). A
+    retry of some keys queues those; a retry of the whole job makes the recompute due."""
+    conn.execute(
+        """
+        create table team (id text primary key, name text not null);
+        create table team_badge (team_id text primary key references team on delete cascade, badge text);
+        create function badges(ids text[]) returns table (team_id text, badge text) language sql as $$
+            select id, case when name = 'bad' then (1 / (length(name) - 3))::text else upper(name) end
+            from public.team where ids is null or id = any(ids) $$;
+        insert into team select 't' || g, 'n' || g from generate_series(1, 9) g;
+        insert into team values ('t10', 'bad'), ('t11', 'bad');
+        select lockstep.define_derived('badges', 'team_badge', 'badges(text[])', 'team', every => '1 day');
+        select lockstep.set_max_attempts('badges', 1);
+        select lockstep.watch('badges', 'team', 'id');
+        """
+    )
+    r = result(conn, "lockstep.run('badges')")  # flagged: the recompute, poisoned, hands every parent off
+    assert r["action"] == "recompute" and "handed to the worker" in (r["error"] or ""), r
+    for _ in range(6):
+        conn.execute("update lockstep.queue set ready_at = now()")
+        conn.execute("update lockstep.job_state set retry_at = null")
+        result(conn, "lockstep.run('badges')")
+    assert conn.execute("select key from lockstep.parked_keys order by 1").fetchall() == [("t10",), ("t11",)]
+    conn.execute("set session_replication_role = replica")  # fixed behind the triggers: only a retry sees it
+    conn.execute("update team set name = 'good' where id = 't10'")
+    conn.execute("reset session_replication_role")
+    assert conn.execute("select lockstep.retry('badges', array['t10'])").fetchone()[0] == 1
+    r = result(conn, "lockstep.run('badges')")
+    assert (r["action"], r["outcome"]) == ("work", "done"), r  # before: the whole-table recompute again
+    assert conn.execute("select badge from team_badge where team_id = 't10'").fetchone() == ("GOOD",)
+    conn.execute("update team set name = 'fine' where id = 't11'")  # t11: queued again, tried once more
+    conn.execute("select lockstep.retry('badges')")  # the whole job: the held flag counts, the recompute runs
+    r = result(conn, "lockstep.run('badges')")
+    assert (r["action"], r["outcome"]) == ("recompute", "done"), r
+    assert conn.execute("select count(*) from team_badge").fetchone()[0] == 11
+    assert conn.execute("select count(*) from lockstep.recompute_flag").fetchone()[0] == 0
+
+
 def test_a_change_the_columns_equality_does_not_see_is_still_written(conn):
     """A box moved to a box of the same area, 'abc' -> 'ABC' under a case-insensitive collation, 1.0 ->
     1.000: each is equal by its type's = (box compares areas), so IS DISTINCT FROM found no difference and
