@@ -79,7 +79,13 @@ def _failure(exc: BaseException, command: str | None = None) -> Failure:
     text = lines[0] if lines else type(err).__name__
     hint = codes.permanent_hint(err)
     state = getattr(err, "sqlstate", None)
-    if command == "migrate" and state == "42501":
+    if command == "migrate" and state == "42501" and "lockstep_alembic_version" in text:
+        # `migrate current` / `check` by a role that may not read the version table: not a CREATE problem
+        hint = (
+            "this role may not read lockstep's version table: grant select on lockstep_alembic_version, "
+            "or run it as the installer"
+        )
+    elif command == "migrate" and state == "42501":
         hint = MIGRATE_PRIVILEGE_HINT  # not the runner's grants: the installer's
     elif command not in (None, "run") and state == "42501":
         # not the runner: an application role's `lockstep status`, another owner's `lockstep drop`... were

@@ -35,13 +35,26 @@ POOLER_SQLSTATES = {"26000", "42P05"}  # invalid_sql_statement_name, duplicate_p
 POOLER_HINT = "behind a transaction-mode pooler (PgBouncer)? run the runner with --no-prepare"
 
 
+READ_ONLY_HINT = (
+    "a standby, or a read-only session (default_transaction_read_only): point the runner at the primary "
+    "(target_session_attrs=read-write in its DSN)"
+)
+GONE_HINT = "lockstep's schema was dropped or replaced under this session: lockstep migrate, then it recovers"
+
+
 def describe(exc: BaseException) -> str:
-    """One line: SQLSTATE (if any) and the first line of the message (and, for a prepared statement lost
-    or doubled, the pooler hint: the runner only said "retrying"; found by a probe)."""
+    """One line: SQLSTATE (if any) and the first line of the message, with what it means where the message
+    does not say: a prepared statement lost or doubled (the pooler hint: the runner only said "retrying";
+    found by a probe), a read-only transaction, a relation gone under a cached plan (a probe: "could not open
+    relation with OID" while the schema was downgraded under a runner)."""
     text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     state = getattr(exc, "sqlstate", None)
     if state in POOLER_SQLSTATES:
         text = f"{text} ({POOLER_HINT})"
+    elif state == "25006":
+        text = f"{text} ({READ_ONLY_HINT})"
+    elif state == "XX000" and "could not open relation with OID" in text:
+        text = f"{text} ({GONE_HINT})"
     return f"{type(exc).__name__}[{state}]: {text}" if state else f"{type(exc).__name__}: {text}"
 
 

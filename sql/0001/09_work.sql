@@ -422,8 +422,12 @@ declare
 begin
     select * into t from lockstep._try(j, '{}'::text[]);
     if lockstep._timed_out() is not null then
-        return pg_catalog.format('lockstep: statement timeout on an empty pass (%s): the job itself is too slow',
-                                 pg_catalog.current_setting('lockstep.timed_out_error', true));
+        -- the setting in force named: a runner role's own statement_timeout read as the job's fault (a probe)
+        return pg_catalog.format('lockstep: statement timeout on an empty pass (%s): the job itself is too slow '
+                                 'for this session''s statement_timeout of %s (the runner role''s or '
+                                 'database''s setting, or the job''s own)',
+                                 pg_catalog.current_setting('lockstep.timed_out_error', true),
+                                 pg_catalog.current_setting('statement_timeout'));
     elsif t.error is not null then
         return t.error;
     end if;

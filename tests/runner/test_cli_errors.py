@@ -157,3 +157,17 @@ def test_drop_that_gives_up_on_a_busy_table_exits_1_with_the_sqlstate_and_hint(d
     line = assert_clean(p, 1, "55P03", "could not lock its tables", "hint:")
     assert "Nothing was changed" in line, line
     assert setup.execute("select count(*) from lockstep.job").fetchone()[0] == 1
+
+
+def test_describe_says_what_a_read_only_session_and_a_schema_gone_under_a_runner_mean():
+    """A runner on a standby logged only "cannot execute UPDATE in a read-only transaction", one whose
+    schema was downgraded under it "could not open relation with OID ..." (found by a probe)."""
+    from psycopg import errors as pe
+
+    from runner.errors import describe
+
+    ro = describe(pe.ReadOnlySqlTransaction("cannot execute UPDATE in a read-only transaction"))
+    assert ro.startswith("ReadOnlySqlTransaction[25006]: cannot execute UPDATE") and "primary" in ro, ro
+    gone = describe(pe.InternalError_("could not open relation with OID 33798"))
+    assert "[XX000]" in gone and "lockstep migrate" in gone, gone
+    assert describe(pe.InternalError_("something else")) == "InternalError_[XX000]: something else"
