@@ -172,6 +172,8 @@ class Runner:
         history it may not write said so only to the server log (found by a newcomer probe)."""
         if diag.severity_nonlocalized != "WARNING" or diag.message_primary is None:
             return
+        if (diag.sqlstate or "").startswith("57P"):  # "terminating connection due to ... shutdown": the
+            return  # connection error that follows is logged, once (the restart tests count the lines)
         now = time.monotonic()
         last = self._warned.get(diag.message_primary)
         if last is None or now - last >= WARN_EVERY:

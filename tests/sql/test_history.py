@@ -385,7 +385,7 @@ def test_status_history_for_a_role_that_may_not_read_it_is_a_one_line_error(ex, 
     nobody = make_roles(example_dsn, "nobody", "grant usage on schema lockstep to {role}")
     p = cli(as_role(example_dsn, nobody), "--history")
     assert p.returncode == 4  # a setup error (privileges), with a hint
-    assert p.stderr.startswith("Error: permission denied for table run_log"), p.stderr
+    assert p.stderr.startswith("Error: 42501: permission denied for table run_log"), p.stderr
     assert "Traceback" not in p.stderr
 
 
