@@ -1603,9 +1603,20 @@ begin
         last_error = case when v_failed then error else null end,
         recompute_error = case when action in ('recompute', 'call') then case when v_failed then error end
                                else s.recompute_error end,
-        recompute_poisoned_at = case when action = 'recompute' then null else s.recompute_poisoned_at end,
+        -- a poisoned recompute's hold on the flags ends with a worker pass that cured a failing key and left
+        -- none, its hand-off worked off: a TRUNCATE after the poison was fixed waited for the periodic
+        -- recompute, its derived rows stale (found by a probe). A pass that cured nothing ends no hold (a
+        -- whole-table pass that fails with every key alone fine would run again after each hand-off).
+        recompute_poisoned_at = case
+            when action = 'recompute' then null
+            when action = 'work' and not v_failed and s.recompute_poisoned_at is not null
+                 and pg_catalog.current_setting('lockstep.cured', true) = 'on'
+                 and not exists (select from lockstep.key_failure f where f.job = j.job)
+                 and not lockstep._handoff_any(j.job, s.recompute_queue_from, s.recompute_queue_to) then null
+            else s.recompute_poisoned_at end,
         runs = s.runs + case when v_again then 0 else 1 end
     where s.job = j.job;
+    perform pg_catalog.set_config('lockstep.cured', '', true);  -- this pass's only (several in one transaction)
     if not coalesce(v_again, false) then
         perform lockstep._log_run(j, action, outcome, started, p, error);
     end if;
@@ -1671,10 +1682,8 @@ CREATE FUNCTION lockstep._flag_due(s lockstep.job_state) RETURNS boolean
     LANGUAGE sql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
-    select s.consecutive_failures = 0 and s.recompute_error is null
-           and exists (select from lockstep.recompute_flag f
-                       where f.job = s.job
-                         and (s.recompute_poisoned_at is null or f.flagged_at > s.recompute_poisoned_at));
+    select s.consecutive_failures = 0 and s.recompute_error is null and s.recompute_poisoned_at is null
+           and exists (select from lockstep.recompute_flag f where f.job = s.job);
 $$;
 
 CREATE FUNCTION lockstep._gen_trigger(j lockstep.job, source regclass, key_column name) RETURNS text
@@ -3178,7 +3187,9 @@ begin
         v_keys := r.raw;
     end if;
     perform lockstep._enqueue_text(j, v_keys);
-    perform lockstep._end_backoff(j, keys is null);
+    -- no failing key left behind: as a retry of the whole job (the retried keys are all the poison known)
+    perform lockstep._end_backoff(j, keys is null
+                                     or not exists (select from lockstep.key_failure f where f.job = j.job));
     return coalesce(cardinality(v_keys), 0);
 end;
 $$;
@@ -3278,6 +3289,7 @@ declare
     v_terr text := pg_catalog.current_setting('lockstep.timed_out_error', true);
     v_leave text[];
     v_skip text[] := p.skipped;
+    v_cured text;
 begin
     if cardinality(v_susp) = 1 then  -- a key that is slow alone fails like a poison key
         p.failed := p.failed || v_susp;
@@ -3295,11 +3307,16 @@ begin
     -- the entries done go, a parent an application holds is retried a second later (disjoint rows: v_skip
     -- is part of v_leave)
     perform lockstep._settle_entries(j, ids, ctids, entry_keys, v_leave, v_skip);
-    delete from lockstep.key_failure f
-    where f.job = j.job and ((f.key = any(raw) and f.key <> all(v_leave))
-                             -- a probe timed out: the other suspects are cleared, its keys stay suspects
-                             or (kind = 'probe' and cardinality(v_susp) > 0 and f.attempts = 0 and not f.parked
-                                 and f.retry_at <= now() and f.key <> all(v_susp)));
+    with d as (delete from lockstep.key_failure f
+               where f.job = j.job and ((f.key = any(raw) and f.key <> all(v_leave))
+                                        -- a probe timed out: the other suspects are cleared, its keys stay suspects
+                                        or (kind = 'probe' and cardinality(v_susp) > 0 and f.attempts = 0 and not f.parked
+                                            and f.retry_at <= now() and f.key <> all(v_susp)))
+               returning f.attempts)
+    -- a key that had failed is written now: cured (its data fixed); lockstep._finish may end the hold of a
+    -- poisoned recompute's flags
+    select case when bool_or(d.attempts > 0) then pg_catalog.set_config('lockstep.cured', 'on', true) end
+    into v_cured from d;
     insert into lockstep.key_failure as f (job, key, attempts, last_error, retry_at, parked)
     select j.job, x.k, x.a, x.e, x.r, x.p
     from (select k, 1 as a, e, now() + least(j.backoff, interval '2 seconds') as r, j.max_attempts <= 1 as p

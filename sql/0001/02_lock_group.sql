@@ -45,20 +45,19 @@ $$;
 -- back. A good worker pass resets consecutive_failures but not recompute_error, which a failed recompute
 -- set: read alone, the flag re-ran a failing recompute after every worker pass (found by a probe); nor does
 -- it after a recompute that handed every parent to the worker because some are poison
--- (recompute_poisoned_at: it ran again at once and failed the same way, forever; found by a probe). A
--- flag raised since that recompute started is a new change it did not cover, the poison perhaps cured
--- meanwhile: it counts (once: failing again, the recompute moves recompute_poisoned_at past it). Held back
--- as well, a TRUNCATE made after the poison was fixed waited for the periodic recompute, 78,766 stale
--- rows for up to an hour with status healthy but for the flag (found by a probe).
+-- (recompute_poisoned_at: it ran again at once and failed the same way, forever; found by a probe) until
+-- the poison is cured (lockstep._finish clears recompute_poisoned_at after a worker pass that cured a
+-- failing key and left none, the hand-off done), the next periodic recompute, or a retry of the whole job.
+-- (Counting the flags raised since the poisoned recompute started looped: that recompute raises flags
+-- itself, a key too long for the queue; and a trigger that flags on every write re-ran it per write;
+-- found by a review.)
 -- locks: nothing.
 create function lockstep._flag_due(s lockstep.job_state) returns boolean
 language sql stable
 set search_path = pg_catalog, pg_temp
 as $$
-    select s.consecutive_failures = 0 and s.recompute_error is null
-           and exists (select from lockstep.recompute_flag f
-                       where f.job = s.job
-                         and (s.recompute_poisoned_at is null or f.flagged_at > s.recompute_poisoned_at));
+    select s.consecutive_failures = 0 and s.recompute_error is null and s.recompute_poisoned_at is null
+           and exists (select from lockstep.recompute_flag f where f.job = s.job);
 $$;
 
 -- lockstep._is_statement_timeout(started): a query_canceled error came from statement_timeout (recorded

@@ -317,9 +317,20 @@ begin
         last_error = case when v_failed then error else null end,
         recompute_error = case when action in ('recompute', 'call') then case when v_failed then error end
                                else s.recompute_error end,
-        recompute_poisoned_at = case when action = 'recompute' then null else s.recompute_poisoned_at end,
+        -- a poisoned recompute's hold on the flags ends with a worker pass that cured a failing key and left
+        -- none, its hand-off worked off: a TRUNCATE after the poison was fixed waited for the periodic
+        -- recompute, its derived rows stale (found by a probe). A pass that cured nothing ends no hold (a
+        -- whole-table pass that fails with every key alone fine would run again after each hand-off).
+        recompute_poisoned_at = case
+            when action = 'recompute' then null
+            when action = 'work' and not v_failed and s.recompute_poisoned_at is not null
+                 and pg_catalog.current_setting('lockstep.cured', true) = 'on'
+                 and not exists (select from lockstep.key_failure f where f.job = j.job)
+                 and not lockstep._handoff_any(j.job, s.recompute_queue_from, s.recompute_queue_to) then null
+            else s.recompute_poisoned_at end,
         runs = s.runs + case when v_again then 0 else 1 end
     where s.job = j.job;
+    perform pg_catalog.set_config('lockstep.cured', '', true);  -- this pass's only (several in one transaction)
     if not coalesce(v_again, false) then
         perform lockstep._log_run(j, action, outcome, started, p, error);
     end if;

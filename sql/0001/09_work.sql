@@ -459,6 +459,7 @@ declare
     v_terr text := pg_catalog.current_setting('lockstep.timed_out_error', true);
     v_leave text[];
     v_skip text[] := p.skipped;
+    v_cured text;
 begin
     if cardinality(v_susp) = 1 then  -- a key that is slow alone fails like a poison key
         p.failed := p.failed || v_susp;
@@ -476,11 +477,16 @@ begin
     -- the entries done go, a parent an application holds is retried a second later (disjoint rows: v_skip
     -- is part of v_leave)
     perform lockstep._settle_entries(j, ids, ctids, entry_keys, v_leave, v_skip);
-    delete from lockstep.key_failure f
-    where f.job = j.job and ((f.key = any(raw) and f.key <> all(v_leave))
-                             -- a probe timed out: the other suspects are cleared, its keys stay suspects
-                             or (kind = 'probe' and cardinality(v_susp) > 0 and f.attempts = 0 and not f.parked
-                                 and f.retry_at <= now() and f.key <> all(v_susp)));
+    with d as (delete from lockstep.key_failure f
+               where f.job = j.job and ((f.key = any(raw) and f.key <> all(v_leave))
+                                        -- a probe timed out: the other suspects are cleared, its keys stay suspects
+                                        or (kind = 'probe' and cardinality(v_susp) > 0 and f.attempts = 0 and not f.parked
+                                            and f.retry_at <= now() and f.key <> all(v_susp)))
+               returning f.attempts)
+    -- a key that had failed is written now: cured (its data fixed); lockstep._finish may end the hold of a
+    -- poisoned recompute's flags
+    select case when bool_or(d.attempts > 0) then pg_catalog.set_config('lockstep.cured', 'on', true) end
+    into v_cured from d;
     insert into lockstep.key_failure as f (job, key, attempts, last_error, retry_at, parked)
     select j.job, x.k, x.a, x.e, x.r, x.p
     from (select k, 1 as a, e, now() + least(j.backoff, interval '2 seconds') as r, j.max_attempts <= 1 as p
@@ -656,7 +662,9 @@ begin
         v_keys := r.raw;
     end if;
     perform lockstep._enqueue_text(j, v_keys);
-    perform lockstep._end_backoff(j, keys is null);
+    -- no failing key left behind: as a retry of the whole job (the retried keys are all the poison known)
+    perform lockstep._end_backoff(j, keys is null
+                                     or not exists (select from lockstep.key_failure f where f.job = j.job));
     return coalesce(cardinality(v_keys), 0);
 end;
 $$;

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import psycopg
+import pytest
 from util import flushed_stat, result
 
 from runner.lab.example import JOB, divergence
@@ -592,6 +593,72 @@ def test_a_flag_raised_after_a_poisoned_recompute_runs_the_recompute_again(conn)
     assert (r["action"], r["outcome"]) == ("recompute", "done"), r  # before: work (idle), flag held
     assert conn.execute("select sum(n) from team_size").fetchone()[0] == 0
     assert conn.execute("select count(*) from lockstep.recompute_flag").fetchone()[0] == 0
+
+
+@pytest.mark.parametrize("flagger", ["long_key", "trigger"])
+def test_a_poisoned_recompute_is_not_rerun_by_flags_raised_after_it(conn, flagger):
+    """A first version of "a flag raised after the poisoned recompute counts" looped (found by a review):
+    that recompute raises a flag itself for a key too long for the queue (342 recomputes in 4 s, the worker
+    never ran), and a trigger that flags on every write re-ran it, handing every parent off, per write. The
+    hold ends when the poison is cured, not when a flag is newer."""
+    conn.execute(
+        """
+        create table doc (id text primary key, bad boolean not null default false,
+                          n int not null default 0);
+        create table doc_len (doc_id text primary key references doc on delete cascade, len int not null);
+        create function doc_len_c(ids text[]) returns table (doc_id text, len int)
+        language plpgsql stable as $$
+        begin
+            if exists (select from public.doc d where (ids is null or d.id = any(ids)) and d.bad) then
+                raise exception 'bad doc';
+            end if;
+            return query select d.id, length(d.id) + d.n from public.doc d
+                         where ids is null or d.id = any(ids);
+        end $$;
+        insert into doc (id) select 'd' || g from generate_series(1, 10) g;
+        select lockstep.define_derived('doclen', 'doc_len', 'doc_len_c(text[])', parent => 'doc',
+                                       every => '1 hour');
+        select lockstep.watch('doclen', 'doc', 'id');
+        select lockstep.set_max_attempts('doclen', 1);
+        """
+    )
+    if flagger == "long_key":
+        conn.execute("insert into doc (id) values (repeat('L', 2700))")  # too long for the queue: flags
+    assert result(conn, "lockstep.run('doclen')")["outcome"] == "done"  # the recompute (newly watched)
+    conn.execute("update doc set bad = true where id = 'd3'")
+    conn.execute("delete from lockstep.queue")
+    conn.execute("delete from lockstep.recompute_flag")
+    r = result(conn, "lockstep.recompute('doclen')")
+    assert "handed to the worker" in (r["error"] or ""), r
+    if flagger == "trigger":  # one's own trigger without transition tables: it flags the job on each write
+        conn.execute(
+            "create trigger doc_note after update on doc for each statement"
+            " execute function lockstep.enqueue_trigger('doclen', 'id')"
+        )
+    actions = []
+    for i in range(8):
+        if flagger == "trigger":
+            conn.execute("update doc set n = n + 1 where id = %s", [f"d{i % 2 + 5}"])
+        conn.execute("update lockstep.queue set ready_at = now()")
+        conn.execute("update lockstep.job_state set retry_at = null")
+        conn.execute("update lockstep.key_failure set retry_at = now()")
+        actions.append(result(conn, "lockstep.run('doclen')")["action"])
+    assert "recompute" not in actions, actions  # the hold stands while d3 is poison
+    assert conn.execute("select key from lockstep.parked_keys").fetchall() == [("d3",)]
+    conn.execute("update doc set bad = false where id = 'd3'")  # cured by an ordinary update
+    actions = []
+    for _ in range(4):
+        conn.execute("update lockstep.queue set ready_at = now()")
+        actions.append(result(conn, "lockstep.run('doclen')")["action"])
+    assert actions[:2] == ["work", "recompute"], actions  # d3 written (cured), then the held flags
+    assert conn.execute("select count(*) from lockstep.recompute_flag").fetchone()[0] == 0
+    assert (
+        conn.execute(
+            "select count(*) from ((select * from doc_len except select * from doc_len_c(null))"
+            " union all (select * from doc_len_c(null) except select * from doc_len)) x"
+        ).fetchone()[0]
+        == 0
+    )
 
 
 def test_a_retry_of_some_keys_does_not_rerun_a_poisoned_recompute(conn):
