@@ -441,13 +441,22 @@ CREATE FUNCTION lockstep._check_not_ours(rel regclass, what text) RETURNS void
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
 begin
-    if exists (select from pg_catalog.pg_class c
-               where c.oid = any(array[rel] || array(select i.inhparent from pg_catalog.pg_inherits i
-                                                        where i.inhrelid = rel))
-                 and c.relnamespace = 'lockstep'::regnamespace) then
+    -- rel and every table it inherits from (partitions, inheritance children, at any depth), and the
+    -- version table lockstep migrate keeps beside the schema
+    if exists (with recursive up(oid) as (select rel::oid
+                                          union
+                                          select i.inhparent from pg_catalog.pg_inherits i join up on i.inhrelid = up.oid)
+               select from up join pg_catalog.pg_class c on c.oid = up.oid
+               where c.relnamespace = 'lockstep'::regnamespace or c.relname = 'lockstep_alembic_version') then
         raise exception 'lockstep: % is one of lockstep''s own tables: it cannot be %', rel, what
             using errcode = '22023',
                   hint = 'Name the application''s tables: the ones compute reads (watch) or the job writes (target).';
+    end if;
+    -- a temporary table: the runner's sessions never see its rows, and its triggers go with the session that
+    -- made it, leaving their generated function behind (found by a probe)
+    if exists (select from pg_catalog.pg_class c where c.oid = rel and c.relpersistence = 't') then
+        raise exception 'lockstep: % is a temporary table: it cannot be %', rel, what
+            using errcode = '22023', hint = 'Only the session that created it sees its rows; use a regular table.';
     end if;
 end;
 $$;
@@ -690,9 +699,12 @@ begin
             pg_catalog.quote_literal(v_blank) using errcode = '22023';
     end if;
     -- a newline or another control character in a name garbles every log line and status table that shows it
-    if job ~ '[[:cntrl:]]' or lock_group ~ '[[:cntrl:]]' then
+    -- (and the line and paragraph separators, the bidirectional overrides and isolates: they garble too)
+    if job ~ '[[:cntrl:]\u2028\u2029\u202a-\u202e\u2066-\u2069]'
+       or lock_group ~ '[[:cntrl:]\u2028\u2029\u202a-\u202e\u2066-\u2069]' then
         raise exception 'lockstep: job and lock_group must not contain control characters (got %)',
-            pg_catalog.quote_literal(case when job ~ '[[:cntrl:]]' then job else lock_group end)
+            pg_catalog.quote_literal(case when job ~ '[[:cntrl:]\u2028\u2029\u202a-\u202e\u2066-\u2069]'
+                                          then job else lock_group end)
             using errcode = '22023', hint = 'Choose a name of printable characters.';
     end if;
     if pg_catalog.octet_length(job) > 63 then
@@ -2539,8 +2551,13 @@ CREATE FUNCTION lockstep._own_enqueuers(job text) RETURNS text
     from pg_catalog.pg_trigger t
     join pg_catalog.pg_proc p on p.oid = t.tgfoid
     where not t.tgisinternal and p.pronamespace <> 'lockstep'::regnamespace
-      and p.prosrc ~* 'lockstep\s*\.\s*"?enqueue"?\s*\('
-      and (job is null or pg_catalog.strpos(p.prosrc, pg_catalog.quote_literal(job)) > 0);
+      and p.prosrc ~* '"?lockstep"?\s*\.\s*"?enqueue"?\s*\('
+      and (job is null
+           -- the job's name right after the call's parenthesis, or a trigger argument passed on to it
+           or pg_catalog.strpos(pg_catalog.regexp_replace(p.prosrc, '"?lockstep"?\s*\.\s*"?enqueue"?\s*\(\s*', 'lockstep.enqueue(', 'gi'),
+                                'lockstep.enqueue(' || pg_catalog.quote_literal(job)) > 0
+           or (p.prosrc ~* '"?lockstep"?\s*\.\s*"?enqueue"?\s*\(\s*tg_argv'
+               and job = any(pg_catalog.string_to_array(pg_catalog.encode(t.tgargs, 'escape'), '\000'))));
 $$;
 
 CREATE FUNCTION lockstep._own_temp(name text) RETURNS boolean

@@ -29,23 +29,32 @@ begin
 end;
 $$;
 
--- lockstep._check_not_ours(rel, what): rel (or the table it is a partition of) is not one of lockstep's
--- own tables: watched, the queue fed itself on every enqueue until the stack ran out (54001 on every write
--- of every watched table), job_state a job that never went idle (found by a probe); as a target, a job
--- would rewrite lockstep's registry.
+-- lockstep._check_not_ours(rel, what): rel (or a table it is a partition or child of) is not one of
+-- lockstep's own tables, nor a temporary table. Lockstep's own: watched, the queue fed itself on every
+-- enqueue until the stack ran out (54001 on every write of every watched table), job_state a job that
+-- never went idle (found by a probe); as a target, a job would rewrite lockstep's registry.
 -- locks: nothing.
 create function lockstep._check_not_ours(rel regclass, what text) returns void
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
 begin
-    if exists (select from pg_catalog.pg_class c
-               where c.oid = any(array[rel] || array(select i.inhparent from pg_catalog.pg_inherits i
-                                                        where i.inhrelid = rel))
-                 and c.relnamespace = 'lockstep'::regnamespace) then
+    -- rel and every table it inherits from (partitions, inheritance children, at any depth), and the
+    -- version table lockstep migrate keeps beside the schema
+    if exists (with recursive up(oid) as (select rel::oid
+                                          union
+                                          select i.inhparent from pg_catalog.pg_inherits i join up on i.inhrelid = up.oid)
+               select from up join pg_catalog.pg_class c on c.oid = up.oid
+               where c.relnamespace = 'lockstep'::regnamespace or c.relname = 'lockstep_alembic_version') then
         raise exception 'lockstep: % is one of lockstep''s own tables: it cannot be %', rel, what
             using errcode = '22023',
                   hint = 'Name the application''s tables: the ones compute reads (watch) or the job writes (target).';
+    end if;
+    -- a temporary table: the runner's sessions never see its rows, and its triggers go with the session that
+    -- made it, leaving their generated function behind (found by a probe)
+    if exists (select from pg_catalog.pg_class c where c.oid = rel and c.relpersistence = 't') then
+        raise exception 'lockstep: % is a temporary table: it cannot be %', rel, what
+            using errcode = '22023', hint = 'Only the session that created it sees its rows; use a regular table.';
     end if;
 end;
 $$;

@@ -21,9 +21,12 @@ begin
             pg_catalog.quote_literal(v_blank) using errcode = '22023';
     end if;
     -- a newline or another control character in a name garbles every log line and status table that shows it
-    if job ~ '[[:cntrl:]]' or lock_group ~ '[[:cntrl:]]' then
+    -- (and the line and paragraph separators, the bidirectional overrides and isolates: they garble too)
+    if job ~ '[[:cntrl:]\u2028\u2029\u202a-\u202e\u2066-\u2069]'
+       or lock_group ~ '[[:cntrl:]\u2028\u2029\u202a-\u202e\u2066-\u2069]' then
         raise exception 'lockstep: job and lock_group must not contain control characters (got %)',
-            pg_catalog.quote_literal(case when job ~ '[[:cntrl:]]' then job else lock_group end)
+            pg_catalog.quote_literal(case when job ~ '[[:cntrl:]\u2028\u2029\u202a-\u202e\u2066-\u2069]'
+                                          then job else lock_group end)
             using errcode = '22023', hint = 'Choose a name of printable characters.';
     end if;
     if pg_catalog.octet_length(job) > 63 then
@@ -282,8 +285,9 @@ end;
 $$;
 
 -- lockstep._own_enqueuers(job): the application's own triggers (not lockstep's) whose function calls
--- lockstep.enqueue, naming job as a literal (job NULL: any job). Read from the functions' source: a
--- warning's evidence, not a dependency PostgreSQL records. drop_job and the downgrade name them: they fail
+-- lockstep.enqueue, with job as the call's first argument, a literal, or a trigger argument the call reads
+-- from tg_argv (job NULL: any job). Read from the functions' source: a warning's evidence, not a dependency
+-- PostgreSQL records (a call through a helper function or an unqualified name is not seen). drop_job and the downgrade name them: they fail
 -- the application's next write once the job (LSJ01) or the schema is gone (found by a newcomer probe).
 -- locks: nothing.
 create function lockstep._own_enqueuers(job text) returns text
@@ -296,8 +300,13 @@ as $$
     from pg_catalog.pg_trigger t
     join pg_catalog.pg_proc p on p.oid = t.tgfoid
     where not t.tgisinternal and p.pronamespace <> 'lockstep'::regnamespace
-      and p.prosrc ~* 'lockstep\s*\.\s*"?enqueue"?\s*\('
-      and (job is null or pg_catalog.strpos(p.prosrc, pg_catalog.quote_literal(job)) > 0);
+      and p.prosrc ~* '"?lockstep"?\s*\.\s*"?enqueue"?\s*\('
+      and (job is null
+           -- the job's name right after the call's parenthesis, or a trigger argument passed on to it
+           or pg_catalog.strpos(pg_catalog.regexp_replace(p.prosrc, '"?lockstep"?\s*\.\s*"?enqueue"?\s*\(\s*', 'lockstep.enqueue(', 'gi'),
+                                'lockstep.enqueue(' || pg_catalog.quote_literal(job)) > 0
+           or (p.prosrc ~* '"?lockstep"?\s*\.\s*"?enqueue"?\s*\(\s*tg_argv'
+               and job = any(pg_catalog.string_to_array(pg_catalog.encode(t.tgargs, 'escape'), '\000'))));
 $$;
 
 -- lockstep.drop_job(job): remove a job, its state, its queue, its failures and the triggers that feed it.
