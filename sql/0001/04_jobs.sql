@@ -201,8 +201,12 @@ $$;
 -- lockstep._restore_state(j): the job's status row, made again where it is gone (an admin deleted it): the
 -- job had vanished from lockstep.status and lockstep.due(), so no runner ran it again and its queue grew,
 -- with every health check healthy (found by a probe). The new row has the defaults: its periodic part
--- (the recompute of a derived job, which repairs whatever the lost row described) is due now.
--- locks: the new lockstep.job_state row (insert); the caller holds the job's group lock.
+-- (the recompute of a derived job, which repairs whatever the lost row described) is due now. Made under
+-- the group lock (the job's run, which takes it again, holds it to its commit), so a second runner is busy
+-- at once instead of waiting on the first one's uncommitted row until its whole run ends (found by a
+-- review); NULL (a row of NULLs) when the group is busy. A row hidden from this role by row-level security
+-- (a runner not serving the owner) is refused first (lockstep._check_act_as).
+-- locks: the group lock (try); the new lockstep.job_state row (insert).
 create function lockstep._restore_state(j lockstep.job) returns lockstep.job_state
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -210,16 +214,22 @@ as $$
 declare
     s lockstep.job_state;
 begin
-    insert into lockstep.job_state (job) values (j.job) on conflict do nothing;
+    perform lockstep._check_act_as(j);
+    if not lockstep._try_lock(j.lock_group) then
+        return s;
+    end if;
+    begin
+        insert into lockstep.job_state (job) values (j.job) on conflict do nothing;
+    exception when insufficient_privilege then
+        raise exception 'lockstep: the status row of job "%" is gone (lockstep.job_state), and role % may not make it again',
+            j.job, current_user
+            using errcode = '42501',
+                  hint = pg_catalog.format('Run lockstep.define_%s(%L, ...) again as its owner, or grant insert on '
+                                           'lockstep.job_state to the runner (docs/security.md).',
+                                           case when j.kind = 'job' then 'job' else 'derived' end, j.job);
+    end;
     select * into s from lockstep.job_state st where st.job = j.job;
     return s;
-exception when insufficient_privilege then
-    raise exception 'lockstep: the status row of job "%" is gone (lockstep.job_state), and role % may not make it again',
-        j.job, current_user
-        using errcode = '42501',
-              hint = pg_catalog.format('Run lockstep.define_%s(%L, ...) again as its owner, or grant insert on '
-                                       'lockstep.job_state to the runner (docs/security.md).',
-                                       case when j.kind = 'job' then 'job' else 'derived' end, j.job);
 end;
 $$;
 
@@ -247,15 +257,10 @@ begin
     perform lockstep._check_isolation('lockstep.run()');
     select * into s from lockstep.job_state st where st.job = j.job;
     if not found then
-        -- its status row is hidden from this role (row-level security): a runner not serving the owner
-        perform lockstep._check_act_as(j);
-        -- or it is gone (deleted by hand): made again under the group lock (the job's run, which takes
-        -- it again, holds it to its commit), so a second runner is busy at once instead of waiting on
-        -- the first one's uncommitted row until its whole run ends (found by a review)
-        if not lockstep._try_lock(j.lock_group) then
+        s := lockstep._restore_state(j);
+        if s.job is null then
             return lockstep._result('busy', j.job, case when j.kind = 'job' then 'call' else 'recompute' end);
         end if;
-        s := lockstep._restore_state(j);
     end if;
     if j.kind = 'job' then
         if s.next_run_at > now() then

@@ -261,6 +261,17 @@ def test_watching_one_of_locksteps_own_tables_is_refused(app, table, column):
     assert queue(app, "band") == ["2"]
 
 
+def test_work_makes_a_status_row_deleted_by_hand_again(app):
+    """run() made it again; work() called directly wrote its rows and recorded nothing (a review)."""
+    app.execute("delete from lockstep.job_state where job = 'band'")
+    app.execute("update app.acc set bal = bal + 1 where aid = 3")
+    r = result(app, "lockstep.work('band')")  # the row's defaults: the recompute is due, the worker gives way
+    assert r["outcome"] == "busy" and "periodic" in (r["error"] or ""), r
+    assert app.execute("select count(*) from lockstep.job_state where job = 'band'").fetchone()[0] == 1
+    assert result(app, "lockstep.run('band')")["action"] == "recompute"
+    assert divergence(app, "band") == 0
+
+
 def test_a_temporary_table_is_refused_as_a_watched_table_and_as_a_target(app):
     """Accepted before (found by a probe): the runner never sees a temporary table's rows, and its triggers
     went with its session, leaving their generated function behind."""
