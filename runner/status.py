@@ -62,7 +62,13 @@ def reasons(rows: list[dict], max_lag: float | None = MAX_LAG) -> list[str]:
             why.append("its last full recompute failed")
         if (r.get("parked_keys") or 0) > 0:
             why.append(f"{r['parked_keys']} parked key(s) (lockstep.parked_keys; lockstep retry)")
-        if r.get("needs_recompute") is not None:
+        if r.get("needs_recompute") is not None and r.get("recompute_held_since") is not None:
+            why.append(
+                "flagged for a full recompute, held since a recompute met poison parents"
+                f" ({r['recompute_held_since']}): fix them (lockstep.failing_keys),"
+                f" or `lockstep retry {r.get('job')}`"
+            )
+        elif r.get("needs_recompute") is not None:
             why.append("flagged for a full recompute (a trigger could not enqueue: trigger_problem)")
         if _lagging(r, max_lag):
             why.append(

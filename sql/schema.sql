@@ -1433,7 +1433,8 @@ CREATE FUNCTION lockstep._end_backoff(j lockstep.job, whole boolean) RETURNS voi
     AS $$
 begin
     update lockstep.job_state s set retry_at = null, next_run_at = least(s.next_run_at, now()),
-                                    recompute_poisoned_at = case when whole then null else s.recompute_poisoned_at end
+                                    recompute_poisoned_at = case when whole then null else s.recompute_poisoned_at end,
+                                    recompute_poison_cured = case when whole then false else s.recompute_poison_cured end
     where s.job = j.job and (lockstep._not_due(s) = 'backoff' or (whole and s.recompute_poisoned_at is not null));
 end;
 $$;
@@ -1578,7 +1579,18 @@ declare
                               and p.inserted + p.updated + p.deleted + p.gone = 0
                               and cardinality(p.failed) = 0 and cardinality(p.skipped) > 0;
     v_again boolean := false;
+    v_release boolean;
 begin
+    -- a poisoned recompute's hold on the flags ends at a worker pass once a key that had failed was written
+    -- (in this pass or an earlier one: recompute_poison_cured), no key fails any more and the hand-off is
+    -- worked off. A pass that follows no cure ends no hold: a whole-table pass that fails with every key
+    -- alone fine would run again after each hand-off.
+    select action = 'work' and not v_failed and s.recompute_poisoned_at is not null
+           and (s.recompute_poison_cured or pg_catalog.current_setting('lockstep.cured', true) = 'on')
+           and not exists (select from lockstep.key_failure f where f.job = j.job)
+           and not lockstep._handoff_any(j.job, s.recompute_queue_from, s.recompute_queue_to)
+    into v_release
+    from lockstep.job_state s where s.job = j.job;
     if v_only_skipped then  -- the previous pass only skipped too (read under the group lock: no other writer)
         select s.last_action = 'work' and s.last_outcome = 'done' and s.last_error is null
                and s.last_inserted + s.last_updated + s.last_deleted = 0 and s.last_skipped > 0
@@ -1621,11 +1633,13 @@ begin
         -- whole-table pass that fails with every key alone fine would run again after each hand-off).
         recompute_poisoned_at = case
             when action = 'recompute' then null
-            when action = 'work' and not v_failed and s.recompute_poisoned_at is not null
-                 and pg_catalog.current_setting('lockstep.cured', true) = 'on'
-                 and not exists (select from lockstep.key_failure f where f.job = j.job)
-                 and not lockstep._handoff_any(j.job, s.recompute_queue_from, s.recompute_queue_to) then null
+            when v_release then null
             else s.recompute_poisoned_at end,
+        recompute_poison_cured = case
+            when action = 'recompute' or v_release then false
+            when action = 'work' and s.recompute_poisoned_at is not null
+                 and pg_catalog.current_setting('lockstep.cured', true) = 'on' then true
+            else s.recompute_poison_cured end,
         runs = s.runs + case when v_again then 0 else 1 end
     where s.job = j.job;
     perform pg_catalog.set_config('lockstep.cured', '', true);  -- this pass's only (several in one transaction)
@@ -1687,7 +1701,8 @@ CREATE TABLE lockstep.job_state (
     recompute_rest bigint,
     recompute_rest_session text,
     recompute_rest_at timestamp with time zone,
-    recompute_poisoned_at timestamp with time zone
+    recompute_poisoned_at timestamp with time zone,
+    recompute_poison_cured boolean DEFAULT false NOT NULL
 );
 
 CREATE FUNCTION lockstep._flag_due(s lockstep.job_state) RETURNS boolean
@@ -3097,7 +3112,8 @@ begin
     -- taken again at once, the same pass failed the same way, forever, and the worker never took the
     -- hand-off (found by a probe). Not cleared: what they flag (a key too long for the queue, rows of a
     -- parent gone) this hand-off does not cover.
-    update lockstep.job_state s set recompute_poisoned_at = now() where s.job = j.job;
+    update lockstep.job_state s set recompute_poisoned_at = now(), recompute_poison_cured = false
+    where s.job = j.job;
     return lockstep._result('done', j.job, 'recompute', null, v_msg, cardinality(v_keys) > 0);
 end;
 $$;
@@ -4741,7 +4757,8 @@ CREATE VIEW lockstep.status WITH (security_invoker='true') AS
           WHERE (f.job = j.job)
           ORDER BY f.flagged_at DESC
          LIMIT 1) AS trigger_problem,
-    lockstep._queue_lag(j.job) AS queue_lag
+    lockstep._queue_lag(j.job) AS queue_lag,
+    s.recompute_poisoned_at AS recompute_held_since
    FROM ((lockstep.job j
      LEFT JOIN lockstep.job_state s ON ((s.job = j.job)))
      CROSS JOIN LATERAL ( SELECT

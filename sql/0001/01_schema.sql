@@ -154,8 +154,13 @@ create table lockstep.job_state (
     -- (lockstep._recompute_failed): its recompute flags wait, not cleared (that pass saw what they flag only
     -- for the parents it handed off) and not taken again at once (each time the same pass failed the same
     -- way: a loop of ~120 recomputes a second, and no parent written; found by a probe), until the next
-    -- periodic recompute or lockstep.retry. NULL after any other recompute.
-    recompute_poisoned_at   timestamptz
+    -- periodic recompute or lockstep.retry, or until the poison is cured. NULL after any other recompute.
+    recompute_poisoned_at   timestamptz,
+    -- a worker pass wrote a key that had failed since (its data fixed): once no key fails and the hand-off
+    -- is worked off, the hold ends (lockstep._finish). Kept here, not only in the pass that cured it: a key
+    -- cured while the hand-off was still queued (the common case: retries come first) ended no hold, and a
+    -- later TRUNCATE's flag waited for the periodic recompute (found by a review).
+    recompute_poison_cured  boolean not null default false
 );
 
 -- the queue of changed parents: append-only, no unique constraint on (job, key), so an enqueuer never

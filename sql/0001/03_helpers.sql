@@ -289,7 +289,18 @@ declare
                               and p.inserted + p.updated + p.deleted + p.gone = 0
                               and cardinality(p.failed) = 0 and cardinality(p.skipped) > 0;
     v_again boolean := false;
+    v_release boolean;
 begin
+    -- a poisoned recompute's hold on the flags ends at a worker pass once a key that had failed was written
+    -- (in this pass or an earlier one: recompute_poison_cured), no key fails any more and the hand-off is
+    -- worked off. A pass that follows no cure ends no hold: a whole-table pass that fails with every key
+    -- alone fine would run again after each hand-off.
+    select action = 'work' and not v_failed and s.recompute_poisoned_at is not null
+           and (s.recompute_poison_cured or pg_catalog.current_setting('lockstep.cured', true) = 'on')
+           and not exists (select from lockstep.key_failure f where f.job = j.job)
+           and not lockstep._handoff_any(j.job, s.recompute_queue_from, s.recompute_queue_to)
+    into v_release
+    from lockstep.job_state s where s.job = j.job;
     if v_only_skipped then  -- the previous pass only skipped too (read under the group lock: no other writer)
         select s.last_action = 'work' and s.last_outcome = 'done' and s.last_error is null
                and s.last_inserted + s.last_updated + s.last_deleted = 0 and s.last_skipped > 0
@@ -332,11 +343,13 @@ begin
         -- whole-table pass that fails with every key alone fine would run again after each hand-off).
         recompute_poisoned_at = case
             when action = 'recompute' then null
-            when action = 'work' and not v_failed and s.recompute_poisoned_at is not null
-                 and pg_catalog.current_setting('lockstep.cured', true) = 'on'
-                 and not exists (select from lockstep.key_failure f where f.job = j.job)
-                 and not lockstep._handoff_any(j.job, s.recompute_queue_from, s.recompute_queue_to) then null
+            when v_release then null
             else s.recompute_poisoned_at end,
+        recompute_poison_cured = case
+            when action = 'recompute' or v_release then false
+            when action = 'work' and s.recompute_poisoned_at is not null
+                 and pg_catalog.current_setting('lockstep.cured', true) = 'on' then true
+            else s.recompute_poison_cured end,
         runs = s.runs + case when v_again then 0 else 1 end
     where s.job = j.job;
     perform pg_catalog.set_config('lockstep.cured', '', true);  -- this pass's only (several in one transaction)

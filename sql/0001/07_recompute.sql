@@ -422,7 +422,8 @@ begin
     -- taken again at once, the same pass failed the same way, forever, and the worker never took the
     -- hand-off (found by a probe). Not cleared: what they flag (a key too long for the queue, rows of a
     -- parent gone) this hand-off does not cover.
-    update lockstep.job_state s set recompute_poisoned_at = now() where s.job = j.job;
+    update lockstep.job_state s set recompute_poisoned_at = now(), recompute_poison_cured = false
+    where s.job = j.job;
     return lockstep._result('done', j.job, 'recompute', null, v_msg, cardinality(v_keys) > 0);
 end;
 $$;

@@ -634,7 +634,8 @@ set search_path = pg_catalog, pg_temp
 as $$
 begin
     update lockstep.job_state s set retry_at = null, next_run_at = least(s.next_run_at, now()),
-                                    recompute_poisoned_at = case when whole then null else s.recompute_poisoned_at end
+                                    recompute_poisoned_at = case when whole then null else s.recompute_poisoned_at end,
+                                    recompute_poison_cured = case when whole then false else s.recompute_poison_cured end
     where s.job = j.job and (lockstep._not_due(s) = 'backoff' or (whole and s.recompute_poisoned_at is not null));
 end;
 $$;

@@ -109,7 +109,11 @@ select j.job,
        (select min(f.flagged_at) from lockstep.recompute_flag f where f.job = j.job) as needs_recompute,
        (select f.problem from lockstep.recompute_flag f where f.job = j.job order by f.flagged_at desc limit 1)
            as trigger_problem,
-       lockstep._queue_lag(j.job) as queue_lag
+       lockstep._queue_lag(j.job) as queue_lag,
+       -- its flags held since a recompute met poison parents, until they are cured (written again), the
+       -- next periodic recompute or lockstep.retry(job): "flagged" alone left an operator nothing to act on
+       -- (found by a review)
+       s.recompute_poisoned_at as recompute_held_since
 from lockstep.job j
 -- a status row deleted by hand: the job is shown (and due: run() makes the row again) to the roles that
 -- manage it; to others a missing row is one row-level security hides, as before

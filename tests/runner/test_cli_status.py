@@ -115,3 +115,20 @@ def test_an_infinite_next_run_does_not_break_status(conn, dsn):
     assert p.returncode == 0 and "ok" in p.stdout, p.stderr
     p = status(dsn, "--json")
     assert p.returncode == 0 and json.loads(p.stdout)[0]["next_run_at"].startswith("9999-12-31"), p.stdout
+
+
+def test_a_flag_held_since_a_poisoned_recompute_says_what_to_do():
+    """'flagged' alone, with no failing key shown and an empty queue, left an operator nothing to act on
+    while the hold lasted (found by a review)."""
+    import datetime as dt
+
+    from runner.status import reasons
+
+    held = dt.datetime(2026, 12, 3, 15, 0, tzinfo=dt.UTC)
+    rows = [{"job": "dj", "needs_recompute": held, "recompute_held_since": held, "consecutive_failures": 0}]
+    (line,) = reasons(rows)
+    assert "held since a recompute met poison parents" in line and "lockstep retry dj" in line, line
+    rows[0]["recompute_held_since"] = None
+    assert reasons(rows) == [
+        "unhealthy: job dj: flagged for a full recompute (a trigger could not enqueue: trigger_problem)"
+    ]

@@ -84,7 +84,12 @@ def test_the_servers_warnings_reach_the_runners_log_once_in_a_while(conn, dsn):
     from runner import loop
 
     class Diag:
-        severity_nonlocalized, message_primary, message_hint = "WARNING", "run not logged", None
+        severity_nonlocalized, message_primary, message_hint, sqlstate = (
+            "WARNING",
+            "run not logged",
+            None,
+            "01000",
+        )
 
     runner = loop.Runner(loop.Options(dsn=dsn))
     logged = []

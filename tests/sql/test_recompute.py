@@ -661,6 +661,61 @@ def test_a_poisoned_recompute_is_not_rerun_by_flags_raised_after_it(conn, flagge
     )
 
 
+def test_a_poison_cured_while_the_hand_off_is_still_queued_ends_the_hold(conn, dsn):
+    """The hold ended only if the pass that wrote the cured key also found the hand-off worked off; retries
+    come first, so a key cured early (the common case) left the hold on for good, and a later TRUNCATE's
+    flag waited for the periodic recompute, every derived row stale (found by a review)."""
+    conn.execute(
+        """
+        create table p (id int primary key, v int not null, bad boolean not null default false);
+        create table side (p_id int not null);
+        create table d (p_id int primary key references p on delete cascade, v int not null);
+        create function d_c(ids int[]) returns table (p_id int, v int) language plpgsql stable as $$
+        begin
+            if exists (select from public.p x where (ids is null or x.id = any(ids)) and x.bad) then
+                raise exception 'bad parent';
+            end if;
+            return query select x.id, x.v + (select count(*) from public.side s where s.p_id = x.id)::int
+                         from public.p x where ids is null or x.id = any(ids);
+        end $$;
+        insert into p select g, g from generate_series(1, 100) g;
+        insert into side select g from generate_series(1, 100) g;
+        select lockstep.define_derived('dj', 'd', 'd_c(int[])', parent => 'p', every => '1 day');
+        select lockstep.set_batch_parents('dj', 10);
+        select lockstep.watch('dj', 'p', 'id');
+        select lockstep.watch('dj', 'side', 'p_id');
+        """
+    )
+
+    def run():
+        conn.execute("update lockstep.queue set ready_at = now()")
+        conn.execute("update lockstep.job_state set retry_at = null")
+        conn.execute("update lockstep.key_failure set retry_at = now()")
+        return result(conn, "lockstep.run('dj')")
+
+    for _ in range(15):  # the first fill (newly watched: the recompute, then its hand-off)
+        run()
+    assert conn.execute("select count(*) from lockstep.queue").fetchone()[0] == 0
+    conn.execute("update p set bad = true where id = 1")
+    conn.execute("truncate side")  # a flag: the recompute, poisoned by parent 1, hands all 100 off
+    r = run()
+    assert "handed to the worker" in (r["error"] or ""), r
+    r = run()  # the first pass: parent 1 fails
+    assert conn.execute("select count(*) from lockstep.key_failure where attempts > 0").fetchone()[0] == 1
+    conn.execute("update p set bad = false where id = 1")  # the fix, with 90 parents still queued
+    actions = [run()["action"] for _ in range(20)]
+    assert "recompute" in actions, actions  # before: all work, the hold on for good
+    assert conn.execute("select count(*) from lockstep.recompute_flag").fetchone()[0] == 0
+    assert (
+        conn.execute(
+            "select count(*) from ((select * from d except select * from d_c(null))"
+            " union all (select * from d_c(null) except select * from d)) x"
+        ).fetchone()[0]
+        == 0
+    )
+    assert conn.execute("select recompute_held_since from lockstep.status").fetchone()[0] is None
+
+
 def test_a_retry_of_some_keys_does_not_rerun_a_poisoned_recompute(conn):
     """lockstep retry JOB KEY after a poisoned recompute re-ran the whole-table recompute, which met the
     other poison parent again and handed every parent to the worker a second time (found by a probe). A
