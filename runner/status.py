@@ -65,8 +65,8 @@ def reasons(rows: list[dict], max_lag: float | None = MAX_LAG) -> list[str]:
         if r.get("needs_recompute") is not None and r.get("recompute_held_since") is not None:
             why.append(
                 "flagged for a full recompute, held since a recompute met poison parents"
-                f" ({r['recompute_held_since']}): fix them (lockstep.failing_keys),"
-                f" or `lockstep retry {r.get('job')}`"
+                f" ({r['recompute_held_since']}; its error names one): once they are fixed,"
+                f" `lockstep retry {r.get('job')}`"
             )
         elif r.get("needs_recompute") is not None:
             why.append("flagged for a full recompute (a trigger could not enqueue: trigger_problem)")

@@ -3343,19 +3343,25 @@ begin
                                   'where r::%s::text = any($2)', lockstep._type_sql(j.key_type)) into v_skip using raw, v_skip;
     end if;
     v_leave := v_leave || bad;  -- their entries stay, shown as parked
+    -- cured: a key that had failed is written now, and the application changed it since it failed (an
+    -- entry of this pass enqueued after its last failure): lockstep._finish may end the hold of a poisoned
+    -- recompute's flags. A key that failed once and then went through unchanged (a timeout on a cold
+    -- cache) is no cure: counted as one, a whole-table pass that always fails re-ran after every hand-off
+    -- (found by a review).
+    select case when pg_catalog.count(*) > 0 then pg_catalog.set_config('lockstep.cured', 'on', true) end
+    into v_cured
+    from lockstep.key_failure f
+    where f.job = j.job and f.attempts > 0 and f.key = any(raw) and f.key <> all(v_leave)
+      and exists (select from lockstep.queue q
+                  where q.job = j.job and q.id = any(ids) and q.key = f.key and q.enqueued_at > f.last_failed_at);
     -- the entries done go, a parent an application holds is retried a second later (disjoint rows: v_skip
     -- is part of v_leave)
     perform lockstep._settle_entries(j, ids, ctids, entry_keys, v_leave, v_skip);
-    with d as (delete from lockstep.key_failure f
-               where f.job = j.job and ((f.key = any(raw) and f.key <> all(v_leave))
-                                        -- a probe timed out: the other suspects are cleared, its keys stay suspects
-                                        or (kind = 'probe' and cardinality(v_susp) > 0 and f.attempts = 0 and not f.parked
-                                            and f.retry_at <= now() and f.key <> all(v_susp)))
-               returning f.attempts)
-    -- a key that had failed is written now: cured (its data fixed); lockstep._finish may end the hold of a
-    -- poisoned recompute's flags
-    select case when bool_or(d.attempts > 0) then pg_catalog.set_config('lockstep.cured', 'on', true) end
-    into v_cured from d;
+    delete from lockstep.key_failure f
+    where f.job = j.job and ((f.key = any(raw) and f.key <> all(v_leave))
+                             -- a probe timed out: the other suspects are cleared, its keys stay suspects
+                             or (kind = 'probe' and cardinality(v_susp) > 0 and f.attempts = 0 and not f.parked
+                                 and f.retry_at <= now() and f.key <> all(v_susp)));
     insert into lockstep.key_failure as f (job, key, attempts, last_error, retry_at, parked)
     select j.job, x.k, x.a, x.e, x.r, x.p
     from (select k, 1 as a, e, now() + least(j.backoff, interval '2 seconds') as r, j.max_attempts <= 1 as p

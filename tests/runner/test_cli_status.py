@@ -127,7 +127,7 @@ def test_a_flag_held_since_a_poisoned_recompute_says_what_to_do():
     held = dt.datetime(2026, 12, 3, 15, 0, tzinfo=dt.UTC)
     rows = [{"job": "dj", "needs_recompute": held, "recompute_held_since": held, "consecutive_failures": 0}]
     (line,) = reasons(rows)
-    assert "held since a recompute met poison parents" in line and "lockstep retry dj" in line, line
+    assert "held since a recompute met poison parents" in line and "fixed, `lockstep retry dj`" in line, line
     rows[0]["recompute_held_since"] = None
     assert reasons(rows) == [
         "unhealthy: job dj: flagged for a full recompute (a trigger could not enqueue: trigger_problem)"

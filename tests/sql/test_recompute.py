@@ -716,6 +716,44 @@ def test_a_poison_cured_while_the_hand_off_is_still_queued_ends_the_hold(conn, d
     assert conn.execute("select recompute_held_since from lockstep.status").fetchone()[0] is None
 
 
+def test_a_key_that_fails_once_then_goes_through_unchanged_cures_nothing(conn):
+    """With a whole-table pass that always fails, a key that failed its first try and went through on its
+    retry, its data unchanged (a timeout on a cold cache), counted as a cure: the hold ended after every
+    hand-off and the recompute ran again, one full compute and hand-off per cycle, the worker never idle
+    (found by a review). A cure needs an application change since the key failed."""
+    conn.execute(
+        """
+        create table p (id int primary key, v int not null);
+        create table side (p_id int not null);
+        create table d (p_id int primary key references p on delete cascade, v int not null);
+        create function d_c(ids int[]) returns table (p_id int, v int) language plpgsql volatile as $$
+        begin
+            if ids is null and exists (select from public.p) then
+                raise exception 'the whole-table pass always fails';
+            end if;
+            if 7 = any(ids) and not exists (select from lockstep.key_failure f where f.key = '7') then
+                raise exception 'first try of 7';
+            end if;
+            return query select x.id, x.v from public.p x where ids is null or x.id = any(ids);
+        end $$;
+        insert into p select g, g from generate_series(1, 30) g;
+        select lockstep.define_derived('dj', 'd', 'd_c(int[])', parent => 'p', every => '1 day');
+        select lockstep.set_batch_parents('dj', 10);
+        select lockstep.watch('dj', 'p', 'id');
+        select lockstep.watch('dj', 'side', 'p_id');
+        """
+    )
+    actions = []
+    for _ in range(60):
+        conn.execute("update lockstep.queue set ready_at = now()")
+        conn.execute("update lockstep.job_state set retry_at = null")
+        conn.execute("update lockstep.key_failure set retry_at = now()")
+        actions.append(result(conn, "lockstep.run('dj')")["action"])
+    assert actions.count("recompute") == 1, actions  # before: one per hand-off
+    assert conn.execute("select count(*) from d").fetchone()[0] == 30  # the worker wrote every parent
+    assert conn.execute("select recompute_held_since is not null from lockstep.status").fetchone()[0]
+
+
 def test_a_retry_of_some_keys_does_not_rerun_a_poisoned_recompute(conn):
     """lockstep retry JOB KEY after a poisoned recompute re-ran the whole-table recompute, which met the
     other poison parent again and handed every parent to the worker a second time (found by a probe). A
