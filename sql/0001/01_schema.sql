@@ -216,5 +216,10 @@ create table lockstep.key_failure (
     last_failed_at  timestamptz not null default now(),
     retry_at        timestamptz not null,
     parked          boolean not null default false,
+    -- the highest queue id the pass that last failed on the key had claimed: an entry of the key above it
+    -- is a change that pass did not see (a parked key tried once more, a cure). Compared by time
+    -- (enqueued_at, its transaction's start, against last_failed_at), a fix whose transaction began before
+    -- the failing try and committed after it was missed: the key stayed parked on fixed data (a review).
+    failed_upto     bigint not null default 0,
     primary key (job, key)
 );

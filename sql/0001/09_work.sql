@@ -129,7 +129,7 @@ begin
         where q.job = j.job and q.ready_at <= now()
           and not exists (select from lockstep.key_failure f
                           where f.job = q.job and f.key = q.key
-                            and case when f.parked then q.enqueued_at <= f.last_failed_at  -- see _claim
+                            and case when f.parked then q.id <= f.failed_upto  -- see _claim
                                      else f.retry_at > now() end));
 end;
 $$;
@@ -217,7 +217,7 @@ $$;
 --   retry: ready failing keys (attempts >= 1), each tried alone (a slow key then fails alone), and parked
 --          keys queued again since they were parked: an application changed the parent again, and its
 --          change may be the fix. Tried alone once; failing again, the key is parked again (its
---          last_failed_at then covers that entry). Before, a parked key's new changes were held until a
+--          failed_upto then covers that entry). Before, a parked key's new changes were held until a
 --          retry() or the next periodic recompute, the fix of its data included (found by a probe);
 
 --   batch: the keys of the oldest ready entries, up to batch distinct keys that have no key_failure row;
@@ -238,7 +238,7 @@ begin
        and not exists (select from lockstep.key_failure f
                        where f.job = j.job and f.parked
                          and exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true
-                                     and q.enqueued_at > f.last_failed_at)) then
+                                     and q.id > f.failed_upto)) then
         select array_agg(distinct c.key), count(*) >= batch into keys, full
         from (select q.key from lockstep.queue q
               where q.job = j.job and q.ready_at <= now()
@@ -261,7 +261,7 @@ begin
     from (select f.key from lockstep.key_failure f
           where f.job = j.job and f.attempts > 0 and (f.parked or f.retry_at <= now())
             and exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true
-                        and (not f.parked or q.enqueued_at > f.last_failed_at))
+                        and (not f.parked or q.id > f.failed_upto))
           order by f.retry_at, f.key limit batch) f;
     if keys is not null then
         kind := 'retry';
@@ -484,7 +484,7 @@ begin
     from lockstep.key_failure f
     where f.job = j.job and f.attempts > 0 and f.key = any(raw) and f.key <> all(v_leave)
       and exists (select from lockstep.queue q
-                  where q.job = j.job and q.id = any(ids) and q.key = f.key and q.enqueued_at > f.last_failed_at);
+                  where q.job = j.job and q.id = any(ids) and q.key = f.key and q.id > f.failed_upto);
     -- the entries done go, a parent an application holds is retried a second later (disjoint rows: v_skip
     -- is part of v_leave)
     perform lockstep._settle_entries(j, ids, ctids, entry_keys, v_leave, v_skip);
@@ -493,8 +493,8 @@ begin
                              -- a probe timed out: the other suspects are cleared, its keys stay suspects
                              or (kind = 'probe' and cardinality(v_susp) > 0 and f.attempts = 0 and not f.parked
                                  and f.retry_at <= now() and f.key <> all(v_susp)));
-    insert into lockstep.key_failure as f (job, key, attempts, last_error, retry_at, parked)
-    select j.job, x.k, x.a, x.e, x.r, x.p
+    insert into lockstep.key_failure as f (job, key, attempts, last_error, retry_at, parked, failed_upto)
+    select j.job, x.k, x.a, x.e, x.r, x.p, coalesce((select max(i) from pg_catalog.unnest(ids) i), 0)
     from (select k, 1 as a, e, now() + least(j.backoff, interval '2 seconds') as r, j.max_attempts <= 1 as p
           from unnest(p.failed, p.errors) as u(k, e)
           union all
@@ -510,6 +510,7 @@ begin
         set attempts = case when excluded.attempts = 0 then f.attempts
                             else greatest(f.attempts + 1, excluded.attempts) end,
             last_error = excluded.last_error, last_failed_at = now(),
+            failed_upto = greatest(f.failed_upto, excluded.failed_upto),
             retry_at = case when excluded.attempts = 0 then excluded.retry_at
                             else now() + least(j.backoff, interval '1 second' * power(2, least(f.attempts + 1, 20))) end,
             parked = excluded.parked or (excluded.attempts > 0 and f.attempts + 1 >= j.max_attempts);

@@ -89,9 +89,9 @@ def test_a_queue_nothing_drains_makes_status_unhealthy(conn, dsn):
     assert status(dsn, "--max-lag", "3600").returncode == 0
     assert status(dsn, "--max-lag", "0").returncode == 0
     # a parked key's entries are set aside: they do not count as lag (parked keys are reported already)
-    conn.execute(
-        "insert into lockstep.key_failure (job, key, attempts, parked, last_error, retry_at)"
-        " values ('d', '1', 5, true, 'x', now())"
+    conn.execute(  # parked after its entries were queued (failed_upto: the highest queue id it had seen)
+        "insert into lockstep.key_failure (job, key, attempts, parked, last_error, retry_at, failed_upto)"
+        " values ('d', '1', 5, true, 'x', now(), (select max(id) from lockstep.queue))"
     )
     assert conn.execute("select queue_lag < interval '1 minute' from lockstep.status").fetchone()[0]
     p = status(dsn)

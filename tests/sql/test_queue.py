@@ -228,6 +228,40 @@ def test_a_parked_key_queued_again_is_tried_again_once(ex):
     assert queue_keys(ex) == [] and divergence(ex) == (0, 0)
 
 
+def test_a_fix_whose_transaction_began_before_the_key_was_parked_is_still_tried(ex, exconnect):
+    """Queued again "since it was parked" was told by time: enqueued_at (its transaction's start) after
+    last_failed_at. A fix whose transaction began before the try that parked the key, and committed after
+    it, looked older: the key stayed parked on fixed data (found by a review). It is told by queue id now:
+    an entry above the highest one the failing pass had claimed."""
+    ex.execute(
+        """
+        create function example.picky(ids bigint[]) returns table (exam_id bigint, key text, weight integer)
+        language plpgsql as $$ begin
+            if exists (select from example.exam e where e.id = any(ids) and e.title like '%poison%') then
+                raise exception 'cannot compute a poisoned exam'; end if;
+            return query select * from example.exam_key_compute(ids); end $$;
+        """
+    )
+    ex.execute(
+        f"select lockstep.define_derived('{JOB}', 'example.exam_key', 'example.picky(bigint[])',"
+        " 'example.exam')"
+    )
+    ex.execute(f"select lockstep.set_max_attempts('{JOB}', 1)")
+    not_due(ex, JOB)
+    ex.execute("update example.exam set title = title || ' poison' where id = 13")
+    app = exconnect()
+    app.execute("begin")
+    app.execute("select 1")  # the application's transaction begins (now() is fixed from here)
+    result(ex, f"lockstep.work('{JOB}')")  # the try that parks 13
+    assert ex.execute("select key from lockstep.parked_keys").fetchall() == [("13",)]
+    app.execute("update example.exam set title = replace(title, ' poison', '') where id = 13")
+    app.execute("commit")
+    r = result(ex, f"lockstep.work('{JOB}')")
+    assert r["outcome"] == "done" and r["error"] is None, r  # before: idle, 13 parked on fixed data
+    assert ex.execute("select count(*) from lockstep.key_failure").fetchone()[0] == 0
+    assert queue_keys(ex) == [] and divergence(ex) == (0, 0)
+
+
 def test_retry_drops_a_queued_key_that_names_no_parent_and_retries_the_others(ex):
     # A trigger on a column whose type changed since watch() can queue 'abc' for a bigint job: the worker
     # parks it (it cannot be read as bigint). retry() queued it again through the bigint cast, failed with
@@ -236,9 +270,9 @@ def test_retry_drops_a_queued_key_that_names_no_parent_and_retries_the_others(ex
     not_due(ex, JOB)
     ex.execute(f"insert into lockstep.queue (job, key) values ('{JOB}', 'abc')")
     ex.execute(f"select lockstep.enqueue('{JOB}', array[5])")
-    ex.execute(
-        "insert into lockstep.key_failure (job, key, attempts, parked, retry_at)"
-        f" values ('{JOB}', '5', 5, true, now())"
+    ex.execute(  # parked after its entry was queued (failed_upto: the highest queue id it had seen)
+        "insert into lockstep.key_failure (job, key, attempts, parked, retry_at, failed_upto)"
+        f" values ('{JOB}', '5', 5, true, now(), (select max(id) from lockstep.queue))"
     )
     result(ex, f"lockstep.work('{JOB}')")
     parked = "select key from lockstep.parked_keys order by 1"
