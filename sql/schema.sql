@@ -690,6 +690,9 @@ declare
     g record;
     v_blank text := case when pg_catalog.btrim(job, E' \t\n\r') = '' then job
                          when pg_catalog.btrim(lock_group, E' \t\n\r') = '' then lock_group end;
+    -- a newline or another control character in a name garbles every log line and status table that shows
+    -- it (and the line and paragraph separators, the bidirectional overrides and isolates: they garble too)
+    v_garbling constant text := '[[:cntrl:]\u2028\u2029\u202a-\u202e\u2066-\u2069]';
 begin
     if job is null or every is null or backoff is null then
         raise exception 'lockstep: job, every and backoff must not be NULL' using errcode = '22004';
@@ -698,13 +701,9 @@ begin
         raise exception 'lockstep: job and lock_group must not be empty or blank strings (got %)',
             pg_catalog.quote_literal(v_blank) using errcode = '22023';
     end if;
-    -- a newline or another control character in a name garbles every log line and status table that shows it
-    -- (and the line and paragraph separators, the bidirectional overrides and isolates: they garble too)
-    if job ~ '[[:cntrl:]\u2028\u2029\u202a-\u202e\u2066-\u2069]'
-       or lock_group ~ '[[:cntrl:]\u2028\u2029\u202a-\u202e\u2066-\u2069]' then
+    if job ~ v_garbling or lock_group ~ v_garbling then
         raise exception 'lockstep: job and lock_group must not contain control characters (got %)',
-            pg_catalog.quote_literal(case when job ~ '[[:cntrl:]\u2028\u2029\u202a-\u202e\u2066-\u2069]'
-                                          then job else lock_group end)
+            pg_catalog.quote_literal(case when job ~ v_garbling then job else lock_group end)
             using errcode = '22023', hint = 'Choose a name of printable characters.';
     end if;
     if pg_catalog.octet_length(job) > 63 then
@@ -1578,25 +1577,25 @@ declare
     v_only_skipped boolean := only_skipped and action = 'work' and outcome = 'done' and error is null
                               and p.inserted + p.updated + p.deleted + p.gone = 0
                               and cardinality(p.failed) = 0 and cardinality(p.skipped) > 0;
-    v_again boolean := false;
+    v_cured boolean := pg_catalog.current_setting('lockstep.cured', true) = 'on';  -- set by lockstep._settle
+    v_s lockstep.job_state;
+    v_again boolean;
     v_release boolean;
 begin
+    -- the status row as it was (read under the group lock: no other writer), once for both questions
+    select * into v_s from lockstep.job_state s where s.job = j.job;
+    -- the previous pass only skipped too
+    v_again := v_only_skipped and v_s.last_action = 'work' and v_s.last_outcome = 'done' and v_s.last_error is null
+               and v_s.last_inserted + v_s.last_updated + v_s.last_deleted = 0 and v_s.last_skipped > 0;
     -- a poisoned recompute's hold on the flags ends at a worker pass once a key that had failed was written
     -- (in this pass or an earlier one: recompute_poison_cured), no key fails any more and the hand-off is
-    -- worked off. A pass that follows no cure ends no hold: a whole-table pass that fails with every key
-    -- alone fine would run again after each hand-off.
-    select action = 'work' and not v_failed and s.recompute_poisoned_at is not null
-           and (s.recompute_poison_cured or pg_catalog.current_setting('lockstep.cured', true) = 'on')
-           and not exists (select from lockstep.key_failure f where f.job = j.job)
-           and not lockstep._handoff_any(j.job, s.recompute_queue_from, s.recompute_queue_to)
-    into v_release
-    from lockstep.job_state s where s.job = j.job;
-    if v_only_skipped then  -- the previous pass only skipped too (read under the group lock: no other writer)
-        select s.last_action = 'work' and s.last_outcome = 'done' and s.last_error is null
-               and s.last_inserted + s.last_updated + s.last_deleted = 0 and s.last_skipped > 0
-        into v_again
-        from lockstep.job_state s where s.job = j.job;
-    end if;
+    -- worked off: a TRUNCATE after the poison was fixed waited for the periodic recompute, its derived rows
+    -- stale (found by a probe). A pass that follows no cure ends no hold: a whole-table pass that fails
+    -- with every key alone fine would run again after each hand-off.
+    v_release := action = 'work' and not v_failed and v_s.recompute_poisoned_at is not null
+                 and (v_s.recompute_poison_cured or v_cured)
+                 and not exists (select from lockstep.key_failure f where f.job = j.job)
+                 and not lockstep._handoff_any(j.job, v_s.recompute_queue_from, v_s.recompute_queue_to);
     update lockstep.job_state s set
         next_run_at = case
             when action in ('recompute', 'call') and v_failed then now() + j.backoff
@@ -1627,18 +1626,11 @@ begin
         last_error = case when v_failed then error else null end,
         recompute_error = case when action in ('recompute', 'call') then case when v_failed then error end
                                else s.recompute_error end,
-        -- a poisoned recompute's hold on the flags ends with a worker pass that cured a failing key and left
-        -- none, its hand-off worked off: a TRUNCATE after the poison was fixed waited for the periodic
-        -- recompute, its derived rows stale (found by a probe). A pass that cured nothing ends no hold (a
-        -- whole-table pass that fails with every key alone fine would run again after each hand-off).
-        recompute_poisoned_at = case
-            when action = 'recompute' then null
-            when v_release then null
-            else s.recompute_poisoned_at end,
+        -- the hold (v_release, above)
+        recompute_poisoned_at = case when action = 'recompute' or v_release then null else s.recompute_poisoned_at end,
         recompute_poison_cured = case
             when action = 'recompute' or v_release then false
-            when action = 'work' and s.recompute_poisoned_at is not null
-                 and pg_catalog.current_setting('lockstep.cured', true) = 'on' then true
+            when action = 'work' and s.recompute_poisoned_at is not null and v_cured then true
             else s.recompute_poison_cured end,
         runs = s.runs + case when v_again then 0 else 1 end
     where s.job = j.job;
@@ -2560,18 +2552,19 @@ CREATE FUNCTION lockstep._own_enqueuers(job text) RETURNS text
     LANGUAGE sql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
+    with c(call) as (select text '"?lockstep"?\s*\.\s*"?enqueue"?\s*\(\s*')  -- the call, up to its first argument
     select pg_catalog.string_agg(pg_catalog.format('trigger %I on %s (function %s)', t.tgname,
                                                    t.tgrelid::regclass, p.oid::regprocedure), ', '
                                  order by t.tgrelid::regclass::text, t.tgname)
-    from pg_catalog.pg_trigger t
+    from c, pg_catalog.pg_trigger t
     join pg_catalog.pg_proc p on p.oid = t.tgfoid
     where not t.tgisinternal and p.pronamespace <> 'lockstep'::regnamespace
-      and p.prosrc ~* '"?lockstep"?\s*\.\s*"?enqueue"?\s*\('
+      and p.prosrc ~* c.call
       and (job is null
            -- the job's name right after the call's parenthesis, or a trigger argument passed on to it
-           or pg_catalog.strpos(pg_catalog.regexp_replace(p.prosrc, '"?lockstep"?\s*\.\s*"?enqueue"?\s*\(\s*', 'lockstep.enqueue(', 'gi'),
+           or pg_catalog.strpos(pg_catalog.regexp_replace(p.prosrc, c.call, 'lockstep.enqueue(', 'gi'),
                                 'lockstep.enqueue(' || pg_catalog.quote_literal(job)) > 0
-           or (p.prosrc ~* '"?lockstep"?\s*\.\s*"?enqueue"?\s*\(\s*tg_argv'
+           or (p.prosrc ~* (c.call || 'tg_argv')
                and job = any(pg_catalog.string_to_array(pg_catalog.encode(t.tgargs, 'escape'), '\000'))));
 $$;
 

@@ -288,25 +288,25 @@ declare
     v_only_skipped boolean := only_skipped and action = 'work' and outcome = 'done' and error is null
                               and p.inserted + p.updated + p.deleted + p.gone = 0
                               and cardinality(p.failed) = 0 and cardinality(p.skipped) > 0;
-    v_again boolean := false;
+    v_cured boolean := pg_catalog.current_setting('lockstep.cured', true) = 'on';  -- set by lockstep._settle
+    v_s lockstep.job_state;
+    v_again boolean;
     v_release boolean;
 begin
+    -- the status row as it was (read under the group lock: no other writer), once for both questions
+    select * into v_s from lockstep.job_state s where s.job = j.job;
+    -- the previous pass only skipped too
+    v_again := v_only_skipped and v_s.last_action = 'work' and v_s.last_outcome = 'done' and v_s.last_error is null
+               and v_s.last_inserted + v_s.last_updated + v_s.last_deleted = 0 and v_s.last_skipped > 0;
     -- a poisoned recompute's hold on the flags ends at a worker pass once a key that had failed was written
     -- (in this pass or an earlier one: recompute_poison_cured), no key fails any more and the hand-off is
-    -- worked off. A pass that follows no cure ends no hold: a whole-table pass that fails with every key
-    -- alone fine would run again after each hand-off.
-    select action = 'work' and not v_failed and s.recompute_poisoned_at is not null
-           and (s.recompute_poison_cured or pg_catalog.current_setting('lockstep.cured', true) = 'on')
-           and not exists (select from lockstep.key_failure f where f.job = j.job)
-           and not lockstep._handoff_any(j.job, s.recompute_queue_from, s.recompute_queue_to)
-    into v_release
-    from lockstep.job_state s where s.job = j.job;
-    if v_only_skipped then  -- the previous pass only skipped too (read under the group lock: no other writer)
-        select s.last_action = 'work' and s.last_outcome = 'done' and s.last_error is null
-               and s.last_inserted + s.last_updated + s.last_deleted = 0 and s.last_skipped > 0
-        into v_again
-        from lockstep.job_state s where s.job = j.job;
-    end if;
+    -- worked off: a TRUNCATE after the poison was fixed waited for the periodic recompute, its derived rows
+    -- stale (found by a probe). A pass that follows no cure ends no hold: a whole-table pass that fails
+    -- with every key alone fine would run again after each hand-off.
+    v_release := action = 'work' and not v_failed and v_s.recompute_poisoned_at is not null
+                 and (v_s.recompute_poison_cured or v_cured)
+                 and not exists (select from lockstep.key_failure f where f.job = j.job)
+                 and not lockstep._handoff_any(j.job, v_s.recompute_queue_from, v_s.recompute_queue_to);
     update lockstep.job_state s set
         next_run_at = case
             when action in ('recompute', 'call') and v_failed then now() + j.backoff
@@ -337,18 +337,11 @@ begin
         last_error = case when v_failed then error else null end,
         recompute_error = case when action in ('recompute', 'call') then case when v_failed then error end
                                else s.recompute_error end,
-        -- a poisoned recompute's hold on the flags ends with a worker pass that cured a failing key and left
-        -- none, its hand-off worked off: a TRUNCATE after the poison was fixed waited for the periodic
-        -- recompute, its derived rows stale (found by a probe). A pass that cured nothing ends no hold (a
-        -- whole-table pass that fails with every key alone fine would run again after each hand-off).
-        recompute_poisoned_at = case
-            when action = 'recompute' then null
-            when v_release then null
-            else s.recompute_poisoned_at end,
+        -- the hold (v_release, above)
+        recompute_poisoned_at = case when action = 'recompute' or v_release then null else s.recompute_poisoned_at end,
         recompute_poison_cured = case
             when action = 'recompute' or v_release then false
-            when action = 'work' and s.recompute_poisoned_at is not null
-                 and pg_catalog.current_setting('lockstep.cured', true) = 'on' then true
+            when action = 'work' and s.recompute_poisoned_at is not null and v_cured then true
             else s.recompute_poison_cured end,
         runs = s.runs + case when v_again then 0 else 1 end
     where s.job = j.job;

@@ -12,6 +12,9 @@ declare
     g record;
     v_blank text := case when pg_catalog.btrim(job, E' \t\n\r') = '' then job
                          when pg_catalog.btrim(lock_group, E' \t\n\r') = '' then lock_group end;
+    -- a newline or another control character in a name garbles every log line and status table that shows
+    -- it (and the line and paragraph separators, the bidirectional overrides and isolates: they garble too)
+    v_garbling constant text := '[[:cntrl:]\u2028\u2029\u202a-\u202e\u2066-\u2069]';
 begin
     if job is null or every is null or backoff is null then
         raise exception 'lockstep: job, every and backoff must not be NULL' using errcode = '22004';
@@ -20,13 +23,9 @@ begin
         raise exception 'lockstep: job and lock_group must not be empty or blank strings (got %)',
             pg_catalog.quote_literal(v_blank) using errcode = '22023';
     end if;
-    -- a newline or another control character in a name garbles every log line and status table that shows it
-    -- (and the line and paragraph separators, the bidirectional overrides and isolates: they garble too)
-    if job ~ '[[:cntrl:]\u2028\u2029\u202a-\u202e\u2066-\u2069]'
-       or lock_group ~ '[[:cntrl:]\u2028\u2029\u202a-\u202e\u2066-\u2069]' then
+    if job ~ v_garbling or lock_group ~ v_garbling then
         raise exception 'lockstep: job and lock_group must not contain control characters (got %)',
-            pg_catalog.quote_literal(case when job ~ '[[:cntrl:]\u2028\u2029\u202a-\u202e\u2066-\u2069]'
-                                          then job else lock_group end)
+            pg_catalog.quote_literal(case when job ~ v_garbling then job else lock_group end)
             using errcode = '22023', hint = 'Choose a name of printable characters.';
     end if;
     if pg_catalog.octet_length(job) > 63 then
@@ -292,25 +291,27 @@ $$;
 -- lockstep._own_enqueuers(job): the application's own triggers (not lockstep's) whose function calls
 -- lockstep.enqueue, with job as the call's first argument, a literal, or a trigger argument the call reads
 -- from tg_argv (job NULL: any job). Read from the functions' source: a warning's evidence, not a dependency
--- PostgreSQL records (a call through a helper function or an unqualified name is not seen). drop_job and the downgrade name them: they fail
--- the application's next write once the job (LSJ01) or the schema is gone (found by a newcomer probe).
+-- PostgreSQL records (a call through a helper function or an unqualified name is not seen). drop_job and
+-- the downgrade name them: they fail the application's next write once the job (LSJ01) or the schema is
+-- gone (found by a newcomer probe).
 -- locks: nothing.
 create function lockstep._own_enqueuers(job text) returns text
 language sql stable
 set search_path = pg_catalog, pg_temp
 as $$
+    with c(call) as (select text '"?lockstep"?\s*\.\s*"?enqueue"?\s*\(\s*')  -- the call, up to its first argument
     select pg_catalog.string_agg(pg_catalog.format('trigger %I on %s (function %s)', t.tgname,
                                                    t.tgrelid::regclass, p.oid::regprocedure), ', '
                                  order by t.tgrelid::regclass::text, t.tgname)
-    from pg_catalog.pg_trigger t
+    from c, pg_catalog.pg_trigger t
     join pg_catalog.pg_proc p on p.oid = t.tgfoid
     where not t.tgisinternal and p.pronamespace <> 'lockstep'::regnamespace
-      and p.prosrc ~* '"?lockstep"?\s*\.\s*"?enqueue"?\s*\('
+      and p.prosrc ~* c.call
       and (job is null
            -- the job's name right after the call's parenthesis, or a trigger argument passed on to it
-           or pg_catalog.strpos(pg_catalog.regexp_replace(p.prosrc, '"?lockstep"?\s*\.\s*"?enqueue"?\s*\(\s*', 'lockstep.enqueue(', 'gi'),
+           or pg_catalog.strpos(pg_catalog.regexp_replace(p.prosrc, c.call, 'lockstep.enqueue(', 'gi'),
                                 'lockstep.enqueue(' || pg_catalog.quote_literal(job)) > 0
-           or (p.prosrc ~* '"?lockstep"?\s*\.\s*"?enqueue"?\s*\(\s*tg_argv'
+           or (p.prosrc ~* (c.call || 'tg_argv')
                and job = any(pg_catalog.string_to_array(pg_catalog.encode(t.tgargs, 'escape'), '\000'))));
 $$;
 
