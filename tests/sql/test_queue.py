@@ -188,11 +188,9 @@ def test_poison_key_is_isolated_retried_parked_and_retried_on_demand(ex):
     assert divergence(ex) == (0, 0)
 
 
-def test_a_parked_key_queued_again_is_tried_again_once(ex):
-    """A parked key's later changes were held until retry() or the next periodic recompute, the change that
-    fixed its data included (found by a probe). A parked key queued again since it was parked is tried once
-    more, alone: the fix of its data is written; a change that does not fix it parks it again, and the
-    queue does not loop on it."""
+def picky_job(ex: psycopg.Connection) -> None:
+    """The example's job redefined with a compute that raises for an exam titled '...poison...', keys
+    parked at their first failure, its periodic recompute not due."""
     ex.execute(
         """
         create function example.picky(ids bigint[]) returns table (exam_id bigint, key text, weight integer)
@@ -208,6 +206,14 @@ def test_a_parked_key_queued_again_is_tried_again_once(ex):
     )
     ex.execute(f"select lockstep.set_max_attempts('{JOB}', 1)")
     not_due(ex, JOB)
+
+
+def test_a_parked_key_queued_again_is_tried_again_once(ex):
+    """A parked key's later changes were held until retry() or the next periodic recompute, the change that
+    fixed its data included (found by a probe). A parked key queued again since it was parked is tried once
+    more, alone: the fix of its data is written; a change that does not fix it parks it again, and the
+    queue does not loop on it."""
+    picky_job(ex)
     ex.execute("update example.exam set title = title || ' poison' where id = 13")
     ex.execute("update example.exam set body = body || ' fine' where id = 14")
     result(ex, f"lockstep.work('{JOB}')")
@@ -233,21 +239,7 @@ def test_a_fix_whose_transaction_began_before_the_key_was_parked_is_still_tried(
     last_failed_at. A fix whose transaction began before the try that parked the key, and committed after
     it, looked older: the key stayed parked on fixed data (found by a review). It is told by queue id now:
     an entry above the highest one the failing pass had claimed."""
-    ex.execute(
-        """
-        create function example.picky(ids bigint[]) returns table (exam_id bigint, key text, weight integer)
-        language plpgsql as $$ begin
-            if exists (select from example.exam e where e.id = any(ids) and e.title like '%poison%') then
-                raise exception 'cannot compute a poisoned exam'; end if;
-            return query select * from example.exam_key_compute(ids); end $$;
-        """
-    )
-    ex.execute(
-        f"select lockstep.define_derived('{JOB}', 'example.exam_key', 'example.picky(bigint[])',"
-        " 'example.exam')"
-    )
-    ex.execute(f"select lockstep.set_max_attempts('{JOB}', 1)")
-    not_due(ex, JOB)
+    picky_job(ex)
     ex.execute("update example.exam set title = title || ' poison' where id = 13")
     app = exconnect()
     app.execute("begin")

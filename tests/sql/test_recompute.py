@@ -6,6 +6,7 @@ import random
 
 import psycopg
 import pytest
+from psycopg import sql
 from util import flushed_stat, result
 
 from runner.lab.example import JOB, divergence
@@ -17,6 +18,32 @@ def tup_stats(conn: psycopg.Connection) -> tuple[int, int, int]:
         "select n_tup_ins, n_tup_upd, n_tup_del from pg_stat_user_tables"
         " where relid = 'example.exam_key'::regclass"
     ).fetchone()
+
+
+def run_now(conn: psycopg.Connection, job: str) -> dict:
+    """lockstep.run(job) with every wait over: queued keys ready, the job's and its failing keys' retry times
+    past (a test's stand-in for the runner's passes over time)."""
+    conn.execute("update lockstep.queue set ready_at = now()")
+    conn.execute("update lockstep.job_state set retry_at = null")
+    conn.execute("update lockstep.key_failure set retry_at = now()")
+    return result(conn, f"lockstep.run('{job}')")
+
+
+BADGES_SQL = """
+create table team (id text primary key, name text not null);
+create table team_badge (team_id text primary key references team on delete cascade, badge text);
+create function badges(ids text[]) returns table (team_id text, badge text) language sql as $$
+    select id, case when name = 'bad' then (1 / (length(name) - 3))::text else upper(name) end
+    from public.team where ids is null or id = any(ids) $$;
+insert into team select 't' || g, 'n' || g from generate_series(1, 9) g;
+insert into team select unnest({bad}::text[]), 'bad';
+select lockstep.define_derived('badges', 'team_badge', 'badges(text[])', 'team', every => '1 day');
+"""
+
+
+def badges(conn: psycopg.Connection, bad: list[str]) -> None:
+    """Teams t1-t9 and the poison ones (compute divides by zero for them), job badges (not watched yet)."""
+    conn.execute(sql.SQL(BADGES_SQL).format(bad=sql.Literal(bad)))
 
 
 def test_example_starts_converged(ex):
@@ -515,19 +542,8 @@ def test_a_poison_parent_of_a_flagged_job_is_isolated_not_recomputed_forever(con
     forever; the worker never ran and no parent was written (a runner looped ~120 recomputes a second;
     found by a probe). The flag now waits (job_state.recompute_poisoned_at) for the next periodic recompute
     or a retry: the next runs are worker passes, which isolate the poison parent and write the others."""
-    conn.execute(
-        """
-        create table team (id text primary key, name text not null);
-        create table team_badge (team_id text primary key references team on delete cascade, badge text);
-        create function badges(ids text[]) returns table (team_id text, badge text) language sql as $$
-            select id, case when name = 'bad' then (1 / (length(name) - 3))::text else upper(name) end
-            from public.team where ids is null or id = any(ids) $$;
-        insert into team select 't' || g, 'n' || g from generate_series(1, 9) g;
-        insert into team values ('t10', 'bad');
-        select lockstep.define_derived('badges', 'team_badge', 'badges(text[])', 'team', every => '1 day');
-        select lockstep.watch('badges', 'team', 'id');
-        """
-    )
+    badges(conn, ["t10"])
+    conn.execute("select lockstep.watch('badges', 'team', 'id')")
     assert conn.execute("select count(*) from lockstep.recompute_flag").fetchone()[0] == 1  # newly watched
     actions = [result(conn, "lockstep.run('badges')")["action"] for _ in range(8)]
     assert actions[0] == "recompute" and "work" in actions, actions  # before: recompute 8 times
@@ -578,14 +594,11 @@ def test_a_flag_raised_after_a_poisoned_recompute_runs_the_recompute_again(conn)
     r = result(conn, "lockstep.run('sizes')")  # flagged (newly watched): the recompute, poisoned
     assert r["action"] == "recompute" and "handed to the worker" in (r["error"] or ""), r
     for _ in range(5):  # the worker writes the healthy teams and parks t10
-        conn.execute("update lockstep.queue set ready_at = now()")
-        conn.execute("update lockstep.job_state set retry_at = null")
-        result(conn, "lockstep.run('sizes')")
+        run_now(conn, "sizes")
     assert conn.execute("select count(*) from lockstep.parked_keys").fetchone()[0] == 1
     conn.execute("update team set name = 'good' where id = 't10'")  # the fix, by an ordinary update
     for _ in range(3):
-        conn.execute("update lockstep.queue set ready_at = now()")
-        result(conn, "lockstep.run('sizes')")
+        run_now(conn, "sizes")
     assert conn.execute("select count(*) from lockstep.parked_keys").fetchone()[0] == 0
     assert conn.execute("select count(*) from team_size").fetchone()[0] == 10
     conn.execute("truncate member")  # a new flag: no transition table names the teams
@@ -639,17 +652,13 @@ def test_a_poisoned_recompute_is_not_rerun_by_flags_raised_after_it(conn, flagge
     for i in range(8):
         if flagger == "trigger":
             conn.execute("update doc set n = n + 1 where id = %s", [f"d{i % 2 + 5}"])
-        conn.execute("update lockstep.queue set ready_at = now()")
-        conn.execute("update lockstep.job_state set retry_at = null")
-        conn.execute("update lockstep.key_failure set retry_at = now()")
-        actions.append(result(conn, "lockstep.run('doclen')")["action"])
+        actions.append(run_now(conn, "doclen")["action"])
     assert "recompute" not in actions, actions  # the hold stands while d3 is poison
     assert conn.execute("select key from lockstep.parked_keys").fetchall() == [("d3",)]
     conn.execute("update doc set bad = false where id = 'd3'")  # cured by an ordinary update
     actions = []
     for _ in range(4):
-        conn.execute("update lockstep.queue set ready_at = now()")
-        actions.append(result(conn, "lockstep.run('doclen')")["action"])
+        actions.append(run_now(conn, "doclen")["action"])
     assert actions[:2] == ["work", "recompute"], actions  # d3 written (cured), then the held flags
     assert conn.execute("select count(*) from lockstep.recompute_flag").fetchone()[0] == 0
     assert (
@@ -687,23 +696,17 @@ def test_a_poison_cured_while_the_hand_off_is_still_queued_ends_the_hold(conn, d
         """
     )
 
-    def run():
-        conn.execute("update lockstep.queue set ready_at = now()")
-        conn.execute("update lockstep.job_state set retry_at = null")
-        conn.execute("update lockstep.key_failure set retry_at = now()")
-        return result(conn, "lockstep.run('dj')")
-
     for _ in range(15):  # the first fill (newly watched: the recompute, then its hand-off)
-        run()
+        run_now(conn, "dj")
     assert conn.execute("select count(*) from lockstep.queue").fetchone()[0] == 0
     conn.execute("update p set bad = true where id = 1")
     conn.execute("truncate side")  # a flag: the recompute, poisoned by parent 1, hands all 100 off
-    r = run()
+    r = run_now(conn, "dj")
     assert "handed to the worker" in (r["error"] or ""), r
-    r = run()  # the first pass: parent 1 fails
+    r = run_now(conn, "dj")  # the first pass: parent 1 fails
     assert conn.execute("select count(*) from lockstep.key_failure where attempts > 0").fetchone()[0] == 1
     conn.execute("update p set bad = false where id = 1")  # the fix, with 90 parents still queued
-    actions = [run()["action"] for _ in range(20)]
+    actions = [run_now(conn, "dj")["action"] for _ in range(20)]
     assert "recompute" in actions, actions  # before: all work, the hold on for good
     assert conn.execute("select count(*) from lockstep.recompute_flag").fetchone()[0] == 0
     assert (
@@ -745,10 +748,7 @@ def test_a_key_that_fails_once_then_goes_through_unchanged_cures_nothing(conn):
     )
     actions = []
     for _ in range(60):
-        conn.execute("update lockstep.queue set ready_at = now()")
-        conn.execute("update lockstep.job_state set retry_at = null")
-        conn.execute("update lockstep.key_failure set retry_at = now()")
-        actions.append(result(conn, "lockstep.run('dj')")["action"])
+        actions.append(run_now(conn, "dj")["action"])
     assert actions.count("recompute") == 1, actions  # before: one per hand-off
     assert conn.execute("select count(*) from d").fetchone()[0] == 30  # the worker wrote every parent
     assert conn.execute("select recompute_held_since is not null from lockstep.status").fetchone()[0]
@@ -758,26 +758,14 @@ def test_a_retry_of_some_keys_does_not_rerun_a_poisoned_recompute(conn):
     """lockstep retry JOB KEY after a poisoned recompute re-ran the whole-table recompute, which met the
     other poison parent again and handed every parent to the worker a second time (found by a probe). A
     retry of some keys queues those; a retry of the whole job makes the recompute due."""
+    badges(conn, ["t10", "t11"])
     conn.execute(
-        """
-        create table team (id text primary key, name text not null);
-        create table team_badge (team_id text primary key references team on delete cascade, badge text);
-        create function badges(ids text[]) returns table (team_id text, badge text) language sql as $$
-            select id, case when name = 'bad' then (1 / (length(name) - 3))::text else upper(name) end
-            from public.team where ids is null or id = any(ids) $$;
-        insert into team select 't' || g, 'n' || g from generate_series(1, 9) g;
-        insert into team values ('t10', 'bad'), ('t11', 'bad');
-        select lockstep.define_derived('badges', 'team_badge', 'badges(text[])', 'team', every => '1 day');
-        select lockstep.set_max_attempts('badges', 1);
-        select lockstep.watch('badges', 'team', 'id');
-        """
+        "select lockstep.set_max_attempts('badges', 1); select lockstep.watch('badges', 'team', 'id')"
     )
     r = result(conn, "lockstep.run('badges')")  # flagged: the recompute, poisoned, hands every parent off
     assert r["action"] == "recompute" and "handed to the worker" in (r["error"] or ""), r
     for _ in range(6):
-        conn.execute("update lockstep.queue set ready_at = now()")
-        conn.execute("update lockstep.job_state set retry_at = null")
-        result(conn, "lockstep.run('badges')")
+        run_now(conn, "badges")
     assert conn.execute("select key from lockstep.parked_keys order by 1").fetchall() == [("t10",), ("t11",)]
     conn.execute("set session_replication_role = replica")  # fixed behind the triggers: only a retry sees it
     conn.execute("update team set name = 'good' where id = 't10'")
