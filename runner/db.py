@@ -100,7 +100,9 @@ def connect(
     connect_timeout: int = 10,
     check_interval: str | None = None,
 ) -> psycopg.Connection:
-    """An autocommit connection named ``app_name``. prepare=None: off when the port looks like a pooler.
+    """An autocommit connection named ``app_name``, unless the DSN or $PGAPPNAME names it (an operator's
+    own name wins: it was replaced, while the start-up line showed the DSN's). prepare=None: off when the
+    port looks like a pooler.
 
     ``dsn``: any form :func:`runner.dsn.normalize` accepts. ``check_interval`` (e.g. ``"1s"``): sets
     ``client_connection_check_interval`` for the session through the startup packet's ``options``
@@ -109,7 +111,9 @@ def connect(
     conninfo = dsns.normalize(dsn)
     if prepare is None:
         prepare = not looks_like_pooler(conninfo)
-    kwargs: dict = {"autocommit": True, "application_name": app_name, "connect_timeout": connect_timeout}
+    kwargs: dict = {"autocommit": True, "connect_timeout": connect_timeout}
+    if not conninfo_to_dict(conninfo).get("application_name") and not os.environ.get("PGAPPNAME"):
+        kwargs["application_name"] = app_name
     if not prepare:
         kwargs["prepare_threshold"] = None
     if check_interval is not None:

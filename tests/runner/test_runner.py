@@ -12,6 +12,7 @@ import time
 
 import psycopg
 import pytest
+from psycopg.conninfo import make_conninfo
 from runner_procs import SLOW_FN, in_slow_call, runner_backends, wait_for
 
 from runner.lab.example import JOB, divergence
@@ -381,6 +382,18 @@ def test_connect_options(dsn):
         assert c.execute("show application_name").fetchone()[0] == "lockstep-runner"
     with db.connect(dsn, prepare=False) as c:
         assert c.prepare_threshold is None
+
+
+def test_an_application_name_of_the_operators_own_is_kept(dsn, monkeypatch):
+    """The DSN's application_name (or $PGAPPNAME) names the runner's sessions: it was replaced by
+    lockstep-runner while the start-up line showed the DSN's."""
+    from runner import db
+
+    with db.connect(make_conninfo(dsn, application_name="billing-worker")) as c:
+        assert c.execute("show application_name").fetchone()[0] == "billing-worker"
+    monkeypatch.setenv("PGAPPNAME", "ops-runner-2")
+    with db.connect(dsn) as c:
+        assert c.execute("show application_name").fetchone()[0] == "ops-runner-2"
 
 
 def test_waits_for_a_database_that_refuses_connections_then_runs(conn, dsn, admin_dsn, runners):
