@@ -2102,10 +2102,6 @@ $$;
 CREATE FUNCTION lockstep._keys_text(j lockstep.job, keys anyarray) RETURNS text[]
     LANGUAGE plpgsql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
-    SET "DateStyle" TO 'ISO, YMD'
-    SET "IntervalStyle" TO 'postgres'
-    SET extra_float_digits TO '1'
-    SET "TimeZone" TO 'UTC'
     AS $_$
 declare
     v text[];
@@ -2122,9 +2118,8 @@ begin
     if pg_catalog.array_position(keys, null) is not null then
         raise exception 'lockstep: keys must not contain NULL (job "%")', j.job using errcode = '22004';
     end if;
-    -- through text (canonical here): 1.5 for a bigint key is an error, not a rounded 2
     begin
-        execute pg_catalog.format('select array_agg(k::text::%s::text) from pg_catalog.unnest($1) k',
+        execute pg_catalog.format('select lockstep._canon(pg_catalog.array_agg(k::%s)) from pg_catalog.unnest($1) k',
                                   lockstep._type_sql(j.key_type))
             into v using keys;
     exception when data_exception then  -- 3000000000 for an integer key: say whose key, keep the SQLSTATE

@@ -170,15 +170,17 @@ end;
 $$;
 
 -- lockstep._keys_text(j, keys): keys checked (not NULL, no NULL element, a type that converts to the parent
--- key's type) and converted to the canonical text of the parent key type, as the queue stores them.
+-- key's type) and converted to the parent key type by PostgreSQL's own cast, in the caller's settings, then
+-- to the canonical text the queue stores (lockstep._canon: distinct, sorted by key). No SET of TimeZone and
+-- the others here: a cast through text under lockstep's pinned settings named another parent than the
+-- caller's implicit cast does (a timestamp for a timestamptz key, in a session at +05:30, named an instant
+-- 5.5 hours off; a real 0.1 for a float8 key 0.1, not 0.10000000149011612), so the pass found no such
+-- parent and the change was lost until the periodic recompute (found by a probe). A numeric for an integer
+-- key, which a cast would round, is refused before (lockstep._check_key_type).
 -- locks: nothing.
 create function lockstep._keys_text(j lockstep.job, keys anyarray) returns text[]
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
-set datestyle = 'ISO, YMD'
-set intervalstyle = 'postgres'
-set extra_float_digits = 1
-set timezone = 'UTC'
 as $$
 declare
     v text[];
@@ -195,9 +197,8 @@ begin
     if pg_catalog.array_position(keys, null) is not null then
         raise exception 'lockstep: keys must not contain NULL (job "%")', j.job using errcode = '22004';
     end if;
-    -- through text (canonical here): 1.5 for a bigint key is an error, not a rounded 2
     begin
-        execute pg_catalog.format('select array_agg(k::text::%s::text) from pg_catalog.unnest($1) k',
+        execute pg_catalog.format('select lockstep._canon(pg_catalog.array_agg(k::%s)) from pg_catalog.unnest($1) k',
                                   lockstep._type_sql(j.key_type))
             into v using keys;
     exception when data_exception then  -- 3000000000 for an integer key: say whose key, keep the SQLSTATE

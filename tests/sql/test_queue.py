@@ -1185,6 +1185,44 @@ def test_an_out_of_range_key_is_refused_naming_the_job_and_its_key_type(conn):
     assert conn.execute("select lockstep.enqueue('d', array[1, 2]::bigint[])").fetchone()[0] == 2
 
 
+@pytest.mark.parametrize(
+    "key, arg, setting",
+    [
+        ("timestamptz", "'2024-05-01 05:30'::timestamp", "set timezone = 'Asia/Kolkata'"),
+        ("timestamptz", "'2024-05-01'::date", "set timezone = 'Asia/Kolkata'"),
+        ("float8", "0.1::real", "set extra_float_digits = 0"),
+    ],
+)
+def test_enqueue_names_the_parent_the_implicit_cast_names_in_the_callers_session(conn, key, arg, setting):
+    # Keys went through text under lockstep's pinned settings (TimeZone UTC): a timestamp for a timestamptz
+    # key, in a session at +05:30, named an instant 5.5 hours off, a real 0.1 for a float8 key named 0.1, not
+    # 0.10000000149011612 (the parent's value); the pass found no such parent and the change was lost until
+    # the periodic recompute (found by a probe). The cast is PostgreSQL's own, in the caller's settings.
+    conn.execute(
+        f"create table p (k {key} primary key, v int not null default 1);"
+        f" create table d (k {key} primary key references p on delete cascade, v int not null);"
+        f" create function dc(ks {key}[]) returns table (k {key}, v int) language sql stable"
+        " as $$ select k, v from public.p where ks is null or k = any(ks) $$;"
+        f" select lockstep.define_derived('d', 'd', 'dc({key}[])', 'p');"
+    )
+    conn.execute(setting)
+    conn.execute(f"insert into p (k) values ({arg}::{key})")
+    assert result(conn, "lockstep.recompute('d')")["inserted"] == 1
+    conn.execute(f"update p set v = 2 where k = {arg}::{key}")
+    assert conn.execute(f"select lockstep.enqueue('d', array[{arg}])").fetchone()[0] == 1
+    assert (
+        conn.execute(f"select count(*) from lockstep.queue q, p where q.key::{key} = p.k").fetchone()[0] == 1
+    )
+    drain(conn, "d")
+    assert conn.execute("select v from d").fetchall() == [(2,)]
+    # retry() reads its keys the same way
+    conn.execute(
+        "insert into lockstep.key_failure (job, key, attempts, last_error, retry_at, parked)"
+        " select 'd', (lockstep._canon(array_agg(k)))[1], 5, 'x', now(), true from p"
+    )
+    assert conn.execute(f"select lockstep.retry('d', array[{arg}])").fetchone()[0] == 1
+
+
 def test_result_times_are_rounded_to_the_microsecond(ex):
     # compute_ms showed float noise such as 37.818000000000005 (found by a probe)
     ex.execute(f"select lockstep.enqueue('{JOB}', array[1, 2, 3])")
