@@ -234,9 +234,11 @@ def retry(conn: psycopg.Connection, job: str, keys: list[str] | None) -> int:
     """
     if keys is None:
         return conn.execute("select lockstep.retry(%s)", [job]).fetchone()[0]
-    row = conn.execute("select key_type::text from lockstep.job where job = %s", [job]).fetchone()
+    # format_type(t, -1): the type with no modifier, as lockstep's own casts name it (a char(n) key's regtype
+    # name is 'character', char(1): the keys were cut to one character; found by a probe)
+    row = conn.execute("select format_type(key_type, -1) from lockstep.job where job = %s", [job]).fetchone()
     key_type = row[0] if row is not None and row[0] is not None else "text"
-    # key_type is regtype output (quoted by PostgreSQL), never user input
+    # key_type is format_type output (quoted by PostgreSQL), never user input
     query = sql.SQL("select lockstep.retry(%s, %s::text[]::{}[])").format(sql.SQL(key_type))
     return conn.execute(query, [job, keys]).fetchone()[0]
 

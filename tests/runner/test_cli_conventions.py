@@ -243,6 +243,26 @@ def test_migrate_upgrade_never_goes_down_in_python(empty_dsn):
 # retry / drop --------------------------------------------------------------------------------------------
 
 
+def test_retry_of_char_n_keys_takes_them_whole(conn, dsn):
+    # the CLI cast the keys to the regtype name of the key type: 'character', which is char(1), so
+    # `lockstep retry bp AB1234` looked for 'A', put 0 keys back and exited 0 (found by a probe)
+    conn.execute(
+        "create table p (k char(6) primary key);"
+        " create table d (k char(6) primary key references p on delete cascade, n int);"
+        " create function dc(ks char(6)[]) returns table (k char(6), n int) language sql stable"
+        " as $$ select k, 1 from public.p where ks is null or k = any(ks) $$;"
+        " select lockstep.define_derived('d', 'd', 'dc(bpchar[])', 'p');"
+        " insert into lockstep.key_failure (job, key, attempts, last_error, retry_at, parked)"
+        " values ('d', 'AB1234', 5, 'boom', now(), true)"
+    )
+    p = lockstep("retry", "d", "AB1234", "--dsn", dsn)
+    assert (p.returncode, p.stdout.strip()) == (
+        0,
+        "d: 1 key back in the queue; its failure backoff, if any, ended",
+    )
+    assert conn.execute("select key from lockstep.queue").fetchall() == [("AB1234",)]
+
+
 def test_retry_and_drop(ex, example_dsn):
     ex.execute(
         "insert into lockstep.key_failure (job, key, attempts, last_error, retry_at, parked)"
