@@ -1358,12 +1358,14 @@ begin
                                                 when 'c' then 'type' else 'table' end, c.relname)
         from pg_catalog.pg_class c
         where c.relnamespace = pg_catalog.pg_my_temp_schema() and c.relowner = v_me
-          and c.relkind in ('r', 'p', 'v', 'm', 'S', 'f', 'c') and c.relname not like 'lockstep\_%'
+          and c.relkind in ('r', 'p', 'v', 'm', 'S', 'f', 'c')
+          and not (c.relkind = 'r' and c.relname like 'lockstep\_%' and c.relacl is null and not c.relhastriggers
+                   and not c.relhasrules and not c.relrowsecurity and not c.relhassubclass)
         union all
         select pg_catalog.format('drop type if exists pg_temp.%I cascade', t.typname)
         from pg_catalog.pg_type t
         where t.typnamespace = pg_catalog.pg_my_temp_schema() and t.typowner = v_me
-          and t.typtype in ('d', 'e', 'r', 'm') and t.typname not like 'lockstep\_%' and t.typname not like '\_%'
+          and t.typtype in ('d', 'e', 'r', 'm') and t.typname not like '\_%'
     loop
         execute v;
     end loop;

@@ -345,11 +345,15 @@ end;
 $$;
 
 -- lockstep._drop_temp_objects(): drop the temporary relations and types of the current role (the job's
--- owner, at the end of its sandbox) but lockstep's own (lockstep_*): a compute whose search_path does not
+-- owner, at the end of its sandbox) but lockstep's own work tables: a compute whose search_path does not
 -- name pg_temp (`set search_path = public, pg_catalog`) looks there first for
 -- relations and types, and the runner's session serves other owners next, so a temp view another owner's
 -- job left named like a table of this one's ran that owner's code with this one's rights (found by a
--- review). A job's temporary objects therefore do not outlive its run.
+-- review). A job's temporary objects therefore do not outlive its run. Kept: plain tables named lockstep_*
+-- that no other role may read and that have no trigger, rule or policy (lockstep's work tables are all
+-- such), since reading one runs no code and another role cannot read it at all. Every name lockstep_* was
+-- spared before, so a temp view lockstep_rates, granted to PUBLIC, stood in for another owner's table of
+-- that name (found by a probe). Types are dropped whatever their name (lockstep makes none).
 -- locks: those objects (dropped; nobody else can hold them: they are this session's).
 create function lockstep._drop_temp_objects() returns void
 language plpgsql
@@ -369,12 +373,14 @@ begin
                                                 when 'c' then 'type' else 'table' end, c.relname)
         from pg_catalog.pg_class c
         where c.relnamespace = pg_catalog.pg_my_temp_schema() and c.relowner = v_me
-          and c.relkind in ('r', 'p', 'v', 'm', 'S', 'f', 'c') and c.relname not like 'lockstep\_%'
+          and c.relkind in ('r', 'p', 'v', 'm', 'S', 'f', 'c')
+          and not (c.relkind = 'r' and c.relname like 'lockstep\_%' and c.relacl is null and not c.relhastriggers
+                   and not c.relhasrules and not c.relrowsecurity and not c.relhassubclass)
         union all
         select pg_catalog.format('drop type if exists pg_temp.%I cascade', t.typname)
         from pg_catalog.pg_type t
         where t.typnamespace = pg_catalog.pg_my_temp_schema() and t.typowner = v_me
-          and t.typtype in ('d', 'e', 'r', 'm') and t.typname not like 'lockstep\_%' and t.typname not like '\_%'
+          and t.typtype in ('d', 'e', 'r', 'm') and t.typname not like '\_%'
     loop
         execute v;
     end loop;
