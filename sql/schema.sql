@@ -468,7 +468,7 @@ CREATE FUNCTION lockstep._check_owner(j lockstep.job) RETURNS void
 begin
     if not lockstep._may_manage(j.owner) then
         raise exception 'lockstep: job "%" is owned by role "%"', j.job, j.owner
-            using errcode = '42501', hint = 'Only members of the owner role can redefine, watch or drop it.';
+            using errcode = '42501', hint = 'Only members of the owner role can redefine, watch, retry or drop it.';
     end if;
 end;
 $$;
@@ -3204,6 +3204,9 @@ declare
     v_keys text[];
     r record;
 begin
+    -- the owner's (or a member's, or the admin's): row-level security would hide another owner's key
+    -- failures, and the retry returned 0 as if there were none (found by a probe)
+    perform lockstep._check_owner(j);
     with d as (delete from lockstep.key_failure f
                where f.job = j.job and (keys is null or f.key = any(keys)) returning f.key)
     select array_agg(d.key) into v_keys from d;

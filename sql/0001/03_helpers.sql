@@ -225,7 +225,7 @@ as $$
 begin
     if not lockstep._may_manage(j.owner) then
         raise exception 'lockstep: job "%" is owned by role "%"', j.job, j.owner
-            using errcode = '42501', hint = 'Only members of the owner role can redefine, watch or drop it.';
+            using errcode = '42501', hint = 'Only members of the owner role can redefine, watch, retry or drop it.';
     end if;
 end;
 $$;

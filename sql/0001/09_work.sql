@@ -664,6 +664,9 @@ declare
     v_keys text[];
     r record;
 begin
+    -- the owner's (or a member's, or the admin's): row-level security would hide another owner's key
+    -- failures, and the retry returned 0 as if there were none (found by a probe)
+    perform lockstep._check_owner(j);
     with d as (delete from lockstep.key_failure f
                where f.job = j.job and (keys is null or f.key = any(keys)) returning f.key)
     select array_agg(d.key) into v_keys from d;

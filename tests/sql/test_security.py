@@ -740,6 +740,23 @@ def owners(ex, roles):
     return owner, other, member
 
 
+def test_a_job_cannot_be_retried_by_another_role(ex, example_dsn, owners):
+    # retry() of another owner's job returned 0 and `lockstep retry` exited 0 ("0 keys back in the queue;
+    # its failure backoff, if any, ended"), changing nothing: row-level security hid the key failures, and
+    # only a job without a queue was checked for its owner (found by a probe). Now 42501, as drop_job.
+    _, other, _ = owners
+    ex.execute(
+        "insert into lockstep.key_failure (job, key, attempts, last_error, retry_at, parked)"
+        " values ('exam_keys', '5', 5, 'boom', now(), true)"
+    )
+    before = ex.execute("select * from lockstep.key_failure").fetchall()
+    with psycopg.connect(as_role(example_dsn, other), autocommit=True) as x:
+        for call in ("lockstep.retry('exam_keys')", "lockstep.retry('exam_keys', array[5])"):
+            with raises_sqlstate("42501", match='job "exam_keys" is owned by role "root"'):
+                x.execute(f"select {call}")
+    assert ex.execute("select * from lockstep.key_failure").fetchall() == before
+
+
 def test_job_cannot_be_redefined_or_dropped_by_another_role(ex, example_dsn, owners):
     owner, other, _ = owners
     with psycopg.connect(as_role(example_dsn, owner), autocommit=True) as o:
