@@ -2101,6 +2101,19 @@ begin
 end;
 $$;
 
+CREATE FUNCTION lockstep._key_type_drift(j lockstep.job) RETURNS text
+    LANGUAGE sql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+    select pg_catalog.format('the parent key %s.%I is %s, but job "%s" was defined with key type %s: run '
+                             'lockstep.define_derived again, with a compute taking %s[] and a target that can '
+                             'hold it, then lockstep.watch() again', j.parent, j.parent_key,
+                             pg_catalog.format_type(a.atttypid, null), j.job, j.key_type,
+                             pg_catalog.format_type(a.atttypid, null))
+    from pg_catalog.pg_attribute a
+    where a.attrelid = j.parent and a.attname = j.parent_key and not a.attisdropped and a.atttypid <> j.key_type;
+$$;
+
 CREATE FUNCTION lockstep._keys_text(j lockstep.job, keys anyarray) RETURNS text[]
     LANGUAGE plpgsql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -3093,7 +3106,16 @@ begin
         return lockstep._failed(j, 'recompute', started, error);
     end if;
     select coalesce(max(q.id), 0) into v_before from lockstep.queue q where q.job = j.job;
-    perform lockstep._hand_off(j, v_keys, v_before, case when cardinality(v_keys) > 0 then 0 end);
+    begin
+        perform lockstep._hand_off(j, v_keys, v_before, case when cardinality(v_keys) > 0 then 0 end);
+    exception when data_exception then
+        -- a parent key the job's key type cannot hold: the parent key column was retyped (int -> bigint)
+        -- since define_derived. This raised out of run() (22003), recording nothing (found by a probe)
+        get stacked diagnostics v_msg = message_text;
+        return lockstep._failed(j, 'recompute', started, pg_catalog.format(
+            '%s; its parents could not be handed to the worker either (%s)%s', error, v_msg,
+            coalesce('; ' || lockstep._key_type_drift(j), '')));
+    end;
     v_msg := pg_catalog.format('the whole-table pass failed (%s); its %s parents were handed to the worker, '
                                'which isolates the failing ones (lockstep.failing_keys)', error, cardinality(v_keys));
     -- a done run with its reason: lockstep.run_log.error has it (the status row keeps last_error for failures)

@@ -367,6 +367,22 @@ begin
 end;
 $$;
 
+-- lockstep._key_type_drift(j): what to do when j's parent key column is no longer of the job's key type
+-- (retyped since define_derived), else NULL.
+-- locks: nothing.
+create function lockstep._key_type_drift(j lockstep.job) returns text
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select pg_catalog.format('the parent key %s.%I is %s, but job "%s" was defined with key type %s: run '
+                             'lockstep.define_derived again, with a compute taking %s[] and a target that can '
+                             'hold it, then lockstep.watch() again', j.parent, j.parent_key,
+                             pg_catalog.format_type(a.atttypid, null), j.job, j.key_type,
+                             pg_catalog.format_type(a.atttypid, null))
+    from pg_catalog.pg_attribute a
+    where a.attrelid = j.parent and a.attname = j.parent_key and not a.attisdropped and a.atttypid <> j.key_type;
+$$;
+
 -- lockstep._recompute_failed(j, started, error, sqlstate): the whole-table pass raised error. If it is a
 -- definition error (SQLSTATE class 42, or lockstep's LSDxx: the target, its keys, its foreign keys or the
 -- shape of compute's rows; not LSD05, a primary key computed twice or NULL, which is a fault of the rows of
@@ -413,7 +429,16 @@ begin
         return lockstep._failed(j, 'recompute', started, error);
     end if;
     select coalesce(max(q.id), 0) into v_before from lockstep.queue q where q.job = j.job;
-    perform lockstep._hand_off(j, v_keys, v_before, case when cardinality(v_keys) > 0 then 0 end);
+    begin
+        perform lockstep._hand_off(j, v_keys, v_before, case when cardinality(v_keys) > 0 then 0 end);
+    exception when data_exception then
+        -- a parent key the job's key type cannot hold: the parent key column was retyped (int -> bigint)
+        -- since define_derived. This raised out of run() (22003), recording nothing (found by a probe)
+        get stacked diagnostics v_msg = message_text;
+        return lockstep._failed(j, 'recompute', started, pg_catalog.format(
+            '%s; its parents could not be handed to the worker either (%s)%s', error, v_msg,
+            coalesce('; ' || lockstep._key_type_drift(j), '')));
+    end;
     v_msg := pg_catalog.format('the whole-table pass failed (%s); its %s parents were handed to the worker, '
                                'which isolates the failing ones (lockstep.failing_keys)', error, cardinality(v_keys));
     -- a done run with its reason: lockstep.run_log.error has it (the status row keeps last_error for failures)

@@ -447,6 +447,31 @@ def test_a_lock_timeout_fails_a_recompute_as_a_whole_and_hands_nothing_off(ex, e
     assert divergence(ex) == (0, 0)
 
 
+def test_a_parent_key_widened_past_the_jobs_key_type_fails_the_run_and_says_what_to_do(conn):
+    # after `alter column id type bigint` on the parent, a key beyond the old range made the recompute's
+    # hand-off of every parent raise 22003 out of run() and recompute(): no failed run recorded, status
+    # showing the last run done, the runner retrying for ever (found by a probe)
+    conn.execute(
+        "create table p (id int primary key);"
+        " create table d (p_id int primary key references p on delete cascade on update cascade, n int not null);"
+        " create function dc(ids int[]) returns table (p_id int, n int) language sql stable"
+        " as $$ select id, 1 from public.p where ids is null or id = any(ids) $$;"
+        " insert into p values (1), (2);"
+        " select lockstep.define_derived('d', 'd', 'dc(int[])', 'p');"
+        " select lockstep.recompute('d');"
+        " alter table p alter column id type bigint;"
+        " insert into p values (3000000000);"
+    )
+    for call in ("lockstep.recompute('d')", "lockstep.run('d')"):
+        conn.execute("update lockstep.job_state set next_run_at = now(), consecutive_failures = 0")
+        r = result(conn, call)
+        assert r["outcome"] == "failed", r
+        assert "parent key public.p.id is bigint" in r["error"] and "define_derived" in r["error"], r
+    s = conn.execute("select last_outcome, last_error is not null from lockstep.status").fetchone()
+    assert s == ("failed", True)
+    assert conn.execute("select count(*) from lockstep.queue").fetchone()[0] == 0
+
+
 def test_a_flagged_job_whose_recompute_fails_waits_out_its_backoff_between_worker_passes(ex):
     """A job flagged for its full recompute (a TRUNCATE, a newly watched table) whose recompute failed ran
     it again after every worker pass: a good pass reset consecutive_failures, and the flag was read only
