@@ -2256,7 +2256,9 @@ declare
 begin
     execute pg_catalog.format('select (select count(*) from pg_temp.%I) + (select count(*) from pg_temp.%I)',
                               v_gone, v_put) into v_n;
-    if budget is null or v_n <= budget then
+    if budget is null or v_n <= budget
+       or exists (select from pg_catalog.pg_index i
+                  where i.indrelid = j.target and i.indisunique and not i.indisprimary and not i.indimmediate) then
         return 0;
     end if;
     execute pg_catalog.format('create temp table if not exists %I as select p.*, false as lockstep_gone, '
@@ -3835,7 +3837,7 @@ begin
 end;
 $$;
 
-CREATE FUNCTION lockstep._warn_unique(target regclass) RETURNS void
+CREATE FUNCTION lockstep._warn_unique(target regclass, parent regclass) RETURNS void
     LANGUAGE plpgsql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
@@ -3848,8 +3850,11 @@ begin
         where i.indrelid = target and i.indisunique and not i.indisprimary and i.indimmediate
         order by 1
     loop
-        raise warning 'lockstep: unique index % on % besides its primary key: rows whose values move between '
-                      'parents (a swap) fail with 23505 at every try and their parents are parked', c.idx, target
+        raise warning 'lockstep: unique index % on % besides its primary key: %', c.idx, target,
+            case when parent is null then 'values that move between rows (a swap) fail the recompute with 23505 at '
+                                          'every try'
+                 else 'rows whose values move between parents (a swap) fail with 23505 at every try and their '
+                      'parents are parked' end
             using detail = c.def,
                   hint = 'Drop it if compute guarantees it, or make it a DEFERRABLE unique constraint (checked at '
                          'the end of each statement: a swap within one pass then works).';
@@ -4088,7 +4093,7 @@ begin
     perform lockstep._check_watchers(job, parent, v_par.key_type);
     perform lockstep._check_parent_delete(target, parent);  -- LSD04 refusals, then warnings
     perform lockstep._warn_index(target, v_par.parent_column);
-    perform lockstep._warn_unique(target);
+    perform lockstep._warn_unique(target, parent);
     perform lockstep._save_derived(job, target, compute, parent, v_par.parent_column, v_par.parent_key,
                                    v_par.key_type, v_key, v_cols, lock_group, every, backoff);
 end;

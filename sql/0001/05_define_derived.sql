@@ -505,13 +505,14 @@ begin
 end;
 $$;
 
--- lockstep._warn_unique(target): a warning for each unique index of target besides its primary key that is
+-- lockstep._warn_unique(target, parent): a warning for each unique index of target besides its primary key that is
 -- checked row by row (not a DEFERRABLE constraint): a pass writes a parent's rows in one statement per step,
 -- so values that move between rows (two parents swapping a unique value) fail with 23505 whatever the
 -- order, each time, and those parents end up parked. A DEFERRABLE constraint is checked at the end of each
--- statement: a swap within one pass then works.
+-- statement: a swap within one pass then works (and a job without a parent then writes its difference in
+-- one transaction: lockstep._limit_rows). Without a parent, no parent is parked: the recompute fails.
 -- locks: nothing.
-create function lockstep._warn_unique(target regclass) returns void
+create function lockstep._warn_unique(target regclass, parent regclass) returns void
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
@@ -524,8 +525,11 @@ begin
         where i.indrelid = target and i.indisunique and not i.indisprimary and i.indimmediate
         order by 1
     loop
-        raise warning 'lockstep: unique index % on % besides its primary key: rows whose values move between '
-                      'parents (a swap) fail with 23505 at every try and their parents are parked', c.idx, target
+        raise warning 'lockstep: unique index % on % besides its primary key: %', c.idx, target,
+            case when parent is null then 'values that move between rows (a swap) fail the recompute with 23505 at '
+                                          'every try'
+                 else 'rows whose values move between parents (a swap) fail with 23505 at every try and their '
+                      'parents are parked' end
             using detail = c.def,
                   hint = 'Drop it if compute guarantees it, or make it a DEFERRABLE unique constraint (checked at '
                          'the end of each statement: a swap within one pass then works).';
@@ -603,7 +607,7 @@ begin
     perform lockstep._check_watchers(job, parent, v_par.key_type);
     perform lockstep._check_parent_delete(target, parent);  -- LSD04 refusals, then warnings
     perform lockstep._warn_index(target, v_par.parent_column);
-    perform lockstep._warn_unique(target);
+    perform lockstep._warn_unique(target, parent);
     perform lockstep._save_derived(job, target, compute, parent, v_par.parent_column, v_par.parent_key,
                                    v_par.key_type, v_key, v_cols, lock_group, every, backoff);
 end;

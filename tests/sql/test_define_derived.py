@@ -471,6 +471,18 @@ def test_a_unique_index_besides_the_primary_key_is_warned_about(conn):
     conn.execute("select lockstep.enqueue('rank', array[1, 2])")
     assert conn.execute("select outcome, updated from lockstep.work('rank')").fetchone() == ("done", 2)
     assert conn.execute("select * from d order by 1").fetchall() == [(1, 2), (2, 1)]
+    # a job without a parent has no parent to park: the warning said so anyway (found by a probe)
+    conn.execute(
+        "create table top (rank int primary key, p_id bigint not null unique);"
+        " create function tops(ignored int[]) returns table (rank int, p_id bigint) language sql stable"
+        " as $$ select r, id from public.p $$"
+    )
+    notices.clear()
+    conn.execute("select lockstep.define_derived('top', 'top', 'tops(int[])')")
+    assert [n for n in notices if "unique index" in n] == [
+        "lockstep: unique index public.top_p_id_key on public.top besides its primary key: values that move"
+        " between rows (a swap) fail the recompute with 23505 at every try"
+    ], notices
 
 
 def test_a_parent_column_referencing_a_unique_column_says_the_parent_key_must_be_the_primary_key(conn):

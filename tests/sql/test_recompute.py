@@ -403,6 +403,31 @@ def test_parentless_job_diffs_the_whole_table(conn):
     )
 
 
+def test_a_parentless_job_with_a_deferrable_unique_constraint_is_not_split_across_transactions(conn):
+    # a top-N whose users swap ranks: written batch_parents rows at a time, the first batch held a uid the
+    # rest still had, so every recompute failed with 23505 and the job never converged (found by a probe).
+    # With a DEFERRABLE unique constraint besides the primary key the difference is written at once.
+    conn.execute(
+        """
+        create table score (uid int primary key, pts int not null);
+        create table top (rank int primary key, uid int not null unique deferrable);
+        insert into score select g, g * 10 from generate_series(1, 6) g;
+        create function tops(ignored int[]) returns table (rank int, uid int) language sql stable
+            as $$ select (row_number() over (order by pts desc, uid))::int, uid from public.score $$;
+        select lockstep.define_derived('top', 'top', 'tops(int[])');
+        select lockstep.set_batch_parents('top', 2);
+        """
+    )
+    drain_recompute = "lockstep.recompute('top')"
+    while result(conn, drain_recompute)["more"]:
+        pass
+    conn.execute("update score set pts = 100 - pts")  # the order reversed: every uid moves
+    r = result(conn, drain_recompute)
+    assert (r["outcome"], r["updated"], r["more"]) == ("done", 6, False), r
+    diff = "select count(*) from (select * from top except select * from tops(null)) s"
+    assert conn.execute(diff).fetchone()[0] == 0
+
+
 HAND_OFF_SCHEMA = """
 create schema ho;
 create table ho.acc (id int primary key, bal int not null);
