@@ -23,6 +23,7 @@ import functools
 import importlib.util
 import json as jsonlib
 import logging
+import shlex
 from datetime import UTC, datetime
 from typing import Any
 
@@ -502,8 +503,14 @@ def status(dsn: str | None, json: bool, history: bool, job: str | None, limit: i
     with _connect(dsn, "lockstep-status") as conn:
         rows = db.status(conn)
         # none at all is not a visibility problem (that message sent a user after grants; found by a probe)
-        empty = st.no_jobs(conn.info.user) if not rows and db.job_count(conn) else "no jobs defined"
+        hidden = not rows and db.job_count(conn) > 0
+        empty = st.no_jobs(conn.info.user) if hidden else "no jobs defined"
     click.echo(st.to_json(rows) if json else st.to_table(rows, empty=empty))
+    if hidden:
+        # jobs exist and this role sees none: nothing was checked, so not healthy (a viewer that lost one
+        # grant, SELECT on lockstep.viewer, saw none and exited 0 while a job was failing; found by a probe)
+        click.echo(f"Error: {empty}: nothing to check", err=True)
+        raise SystemExit(codes.EXIT_SETUP)
     for line in st.reasons(rows, max_lag):
         click.echo(line, err=True)
     raise SystemExit(st.exit_code(rows, max_lag))
@@ -532,7 +539,7 @@ def retry(job: str, keys: tuple[str, ...], dsn: str | None, json: bool) -> None:
             first = (str(exc).strip().splitlines() or [""])[0]
             raise Failure(
                 f"[{exc.sqlstate}] {first} (hint: a queued key not of the job's key type names no parent;"
-                f" `lockstep retry {job}` without KEYS drops such keys)"
+                f" `lockstep retry {shlex.quote(job)}` without KEYS drops such keys)"
             ) from exc
     if json:
         _echo_json({"job": job, "requeued": n})

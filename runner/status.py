@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import decimal
 import json
+import shlex
 
 TABLE_COLUMNS = (
     "job",
@@ -66,10 +67,11 @@ def reasons(rows: list[dict], max_lag: float | None = MAX_LAG) -> list[str]:
             why.append(
                 "flagged for a full recompute, held since a recompute met poison parents"
                 f" ({r['recompute_held_since']}; its error names one): once they are fixed,"
-                f" `lockstep retry {r.get('job')}`"
+                f" `lockstep retry {shlex.quote(str(r.get('job')))}`"
             )
         elif r.get("needs_recompute") is not None:
-            why.append("flagged for a full recompute (a trigger could not enqueue: trigger_problem)")
+            # the problem itself (a newly watched table is no trigger failure: the line said it was)
+            why.append(f"flagged for a full recompute ({r.get('trigger_problem') or 'see trigger_problem'})")
         if _lagging(r, max_lag):
             why.append(
                 f"oldest queued key waits {r['queue_lag'].total_seconds():.0f} s (--max-lag {max_lag:g})"

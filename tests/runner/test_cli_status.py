@@ -129,6 +129,11 @@ def test_a_flag_held_since_a_poisoned_recompute_says_what_to_do():
     (line,) = reasons(rows)
     assert "held since a recompute met poison parents" in line and "fixed, `lockstep retry dj`" in line, line
     rows[0]["recompute_held_since"] = None
+    rows[0]["trigger_problem"] = "public.c newly watched: rows written before are not queued"
     assert reasons(rows) == [
-        "unhealthy: job dj: flagged for a full recompute (a trigger could not enqueue: trigger_problem)"
+        "unhealthy: job dj: flagged for a full recompute (public.c newly watched: rows written before are"
+        " not queued)"
     ]
+    # a name a shell splits is quoted, so the command pastes as is (found by a probe)
+    rows[0].update(job="billing totals", recompute_held_since=held)
+    assert "`lockstep retry 'billing totals'`" in reasons(rows)[0]

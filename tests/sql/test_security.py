@@ -625,8 +625,10 @@ def test_runner_reads_the_status_of_the_jobs_it_runs(ex, example_dsn, roles):
     owner = roles("exam_owner", OWNER_GRANTS, login=False)
     runner = roles("lockstep_runner", RUNNER_GRANTS, attrs="noinherit", owner=owner)
     p = lockstep_cli("status", "--dsn", as_role(example_dsn, runner))
-    assert p.returncode == 0, p.stderr
-    assert "exam_keys" not in p.stdout  # owned by root, whom this runner does not serve
+    # owned by root, whom this runner does not serve: it sees no job, so nothing was checked: exit 4, not
+    # 0 (a viewer that lost a grant saw none and reported healthy while a job was failing; a probe)
+    assert p.returncode == 4 and "exam_keys" not in p.stdout, (p.stdout, p.stderr)
+    assert p.stderr.startswith(f"Error: no jobs visible to role {runner}") and "nothing to check" in p.stderr
     ex.execute(
         sql.SQL("update lockstep.job set owner = {} where job = 'exam_keys'").format(sql.Literal(owner))
     )
