@@ -165,10 +165,11 @@ begin
     if cardinality(keys) = 0 then
         return;
     end if;
-    if kind = 'retry' then
+    if kind = 'retry' then  -- each alone, dry; then the good ones written together (lockstep._write_good)
         foreach k in array keys loop
-            p := lockstep._add(p, lockstep._isolate(j, array[k]));
+            p := lockstep._add(p, lockstep._isolate(j, array[k], null, true));
         end loop;
+        p := lockstep._write_good(j, keys, p);
         return;
     end if;
     select * into t from lockstep._try(j, keys);
@@ -191,7 +192,7 @@ begin
         job_error := t.error;
         return;
     end if;
-    p := lockstep._isolate(j, keys, t.error);
+    p := lockstep._write_good(j, keys, lockstep._isolate(j, keys, t.error, true));
 end;
 $$;
 
@@ -552,8 +553,10 @@ begin
                                        and c.castcontext = 'i' and c.castmethod = 'b')
                           or (key_type::text, t.typelem::regtype::text)
                              in (('smallint', 'integer'), ('smallint', 'bigint'), ('integer', 'bigint')))) then
-        raise exception 'lockstep: compute function % takes %, but the parent key %.% is %: it must take %[]',
-            compute, v_arg::regtype, parent, parent_key, key_type, key_type using errcode = 'LSD02';
+        raise exception 'lockstep: compute function % takes %, but the parent key %.% is %: it must take %[] '
+                        '(or an array of a type every key converts to without loss: binary-coercible, or a wider '
+                        'integer)', compute, v_arg::regtype, parent, parent_key, key_type, key_type
+            using errcode = 'LSD02';
     end if;
 end;
 $$;
@@ -864,6 +867,10 @@ declare
     v_type regtype;
     v_old regtype := (select x.key_type from lockstep.job x where x.job = _check_watchers.job);
     v_why text;
+    -- every table that feeds the job, for the hint: one named at a time, an admin met the next refusal
+    -- after each unwatch (found by a probe)
+    v_all text := (select pg_catalog.string_agg(distinct pg_catalog.format('lockstep.unwatch(%L, %L)', job, x.rel::text), ', ')
+                   from lockstep._watchers(job) x);
 begin
     for w in select * from lockstep._watchers(job) loop
         if parent is null then
@@ -885,7 +892,8 @@ begin
         if v_why is not null then
             raise exception 'lockstep: job "%" is fed by trigger % on %: %', job, w.tgname, w.rel, v_why
                 using errcode = 'LSQ01',
-                      hint = pg_catalog.format('First select lockstep.unwatch(%L, %L), then watch() again after redefining.', job, w.rel);
+                      hint = pg_catalog.format('First select %s (every table that feeds it), then watch() again '
+                                               'after redefining.', v_all);
         end if;
     end loop;
 end;
@@ -901,7 +909,7 @@ begin
     -- straight to the batch
     if not exists (select from lockstep.key_failure f where f.job = j.job and not f.parked and f.retry_at <= now())
        and not exists (select from lockstep.key_failure f
-                       where f.job = j.job and f.parked
+                       where f.job = j.job and f.parked and f.retry_at <= now()
                          and exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true
                                      and q.id > f.failed_upto)) then
         select array_agg(distinct c.key), count(*) >= batch into keys, full
@@ -924,7 +932,7 @@ begin
     end if;
     select array_agg(f.key order by f.key) into keys
     from (select f.key from lockstep.key_failure f
-          where f.job = j.job and f.attempts > 0 and (f.parked or f.retry_at <= now())
+          where f.job = j.job and f.attempts > 0 and f.retry_at <= now()
             and exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true
                         and (not f.parked or q.id > f.failed_upto))
           order by f.retry_at, f.key limit batch) f;
@@ -1933,8 +1941,7 @@ begin
         where q.job = j.job and q.ready_at <= now()
           and not exists (select from lockstep.key_failure f
                           where f.job = q.job and f.key = q.key
-                            and case when f.parked then q.id <= f.failed_upto  -- see _claim
-                                     else f.retry_at > now() end));
+                            and (f.retry_at > now() or (f.parked and q.id <= f.failed_upto))));  -- see _claim
 end;
 $$;
 
@@ -2029,7 +2036,7 @@ CREATE FUNCTION lockstep._is_statement_timeout(started timestamp with time zone)
            >= current_setting('statement_timeout')::interval * 0.9;
 $$;
 
-CREATE FUNCTION lockstep._isolate(j lockstep.job, keys text[], error text DEFAULT NULL::text) RETURNS lockstep._pass
+CREATE FUNCTION lockstep._isolate(j lockstep.job, keys text[], error text DEFAULT NULL::text, dry boolean DEFAULT false) RETURNS lockstep._pass
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
@@ -2042,8 +2049,10 @@ begin
         return row(0, 0, 0, keys, 0, 0, 0, '{}', '{}')::lockstep._pass;  -- not tried, not blamed
     end if;
     if v_err is null then
-        select * into t from lockstep._try(j, keys);
-        if t.error is null then
+        select * into t from lockstep._try(j, keys, dry);
+        if t.error is null and dry then  -- went through, rolled back: only its compute time counts
+            return row(0, 0, 0, '{}', 0, (t.p).compute_ms, 0, '{}', '{}')::lockstep._pass;
+        elsif t.error is null then
             return t.p;
         end if;
         v_err := t.error;
@@ -2051,7 +2060,8 @@ begin
     if n = 1 then
         return row(0, 0, 0, '{}', 0, 0, 0, keys, array[v_err])::lockstep._pass;
     end if;
-    return lockstep._add(lockstep._isolate(j, keys[1:n / 2]), lockstep._isolate(j, keys[n / 2 + 1:n]));
+    return lockstep._add(lockstep._isolate(j, keys[1:n / 2], null, dry),
+                         lockstep._isolate(j, keys[n / 2 + 1:n], null, dry));
 end;
 $$;
 
@@ -3400,6 +3410,13 @@ begin
             retry_at = case when excluded.attempts = 0 then excluded.retry_at
                             else now() + least(j.backoff, interval '1 second' * power(2, least(f.attempts + 1, 20))) end,
             parked = excluded.parked or (excluded.attempts > 0 and f.attempts + 1 >= j.max_attempts);
+    -- a key that cannot be read back names no parent this pass could compute (an enum label renamed since,
+    -- a key typed by hand): its change would wait for the periodic recompute, up to its `every` (found by
+    -- a probe). It is parked and shown, and the periodic recompute is due now: it covers every parent, and
+    -- cures the parked keys (lockstep._cure). (The status row, the last row this pass writes.)
+    if cardinality(bad) > 0 then
+        update lockstep.job_state s set next_run_at = least(s.next_run_at, now()) where s.job = j.job;
+    end if;
     if cardinality(p.failed) + cardinality(bad) + cardinality(v_susp) = 0 then
         return null;
     end if;
@@ -3709,13 +3726,18 @@ begin
 end;
 $$;
 
-CREATE FUNCTION lockstep._try(j lockstep.job, keys text[], OUT p lockstep._pass, OUT error text, OUT state text) RETURNS record
+CREATE FUNCTION lockstep._try(j lockstep.job, keys text[], dry boolean DEFAULT false, OUT p lockstep._pass, OUT error text, OUT state text) RETURNS record
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
 begin
     p := lockstep._apply(j, keys);
+    if dry then
+        raise exception using errcode = 'LSDRY';
+    end if;
 exception
+    when sqlstate 'LSDRY' then
+        null;
     when query_canceled then
         if not lockstep._is_statement_timeout(null) then
             raise;
@@ -4017,6 +4039,29 @@ begin
 end;
 $$;
 
+CREATE FUNCTION lockstep._write_good(j lockstep.job, keys text[], p lockstep._pass) RETURNS lockstep._pass
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+declare
+    v_good text[] := array(select k from pg_catalog.unnest(keys) k
+                           where k <> all(p.failed) and k <> all(p.skipped)
+                             and k <> all(coalesce(lockstep._timed_out(), '{}')));
+    t record;
+begin
+    if cardinality(v_good) = 0 then
+        return p;
+    elsif lockstep._timed_out() is not null or pg_catalog.current_setting('lockstep.transient', true) <> '' then
+        return lockstep._add(p, row(0, 0, 0, v_good, 0, 0, 0, '{}', '{}')::lockstep._pass);
+    end if;
+    select * into t from lockstep._try(j, v_good);
+    if t.error is null then
+        return lockstep._add(p, t.p);
+    end if;
+    return lockstep._add(p, lockstep._isolate(j, v_good, t.error));
+end;
+$$;
+
 CREATE FUNCTION lockstep._write_steps(j lockstep.job, d lockstep._diff_counts, exact boolean) RETURNS lockstep._pass
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -4198,8 +4243,9 @@ CREATE FUNCTION lockstep.due(jobs text[] DEFAULT NULL::text[], gather interval D
                       (select case when min(f.retry_at) is not null
                                    then greatest(min(f.retry_at), coalesce(s.retry_at, now())) end
                        from lockstep.key_failure f
-                       where f.job = j.job and not f.parked
-                         and exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true)) end,
+                       where f.job = j.job
+                         and exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true
+                                     and (not f.parked or q.id > f.failed_upto))) end,  -- as lockstep._claim
                  case when j.parent is not null then
                       case when s.deferred_until > now() then s.deferred_until end end)
     from lockstep.job j
@@ -4568,7 +4614,7 @@ begin
         raise exception 'lockstep: %.% is %, which does not always convert to the parent key type % of job "%"',
             source, key_column, v_type, j.key_type, j.job
             using errcode = 'LSQ01',
-                  hint = pg_catalog.format('Watch a %s column (or one of a type with an implicit cast to it).', j.key_type);
+                  hint = pg_catalog.format('Watch a column of type %s (or of a type with an implicit cast to it).', j.key_type);
     end if;
     -- the fast path (a third argument) where the column's JSON text is the key's canonical text
     v_fast := v_type::text = any(lockstep._fast_types()) and j.key_type::text = any(lockstep._fast_types());

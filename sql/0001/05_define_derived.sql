@@ -248,8 +248,10 @@ begin
                                        and c.castcontext = 'i' and c.castmethod = 'b')
                           or (key_type::text, t.typelem::regtype::text)
                              in (('smallint', 'integer'), ('smallint', 'bigint'), ('integer', 'bigint')))) then
-        raise exception 'lockstep: compute function % takes %, but the parent key %.% is %: it must take %[]',
-            compute, v_arg::regtype, parent, parent_key, key_type, key_type using errcode = 'LSD02';
+        raise exception 'lockstep: compute function % takes %, but the parent key %.% is %: it must take %[] '
+                        '(or an array of a type every key converts to without loss: binary-coercible, or a wider '
+                        'integer)', compute, v_arg::regtype, parent, parent_key, key_type, key_type
+            using errcode = 'LSD02';
     end if;
 end;
 $$;

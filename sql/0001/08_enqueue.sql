@@ -697,6 +697,10 @@ declare
     v_type regtype;
     v_old regtype := (select x.key_type from lockstep.job x where x.job = _check_watchers.job);
     v_why text;
+    -- every table that feeds the job, for the hint: one named at a time, an admin met the next refusal
+    -- after each unwatch (found by a probe)
+    v_all text := (select pg_catalog.string_agg(distinct pg_catalog.format('lockstep.unwatch(%L, %L)', job, x.rel::text), ', ')
+                   from lockstep._watchers(job) x);
 begin
     for w in select * from lockstep._watchers(job) loop
         if parent is null then
@@ -718,7 +722,8 @@ begin
         if v_why is not null then
             raise exception 'lockstep: job "%" is fed by trigger % on %: %', job, w.tgname, w.rel, v_why
                 using errcode = 'LSQ01',
-                      hint = pg_catalog.format('First select lockstep.unwatch(%L, %L), then watch() again after redefining.', job, w.rel);
+                      hint = pg_catalog.format('First select %s (every table that feeds it), then watch() again '
+                                               'after redefining.', v_all);
         end if;
     end loop;
 end;
@@ -963,7 +968,7 @@ begin
         raise exception 'lockstep: %.% is %, which does not always convert to the parent key type % of job "%"',
             source, key_column, v_type, j.key_type, j.job
             using errcode = 'LSQ01',
-                  hint = pg_catalog.format('Watch a %s column (or one of a type with an implicit cast to it).', j.key_type);
+                  hint = pg_catalog.format('Watch a column of type %s (or of a type with an implicit cast to it).', j.key_type);
     end if;
     -- the fast path (a third argument) where the column's JSON text is the key's canonical text
     v_fast := v_type::text = any(lockstep._fast_types()) and j.key_type::text = any(lockstep._fast_types());

@@ -140,7 +140,8 @@ from lockstep.key_failure f;
 -- lockstep.due(jobs): when each job next has something to do (the runner's one query per tick).
 --   generic and parentless jobs: next_run_at; a job flagged for its recompute (lockstep.recompute_flag): now;
 --   derived jobs: the earlier of next_run_at and, if ready keys are queued, now (or the worker's retry_at);
---   also the earliest retry of a failing key that still has queue entries, and when the earliest deferred
+--   also the earliest retry of a failing key that still has queue entries (a parked key: entries queued
+--   since it was parked), and when the earliest deferred
 --   entry is ready (a key skipped because an application held its parent: job_state.deferred_until, so no
 --   read of the queue beyond its first ready entry).
 -- jobs: restrict to these names (NULL: all).
@@ -171,8 +172,9 @@ as $$
                       (select case when min(f.retry_at) is not null
                                    then greatest(min(f.retry_at), coalesce(s.retry_at, now())) end
                        from lockstep.key_failure f
-                       where f.job = j.job and not f.parked
-                         and exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true)) end,
+                       where f.job = j.job
+                         and exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true
+                                     and (not f.parked or q.id > f.failed_upto))) end,  -- as lockstep._claim
                  case when j.parent is not null then
                       case when s.deferred_until > now() then s.deferred_until end end)
     from lockstep.job j

@@ -206,6 +206,7 @@ def test_a_redefinition_its_watchers_do_not_fit_says_why(db):
                   group by 1 $$;
         select lockstep.define_derived('ij', 'idd', 'icomp(int[])', 'ip');
         select lockstep.watch('ij', 'iw', 'ip_id');
+        select lockstep.watch('ij', 'ip', 'id');
         alter table ip alter column id type bigint;
         alter table idd alter column ip_id type bigint;
         alter table iw alter column ip_id type bigint;
@@ -214,8 +215,14 @@ def test_a_redefinition_its_watchers_do_not_fit_says_why(db):
                   group by 1 $$;
         """
     )
-    with raises_sqlstate("LSQ01", "made for the parent key type integer, not the new bigint"):
+    with raises_sqlstate("LSQ01", "made for the parent key type integer, not the new bigint") as info:
         db.execute("select lockstep.define_derived('ij', 'idd', 'icomp(bigint[])', 'ip')")
+    # every table that feeds the job, in one hint: one at a time, an admin met the next refusal after each
+    # unwatch (found by a probe)
+    assert info.value.diag.message_hint == (
+        "First select lockstep.unwatch('ij', 'public.ip'), lockstep.unwatch('ij', 'public.iw')"
+        " (every table that feeds it), then watch() again after redefining."
+    )
     db.execute("create table w2 (p_id bigint)")
     db.execute("select lockstep.define_derived('j', 'd', 'good(bigint[])', 'p')")
     db.execute("select lockstep.watch('j', 'w2', 'p_id')")
