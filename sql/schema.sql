@@ -119,6 +119,11 @@ begin
     else
         p := lockstep._write(j, keys);  -- it leaves the work tables empty (a failed call: rolled back)
     end if;
+    -- the deferred checks of these writes fire here, inside the pass, where a failure is the pass's
+    -- (isolated, recorded), as in the owner's sandbox (lockstep._owner_run); left to COMMIT, a deferred
+    -- exclusion or unique violation failed the commit after run() had returned done, and the job looked
+    -- healthy (found by a review)
+    set constraints all immediate;
     p.compute_ms := extract(epoch from clock_timestamp() - v_t0) * 1000 - p.write_ms;
     return p;
 end;
@@ -1351,7 +1356,7 @@ $$;
 CREATE FUNCTION lockstep._drop_temp_objects() RETURNS void
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
-    AS $$
+    AS $_$
 declare
     v_me oid := (select r.oid from pg_catalog.pg_roles r where r.rolname = current_user);
     v text;
@@ -1360,15 +1365,32 @@ begin
         return;
     end if;
     for v in
+        with mine as (
+            select c.oid, c.relname, c.relkind,
+                   c.relkind = 'r' and c.relname ~ '^lockstep_(put|gone|rest)_[0-9a-f]{16}(_[0-9a-f]{8})?$'
+                   and not c.relhastriggers and not c.relhasrules and not c.relrowsecurity
+                   and not c.relhassubclass as keep
+            from pg_catalog.pg_class c
+            where c.relnamespace = pg_catalog.pg_my_temp_schema() and c.relowner = v_me
+              and c.relkind in ('r', 'p', 'v', 'm', 'S', 'f', 'c'))
         select pg_catalog.format('drop %s if exists pg_temp.%I cascade',
-                                 case c.relkind when 'v' then 'view' when 'm' then 'materialized view'
+                                 case m.relkind when 'v' then 'view' when 'm' then 'materialized view'
                                                 when 'S' then 'sequence' when 'f' then 'foreign table'
-                                                when 'c' then 'type' else 'table' end, c.relname)
-        from pg_catalog.pg_class c
-        where c.relnamespace = pg_catalog.pg_my_temp_schema() and c.relowner = v_me
-          and c.relkind in ('r', 'p', 'v', 'm', 'S', 'f', 'c')
-          and not (c.relkind = 'r' and c.relname like 'lockstep\_%' and c.relacl is null and not c.relhastriggers
-                   and not c.relhasrules and not c.relrowsecurity and not c.relhassubclass)
+                                                when 'c' then 'type' else 'table' end, m.relname)
+        from mine m where not m.keep
+        union all  -- a kept table another role may read (table or column grants): revoked
+        select pg_catalog.format('revoke all on table pg_temp.%I from %s', m.relname,
+                                 pg_catalog.string_agg(distinct case when g.grantee = 0 then 'public'
+                                                                     else pg_catalog.quote_ident(r.rolname) end, ', '))
+        from mine m
+        cross join lateral (select a.grantee from pg_catalog.pg_class c, pg_catalog.aclexplode(c.relacl) a
+                            where c.oid = m.oid
+                            union all
+                            select a.grantee from pg_catalog.pg_attribute t, pg_catalog.aclexplode(t.attacl) a
+                            where t.attrelid = m.oid) g
+        left join pg_catalog.pg_roles r on r.oid = g.grantee
+        where m.keep and g.grantee <> v_me
+        group by m.relname
         union all
         select pg_catalog.format('drop type if exists pg_temp.%I cascade', t.typname)
         from pg_catalog.pg_type t
@@ -1378,7 +1400,7 @@ begin
         execute v;
     end loop;
 end;
-$$;
+$_$;
 
 CREATE FUNCTION lockstep._drop_unused_triggers() RETURNS void
     LANGUAGE plpgsql
@@ -2267,8 +2289,9 @@ begin
     execute pg_catalog.format('select (select count(*) from pg_temp.%I) + (select count(*) from pg_temp.%I)',
                               v_gone, v_put) into v_n;
     if budget is null or v_n <= budget
-       or exists (select from pg_catalog.pg_index i
-                  where i.indrelid = j.target and i.indisunique and not i.indisprimary and not i.indimmediate) then
+       or exists (select from pg_catalog.pg_constraint c
+                  where c.conrelid = any(lockstep._family(j.target)::oid[]) and c.contype in ('u', 'x')
+                    and c.condeferrable) then
         return 0;
     end if;
     execute pg_catalog.format('create temp table if not exists %I as select p.*, false as lockstep_gone, '

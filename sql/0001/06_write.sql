@@ -1081,6 +1081,11 @@ begin
     else
         p := lockstep._write(j, keys);  -- it leaves the work tables empty (a failed call: rolled back)
     end if;
+    -- the deferred checks of these writes fire here, inside the pass, where a failure is the pass's
+    -- (isolated, recorded), as in the owner's sandbox (lockstep._owner_run); left to COMMIT, a deferred
+    -- exclusion or unique violation failed the commit after run() had returned done, and the job looked
+    -- healthy (found by a review)
+    set constraints all immediate;
     p.compute_ms := extract(epoch from clock_timestamp() - v_t0) * 1000 - p.write_ms;
     return p;
 end;

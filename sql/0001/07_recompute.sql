@@ -128,10 +128,11 @@ $$;
 -- lockstep._limit_rows(j, budget): write step 0 for a job without a parent: if j's work tables hold more
 -- than budget rows, move them all to the rest table, numbered in primary-key order, and load the first
 -- budget back (lockstep._load_rest). Returns how many rows were left in the rest table.
--- Not split where the target has a DEFERRABLE unique constraint besides its primary key: such a job's rows
--- swap unique values (a top-N whose users change ranks), and the first batch then held a value the rest
--- still had, so every recompute failed with 23505 and the job never converged (found by a probe). Its
--- difference is written in one transaction (README: a row-lock time that grows with the change).
+-- Not split where the target (or a partition of it) has a DEFERRABLE unique or exclusion constraint besides
+-- its primary key: such a job's rows swap unique values (a top-N whose users change ranks), and the first
+-- batch then held a value the rest still had, so every recompute failed with 23505 (23P01) and the job
+-- never converged (found by a probe and a review). Its difference is written in one transaction (README:
+-- a row-lock time that grows with the change).
 -- locks: nothing outside pg_temp.
 create function lockstep._limit_rows(j lockstep.job, budget integer) returns bigint
 language plpgsql
@@ -148,8 +149,9 @@ begin
     execute pg_catalog.format('select (select count(*) from pg_temp.%I) + (select count(*) from pg_temp.%I)',
                               v_gone, v_put) into v_n;
     if budget is null or v_n <= budget
-       or exists (select from pg_catalog.pg_index i
-                  where i.indrelid = j.target and i.indisunique and not i.indisprimary and not i.indimmediate) then
+       or exists (select from pg_catalog.pg_constraint c
+                  where c.conrelid = any(lockstep._family(j.target)::oid[]) and c.contype in ('u', 'x')
+                    and c.condeferrable) then
         return 0;
     end if;
     execute pg_catalog.format('create temp table if not exists %I as select p.*, false as lockstep_gone, '

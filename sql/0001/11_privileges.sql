@@ -349,11 +349,16 @@ $$;
 -- name pg_temp (`set search_path = public, pg_catalog`) looks there first for
 -- relations and types, and the runner's session serves other owners next, so a temp view another owner's
 -- job left named like a table of this one's ran that owner's code with this one's rights (found by a
--- review). A job's temporary objects therefore do not outlive its run. Kept: plain tables named lockstep_*
--- that no other role may read and that have no trigger, rule or policy (lockstep's work tables are all
--- such), since reading one runs no code and another role cannot read it at all. Every name lockstep_* was
--- spared before, so a temp view lockstep_rates, granted to PUBLIC, stood in for another owner's table of
--- that name (found by a probe). Types are dropped whatever their name (lockstep makes none).
+-- review). A job's temporary objects therefore do not outlive its run. Kept: the work tables
+-- lockstep._tmp_setup names (lockstep_put_, _gone_, _rest_ and their suffix), plain, with no trigger,
+-- rule, policy or child, and readable by no other role: a grant on one to another role (a column grant, or
+-- the owner's default privileges) is revoked, once. Another role's code in this session then cannot read
+-- them, and reading one runs no code. Before, every name lockstep_* was spared: a temp view lockstep_rates
+-- granted to PUBLIC stood in for another owner's table of that name; then a plain table granted by column
+-- (relacl stays NULL), and a leftover named like lockstep's transaction-scoped tables (lockstep_parents:
+-- the next owner's recompute failed, "must be owner"), while default privileges dropped lockstep's own work
+-- tables at every run (found by a probe and a review). Types are dropped whatever their name (lockstep
+-- makes none).
 -- locks: those objects (dropped; nobody else can hold them: they are this session's).
 create function lockstep._drop_temp_objects() returns void
 language plpgsql
@@ -367,15 +372,32 @@ begin
         return;
     end if;
     for v in
+        with mine as (
+            select c.oid, c.relname, c.relkind,
+                   c.relkind = 'r' and c.relname ~ '^lockstep_(put|gone|rest)_[0-9a-f]{16}(_[0-9a-f]{8})?$'
+                   and not c.relhastriggers and not c.relhasrules and not c.relrowsecurity
+                   and not c.relhassubclass as keep
+            from pg_catalog.pg_class c
+            where c.relnamespace = pg_catalog.pg_my_temp_schema() and c.relowner = v_me
+              and c.relkind in ('r', 'p', 'v', 'm', 'S', 'f', 'c'))
         select pg_catalog.format('drop %s if exists pg_temp.%I cascade',
-                                 case c.relkind when 'v' then 'view' when 'm' then 'materialized view'
+                                 case m.relkind when 'v' then 'view' when 'm' then 'materialized view'
                                                 when 'S' then 'sequence' when 'f' then 'foreign table'
-                                                when 'c' then 'type' else 'table' end, c.relname)
-        from pg_catalog.pg_class c
-        where c.relnamespace = pg_catalog.pg_my_temp_schema() and c.relowner = v_me
-          and c.relkind in ('r', 'p', 'v', 'm', 'S', 'f', 'c')
-          and not (c.relkind = 'r' and c.relname like 'lockstep\_%' and c.relacl is null and not c.relhastriggers
-                   and not c.relhasrules and not c.relrowsecurity and not c.relhassubclass)
+                                                when 'c' then 'type' else 'table' end, m.relname)
+        from mine m where not m.keep
+        union all  -- a kept table another role may read (table or column grants): revoked
+        select pg_catalog.format('revoke all on table pg_temp.%I from %s', m.relname,
+                                 pg_catalog.string_agg(distinct case when g.grantee = 0 then 'public'
+                                                                     else pg_catalog.quote_ident(r.rolname) end, ', '))
+        from mine m
+        cross join lateral (select a.grantee from pg_catalog.pg_class c, pg_catalog.aclexplode(c.relacl) a
+                            where c.oid = m.oid
+                            union all
+                            select a.grantee from pg_catalog.pg_attribute t, pg_catalog.aclexplode(t.attacl) a
+                            where t.attrelid = m.oid) g
+        left join pg_catalog.pg_roles r on r.oid = g.grantee
+        where m.keep and g.grantee <> v_me
+        group by m.relname
         union all
         select pg_catalog.format('drop type if exists pg_temp.%I cascade', t.typname)
         from pg_catalog.pg_type t

@@ -1297,8 +1297,24 @@ def test_keys_a_runner_cannot_read_are_parked_not_recursed_on(ex, example_dsn, r
         assert failing == [("green",), ("red",)]
 
 
-@pytest.mark.parametrize("item", ["item", "lockstep_rates"])
-def test_another_owners_temp_view_never_stands_in_for_a_jobs_table(ex, example_dsn, roles, item):
+PLANT_VIEW = (
+    "  execute format('create temp view %I as select * from %s.steal()', {il}, {aq});"
+    "  execute format('grant select on pg_temp.%I to public', {il});"
+)
+# a plain table granted by column: relacl stays NULL, so "granted to nobody" let it through (a review)
+PLANT_TABLE = (
+    "  execute format('create temp table %I (id int, n int)', {il});"
+    "  execute format('insert into pg_temp.%I values (9, 9)', {il});"
+    "  execute format('grant select (id, n) on pg_temp.%I to public', {il});"
+)
+
+
+@pytest.mark.parametrize(
+    "item, plant",
+    [("item", PLANT_VIEW), ("lockstep_rates", PLANT_VIEW), ("lockstep_rates", PLANT_TABLE)],
+    ids=["view", "lockstep-view", "lockstep-table-column-grant"],
+)
+def test_another_owners_temp_view_never_stands_in_for_a_jobs_table(ex, example_dsn, roles, item, plant):
     """A compute with its own search_path that does not name pg_temp (the README's advice) looks there first
     for relations; the runner session serves several owners, so a temp view another owner's job left named
     like a table of this one ran that owner's code with this one's rights (found by a review). A job's
@@ -1342,9 +1358,7 @@ def test_another_owners_temp_view_never_stands_in_for_a_jobs_table(ex, example_d
             " create table {a}.t (bucket int primary key, total bigint);"
             " create function {a}.plant(ignored int[]) returns table (bucket int, total bigint)"
             "  language plpgsql"
-            "  as $$ begin if to_regclass({tq}) is null then"
-            "  execute format('create temp view %I as select * from %s.steal()', {il}, {aq});"
-            "  execute format('grant select on pg_temp.%I to public', {il}); end if; return; end $$;"
+            "  as $$ begin if to_regclass({tq}) is null then" + plant + " end if; return; end $$;"
             " select lockstep.define_derived('plant', {at}, {af}, every => '1 day');"
         ).format(
             a=a,
@@ -1365,6 +1379,49 @@ def test_another_owners_temp_view_never_stands_in_for_a_jobs_table(ex, example_d
         (1, 1),
         (2, 2),
     ]
+
+
+def test_an_owners_default_privileges_neither_drop_nor_share_its_work_tables(ex, example_dsn, roles):
+    """With `alter default privileges for role owner grant select on tables to x`, every table the owner
+    creates, its temp work tables too, is granted to x: "granted to nobody" dropped them at the end of
+    every sandbox (a job without a parent recomputed in full at every run; a review). The grant is revoked
+    instead, once, and the tables stay for the session's next run."""
+    owner = roles("owner", OWNER_GRANTS, login=False)
+    other = roles("other", [], login=False)
+    runner = roles("lockstep_runner", RUNNER_GRANTS, attrs="noinherit", owner=owner)
+    o = sql.Identifier(owner)
+    ex.execute(sql.SQL("create schema {o} authorization {o}").format(o=o))
+    ex.execute(
+        sql.SQL("alter default privileges for role {} grant select on tables to {}").format(
+            o, sql.Identifier(other)
+        )
+    )
+    ex.execute(sql.SQL("set role {}").format(o))
+    ex.execute(
+        sql.SQL(
+            "create table {o}.src (id int primary key, n int); insert into {o}.src select g, g from"
+            " generate_series(1, 30) g;"
+            " create table {o}.dst (id int primary key, n int);"
+            " create function {o}.f(ignored int[]) returns table (id int, n int) language sql stable"
+            "  as $$ select id, n from {o}.src $$;"
+            " select lockstep.define_derived('dp', {t}, {f}, every => '1 day');"
+            " select lockstep.set_batch_parents('dp', 10);"
+        ).format(o=o, t=sql.Literal(f'"{owner}".dst'), f=sql.Literal(f'"{owner}".f(int[])'))
+    )
+    ex.execute("reset role")
+    work_tables = (
+        "select c.relname, c.relacl::text from pg_class c where c.relnamespace = pg_my_temp_schema()"
+        " and c.relname ~ '^lockstep_(put|gone|rest)_' order by 1"
+    )
+    with psycopg.connect(as_role(example_dsn, runner), autocommit=True) as r:
+        assert result(r, "lockstep.recompute('dp')")["inserted"] == 10
+        kept = r.execute(work_tables).fetchall()
+        assert [n.split("_")[1] for n, _ in kept] == ["gone", "put", "rest"], kept
+        assert not any(acl and other in acl for _, acl in kept), kept  # no longer granted to `other`
+        # the rest is written from the kept rest table: no second compute of every row
+        second = result(r, "lockstep.run('dp')")
+        assert second["inserted"] == 10 and r.execute(work_tables).fetchall() == kept
+    assert ex.execute(sql.SQL("select count(*) from {}.dst").format(o)).fetchone()[0] == 20
 
 
 def test_a_viewer_row_for_a_role_that_does_not_exist_breaks_nobody(ex, example_dsn, owners):
