@@ -267,6 +267,9 @@ $$;
 --          backoff): tried at once after any change, parked keys that the application kept changing made
 --          every pass a retry pass, and the other keys' entries were never claimed (found by a review);
 
+--   (probe and retry take a key only with a ready entry: a failing key whose parent an application held
+--   was skipped, its entry deferred a second, and claimed again at once, every pass, while the other keys
+--   waited for the lock to go; found by a review)
 --   batch: the keys of the oldest ready entries, up to batch distinct keys that have no key_failure row;
 --          full: batch entries were taken (more may be ready).
 -- Generic plans (index scans of the queue and key_failure by job; with custom plans, PostgreSQL's choice
@@ -297,7 +300,8 @@ begin
     select array_agg(f.key order by f.key) into keys
     from (select f.key from lockstep.key_failure f
           where f.job = j.job and f.attempts = 0 and not f.parked and f.retry_at <= now()
-            and exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true)
+            and exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true
+                        and q.ready_at <= now())
           order by f.key limit 2 * batch) f;
     if keys is not null then
         keys := keys[1:(cardinality(keys) + 1) / 2];
@@ -308,7 +312,7 @@ begin
     from (select f.key from lockstep.key_failure f
           where f.job = j.job and f.attempts > 0 and f.retry_at <= now()
             and exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true
-                        and (not f.parked or q.id > f.failed_upto))
+                        and (not f.parked or q.id > f.failed_upto) and q.ready_at <= now())
           order by f.retry_at, f.key limit batch) f;
     if keys is not null then
         kind := 'retry';
@@ -420,16 +424,27 @@ as $$
 declare
     k text;
     t record;
+    v_untried text[] := '{}';
 begin
     p := row(0, 0, 0, '{}', 0, 0, 0, '{}', '{}');
+    perform pg_catalog.set_config('lockstep.untried', '', true);
     if cardinality(keys) = 0 then
         return;
     end if;
-    if kind = 'retry' then  -- each alone, dry; then the good ones written together (lockstep._write_good)
+    if kind = 'retry' then
+        -- each alone, written as it goes; after the first that wrote, the others are left for the next pass
+        -- (lockstep.untried), so row locks are held from one key's write to the commit, not through the
+        -- computes of the later keys (a review: an application DELETE waited 1.9 s on a retry pass of 500).
+        -- Not dry with one write at the end: each key computed twice, and that write all or nothing, a
+        -- statement_timeout the old pass stayed under cancelled it at every pass (a review)
         foreach k in array keys loop
-            p := lockstep._add(p, lockstep._isolate(j, array[k], null, true));
+            if p.inserted + p.updated + p.deleted > 0 then
+                v_untried := v_untried || k;
+            else
+                p := lockstep._add(p, lockstep._isolate(j, array[k]));
+            end if;
         end loop;
-        p := lockstep._write_good(j, keys, p);
+        perform pg_catalog.set_config('lockstep.untried', v_untried::text, true);
         return;
     end if;
     select * into t from lockstep._try(j, keys);
@@ -514,7 +529,9 @@ begin
         p.errors := p.errors || v_terr;
         v_susp := '{}';
     end if;
-    v_leave := p.failed || v_skip || v_susp;
+    -- and the keys a retry pass left for the next one (lockstep._attempt): their entries and failures stay
+    v_leave := p.failed || v_skip || v_susp
+               || coalesce(nullif(pg_catalog.current_setting('lockstep.untried', true), '')::text[], '{}');
     if cardinality(v_leave) > 0 then  -- the queued (raw) text of those keys
         execute pg_catalog.format('select coalesce(array_agg(r), ''{}'') from pg_catalog.unnest($1) r '
                                   'where r::%s::text = any($2)', lockstep._type_sql(j.key_type)) into v_leave using raw, v_leave;
@@ -565,9 +582,14 @@ begin
     -- a key that cannot be read back names no parent this pass could compute (an enum label renamed since,
     -- a key typed by hand): its change would wait for the periodic recompute, up to its `every` (found by
     -- a probe). It is parked and shown, and the periodic recompute is due now: it covers every parent, and
-    -- cures the parked keys (lockstep._cure). (The status row, the last row this pass writes.)
-    if cardinality(bad) > 0 then
-        update lockstep.job_state s set next_run_at = least(s.next_run_at, now()) where s.job = j.job;
+    -- cures the parked keys (lockstep._cure). (The status row, the last row this pass writes.) Not while
+    -- a parent of the job fails: that recompute would fail too and hand every parent to the queue again,
+    -- once per unreadable key (a review); those keys then wait for a retry or the periodic recompute.
+    if cardinality(bad) > 0
+       and not exists (select from lockstep.key_failure f where f.job = j.job and f.attempts > 0 and f.key <> all(bad))
+       and cardinality(p.failed) = 0 then
+        update lockstep.job_state s set next_run_at = least(s.next_run_at, now())
+        where s.job = j.job and s.recompute_poisoned_at is null;
     end if;
     if cardinality(p.failed) + cardinality(bad) + cardinality(v_susp) = 0 then
         return null;
@@ -643,7 +665,7 @@ begin
         return lockstep._failed(j, 'work', v_started, v_err);
     end if;
     v_err := lockstep._settle(j, c.kind, r.raw, e.ids, e.ctids, e.entry_keys, a.p, r.bad, r.errors);
-    v_more := (c.kind <> 'batch' or c.full) and lockstep._has_ready(j);
+    v_more := (c.kind <> 'batch' or c.full) and lockstep._has_ready(j);  -- a retry's untried keys are ready
     -- (a pass whose every claimed key was skipped: lockstep._finish may count it with the one before)
     perform lockstep._finish(j, 'work', 'done', v_started, a.p, null,
                              cardinality((a.p).skipped) = cardinality(coalesce(r.canon, '{}')) and cardinality(r.bad) = 0,

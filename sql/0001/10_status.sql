@@ -130,11 +130,15 @@ select f.job, f.key, f.attempts, f.last_error, f.first_failed_at, f.last_failed_
 from lockstep.key_failure f
 where f.parked;
 
--- every failing key: parked, or waiting for its next attempt (retry_at; none for a parked key, which is
--- tried again only when it is queued again, or by retry()).
+-- every failing key: parked, or waiting for its next attempt (retry_at). A parked key is tried again only
+-- when it is queued again (then not before its retry_at, shown: an operator saw nothing of a fix waiting
+-- for it; a review), or by retry().
 create view lockstep.failing_keys with (security_invoker = true) as
 select f.job, f.key, f.attempts, f.last_error, f.first_failed_at, f.last_failed_at,
-       case when not f.parked then f.retry_at end as retry_at, f.parked
+       case when not f.parked
+                 or exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true
+                            and q.id > f.failed_upto)
+            then f.retry_at end as retry_at, f.parked
 from lockstep.key_failure f;
 
 -- lockstep.due(jobs): when each job next has something to do (the runner's one query per tick).

@@ -242,8 +242,9 @@ select lockstep.define_derived('d', 'd', 'dc(int[])', 'p');
 def test_a_part_written_early_in_a_pass_holds_no_lock_while_later_parts_compute(conn, connect, kind):
     """A retry pass (its keys tried one by one) and a bisection wrote each good part as it went, in
     subtransactions whose row locks stay to the end of the pass, through the computes of every later part:
-    an application's DELETE of a parent written early waited 1.9 s (a review). The parts are now tried and
-    rolled back, and the good keys written together at the end: one write phase holds row locks."""
+    an application's DELETE of a parent written early waited 1.9 s (a review). A bisection now tries its
+    parts dry and writes the good keys together at the end (one write phase holds row locks); a retry pass
+    ends after the first key it writes."""
     conn.execute(GATED_SCHEMA)
     conn.execute("insert into p values (1, 1), (2, 1), (3, 0)")  # 3 is poison: 1 / 0
     conn.execute("select lockstep.enqueue('d', array[1, 2, 3])")
@@ -256,6 +257,22 @@ def test_a_part_written_early_in_a_pass_holds_no_lock_while_later_parts_compute(
     gate = connect()
     gate.execute("begin")
     gate.execute("select pg_advisory_xact_lock(4242)")
+    if kind == "retry":
+        # the pass ends after key 1, the first key it wrote: key 2's compute (at the gate) is the next
+        # pass's, so this one returns with key 1's locks held only to its commit
+        worker = connect()
+        worker.execute("set statement_timeout = '20s'")  # before: waited at key 2's gate, key 1's locks held
+        r = result(worker, "lockstep.work('d')")
+        assert (r["outcome"], r["inserted"], r["more"]) == ("done", 1, True), r
+        app = connect()
+        app.execute("set lock_timeout = '2s'")
+        app.execute("delete from p where id = 1")
+        gate.execute("commit")
+        for _ in range(5):
+            conn.execute("update lockstep.key_failure set retry_at = now() where not parked")
+            result(conn, "lockstep.work('d')")
+        assert conn.execute("select p_id from d order by 1").fetchall() == [(2,)]
+        return
     worker = connect()
     wpid = worker.execute("select pg_backend_pid()").fetchone()[0]
     out: list = []
@@ -263,12 +280,11 @@ def test_a_part_written_early_in_a_pass_holds_no_lock_while_later_parts_compute(
     t.start()
     try:
         # batch [1, 2, 3]: the whole pass waits at key 2's gate; let it through once, so it fails on 3 and
-        # bisects: [1] is written (before: its locks held), [2, 3] waits at the gate again
-        if kind == "bisection":
-            wait_for_lock_wait(conn, pid=wpid)
-            gate.execute("commit")
-            gate.execute("begin")
-            gate.execute("select pg_advisory_xact_lock(4242)")
+        # bisects: [1] goes through (before: written, its locks held), [2, 3] waits at the gate again
+        wait_for_lock_wait(conn, pid=wpid)
+        gate.execute("commit")
+        gate.execute("begin")
+        gate.execute("select pg_advisory_xact_lock(4242)")
         wait_for_lock_wait(conn, pid=wpid)
         app = connect()
         app.execute("set lock_timeout = '2s'")
