@@ -166,6 +166,7 @@ declare
     k text;
     t record;
     v_untried text[] := '{}';
+    v_first_write timestamptz := 'infinity';
 begin
     p := row(0, 0, 0, '{}', 0, 0, 0, '{}', '{}');
     perform pg_catalog.set_config('lockstep.untried', '', true);
@@ -173,16 +174,21 @@ begin
         return;
     end if;
     if kind = 'retry' then
-        -- each alone, written as it goes; after the first that wrote, the others are left for the next pass
-        -- (lockstep.untried), so row locks are held from one key's write to the commit, not through the
-        -- computes of the later keys (a review: an application DELETE waited 1.9 s on a retry pass of 500).
-        -- Not dry with one write at the end: each key computed twice, and that write all or nothing, a
-        -- statement_timeout the old pass stayed under cancelled it at every pass (a review)
+        -- each alone, written as it goes; once row locks have been held for lockstep._retry_budget() since
+        -- the first key that wrote, the others are left for the next pass (lockstep.untried), so the locks
+        -- are not held through the computes of every later key (a review: an application DELETE waited
+        -- 1.9 s on a retry pass of 500). Not one key a pass: 300 fixed keys then held the other changes up
+        -- for 300 passes (a review). Not dry with one write at the end: each key computed twice, and that
+        -- write all or nothing, a statement_timeout the old pass stayed under cancelled it at every pass
+        -- (a review). After a timeout the rest is untried too (it was counted as skipped: no parent held).
         foreach k in array keys loop
-            if p.inserted + p.updated + p.deleted > 0 then
+            if clock_timestamp() > v_first_write + lockstep._retry_budget() or lockstep._timed_out() is not null then
                 v_untried := v_untried || k;
             else
                 p := lockstep._add(p, lockstep._isolate(j, array[k]));
+                if v_first_write = 'infinity' and p.inserted + p.updated + p.deleted > 0 then
+                    v_first_write := clock_timestamp();
+                end if;
             end if;
         end loop;
         perform pg_catalog.set_config('lockstep.untried', v_untried::text, true);
@@ -3288,11 +3294,23 @@ begin
         v_keys := r.raw;
     end if;
     perform lockstep._enqueue_text(j, v_keys);
+    if cardinality(r.bad) > 0 then
+        -- dropped: their parents are the periodic recompute's, due now (a pass that parked them makes it due
+        -- only while no parent fails: the change was lost until `every` when retry came first; a review)
+        update lockstep.job_state s set next_run_at = least(s.next_run_at, now()) where s.job = j.job;
+    end if;
     -- no failing key left behind: as a retry of the whole job (the retried keys are all the poison known)
     perform lockstep._end_backoff(j, keys is null
                                      or not exists (select from lockstep.key_failure f where f.job = j.job));
     return coalesce(cardinality(v_keys), 0);
 end;
+$$;
+
+CREATE FUNCTION lockstep._retry_budget() RETURNS interval
+    LANGUAGE sql IMMUTABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+    select interval '50 milliseconds';
 $$;
 
 CREATE FUNCTION lockstep._safe_key_type(t regtype) RETURNS boolean

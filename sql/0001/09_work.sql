@@ -411,6 +411,16 @@ begin
 end;
 $$;
 
+-- lockstep._retry_budget(): how long a retry pass goes on trying keys once it holds row locks (the first key
+-- that wrote): 50 ms, about one write phase of a batch on a loaded machine.
+-- locks: nothing.
+create function lockstep._retry_budget() returns interval
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select interval '50 milliseconds';
+$$;
+
 -- lockstep._attempt(j, keys, kind): apply the claimed keys (canonical, sorted): as one part, bisected on
 -- failure (batch, probe), or each alone (retry). job_error: the job itself is broken (an empty pass fails
 -- too), so every key would fail and none is blamed; or a batch timed out as a whole, which a broken job
@@ -425,6 +435,7 @@ declare
     k text;
     t record;
     v_untried text[] := '{}';
+    v_first_write timestamptz := 'infinity';
 begin
     p := row(0, 0, 0, '{}', 0, 0, 0, '{}', '{}');
     perform pg_catalog.set_config('lockstep.untried', '', true);
@@ -432,16 +443,21 @@ begin
         return;
     end if;
     if kind = 'retry' then
-        -- each alone, written as it goes; after the first that wrote, the others are left for the next pass
-        -- (lockstep.untried), so row locks are held from one key's write to the commit, not through the
-        -- computes of the later keys (a review: an application DELETE waited 1.9 s on a retry pass of 500).
-        -- Not dry with one write at the end: each key computed twice, and that write all or nothing, a
-        -- statement_timeout the old pass stayed under cancelled it at every pass (a review)
+        -- each alone, written as it goes; once row locks have been held for lockstep._retry_budget() since
+        -- the first key that wrote, the others are left for the next pass (lockstep.untried), so the locks
+        -- are not held through the computes of every later key (a review: an application DELETE waited
+        -- 1.9 s on a retry pass of 500). Not one key a pass: 300 fixed keys then held the other changes up
+        -- for 300 passes (a review). Not dry with one write at the end: each key computed twice, and that
+        -- write all or nothing, a statement_timeout the old pass stayed under cancelled it at every pass
+        -- (a review). After a timeout the rest is untried too (it was counted as skipped: no parent held).
         foreach k in array keys loop
-            if p.inserted + p.updated + p.deleted > 0 then
+            if clock_timestamp() > v_first_write + lockstep._retry_budget() or lockstep._timed_out() is not null then
                 v_untried := v_untried || k;
             else
                 p := lockstep._add(p, lockstep._isolate(j, array[k]));
+                if v_first_write = 'infinity' and p.inserted + p.updated + p.deleted > 0 then
+                    v_first_write := clock_timestamp();
+                end if;
             end if;
         end loop;
         perform pg_catalog.set_config('lockstep.untried', v_untried::text, true);
@@ -731,8 +747,8 @@ $$;
 -- WARNING, not queued again. Queued again, it failed the whole retry with 22P02, so no other key of the
 -- job could be retried, and its entries parked it again after every recompute (found by a probe).
 -- locks: the job's key_failure rows of those keys (deleted); the queue entries of unreadable keys
--- (deleted); appends to the queue; then, if its last run failed, the job's lockstep.job_state row (FOR NO
--- KEY UPDATE, by the update).
+-- (deleted); appends to the queue; then, if its last run failed or it dropped unreadable keys, the job's
+-- lockstep.job_state row (FOR NO KEY UPDATE, by the update).
 create function lockstep._retry(j lockstep.job, keys text[]) returns bigint
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -756,6 +772,11 @@ begin
         v_keys := r.raw;
     end if;
     perform lockstep._enqueue_text(j, v_keys);
+    if cardinality(r.bad) > 0 then
+        -- dropped: their parents are the periodic recompute's, due now (a pass that parked them makes it due
+        -- only while no parent fails: the change was lost until `every` when retry came first; a review)
+        update lockstep.job_state s set next_run_at = least(s.next_run_at, now()) where s.job = j.job;
+    end if;
     -- no failing key left behind: as a retry of the whole job (the retried keys are all the poison known)
     perform lockstep._end_backoff(j, keys is null
                                      or not exists (select from lockstep.key_failure f where f.job = j.job));

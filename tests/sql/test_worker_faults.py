@@ -258,8 +258,13 @@ def test_a_part_written_early_in_a_pass_holds_no_lock_while_later_parts_compute(
     gate.execute("begin")
     gate.execute("select pg_advisory_xact_lock(4242)")
     if kind == "retry":
-        # the pass ends after key 1, the first key it wrote: key 2's compute (at the gate) is the next
-        # pass's, so this one returns with key 1's locks held only to its commit
+        # the pass ends once it has held row locks for its budget (here 0: after key 1, the first key it
+        # wrote): key 2's compute (at the gate) is the next pass's, so this one returns with key 1's locks
+        # held only to its commit
+        conn.execute(
+            "create or replace function lockstep._retry_budget() returns interval language sql immutable"
+            " as $$ select interval '0' $$"
+        )
         worker = connect()
         worker.execute("set statement_timeout = '20s'")  # before: waited at key 2's gate, key 1's locks held
         r = result(worker, "lockstep.work('d')")
