@@ -1611,6 +1611,17 @@ CREATE FUNCTION lockstep._family(source regclass) RETURNS regclass[]
                  where c.relkind in ('r', 'p') group by f.rel order by min(f.depth), f.rel);
 $$;
 
+CREATE FUNCTION lockstep._fast_pairs() RETURNS text[]
+    LANGUAGE sql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+    select pg_catalog.array_agg(pg_catalog.concat(c.oid, ':', k.t) order by c.oid, k.t)
+    from pg_catalog.unnest(lockstep._fast_types()) f(t)
+    join pg_catalog.pg_type c on c.oid = f.t::pg_catalog.regtype
+    cross join pg_catalog.unnest(lockstep._fast_types()) k(t)
+    where lockstep._castable(c.oid, k.t::pg_catalog.regtype);
+$$;
+
 CREATE FUNCTION lockstep._fast_types() RETURNS text[]
     LANGUAGE sql IMMUTABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -4337,10 +4348,18 @@ declare
     v_sql pg_catalog.text;
     v_problem pg_catalog.text;
 begin
+    -- the column's type oid and the key type given, a pair of lockstep._fast_types() of which the first
+    -- converts to the second without loss (watch()'s test): the same text both ways
     if tg_nargs operator(pg_catalog.=) 3 and tg_level operator(pg_catalog.=) 'STATEMENT'
        and tg_when operator(pg_catalog.=) 'AFTER' and tg_op operator(pg_catalog.<>) 'TRUNCATE'
-       and tg_argv[2] operator(pg_catalog.=) any ('{bigint,integer,smallint,numeric,text,"character varying",uuid}'
-                                                   ::pg_catalog.text[]) then  -- lockstep._fast_types()
+       and pg_catalog.concat((select a.atttypid from pg_catalog.pg_attribute a
+                              where a.attrelid operator(pg_catalog.=) tg_relid
+                                and a.attname operator(pg_catalog.=) tg_argv[1]
+                                and a.attnum operator(pg_catalog.>) 0 and not a.attisdropped), ':', tg_argv[2])
+           operator(pg_catalog.=) any ('{21:smallint,21:integer,21:bigint,21:numeric,23:integer,23:bigint,'
+                                       '23:numeric,20:bigint,20:numeric,1700:numeric,25:text,'
+                                       '"25:character varying",1043:text,"1043:character varying",2950:uuid}'
+                                       ::pg_catalog.text[]) then  -- lockstep._fast_pairs()
         begin  -- reads only: the subtransaction gets no transaction id
             -- the distinct non-NULL keys as JSON, sorted by key (JSON orders numbers as numbers); offset 0:
             -- to_jsonb once per row, not again in the filter
@@ -4380,11 +4399,7 @@ begin
             insert into lockstep.queue (job, key) select tg_argv[0], u.k from pg_catalog.unnest(v_keys) u(k);
             return null;
         end if;
-        -- nothing to enqueue: NULL keys, or a column renamed or dropped (to_jsonb then has no such field)
-        if v_keys is not null
-           and exists (select from pg_catalog.pg_attribute a
-                       where a.attrelid operator(pg_catalog.=) tg_relid and a.attname operator(pg_catalog.=) tg_argv[1]
-                         and a.attnum operator(pg_catalog.>) 0 and not a.attisdropped) then
+        if v_keys is not null then  -- nothing to enqueue: NULL keys, or no row (the column is there: probed)
             return null;
         end if;
     end if;

@@ -148,6 +148,22 @@ as $$
                    where c.casttarget = target and c.castcontext = 'i');
 $$;
 
+-- lockstep._fast_pairs(): the (column type oid, key type) pairs of lockstep._fast_types() where the column
+-- converts to the key type without loss (lockstep._castable), as 'oid:key type': a column of such a type
+-- reads in JSON as the key type's canonical text. lockstep.enqueue_trigger's fast path checks the same list
+-- inline (tests/sql/test_queue.py checks that they agree).
+-- locks: nothing.
+create function lockstep._fast_pairs() returns text[]
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select pg_catalog.array_agg(pg_catalog.concat(c.oid, ':', k.t) order by c.oid, k.t)
+    from pg_catalog.unnest(lockstep._fast_types()) f(t)
+    join pg_catalog.pg_type c on c.oid = f.t::pg_catalog.regtype
+    cross join pg_catalog.unnest(lockstep._fast_types()) k(t)
+    where lockstep._castable(c.oid, k.t::pg_catalog.regtype);
+$$;
+
 -- lockstep._check_key_type(j, t, what): t (an element type) can stand for the job's parent key: the same
 -- type, one that always converts to it (lockstep._castable, as watch() asks: integer for bigint, varchar
 -- for text, integer for numeric), or another integer type (bigint for an integer key: a value that does
@@ -321,11 +337,16 @@ $$;
 -- tables (any names: read from pg_trigger). Arguments: job name, name of the column that holds the parent
 -- key, and (written by lockstep.watch, optional) the parent key type. Keys are enqueued once per statement.
 -- Fast path (lockstep.watch's triggers: transition tables lockstep_new / lockstep_old, a key type whose text
--- is the same under every setting): one static read of the keys, in a block that catches any error (a
+-- is the same under every setting, and a column whose own type reads as that key type's text): one probe of
+-- pg_attribute (the column's type now), one static read of the keys, in a block that catches any error (a
 -- trigger of this form whose transition tables have other names, a column type whose output raises: the
 -- block only reads, so its subtransaction gets no transaction id), then one static INSERT; no read of
--- lockstep's tables or the catalog. Anything else takes the general path (checks with one static query,
--- then one EXECUTE). Never raises: where it cannot enqueue it flags the job (lockstep._flag).
+-- lockstep's tables. The probe is there because the third argument names the key type, not the column's:
+-- a char(8) column under a text key (one's own trigger, or an owner's `alter column ... type` after watch())
+-- was read through to_jsonb, which keeps char(n)'s padding, so 'ab' was queued as 'ab      ', a key that
+-- names no parent, and the change waited for the periodic recompute, status healthy (found by a probe).
+-- Anything else takes the general path (checks with one static query, then one EXECUTE, which casts the
+-- column to the key type). Never raises: where it cannot enqueue it flags the job (lockstep._flag).
 -- No SET search_path, unlike every other lockstep function: a SET clause costs each call a GUC save and
 -- restore and, on PostgreSQL 15, two recomputations of the session's namespace search path (2.5-4 µs of the
 -- trigger's 30 per statement). It is safe under any caller's search_path because nothing in the body
@@ -350,10 +371,18 @@ declare
     v_sql pg_catalog.text;
     v_problem pg_catalog.text;
 begin
+    -- the column's type oid and the key type given, a pair of lockstep._fast_types() of which the first
+    -- converts to the second without loss (watch()'s test): the same text both ways
     if tg_nargs operator(pg_catalog.=) 3 and tg_level operator(pg_catalog.=) 'STATEMENT'
        and tg_when operator(pg_catalog.=) 'AFTER' and tg_op operator(pg_catalog.<>) 'TRUNCATE'
-       and tg_argv[2] operator(pg_catalog.=) any ('{bigint,integer,smallint,numeric,text,"character varying",uuid}'
-                                                   ::pg_catalog.text[]) then  -- lockstep._fast_types()
+       and pg_catalog.concat((select a.atttypid from pg_catalog.pg_attribute a
+                              where a.attrelid operator(pg_catalog.=) tg_relid
+                                and a.attname operator(pg_catalog.=) tg_argv[1]
+                                and a.attnum operator(pg_catalog.>) 0 and not a.attisdropped), ':', tg_argv[2])
+           operator(pg_catalog.=) any ('{21:smallint,21:integer,21:bigint,21:numeric,23:integer,23:bigint,'
+                                       '23:numeric,20:bigint,20:numeric,1700:numeric,25:text,'
+                                       '"25:character varying",1043:text,"1043:character varying",2950:uuid}'
+                                       ::pg_catalog.text[]) then  -- lockstep._fast_pairs()
         begin  -- reads only: the subtransaction gets no transaction id
             -- the distinct non-NULL keys as JSON, sorted by key (JSON orders numbers as numbers); offset 0:
             -- to_jsonb once per row, not again in the filter
@@ -393,11 +422,7 @@ begin
             insert into lockstep.queue (job, key) select tg_argv[0], u.k from pg_catalog.unnest(v_keys) u(k);
             return null;
         end if;
-        -- nothing to enqueue: NULL keys, or a column renamed or dropped (to_jsonb then has no such field)
-        if v_keys is not null
-           and exists (select from pg_catalog.pg_attribute a
-                       where a.attrelid operator(pg_catalog.=) tg_relid and a.attname operator(pg_catalog.=) tg_argv[1]
-                         and a.attnum operator(pg_catalog.>) 0 and not a.attisdropped) then
+        if v_keys is not null then  -- nothing to enqueue: NULL keys, or no row (the column is there: probed)
             return null;
         end if;
     end if;

@@ -701,6 +701,34 @@ def test_a_key_too_long_for_the_queue_flags_the_job_instead_of_failing(app, conn
     assert flag(app, TAGS) == (False, None)
 
 
+@pytest.mark.parametrize("col_type", ["char(8)", "varchar(8)"])
+def test_the_shared_fast_path_queues_the_key_as_the_key_type_reads_the_column(app, col_type):
+    """The shared trigger function's fast path (watch() by a job owner who may not create functions in
+    schema lockstep, or one's own trigger following README's recipe) read the key through to_jsonb of the
+    row, trusting its third argument for the column's type: a char(8) column under a text key queued 'ab'
+    as 'ab      ' (JSON keeps char(n)'s padding, the cast to text drops it), a key that names no parent, so
+    the pass wrote nothing and the change waited for the periodic recompute, status healthy (found by a
+    probe; an owner's `alter column ... type char(8)` after watch() is enough). The fast path now takes only
+    a column whose own type reads as the key type's text; any other goes by the general path's cast."""
+    app.execute(LONG_SQL)
+    app.execute(
+        f"create table app.tag_use (id integer primary key, name {col_type} not null references app.tag"
+        " on delete cascade)"
+    )
+    for op, names in [("insert", "new table as lockstep_new"), ("update", "old table as lockstep_old new table"
+                      " as lockstep_new")]:  # as watch() makes them for a job owner: the key type given
+        app.execute(
+            f"create trigger use_{op} after {op} on app.tag_use referencing {names} for each statement"
+            f" execute function lockstep.enqueue_trigger('{TAGS}', 'name', 'text')"
+        )
+    app.execute("insert into app.tag (name) values ('ab'), ('cd')")
+    app.execute("delete from lockstep.queue")
+    app.execute("insert into app.tag_use values (1, 'ab')")
+    app.execute("update app.tag_use set name = 'cd' where id = 1")  # a move: the old parent and the new
+    assert queue(app, TAGS) == ["ab", "ab", "cd"]
+    assert flag(app, TAGS) == (False, None)
+
+
 def test_a_recompute_keeps_the_flag_its_own_hand_off_raised_even_in_one_transaction(app, connect):
     """A recompute that hands a key too long for the queue off flags the job (that parent is not written
     yet). Two recomputes in one transaction: the second cleared the first one's flag and its own

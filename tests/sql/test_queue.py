@@ -33,6 +33,18 @@ def test_triggers_enqueue_once_per_statement_sorted(ex):
     assert set(queue_keys(ex)) == {"7"}
 
 
+def test_the_shared_triggers_inline_fast_pairs_are_lockstep_fast_pairs(ex):
+    """lockstep.enqueue_trigger() has no SET search_path and calls no lockstep function on its fast path, so
+    it writes the (column type, key type) pairs it takes there inline: the same list as _fast_pairs()."""
+    src = ex.execute("select prosrc from pg_proc where oid = 'lockstep.enqueue_trigger()'::regprocedure").fetchone()[0]
+    start = src.index("any ('{") + len("any (")
+    inline = ex.execute(
+        "select array_agg(x order by x) from unnest(" + src[start : src.index("::pg_catalog.text[]", start)] + "::text[]) x"
+    ).fetchone()[0]
+    assert inline == ex.execute("select array_agg(x order by x) from unnest(lockstep._fast_pairs()) x").fetchone()[0]
+    assert "20:bigint" in inline and "25:text" in inline and len(inline) == 15
+
+
 def test_a_row_that_to_jsonb_cannot_convert_is_still_enqueued(ex):
     """A json column holding \\u0000 (valid json, no jsonb): the fast path's to_jsonb(row) raises, the trigger
     catches it and enqueues through the general path; the application's statement succeeds."""
