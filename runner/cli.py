@@ -87,7 +87,9 @@ def _failure(exc: BaseException, command: str | None = None) -> Failure:
             "or run it as the installer"
         )
     elif command == "migrate" and state == "42501":
-        hint = MIGRATE_PRIVILEGE_HINT  # not the runner's grants: the installer's
+        # the installer's grants, not the runner's; a downgrade refused for other owners' watched tables
+        # says what to do itself (it was told to get CREATE on the database it owned; found by a probe)
+        hint = getattr(getattr(err, "diag", None), "message_hint", None) or MIGRATE_PRIVILEGE_HINT
     elif command not in (None, "run") and state == "42501":
         # not the runner: an application role's `lockstep status`, another owner's `lockstep drop`... were
         # told to grant the runner its privileges (found by a newcomer probe). The server's own hint first.

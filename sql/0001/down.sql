@@ -27,6 +27,21 @@ begin
     from pg_catalog.pg_trigger t
     join pg_catalog.pg_proc p on p.oid = t.tgfoid
     where p.pronamespace = 'lockstep'::regnamespace and not t.tgisinternal;
+    -- dropping a trigger needs the table's ownership: say up front which tables this role may not touch,
+    -- and what to do, before anything is locked or dropped (an installer whose job owners watched their own
+    -- tables got "permission denied for schema blog" and the install hint; found by a probe)
+    if exists (select from pg_catalog.unnest(v_tables) t(rel) join pg_catalog.pg_class c on c.oid = t.rel
+               where not pg_catalog.pg_has_role(c.relowner, 'USAGE')) then
+        raise exception 'lockstep: the downgrade drops the triggers watch() put on %, and role % does not own %',
+            (select pg_catalog.string_agg(distinct t.rel::text, ', ') from pg_catalog.unnest(v_tables) t(rel)),
+            current_user,
+            (select pg_catalog.string_agg(distinct pg_catalog.format('%s (owner %s)', c.oid::regclass, c.relowner::regrole), ', ')
+             from pg_catalog.unnest(v_tables) t(rel) join pg_catalog.pg_class c on c.oid = t.rel
+             where not pg_catalog.pg_has_role(c.relowner, 'USAGE'))
+            using errcode = '42501',
+                  hint = 'Have each of those owners drop its jobs first (lockstep drop JOB), or run the downgrade as '
+                         'a superuser or a member of those owner roles. Nothing was changed.';
+    end if;
     v_tables := v_tables || array(select c.oid::regclass from pg_catalog.pg_class c
                                   where c.relnamespace = 'lockstep'::regnamespace and c.relkind in ('r', 'p', 'v')
                                   order by c.relname);

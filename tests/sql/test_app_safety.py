@@ -715,8 +715,10 @@ def test_the_shared_fast_path_queues_the_key_as_the_key_type_reads_the_column(ap
         f"create table app.tag_use (id integer primary key, name {col_type} not null references app.tag"
         " on delete cascade)"
     )
-    for op, names in [("insert", "new table as lockstep_new"), ("update", "old table as lockstep_old new table"
-                      " as lockstep_new")]:  # as watch() makes them for a job owner: the key type given
+    for op, names in [
+        ("insert", "new table as lockstep_new"),
+        ("update", "old table as lockstep_old new table as lockstep_new"),
+    ]:  # as watch() makes them for a job owner: the key type given
         app.execute(
             f"create trigger use_{op} after {op} on app.tag_use referencing {names} for each statement"
             f" execute function lockstep.enqueue_trigger('{TAGS}', 'name', 'text')"

@@ -36,12 +36,19 @@ def test_triggers_enqueue_once_per_statement_sorted(ex):
 def test_the_shared_triggers_inline_fast_pairs_are_lockstep_fast_pairs(ex):
     """lockstep.enqueue_trigger() has no SET search_path and calls no lockstep function on its fast path, so
     it writes the (column type, key type) pairs it takes there inline: the same list as _fast_pairs()."""
-    src = ex.execute("select prosrc from pg_proc where oid = 'lockstep.enqueue_trigger()'::regprocedure").fetchone()[0]
+    src = ex.execute(
+        "select prosrc from pg_proc where oid = 'lockstep.enqueue_trigger()'::regprocedure"
+    ).fetchone()[0]
     start = src.index("any ('{") + len("any (")
     inline = ex.execute(
-        "select array_agg(x order by x) from unnest(" + src[start : src.index("::pg_catalog.text[]", start)] + "::text[]) x"
+        "select array_agg(x order by x) from unnest("
+        + src[start : src.index("::pg_catalog.text[]", start)]
+        + "::text[]) x"
     ).fetchone()[0]
-    assert inline == ex.execute("select array_agg(x order by x) from unnest(lockstep._fast_pairs()) x").fetchone()[0]
+    assert (
+        inline
+        == ex.execute("select array_agg(x order by x) from unnest(lockstep._fast_pairs()) x").fetchone()[0]
+    )
     assert "20:bigint" in inline and "25:text" in inline and len(inline) == 15
 
 
