@@ -422,7 +422,8 @@ def run(
         prepare=False if no_prepare else None,
         check_interval=connection_check_interval,
     )
-    metrics = f"http://{metrics_host}:{metrics_port}/metrics" if metrics_port is not None else "off"
+    server = loop.Metrics(metrics_port, metrics_host)  # bound before the start-up line names its port
+    metrics = server.url or "off"
     if metrics_port is not None and importlib.util.find_spec("prometheus_client") is None:
         # the start-up line named a metrics URL that nothing served (found by a newcomer probe)
         metrics = "off (prometheus_client is not installed: pip install 'pg-lockstep[metrics]')"
@@ -443,7 +444,7 @@ def run(
             "fields": {"version": __version__, "jobs": list(job) or None, "once": once, "metrics": metrics}
         },
     )
-    raise SystemExit(loop.run(opts, metrics_port, metrics_host))
+    raise SystemExit(loop.run(opts, server))
 
 
 def _server_warning(diag: Any) -> None:  # psycopg.errors.Diagnostic

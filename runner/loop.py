@@ -57,6 +57,9 @@ class Metrics:
 
     def __init__(self, port: int | None = None, host: str = "0.0.0.0"):
         self.enabled = False
+        self.url: str | None = (
+            None  # where the metrics are served (the bound port: --metrics-port 0 picks one)
+        )
         if port is None:
             return
         try:
@@ -72,7 +75,10 @@ class Metrics:
         self.last_tick = p.Gauge(
             "lockstep_runner_last_tick_seconds", "Unix time of the runner's last look at what is due"
         )
-        p.start_http_server(port, addr=host)
+        server = p.start_http_server(port, addr=host)
+        if isinstance(server, tuple):  # prometheus_client >= 0.17 returns (server, thread)
+            port = server[0].server_port
+        self.url = f"http://{host}:{port}/metrics"
         self.enabled = True
 
     def run(self, job: str, outcome: str, seconds: float) -> None:
@@ -470,7 +476,7 @@ class Runner:
         return False
 
 
-def run(opts: Options, metrics_port: int | None = None, metrics_host: str = "0.0.0.0") -> int:
-    runner = Runner(opts, Metrics(metrics_port, metrics_host))
+def run(opts: Options, metrics: Metrics | None = None) -> int:
+    runner = Runner(opts, metrics)
     runner.install_signals()
     return runner.run()

@@ -156,6 +156,25 @@ def test_metrics_host_binds_that_address():
     assert default.stdout.strip() == "[('0.0.0.0', True)]"
 
 
+def test_metrics_port_0_names_the_port_it_bound():
+    """--metrics-port 0 (accepted: 0..65535) bound a free port, and the start-up line said
+    http://127.0.0.1:0/metrics, so the endpoint could not be found from the log (found by a probe)."""
+    code = (
+        "import psutil\n"
+        "from runner.loop import Metrics\n"
+        "m = Metrics(0, '127.0.0.1')\n"
+        "ports = [c.laddr.port for c in psutil.Process().net_connections('tcp') if c.status == 'LISTEN']\n"
+        "print(m.url, ports)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    url, ports = out.split(" ", 1)
+    port = int(url.removeprefix("http://127.0.0.1:").removesuffix("/metrics"))
+    assert port > 0 and f"[{port}]" == ports.strip(), out
+    from runner.loop import Metrics
+
+    assert Metrics(None).url is None  # no --metrics-port: the start-up line says "off"
+
+
 # --json --------------------------------------------------------------------------------------------------
 
 
