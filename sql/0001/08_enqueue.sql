@@ -898,7 +898,9 @@ $$;
 -- its own (watching one partition missed every insert made through the partitioned table; found by a
 -- probe). A key column whose foreign keys all reference another table than the job's parent: it holds
 -- that table's keys (a comments.post_id watched for a job whose parent is authors queued post ids as
--- author ids; found by a probe).
+-- author ids; found by a probe). A key column that is the primary key of a table other than the parent
+-- and references nothing: it holds that table's own keys (authors.id watched for a job whose parent is
+-- posts queued author ids as post ids, silently; found by a probe).
 -- locks: nothing.
 create function lockstep._warn_source(j lockstep.job, source regclass, key_column name, below integer) returns void
 language plpgsql stable
@@ -930,6 +932,18 @@ begin
             source, key_column, v_refs, j.parent, j.job
             using hint = 'For a table two levels below the parent, write a trigger that enqueues the parent''s keys '
                          '(README, Writing your own triggers).';
+    elsif source <> all(lockstep._family(j.parent))
+          and exists (select from pg_catalog.pg_constraint c
+                      join pg_catalog.pg_attribute a on a.attrelid = c.conrelid and a.attname = key_column
+                      where c.conrelid = source and c.contype = 'p' and c.conkey = array[a.attnum])
+          and not exists (select from pg_catalog.pg_constraint c
+                          join pg_catalog.pg_attribute a on a.attrelid = c.conrelid and a.attname = key_column
+                          where c.conrelid = source and c.contype = 'f' and a.attnum = any(c.conkey)) then
+        raise warning 'lockstep: %.% is the primary key of %, not a reference to the parent % of job "%": its values are keys of % itself',
+            source, key_column, source, j.parent, j.job, source
+            using hint = pg_catalog.format('Watch the column of %s that holds %s''s keys, or write a trigger that enqueues them '
+                                           '(README, Writing your own triggers); if %s.%s does hold them (no foreign key '
+                                           'declared), nothing is wrong.', source, j.parent, source, key_column);
     end if;
 end;
 $$;

@@ -1052,6 +1052,35 @@ def test_watch_flags_a_partition_attached_since_and_warns_about_what_it_cannot_s
     assert notices[-1] == 'lockstep: job "dj" does not watch public.c: nothing to unwatch', notices
 
 
+def test_watch_warns_about_another_tables_own_primary_key(conn):
+    """watch() of authors.id for a job whose parent is posts queued author ids as post ids, silently (a
+    probe): the column referenced nothing, so the warning about a column referencing another table did not
+    apply. A key column that is another table's whole primary key and references nothing now warns; the
+    parent's own key, a one-to-one table's key that references the parent and a plain column do not."""
+    conn.execute(
+        """
+        create table authors (id int primary key);
+        create table posts (id bigint primary key, author_id int not null references authors on delete cascade);
+        create table post_body (post_id bigint primary key references posts on delete cascade, body text);
+        create table post_log (id bigint primary key, post_id bigint not null, at timestamptz);
+        create table n (id bigint primary key references posts on delete cascade, n int);
+        create function nc(ids bigint[]) returns table (id bigint, n int) language sql stable
+            as 'select id, 1 from public.posts where ids is null or id = any(ids)';
+        select lockstep.define_derived('nj', 'n', 'nc(bigint[])', 'posts');
+        """
+    )
+    notices: list[str] = []
+    conn.add_notice_handler(lambda d: notices.append(d.message_primary or ""))
+    for table, column in [("posts", "id"), ("post_body", "post_id"), ("post_log", "post_id")]:
+        conn.execute("select lockstep.watch('nj', %s, %s)", [table, column])
+    assert not any("primary key" in n for n in notices), notices
+    conn.execute("select lockstep.watch('nj', 'authors', 'id')")
+    assert notices[-1] == (
+        "lockstep: public.authors.id is the primary key of public.authors, not a reference to the parent"
+        ' public.posts of job "nj": its values are keys of public.authors itself'
+    ), notices
+
+
 def test_a_skipped_key_stays_queued_and_is_retried_a_second_later(ex, exconnect):
     ex.execute("update example.exam set body = body || ' lockedword' where id in (4, 6)")
     app = exconnect()
