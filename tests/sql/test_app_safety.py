@@ -747,6 +747,76 @@ def test_the_shared_fast_path_queues_the_key_as_the_key_type_reads_the_column(ap
     assert flag(app, TAGS) == (False, None)
 
 
+@pytest.mark.parametrize("how", ["shared", "generated"])
+def test_a_watched_table_with_a_column_named_like_the_row_alias_queues_its_keys(app, how):
+    """The shared function read the key through to_jsonb(x) ... from lockstep_new x: in a table with a
+    column named x, x is that column, so a jsonb x queued its "name" member and an int x queued nothing,
+    nothing flagged (found by a review). It reads to_jsonb(x.*), the row, now."""
+    app.execute(LONG_SQL)
+    app.execute(
+        "create table app.tag_use (id int primary key, name text not null references app.tag, x jsonb)"
+    )
+    if how == "generated":
+        app.execute(f"select lockstep.watch('{TAGS}', 'app.tag_use', 'name')")
+    else:  # as watch() makes it for a job owner who may not create functions in schema lockstep
+        app.execute(
+            "create trigger use_ins after insert on app.tag_use referencing new table as lockstep_new"
+            f" for each statement execute function lockstep.enqueue_trigger('{TAGS}', 'name', 'text')"
+        )
+    app.execute("insert into app.tag (name) values ('ab'), ('cd')")
+    app.execute("delete from lockstep.queue; delete from lockstep.recompute_flag")
+    app.execute("""insert into app.tag_use values (1, 'ab', '{"name": "zz"}'), (2, 'cd', null)""")
+    assert queue(app, TAGS) == ["ab", "cd"] and flag(app, TAGS) == (False, None)
+
+
+def test_a_hand_written_trigger_never_reads_a_session_table_named_like_watchs_transition_tables(app):
+    """A trigger of one's own with other transition-table names and the key type argument took the fast
+    path, whose static read names lockstep_new: a temp table of that name was read instead of the
+    statement's rows (found by a review). The fast path is not taken while such a relation is visible."""
+    app.execute(LONG_SQL)
+    app.execute("create table app.t2 (id int primary key, name text not null references app.tag)")
+    app.execute(
+        "create trigger t2i after insert on app.t2 referencing new table as n for each statement"
+        f" execute function lockstep.enqueue_trigger('{TAGS}', 'name', 'text')"
+    )
+    app.execute("insert into app.tag (name) values ('ab')")
+    app.execute("create temp table lockstep_new (name text); insert into lockstep_new values ('zz')")
+    app.execute("delete from lockstep.queue")
+    app.execute("insert into app.t2 values (1, 'ab')")
+    assert queue(app, TAGS) == ["ab"]
+
+
+def test_a_role_that_may_not_read_pg_attribute_writes_and_flags_the_job(app, connect, dsn):
+    """The fast paths probe pg_attribute for the key column's type: with SELECT on it revoked from PUBLIC,
+    the shared function's probe (outside any block) failed every write of the application (42501; a
+    review), and so did the generated function's. Both now take the general path, whose reads are in
+    blocks: the write goes through and the job is flagged for its recompute, saying why."""
+    app.execute(LONG_SQL)
+    role = f"lsa_{os.getpid()}_{secrets.token_hex(3)}"
+    app.execute(
+        "create table app.use_s (id int primary key, name text not null references app.tag);"
+        " create table app.use_g (id int primary key, name text not null references app.tag);"
+        " create trigger s_ins after insert on app.use_s referencing new table as lockstep_new"
+        f" for each statement execute function lockstep.enqueue_trigger('{TAGS}', 'name', 'text');"
+        f" select lockstep.watch('{TAGS}', 'app.use_g', 'name');"
+        " insert into app.tag (name) values ('ab');"
+        f" create role {role} login; grant usage on schema app, lockstep to {role};"
+        f" grant insert on lockstep.queue, lockstep.recompute_flag to {role};"
+        f" grant select on app.tag to {role}; grant insert on app.use_s, app.use_g to {role}"
+    )
+    try:
+        app.execute("revoke select on pg_catalog.pg_attribute from public")
+        with connect(make_conninfo(dsn, user=role)) as user:
+            for n, table in enumerate(["app.use_s", "app.use_g"]):
+                app.execute("delete from lockstep.recompute_flag")
+                user.execute(f"insert into {table} values ({n}, 'ab')")  # does not fail
+                flagged, problem = flag(app, TAGS)
+                assert flagged and "permission denied" in problem, (table, problem)
+    finally:
+        app.execute("grant select on pg_catalog.pg_attribute to public")
+        app.execute(f"drop owned by {role}; drop role {role}")
+
+
 def test_a_recompute_keeps_the_flag_its_own_hand_off_raised_even_in_one_transaction(app, connect):
     """A recompute that hands a key too long for the queue off flags the job (that parent is not written
     yet). Two recomputes in one transaction: the second cleared the first one's flag and its own

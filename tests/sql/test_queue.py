@@ -39,7 +39,7 @@ def test_the_shared_triggers_inline_fast_pairs_are_lockstep_fast_pairs(ex):
     src = ex.execute(
         "select prosrc from pg_proc where oid = 'lockstep.enqueue_trigger()'::regprocedure"
     ).fetchone()[0]
-    start = src.index("any ('{") + len("any (")
+    start = src.index("all ('{") + len("all (")
     inline = ex.execute(
         "select array_agg(x order by x) from unnest("
         + src[start : src.index("::pg_catalog.text[]", start)]
@@ -1060,7 +1060,8 @@ def test_watch_warns_about_another_tables_own_primary_key(conn):
     conn.execute(
         """
         create table authors (id int primary key);
-        create table posts (id bigint primary key, author_id int not null references authors on delete cascade);
+        create table posts (id bigint primary key,
+                            author_id int not null references authors on delete cascade);
         create table post_body (post_id bigint primary key references posts on delete cascade, body text);
         create table post_log (id bigint primary key, post_id bigint not null, at timestamptz);
         create table n (id bigint primary key references posts on delete cascade, n int);
