@@ -31,16 +31,21 @@ begin
     -- and what to do, before anything is locked or dropped (an installer whose job owners watched their own
     -- tables got "permission denied for schema blog" and the install hint; found by a probe)
     if exists (select from pg_catalog.unnest(v_tables) t(rel) join pg_catalog.pg_class c on c.oid = t.rel
-               where not pg_catalog.pg_has_role(c.relowner, 'USAGE')) then
-        raise exception 'lockstep: the downgrade drops the triggers watch() put on %, and role % does not own %',
+               where not pg_catalog.pg_has_role(c.relowner, 'USAGE')
+                  or not pg_catalog.has_schema_privilege(c.relnamespace, 'USAGE')) then
+        raise exception 'lockstep: the downgrade drops the triggers watch() put on %, and role % may not: %',
             (select pg_catalog.string_agg(distinct t.rel::text, ', ') from pg_catalog.unnest(v_tables) t(rel)),
             current_user,
-            (select pg_catalog.string_agg(distinct pg_catalog.format('%s (owner %s)', c.oid::regclass, c.relowner::regrole), ', ')
+            (select pg_catalog.string_agg(distinct pg_catalog.format('%s (%s)', c.oid::regclass,
+                                                                     case when not pg_catalog.pg_has_role(c.relowner, 'USAGE')
+                                                                          then 'owner ' || c.relowner::regrole::text
+                                                                          else 'no USAGE on its schema' end), ', ')
              from pg_catalog.unnest(v_tables) t(rel) join pg_catalog.pg_class c on c.oid = t.rel
-             where not pg_catalog.pg_has_role(c.relowner, 'USAGE'))
+             where not pg_catalog.pg_has_role(c.relowner, 'USAGE')
+                or not pg_catalog.has_schema_privilege(c.relnamespace, 'USAGE'))
             using errcode = '42501',
                   hint = 'Have each of those owners drop its jobs first (lockstep drop JOB), or run the downgrade as '
-                         'a superuser or a member of those owner roles. Nothing was changed.';
+                         'a superuser or a member of those owner roles with USAGE on their schemas. Nothing was changed.';
     end if;
     v_tables := v_tables || array(select c.oid::regclass from pg_catalog.pg_class c
                                   where c.relnamespace = 'lockstep'::regnamespace and c.relkind in ('r', 'p', 'v')

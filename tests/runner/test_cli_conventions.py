@@ -319,6 +319,40 @@ def test_a_downgrade_by_the_installer_says_which_owners_must_drop_their_jobs_fir
         admin.close()
 
 
+def test_a_downgrade_names_a_watched_table_whose_schema_the_installer_may_not_use(empty_dsn):
+    """The installer owning a watched table in a schema it lost USAGE on passed the downgrade's ownership
+    check, then failed on the lock with the install hint (found by a review): the check covers the schema."""
+    from psycopg import sql
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+    db = conninfo_to_dict(empty_dsn)["dbname"]
+    inst, other = f"inst_{os.getpid()}", f"other_{os.getpid()}"
+    admin = psycopg.connect(empty_dsn, autocommit=True)
+    try:
+        for r in (inst, other):
+            admin.execute(sql.SQL("create role {} login").format(sql.Identifier(r)))
+        admin.execute(
+            sql.SQL("alter database {} owner to {}").format(sql.Identifier(db), sql.Identifier(inst))
+        )
+        assert lockstep("migrate", "--dsn", make_conninfo(empty_dsn, user=inst)).returncode == 0
+        admin.execute(sql.SQL("create schema own authorization {}").format(sql.Identifier(other)))
+        admin.execute(sql.SQL("grant usage, create on schema own to {}").format(sql.Identifier(inst)))
+        with psycopg.connect(make_conninfo(empty_dsn, user=inst), autocommit=True) as c:
+            c.execute(DOWNGRADE_OWNER_SQL)
+        admin.execute(sql.SQL("revoke usage on schema own from {}").format(sql.Identifier(inst)))
+        p = lockstep(
+            "migrate", "downgrade", "--revision", "base", "--dsn", make_conninfo(empty_dsn, user=inst)
+        )
+        assert p.returncode == 4 and "own.p (no USAGE on its schema)" in p.stderr, p.stderr
+        assert lockstep("migrate", "current", "--dsn", empty_dsn).stdout.strip() == f"{HEAD} (head)"
+    finally:
+        admin.execute(sql.SQL("alter database {} owner to current_user").format(sql.Identifier(db)))
+        for r in (other, inst):
+            admin.execute(sql.SQL("drop owned by {} cascade").format(sql.Identifier(r)))
+            admin.execute(sql.SQL("drop role {}").format(sql.Identifier(r)))
+        admin.close()
+
+
 def test_migrate_upgrade_never_goes_down_in_python(empty_dsn):
     from runner.migrate import MigrateError, migrate
 

@@ -1056,7 +1056,8 @@ def test_watch_warns_about_another_tables_own_primary_key(conn):
     """watch() of authors.id for a job whose parent is posts queued author ids as post ids, silently (a
     probe): the column referenced nothing, so the warning about a column referencing another table did not
     apply. A key column that is another table's whole primary key and references nothing now warns; the
-    parent's own key, a one-to-one table's key that references the parent and a plain column do not."""
+    parent's own key, a one-to-one table's key that references the parent, the key of a table the parent's
+    key references (a review found that warning false) and a plain column do not."""
     conn.execute(
         """
         create table authors (id int primary key);
@@ -1064,6 +1065,8 @@ def test_watch_warns_about_another_tables_own_primary_key(conn):
                             author_id int not null references authors on delete cascade);
         create table post_body (post_id bigint primary key references posts on delete cascade, body text);
         create table post_log (id bigint primary key, post_id bigint not null, at timestamptz);
+        create table entity (id bigint primary key, title text);  -- reverse one-to-one: posts.id -> entity
+        alter table posts add foreign key (id) references entity on delete cascade;
         create table n (id bigint primary key references posts on delete cascade, n int);
         create function nc(ids bigint[]) returns table (id bigint, n int) language sql stable
             as 'select id, 1 from public.posts where ids is null or id = any(ids)';
@@ -1072,7 +1075,12 @@ def test_watch_warns_about_another_tables_own_primary_key(conn):
     )
     notices: list[str] = []
     conn.add_notice_handler(lambda d: notices.append(d.message_primary or ""))
-    for table, column in [("posts", "id"), ("post_body", "post_id"), ("post_log", "post_id")]:
+    for table, column in [
+        ("posts", "id"),
+        ("post_body", "post_id"),
+        ("post_log", "post_id"),
+        ("entity", "id"),
+    ]:
         conn.execute("select lockstep.watch('nj', %s, %s)", [table, column])
     assert not any("primary key" in n for n in notices), notices
     conn.execute("select lockstep.watch('nj', 'authors', 'id')")
