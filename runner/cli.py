@@ -422,7 +422,13 @@ def run(
         prepare=False if no_prepare else None,
         check_interval=connection_check_interval,
     )
-    server = loop.Metrics(metrics_port, metrics_host)  # bound before the start-up line names its port
+    try:
+        server = loop.Metrics(metrics_port, metrics_host)  # bound before the start-up line names its port
+    except OSError as exc:  # a port in use, an unknown host: said as such, a setup error (a review)
+        raise Failure(
+            f"cannot serve metrics on {metrics_host}:{metrics_port} (--metrics-port, --metrics-host): {exc}",
+            codes.EXIT_SETUP,
+        ) from exc
     metrics = server.url or "off"
     if metrics_port is not None and importlib.util.find_spec("prometheus_client") is None:
         # the start-up line named a metrics URL that nothing served (found by a newcomer probe)

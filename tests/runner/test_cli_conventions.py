@@ -175,6 +175,21 @@ def test_metrics_port_0_names_the_port_it_bound():
     assert Metrics(None).url is None  # no --metrics-port: the start-up line says "off"
 
 
+def test_a_metrics_port_in_use_is_a_setup_error_that_says_so():
+    """A taken --metrics-port printed only "Error: [Errno 98] Address already in use", exit 1 (a run
+    failed), before any line said what it was for (found by a review): exit 4, naming the metrics server."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        p = lockstep("run", "--once", "--metrics-port", str(port), "--metrics-host", "127.0.0.1",
+                     "--dsn", "host=127.0.0.1 port=1 connect_timeout=1")  # fmt: skip
+    assert p.returncode == 4, p.stderr
+    assert f"cannot serve metrics on 127.0.0.1:{port} (--metrics-port, --metrics-host)" in p.stderr, p.stderr
+
+
 # --json --------------------------------------------------------------------------------------------------
 
 
