@@ -1041,7 +1041,7 @@ begin
 end;
 $$;
 
-CREATE FUNCTION lockstep._cure(j lockstep.job) RETURNS void
+CREATE FUNCTION lockstep._cure(j lockstep.job, queued_after bigint DEFAULT NULL::bigint) RETURNS void
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
@@ -1049,7 +1049,17 @@ declare
     v_keys text[];
     v_bad text[];
 begin
-    with d as (delete from lockstep.key_failure f where f.job = j.job returning f.key)
+    if queued_after is not null then
+        update lockstep.key_failure f set retry_at = now()
+        where f.job = j.job and exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true
+                                                                   and q.id > queued_after);
+    end if;
+    with d as (delete from lockstep.key_failure f
+               where f.job = j.job
+                 and (queued_after is null or not exists (select from lockstep.queue q
+                                                          where q.key = f.key and (q.job = f.job) is true
+                                                            and q.id > queued_after))
+               returning f.key)
     select array_agg(d.key) into v_keys from d;
     if v_keys is null then
         return;
@@ -3149,9 +3159,13 @@ begin
     -- every parent computed and written without an error in this transaction (the whole-table pass went
     -- through and handed nothing off): the job's failing and parked keys are cured (a parked key fixed
     -- meanwhile kept lockstep status unhealthy until someone ran retry: a probe). After a hand-off the
-    -- worker still has to write some parents: a key that fails only at its write keeps its attempts.
+    -- worker still has to write some parents: a key that fails only at its write keeps its attempts, but
+    -- is tried at once, and the keys this recompute wrote or found right are cured (a fixed parked parent
+    -- handed off waited for its retry_at, up to the job's backoff, unwritten; found by a probe).
     if v_rest = 0 then
         perform lockstep._cure(j);
+    elsif j.parent is not null then
+        perform lockstep._cure(j, v_before);
     end if;
     perform lockstep._finish(j, 'recompute', 'done', v_started, p);
     return lockstep._result('done', j.job, 'recompute', p, null, v_rest > 0);

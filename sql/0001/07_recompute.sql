@@ -526,21 +526,27 @@ begin
     -- every parent computed and written without an error in this transaction (the whole-table pass went
     -- through and handed nothing off): the job's failing and parked keys are cured (a parked key fixed
     -- meanwhile kept lockstep status unhealthy until someone ran retry: a probe). After a hand-off the
-    -- worker still has to write some parents: a key that fails only at its write keeps its attempts.
+    -- worker still has to write some parents: a key that fails only at its write keeps its attempts, but
+    -- is tried at once, and the keys this recompute wrote or found right are cured (a fixed parked parent
+    -- handed off waited for its retry_at, up to the job's backoff, unwritten; found by a probe).
     if v_rest = 0 then
         perform lockstep._cure(j);
+    elsif j.parent is not null then
+        perform lockstep._cure(j, v_before);
     end if;
     perform lockstep._finish(j, 'recompute', 'done', v_started, p);
     return lockstep._result('done', j.job, 'recompute', p, null, v_rest > 0);
 end;
 $$;
 
--- lockstep._cure(j): after a recompute that computed and wrote every parent of j: forget its failing and
--- parked keys. A key among them that cannot be read as the parent key type (a queue row written by hand,
--- or by a trigger on a column whose type changed) names no parent: its queue entries go too (left, they
--- parked it again at the next pass; found by a probe).
--- locks: the job's key_failure rows (deleted), then the queue entries of keys that do not read back.
-create function lockstep._cure(j lockstep.job) returns void
+-- lockstep._cure(j, queued_after): after a recompute that computed and wrote every parent of j: forget its
+-- failing and parked keys. A key among them that cannot be read as the parent key type (a queue row written
+-- by hand, or by a trigger on a column whose type changed) names no parent: its queue entries go too (left,
+-- they parked it again at the next pass; found by a probe). With queued_after (a recompute that handed
+-- parents off, queue ids after this one): a key with an entry after it (handed off, skipped, or changed
+-- since) is not forgotten but due at once (retry_at now), the worker trying it alone; the others go.
+-- locks: the job's key_failure rows (deleted, or updated), then the queue entries of keys that do not read back.
+create function lockstep._cure(j lockstep.job, queued_after bigint default null) returns void
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
@@ -548,7 +554,17 @@ declare
     v_keys text[];
     v_bad text[];
 begin
-    with d as (delete from lockstep.key_failure f where f.job = j.job returning f.key)
+    if queued_after is not null then
+        update lockstep.key_failure f set retry_at = now()
+        where f.job = j.job and exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true
+                                                                   and q.id > queued_after);
+    end if;
+    with d as (delete from lockstep.key_failure f
+               where f.job = j.job
+                 and (queued_after is null or not exists (select from lockstep.queue q
+                                                          where q.key = f.key and (q.job = f.job) is true
+                                                            and q.id > queued_after))
+               returning f.key)
     select array_agg(d.key) into v_keys from d;
     if v_keys is null then
         return;

@@ -302,3 +302,43 @@ def test_a_part_written_early_in_a_pass_holds_no_lock_while_later_parts_compute(
         conn.execute("update lockstep.key_failure set retry_at = now() where not parked")
         result(conn, "lockstep.work('d')")
     assert conn.execute("select p_id from d order by 1").fetchall() == [(2,)]
+
+
+def test_a_recompute_that_hands_off_cures_the_keys_it_wrote_and_tries_the_handed_off_ones_at_once(conn):
+    """A recompute whose whole-table pass went through but handed parents off (more than batch_parents
+    changed) cured no failing or parked key: a parked parent the application had fixed was handed off, and
+    the worker left it for its retry_at (up to the job's backoff, an hour) unwritten, lockstep status
+    unhealthy (found by a probe). The keys it wrote or found right are cured now, and those it handed off
+    are due at once: the worker's next passes write the fixed parent."""
+    conn.execute(
+        """
+        create table p (id int primary key, v int not null);
+        insert into p select g, g from generate_series(1, 5) g;
+        create table d (id int primary key references p on delete cascade, w int not null);
+        create function d_compute(ids int[]) returns table (id int, w int) language sql stable as $$
+            select p.id, 100 / (p.v - 3) from public.p p where ids is null or p.id = any(ids) $$;
+        select lockstep.define_derived('d', 'public.d', 'public.d_compute(int[])', parent => 'public.p');
+        select lockstep.watch('d', 'public.p', 'id');
+        select lockstep.set_max_attempts('d', 1);
+        select lockstep.set_batch_parents('d', 1);
+        """
+    )
+    conn.execute(
+        "select lockstep.run('d')"
+    )  # the whole-table pass fails on parent 3: every parent handed off
+    for _ in range(8):
+        conn.execute("select lockstep.work('d')")
+    parked = "select key, parked from lockstep.failing_keys where job = 'd'"
+    assert conn.execute(parked).fetchall() == [("3", True)]
+    conn.execute("set session_replication_role = replica")  # the data fixed behind the triggers' back
+    conn.execute("update p set v = v + 10")
+    conn.execute("reset session_replication_role")
+    r = result(conn, "lockstep.recompute('d')")
+    assert (r["outcome"], r["more"]) == ("done", True)  # one parent written, four handed off
+    for _ in range(8):
+        if result(conn, "lockstep.run('d')")["outcome"] == "idle":
+            break
+    assert conn.execute("select id, w from d order by id").fetchall() == [
+        (i, 100 // (i + 7)) for i in range(1, 6)
+    ]
+    assert conn.execute(parked).fetchall() == []
