@@ -739,6 +739,12 @@ begin
         raise exception 'lockstep: every and backoff must be positive intervals (got every %, backoff %)',
             every, backoff using errcode = '22023';
     end if;
+    -- past the year 294276 a run's next_run_at overflows: each run then failed with 22008 in _finish,
+    -- recording nothing, while status looked healthy (found by a probe)
+    if every > interval '100 years' or backoff > interval '100 years' then
+        raise exception 'lockstep: every and backoff must be at most 100 years (got every %, backoff %)',
+            every, backoff using errcode = '22023';
+    end if;
     -- the lock group free of other owners' jobs (lockstep._group_holder, 11_privileges.sql). A role that
     -- may not read the registry is refused by the checks that follow, with their own message.
     if not pg_catalog.has_table_privilege('lockstep.job', 'SELECT') then

@@ -81,6 +81,11 @@ CASES = [
     ("lockstep.define_derived('j', 'd', 'good(bigint[])', 'p', lock_group => E'\\t')", "22023", "blank"),
     ("lockstep.define_derived('j', 'd', 'good(bigint[])', 'p', every => '0 s')", "22023", "positive"),
     ("lockstep.define_derived('j', 'd', 'good(bigint[])', 'p', backoff => '-1 s')", "22023", "positive"),
+    (
+        "lockstep.define_derived('j', 'd', 'good(bigint[])', 'p', every => '300000 years')",
+        "22023",
+        "100 years",
+    ),
     ("lockstep.define_derived('j', 'no_such_table', 'good(bigint[])', 'p')", "42P01", "does not exist"),
     ("lockstep.define_derived('j', 'd', 'no_such_fn(bigint[])', 'p')", "42883", "does not exist"),
     ("lockstep.define_derived('j', 'nopk', 'good(bigint[])', 'p')", "LSD01", "has no primary key"),
