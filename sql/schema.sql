@@ -1668,6 +1668,7 @@ declare
     v_s lockstep.job_state;
     v_again boolean;
     v_release boolean;
+    v_end timestamptz := pg_catalog.clock_timestamp();  -- when the run ended
 begin
     -- the status row as it was (read under the group lock: no other writer), once for both questions
     select * into v_s from lockstep.job_state s where s.job = j.job;
@@ -1686,6 +1687,11 @@ begin
     update lockstep.job_state s set
         next_run_at = case
             when action in ('recompute', 'call') and v_failed then now() + j.backoff
+            -- a run that outlasted its every is next due min(every, 1 minute) after it ended: due again at
+            -- once, it ran back to back for ever, and rule 7 held its lock group's worker off all the while
+            -- (found by a probe: a 1.5 s job every second, a change queued for its group waited 20 s)
+            when action in ('recompute', 'call') and v_end >= started + j.every
+                then v_end + least(j.every, interval '1 minute')
             when action in ('recompute', 'call') then started + j.every
             else s.next_run_at end,
         retry_at = case
@@ -1696,8 +1702,8 @@ begin
         last_outcome = outcome,
         last_action = action,
         last_started_at = started,
-        last_finished_at = clock_timestamp(),
-        last_duration_ms = extract(epoch from clock_timestamp() - started) * 1000,
+        last_finished_at = v_end,
+        last_duration_ms = extract(epoch from v_end - started) * 1000,
         last_inserted = coalesce(p.inserted, 0),
         last_updated = coalesce(p.updated, 0),
         last_deleted = coalesce(p.deleted, 0),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import psycopg
 import pytest
 from isolation import Spec
@@ -286,3 +288,33 @@ def test_retry_ends_the_failure_backoff_of_a_job_without_a_queue(jobs):
     assert jobs.execute("select count(*) from ticks where n = 2").fetchone()[0] == 1
     jobs.execute("select lockstep.retry('f')")  # not failing: its next run stays a day away
     assert result(jobs, "lockstep.run('f')")["outcome"] == "not_due"
+
+
+def test_a_run_that_outlasts_its_every_leaves_its_lock_group_a_turn(jobs):
+    """A periodic run that took longer than its every was due again at once (next_run_at = start + every, in
+    the past): it ran back to back for ever, and rule 7 made every worker of its lock group give way all the
+    while (found by a probe: a 1.5 s job every second; a change queued for its group waited 20 s). Such a
+    run is next due min(every, 1 minute) after it ended; one ending within its every keeps start + every."""
+    jobs.execute(
+        "create table p (id int primary key);"
+        " create table d (id int primary key references p on delete cascade);"
+        " create function dc(ids int[]) returns table (id int) language sql stable"
+        " as 'select id from public.p where ids is null or id = any(ids)';"
+        " select lockstep.define_derived('d', 'd', 'dc(int[])', 'p', lock_group => 'g', every => '1 day');"
+        " create function slower() returns void language sql as 'select pg_sleep(1.1)';"
+        " select lockstep.define_job('slow', 'slower()', lock_group => 'g', every => '1 s');"
+        " select lockstep.define_job('tick', 'tick()', every => '1 hour')"
+    )
+    assert result(jobs, "lockstep.run('d')")["action"] == "recompute"
+    assert result(jobs, "lockstep.run('slow')")["outcome"] == "done"  # 1.1 s, its every 1 s
+    gap = (
+        "select next_run_at - last_finished_at, next_run_at - last_started_at"
+        " from lockstep.job_state where job = %s"
+    )
+    after_end, after_start = jobs.execute(gap, ["slow"]).fetchone()
+    assert after_end == timedelta(seconds=1) and after_start > timedelta(seconds=2)
+    jobs.execute("select lockstep.enqueue('d', array[1])")
+    jobs.execute("insert into p values (1)")
+    assert result(jobs, "lockstep.work('d')")["outcome"] == "done"  # not busy: the slow job is not due yet
+    assert result(jobs, "lockstep.run('tick')")["outcome"] == "done"
+    assert jobs.execute(gap, ["tick"]).fetchone()[1] == timedelta(hours=1)  # ended within its every
