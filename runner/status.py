@@ -59,8 +59,8 @@ def reasons(rows: list[dict], max_lag: float | None = MAX_LAG) -> list[str]:
         why = []
         if (r.get("consecutive_failures") or 0) > 0:
             why.append(f"{r['consecutive_failures']} consecutive failure(s)")
-        if r.get("recompute_error") is not None:
-            why.append("its last full recompute failed")
+        if r.get("recompute_error") is not None:  # a generic job's call keeps its error there too
+            why.append("its last call failed" if r.get("kind") == "job" else "its last full recompute failed")
         if (r.get("parked_keys") or 0) > 0:
             why.append(f"{r['parked_keys']} parked key(s) (lockstep.parked_keys; lockstep retry)")
         if r.get("needs_recompute") is not None and r.get("recompute_held_since") is not None:

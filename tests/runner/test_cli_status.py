@@ -137,3 +137,18 @@ def test_a_flag_held_since_a_poisoned_recompute_says_what_to_do():
     # a name a shell splits is quoted, so the command pastes as is (found by a probe)
     rows[0].update(job="billing totals", recompute_held_since=held)
     assert "`lockstep retry 'billing totals'`" in reasons(rows)[0]
+
+
+def test_a_failing_generic_job_is_said_to_have_failed_its_call(conn, dsn):
+    """A generic job whose call failed was reported as "its last full recompute failed": it has no
+    recompute (found by a probe)."""
+    conn.execute(
+        "create function boom() returns void language plpgsql as $$ begin raise exception 'boom'; end $$;"
+        " select lockstep.define_job('nightly', 'boom()')"
+    )
+    conn.execute("select lockstep.run('nightly')")
+    p = status(dsn)
+    assert (
+        p.returncode == 1
+        and "unhealthy: job nightly: 1 consecutive failure(s); its last call failed" in p.stderr
+    ), p.stderr
