@@ -179,7 +179,12 @@ def due(conn: psycopg.Connection, jobs: list[str] | None = None, gather: float =
 RUN_SQL = (
     "set transaction isolation level read committed;"
     " select outcome, inserted, updated, deleted, skipped, compute_ms, write_ms, error, job, action, more"
-    " from lockstep.run({job})"
+    " from lockstep.run({job});"
+    # a plain SET in a job's code outlived its call: a generic job's `set statement_timeout = '100ms'` made
+    # the next jobs on this connection fail (found by a probe). The runner sets nothing after connecting
+    # (its settings come in the startup packet), so back to the session's start values, in the same
+    # transaction: no extra round trip
+    " reset all"
 )
 
 

@@ -453,3 +453,27 @@ def test_connection_losses_between_good_runs_do_not_stretch_the_backoff(conn, ds
     recovered = [ln for ln in err.splitlines() if "recovered after" in ln]
     assert len(recovered) >= 6, err  # before: one, at the end
     assert all("after 1 retry" in ln for ln in recovered), recovered
+
+
+def test_a_jobs_plain_set_does_not_outlive_its_call_on_the_runners_connection(conn, dsn):
+    """A generic job whose code ran `set statement_timeout = '100ms'` (meant for itself) changed the
+    runner's session: every job after it on that connection ran with it, failed, and parked healthy keys;
+    at '1' ms the runner never recovered (found by a probe). The runner resets the session's settings to
+    its start values after each call, in the same transaction; its own (from the startup packet) stay."""
+    from runner import db
+
+    conn.execute(
+        "create function leaky() returns void language plpgsql as $$"
+        " begin set work_mem = '77MB'; set statement_timeout = '1'; end $$;"
+        " select lockstep.define_job('leaky', 'leaky()')"
+    )
+    with db.connect(dsn, check_interval="2s") as c:
+        before = c.execute(
+            "select current_setting('work_mem'), current_setting('statement_timeout')"
+        ).fetchone()
+        assert db.run_job(c, "leaky").outcome == "done"
+        after = c.execute(
+            "select current_setting('work_mem'), current_setting('statement_timeout'),"
+            " current_setting('client_connection_check_interval')"
+        ).fetchone()
+    assert after == (*before, "2s")
