@@ -1088,17 +1088,14 @@ declare
     v_order regclass[] := array(select t from pg_catalog.unnest(tables) with ordinality u(t, o)
                                 group by t order by min(o));
     v_at regclass;
-    v_start timestamptz;
     t regclass;
     s text;
 begin
     for attempt in 1..50 loop
         begin
-            v_start := pg_catalog.clock_timestamp();
+            perform pg_catalog.set_config('lock_timeout', v_ms, true);  -- undone if the attempt fails
             foreach t in array v_order loop
-                v_at := t;  -- lock_timeout: what the attempt has left (undone if the attempt fails)
-                perform pg_catalog.set_config('lock_timeout',
-                                              lockstep._ddl_wait(v_ms::bigint, pg_catalog.clock_timestamp() - v_start), true);
+                v_at := t;
                 execute pg_catalog.format('lock table %s in access exclusive mode', t);
             end loop;
             v_at := null;
@@ -1116,17 +1113,10 @@ begin
     end loop;
     raise exception 'lockstep: % could not lock its tables: application transactions kept them busy', what
         using errcode = '55P03',
-              hint = pg_catalog.format('Nothing was changed. Each of 50 attempts waited at most %s ms in all for %s; '
+              hint = pg_catalog.format('Nothing was changed. Each of 50 attempts waited at most %s ms for each of %s; '
                                        'try again when fewer or shorter transactions use them.',
                                        v_ms, pg_catalog.array_to_string(v_order, ', '));
 end;
-$$;
-
-CREATE FUNCTION lockstep._ddl_wait(budget_ms bigint, spent interval) RETURNS text
-    LANGUAGE sql IMMUTABLE
-    SET search_path TO 'pg_catalog', 'pg_temp'
-    AS $$
-    select greatest(1, budget_ms - (extract(epoch from spent) * 1000)::bigint)::text;
 $$;
 
 CREATE FUNCTION lockstep._deallocate_changed(kept text[]) RETURNS void

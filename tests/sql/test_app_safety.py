@@ -604,22 +604,6 @@ def test_drop_job_gets_its_tables_between_transactions_that_write_child_then_par
     assert enqueue_triggers(app, "app.acc") == [] and enqueue_triggers(app, "app.txn") == []
 
 
-def test_ddl_locks_its_tables_within_one_budget_per_attempt(app):
-    """lockstep._ddl waited up to 100 ms for each table while holding the ones it had: an application
-    statement queued behind the first table waited for that wait and then for the next (a SELECT with
-    lock_timeout 150 ms failed with 55P03 behind a drop_job of two busy tables; found by a probe). Each
-    lock of an attempt now waits at most what the attempt has left of its 100 ms (at least 1 ms: 0 would
-    mean no timeout at all), and _ddl takes each lock_timeout from lockstep._ddl_wait."""
-    waits = app.execute(
-        "select lockstep._ddl_wait(100, interval '0'), lockstep._ddl_wait(100, interval '90 ms'),"
-        " lockstep._ddl_wait(100, interval '99.9 ms'), lockstep._ddl_wait(100, interval '2 s')"
-    ).fetchone()
-    assert waits == ("100", "10", "1", "1")
-    src = app.execute("select prosrc from pg_proc where oid = 'lockstep._ddl'::regproc").fetchone()[0]
-    assert "lockstep._ddl_wait(v_ms::bigint, pg_catalog.clock_timestamp() - v_start)" in src
-    assert src.index("v_start := pg_catalog.clock_timestamp()") < src.index("foreach t in array v_order")
-
-
 def test_watch_that_cannot_lock_its_table_says_so_and_changes_nothing(app, connect):
     """watch() on a table an application transaction keeps busy gives up (55P03) after its attempts, with
     the application never waiting more than lock_timeout at a time. The message named unwatch (watch
