@@ -1047,7 +1047,7 @@ begin
 end;
 $$;
 
-CREATE FUNCTION lockstep._cure(j lockstep.job, queued_after bigint DEFAULT NULL::bigint) RETURNS void
+CREATE FUNCTION lockstep._cure(j lockstep.job, handed_off boolean DEFAULT false) RETURNS void
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
@@ -1055,16 +1055,14 @@ declare
     v_keys text[];
     v_bad text[];
 begin
-    if queued_after is not null then
-        update lockstep.key_failure f set retry_at = now()
-        where f.job = j.job and exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true
-                                                                   and q.id > queued_after);
+    if handed_off then
+        update lockstep.key_failure f set retry_at = now(), failed_upto = case when f.parked then 0 else f.failed_upto end
+        where f.job = j.job and exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true);
     end if;
     with d as (delete from lockstep.key_failure f
                where f.job = j.job
-                 and (queued_after is null or not exists (select from lockstep.queue q
-                                                          where q.key = f.key and (q.job = f.job) is true
-                                                            and q.id > queued_after))
+                 and not (handed_off and exists (select from lockstep.queue q
+                                                 where q.key = f.key and (q.job = f.job) is true))
                returning f.key)
     select array_agg(d.key) into v_keys from d;
     if v_keys is null then
@@ -3167,7 +3165,7 @@ begin
     if v_rest = 0 then
         perform lockstep._cure(j);
     elsif j.parent is not null then
-        perform lockstep._cure(j, v_before);
+        perform lockstep._cure(j, true);
     end if;
     perform lockstep._finish(j, 'recompute', 'done', v_started, p);
     return lockstep._result('done', j.job, 'recompute', p, null, v_rest > 0);

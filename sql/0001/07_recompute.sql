@@ -532,21 +532,24 @@ begin
     if v_rest = 0 then
         perform lockstep._cure(j);
     elsif j.parent is not null then
-        perform lockstep._cure(j, v_before);
+        perform lockstep._cure(j, true);
     end if;
     perform lockstep._finish(j, 'recompute', 'done', v_started, p);
     return lockstep._result('done', j.job, 'recompute', p, null, v_rest > 0);
 end;
 $$;
 
--- lockstep._cure(j, queued_after): after a recompute that computed and wrote every parent of j: forget its
+-- lockstep._cure(j, handed_off): after a recompute that computed and wrote every parent of j: forget its
 -- failing and parked keys. A key among them that cannot be read as the parent key type (a queue row written
 -- by hand, or by a trigger on a column whose type changed) names no parent: its queue entries go too (left,
--- they parked it again at the next pass; found by a probe). With queued_after (a recompute that handed
--- parents off, queue ids after this one): a key with an entry after it (handed off, skipped, or changed
--- since) is not forgotten but due at once (retry_at now), the worker trying it alone; the others go.
--- locks: the job's key_failure rows (deleted, or updated), then the queue entries of keys that do not read back.
-create function lockstep._cure(j lockstep.job, queued_after bigint default null) returns void
+-- they parked it again at the next pass; found by a probe). handed_off (the recompute computed every parent
+-- but handed some to the worker): a key still queued (handed off, or skipped, or changed since; a failing
+-- key keeps its entries, so one handed off may have no new entry) keeps its attempts and is due at once,
+-- tried alone, a parked one too (its entries so far count as queued again: failed_upto 0); a key not
+-- queued was written or found right, and goes (a first version went by entries newer than the recompute's
+-- start and forgot a still failing key whose old entry stood for its hand-off; a review).
+-- locks: the job's key_failure rows (updated, deleted), then the queue entries of keys that do not read back.
+create function lockstep._cure(j lockstep.job, handed_off boolean default false) returns void
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
@@ -554,16 +557,14 @@ declare
     v_keys text[];
     v_bad text[];
 begin
-    if queued_after is not null then
-        update lockstep.key_failure f set retry_at = now()
-        where f.job = j.job and exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true
-                                                                   and q.id > queued_after);
+    if handed_off then
+        update lockstep.key_failure f set retry_at = now(), failed_upto = case when f.parked then 0 else f.failed_upto end
+        where f.job = j.job and exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true);
     end if;
     with d as (delete from lockstep.key_failure f
                where f.job = j.job
-                 and (queued_after is null or not exists (select from lockstep.queue q
-                                                          where q.key = f.key and (q.job = f.job) is true
-                                                            and q.id > queued_after))
+                 and not (handed_off and exists (select from lockstep.queue q
+                                                 where q.key = f.key and (q.job = f.job) is true))
                returning f.key)
     select array_agg(d.key) into v_keys from d;
     if v_keys is null then
