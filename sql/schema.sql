@@ -713,6 +713,7 @@ CREATE FUNCTION lockstep._check_schedule(job text, lock_group text, every interv
     AS $$
 declare
     g record;
+    v_long boolean;
     v_blank text := case when pg_catalog.btrim(job, E' \t\n\r') = '' then job
                          when pg_catalog.btrim(lock_group, E' \t\n\r') = '' then lock_group end;
     -- a newline or another control character in a name garbles every log line and status table that shows
@@ -740,8 +741,15 @@ begin
             every, backoff using errcode = '22023';
     end if;
     -- past the year 294276 a run's next_run_at overflows: each run then failed with 22008 in _finish,
-    -- recording nothing, while status looked healthy (found by a probe)
-    if every > interval '100 years' or backoff > interval '100 years' then
+    -- recording nothing, while status looked healthy (found by a probe). Checked on timestamps, not by
+    -- comparing intervals, which count a month as 30 days while a timestamp adds months first:
+    -- '293000 years -105479999 days' compared below 100 years and still overflowed (a review).
+    begin
+        v_long := now() + every > now() + interval '100 years' or now() + backoff > now() + interval '100 years';
+    exception when datetime_field_overflow then
+        v_long := true;
+    end;
+    if v_long then
         raise exception 'lockstep: every and backoff must be at most 100 years (got every %, backoff %)',
             every, backoff using errcode = '22023';
     end if;
