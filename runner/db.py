@@ -181,10 +181,12 @@ RUN_SQL = (
     " select outcome, inserted, updated, deleted, skipped, compute_ms, write_ms, error, job, action, more"
     " from lockstep.run({job});"
     # a plain SET in a job's code outlived its call: a generic job's `set statement_timeout = '100ms'` made
-    # the next jobs on this connection fail (found by a probe). The runner sets nothing after connecting
-    # (its settings come in the startup packet), so back to the session's start values, in the same
-    # transaction: no extra round trip
-    " reset all"
+    # the next jobs on this connection fail (found by a probe). The settings that decide whether the next
+    # job runs go back to the session's start values, in the same transaction (no extra round trip). Not
+    # RESET ALL: behind PgBouncer it also reset the application_name (and client parameters) the pooler
+    # had set, and the runner vanished from pg_stat_activity (found by a review)
+    " reset statement_timeout; reset lock_timeout; reset idle_in_transaction_session_timeout;"
+    " reset idle_session_timeout; reset default_transaction_read_only; reset role"
 )
 
 

@@ -296,3 +296,23 @@ def test_a_database_pgbouncer_does_not_know_is_a_permanent_start_up_error(pgboun
         pytest.fail("lockstep run was still retrying after 30 s")
     assert p.returncode == EXIT_SETUP, p.stderr
     assert "no such database" in p.stderr and "database name" in p.stderr, p.stderr
+
+
+def test_the_runners_application_name_survives_its_calls_through_pgbouncer(ex, pgbouncer):
+    """The runner reset every setting after each call (RESET ALL): behind PgBouncer that also reset the
+    application_name the pooler had set on the server connection, the pooler took '' as the client's, and
+    the runner vanished from pg_stat_activity's lockstep-runner sessions that docs/runner.md says to watch
+    (found by a review). It resets only the settings that decide whether the next job runs."""
+    from runner import db
+
+    ex.execute(
+        "create table public.seen (name text);"
+        " create function public.record() returns void language sql"
+        " as $$ insert into public.seen values (current_setting('application_name')) $$;"
+        " select lockstep.define_job('rec', 'public.record()', every => '1 hour')"
+    )
+    with db.connect(pgbouncer.dsn, prepare=False) as c:
+        for _ in range(3):
+            ex.execute("update lockstep.job_state set next_run_at = now() where job = 'rec'")
+            assert db.run_job(c, "rec").outcome == "done"
+    assert [n for (n,) in ex.execute("select name from public.seen")] == [db.APP_NAME] * 3
