@@ -3416,6 +3416,7 @@ begin
                                        target_key,
                                        (select x.image_columns from lockstep.job x where x.job = _save_derived.job))
                      then now()
+                when old.every = every then s.next_run_at  -- the same schedule: kept (as define_job)
                 else least(s.next_run_at, coalesce(s.last_started_at, now()) + every) end
         where s.job = _save_derived.job;
         -- another parent key type: the queued keys (and their failures) name parents of the old one; the
@@ -4316,10 +4317,13 @@ begin
             backoff = excluded.backoff, updated_at = now();
     insert into lockstep.job_state (job) values (job) on conflict do nothing;
     -- as define_derived: another call is due now, a new every counts from the last run (the old
-    -- next_run_at was kept: an hour's schedule shortened to a second still waited the hour)
+    -- next_run_at was kept: an hour's schedule shortened to a second still waited the hour); the same
+    -- every keeps next_run_at (a run that outlasted its every is due after it ended: counted from its
+    -- start, the same definition again made it due at once; a review)
     if old.job is not null then
         update lockstep.job_state s
         set next_run_at = case when old.call is distinct from call::text then now()
+                               when old.every = every then s.next_run_at  -- the same schedule: kept
                                else least(s.next_run_at, coalesce(s.last_started_at, now()) + every) end
         where s.job = define_job.job;
     end if;

@@ -161,10 +161,13 @@ begin
             backoff = excluded.backoff, updated_at = now();
     insert into lockstep.job_state (job) values (job) on conflict do nothing;
     -- as define_derived: another call is due now, a new every counts from the last run (the old
-    -- next_run_at was kept: an hour's schedule shortened to a second still waited the hour)
+    -- next_run_at was kept: an hour's schedule shortened to a second still waited the hour); the same
+    -- every keeps next_run_at (a run that outlasted its every is due after it ended: counted from its
+    -- start, the same definition again made it due at once; a review)
     if old.job is not null then
         update lockstep.job_state s
         set next_run_at = case when old.call is distinct from call::text then now()
+                               when old.every = every then s.next_run_at  -- the same schedule: kept
                                else least(s.next_run_at, coalesce(s.last_started_at, now()) + every) end
         where s.job = define_job.job;
     end if;

@@ -719,6 +719,7 @@ begin
                                        target_key,
                                        (select x.image_columns from lockstep.job x where x.job = _save_derived.job))
                      then now()
+                when old.every = every then s.next_run_at  -- the same schedule: kept (as define_job)
                 else least(s.next_run_at, coalesce(s.last_started_at, now()) + every) end
         where s.job = _save_derived.job;
         -- another parent key type: the queued keys (and their failures) name parents of the old one; the

@@ -323,5 +323,7 @@ def test_a_run_that_outlasts_its_every_leaves_its_lock_group_a_turn(jobs):
     jobs.execute("select lockstep.enqueue('d', array[1])")
     jobs.execute("insert into p values (1)")
     assert result(jobs, "lockstep.work('d')")["outcome"] == "done"  # not busy: the slow job is not due yet
+    jobs.execute("select lockstep.define_job('slow', 'slower()', lock_group => 'g', every => '1 s')")
+    assert jobs.execute(gap, ["slow"]).fetchone()[0] == timedelta(seconds=1)  # the same definition: kept
     assert result(jobs, "lockstep.run('tick')")["outcome"] == "done"
     assert jobs.execute(gap, ["tick"]).fetchone()[1] == timedelta(hours=1)  # ended within its every
