@@ -710,6 +710,7 @@ $$;
 CREATE FUNCTION lockstep._check_schedule(job text, lock_group text, every interval, backoff interval) RETURNS void
     LANGUAGE plpgsql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
+    SET "IntervalStyle" TO 'postgres'
     AS $$
 declare
     g record;
@@ -736,8 +737,11 @@ begin
         raise exception 'lockstep: job names must be at most 63 bytes (got %)', pg_catalog.octet_length(job)
             using errcode = '22023', hint = 'Like an SQL identifier: choose a shorter name.';
     end if;
-    if every <= interval '0' or backoff <= interval '0' then
-        raise exception 'lockstep: every and backoff must be positive intervals (got every %, backoff %)',
+    -- positive in every part: '1 month -29 days 00:01' compares above zero (a month counts 30 days) but
+    -- adds up to a minute in the past in February, and such a job then ran every minute (a review); the
+    -- postgres IntervalStyle (this function's) writes '-' only before a negative part
+    if every <= interval '0' or backoff <= interval '0' or every::text like '%-%' or backoff::text like '%-%' then
+        raise exception 'lockstep: every and backoff must be positive intervals with no negative part (got every %, backoff %)',
             every, backoff using errcode = '22023';
     end if;
     -- past the year 294276 a run's next_run_at overflows: each run then failed with 22008 in _finish,
@@ -1060,23 +1064,22 @@ CREATE FUNCTION lockstep._cure(j lockstep.job, handed_off boolean DEFAULT false)
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
 declare
-    v_keys text[];
+    v_keys text[] := array(select f.key from lockstep.key_failure f where f.job = j.job);
     v_bad text[];
 begin
-    if handed_off then
-        update lockstep.key_failure f set retry_at = now(), failed_upto = case when f.parked then 0 else f.failed_upto end
-        where f.job = j.job and exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true);
-    end if;
-    with d as (delete from lockstep.key_failure f
-               where f.job = j.job
-                 and not (handed_off and exists (select from lockstep.queue q
-                                                 where q.key = f.key and (q.job = f.job) is true))
-               returning f.key)
-    select array_agg(d.key) into v_keys from d;
-    if v_keys is null then
+    if cardinality(v_keys) = 0 then
         return;
     end if;
-    v_bad := (lockstep._readable(j, v_keys)).bad;
+    v_bad := coalesce((lockstep._readable(j, v_keys)).bad, '{}');
+    if handed_off then
+        update lockstep.key_failure f set retry_at = now(), failed_upto = case when f.parked then 0 else f.failed_upto end
+        where f.job = j.job and f.key <> all(v_bad)
+          and exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true);
+    end if;
+    delete from lockstep.key_failure f
+    where f.job = j.job
+      and (not handed_off or f.key = any(v_bad)
+           or not exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true));
     if cardinality(v_bad) > 0 then
         delete from lockstep.queue q where q.job = j.job and q.key = any(v_bad);
     end if;

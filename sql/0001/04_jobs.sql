@@ -7,6 +7,7 @@ create function lockstep._check_schedule(job text, lock_group text, every interv
 returns void
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
+set intervalstyle = 'postgres'
 as $$
 declare
     g record;
@@ -33,8 +34,11 @@ begin
         raise exception 'lockstep: job names must be at most 63 bytes (got %)', pg_catalog.octet_length(job)
             using errcode = '22023', hint = 'Like an SQL identifier: choose a shorter name.';
     end if;
-    if every <= interval '0' or backoff <= interval '0' then
-        raise exception 'lockstep: every and backoff must be positive intervals (got every %, backoff %)',
+    -- positive in every part: '1 month -29 days 00:01' compares above zero (a month counts 30 days) but
+    -- adds up to a minute in the past in February, and such a job then ran every minute (a review); the
+    -- postgres IntervalStyle (this function's) writes '-' only before a negative part
+    if every <= interval '0' or backoff <= interval '0' or every::text like '%-%' or backoff::text like '%-%' then
+        raise exception 'lockstep: every and backoff must be positive intervals with no negative part (got every %, backoff %)',
             every, backoff using errcode = '22023';
     end if;
     -- past the year 294276 a run's next_run_at overflows: each run then failed with 22008 in _finish,
