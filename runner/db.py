@@ -181,12 +181,13 @@ RUN_SQL = (
     " select outcome, inserted, updated, deleted, skipped, compute_ms, write_ms, error, job, action, more"
     " from lockstep.run({job});"
     # a plain SET in a job's code outlived its call: a generic job's `set statement_timeout = '100ms'` made
-    # the next jobs on this connection fail (found by a probe). The settings that decide whether the next
-    # job runs go back to the session's start values, in the same transaction (no extra round trip). Not
-    # RESET ALL: behind PgBouncer it also reset the application_name (and client parameters) the pooler
-    # had set, and the runner vanished from pg_stat_activity (found by a review)
-    " reset statement_timeout; reset lock_timeout; reset idle_in_transaction_session_timeout;"
-    " reset idle_session_timeout; reset default_transaction_read_only; reset role"
+    # the next jobs on this connection fail (found by a probe), its `set datestyle = 'SQL, DMY'` crashed the
+    # runner's next due() (psycopg parses ISO only), and behind PgBouncer its search_path reached the
+    # application clients given that server connection next (a review). So every setting goes back to the
+    # session's start values, role too (RESET ALL leaves it), in the same transaction (no extra round trip),
+    # and then the application_name the session had before the call: behind PgBouncer RESET ALL also reset
+    # the one the pooler had set, and the runner vanished from pg_stat_activity (a review)
+    " reset all; reset role; set application_name = {app}"
 )
 
 
@@ -194,8 +195,9 @@ def run_job(conn: psycopg.Connection, job: str) -> Result:
     # One simple-query message, so one implicit transaction: READ COMMITTED whatever
     # default_transaction_isolation says (lockstep.run refuses any other level), and, as for a single
     # autocommit statement, committed before the result is sent.
+    app = conn.info.parameter_status("application_name") or ""  # as it was before the call (see RUN_SQL)
     with conn.cursor() as cur:
-        cur.execute(sql.SQL(RUN_SQL).format(job=sql.Literal(job)))
+        cur.execute(sql.SQL(RUN_SQL).format(job=sql.Literal(job), app=sql.Literal(app)))
         cur.nextset()
         row = cur.fetchone()
     return Result(*row)

@@ -458,25 +458,28 @@ def test_connection_losses_between_good_runs_do_not_stretch_the_backoff(conn, ds
 def test_a_jobs_plain_set_does_not_outlive_its_call_on_the_runners_connection(conn, dsn):
     """A generic job whose code ran `set statement_timeout = '100ms'` (meant for itself) changed the
     runner's session: every job after it on that connection ran with it, failed, and parked healthy keys;
-    at '1' ms the runner never recovered (found by a probe); a job's SET ROLE stayed too (a review). The
-    runner resets the settings that decide whether the next job runs after each call, in the same
-    transaction; its own (here from the startup packet) and the application_name stay."""
+    at '1' ms the runner never recovered (found by a probe); its SET ROLE stayed, its DateStyle crashed the
+    runner (a review). The runner resets every setting to the session's start values after each call, in
+    the same transaction; its own (here from the startup packet) and its application_name stay."""
     from runner import db
 
     conn.execute(
         "create function leaky() returns void language plpgsql as $$ begin"
         " set statement_timeout = '1'; set lock_timeout = '1'; set idle_session_timeout = '1';"
-        " set default_transaction_read_only = on; set application_name = 'mine'; end $$;"
+        " set default_transaction_read_only = on; set application_name = 'mine';"
+        " set datestyle = 'SQL, DMY'; set search_path = nowhere; set role none; end $$;"
         " select lockstep.define_job('leaky', 'leaky()')"
     )
     settings = (
         "select current_setting('statement_timeout'), current_setting('lock_timeout'),"
         " current_setting('idle_session_timeout'), current_setting('default_transaction_read_only'),"
-        " current_setting('client_connection_check_interval')"
+        " current_setting('client_connection_check_interval'), current_setting('datestyle'),"
+        " current_setting('search_path'), current_setting('application_name')"
     )
     with db.connect(dsn, check_interval="2s") as c:
         before = c.execute(settings).fetchone()
         assert db.run_job(c, "leaky").outcome == "done"
-        assert c.execute(settings).fetchone() == before and before[-1] == "2s"
+        assert c.execute(settings).fetchone() == before and before[4] == "2s"
+        assert c.execute("select now()").fetchone()[0] is not None  # parses: DateStyle ISO again
         conn.execute("update lockstep.job_state set next_run_at = now() where job = 'leaky'")
         assert db.run_job(c, "leaky").outcome == "done"  # it ran at all: not read-only, no 1 ms timeout

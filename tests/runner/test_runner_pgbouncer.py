@@ -299,16 +299,18 @@ def test_a_database_pgbouncer_does_not_know_is_a_permanent_start_up_error(pgboun
 
 
 def test_the_runners_application_name_survives_its_calls_through_pgbouncer(ex, pgbouncer):
-    """The runner reset every setting after each call (RESET ALL): behind PgBouncer that also reset the
+    """The runner resets every setting after each call (RESET ALL): behind PgBouncer that also reset the
     application_name the pooler had set on the server connection, the pooler took '' as the client's, and
     the runner vanished from pg_stat_activity's lockstep-runner sessions that docs/runner.md says to watch
-    (found by a review). It resets only the settings that decide whether the next job runs."""
+    (found by a review). It sets the application_name it had again, in the same transaction; and a job's
+    search_path no longer reaches the application clients given that server connection next."""
     from runner import db
 
     ex.execute(
         "create table public.seen (name text);"
-        " create function public.record() returns void language sql"
-        " as $$ insert into public.seen values (current_setting('application_name')) $$;"
+        " create function public.record() returns void language plpgsql as $$ begin"
+        " insert into public.seen values (current_setting('application_name')); set search_path = nowhere;"
+        " end $$;"
         " select lockstep.define_job('rec', 'public.record()', every => '1 hour')"
     )
     with db.connect(pgbouncer.dsn, prepare=False) as c:
@@ -316,3 +318,6 @@ def test_the_runners_application_name_survives_its_calls_through_pgbouncer(ex, p
             ex.execute("update lockstep.job_state set next_run_at = now() where job = 'rec'")
             assert db.run_job(c, "rec").outcome == "done"
     assert [n for (n,) in ex.execute("select name from public.seen")] == [db.APP_NAME] * 3
+    with pgbouncer.connect() as app:  # the pool's server connections: none kept the job's search_path
+        for _ in range(4):
+            assert app.execute("select current_setting('search_path')").fetchone()[0] == '"$user", public'
