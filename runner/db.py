@@ -185,21 +185,36 @@ RUN_SQL = (
     # runner's next due() (psycopg parses ISO only), and behind PgBouncer its search_path reached the
     # application clients given that server connection next (a review). So every setting goes back to the
     # session's start values, role too (RESET ALL leaves it), in the same transaction (no extra round trip),
-    # and then the application_name the session had before the call: behind PgBouncer RESET ALL also reset
-    # the one the pooler had set, and the runner vanished from pg_stat_activity (a review)
-    " reset all; reset role; set application_name = {app}"
+    # and then the parameters the server reports to the client as they were before the call: behind
+    # PgBouncer RESET ALL also reset those the pooler had set for this client (its application_name, and
+    # its TimeZone from PGTZ), and the pooler took the server's as the client's (reviews)
+    " reset all; reset role; set application_name = {app}; set timezone = {tz}; set datestyle = {ds};"
+    " set intervalstyle = {ist}; set client_encoding = {enc}; set standard_conforming_strings = {scs}"
 )
+# the parameters restored after a call (see RUN_SQL), with the value to use when the server reported none
+REPORTED = {"app": ("application_name", ""), "tz": ("TimeZone", "UTC"), "ds": ("DateStyle", "ISO, MDY"),
+            "ist": ("IntervalStyle", "postgres"), "enc": ("client_encoding", "UTF8"),
+            "scs": ("standard_conforming_strings", "on")}  # fmt: skip
 
 
 def run_job(conn: psycopg.Connection, job: str) -> Result:
     # One simple-query message, so one implicit transaction: READ COMMITTED whatever
     # default_transaction_isolation says (lockstep.run refuses any other level), and, as for a single
     # autocommit statement, committed before the result is sent.
-    app = conn.info.parameter_status("application_name") or ""  # as it was before the call (see RUN_SQL)
+    before = {
+        k: sql.Literal(conn.info.parameter_status(name) or default) for k, (name, default) in REPORTED.items()
+    }
     with conn.cursor() as cur:
-        cur.execute(sql.SQL(RUN_SQL).format(job=sql.Literal(job), app=sql.Literal(app)))
+        cur.execute(sql.SQL(RUN_SQL).format(job=sql.Literal(job), **before))
         cur.nextset()
-        row = cur.fetchone()
+        try:
+            row = cur.fetchone()
+        except UnicodeDecodeError as exc:
+            # the job's code changed client_encoding: the row came in it, and the reset in the same message
+            # put it back before the server said so (a review). The run is done; the runner goes on.
+            raise psycopg.DataError(
+                f"job {job}: its result could not be decoded ({exc}); does its code SET client_encoding?"
+            ) from exc
     return Result(*row)
 
 

@@ -483,3 +483,21 @@ def test_a_jobs_plain_set_does_not_outlive_its_call_on_the_runners_connection(co
         assert c.execute("select now()").fetchone()[0] is not None  # parses: DateStyle ISO again
         conn.execute("update lockstep.job_state set next_run_at = now() where job = 'leaky'")
         assert db.run_job(c, "leaky").outcome == "done"  # it ran at all: not read-only, no 1 ms timeout
+
+
+def test_a_job_that_changes_client_encoding_does_not_crash_the_runner(conn, dsn):
+    """A job's `set client_encoding = 'LATIN1'` sent the call's result row in LATIN1, and the reset in the
+    same message put UTF8 back before the server said so: psycopg decoded LATIN1 as UTF8 and the runner
+    died with a UnicodeDecodeError, a traceback and exit 1 (found by a review). The call is a job error now
+    (the runner backs that job off and goes on), and the connection is UTF8 again."""
+    from runner import db
+
+    conn.execute(
+        "create function enc() returns void language plpgsql"
+        " as $$ begin set client_encoding = 'LATIN1'; end $$;"
+        " select lockstep.define_job('été', 'enc()')"
+    )
+    with db.connect(dsn) as c:
+        with pytest.raises(psycopg.DataError, match="does its code SET client_encoding"):
+            db.run_job(c, "été")
+        assert c.execute("select current_setting('client_encoding'), 'été'").fetchone() == ("UTF8", "été")

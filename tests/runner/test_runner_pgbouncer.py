@@ -321,3 +321,23 @@ def test_the_runners_application_name_survives_its_calls_through_pgbouncer(ex, p
     with pgbouncer.connect() as app:  # the pool's server connections: none kept the job's search_path
         for _ in range(4):
             assert app.execute("select current_setting('search_path')").fetchone()[0] == '"$user", public'
+
+
+def test_the_runners_time_zone_survives_its_calls_through_pgbouncer(ex, pgbouncer, monkeypatch):
+    """Behind PgBouncer, the reset after each call put the server connection back to the server's TimeZone,
+    and the pooler took it as the client's: a runner started with PGTZ saw it in its first call only (found
+    by a review). The reported parameters are set back to what the session had before the call."""
+    from runner import db
+
+    ex.execute(
+        "create table public.tz (name text);"
+        " create function public.tz_record() returns void language sql"
+        " as $$ insert into public.tz values (current_setting('TimeZone')) $$;"
+        " select lockstep.define_job('tzrec', 'public.tz_record()', every => '1 hour')"
+    )
+    monkeypatch.setenv("PGTZ", "Pacific/Auckland")
+    with db.connect(pgbouncer.dsn, prepare=False) as c:
+        for _ in range(3):
+            ex.execute("update lockstep.job_state set next_run_at = now() where job = 'tzrec'")
+            assert db.run_job(c, "tzrec").outcome == "done"
+    assert [n for (n,) in ex.execute("select name from public.tz")] == ["Pacific/Auckland"] * 3
