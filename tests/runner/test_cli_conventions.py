@@ -276,67 +276,11 @@ select lockstep.watch('own_d', 'own.p', 'id');
 """
 
 
-def test_a_downgrade_by_the_installer_says_which_owners_must_drop_their_jobs_first(empty_dsn):
-    """The installer (the database's owner, not a superuser) downgrading after a job owner of
-    docs/security.md watched its own tables got "permission denied for schema blog" and the install hint
-    (get CREATE on the database it owned; found by a probe): dropping watch()'s triggers needs each table's
-    ownership. The downgrade now says so up front, naming the tables, their owners and what to do, and
-    changes nothing; once the owner has dropped its job, the installer's downgrade goes through."""
-    from psycopg import sql
-    from psycopg.conninfo import conninfo_to_dict, make_conninfo
-
-    db = conninfo_to_dict(empty_dsn)["dbname"]
-    inst, own = f"inst_{os.getpid()}", f"own_{os.getpid()}"
-    admin = psycopg.connect(empty_dsn, autocommit=True)
-    try:
-        for r in (inst, own):
-            admin.execute(sql.SQL("create role {} login").format(sql.Identifier(r)))
-        admin.execute(
-            sql.SQL("alter database {} owner to {}").format(sql.Identifier(db), sql.Identifier(inst))
-        )
-        assert lockstep("migrate", "--dsn", make_conninfo(empty_dsn, user=inst)).returncode == 0
-        admin.execute(sql.SQL("create schema own authorization {}").format(sql.Identifier(own)))
-        for g in [
-            "grant usage on schema lockstep to {}",
-            "grant select, insert, update, delete on lockstep.job to {}",
-            "grant select, insert, update on lockstep.job_state to {}",
-            "grant select, insert, delete on lockstep.queue, lockstep.recompute_flag to {}",
-            "grant select, delete on lockstep.key_failure to {}",
-        ]:
-            admin.execute(sql.SQL(g).format(sql.Identifier(own)))
-        with psycopg.connect(make_conninfo(empty_dsn, user=own), autocommit=True) as c:
-            c.execute(DOWNGRADE_OWNER_SQL)
-        p = lockstep(
-            "migrate", "downgrade", "--revision", "base", "--dsn", make_conninfo(empty_dsn, user=inst)
-        )
-        assert p.returncode == 4, p.stderr
-        assert f"own.p (owner {own})" in p.stderr and "lockstep drop JOB" in p.stderr, p.stderr
-        assert "CREATE on the database" not in p.stderr, p.stderr
-        assert (
-            admin.execute(
-                "select count(*) from pg_trigger where tgrelid = 'own.p'::regclass and not tgisinternal"
-            ).fetchone()[0]
-            == 4
-        )
-        assert lockstep("migrate", "current", "--dsn", empty_dsn).stdout.strip() == f"{HEAD} (head)"
-        with psycopg.connect(make_conninfo(empty_dsn, user=own), autocommit=True) as c:
-            c.execute("select lockstep.drop_job('own_d')")
-        p = lockstep(
-            "migrate", "downgrade", "--revision", "base", "--dsn", make_conninfo(empty_dsn, user=inst)
-        )
-        assert p.returncode == 0, p.stderr
-        assert admin.execute("select to_regnamespace('lockstep') is null").fetchone()[0]
-    finally:
-        admin.execute(sql.SQL("alter database {} owner to current_user").format(sql.Identifier(db)))
-        for r in (own, inst):
-            admin.execute(sql.SQL("drop owned by {} cascade").format(sql.Identifier(r)))
-            admin.execute(sql.SQL("drop role {}").format(sql.Identifier(r)))
-        admin.close()
-
-
-def test_a_downgrade_names_a_watched_table_whose_schema_the_installer_may_not_use(empty_dsn):
-    """The installer owning a watched table in a schema it lost USAGE on passed the downgrade's ownership
-    check, then failed on the lock with the install hint (found by a review): the check covers the schema."""
+@pytest.fixture
+def installer(empty_dsn):
+    """(admin connection, installer role, other role, dsn of a role): the database handed to a new
+    installer role (its owner, not a superuser) that installed lockstep; a second role beside it; both
+    dropped at the end."""
     from psycopg import sql
     from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
@@ -350,22 +294,63 @@ def test_a_downgrade_names_a_watched_table_whose_schema_the_installer_may_not_us
             sql.SQL("alter database {} owner to {}").format(sql.Identifier(db), sql.Identifier(inst))
         )
         assert lockstep("migrate", "--dsn", make_conninfo(empty_dsn, user=inst)).returncode == 0
-        admin.execute(sql.SQL("create schema own authorization {}").format(sql.Identifier(other)))
-        admin.execute(sql.SQL("grant usage, create on schema own to {}").format(sql.Identifier(inst)))
-        with psycopg.connect(make_conninfo(empty_dsn, user=inst), autocommit=True) as c:
-            c.execute(DOWNGRADE_OWNER_SQL)
-        admin.execute(sql.SQL("revoke usage on schema own from {}").format(sql.Identifier(inst)))
-        p = lockstep(
-            "migrate", "downgrade", "--revision", "base", "--dsn", make_conninfo(empty_dsn, user=inst)
-        )
-        assert p.returncode == 4 and "own.p (no USAGE on its schema)" in p.stderr, p.stderr
-        assert lockstep("migrate", "current", "--dsn", empty_dsn).stdout.strip() == f"{HEAD} (head)"
+        yield admin, inst, other, lambda role: make_conninfo(empty_dsn, user=role)
     finally:
         admin.execute(sql.SQL("alter database {} owner to current_user").format(sql.Identifier(db)))
         for r in (other, inst):
             admin.execute(sql.SQL("drop owned by {} cascade").format(sql.Identifier(r)))
             admin.execute(sql.SQL("drop role {}").format(sql.Identifier(r)))
         admin.close()
+
+
+def test_a_downgrade_by_the_installer_says_which_owners_must_drop_their_jobs_first(installer, empty_dsn):
+    """The installer (the database's owner, not a superuser) downgrading after a job owner of
+    docs/security.md watched its own tables got "permission denied for schema blog" and the install hint
+    (get CREATE on the database it owned; found by a probe): dropping watch()'s triggers needs each table's
+    ownership. The downgrade now says so up front, naming the tables, their owners and what to do, and
+    changes nothing; once the owner has dropped its job, the installer's downgrade goes through."""
+    from psycopg import sql
+
+    admin, inst, own, as_role = installer
+    admin.execute(sql.SQL("create schema own authorization {}").format(sql.Identifier(own)))
+    for g in [
+        "grant usage on schema lockstep to {}",
+        "grant select, insert, update, delete on lockstep.job to {}",
+        "grant select, insert, update on lockstep.job_state to {}",
+        "grant select, insert, delete on lockstep.queue, lockstep.recompute_flag to {}",
+        "grant select, delete on lockstep.key_failure to {}",
+    ]:
+        admin.execute(sql.SQL(g).format(sql.Identifier(own)))
+    with psycopg.connect(as_role(own), autocommit=True) as c:
+        c.execute(DOWNGRADE_OWNER_SQL)
+    p = lockstep("migrate", "downgrade", "--revision", "base", "--dsn", as_role(inst))
+    assert p.returncode == 4, p.stderr
+    assert f"own.p (owner {own})" in p.stderr and "lockstep drop JOB" in p.stderr, p.stderr
+    assert "CREATE on the database" not in p.stderr, p.stderr
+    triggers = "select count(*) from pg_trigger where tgrelid = 'own.p'::regclass and not tgisinternal"
+    assert admin.execute(triggers).fetchone()[0] == 4
+    assert lockstep("migrate", "current", "--dsn", empty_dsn).stdout.strip() == f"{HEAD} (head)"
+    with psycopg.connect(as_role(own), autocommit=True) as c:
+        c.execute("select lockstep.drop_job('own_d')")
+    p = lockstep("migrate", "downgrade", "--revision", "base", "--dsn", as_role(inst))
+    assert p.returncode == 0, p.stderr
+    assert admin.execute("select to_regnamespace('lockstep') is null").fetchone()[0]
+
+
+def test_a_downgrade_names_a_watched_table_whose_schema_the_installer_may_not_use(installer, empty_dsn):
+    """The installer owning a watched table in a schema it lost USAGE on passed the downgrade's ownership
+    check, then failed on the lock with the install hint (found by a review): the check covers the schema."""
+    from psycopg import sql
+
+    admin, inst, other, as_role = installer
+    admin.execute(sql.SQL("create schema own authorization {}").format(sql.Identifier(other)))
+    admin.execute(sql.SQL("grant usage, create on schema own to {}").format(sql.Identifier(inst)))
+    with psycopg.connect(as_role(inst), autocommit=True) as c:
+        c.execute(DOWNGRADE_OWNER_SQL)
+    admin.execute(sql.SQL("revoke usage on schema own from {}").format(sql.Identifier(inst)))
+    p = lockstep("migrate", "downgrade", "--revision", "base", "--dsn", as_role(inst))
+    assert p.returncode == 4 and "own.p (no USAGE on its schema)" in p.stderr, p.stderr
+    assert lockstep("migrate", "current", "--dsn", empty_dsn).stdout.strip() == f"{HEAD} (head)"
 
 
 def test_migrate_upgrade_never_goes_down_in_python(empty_dsn):
