@@ -57,9 +57,8 @@ class Metrics:
 
     def __init__(self, port: int | None = None, host: str = "0.0.0.0"):
         self.enabled = False
-        self.url: str | None = (
-            None  # where the metrics are served (the bound port: --metrics-port 0 picks one)
-        )
+        # where the metrics are served (the bound port: --metrics-port 0 picks one)
+        self.url: str | None = None
         if port is None:
             return
         try:

@@ -558,20 +558,20 @@ as $$
 declare
     v_keys text[] := array(select f.key from lockstep.key_failure f where f.job = j.job);
     v_bad text[];
+    v_kept text[] := '{}';  -- readable keys still queued after a hand-off
 begin
     if cardinality(v_keys) = 0 then
         return;
     end if;
     v_bad := coalesce((lockstep._readable(j, v_keys)).bad, '{}');
     if handed_off then
+        v_kept := array(select k from pg_catalog.unnest(v_keys) k
+                        where k <> all(v_bad)
+                          and exists (select from lockstep.queue q where q.key = k and (q.job = j.job) is true));
         update lockstep.key_failure f set retry_at = now(), failed_upto = case when f.parked then 0 else f.failed_upto end
-        where f.job = j.job and f.key <> all(v_bad)
-          and exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true);
+        where f.job = j.job and f.key = any(v_kept);
     end if;
-    delete from lockstep.key_failure f
-    where f.job = j.job
-      and (not handed_off or f.key = any(v_bad)
-           or not exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true));
+    delete from lockstep.key_failure f where f.job = j.job and f.key <> all(v_kept);
     if cardinality(v_bad) > 0 then
         delete from lockstep.queue q where q.job = j.job and q.key = any(v_bad);
     end if;

@@ -932,6 +932,9 @@ set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_up regclass := (select i.inhparent::regclass from pg_catalog.pg_inherits i where i.inhrelid = source limit 1);
+    v_family regclass[] := lockstep._family(j.parent);
+    v_att smallint := (select a.attnum from pg_catalog.pg_attribute a
+                       where a.attrelid = source and a.attname = key_column and a.attnum > 0 and not a.attisdropped);
     v_refs text;
 begin
     if exists (select from pg_catalog.pg_class c where c.oid = source and c.relkind = 'p') then
@@ -944,33 +947,30 @@ begin
             source, v_up, v_up, v_up, source
             using hint = pg_catalog.format('Watch %s instead (watch() covers every table below it).', v_up);
     end if;
+    if source = any(v_family) then  -- the parent's own key, whatever it references
+        return;
+    end if;
     select pg_catalog.string_agg(distinct c.confrelid::regclass::text, ', ') into v_refs
     from pg_catalog.pg_constraint c
-    join pg_catalog.pg_attribute a on a.attrelid = c.conrelid and a.attname = key_column
-    where c.conrelid = source and c.contype = 'f' and c.conkey = array[a.attnum]
-      and source <> all(lockstep._family(j.parent))  -- the parent's own key, whatever it references
+    where c.conrelid = source and c.contype = 'f' and c.conkey = array[v_att]
       and not exists (select from pg_catalog.pg_constraint p
-                      where p.conrelid = source and p.contype = 'f' and p.conkey = array[a.attnum]
-                        and p.confrelid = any(lockstep._family(j.parent)));
+                      where p.conrelid = source and p.contype = 'f' and p.conkey = array[v_att]
+                        and p.confrelid = any(v_family));
     if v_refs is not null then
         raise warning 'lockstep: %.% references %, not the parent % of job "%": its values are keys of that table',
             source, key_column, v_refs, j.parent, j.job
             using hint = 'For a table two levels below the parent, write a trigger that enqueues the parent''s keys '
                          '(README, Writing your own triggers).';
-    elsif source <> all(lockstep._family(j.parent))  -- (a one-to-one parent's key references its entity: silent)
-          and exists (select from pg_catalog.pg_constraint c
-                      join pg_catalog.pg_attribute a on a.attrelid = c.conrelid and a.attname = key_column
-                      where c.conrelid = source and c.contype = 'p' and c.conkey = array[a.attnum])
+    elsif exists (select from pg_catalog.pg_constraint c
+                  where c.conrelid = source and c.contype = 'p' and c.conkey = array[v_att])
           and not exists (select from pg_catalog.pg_constraint c
-                          join pg_catalog.pg_attribute a on a.attrelid = c.conrelid and a.attname = key_column
-                          where c.conrelid = source and c.contype = 'f' and a.attnum = any(c.conkey))
+                          where c.conrelid = source and c.contype = 'f' and v_att = any(c.conkey))
           -- nor referenced by the parent's key: a reverse one-to-one (post.id references entity.id), whose
           -- keys are the parent's (a false warning; found by a review)
           and not exists (select from pg_catalog.pg_constraint c
-                          join pg_catalog.pg_attribute a on a.attrelid = source and a.attname = key_column
                           join pg_catalog.pg_attribute pa on pa.attrelid = c.conrelid and pa.attname = j.parent_key
-                          where c.conrelid = any(lockstep._family(j.parent)) and c.contype = 'f'
-                            and c.conkey = array[pa.attnum] and c.confrelid = source and c.confkey = array[a.attnum]) then
+                          where c.conrelid = any(v_family) and c.contype = 'f'
+                            and c.conkey = array[pa.attnum] and c.confrelid = source and c.confkey = array[v_att]) then
         raise warning 'lockstep: %.% is the primary key of %, not a reference to the parent % of job "%": its values are keys of % itself',
             source, key_column, source, j.parent, j.job, source
             using hint = pg_catalog.format('Watch the column of %s that holds %s''s keys, or write a trigger that enqueues them '

@@ -11,6 +11,7 @@ do $$
 declare
     v_tables regclass[];
     v_stmts text[];
+    v_denied text;
 begin
     if pg_catalog.to_regnamespace('lockstep') is null then
         return;
@@ -30,19 +31,17 @@ begin
     -- dropping a trigger needs the table's ownership: say up front which tables this role may not touch,
     -- and what to do, before anything is locked or dropped (an installer whose job owners watched their own
     -- tables got "permission denied for schema blog" and the install hint; found by a probe)
-    if exists (select from pg_catalog.unnest(v_tables) t(rel) join pg_catalog.pg_class c on c.oid = t.rel
-               where not pg_catalog.pg_has_role(c.relowner, 'USAGE')
-                  or not pg_catalog.has_schema_privilege(c.relnamespace, 'USAGE')) then
+    select pg_catalog.string_agg(distinct pg_catalog.format('%s (%s)', c.oid::regclass,
+                                                            case when not pg_catalog.pg_has_role(c.relowner, 'USAGE')
+                                                                 then 'owner ' || c.relowner::regrole::text
+                                                                 else 'no USAGE on its schema' end), ', ')
+    into v_denied
+    from pg_catalog.unnest(v_tables) t(rel) join pg_catalog.pg_class c on c.oid = t.rel
+    where not pg_catalog.pg_has_role(c.relowner, 'USAGE') or not pg_catalog.has_schema_privilege(c.relnamespace, 'USAGE');
+    if v_denied is not null then
         raise exception 'lockstep: the downgrade drops the triggers watch() put on %, and role % may not: %',
             (select pg_catalog.string_agg(distinct t.rel::text, ', ') from pg_catalog.unnest(v_tables) t(rel)),
-            current_user,
-            (select pg_catalog.string_agg(distinct pg_catalog.format('%s (%s)', c.oid::regclass,
-                                                                     case when not pg_catalog.pg_has_role(c.relowner, 'USAGE')
-                                                                          then 'owner ' || c.relowner::regrole::text
-                                                                          else 'no USAGE on its schema' end), ', ')
-             from pg_catalog.unnest(v_tables) t(rel) join pg_catalog.pg_class c on c.oid = t.rel
-             where not pg_catalog.pg_has_role(c.relowner, 'USAGE')
-                or not pg_catalog.has_schema_privilege(c.relnamespace, 'USAGE'))
+            current_user, v_denied
             using errcode = '42501',
                   hint = 'Have each of those owners drop its jobs first (lockstep drop JOB), or run the downgrade as '
                          'a superuser or a member of those owner roles with USAGE on their schemas. Nothing was changed.';
