@@ -2,25 +2,32 @@
 
 In a scratch database ``lockstep_oltp_<pid>`` (dropped at the end): ``pgbench -i -s SCALE --foreign-keys``,
 then the built-in tpcb-like script (``-M prepared``, CLIENTS clients, THREADS threads, SECONDS seconds),
-alternating ROUNDS times (default 2: base, lockstep, base, lockstep; a shared machine's speed drifts by more
-than the difference measured, so each lockstep run is compared with the base run just before it):
+alternating ROUNDS times (default 2: base, lockstep, sync, then sync, lockstep, base; a shared machine's speed
+drifts by more than the difference measured, so the scenarios of one round are compared with each other, and
+the order turns round from one round to the next so that none is always first or last):
 
-- ``base``: nothing derived (from round 2: lockstep unwatched, no runner);
+- ``base``: nothing derived (lockstep unwatched, no runner);
 - ``lockstep``: ``account_band(aid -> pgbench_accounts, band text, balance int)`` kept current by
-  ``watch('account_band', 'pgbench_accounts', 'aid')`` and RUNNERS ``lockstep run`` processes (from round 2:
-  watched again and converged by a recompute first, which is set-up, not measured).
+  ``watch('account_band', 'pgbench_accounts', 'aid')`` and RUNNERS ``lockstep run`` processes (watched again
+  and converged by a recompute first, which is set-up, not measured; unwatched after);
+- ``sync``: a reference, not lockstep: the same table kept current by a row trigger that rewrites the
+  account's row in the application's own transaction (``update account_band set band = ..., balance =
+  new.abalance where aid = new.aid``, the band computed inline), the cheapest way to keep it current, with
+  none of lockstep's guarantees (the writer waits on, and deadlocks with, any other writer of account_band).
+  What it costs the load is what keeping this table current costs at all, before any queue.
 
-Reported for both: tps, average latency, the ``UPDATE pgbench_accounts`` latency (``pgbench -r``), WAL per
+Reported for each: tps, average latency, the ``UPDATE pgbench_accounts`` latency (``pgbench -r``), WAL per
 transaction (``pg_current_wal_lsn()`` difference / transactions; for lockstep until the queue drained, so
 it includes the worker's writes); for lockstep also: tps as % of base, the added ms per UPDATE, the
 server time the trigger adds to one single-row UPDATE (against an unwatched twin table, in one DO block), the
 worker's ms per queued key (its passes' time from the runners' JSON logs / keys enqueued), the queue's lag
 (oldest entry, sampled every 0.5 s), its size, how long it took to drain after the load, and convergence
-(account_band equals its compute). The machine may be shared: compare the two rows of one run.
+(account_band equals its compute); for sync: tps as % of base, added ms per UPDATE, WAL, convergence, and
+lockstep's tps as % of sync's. The machine may be shared: compare the rows of one run.
 
-The summary ratios (tps % of base, added ms per UPDATE, WAL) pool the rounds: the sum of lockstep's over
-the sum of base's. Sizes come from the environment (LOCKSTEP_OLTP_SECONDS, _SCALE, _CLIENTS, _THREADS,
-_RUNNERS, _ROUNDS) or
+The summary ratios (tps % of base, added ms per UPDATE, WAL) pool the rounds: the sum of lockstep's (or
+sync's) over the sum of base's. Sizes come from the environment (LOCKSTEP_OLTP_SECONDS, _SCALE, _CLIENTS,
+_THREADS, _RUNNERS, _ROUNDS) or
 ``python -m runner.lab.bench_oltp --seconds 3 --scale 1``.
 """
 
@@ -69,6 +76,34 @@ select lockstep.define_derived('account_band', 'public.account_band',
                                parent => 'public.pgbench_accounts', every => '1 day');
 select lockstep.watch('account_band', 'public.pgbench_accounts', 'aid');
 """
+# the sync reference (see the module's docstring): a row trigger on the UPDATE, nothing else; the band
+# computed inline (account_band_compute's expression), so its one statement is a single index probe with a
+# cached generic plan: the cheapest form
+SYNC_FUNCTION_SQL = """
+create function public.account_band_sync() returns trigger
+language plpgsql
+as $$
+begin
+    update public.account_band
+    set band = case when new.abalance < -5000 then 'deep' when new.abalance < 0 then 'negative'
+                    when new.abalance < 5000 then 'low' else 'high' end,
+        balance = new.abalance
+    where aid = new.aid;
+    return null;
+end;
+$$;
+"""
+SYNC_ON_SQL = (
+    "create trigger account_band_sync after update on public.pgbench_accounts"
+    " for each row execute function public.account_band_sync()"
+)
+SYNC_OFF_SQL = "drop trigger account_band_sync on public.pgbench_accounts"
+# set-up of a sync run, not measured: account_band equal to its compute (a base run left it behind)
+REFRESH_SQL = """
+update public.account_band b set band = c.band, balance = c.balance
+from public.account_band_compute(null) c
+where b.aid = c.aid and (b.band, b.balance) is distinct from (c.band, c.balance)
+"""
 DIVERGENCE_SQL = (
     "select count(*) from ((select * from public.account_band except all"
     " select * from public.account_band_compute(null)) union all"
@@ -111,6 +146,7 @@ RUNNER_BACKENDS_SQL = (
 )
 
 Progress = Callable[[str], None]
+SCENARIOS = ("base", "lockstep", "sync")  # a round's order; every other round the other way round
 
 
 def _stderr(msg: str) -> None:
@@ -188,12 +224,20 @@ class Oltp:
         )  # fmt: skip
         return parse_pgbench(out)
 
+    def setup(self) -> None:
+        """pgbench's tables, lockstep installed, account_band defined (unwatched) and filled."""
+        self.progress(f"pgbench -i -s {self.opts['scale']} --foreign-keys")
+        self._pgbench("-i", "-q", "-s", str(self.opts["scale"]), "--foreign-keys", timeout=1800)
+        self.progress("lockstep: install, define account_band, measure the trigger")
+        migrate(self.dsn)
+        self.conn.execute(DERIVED_SQL)
+        self.conn.execute(TRIGGER_US_SQL)
+        self.trigger_us = self.conn.execute("select us from trigger_us").fetchone()[0]
+        self.conn.execute("select lockstep.unwatch(%s, 'public.pgbench_accounts')", [JOB])
+        self.conn.execute("insert into public.account_band select * from public.account_band_compute(null)")
+        self.conn.execute(SYNC_FUNCTION_SQL)
+
     def base(self, round_: int = 1) -> dict[str, Any]:
-        if round_ == 1:
-            self.progress(f"pgbench -i -s {self.opts['scale']} --foreign-keys")
-            self._pgbench("-i", "-q", "-s", str(self.opts["scale"]), "--foreign-keys", timeout=1800)
-        else:
-            self.conn.execute("select lockstep.unwatch(%s, 'public.pgbench_accounts')", [JOB])
         self.conn.execute("checkpoint")
         self.progress(f"base {round_}: {self.opts['seconds']} s")
         wal0 = self._lsn()
@@ -201,16 +245,25 @@ class Oltp:
         r["wal_per_txn"] = (self._lsn() - wal0) / max(r["transactions"], 1)
         return r
 
+    def sync(self, round_: int = 1) -> dict[str, Any]:
+        self.progress(f"sync {round_}: refresh account_band, then {self.opts['seconds']} s")
+        self.conn.execute(REFRESH_SQL)
+        self.conn.execute("vacuum analyze public.account_band")
+        self.conn.execute(SYNC_ON_SQL)
+        try:
+            self.conn.execute("checkpoint")
+            wal0 = self._lsn()
+            r = self.load()
+            r["wal_per_txn"] = (self._lsn() - wal0) / max(r["transactions"], 1)
+        finally:
+            self.conn.execute(SYNC_OFF_SQL)
+        r["divergence"] = self.conn.execute(DIVERGENCE_SQL).fetchone()[0]
+        r["converged"] = r["divergence"] == 0
+        return r
+
     def lockstep(self, round_: int = 1) -> dict[str, Any]:
-        if round_ == 1:
-            self.progress("lockstep: install, define account_band, watch, recompute")
-            migrate(self.dsn)
-            self.conn.execute(DERIVED_SQL)
-            self.conn.execute(TRIGGER_US_SQL)
-            self.trigger_us = self.conn.execute("select us from trigger_us").fetchone()[0]
-        else:
-            self.progress(f"lockstep {round_}: watch, recompute")
-            self.conn.execute("select lockstep.watch(%s, 'public.pgbench_accounts', 'aid')", [JOB])
+        self.progress(f"lockstep {round_}: watch, recompute")
+        self.conn.execute("select lockstep.watch(%s, 'public.pgbench_accounts', 'aid')", [JOB])
         trigger_us = self.trigger_us
         self.conn.execute("delete from lockstep.queue")
         # the initial fill is set-up, not measured: in one transaction, so no hand-off is left for the runners
@@ -298,6 +351,7 @@ class Oltp:
             divergence=self.conn.execute(DIVERGENCE_SQL).fetchone()[0],
         )
         r["converged"] = r["queue_left"] == 0 and r["divergence"] == 0
+        self.conn.execute("select lockstep.unwatch(%s, 'public.pgbench_accounts')", [JOB])
         return r
 
     def _runner_backends_cpu(self) -> dict[int, float | None]:
@@ -339,24 +393,35 @@ def run(admin_dsn: str | None, progress: Progress = _stderr, **overrides: int | 
         progress(f"create database {name}")
         bench = Oltp(scratch.create_database(admin_dsn or "", name), opts, progress)
         try:
+            bench.setup()
             rounds = []
             for i in range(1, opts["rounds"] + 1):
-                b = bench.base(i)
-                rounds.append({"base": b, "lockstep": bench.lockstep(i)})
+                rd: dict[str, Any] = {}
+                for scenario in SCENARIOS if i % 2 else SCENARIOS[::-1]:
+                    rd[scenario] = getattr(bench, scenario)(i)
+                rounds.append(rd)
         finally:
             bench.close()
     finally:
         scratch.drop_database(admin_dsn or "", name)
     for r in rounds:
-        r["tps_pct_of_base"] = 100.0 * r["lockstep"]["tps"] / r["base"]["tps"] if r["base"]["tps"] else None
+        for side in ("lockstep", "sync"):
+            r[f"{side}_pct" if side == "sync" else "tps_pct_of_base"] = (
+                100.0 * r[side]["tps"] / r["base"]["tps"] if r["base"]["tps"] else None
+            )
 
     def total(side: str, k: str) -> float | None:
         vals = [r[side][k] for r in rounds]
         return None if any(v is None for v in vals) else sum(vals)
 
-    tps_b, tps_l = total("base", "tps"), total("lockstep", "tps")
+    tps_b, tps_l, tps_s = total("base", "tps"), total("lockstep", "tps"), total("sync", "tps")
     upd_b, upd_l = total("base", "update_accounts_ms"), total("lockstep", "update_accounts_ms")
-    wal_b, wal_l = total("base", "wal_per_txn"), total("lockstep", "wal_per_txn")
+    upd_s = total("sync", "update_accounts_ms")
+    wal_b, wal_l, wal_s = (
+        total("base", "wal_per_txn"),
+        total("lockstep", "wal_per_txn"),
+        total("sync", "wal_per_txn"),
+    )
     return {
         "options": opts,
         "base": rounds[0]["base"],
@@ -365,6 +430,12 @@ def run(admin_dsn: str | None, progress: Progress = _stderr, **overrides: int | 
         "tps_pct_of_base": 100.0 * tps_l / tps_b if tps_b and tps_l is not None else None,
         "added_ms_per_update": None if upd_b is None or upd_l is None else (upd_l - upd_b) / len(rounds),
         "wal_ratio": wal_l / wal_b if wal_b and wal_l is not None else None,
+        "sync": {
+            "tps_pct_of_base": 100.0 * tps_s / tps_b if tps_b and tps_s is not None else None,
+            "added_ms_per_update": None if upd_b is None or upd_s is None else (upd_s - upd_b) / len(rounds),
+            "wal_ratio": wal_s / wal_b if wal_b and wal_s is not None else None,
+        },
+        "lockstep_pct_of_sync": 100.0 * tps_l / tps_s if tps_s and tps_l is not None else None,
     }
 
 
@@ -382,7 +453,10 @@ def render(r: dict[str, Any]) -> str:
         f"  {'':11} {'tps':>9} {'lat ms':>7} {'UPDATE acc ms':>13} {'WAL B/txn':>10} {'txns':>8}",
     ]
     for i, rd in enumerate(rounds, 1):
-        for label, x in ((f"base {i}", rd["base"]), (f"lockstep {i}", rd["lockstep"])):
+        for scenario in SCENARIOS if i % 2 else SCENARIOS[::-1]:
+            if scenario not in rd:
+                continue
+            label, x = f"{scenario} {i}", rd[scenario]
             lines.append(
                 f"  {label:11} {_f(x['tps'], '{:,.0f}'):>9} {_f(x['latency_ms'], '{:.3f}'):>7}"
                 f" {_f(x['update_accounts_ms'], '{:.3f}'):>13} {_f(x['wal_per_txn'], '{:,.0f}'):>10}"
@@ -397,6 +471,16 @@ def render(r: dict[str, Any]) -> str:
         f"  trigger: {_f(rounds[0]['lockstep']['trigger_us_per_update'], '{:.1f}')} µs server time per"
         " watched single-row UPDATE (target <= 20)",
     ]
+    sync = r.get("sync")
+    if sync:
+        per_round = ", ".join(_f(rd.get("sync_pct"), "{:.1f} %") for rd in rounds)
+        lines.append(
+            f"  sync (reference: a row trigger rewriting account_band in the application's transaction):"
+            f" {_f(sync['tps_pct_of_base'], '{:.1f}')} % of base ({per_round}); added per UPDATE:"
+            f" {_f(sync['added_ms_per_update'], '{:.3f}')} ms; WAL {_f(sync['wal_ratio'])}x base;"
+            f" converged {all(rd['sync']['converged'] for rd in rounds)}; lockstep's tps"
+            f" {_f(r.get('lockstep_pct_of_sync'), '{:.1f}')} % of sync's"
+        )
     for i, rd in enumerate(rounds, 1):
         ls = rd["lockstep"]
         lines += [
