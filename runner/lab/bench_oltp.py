@@ -2,14 +2,17 @@
 
 In a scratch database ``lockstep_oltp_<pid>`` (dropped at the end): ``pgbench -i -s SCALE --foreign-keys``,
 then the built-in tpcb-like script (``-M prepared``, CLIENTS clients, THREADS threads, SECONDS seconds),
-alternating ROUNDS times (default 2: base, lockstep, sync, then sync, lockstep, base; a shared machine's speed
-drifts by more than the difference measured, so the scenarios of one round are compared with each other, and
-the order turns round from one round to the next so that none is always first or last):
+alternating ROUNDS times (default 2: base, trigger, lockstep, sync, then the same the other way round; a
+shared machine's speed drifts by more than the difference measured, so the scenarios of one round are
+compared with each other, and the order turns round from one round to the next so that none is always first
+or last):
 
 - ``base``: nothing derived (lockstep unwatched, no runner);
 - ``lockstep``: ``account_band(aid -> pgbench_accounts, band text, balance int)`` kept current by
   ``watch('account_band', 'pgbench_accounts', 'aid')`` and RUNNERS ``lockstep run`` processes (watched again
   and converged by a recompute first, which is set-up, not measured; unwatched after);
+- ``trigger``: lockstep's triggers alone: watched, no runner (the queue grows; emptied after, as set-up):
+  what the write path costs, apart from the worker;
 - ``sync``: a reference, not lockstep: the same table kept current by a row trigger that rewrites the
   account's row in the application's own transaction (``update account_band set band = ..., balance =
   new.abalance where aid = new.aid``, the band computed inline), the cheapest way to keep it current, with
@@ -23,11 +26,12 @@ server time the trigger adds to one single-row UPDATE (against an unwatched twin
 worker's ms per queued key (its passes' time from the runners' JSON logs / keys enqueued), the queue's lag
 (oldest entry, sampled every 0.5 s), its size, how long it took to drain after the load, and convergence
 (account_band equals its compute); for sync: tps as % of base, added ms per UPDATE, WAL, convergence, and
-lockstep's tps as % of sync's. The machine may be shared: compare the rows of one run.
+lockstep's tps as % of sync's; for trigger: tps as % of base, added ms per UPDATE and WAL. The machine may
+be shared: compare the rows of one run.
 
 The summary ratios (tps % of base, added ms per UPDATE, WAL) pool the rounds: the sum of lockstep's (or
-sync's) over the sum of base's. Sizes come from the environment (LOCKSTEP_OLTP_SECONDS, _SCALE, _CLIENTS,
-_THREADS, _RUNNERS, _ROUNDS) or
+trigger's, sync's) over the sum of base's. Sizes come from the environment (LOCKSTEP_OLTP_SECONDS, _SCALE,
+_CLIENTS, _THREADS, _RUNNERS, _ROUNDS) or
 ``python -m runner.lab.bench_oltp --seconds 3 --scale 1``.
 """
 
@@ -146,7 +150,7 @@ RUNNER_BACKENDS_SQL = (
 )
 
 Progress = Callable[[str], None]
-SCENARIOS = ("base", "lockstep", "sync")  # a round's order; every other round the other way round
+SCENARIOS = ("base", "trigger", "lockstep", "sync")  # a round's order; every other round the other way round
 
 
 def _stderr(msg: str) -> None:
@@ -259,6 +263,22 @@ class Oltp:
             self.conn.execute(SYNC_OFF_SQL)
         r["divergence"] = self.conn.execute(DIVERGENCE_SQL).fetchone()[0]
         r["converged"] = r["divergence"] == 0
+        return r
+
+    def trigger(self, round_: int = 1) -> dict[str, Any]:
+        self.progress(f"trigger {round_}: watch, no runner, {self.opts['seconds']} s")
+        self.conn.execute("select lockstep.watch(%s, 'public.pgbench_accounts', 'aid')", [JOB])
+        try:
+            self.conn.execute("checkpoint")
+            seq0 = self.conn.execute(SEQ_SQL).fetchone()[0]
+            wal0 = self._lsn()
+            r = self.load()
+            r["wal_per_txn"] = (self._lsn() - wal0) / max(r["transactions"], 1)
+            r["keys_enqueued"] = self.conn.execute(SEQ_SQL).fetchone()[0] - seq0
+        finally:  # set-up of the next run, not measured: the queue as the worker would have left it
+            self.conn.execute("select lockstep.unwatch(%s, 'public.pgbench_accounts')", [JOB])
+            self.conn.execute("delete from lockstep.queue")
+            self.conn.execute("vacuum lockstep.queue")
         return r
 
     def lockstep(self, round_: int = 1) -> dict[str, Any]:
@@ -405,8 +425,8 @@ def run(admin_dsn: str | None, progress: Progress = _stderr, **overrides: int | 
     finally:
         scratch.drop_database(admin_dsn or "", name)
     for r in rounds:
-        for side in ("lockstep", "sync"):
-            r[f"{side}_pct" if side == "sync" else "tps_pct_of_base"] = (
+        for side in ("lockstep", "trigger", "sync"):
+            r["tps_pct_of_base" if side == "lockstep" else f"{side}_pct"] = (
                 100.0 * r[side]["tps"] / r["base"]["tps"] if r["base"]["tps"] else None
             )
 
@@ -414,27 +434,25 @@ def run(admin_dsn: str | None, progress: Progress = _stderr, **overrides: int | 
         vals = [r[side][k] for r in rounds]
         return None if any(v is None for v in vals) else sum(vals)
 
-    tps_b, tps_l, tps_s = total("base", "tps"), total("lockstep", "tps"), total("sync", "tps")
-    upd_b, upd_l = total("base", "update_accounts_ms"), total("lockstep", "update_accounts_ms")
-    upd_s = total("sync", "update_accounts_ms")
-    wal_b, wal_l, wal_s = (
-        total("base", "wal_per_txn"),
-        total("lockstep", "wal_per_txn"),
-        total("sync", "wal_per_txn"),
-    )
+    def ratios(side: str) -> dict[str, float | None]:
+        """side's tps as % of base, added ms per UPDATE and WAL ratio, rounds pooled"""
+        tps, upd, wal = (total(side, k) for k in ("tps", "update_accounts_ms", "wal_per_txn"))
+        tps_b, upd_b, wal_b = (total("base", k) for k in ("tps", "update_accounts_ms", "wal_per_txn"))
+        return {
+            "tps_pct_of_base": 100.0 * tps / tps_b if tps_b and tps is not None else None,
+            "added_ms_per_update": None if upd_b is None or upd is None else (upd - upd_b) / len(rounds),
+            "wal_ratio": wal / wal_b if wal_b and wal is not None else None,
+        }
+
+    tps_l, tps_s = total("lockstep", "tps"), total("sync", "tps")
     return {
         "options": opts,
         "base": rounds[0]["base"],
         "lockstep": rounds[0]["lockstep"],
         "rounds": rounds,
-        "tps_pct_of_base": 100.0 * tps_l / tps_b if tps_b and tps_l is not None else None,
-        "added_ms_per_update": None if upd_b is None or upd_l is None else (upd_l - upd_b) / len(rounds),
-        "wal_ratio": wal_l / wal_b if wal_b and wal_l is not None else None,
-        "sync": {
-            "tps_pct_of_base": 100.0 * tps_s / tps_b if tps_b and tps_s is not None else None,
-            "added_ms_per_update": None if upd_b is None or upd_s is None else (upd_s - upd_b) / len(rounds),
-            "wal_ratio": wal_s / wal_b if wal_b and wal_s is not None else None,
-        },
+        **ratios("lockstep"),
+        "trigger": ratios("trigger"),
+        "sync": ratios("sync"),
         "lockstep_pct_of_sync": 100.0 * tps_l / tps_s if tps_s and tps_l is not None else None,
     }
 
@@ -471,6 +489,14 @@ def render(r: dict[str, Any]) -> str:
         f"  trigger: {_f(rounds[0]['lockstep']['trigger_us_per_update'], '{:.1f}')} µs server time per"
         " watched single-row UPDATE (target <= 20)",
     ]
+    trig = r.get("trigger")
+    if trig:
+        per_round = ", ".join(_f(rd.get("trigger_pct"), "{:.1f} %") for rd in rounds)
+        lines.append(
+            f"  trigger alone (watch, no runner: what the write path costs; the queue grows):"
+            f" {_f(trig['tps_pct_of_base'], '{:.1f}')} % of base ({per_round}); added per UPDATE:"
+            f" {_f(trig['added_ms_per_update'], '{:.3f}')} ms; WAL {_f(trig['wal_ratio'])}x base"
+        )
     sync = r.get("sync")
     if sync:
         per_round = ", ".join(_f(rd.get("sync_pct"), "{:.1f} %") for rd in rounds)
