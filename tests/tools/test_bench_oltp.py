@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -41,20 +42,44 @@ def test_oltp_section_tiny(admin_dsn):
             assert run["transactions"] > 0 and run["failed"] == 0
             assert run["tps"] > 0 and run["latency_ms"] > 0 and run["update_accounts_ms"] > 0
             assert run["wal_per_txn"] > 0
+        # lockstep watches only during its own and the trigger's runs, each from an empty queue file
+        assert rd["base"]["keys_enqueued"] == 0 and rd["sync"]["keys_enqueued"] == 0
+        assert rd["trigger"]["keys_enqueued"] >= rd["trigger"]["transactions"]
+        assert rd["trigger"]["queue_bytes_start"] == 0 and rd["lockstep"]["queue_bytes_start"] == 0
         ls = rd["lockstep"]
         assert ls["converged"] and ls["divergence"] == 0 and ls["queue_left"] == 0
         assert ls["keys_enqueued"] >= ls["transactions"]  # one key per UPDATE pgbench_accounts
         assert ls["trigger_us_per_update"] is not None
         assert ls["worker_passes"] > 0 and ls["worker_ms_per_key"] > 0
         assert ls["queue_lag_max_s"] is not None and ls["queue_depth_max"] is not None
-        assert rd["tps_pct_of_base"] > 0 and rd["sync_pct"] > 0 and rd["trigger_pct"] > 0
-        assert rd["trigger"]["keys_enqueued"] >= rd["trigger"]["transactions"]
         assert rd["sync"]["converged"] and rd["sync"]["divergence"] == 0
+        for side, key in (("lockstep", "tps_pct_of_base"), ("trigger", "trigger_pct"), ("sync", "sync_pct")):
+            assert rd[key] == pytest.approx(100 * rd[side]["tps"] / rd["base"]["tps"])
     assert list(r["rounds"][0])[:4] == ["base", "trigger", "lockstep", "sync"]
     assert list(r["rounds"][1])[:4] == ["sync", "lockstep", "trigger", "base"]
-    assert r["tps_pct_of_base"] > 0 and r["added_ms_per_update"] is not None and r["wal_ratio"] > 0
-    assert r["sync"]["tps_pct_of_base"] > 0 and r["sync"]["wal_ratio"] > 0 and r["lockstep_pct_of_sync"] > 0
-    assert r["trigger"]["tps_pct_of_base"] > 0 and r["trigger"]["wal_ratio"] > 0
+
+    # the summary pools the rounds: sums over sums, the added ms the mean of the rounds' differences
+    def pooled(side: str) -> dict[str, float]:
+        keys = ("tps", "update_accounts_ms", "wal_per_txn")
+        tot = {k: sum(rd[side][k] for rd in r["rounds"]) for k in keys}
+        base = {k: sum(rd["base"][k] for rd in r["rounds"]) for k in keys}
+        added = (tot["update_accounts_ms"] - base["update_accounts_ms"]) / len(r["rounds"])
+        return {
+            "tps_pct_of_base": 100 * tot["tps"] / base["tps"],
+            "added_ms_per_update": added,
+            "wal_ratio": tot["wal_per_txn"] / base["wal_per_txn"],
+        }
+
+    for k, v in pooled("lockstep").items():
+        assert r[k] == pytest.approx(v)
+    assert r["trigger"] == pytest.approx(pooled("trigger")) and r["sync"] == pytest.approx(pooled("sync"))
+    lockstep_tps, sync_tps = (sum(rd[side]["tps"] for rd in r["rounds"]) for side in ("lockstep", "sync"))
+    assert r["lockstep_pct_of_sync"] == pytest.approx(100 * lockstep_tps / sync_tps)
+
     text = render(r)
     assert "% of base" in text and text.count("converged True") == 3
     assert "% of sync's" in text and "trigger alone" in text
+    labels = re.findall(r"^  ((?:base|trigger|lockstep|sync) \d) ", text, re.M)
+    assert labels == [
+        "base 1", "trigger 1", "lockstep 1", "sync 1", "sync 2", "lockstep 2", "trigger 2", "base 2",
+    ]  # fmt: skip
