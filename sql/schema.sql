@@ -4736,6 +4736,8 @@ declare
     v_ddl text[] := '{}';
     v_tables regclass[] := lockstep._family(source);
     v_new boolean;
+    v_moved boolean;
+    v_args bytea;
     op text;
     t regclass;
 begin
@@ -4779,6 +4781,15 @@ begin
     v_new := exists (select from pg_catalog.unnest(v_tables) t(rel)
                      where not exists (select from pg_catalog.pg_trigger tg
                                        where tg.tgrelid = t.rel and tg.tgname = lockstep._trigger_name(j.job, 'insert')));
+    -- a table watched on another column until now: what changed meanwhile queued that column's values, or
+    -- nothing (found by a probe: a wrong column watched, then the right one, three rows stayed wrong). The
+    -- triggers' arguments begin with job and column, each ending in a zero byte (compared as bytes).
+    v_args := pg_catalog.convert_to(j.job, pg_catalog.getdatabaseencoding()) || '\x00'::bytea
+              || pg_catalog.convert_to(key_column, pg_catalog.getdatabaseencoding()) || '\x00'::bytea;
+    v_moved := not v_new and exists (
+        select from pg_catalog.unnest(v_tables) t(rel)
+        join pg_catalog.pg_trigger tg on tg.tgrelid = t.rel and tg.tgname = lockstep._trigger_name(j.job, 'insert')
+        where pg_catalog.substring(tg.tgargs, 1, pg_catalog.length(v_args)) <> v_args);
     -- the triggers of an earlier watch() go in the same attempts (lockstep._ddl), named in its errors as watch
     v_ddl := lockstep._drop_watch_ddl(j.job, v_tables);
     if v_fast then  -- a function that reads only the key column, where the session may create one
@@ -4802,10 +4813,13 @@ begin
                                             lockstep._trigger_name(j.job, 'truncate'), t, j.job, key_column);
     end loop;
     perform lockstep._ddl(v_tables, v_ddl, pg_catalog.format('watch(%L, %L)', j.job, source));
-    if v_new then
+    if v_new or v_moved then
         insert into lockstep.recompute_flag (job, flagged_at, problem)  -- clock time, as _flag (_clear_flag)
         values (j.job, pg_catalog.clock_timestamp(),
-                pg_catalog.format('%s newly watched: its earlier changes wait for the full recompute', source));
+                case when v_new
+                     then pg_catalog.format('%s newly watched: its earlier changes wait for the full recompute', source)
+                     else pg_catalog.format('%s watched on column %s now: its earlier changes wait for the full '
+                                            'recompute', source, key_column) end);
     end if;
     perform lockstep._warn_writers(v_tables);
     perform lockstep._warn_source(j, source, key_column, cardinality(v_tables) - 1);

@@ -992,8 +992,9 @@ $$;
 -- form, lockstep.enqueue_trigger().
 -- locks: source and the tables below it (DROP / CREATE TRIGGER) through lockstep._ddl: it waits for their
 -- writers, like any DDL, but never holds an application up for more than 100 ms at a time (it retries for
--- ~10 s, then 55P03). Run it at deploy time. Then, if source was not watched for job before, appends a
--- lockstep.recompute_flag row (its earlier changes wait for the job's full recompute).
+-- ~10 s, then 55P03). Run it at deploy time. Then, if source was not watched for job before, or on
+-- another column, appends a lockstep.recompute_flag row (its earlier changes wait for the job's full
+-- recompute).
 create function lockstep.watch(job text, source regclass, key_column name) returns void
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -1007,6 +1008,8 @@ declare
     v_ddl text[] := '{}';
     v_tables regclass[] := lockstep._family(source);
     v_new boolean;
+    v_moved boolean;
+    v_args bytea;
     op text;
     t regclass;
 begin
@@ -1050,6 +1053,15 @@ begin
     v_new := exists (select from pg_catalog.unnest(v_tables) t(rel)
                      where not exists (select from pg_catalog.pg_trigger tg
                                        where tg.tgrelid = t.rel and tg.tgname = lockstep._trigger_name(j.job, 'insert')));
+    -- a table watched on another column until now: what changed meanwhile queued that column's values, or
+    -- nothing (found by a probe: a wrong column watched, then the right one, three rows stayed wrong). The
+    -- triggers' arguments begin with job and column, each ending in a zero byte (compared as bytes).
+    v_args := pg_catalog.convert_to(j.job, pg_catalog.getdatabaseencoding()) || '\x00'::bytea
+              || pg_catalog.convert_to(key_column, pg_catalog.getdatabaseencoding()) || '\x00'::bytea;
+    v_moved := not v_new and exists (
+        select from pg_catalog.unnest(v_tables) t(rel)
+        join pg_catalog.pg_trigger tg on tg.tgrelid = t.rel and tg.tgname = lockstep._trigger_name(j.job, 'insert')
+        where pg_catalog.substring(tg.tgargs, 1, pg_catalog.length(v_args)) <> v_args);
     -- the triggers of an earlier watch() go in the same attempts (lockstep._ddl), named in its errors as watch
     v_ddl := lockstep._drop_watch_ddl(j.job, v_tables);
     if v_fast then  -- a function that reads only the key column, where the session may create one
@@ -1073,10 +1085,13 @@ begin
                                             lockstep._trigger_name(j.job, 'truncate'), t, j.job, key_column);
     end loop;
     perform lockstep._ddl(v_tables, v_ddl, pg_catalog.format('watch(%L, %L)', j.job, source));
-    if v_new then
+    if v_new or v_moved then
         insert into lockstep.recompute_flag (job, flagged_at, problem)  -- clock time, as _flag (_clear_flag)
         values (j.job, pg_catalog.clock_timestamp(),
-                pg_catalog.format('%s newly watched: its earlier changes wait for the full recompute', source));
+                case when v_new
+                     then pg_catalog.format('%s newly watched: its earlier changes wait for the full recompute', source)
+                     else pg_catalog.format('%s watched on column %s now: its earlier changes wait for the full '
+                                            'recompute', source, key_column) end);
     end if;
     perform lockstep._warn_writers(v_tables);
     perform lockstep._warn_source(j, source, key_column, cardinality(v_tables) - 1);

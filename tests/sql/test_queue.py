@@ -81,6 +81,26 @@ def test_a_table_watched_anew_flags_the_job_for_its_full_recompute(ex):
     assert ex.execute(flags).fetchone()[0] == 0
 
 
+def test_a_table_watched_on_another_column_flags_the_job_for_its_full_recompute(ex):
+    # watch() of a watched table on another column replaces its triggers; the changes made while the other
+    # column was watched queued that column's values (or nothing), so they wait for the full recompute as
+    # a newly watched table's do. It flagged nothing, status healthy, until the periodic recompute (found by
+    # a probe: a wrong column watched, then the right one again, three rows stayed wrong).
+    flags = "select count(*) from lockstep.recompute_flag"
+    ex.execute("create table public.side (a bigint, b bigint)")
+    ex.execute(f"select lockstep.watch('{JOB}', 'public.side', 'a')")
+    ex.execute("delete from lockstep.recompute_flag")  # newly watched
+    ex.execute(f"select lockstep.watch('{JOB}', 'public.side', 'b')")
+    assert ex.execute("select problem from lockstep.recompute_flag").fetchall() == [
+        ("public.side watched on column b now: its earlier changes wait for the full recompute",)
+    ]
+    ex.execute("delete from lockstep.recompute_flag")
+    ex.execute(f"select lockstep.watch('{JOB}', 'public.side', 'b')")  # the same column again: nothing lost
+    assert ex.execute(flags).fetchone()[0] == 0
+    ex.execute(f"select lockstep.watch('{JOB}', 'public.side', 'a')")
+    assert ex.execute(flags).fetchone()[0] == 1
+
+
 def test_a_trigger_of_watchs_form_with_other_transition_tables_still_enqueues(ex):
     """The fast path's third argument (written by watch) with one's own transition-table names, or none:
     the fast path's read fails inside its block and the general path enqueues or flags: no statement fails."""
