@@ -243,15 +243,20 @@ class Oltp:
         self._empty_queue()
         self.conn.execute(SYNC_FUNCTION_SQL)
 
-    def base(self, round_: int = 1) -> dict[str, Any]:
+    def _measured_load(self) -> dict[str, Any]:
+        """A checkpoint, then one pgbench run, with its WAL per transaction and the keys it enqueued (0 where
+        nothing is watched)."""
         self.conn.execute("checkpoint")
-        self.progress(f"base {round_}: {self.opts['seconds']} s")
         seq0 = self.conn.execute(SEQ_SQL).fetchone()[0]
         wal0 = self._lsn()
         r = self.load()
         r["wal_per_txn"] = (self._lsn() - wal0) / max(r["transactions"], 1)
-        r["keys_enqueued"] = self.conn.execute(SEQ_SQL).fetchone()[0] - seq0  # not watched: 0
+        r["keys_enqueued"] = self.conn.execute(SEQ_SQL).fetchone()[0] - seq0
         return r
+
+    def base(self, round_: int = 1) -> dict[str, Any]:
+        self.progress(f"base {round_}: {self.opts['seconds']} s")
+        return self._measured_load()
 
     def sync(self, round_: int = 1) -> dict[str, Any]:
         self.progress(f"sync {round_}: refresh account_band, then {self.opts['seconds']} s")
@@ -259,12 +264,7 @@ class Oltp:
         self.conn.execute("vacuum analyze public.account_band")
         self.conn.execute(SYNC_ON_SQL)
         try:
-            self.conn.execute("checkpoint")
-            seq0 = self.conn.execute(SEQ_SQL).fetchone()[0]
-            wal0 = self._lsn()
-            r = self.load()
-            r["wal_per_txn"] = (self._lsn() - wal0) / max(r["transactions"], 1)
-            r["keys_enqueued"] = self.conn.execute(SEQ_SQL).fetchone()[0] - seq0  # not watched: 0
+            r = self._measured_load()
         finally:
             self.conn.execute(SYNC_OFF_SQL)
         r["divergence"] = self.conn.execute(DIVERGENCE_SQL).fetchone()[0]
@@ -276,13 +276,9 @@ class Oltp:
         self._empty_queue()
         self.conn.execute("select lockstep.watch(%s, 'public.pgbench_accounts', 'aid')", [JOB])
         try:
-            self.conn.execute("checkpoint")
-            r = {"queue_bytes_start": self._queue_bytes()}
-            seq0 = self.conn.execute(SEQ_SQL).fetchone()[0]
-            wal0 = self._lsn()
-            r.update(self.load())
-            r["wal_per_txn"] = (self._lsn() - wal0) / max(r["transactions"], 1)
-            r["keys_enqueued"] = self.conn.execute(SEQ_SQL).fetchone()[0] - seq0
+            bytes0 = self._queue_bytes()
+            r = self._measured_load()
+            r["queue_bytes_start"] = bytes0
         finally:
             self.conn.execute("select lockstep.unwatch(%s, 'public.pgbench_accounts')", [JOB])
         return r
@@ -505,22 +501,30 @@ def render(r: dict[str, Any]) -> str:
         f"  trigger: {_f(rounds[0]['lockstep']['trigger_us_per_update'], '{:.1f}')} µs server time per"
         " watched single-row UPDATE (target <= 20)",
     ]
-    trig = r.get("trigger")
-    if trig:
-        per_round = ", ".join(_f(rd.get("trigger_pct"), "{:.1f} %") for rd in rounds)
-        lines.append(
-            f"  trigger alone (watch, no runner: the write path's cost, into an ever-growing queue):"
-            f" {_f(trig['tps_pct_of_base'], '{:.1f}')} % of base ({per_round}); added per UPDATE:"
-            f" {_f(trig['added_ms_per_update'], '{:.3f}')} ms; WAL {_f(trig['wal_ratio'])}x base"
+
+    def reference(side: str, label: str) -> str:
+        """side's pooled figures and its rounds' tps as % of base"""
+        x = r[side]
+        per_round = ", ".join(_f(rd.get(f"{side}_pct"), "{:.1f} %") for rd in rounds)
+        return (
+            f"  {label}: {_f(x['tps_pct_of_base'], '{:.1f}')} % of base ({per_round}); added per UPDATE:"
+            f" {_f(x['added_ms_per_update'], '{:.3f}')} ms; WAL {_f(x['wal_ratio'])}x base"
         )
-    sync = r.get("sync")
-    if sync:
-        per_round = ", ".join(_f(rd.get("sync_pct"), "{:.1f} %") for rd in rounds)
+
+    if r.get("trigger"):
         lines.append(
-            f"  sync (reference: a row trigger rewriting account_band in the application's transaction):"
-            f" {_f(sync['tps_pct_of_base'], '{:.1f}')} % of base ({per_round}); added per UPDATE:"
-            f" {_f(sync['added_ms_per_update'], '{:.3f}')} ms; WAL {_f(sync['wal_ratio'])}x base;"
-            f" converged {all(rd['sync']['converged'] for rd in rounds)}; lockstep's tps"
+            reference(
+                "trigger",
+                "trigger alone (watch, no runner: the write path's cost, into an ever-growing queue)",
+            )
+        )
+    if r.get("sync"):
+        lines.append(
+            reference(
+                "sync",
+                "sync (reference: a row trigger rewriting account_band in the application's transaction)",
+            )
+            + f"; converged {all(rd['sync']['converged'] for rd in rounds)}; lockstep's tps"
             f" {_f(r.get('lockstep_pct_of_sync'), '{:.1f}')} % of sync's"
         )
     for i, rd in enumerate(rounds, 1):
