@@ -369,6 +369,15 @@ def _migrate_report(action: str, current: tuple[str, ...], head: str, json: bool
     help="Set client_connection_check_interval (e.g. 1s) on the runner's sessions, so a killed "
     "runner's backend stops at once (direct connections; behind PgBouncer set it on the role).",
 )
+@option(
+    "--synchronous-commit",
+    type=click.Choice(["off", "local", "remote_write", "on", "remote_apply"]),
+    default="off",
+    show_default=True,
+    help="How each pass commits. off: without waiting for the WAL flush or a synchronous standby; a crash "
+    "may lose the last passes, each whole with its queue entries, which the next pass redoes. on (or the "
+    "others): PostgreSQL's synchronous_commit for the pass's transaction.",
+)
 @option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @option(
     "--metrics-port",
@@ -394,6 +403,7 @@ def run(
     batch_wait: float,
     no_prepare: bool,
     connection_check_interval: str | None,
+    synchronous_commit: str,
     log_format: str,
     metrics_port: int | None,
     metrics_host: str,
@@ -421,6 +431,7 @@ def run(
         batch_wait=batch_wait,
         prepare=False if no_prepare else None,
         check_interval=connection_check_interval,
+        synchronous_commit=synchronous_commit,
     )
     try:
         server = loop.Metrics(metrics_port, metrics_host)  # bound before the start-up line names its port
@@ -435,7 +446,7 @@ def run(
         metrics = "off (prometheus_client is not installed: pip install 'pg-lockstep[metrics]')"
     log.info(
         "lockstep %s run starting: %s; jobs %s; %s; tick %gs; listen %s; batch wait %gs; "
-        "prepared statements %s; connection check %s; metrics %s",
+        "prepared statements %s; connection check %s; synchronous commit %s; metrics %s",
         __version__,
         describe(dsn),
         ", ".join(job) or "all",
@@ -445,6 +456,7 @@ def run(
         batch_wait,
         "off" if no_prepare else "auto",
         connection_check_interval or "server's",
+        synchronous_commit,
         metrics,
         extra={
             "fields": {"version": __version__, "jobs": list(job) or None, "once": once, "metrics": metrics}

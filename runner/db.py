@@ -169,7 +169,11 @@ def due(conn: psycopg.Connection, jobs: list[str] | None = None, gather: float =
     """What is due; ``gather`` (seconds, --batch-wait): a job's ready keys wait that long after its last
     worker pass, whichever runner made it."""
     rows = conn.execute(
-        "select job, lock_group, due_at, extract(epoch from due_at - now())::float8"
+        # an owner's next_run_at = 'infinity' (never) has no wait; '-infinity' is due now: due_at - now()
+        # raised 22008 for either, and stopped every job of the runner
+        "select job, lock_group, due_at,"
+        " case when isfinite(due_at) then extract(epoch from due_at - now())::float8"
+        " when due_at < now() then 0 end"
         " from lockstep.due(%s::text[], make_interval(secs => %s))",
         [jobs, gather],
     ).fetchall()
@@ -189,15 +193,21 @@ RUN_SQL = (
     # PgBouncer RESET ALL also reset those the pooler had set for this client (its application_name, and
     # its TimeZone from PGTZ), and the pooler took the server's as the client's (reviews)
     " reset all; reset role; set application_name = {app}; set timezone = {tz}; set datestyle = {ds};"
-    " set intervalstyle = {ist}; set client_encoding = {enc}; set standard_conforming_strings = {scs}"
+    " set intervalstyle = {ist}; set client_encoding = {enc}; set standard_conforming_strings = {scs};"
+    # the pass commits without waiting for its WAL to reach disk (or a synchronous standby) unless the
+    # operator asks (--synchronous-commit on): a crash can lose only the last passes, each whole, its queue
+    # entries with it, so the next pass redoes them (docs/design.md, "Durability"). SET LOCAL, last (after
+    # RESET ALL): it ends with this transaction, so a pooled server connection keeps the client's setting.
+    " set local synchronous_commit = {sc}"
 )
+
 # the parameters restored after a call (see RUN_SQL), with the value to use when the server reported none
 REPORTED = {"app": ("application_name", ""), "tz": ("TimeZone", "UTC"), "ds": ("DateStyle", "ISO, MDY"),
             "ist": ("IntervalStyle", "postgres"), "enc": ("client_encoding", "UTF8"),
             "scs": ("standard_conforming_strings", "on")}  # fmt: skip
 
 
-def run_job(conn: psycopg.Connection, job: str) -> Result:
+def run_job(conn: psycopg.Connection, job: str, synchronous_commit: str = "off") -> Result:
     # One simple-query message, so one implicit transaction: READ COMMITTED whatever
     # default_transaction_isolation says (lockstep.run refuses any other level), and, as for a single
     # autocommit statement, committed before the result is sent.
@@ -205,7 +215,9 @@ def run_job(conn: psycopg.Connection, job: str) -> Result:
         k: sql.Literal(conn.info.parameter_status(name) or default) for k, (name, default) in REPORTED.items()
     }
     with conn.cursor() as cur:
-        cur.execute(sql.SQL(RUN_SQL).format(job=sql.Literal(job), **before))
+        cur.execute(
+            sql.SQL(RUN_SQL).format(job=sql.Literal(job), sc=sql.Literal(synchronous_commit), **before)
+        )
         cur.nextset()
         try:
             row = cur.fetchone()

@@ -50,6 +50,7 @@ class Options:
     drain_limit: int = DRAIN_LIMIT
     check_interval: str | None = None  # client_connection_check_interval for the runner's sessions
     batch_wait: float = BATCH_WAIT  # seconds between a job's worker passes while keys trickle in
+    synchronous_commit: str = "off"  # how each pass commits (db.RUN_SQL)
 
 
 class Metrics:
@@ -355,7 +356,7 @@ class Runner:
         for _ in range(limit or self.opts.drain_limit):
             started = time.monotonic()
             try:
-                r = db.run_job(self.conn, job)
+                r = db.run_job(self.conn, job, self.opts.synchronous_commit)
             except psycopg.Error as exc:
                 if is_transient(exc):
                     raise

@@ -55,6 +55,21 @@ def test_once_converges_the_example_and_exits_0(ex, example_dsn):
     assert_clean(p.stderr)
 
 
+def test_an_infinite_next_run_does_not_stop_the_runner(ex, example_dsn):
+    # an owner may set a job's next_run_at = 'infinity' (never again): the runner's due() computed
+    # due_at - now() for it, 22008 "cannot subtract infinite timestamps", and every other job stopped too
+    # (exit 1 with --once, retried with backoff for ever in a loop; found by this session's commit test)
+    ex.execute("update lockstep.job_state set next_run_at = 'infinity' where job = %s", [JOB])
+    ex.execute("update example.exam_item set body = body || ' zebra' where exam_id % 3 = 0")
+    p = once(example_dsn)
+    assert p.returncode == 0, p.stderr
+    assert divergence(ex) == (0, 0)
+    assert_clean(p.stderr)
+    ex.execute("update lockstep.job_state set next_run_at = '-infinity' where job = %s", [JOB])
+    p = once(example_dsn)
+    assert p.returncode == 0 and "exam_keys recompute done" in p.stderr, p.stderr
+
+
 def test_once_exits_1_when_a_run_fails(conn, dsn):
     conn.execute(
         "create function public.boom() returns void language plpgsql"

@@ -1,101 +1,34 @@
 """``lockstep run`` across a real PostgreSQL restart (issue 5).
 
-A throw-away cluster (the PostgreSQL binaries of ``pg_config --bindir``, or of env LOCKSTEP_PG_BIN; trust
-auth, bootstrap superuser ``root``) in a directory under /tmp owned by ``postgres``: initdb and the server
-refuse to run as root, so as root every server command goes through ``runuser -u postgres --``. The cluster
-is stopped (``-m immediate``) and removed at teardown, even on failure.
+A throw-away cluster (tests/pg_cluster.py), stopped (``-m immediate``) and removed at teardown, even on
+failure.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import socket
-import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
+import pg_cluster
 import psycopg
 import pytest
+from pg_cluster import Cluster
 from psycopg.conninfo import make_conninfo
 from runner_procs import runner_backends, wait_for
-from util import pg_bindir
 
 from runner.lab.example import JOB, divergence
 from runner.migrate import migrate
 
-BIN = pg_bindir() or Path("/nonexistent")  # pg_config --bindir, or env LOCKSTEP_PG_BIN
-
-pytestmark = pytest.mark.skipif(
-    not (BIN / "pg_ctl").exists(),
-    reason=f"no PostgreSQL binaries in {BIN} (pg_config --bindir; or set LOCKSTEP_PG_BIN)",
-)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Cluster:
-    def __init__(self) -> None:
-        self.root = Path(tempfile.mkdtemp(prefix="lockstep-pg-"))
-        self.data = self.root / "data"
-        self.logfile = self.root / "server.log"
-        self.port = free_port()
-        self.as_postgres = os.geteuid() == 0
-        if self.as_postgres:
-            shutil.chown(self.root, "postgres", "postgres")
-        self.dsn = make_conninfo(host="127.0.0.1", port=self.port, dbname="postgres", user="root")
-
-    def _run(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-        cmd = [str(BIN / args[0]), *args[1:]]
-        if self.as_postgres:
-            cmd = ["runuser", "-u", "postgres", "--", *cmd]
-        p = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
-        if p.returncode != 0:
-            raise AssertionError(
-                f"{' '.join(cmd)} exited {p.returncode}:\n{p.stdout}\n{p.stderr}\n{self.log}"
-            )
-        return p
-
-    @property
-    def log(self) -> str:
-        try:
-            return self.logfile.read_text()
-        except OSError:
-            return ""
-
-    def init_and_start(self) -> None:
-        self._run("initdb", "-D", str(self.data), "-U", "root", "--auth=trust", "--no-sync", "-E", "UTF8")
-        opts = (
-            f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off"
-            " -c synchronous_commit=off -c full_page_writes=off -c max_connections=20 -c shared_buffers=16MB"
-        )
-        self._run("pg_ctl", "-D", str(self.data), "-o", opts, "-l", str(self.logfile), "-w", "start")
-
-    def pg_ctl(self, *args: str) -> None:
-        # -l again: without it a restarted server writes to pg_ctl's stdout, a pipe that would never close
-        self._run("pg_ctl", "-D", str(self.data), "-l", str(self.logfile), "-w", *args)
-
-    def destroy(self) -> None:
-        if (self.data / "postmaster.pid").exists():
-            try:
-                self._run("pg_ctl", "-D", str(self.data), "-m", "immediate", "-w", "stop", timeout=30)
-            except (AssertionError, subprocess.TimeoutExpired):
-                pass
-        shutil.rmtree(self.root, ignore_errors=True)
+pytestmark = pytest.mark.skipif(not pg_cluster.AVAILABLE, reason=pg_cluster.MISSING)
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    c = Cluster()
+    c = Cluster(synchronous_commit="off")
     try:
-        c.init_and_start()
+        c.start()
         yield c
     finally:
         c.destroy()

@@ -11,20 +11,17 @@ from __future__ import annotations
 
 import os
 import secrets
-import shutil
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
+import pg_cluster
 import psycopg
 import pytest
 from isolation import Spec
 from psycopg.conninfo import make_conninfo
-from util import pg_bindir, raises_sqlstate, result, snapshot
+from util import raises_sqlstate, result, snapshot
 
 from runner.migrate import migrate
 
@@ -858,56 +855,11 @@ def test_a_recompute_writes_the_parents_of_keys_too_long_for_the_queue_in_its_ba
 # -- the hostile application catalogue ---------------------------------------------------------------------
 
 
-BIN = pg_bindir() or Path("/nonexistent")  # pg_config --bindir, or env LOCKSTEP_PG_BIN
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class PreparedCluster:
-    """A throw-away PostgreSQL cluster with max_prepared_transactions > 0 (as root, through runuser)."""
-
-    def __init__(self) -> None:
-        self.root = Path(tempfile.mkdtemp(prefix="lockstep-2pc-"))
-        self.data = self.root / "data"
-        self.port = _free_port()
-        self.as_postgres = os.geteuid() == 0
-        if self.as_postgres:
-            shutil.chown(self.root, "postgres", "postgres")
-        self.dsn = make_conninfo(host="127.0.0.1", port=self.port, dbname="postgres", user="root")
-
-    def _run(self, *args: str) -> None:
-        cmd = [str(BIN / args[0]), *args[1:]]
-        if self.as_postgres:
-            cmd = ["runuser", "-u", "postgres", "--", *cmd]
-        p = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
-        assert p.returncode == 0, f"{cmd}: {p.stdout}\n{p.stderr}"
-
-    def start(self) -> None:
-        self._run("initdb", "-D", str(self.data), "-U", "root", "--auth=trust", "--no-sync", "-E", "UTF8")
-        opts = (
-            f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=20"
-            " -c shared_buffers=16MB -c max_prepared_transactions=5"
-        )
-        self._run("pg_ctl", "-D", str(self.data), "-o", opts, "-l", str(self.root / "log"), "-w", "start")
-
-    def destroy(self) -> None:
-        if (self.data / "postmaster.pid").exists():
-            try:
-                self._run("pg_ctl", "-D", str(self.data), "-m", "immediate", "-w", "stop")
-            except AssertionError:
-                pass
-        shutil.rmtree(self.root, ignore_errors=True)
-
-
 @pytest.fixture(scope="module")
 def twopc_dsn() -> Iterator[str]:
-    if not (BIN / "pg_ctl").exists():
-        pytest.skip(f"no PostgreSQL binaries in {BIN}")
-    c = PreparedCluster()
+    if not pg_cluster.AVAILABLE:
+        pytest.skip(pg_cluster.MISSING)
+    c = pg_cluster.Cluster("lockstep-2pc-", full_page_writes="on", max_prepared_transactions="5")
     try:
         c.start()
         dsn = make_conninfo(c.dsn, dbname="app")
