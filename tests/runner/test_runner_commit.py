@@ -109,7 +109,17 @@ def test_a_pass_commits_without_waiting_for_the_flush_and_the_operator_may_ask_i
         change(c)
         t, out, pid = pass_in_thread(dsn)
         seen = set()
-        wait_for(lambda: seen.add(wait_event(c, pid)) or "SyncRep" in seen or not t.is_alive(), timeout=30)
+
+        def look() -> bool:
+            event = wait_event(c, pid)
+            # read before the result is checked: once the result is in, the thread is closing the session,
+            # whose exit-time transaction (dropping its temp tables) commits as the session's default says
+            # and may wait in SyncRep; that is the session's exit, not the pass (CI saw it)
+            if "result" not in out:
+                seen.add(event)
+            return "SyncRep" in seen or not t.is_alive()
+
+        wait_for(look, timeout=30)
         if "SyncRep" in seen:
             c.execute("select pg_cancel_backend(%s)", [pid])
         assert "SyncRep" not in seen and "error" not in out, (seen, out)
