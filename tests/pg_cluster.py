@@ -9,11 +9,13 @@ as root every server command goes through ``runuser -u postgres --``. ``destroy(
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from psycopg.conninfo import make_conninfo
@@ -81,3 +83,14 @@ class Cluster:
             except (AssertionError, subprocess.TimeoutExpired):
                 pass
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def running(prefix: str = "lockstep-pg-", **settings: str) -> Iterator[Cluster]:
+    """A started cluster with these settings, destroyed on exit (after a failure too)."""
+    c = Cluster(prefix, **settings)
+    try:
+        c.start()
+        yield c
+    finally:
+        c.destroy()

@@ -37,17 +37,13 @@ LOCAL = "-c synchronous_commit=local"  # the test's own sessions: never wait for
 def cluster() -> Iterator[pg_cluster.Cluster]:
     # wal_writer_delay 10 s: an asynchronous commit stays in the WAL buffers until a crash takes it, unless
     # something flushes it first
-    c = pg_cluster.Cluster(
+    with pg_cluster.running(
         "lockstep-syncrep-",
         synchronous_standby_names="nobody",
         wal_writer_delay="10s",
         synchronous_commit="on",
-    )
-    try:
-        c.start()
+    ) as c:
         yield c
-    finally:
-        c.destroy()
 
 
 @pytest.fixture

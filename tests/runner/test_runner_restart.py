@@ -26,12 +26,8 @@ pytestmark = pytest.mark.skipif(not pg_cluster.AVAILABLE, reason=pg_cluster.MISS
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    c = Cluster(synchronous_commit="off")
-    try:
-        c.start()
+    with pg_cluster.running(synchronous_commit="off") as c:
         yield c
-    finally:
-        c.destroy()
 
 
 @pytest.fixture

@@ -859,9 +859,7 @@ def test_a_recompute_writes_the_parents_of_keys_too_long_for_the_queue_in_its_ba
 def twopc_dsn() -> Iterator[str]:
     if not pg_cluster.AVAILABLE:
         pytest.skip(pg_cluster.MISSING)
-    c = pg_cluster.Cluster("lockstep-2pc-", full_page_writes="on", max_prepared_transactions="5")
-    try:
-        c.start()
+    with pg_cluster.running("lockstep-2pc-", full_page_writes="on", max_prepared_transactions="5") as c:
         dsn = make_conninfo(c.dsn, dbname="app")
         with psycopg.connect(c.dsn, autocommit=True) as admin:
             admin.execute("create database app")
@@ -882,8 +880,6 @@ def twopc_dsn() -> Iterator[str]:
                     " execute function lockstep.enqueue_trigger('band', 'aid')"
                 )
         yield dsn
-    finally:
-        c.destroy()
 
 
 def test_item6_prepare_transaction_on_a_watched_table(twopc_dsn):
