@@ -226,6 +226,20 @@ CREATE FUNCTION lockstep._attnames(rel oid, attnums smallint[]) RETURNS name[]
                  join pg_catalog.pg_attribute a on a.attrelid = rel and a.attnum = k.n order by k.o);
 $$;
 
+CREATE FUNCTION lockstep._backlog(j lockstep.job, batch integer) RETURNS boolean
+    LANGUAGE plpgsql STABLE
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
+    AS $$
+begin
+    return (select count(*) >= batch
+            from (select from lockstep.queue q
+                  where q.job = j.job and q.ready_at <= now()
+                    and not exists (select from lockstep.key_failure f where f.job = q.job and f.key = q.key)
+                  order by q.id limit batch) c);
+end;
+$$;
+
 CREATE FUNCTION lockstep._call(j lockstep.job, only_if_due boolean) RETURNS lockstep.result
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
@@ -4141,10 +4155,11 @@ begin
     end if;
     v_err := lockstep._settle(j, c.kind, r.raw, e.ids, e.ctids, e.entry_keys, a.p, r.bad, r.errors);
     v_more := (c.kind <> 'batch' or c.full) and lockstep._has_ready(j);  -- a retry's untried keys are ready
-    -- (a pass whose every claimed key was skipped: lockstep._finish may count it with the one before)
+    -- (a pass whose every claimed key was skipped: lockstep._finish may count it with the one before;
+    -- its status row keeps whether a backlog is left, see lockstep._backlog)
     perform lockstep._finish(j, 'work', 'done', v_started, a.p, null,
                              cardinality((a.p).skipped) = cardinality(coalesce(r.canon, '{}')) and cardinality(r.bad) = 0,
-                             v_more);
+                             v_more and (c.kind <> 'batch' or lockstep._backlog(j, batch)));
     return lockstep._result('done', j.job, 'work', a.p, v_err, v_more);
 end;
 $$;

@@ -149,8 +149,9 @@ from lockstep.key_failure f;
 --   entry is ready (a key skipped because an application held its parent: job_state.deferred_until, so no
 --   read of the queue beyond its first ready entry).
 -- jobs: restrict to these names (NULL: all).
--- gather: after a worker pass of a derived job that ended well and left no ready keys behind (by any
---   runner; a full pass of a backlog opens no window), its ready keys are due only gather after that pass
+-- gather: after a worker pass of a derived job that ended well and left no backlog behind (by any
+--   runner; a full pass that left another full batch ready opens no window: lockstep._backlog), its ready
+--   keys are due only gather after that pass
 --   ended (lockstep run --batch-wait): keys that arrive meanwhile gather for one larger pass (a server
 --   clock stepped back delays them no longer). NULL (the default): at once. Kept in the job's status row,
 --   so several runners make the passes one runner would: with a window per runner, two runners made

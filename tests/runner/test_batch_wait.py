@@ -1,6 +1,7 @@
 """``lockstep run --batch-wait``: after a worker pass that emptied a job's queue, keys that arrive gather
 for one larger pass instead of one pass each (a steady write load then costs fewer, cheaper passes). A
-backlog (a pass that took a full batch) is drained at once, and ``--once`` never waits.
+backlog (a pass that took a full batch and left another full batch ready) is drained at once, and
+``--once`` never waits.
 
 The runner loop runs in this process against a real database; only its clock and its sleep are the test's
 (``time.monotonic`` is advanced by hand, ``_sleep`` records how long the loop asked to wait), so the
@@ -163,7 +164,7 @@ def test_zero_batch_wait_passes_as_soon_as_keys_arrive(shop, dsn, clock):
         r._close()
 
 
-def test_a_backlog_is_drained_without_waiting(shop, dsn, clock):
+def test_a_backlog_is_drained_without_waiting_and_its_rest_gathers(shop, dsn, clock):
     shop.execute("select lockstep.set_batch_parents('item_band', 3)")
     sleeps: list[tuple[float, bool]] = []
     r = _runner(dsn, 5.0, sleeps)
@@ -173,9 +174,17 @@ def test_a_backlog_is_drained_without_waiting(shop, dsn, clock):
         clock.advance(5.0)
         shop.execute("update shop.item set price = 500 where id between 2 and 11")  # 10 keys, batch 3
         assert r._tick(sleep=True) is True  # full passes go again at once, in the same tick
-        assert _queued(shop) == 0
-        assert all(b == "dear" for i, b in _bands(shop).items() if i <= 11)
         assert sleeps == []
+        # while another full batch was ready; the rest, less than a batch, is the start of the next window.
+        # A pass of it at once (as before) made a steady load of more keys per window than a batch cost
+        # two passes a window, the second a small one paying a pass's whole fixed cost (bench oltp)
+        assert _queued(shop) == 1
+        assert sum(b == "dear" for i, b in _bands(shop).items() if i <= 11) == 10
+        assert r._tick(sleep=True) is False
+        assert 4.5 < sleeps[-1][0] <= 5.0 and sleeps[-1][1] is False  # the window, not the next key
+        clock.advance(5.0)
+        assert r._tick(sleep=True) is True
+        assert _queued(shop) == 0 and all(b == "dear" for i, b in _bands(shop).items() if i <= 11)
     finally:
         r._close()
 
@@ -190,8 +199,8 @@ def test_a_backlog_goes_on_at_the_next_tick_without_waiting(shop, dsn, clock):
         shop.execute("update shop.item set price = 500 where id between 1 and 10")  # 10 keys, batch 3
         assert r._tick(sleep=True) is True  # two full passes: 6 keys
         assert _queued(shop) == 4
-        assert r._tick(sleep=True) is True  # the next tick goes on at once
-        assert _queued(shop) == 0 and sleeps == []
+        assert r._tick(sleep=True) is True  # the next tick goes on at once (a full batch is ready)
+        assert _queued(shop) == 1 and sleeps == []  # the rest gathers (above)
     finally:
         r._close()
 

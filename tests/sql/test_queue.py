@@ -1135,6 +1135,29 @@ def test_due_is_the_next_run_when_nothing_is_queued(ex):
     assert ex.execute("select due_at <= now() from lockstep.due()").fetchone()[0]
 
 
+def test_a_full_pass_opens_the_gather_window_unless_another_full_batch_is_ready(ex):
+    # due(jobs, gather) opened no window after any full pass that left keys: under a steady load of more
+    # keys per --batch-wait window than a batch, each full pass was followed at once by a small pass of the
+    # rest (bench oltp: half of ~430 passes a minute), each paying a pass's whole fixed cost
+    ex.execute(f"select lockstep.set_batch_parents('{JOB}', 2)")
+
+    def due_in(gather: str) -> float:
+        return ex.execute(
+            f"select extract(epoch from due_at - now()) from lockstep.due(array['{JOB}'], '{gather}')"
+        ).fetchone()[0]
+
+    ex.execute(f"select lockstep.enqueue('{JOB}', array[1, 2, 3])")
+    r = result(ex, f"lockstep.run('{JOB}')")
+    assert r["outcome"] == "done" and r["more"] is True  # keys are left (the result says so, as before)
+    assert due_in("1 hour") > 3500  # but less than a batch: the window is open
+    assert due_in("0") <= 0  # without one, due now
+    ex.execute(f"select lockstep.enqueue('{JOB}', array[4, 5, 6, 7])")  # 5 ready
+    assert result(ex, f"lockstep.run('{JOB}')")["more"] is True  # 3 left: another full batch
+    assert due_in("1 hour") <= 0  # a backlog: due now
+    drain(ex, JOB)
+    assert queue_keys(ex) == [] and divergence(ex) == (0, 0)
+
+
 def test_due_reads_no_queue_entry_beyond_the_first_ready_one(ex, exconnect):
     # lockstep.due() (every runner tick) found the next deferred entry with min(ready_at) over all of the
     # job's entries: every entry read per tick (84-128 ms with a million handed-off keys queued; a sequential
