@@ -352,8 +352,9 @@ def _migrate_report(action: str, current: tuple[str, ...], head: str, json: bool
     type=click.FloatRange(min=0),
     default=0.2,  # runner.loop.BATCH_WAIT (loop is imported when the command runs)
     show_default=True,
-    help="After a worker pass that emptied a job's queue (by any runner), let new keys gather this many "
-    "seconds before the job's next pass: fewer, larger passes under a steady write load (cheaper per key), "
+    help="After a worker pass that left less than a full batch ready (by any runner), let keys gather "
+    "this many seconds before the job's next pass: fewer, larger passes under a steady write load (cheaper "
+    "per key), "
     "at the cost of up to this much more lag. 0: pass again as soon as keys arrive. A backlog is drained "
     "without waiting.",
 )

@@ -1,4 +1,4 @@
-"""``lockstep run --batch-wait``: after a worker pass that emptied a job's queue, keys that arrive gather
+"""``lockstep run --batch-wait``: after a worker pass that left less than a full batch ready, keys gather
 for one larger pass instead of one pass each (a steady write load then costs fewer, cheaper passes). A
 backlog (a pass that took a full batch and left another full batch ready) is drained at once, and
 ``--once`` never waits.
