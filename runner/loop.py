@@ -371,7 +371,7 @@ class Runner:
                 self._log_result(r, elapsed)
             more = r.outcome == "done" and r.more
             if more and r.action == "work" and self.opts.batch_wait > 0 and not self.opts.once:
-                # keys are left, but a backlog only if another full batch is ready (lockstep._backlog): the
+                # keys are left, but a backlog only if another full batch is ready (lockstep._work): the
                 # rest of a steady load's window gathers with the keys that arrive, for one full pass, not
                 # a small pass at once after every full one (bench oltp: half its passes were such)
                 due = db.due(self.conn, [job], self.opts.batch_wait)

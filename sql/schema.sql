@@ -226,17 +226,17 @@ CREATE FUNCTION lockstep._attnames(rel oid, attnums smallint[]) RETURNS name[]
                  join pg_catalog.pg_attribute a on a.attrelid = rel and a.attnum = k.n order by k.o);
 $$;
 
-CREATE FUNCTION lockstep._backlog(j lockstep.job, batch integer) RETURNS boolean
+CREATE FUNCTION lockstep._batch(j lockstep.job, batch integer, OUT keys text[], OUT "full" boolean) RETURNS record
     LANGUAGE plpgsql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
     AS $$
 begin
-    return (select count(*) >= batch
-            from (select from lockstep.queue q
-                  where q.job = j.job and q.ready_at <= now()
-                    and not exists (select from lockstep.key_failure f where f.job = q.job and f.key = q.key)
-                  order by q.id limit batch) c);
+    select array_agg(distinct c.key), count(*) >= batch into keys, full
+    from (select q.key from lockstep.queue q
+          where q.job = j.job and q.ready_at <= now()
+            and not exists (select from lockstep.key_failure f where f.job = q.job and f.key = q.key)
+          order by q.id limit batch) c;
 end;
 $$;
 
@@ -966,12 +966,7 @@ begin
                        where f.job = j.job and f.parked and f.retry_at <= now()
                          and exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true
                                      and q.id > f.failed_upto)) then
-        select array_agg(distinct c.key), count(*) >= batch into keys, full
-        from (select q.key from lockstep.queue q
-              where q.job = j.job and q.ready_at <= now()
-                and not exists (select from lockstep.key_failure f where f.job = q.job and f.key = q.key)
-              order by q.id limit batch) c;
-        kind := 'batch';
+        select b.keys, b.full, 'batch' into keys, full, kind from lockstep._batch(j, batch) b;
         return;
     end if;
     select array_agg(f.key order by f.key) into keys
@@ -996,12 +991,7 @@ begin
         return;
     end if;
     -- entries appended after this snapshot stay queued for the next pass
-    select array_agg(distinct c.key), count(*) >= batch into keys, full
-    from (select q.key from lockstep.queue q
-          where q.job = j.job and q.ready_at <= now()
-            and not exists (select from lockstep.key_failure f where f.job = q.job and f.key = q.key)
-          order by q.id limit batch) c;
-    kind := 'batch';
+    select b.keys, b.full, 'batch' into keys, full, kind from lockstep._batch(j, batch) b;
 end;
 $$;
 
@@ -4155,11 +4145,15 @@ begin
     end if;
     v_err := lockstep._settle(j, c.kind, r.raw, e.ids, e.ctids, e.entry_keys, a.p, r.bad, r.errors);
     v_more := (c.kind <> 'batch' or c.full) and lockstep._has_ready(j);  -- a retry's untried keys are ready
-    -- (a pass whose every claimed key was skipped: lockstep._finish may count it with the one before;
-    -- its status row keeps whether a backlog is left, see lockstep._backlog)
+    -- (a pass whose every claimed key was skipped: lockstep._finish may count it with the one before.)
+    -- Its status row keeps whether a backlog is left: a retry's untried keys, or after a full batch another
+    -- full batch ready. Fewer keys are the start of the next --batch-wait window (lockstep.due()), gathered
+    -- with the keys that arrive meanwhile: under a steady load of more keys per window than a batch, every
+    -- pass was followed at once by a pass of the rest, a third of a batch that paid a pass's whole fixed
+    -- cost (bench oltp: 430 passes a minute, half of them that small; found by reading lockstep.run_log).
     perform lockstep._finish(j, 'work', 'done', v_started, a.p, null,
                              cardinality((a.p).skipped) = cardinality(coalesce(r.canon, '{}')) and cardinality(r.bad) = 0,
-                             v_more and (c.kind <> 'batch' or lockstep._backlog(j, batch)));
+                             v_more and (c.kind <> 'batch' or (select b.full from lockstep._batch(j, batch) b)));
     return lockstep._result('done', j.job, 'work', a.p, v_err, v_more);
 end;
 $$;

@@ -123,7 +123,7 @@ create table lockstep.job_state (
     last_updated            bigint,
     last_deleted            bigint,
     last_skipped            bigint,
-    last_more               boolean,                              -- the last worker pass left a backlog (lockstep._backlog)
+    last_more               boolean,                              -- the last worker pass left a backlog (lockstep._work)
     consecutive_failures    integer not null default 0,
     last_error              text,
     -- the error of the job's last full recompute (recompute or a generic job's call) if it failed, NULL

@@ -269,7 +269,7 @@ $$;
 
 -- lockstep._finish(job, action, outcome, started, pass, error, only_skipped, more): write the job's status
 -- row. Called last in every run that did something, after all other writes. more: a worker pass left a
--- backlog behind (lockstep._backlog: lockstep.due() opens no --batch-wait window after it).
+-- backlog behind (lockstep._work: lockstep.due() opens no --batch-wait window after it).
 -- A worker pass that only skipped parents an application holds (only_skipped: every key it claimed was
 -- skipped; it wrote, deleted and failed nothing), right after a pass that only skipped too, is not a new run: the status row's last_* show it, but runs is not
 -- counted up and lockstep.run_log gets no row. A parent held for minutes is retried every second

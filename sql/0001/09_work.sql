@@ -178,24 +178,21 @@ begin
 end;
 $$;
 
--- lockstep._backlog(j, batch): after a full batch pass, whether at least another full batch of entries is
--- ready (as lockstep._claim's batch would take them): a backlog, which the next pass drains at once. Fewer
--- are the start of the next --batch-wait window (lockstep.due()), gathered with the keys that arrive
--- meanwhile: under a steady load of more keys per window than a batch, every pass was followed at once by
--- a pass of the rest, a third of a batch that paid a pass's whole fixed cost (bench oltp: 430 passes a
--- minute, half of them that small; found by reading lockstep.run_log).
+-- lockstep._batch(j, batch): the keys (as queued) of the oldest ready entries, up to batch entries whose
+-- key has no key_failure row, and whether batch entries were taken (full: more may be ready). The batch of
+-- a pass (lockstep._claim), and after a full one whether another full batch is ready (lockstep._work).
 -- locks: nothing.
-create function lockstep._backlog(j lockstep.job, batch integer) returns boolean
+create function lockstep._batch(j lockstep.job, batch integer, out keys text[], out full boolean)
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
 set plan_cache_mode = force_generic_plan
 as $$
 begin
-    return (select count(*) >= batch
-            from (select from lockstep.queue q
-                  where q.job = j.job and q.ready_at <= now()
-                    and not exists (select from lockstep.key_failure f where f.job = q.job and f.key = q.key)
-                  order by q.id limit batch) c);
+    select array_agg(distinct c.key), count(*) >= batch into keys, full
+    from (select q.key from lockstep.queue q
+          where q.job = j.job and q.ready_at <= now()
+            and not exists (select from lockstep.key_failure f where f.job = q.job and f.key = q.key)
+          order by q.id limit batch) c;
 end;
 $$;
 
@@ -291,8 +288,8 @@ $$;
 --   (probe and retry take a key only with a ready entry: a failing key whose parent an application held
 --   was skipped, its entry deferred a second, and claimed again at once, every pass, while the other keys
 --   waited for the lock to go; found by a review)
---   batch: the keys of the oldest ready entries, up to batch distinct keys that have no key_failure row;
---          full: batch entries were taken (more may be ready).
+--   batch: lockstep._batch: the keys of the oldest ready entries, up to batch entries whose key has no
+--          key_failure row; full: batch entries were taken (more may be ready).
 -- Generic plans (index scans of the queue and key_failure by job; with custom plans, PostgreSQL's choice
 -- here, its three statements were planned again at every pass, ~120 us). Only on functions that run no
 -- user code: the setting holds for everything a function calls.
@@ -310,12 +307,7 @@ begin
                        where f.job = j.job and f.parked and f.retry_at <= now()
                          and exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true
                                      and q.id > f.failed_upto)) then
-        select array_agg(distinct c.key), count(*) >= batch into keys, full
-        from (select q.key from lockstep.queue q
-              where q.job = j.job and q.ready_at <= now()
-                and not exists (select from lockstep.key_failure f where f.job = q.job and f.key = q.key)
-              order by q.id limit batch) c;
-        kind := 'batch';
+        select b.keys, b.full, 'batch' into keys, full, kind from lockstep._batch(j, batch) b;
         return;
     end if;
     select array_agg(f.key order by f.key) into keys
@@ -340,12 +332,7 @@ begin
         return;
     end if;
     -- entries appended after this snapshot stay queued for the next pass
-    select array_agg(distinct c.key), count(*) >= batch into keys, full
-    from (select q.key from lockstep.queue q
-          where q.job = j.job and q.ready_at <= now()
-            and not exists (select from lockstep.key_failure f where f.job = q.job and f.key = q.key)
-          order by q.id limit batch) c;
-    kind := 'batch';
+    select b.keys, b.full, 'batch' into keys, full, kind from lockstep._batch(j, batch) b;
 end;
 $$;
 
@@ -703,11 +690,15 @@ begin
     end if;
     v_err := lockstep._settle(j, c.kind, r.raw, e.ids, e.ctids, e.entry_keys, a.p, r.bad, r.errors);
     v_more := (c.kind <> 'batch' or c.full) and lockstep._has_ready(j);  -- a retry's untried keys are ready
-    -- (a pass whose every claimed key was skipped: lockstep._finish may count it with the one before;
-    -- its status row keeps whether a backlog is left, see lockstep._backlog)
+    -- (a pass whose every claimed key was skipped: lockstep._finish may count it with the one before.)
+    -- Its status row keeps whether a backlog is left: a retry's untried keys, or after a full batch another
+    -- full batch ready. Fewer keys are the start of the next --batch-wait window (lockstep.due()), gathered
+    -- with the keys that arrive meanwhile: under a steady load of more keys per window than a batch, every
+    -- pass was followed at once by a pass of the rest, a third of a batch that paid a pass's whole fixed
+    -- cost (bench oltp: 430 passes a minute, half of them that small; found by reading lockstep.run_log).
     perform lockstep._finish(j, 'work', 'done', v_started, a.p, null,
                              cardinality((a.p).skipped) = cardinality(coalesce(r.canon, '{}')) and cardinality(r.bad) = 0,
-                             v_more and (c.kind <> 'batch' or lockstep._backlog(j, batch)));
+                             v_more and (c.kind <> 'batch' or (select b.full from lockstep._batch(j, batch) b)));
     return lockstep._result('done', j.job, 'work', a.p, v_err, v_more);
 end;
 $$;

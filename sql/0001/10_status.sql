@@ -150,7 +150,7 @@ from lockstep.key_failure f;
 --   read of the queue beyond its first ready entry).
 -- jobs: restrict to these names (NULL: all).
 -- gather: after a worker pass of a derived job that ended well and left no backlog behind (by any
---   runner; a full pass that left another full batch ready opens no window: lockstep._backlog), its ready
+--   runner; a full pass that left another full batch ready opens no window: lockstep._work), its ready
 --   keys are due only gather after that pass
 --   ended (lockstep run --batch-wait): keys that arrive meanwhile gather for one larger pass (a server
 --   clock stepped back delays them no longer). NULL (the default): at once. Kept in the job's status row,
