@@ -1,8 +1,7 @@
 # make test: create .venv if missing, install the package editable with its test extras, lint, run pytest.
 # make test-fast: the same without runner processes, packaging, tools and slow tests (markers by kind,
 #   from the folder a test lives in, tests/{sql,schedules,runner,packaging,tools}/; and slow).
-# make schema: regenerate sql/schema.sql (pg_dump of a fresh migrate; tests/sql/test_schema.py checks it).
-# make expected: rewrite the schedule traces tests/expected/*/*.out and sql/schema.sql (then review git diff).
+# make expected: rewrite the schedule traces tests/expected/*/*.out (then review git diff).
 # Extra pytest arguments: make test PYTEST_ARGS="-k migrations -x"
 PYTHON ?= python3
 VENV ?= .venv
@@ -14,7 +13,7 @@ DEMO_ARGS ?=
 
 FAST_MARKERS := not runner and not packaging and not tools and not slow
 
-.PHONY: test test-fast lint format schema expected clean demo
+.PHONY: test test-fast lint format expected clean demo
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,9 +35,6 @@ test: lint
 
 test-fast: lint
 	$(BIN)/pytest -q -m "$(FAST_MARKERS)" $(PYTEST_ARGS)
-
-schema: $(STAMP)
-	$(BIN)/python tests/schema_dump.py
 
 expected: $(STAMP)
 	$(BIN)/pytest -q -m "schedules or sql" --update-expected $(PYTEST_ARGS)

@@ -1,9 +1,9 @@
 """Alembic environment of lockstep's own migrations (version table ``lockstep_alembic_version``).
 
-Connection, first match wins: ``Config.attributes["dsn"]`` (set by ``runner.migrate``), ``-x dsn=...``,
+Connection, first match wins: ``Config.attributes["dsn"]`` (set by ``lockstep.migrate``), ``-x dsn=...``,
 ``$DATABASE_URL``, else libpq's own defaults (PGHOST, PGDATABASE, ...). Any libpq connection string works:
 a URL (``postgresql://``, ``postgres://`` or SQLAlchemy's ``postgresql+DRIVER://``) or ``key=value``
-(``runner.dsn``, the parser every ``lockstep`` command uses).
+(``lockstep.dsn``, the parser every ``lockstep`` command uses).
 
 Online, the whole upgrade is one transaction that first takes
 ``pg_advisory_xact_lock(hashtextextended('lockstep:migrate', 0))``, before Alembic reads the current
@@ -23,13 +23,13 @@ VERSION_TABLE = "lockstep_alembic_version"
 MIGRATE_LOCK = "select pg_advisory_xact_lock(hashtextextended('lockstep:migrate', 0))"
 
 config = context.config
-if config.config_file_name is not None:  # the `alembic` command with alembic.ini; not runner.migrate
+if config.config_file_name is not None:  # the `alembic` command with alembic.ini; not lockstep.migrate
     fileConfig(config.config_file_name, disable_existing_loggers=False)
 
 
 def libpq_conninfo() -> str:
-    """The connection string to hand to libpq ('' means libpq's defaults), via runner.dsn's one parser."""
-    from runner.dsn import normalize
+    """The connection string to hand to libpq ('' means libpq's defaults), via lockstep.dsn's one parser."""
+    from lockstep.dsn import normalize
 
     dsn = (
         config.attributes.get("dsn")

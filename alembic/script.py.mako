@@ -9,7 +9,7 @@ Create with `alembic revision --rev-id lockstep_NNNN -m "..."` (namespaced ids; 
 
 from alembic import op
 
-from runner import sqlfiles
+from lockstep import sqlfiles
 
 revision = ${repr(up_revision)}
 down_revision = ${repr(down_revision)}

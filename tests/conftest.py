@@ -42,7 +42,7 @@ from isolation import Result, check_expected, update_requested
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-from runner.migrate import migrate
+from lockstep.migrate import migrate
 
 ADMIN_DSN = os.environ.get("LOCKSTEP_TEST_ADMIN_DSN", "postgresql://root@127.0.0.1:5432/postgres")
 PREFIX = "lockstep_t_"
@@ -138,7 +138,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--update-expected",
         action="store_true",
-        help="rewrite tests/expected/* and sql/schema.sql instead of failing on a difference",
+        help="rewrite tests/expected/* instead of failing on a difference",
     )
 
 
@@ -286,7 +286,7 @@ def conn(connect: Callable[..., psycopg.Connection]) -> psycopg.Connection:
 
 
 def _install_example(dsn: str) -> None:
-    from runner.lab import example
+    from lockstep.lab import example
 
     with psycopg.connect(dsn, autocommit=True) as c:
         # every = 1 day: tests cloned minutes later must not find the periodic recompute due (a due

@@ -1,4 +1,4 @@
-"""Helpers of the runner tests. The runner process itself is runner/lab/procs.py's ``RunnerProcess`` (also
+"""Helpers of the runner tests. The runner process itself is ``lockstep.lab.procs.RunnerProcess`` (also
 used by ``lockstep demo`` and ``lockstep storm``), re-exported here as ``Runner``; the ``runners`` fixture
 (tests/conftest.py) starts them and kills any left at teardown."""
 
@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import psycopg
 
-from runner.lab.procs import RunnerProcess as Runner
+from lockstep.lab.procs import RunnerProcess as Runner
 
 __all__ = ["SLOW_FN", "Runner", "in_slow_call", "runner_backends", "wait_for"]
 

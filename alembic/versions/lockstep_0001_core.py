@@ -15,7 +15,7 @@ concurrent ``lockstep migrate`` or host upgrade.
 from alembic import context, op
 from alembic.util import CommandError
 
-from runner import sqlfiles
+from lockstep import sqlfiles
 
 revision = "lockstep_0001"
 down_revision = None

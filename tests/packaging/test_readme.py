@@ -143,7 +143,7 @@ def test_readme_sql_blocks_run(dsn):
 
 
 def _check_lockstep(argv: list[str]) -> str | None:
-    from runner.cli import main
+    from lockstep.cli import main
 
     if len(argv) < 2 or argv[1].startswith("-"):
         args = argv[1:]
@@ -165,7 +165,11 @@ def _check_lockstep(argv: list[str]) -> str | None:
     except click.ClickException as exc:
         return exc.format_message()
     proc = subprocess.run(
-        [sys.executable, "-m", "runner", sub, "--help"], capture_output=True, text=True, timeout=60, cwd=ROOT
+        [sys.executable, "-m", "lockstep", sub, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
     )
     if proc.returncode != 0:
         return f"lockstep {sub} --help exited {proc.returncode}: {proc.stderr.strip()[-300:]}"

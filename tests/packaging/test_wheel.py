@@ -10,7 +10,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from runner.migrate import head
+from lockstep.migrate import head
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,14 +29,14 @@ def installed(installed_wheel: tuple[Path, Path]) -> Path:
     bin_dir, wheel = installed_wheel
     assert wheel.name.startswith("pg_lockstep-"), "distribution name pg-lockstep (lockstep is taken)"
     names = zipfile.ZipFile(wheel).namelist()
-    assert "runner/_alembic/env.py" in names and "runner/_alembic/versions/lockstep_0001_core.py" in names
-    assert any(n.startswith("runner/_sql/0001/") and n.endswith(".sql") for n in names)
+    assert "lockstep/_alembic/env.py" in names and "lockstep/_alembic/versions/lockstep_0001_core.py" in names
+    assert any(n.startswith("lockstep/_sql/0001/") and n.endswith(".sql") for n in names)
     assert not [n for n in names if n.split("/")[0] in ("alembic", "sql")], "would shadow the alembic library"
     assert not [n for n in names if "__pycache__" in n]
     metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
     assert "\nName: pg-lockstep\n" in zipfile.ZipFile(wheel).read(metadata).decode()
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
-    assert "lockstep = runner.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "lockstep = lockstep.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
     assert (bin_dir / "lockstep").exists(), "the console script is installed next to the venv's python"
     return bin_dir
 
@@ -51,14 +51,14 @@ def test_installed_package_uses_its_own_files(installed: Path, tmp_path: Path):
     out = run(
         installed / "python",
         "-c",
-        "import runner.paths as p; print(p.sql_dir()); print(p.alembic_dir())",
+        "import lockstep.paths as p; print(p.sql_dir()); print(p.alembic_dir())",
         cwd=tmp_path,
         env=clean_env(),
     )
     sql_dir, alembic_dir = out.split()
     site = installed.parent
-    assert Path(sql_dir).is_relative_to(site) and sql_dir.endswith("runner/_sql")
-    assert Path(alembic_dir).is_relative_to(site) and alembic_dir.endswith("runner/_alembic")
+    assert Path(sql_dir).is_relative_to(site) and sql_dir.endswith("lockstep/_sql")
+    assert Path(alembic_dir).is_relative_to(site) and alembic_dir.endswith("lockstep/_alembic")
 
 
 def test_installed_cli_migrates_from_another_directory(installed: Path, tmp_path: Path, empty_dsn: str):

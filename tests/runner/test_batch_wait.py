@@ -15,7 +15,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from runner import loop
+from lockstep import loop
 
 SCHEMA_SQL = """
 create schema shop;

@@ -12,8 +12,8 @@ import sys
 import psycopg
 import pytest
 
-from runner.cli import main
-from runner.migrate import head
+from lockstep.cli import main
+from lockstep.migrate import head
 
 HEAD = head()
 
@@ -23,7 +23,7 @@ def lockstep(*args: str, timeout: float = 60, **env: str) -> subprocess.Complete
         k: v for k, v in os.environ.items() if k != "DATABASE_URL" and not k.startswith(("PG", "LOCKSTEP_"))
     }
     return subprocess.run(
-        [sys.executable, "-m", "runner", *args],
+        [sys.executable, "-m", "lockstep", *args],
         env={**base, **env},
         capture_output=True,
         text=True,
@@ -142,7 +142,7 @@ def test_connection_check_interval_reaches_the_session(dsn, tmp_path):
 def test_metrics_host_binds_that_address():
     code = (
         "import socket, psutil, sys\n"
-        "from runner.loop import Metrics\n"
+        "from lockstep.loop import Metrics\n"
         "s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; s.close()\n"
         "Metrics(port, *sys.argv[1:])\n"
         "print([(c.laddr.ip, c.laddr.port == port) for c in psutil.Process().net_connections('tcp')"
@@ -161,7 +161,7 @@ def test_metrics_port_0_names_the_port_it_bound():
     http://127.0.0.1:0/metrics, so the endpoint could not be found from the log (found by a probe)."""
     code = (
         "import psutil\n"
-        "from runner.loop import Metrics\n"
+        "from lockstep.loop import Metrics\n"
         "m = Metrics(0, '127.0.0.1')\n"
         "ports = [c.laddr.port for c in psutil.Process().net_connections('tcp') if c.status == 'LISTEN']\n"
         "print(m.url, ports)\n"
@@ -170,7 +170,7 @@ def test_metrics_port_0_names_the_port_it_bound():
     url, ports = out.split(" ", 1)
     port = int(url.removeprefix("http://127.0.0.1:").removesuffix("/metrics"))
     assert port > 0 and f"[{port}]" == ports.strip(), out
-    from runner.loop import Metrics
+    from lockstep.loop import Metrics
 
     assert Metrics(None).url is None  # no --metrics-port: the start-up line says "off"
 
@@ -354,7 +354,7 @@ def test_a_downgrade_names_a_watched_table_whose_schema_the_installer_may_not_us
 
 
 def test_migrate_upgrade_never_goes_down_in_python(empty_dsn):
-    from runner.migrate import MigrateError, migrate
+    from lockstep.migrate import MigrateError, migrate
 
     migrate(empty_dsn)
     with pytest.raises(MigrateError, match="downgrade"):

@@ -1,4 +1,4 @@
-"""One DSN parser (runner.dsn) for every command: libpq key=value, URLs, and SQLAlchemy's +driver URLs."""
+"""One DSN parser (lockstep.dsn) for every command: libpq key=value, URLs, and SQLAlchemy's +driver URLs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from runner import dsn as dsns
+from lockstep import dsn as dsns
 
 
 @pytest.mark.parametrize(
@@ -54,7 +54,7 @@ def _lockstep(*args: str, **env: str) -> subprocess.CompletedProcess:
         k: v for k, v in os.environ.items() if k != "DATABASE_URL" and not k.startswith(("PG", "LOCKSTEP_"))
     }
     return subprocess.run(
-        [sys.executable, "-m", "runner", *args],
+        [sys.executable, "-m", "lockstep", *args],
         env={**base, **env},
         capture_output=True,
         text=True,

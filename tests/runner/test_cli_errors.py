@@ -1,6 +1,6 @@
 """The ``lockstep`` command on bad input: an exit code and one clear line on stderr, never a traceback.
 
-Each case runs the real console entry point (``python -m runner``) with a timeout. The exit codes
+Each case runs the real console entry point (``python -m lockstep``) with a timeout. The exit codes
 (README "Command line"): 2 for a bad option or DSN, 3 when no server answered, 4 for a permanent setup
 error (no lockstep schema...), always with one ``Error:`` / ERROR line; ``lockstep run``'s INFO start-up
 line is not an error line.
@@ -18,7 +18,7 @@ UNREACHABLE = "postgresql://nobody@127.0.0.1:1/x"
 
 def lockstep(*args: str, timeout: float = 20.0) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "runner", *args],
+        [sys.executable, "-m", "lockstep", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -164,7 +164,7 @@ def test_describe_says_what_a_read_only_session_and_a_schema_gone_under_a_runner
     schema was downgraded under it "could not open relation with OID ..." (found by a probe)."""
     from psycopg import errors as pe
 
-    from runner.errors import describe
+    from lockstep.errors import describe
 
     ro = describe(pe.ReadOnlySqlTransaction("cannot execute UPDATE in a read-only transaction"))
     assert ro.startswith("ReadOnlySqlTransaction[25006]: cannot execute UPDATE") and "primary" in ro, ro

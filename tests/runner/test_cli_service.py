@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.cli import main
+from lockstep.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = {"README.md": ROOT / "README.md", "docs/runner.md": ROOT / "docs" / "runner.md"}
@@ -98,7 +98,7 @@ def run_unit(text: str, dsn: str) -> subprocess.CompletedProcess:
         k: v for k, v in os.environ.items() if k != "DATABASE_URL" and not k.startswith(("PG", "LOCKSTEP_"))
     }
     return subprocess.run(
-        [sys.executable, "-m", "runner", "run", *args, "--once"],
+        [sys.executable, "-m", "lockstep", "run", *args, "--once"],
         env={**base, **unit_env},
         capture_output=True,
         text=True,

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 from conftest import RUN_TAG
 
-from runner.errors import EXIT_SETUP, EXIT_UNREACHABLE
+from lockstep.errors import EXIT_SETUP, EXIT_UNREACHABLE
 
 
 def env(**extra: str) -> dict[str, str]:
@@ -26,7 +26,7 @@ def env(**extra: str) -> dict[str, str]:
 def lockstep(*args: str, timeout: float = 30, **extra: str) -> subprocess.CompletedProcess:
     try:
         return subprocess.run(
-            [sys.executable, "-m", "runner", *args],
+            [sys.executable, "-m", "lockstep", *args],
             env=env(**extra),
             capture_output=True,
             text=True,
@@ -129,7 +129,7 @@ def _stop(proc: subprocess.Popen, seen: list[str]) -> int:
 @pytest.mark.timeout(60)
 def test_no_server_answering_keeps_the_loop_retrying():
     proc = subprocess.Popen(
-        [sys.executable, "-m", "runner", "run", "--dsn", "postgresql://nobody@127.0.0.1:1/x"],
+        [sys.executable, "-m", "lockstep", "run", "--dsn", "postgresql://nobody@127.0.0.1:1/x"],
         env=env(),
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
@@ -154,7 +154,7 @@ def test_schema_gone_after_a_good_start_is_retried_not_fatal(dsn, connect):
         " select lockstep.define_job('mark', 'public.mark()', every => '1 hour');"
     )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "runner", "run", "--tick", "0.1", "--dsn", dsn],
+        [sys.executable, "-m", "lockstep", "run", "--tick", "0.1", "--dsn", dsn],
         env=env(),
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,

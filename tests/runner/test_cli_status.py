@@ -8,12 +8,12 @@ import sys
 
 from psycopg.rows import dict_row
 
-from runner.status import jsonable
+from lockstep.status import jsonable
 
 
 def status(dsn: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "runner", "status", "--dsn", dsn, *args],
+        [sys.executable, "-m", "lockstep", "status", "--dsn", dsn, *args],
         capture_output=True,
         text=True,
         timeout=30,
@@ -122,7 +122,7 @@ def test_a_flag_held_since_a_poisoned_recompute_says_what_to_do():
     while the hold lasted (found by a review)."""
     import datetime as dt
 
-    from runner.status import reasons
+    from lockstep.status import reasons
 
     held = dt.datetime(2026, 12, 3, 15, 0, tzinfo=dt.UTC)
     rows = [{"job": "dj", "needs_recompute": held, "recompute_held_since": held, "consecutive_failures": 0}]

@@ -20,7 +20,7 @@ from isolation import wait_for_lock_wait
 from runner_procs import Runner, runner_backends, wait_for
 from util import advisory_locks, pg_bindir
 
-from runner.lab import example, storm
+from lockstep.lab import example, storm
 
 JOB = example.JOB
 GATE = 727272  # advisory lock key the write-gate trigger waits for (shared) while the test holds it

@@ -15,7 +15,7 @@ import pytest
 from psycopg.conninfo import make_conninfo
 from runner_procs import SLOW_FN, in_slow_call, runner_backends, wait_for
 
-from runner.lab.example import JOB, divergence
+from lockstep.lab.example import JOB, divergence
 
 TICK_FN = """
 create table public.ticks (id bigserial primary key, at timestamptz not null default clock_timestamp());
@@ -26,7 +26,7 @@ select lockstep.define_job('t', 'public.tick_fn()', every => '1 second');
 
 def once(dsn: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "runner", "run", "--dsn", dsn, "--once", *args],
+        [sys.executable, "-m", "lockstep", "run", "--dsn", dsn, "--once", *args],
         capture_output=True,
         text=True,
         timeout=60,
@@ -97,7 +97,7 @@ def test_the_servers_warnings_reach_the_runners_log_once_in_a_while(conn, dsn):
     assert p.returncode == 0, p.stderr
     assert "server: disk nearly full (hint: add a disk)" in p.stderr, p.stderr
 
-    from runner import loop
+    from lockstep import loop
 
     class Diag:
         severity_nonlocalized, message_primary, message_hint, sqlstate = (
@@ -365,7 +365,7 @@ def test_metrics_endpoint_counts_runs(conn, dsn, runners):
 def test_backoff_is_full_jitter_exponential_capped():
     import random as _random
 
-    from runner.errors import Backoff
+    from lockstep.errors import Backoff
 
     b = Backoff(base=0.1, cap=10.0, rng=_random.Random(1))
     ceilings = [min(10.0, 0.1 * 2**i) for i in range(12)]
@@ -387,7 +387,7 @@ def test_once_with_an_unknown_job_exits_1(conn, dsn):
 
 
 def test_connect_options(dsn):
-    from runner import db
+    from lockstep import db
 
     assert db.looks_like_pooler("host=pgb port=6432 dbname=x")
     assert db.looks_like_pooler("postgresql://u@pgb:6432/x")
@@ -402,7 +402,7 @@ def test_connect_options(dsn):
 def test_an_application_name_of_the_operators_own_is_kept(dsn, monkeypatch):
     """The DSN's application_name (or $PGAPPNAME) names the runner's sessions: it was replaced by
     lockstep-runner while the start-up line showed the DSN's."""
-    from runner import db
+    from lockstep import db
 
     with db.connect(make_conninfo(dsn, application_name="billing-worker")) as c:
         assert c.execute("show application_name").fetchone()[0] == "billing-worker"
@@ -476,7 +476,7 @@ def test_a_jobs_plain_set_does_not_outlive_its_call_on_the_runners_connection(co
     at '1' ms the runner never recovered (found by a probe); its SET ROLE stayed, its DateStyle crashed the
     runner (a review). The runner resets every setting to the session's start values after each call, in
     the same transaction; its own (here from the startup packet) and its application_name stay."""
-    from runner import db
+    from lockstep import db
 
     conn.execute(
         "create function leaky() returns void language plpgsql as $$ begin"
@@ -505,7 +505,7 @@ def test_a_job_that_changes_client_encoding_does_not_crash_the_runner(conn, dsn)
     same message put UTF8 back before the server said so: psycopg decoded LATIN1 as UTF8 and the runner
     died with a UnicodeDecodeError, a traceback and exit 1 (found by a review). The call is a job error now
     (the runner backs that job off and goes on), and the connection is UTF8 again."""
-    from runner import db
+    from lockstep import db
 
     conn.execute(
         "create function enc() returns void language plpgsql"

@@ -12,7 +12,7 @@ import psycopg
 from isolation import wait_for_lock_wait
 from runner_procs import Runner, runner_backends, wait_for
 
-from runner.lab.example import JOB, divergence
+from lockstep.lab.example import JOB, divergence
 
 STATUS_SQL = f"select recompute_done, recompute_total from lockstep.status where job = '{JOB}'"
 

@@ -24,10 +24,10 @@ import pytest
 from psycopg.conninfo import make_conninfo
 from runner_procs import wait_for
 
-from runner import db
-from runner.lab import example
-from runner.lab.example import JOB, divergence
-from runner.migrate import migrate
+from lockstep import db
+from lockstep.lab import example
+from lockstep.lab.example import JOB, divergence
+from lockstep.migrate import migrate
 
 pytestmark = pytest.mark.skipif(not pg_cluster.AVAILABLE, reason=pg_cluster.MISSING)
 LOCAL = "-c synchronous_commit=local"  # the test's own sessions: never wait for the absent standby

@@ -26,8 +26,8 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from runner_procs import SLOW_FN, in_slow_call, wait_for
 
-from runner.errors import EXIT_SETUP
-from runner.lab.example import JOB, divergence
+from lockstep.errors import EXIT_SETUP
+from lockstep.lab.example import JOB, divergence
 
 pytestmark = pytest.mark.skipif(shutil.which("pgbouncer") is None, reason="pgbouncer is not installed")
 
@@ -286,7 +286,7 @@ def test_a_database_pgbouncer_does_not_know_is_a_permanent_start_up_error(pgboun
     dsn = make_conninfo(pgbouncer.dsn, dbname="lockstep_pgb_no_such_alias")
     try:
         p = subprocess.run(
-            [sys.executable, "-m", "runner", "run", *mode, "--dsn", dsn, "--no-listen", "--no-prepare"],
+            [sys.executable, "-m", "lockstep", "run", *mode, "--dsn", dsn, "--no-listen", "--no-prepare"],
             capture_output=True,
             text=True,
             timeout=30,
@@ -304,7 +304,7 @@ def test_the_runners_application_name_survives_its_calls_through_pgbouncer(ex, p
     the runner vanished from pg_stat_activity's lockstep-runner sessions that docs/runner.md says to watch
     (found by a review). It sets the application_name it had again, in the same transaction; and a job's
     search_path no longer reaches the application clients given that server connection next."""
-    from runner import db
+    from lockstep import db
 
     ex.execute(
         "create table public.seen (name text);"
@@ -327,7 +327,7 @@ def test_the_runners_time_zone_survives_its_calls_through_pgbouncer(ex, pgbounce
     """Behind PgBouncer, the reset after each call put the server connection back to the server's TimeZone,
     and the pooler took it as the client's: a runner started with PGTZ saw it in its first call only (found
     by a review). The reported parameters are set back to what the session had before the call."""
-    from runner import db
+    from lockstep import db
 
     ex.execute(
         "create table public.tz (name text);"

@@ -18,8 +18,8 @@ from pg_cluster import Cluster
 from psycopg.conninfo import make_conninfo
 from runner_procs import runner_backends, wait_for
 
-from runner.lab.example import JOB, divergence
-from runner.migrate import migrate
+from lockstep.lab.example import JOB, divergence
+from lockstep.migrate import migrate
 
 pytestmark = pytest.mark.skipif(not pg_cluster.AVAILABLE, reason=pg_cluster.MISSING)
 
@@ -33,7 +33,7 @@ def cluster() -> Iterator[Cluster]:
 @pytest.fixture
 def cluster_dsn(cluster: Cluster) -> Iterator[str]:
     """A database in the throw-away cluster with lockstep and the example (30 exams, converged)."""
-    from runner.lab import example
+    from lockstep.lab import example
 
     name = f"restart_{os.getpid()}_{time.monotonic_ns()}"
     with psycopg.connect(cluster.dsn, autocommit=True) as admin:

@@ -16,7 +16,7 @@ import psycopg
 import pytest
 from history_fixtures import as_role, make_roles_fixture, setup_workload  # noqa: F401  (make_roles)
 
-from runner import web
+from lockstep import web
 from tests.util import snapshot
 
 
@@ -201,7 +201,7 @@ def test_ipv6_loopback(example_dsn, server):
 
 def test_a_malformed_dsn_is_refused_at_start():
     p = subprocess.run(
-        [sys.executable, "-m", "runner", "web", "--dsn", "nonsense", "--port", "0"],
+        [sys.executable, "-m", "lockstep", "web", "--dsn", "nonsense", "--port", "0"],
         capture_output=True,
         text=True,
         timeout=30,

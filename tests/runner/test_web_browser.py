@@ -84,7 +84,7 @@ def web_server(tmp_path: Path) -> Iterator:
         with open(log, "w") as f:
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "runner", "web", "--dsn", dsn, "--port", "0", *args],
+                    [sys.executable, "-m", "lockstep", "web", "--dsn", dsn, "--port", "0", *args],
                     stdout=subprocess.DEVNULL,
                     stderr=f,
                 )

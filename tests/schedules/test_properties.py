@@ -32,7 +32,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from isolation import POLL, awaited_locks, blocking_pids
 
-from runner.lab import example
+from lockstep.lab import example
 
 N_PARENTS = 6  # few parents, so that transactions meet on the same ones
 SETTLE_TIMEOUT = 30.0

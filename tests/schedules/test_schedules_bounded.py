@@ -20,7 +20,7 @@ import pytest
 from isolation import Spec
 from util import raises_sqlstate, result
 
-from runner.lab.example import JOB, divergence
+from lockstep.lab.example import JOB, divergence
 
 SESSIONS = {
     "s1": ["set deadlock_timeout = '1s'"],

@@ -17,7 +17,7 @@ import pytest
 from isolation import Spec
 from util import drain
 
-from runner.lab.example import JOB, divergence
+from lockstep.lab.example import JOB, divergence
 
 X = 5
 SESSIONS = {

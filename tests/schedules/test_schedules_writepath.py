@@ -21,7 +21,7 @@ import util
 from isolation import Spec
 from util import raises_sqlstate, result, snapshot
 
-from runner import db
+from lockstep import db
 
 SESSIONS = {
     "s1": ["set deadlock_timeout = '1s'"],

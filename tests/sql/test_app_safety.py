@@ -23,7 +23,7 @@ from isolation import Spec
 from psycopg.conninfo import make_conninfo
 from util import raises_sqlstate, result, snapshot
 
-from runner.migrate import migrate
+from lockstep.migrate import migrate
 
 APP_SQL = """
 create schema app;
@@ -351,7 +351,7 @@ def test_item4_a_renamed_key_column_falls_back_on_the_recompute(app, dsn):
     flagged, problem = flag(app, "band")
     assert flagged and "has no column" in problem
     p = subprocess.run(
-        [sys.executable, "-m", "runner", "status", "--dsn", dsn], capture_output=True, timeout=30
+        [sys.executable, "-m", "lockstep", "status", "--dsn", dsn], capture_output=True, timeout=30
     )
     assert p.returncode != 0  # a flagged job is unhealthy
     app.execute("alter table app.txn rename column acc_id to aid")  # the admin's fix (compute reads aid)
@@ -979,7 +979,7 @@ def test_hostile_application_catalogue(twopc_dsn):
 
 
 def test_a_runner_that_owns_the_queue_vacuums_it_without_locking_writers_out(app, connect):
-    from runner import db
+    from lockstep import db
 
     for _ in range(3):
         app.execute("update app.acc set bal = bal + 1")

@@ -13,8 +13,8 @@ from history_fixtures import as_role, make_roles_fixture  # noqa: F401  (the mak
 from isolation import Spec
 from psycopg.rows import dict_row
 
-from runner.lab import example
-from runner.status import jsonable
+from lockstep.lab import example
+from lockstep.status import jsonable
 from tests.util import raises_sqlstate, result
 
 JOBS = """
@@ -346,7 +346,7 @@ def test_the_example_job_still_converges_with_history_on(ex):
 
 def cli(dsn: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "runner", "status", "--dsn", dsn, *args],
+        [sys.executable, "-m", "lockstep", "status", "--dsn", dsn, *args],
         capture_output=True,
         text=True,
         timeout=30,

@@ -18,8 +18,8 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from util import pg_binary
 
-from runner import paths
-from runner.migrate import head, migrate
+from lockstep import paths
+from lockstep.migrate import head, migrate
 
 HEAD = head()
 MIGRATE_LOCK_KEY = "hashtextextended('lockstep:migrate', 0)"
@@ -146,7 +146,7 @@ def test_concurrent_upgrades_serialize(empty_dsn, connect):
     env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "runner", "migrate", "--dsn", empty_dsn],
+            [sys.executable, "-m", "lockstep", "migrate", "--dsn", empty_dsn],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -359,10 +359,10 @@ def test_lockstep_migrate_on_a_host_installed_schema_says_so(empty_dsn, tmp_path
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_host_alembic_package_form_from_the_wheel(installed_wheel, empty_dsn, tmp_path: Path):
-    """README way (b) as written: version_locations `runner:_alembic/versions` (package resource, no
+    """README way (b) as written: version_locations `lockstep:_alembic/versions` (package resource, no
     site-packages path), `upgrade heads`, `alembic revision --version-path` into the host's folder."""
     bin_dir, _ = installed_wheel
-    ini = host_project(tmp_path, empty_dsn, "runner:_alembic/versions")
+    ini = host_project(tmp_path, empty_dsn, "lockstep:_alembic/versions")
     python = bin_dir / "python"
     host_alembic(ini, "upgrade", "heads", python=python)
     assert host_versions(empty_dsn) == {HEAD, "h001"}
@@ -394,7 +394,7 @@ def _cli_run(cmd: list[str], cwd: Path | None = None, **env: str) -> subprocess.
 
 
 def _cli(*args: str, **env: str) -> subprocess.CompletedProcess:
-    return _cli_run([sys.executable, "-m", "runner", *args], **env)
+    return _cli_run([sys.executable, "-m", "lockstep", *args], **env)
 
 
 def test_cli_dsn_from_database_url_then_libpq_defaults(empty_dsn, make_db):

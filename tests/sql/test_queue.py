@@ -8,9 +8,9 @@ import psycopg
 import pytest
 from util import advisory_locks, drain, flushed_stat, not_due, raises_sqlstate, result, snapshot
 
-from runner import db
-from runner.lab.example import JOB, divergence
-from runner.status import exit_code
+from lockstep import db
+from lockstep.lab.example import JOB, divergence
+from lockstep.status import exit_code
 
 
 def status_exit_code(conn) -> int:

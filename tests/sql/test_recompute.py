@@ -9,7 +9,7 @@ import pytest
 from psycopg import sql
 from util import flushed_stat, result
 
-from runner.lab.example import JOB, divergence
+from lockstep.lab.example import JOB, divergence
 
 
 def tup_stats(conn: psycopg.Connection) -> tuple[int, int, int]:

@@ -19,7 +19,7 @@ import pytest
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from runner.lab import example
+from lockstep.lab import example
 from tests.util import raises_sqlstate, result, snapshot
 
 log = logging.getLogger(__name__)
@@ -154,7 +154,9 @@ def app_writes(ex: psycopg.Connection) -> None:
 
 
 def lockstep_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "runner", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "lockstep", *args], capture_output=True, text=True, timeout=60
+    )
 
 
 # functions ---------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""runner.sqlfiles hands SQL over verbatim, online and offline, whatever the SQL files contain."""
+"""lockstep.sqlfiles hands SQL over verbatim, online and offline, whatever the SQL files contain."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from alembic.migration import MigrationContext
 from alembic.operations import Operations
 from sqlalchemy import create_engine, pool
 
-from runner import sqlfiles
+from lockstep import sqlfiles
 
 # Multi-statement, '%' in format(), %s / %(name)s, :name and ::casts, psql variable names (:DBNAME is
 # set by psql) inside dollar quotes and string literals, comments, a DO block with a notice.

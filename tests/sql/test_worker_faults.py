@@ -16,7 +16,7 @@ import pytest
 from isolation import wait_for_lock_wait
 from util import not_due, result
 
-from runner.lab.example import JOB, divergence
+from lockstep.lab.example import JOB, divergence
 
 CATALOG_WRITES_SQL = (
     "select coalesce(sum(n_tup_ins + n_tup_upd + n_tup_del), 0)::bigint from pg_stat_xact_sys_tables"

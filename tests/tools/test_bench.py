@@ -8,12 +8,12 @@ import sys
 
 import psycopg
 
-from runner.lab.bench import LEVELS, METHODS, max_over, scaling_summary
+from lockstep.lab.bench import LEVELS, METHODS, max_over, scaling_summary
 
 
 def test_bench_small_json(admin_dsn):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "runner", "bench", "--dsn", admin_dsn, "--parents", "300", "--json"],
+        [sys.executable, "-m", "lockstep", "bench", "--dsn", admin_dsn, "--parents", "300", "--json"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from runner.lab.bench_oltp import pg_bindir, render
+from lockstep.lab.bench_oltp import pg_bindir, render
 
 pytestmark = pytest.mark.skipif(not (pg_bindir() / "pgbench").exists(), reason="no pgbench binary")
 
@@ -27,7 +27,7 @@ def test_oltp_section_tiny(admin_dsn):
         "LOCKSTEP_OLTP_THREADS": "1",
     }
     p = subprocess.run(
-        [sys.executable, "-m", "runner", "bench", "--dsn", admin_dsn, "--sections", "oltp", "--json"],
+        [sys.executable, "-m", "lockstep", "bench", "--dsn", admin_dsn, "--sections", "oltp", "--json"],
         capture_output=True,
         text=True,
         env=env,

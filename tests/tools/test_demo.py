@@ -27,7 +27,7 @@ def _demo(args: list[str], tmp_path: Path, small: list[str] = SMALL, timeout: fl
     out = tmp_path / "demo.json"
     started = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "runner", "demo", *small, "--json-file", str(out), *args],
+        [sys.executable, "-m", "lockstep", "demo", *small, "--json-file", str(out), *args],
         capture_output=True,  # bytes: text mode would turn a \r into \n
         timeout=timeout,
         cwd=tmp_path,
@@ -104,7 +104,7 @@ def no_libpq_env(monkeypatch):
 
 
 def _fake_embedded(monkeypatch, said: list[str]) -> list[str]:
-    from runner.lab import demo
+    from lockstep.lab import demo
 
     started: list[str] = []
 
@@ -121,7 +121,7 @@ def _fake_embedded(monkeypatch, said: list[str]) -> list[str]:
 
 
 def test_fallback_only_when_nothing_answers_and_nothing_was_configured(monkeypatch, no_libpq_env):
-    from runner.lab import demo
+    from lockstep.lab import demo
 
     said = _Said()
     started = _fake_embedded(monkeypatch, said)
@@ -144,7 +144,7 @@ def test_fallback_only_when_nothing_answers_and_nothing_was_configured(monkeypat
     ids=["explicit dsn", "PGHOST", "server answered"],
 )
 def test_no_fallback_when_a_server_was_given_or_answered(monkeypatch, no_libpq_env, dsn, env, answered):
-    from runner.lab import demo
+    from lockstep.lab import demo
 
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -159,7 +159,7 @@ def test_no_fallback_when_a_server_was_given_or_answered(monkeypatch, no_libpq_e
 
 
 def test_as_root_the_plan_says_pgserver_creates_a_user(monkeypatch):
-    from runner.lab import demo
+    from lockstep.lab import demo
 
     monkeypatch.setattr(demo.os, "geteuid", lambda: 0)
     assert "system user 'pgserver'" in demo._embedded_plan()
@@ -169,7 +169,7 @@ def test_as_root_the_plan_says_pgserver_creates_a_user(monkeypatch):
 
 def test_demo_with_a_failing_dsn_exits_3_without_starting_anything(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "runner", "demo", "--dsn", "postgresql://nobody@127.0.0.1:1/x"],
+        [sys.executable, "-m", "lockstep", "demo", "--dsn", "postgresql://nobody@127.0.0.1:1/x"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -183,7 +183,7 @@ def test_demo_with_a_failing_dsn_exits_3_without_starting_anything(tmp_path):
 def test_demo_against_a_server_that_refuses_exits_without_fallback(admin_dsn, tmp_path):
     bad = admin_dsn.rsplit("/", 1)[0] + f"/{RUN_TAG}_no_such_db"
     proc = subprocess.run(
-        [sys.executable, "-m", "runner", "demo", "--dsn", bad],
+        [sys.executable, "-m", "lockstep", "demo", "--dsn", bad],
         capture_output=True,
         text=True,
         timeout=60,

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from runner.lab import storm
+from lockstep.lab import storm
 
 
 @pytest.mark.slow
@@ -48,7 +48,7 @@ def test_storm_command_prints_json_and_fails_with_exit_1(admin_dsn, monkeypatch)
     """Thin command: options go to storm.run, the result comes out as JSON, exit 1 on a failed check."""
     from click.testing import CliRunner
 
-    from runner.cli import main
+    from lockstep.cli import main
 
     calls = []
 

@@ -42,15 +42,15 @@ from typing import Any
 
 import psycopg
 
-from runner.lab import example, scratch
-from runner.lab.scratch import percentile
+from lockstep.lab import example, scratch
+from lockstep.lab.scratch import percentile
 
 JOB = example.JOB
 LEVELS = (0, 1, 100)  # % of parents changed
 # lockstep_1tx: lockstep's recompute with no batch limit (one transaction, as before batch_parents)
 METHODS = ("naive", "seed", "lockstep", "lockstep_1tx", "matview")
 LOCKSTEP_METHODS = ("lockstep", "lockstep_1tx")
-# oltp: runner.lab.bench_oltp (pgbench; not run by default); scaling: the recompute at 1/4 of the parents
+# oltp: lockstep.lab.bench_oltp (pgbench; not run by default); scaling: the recompute at 1/4 of the parents
 SECTIONS = ("recompute", "queue", "scaling", "oltp")
 
 METHOD_CALL = {
@@ -225,7 +225,7 @@ class Bench:
             raise RuntimeError(f"lockstep.recompute did not converge: {outcome} {error}")
 
     def setup(self) -> None:
-        from runner.migrate import migrate
+        from lockstep.migrate import migrate
 
         self.progress("migrate")
         migrate(self.dsn)
@@ -691,7 +691,7 @@ def run(
     if unknown:
         raise ValueError(f"unknown sections: {', '.join(sorted(unknown))}")
     if "oltp" in sections:  # a database of its own (pgbench's tables), sized by LOCKSTEP_OLTP_* variables
-        from runner.lab import bench_oltp
+        from lockstep.lab import bench_oltp
 
         oltp = {"oltp": bench_oltp.run(admin_dsn, progress)}
         if set(sections) == {"oltp"}:
@@ -850,7 +850,7 @@ def _render_summary(summary: dict[str, Any], lines: list[str]) -> None:
 
 def render(r: dict[str, Any]) -> str:
     if "machine" not in r:  # the oltp section alone
-        from runner.lab import bench_oltp
+        from lockstep.lab import bench_oltp
 
         return bench_oltp.render(r["oltp"])
     m = r["machine"]
@@ -923,7 +923,7 @@ def render(r: dict[str, Any]) -> str:
                     f"{q[f'noop_{what}_catalog_rows_repeated']} rows"
                 )
     if "oltp" in r:
-        from runner.lab import bench_oltp
+        from lockstep.lab import bench_oltp
 
         lines += ["", bench_oltp.render(r["oltp"])]
     return "\n".join(lines)

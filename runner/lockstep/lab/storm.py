@@ -37,10 +37,10 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from runner.lab import example, scratch
-from runner.lab.app import STORM, AppClient, Stats, is_disconnect, partition
-from runner.lab.procs import Runners
-from runner.lab.scratch import percentile
+from lockstep.lab import example, scratch
+from lockstep.lab.app import STORM, AppClient, Stats, is_disconnect, partition
+from lockstep.lab.procs import Runners
+from lockstep.lab.scratch import percentile
 
 JOB = example.JOB
 DEADLOCKS_SQL = "select coalesce(sum(deadlocks), 0)::bigint from pg_stat_database where datname = %s"
@@ -115,7 +115,7 @@ class Storm:
             return int(row[0]) if row else 0
 
     def setup(self, parents: int, every: str) -> None:
-        from runner.migrate import migrate
+        from lockstep.migrate import migrate
 
         self.progress("migrate")
         migrate(self.dsn)

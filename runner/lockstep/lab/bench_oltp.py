@@ -33,7 +33,7 @@ be shared: compare the rows of one run.
 The summary ratios (tps % of base, added ms per UPDATE, WAL) pool the rounds: the sum of lockstep's (or
 trigger's, sync's) over the sum of base's. Sizes come from the environment (LOCKSTEP_OLTP_SECONDS, _SCALE,
 _CLIENTS, _THREADS, _RUNNERS, _ROUNDS) or
-``python -m runner.lab.bench_oltp --seconds 3 --scale 1``.
+``python -m lockstep.lab.bench_oltp --seconds 3 --scale 1``.
 """
 
 from __future__ import annotations
@@ -54,9 +54,9 @@ from typing import Any
 
 import psycopg
 
-from runner.db import APP_NAME
-from runner.lab import scratch
-from runner.migrate import migrate
+from lockstep.db import APP_NAME
+from lockstep.lab import scratch
+from lockstep.migrate import migrate
 
 JOB = "account_band"
 DERIVED_SQL = """
@@ -312,7 +312,7 @@ class Oltp:
         try:
             for i in range(self.opts["runners"]):
                 f = open(logdir / f"runner{i}.log", "w")  # noqa: SIM115 - closed below
-                cmd = [sys.executable, "-m", "runner", "run", "--dsn", self.dsn, "--log-format", "json"]
+                cmd = [sys.executable, "-m", "lockstep", "run", "--dsn", self.dsn, "--log-format", "json"]
                 runners.append((subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f), f))
             seq0 = self.conn.execute(SEQ_SQL).fetchone()[0]
             wal0 = self._lsn()
@@ -546,7 +546,7 @@ def render(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m runner.lab.bench_oltp", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m lockstep.lab.bench_oltp", description=__doc__.split("\n")[0])
     ap.add_argument("--dsn", default=os.environ.get("DATABASE_URL", ""), help="admin DSN")
     for k in ("seconds", "scale", "clients", "threads", "runners", "rounds"):
         ap.add_argument(f"--{k}", type=int, default=None)

@@ -13,8 +13,8 @@ from typing import Any
 
 import psycopg
 
-from runner import db
-from runner.errors import (
+from lockstep import db
+from lockstep.errors import (
     EXIT_SETUP,
     EXIT_UNREACHABLE,
     POOLER_HINT,
@@ -24,7 +24,7 @@ from runner.errors import (
     is_transient,
     permanent_hint,
 )
-from runner.status import no_jobs
+from lockstep.status import no_jobs
 
 log = logging.getLogger("lockstep.runner")
 

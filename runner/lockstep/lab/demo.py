@@ -11,7 +11,7 @@
    application clients (threads, one connection each) doing deletes, merges, edits, inserts and explicit
    ``lockstep.enqueue`` calls. Each client owns the exams whose id is congruent to its number, so clients
    never wait for each other: every wait or deadlock involves a job. Then the runners drain the queue and
-   the derived table is compared with a full computation (``runner.lab.example.divergence``).
+   the derived table is compared with a full computation (``lockstep.lab.example.divergence``).
 4. naive phase (``--naive-seconds``): the same clients against ``example.naive_recompute()`` (looped: the
    periodic job) and ``example.naive_work(ids)`` (looped over keys taken from ``lockstep.queue``: the
    queue worker).
@@ -34,10 +34,10 @@ from typing import Any
 
 import psycopg
 
-from runner.lab import app, example, scratch
-from runner.lab.app import AppClient, Stats, partition
-from runner.lab.procs import RunnerProcess
-from runner.lab.scratch import percentile
+from lockstep.lab import app, example, scratch
+from lockstep.lab.app import AppClient, Stats, partition
+from lockstep.lab.procs import RunnerProcess
+from lockstep.lab.scratch import percentile
 
 JOB = example.JOB
 DEMO_DIR = ".lockstep-demo"
@@ -189,7 +189,7 @@ def _describe(dsn: str) -> str:
 def start_clients(
     dsn: str, opts: Options, first_new: int, live_ids: list[int], stats: Stats, stop: threading.Event
 ) -> list[AppClient]:
-    """opts.clients application clients (runner.lab.app, the demo workload), each owning its exams."""
+    """opts.clients application clients (lockstep.lab.app, the demo workload), each owning its exams."""
     owned = partition(live_ids, first_new, opts.clients)
     clients = [
         AppClient(
@@ -365,7 +365,7 @@ class Demo:
 
     # -- setup
     def setup(self, admin_dsn: str) -> str:
-        from runner.migrate import migrate
+        from lockstep.migrate import migrate
 
         name = self.opts.database
         self.say(f"recreate database {name}")

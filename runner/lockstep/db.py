@@ -15,7 +15,7 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import dict_row
 from psycopg.types.datetime import DateLoader, TimestampLoader, TimestamptzLoader
 
-from runner import dsn as dsns
+from lockstep import dsn as dsns
 
 log = logging.getLogger("lockstep.db")
 
@@ -104,7 +104,7 @@ def connect(
     own name wins: it was replaced, while the start-up line showed the DSN's). prepare=None: off when the
     port looks like a pooler.
 
-    ``dsn``: any form :func:`runner.dsn.normalize` accepts. ``check_interval`` (e.g. ``"1s"``): sets
+    ``dsn``: any form :func:`lockstep.dsn.normalize` accepts. ``check_interval`` (e.g. ``"1s"``): sets
     ``client_connection_check_interval`` for the session through the startup packet's ``options``
     (added to those of the DSN or $PGOPTIONS), so no shell or unit file has to quote ``-c ...``.
     """
@@ -288,8 +288,8 @@ def drop_job(conn: psycopg.Connection, job: str) -> None:
 
 
 def query(name: str) -> str:
-    """The text of ``runner/queries/<name>.sql`` (shipped in the package)."""
-    return (importlib.resources.files("runner") / "queries" / f"{name}.sql").read_text(encoding="utf-8")
+    """The text of ``runner/lockstep/queries/<name>.sql`` (shipped in the package)."""
+    return (importlib.resources.files("lockstep") / "queries" / f"{name}.sql").read_text(encoding="utf-8")
 
 
 def history(conn: psycopg.Connection, job: str | None = None, limit: int = 50) -> list[dict]:

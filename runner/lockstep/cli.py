@@ -6,9 +6,9 @@ Conventions (README "Command line"), the same for every command:
 - every option can also come from the environment: ``LOCKSTEP_<COMMAND>_<OPTION>`` (click's
   ``auto_envvar_prefix``, e.g. ``LOCKSTEP_RUN_TICK=0.5``), ``LOCKSTEP_LOG_LEVEL`` for the log level, and
   ``--dsn`` from ``LOCKSTEP_DSN``, else ``DATABASE_URL``, else libpq's own defaults (PGHOST, ...);
-- ``--dsn`` takes every form :mod:`runner.dsn` accepts (libpq key=value, URL, ``postgresql+driver://``);
+- ``--dsn`` takes every form :mod:`lockstep.dsn` accepts (libpq key=value, URL, ``postgresql+driver://``);
 - ``--json`` always means: print the command's result as JSON on stdout instead of text;
-- exit codes (:mod:`runner.errors`): 0 ok/healthy, 1 unhealthy or failed, 2 usage error, 3 no server
+- exit codes (:mod:`lockstep.errors`): 0 ok/healthy, 1 unhealthy or failed, 2 usage error, 3 no server
   answered, 4 permanent setup error (database, role or lockstep schema missing, login refused, bad
   server options), with a hint.
 
@@ -29,8 +29,8 @@ from typing import Any
 
 import click
 
-from runner import __version__
-from runner import errors as codes
+from lockstep import __version__
+from lockstep import errors as codes
 
 log = logging.getLogger("lockstep.cli")
 
@@ -43,8 +43,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from alembic.util import CommandError
     from sqlalchemy.exc import SQLAlchemyError
 
-    from runner.migrate import MigrateError
-    from runner.sqlfiles import SqlFilesError
+    from lockstep.migrate import MigrateError
+    from lockstep.sqlfiles import SqlFilesError
 
     return (psycopg.Error, SQLAlchemyError, CommandError, SqlFilesError, MigrateError, OSError)
 
@@ -130,12 +130,12 @@ option = functools.partial(click.option, cls=_Option)
 
 
 class DsnType(click.ParamType):
-    """A connection string, normalized by runner.dsn (the ``+driver`` suffix dropped); unparseable: exit 2."""
+    """A connection string, normalized by lockstep.dsn (``+driver`` dropped); unparseable: exit 2."""
 
     name = "dsn"
 
     def convert(self, value, param, ctx):
-        from runner.dsn import DsnError, normalize
+        from lockstep.dsn import DsnError, normalize
 
         if value is None:
             return None
@@ -279,7 +279,7 @@ def migrate(action: str, dsn: str | None, revision: str | None, sql: bool, json:
     lockstep migrate current                 the revision installed (nothing is changed)
     lockstep migrate check                   exit 0 at head, 1 when an upgrade is due
     """
-    from runner import migrate as migrations
+    from lockstep import migrate as migrations
 
     _setup_logging("plain", log_level(logging.WARNING))
     if action in ("current", "check"):
@@ -307,7 +307,7 @@ def migrate(action: str, dsn: str | None, revision: str | None, sql: bool, json:
 
 
 def _schema_exists(dsn: str | None) -> bool:
-    from runner import db
+    from lockstep import db
 
     with db.connect(dsn, app_name="lockstep-migrate") as conn:
         return db.lockstep_installed(conn)
@@ -350,7 +350,7 @@ def _migrate_report(action: str, current: tuple[str, ...], head: str, json: bool
 @option(
     "--batch-wait",
     type=click.FloatRange(min=0),
-    default=0.2,  # runner.loop.BATCH_WAIT (loop is imported when the command runs)
+    default=0.2,  # lockstep.loop.BATCH_WAIT (loop is imported when the command runs)
     show_default=True,
     help="After a worker pass that left less than a full batch ready (by any runner), let keys gather "
     "this many seconds before the job's next pass: fewer, larger passes under a steady write load (cheaper "
@@ -415,8 +415,8 @@ def run(
     exist; connection losses and server restarts are retried with backoff. --once: 1 if a run failed,
     3 if no server answered.
     """
-    from runner import db, loop
-    from runner.dsn import describe
+    from lockstep import db, loop
+    from lockstep.dsn import describe
 
     if connection_check_interval is not None and not db.CHECK_INTERVAL.match(connection_check_interval):
         raise click.BadParameter(
@@ -473,7 +473,7 @@ def _server_warning(diag: Any) -> None:  # psycopg.errors.Diagnostic
 
 def _connect(dsn: str | None, app_name: str):
     """A short connection for the one-shot commands; a missing lockstep schema is exit 4 with a hint."""
-    from runner import db
+    from lockstep import db
 
     conn = db.connect(dsn, app_name=app_name)
     # the server's warnings reach the user (retry() dropping a queued key that names no parent said so only
@@ -513,8 +513,8 @@ def status(dsn: str | None, json: bool, history: bool, job: str | None, limit: i
     full recompute or has a key queued longer than --max-lag; 3 no server answered; 4 no lockstep schema
     (or database, role).
     --history: the newest runs of lockstep.run_log, oldest first (exit 0)."""
-    from runner import db
-    from runner import status as st
+    from lockstep import db
+    from lockstep import status as st
 
     _setup_logging(level=log_level(logging.WARNING))
     if history:
@@ -551,7 +551,7 @@ def retry(job: str, keys: tuple[str, ...], dsn: str | None, json: bool) -> None:
     """
     import psycopg
 
-    from runner import db
+    from lockstep import db
 
     _setup_logging(level=log_level(logging.WARNING))
     with _connect(dsn, "lockstep-retry") as conn:
@@ -583,7 +583,7 @@ def drop(job: str, dsn: str | None, json: bool) -> None:
 
     The derived table and its rows stay.
     """
-    from runner import db
+    from lockstep import db
 
     _setup_logging(level=log_level(logging.WARNING))
     with _connect(dsn, "lockstep-drop") as conn:
@@ -628,7 +628,7 @@ def demo(
     settings and with no server answering, an embedded one is started (it says so first); an explicit
     DSN that fails is an error. Exit code 0 when lockstep had 0 deadlocks and converged.
     """
-    from runner.lab import demo as demo_mod
+    from lockstep.lab import demo as demo_mod
 
     _setup_logging(level=log_level(logging.WARNING))
     opts = demo_mod.Options(
@@ -663,7 +663,7 @@ def demo(
 @log_options
 def bench(dsn: str | None, parents: int, sections: str, json: bool, json_file: str | None) -> None:
     """Benchmark lockstep against the naive patterns in a database of its own (the DSN is the admin one)."""
-    from runner.lab import bench as bench_mod
+    from lockstep.lab import bench as bench_mod
 
     _setup_logging(level=log_level(logging.WARNING))
     result = bench_mod.run(dsn, parents, tuple(s.strip() for s in sections.split(",") if s.strip()))
@@ -694,7 +694,7 @@ def storm(
     json: bool,
 ) -> None:
     """App transactions and runners at once in a database of its own; exit 1 if an invariant fails."""
-    from runner.lab import storm as storm_mod
+    from lockstep.lab import storm as storm_mod
 
     _setup_logging(level=log_level(logging.WARNING))
     result = storm_mod.run(dsn, seconds, parents, clients, runners, every, keep)
@@ -707,8 +707,8 @@ def storm(
 
 def _status_history(dsn: str | None, as_json: bool, job: str | None, limit: int) -> None:
     """`lockstep status --history`: the newest runs, oldest first (rows hidden by row security are absent)."""
-    from runner import db
-    from runner import status as st
+    from lockstep import db
+    from lockstep import status as st
 
     with _connect(dsn, "lockstep-status") as conn:
         rows = db.history(conn, job, limit)
@@ -740,7 +740,7 @@ def _status_history(dsn: str | None, as_json: bool, job: str | None, limit: int)
 @log_options
 def web(dsn: str | None, host: str, port: int, refresh: int) -> None:
     """Serve a read-only status page: jobs, queue, failing keys, recent runs. Ctrl-C or SIGTERM stops it."""
-    from runner import web as web_mod
+    from lockstep import web as web_mod
 
     _setup_logging("text", log_level(logging.INFO))
     raise SystemExit(web_mod.serve(web_mod.Options(dsn=dsn, host=host, port=port, refresh=refresh)))

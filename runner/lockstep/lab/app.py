@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import psycopg
 
-from runner.lab import example
+from lockstep.lab import example
 
 DELETE_ONE_SQL = "delete from example.exam where id = %s"
 DELETE_ANY_SQL = "delete from example.exam where id = any(%s)"

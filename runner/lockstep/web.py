@@ -33,8 +33,8 @@ from urllib.parse import urlsplit
 
 import psycopg
 
-from runner import db
-from runner.status import jsonable
+from lockstep import db
+from lockstep.status import jsonable
 
 log = logging.getLogger("lockstep.web")
 

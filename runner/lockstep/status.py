@@ -97,12 +97,12 @@ def unhealthy(rows: list[dict], max_lag: float | None = MAX_LAG) -> bool:
 
 
 def exit_code(rows: list[dict], max_lag: float | None = MAX_LAG) -> int:
-    """``lockstep status``'s exit code for these rows: 0 healthy, 1 unhealthy (runner.errors.EXIT_*).
+    """``lockstep status``'s exit code for these rows: 0 healthy, 1 unhealthy (lockstep.errors.EXIT_*).
 
     The other codes come before any row is read: 2 usage error, 3 no server answered, 4 permanent
     setup error (database, role or lockstep schema missing...).
     """
-    from runner.errors import EXIT_OK, EXIT_UNHEALTHY
+    from lockstep.errors import EXIT_OK, EXIT_UNHEALTHY
 
     return EXIT_UNHEALTHY if unhealthy(rows, max_lag) else EXIT_OK
 

@@ -1,7 +1,8 @@
 """Where the packaged SQL and Alembic environment live.
 
-In a wheel they are shipped inside the package as ``runner/_sql`` and ``runner/_alembic``; in a checkout
-(or an editable install) they are the top-level ``sql/`` and ``alembic/`` folders beside ``runner/``.
+In a wheel they are shipped inside the package as ``lockstep/_sql`` and ``lockstep/_alembic``; in a checkout
+(or an editable install) they are the top-level ``sql/`` and ``alembic/`` folders beside ``runner/``
+(the package is ``runner/lockstep/``).
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ _PACKAGE = Path(__file__).resolve().parent
 
 
 def _locate(packaged: str, checkout: str) -> Path:
-    for candidate in (_PACKAGE / packaged, _PACKAGE.parent / checkout):
+    for candidate in (_PACKAGE / packaged, _PACKAGE.parent.parent / checkout):
         if candidate.is_dir():
             return candidate
     raise FileNotFoundError(
-        f"lockstep: neither {_PACKAGE / packaged} nor {_PACKAGE.parent / checkout} exists; "
+        f"lockstep: neither {_PACKAGE / packaged} nor {_PACKAGE.parent.parent / checkout} exists; "
         "is the package installed correctly?"
     )
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import psycopg
 
-from runner.paths import sql_dir
+from lockstep.paths import sql_dir
 
 JOB = "exam_keys"
 

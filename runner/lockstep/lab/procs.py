@@ -1,6 +1,6 @@
 """``lockstep run`` as real processes, for the lab tools (demo, storm) and the tests.
 
-``RunnerProcess`` starts ``python -m runner run --dsn DSN ARGS...`` with its stderr (the log) in a file;
+``RunnerProcess`` starts ``python -m lockstep run --dsn DSN ARGS...`` with its stderr (the log) in a file;
 the log can be read at any time (``stderr``), its JSON lines parsed as they come (``records``, incremental).
 ``Runners`` is a group of them. Stopping is SIGTERM, then a wait, then SIGKILL if it did not exit.
 """
@@ -24,7 +24,7 @@ class RunnerProcess:
         self.log = Path(log)
         self._f: IO[str] = open(self.log, "w")  # noqa: SIM115 - closed in wait() / kill()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "runner", "run", "--dsn", dsn, *args],
+            [sys.executable, "-m", "lockstep", "run", "--dsn", dsn, *args],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=self._f,

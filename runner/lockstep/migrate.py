@@ -1,7 +1,7 @@
 """Install, upgrade or remove the lockstep schema with the packaged Alembic revisions.
 
 Works from any directory, in a checkout or from a wheel: the Alembic ``Config`` is built here, pointing
-at :func:`runner.paths.alembic_dir`; no ``alembic.ini`` is read.
+at :func:`lockstep.paths.alembic_dir`; no ``alembic.ini`` is read.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from alembic.config import Config
 from alembic.runtime.environment import EnvironmentContext
 from alembic.script import ScriptDirectory
 
-from runner.paths import alembic_dir
+from lockstep.paths import alembic_dir
 
 VERSION_TABLE = "lockstep_alembic_version"
 

@@ -1,6 +1,6 @@
 """What the run history (lockstep.run_log) costs a run, side by side in one run.
 
-    python -m runner.lab.history_cost [--dsn ADMIN_DSN] [--runs 1000] [--rounds 3]
+    python -m lockstep.lab.history_cost [--dsn ADMIN_DSN] [--runs 1000] [--rounds 3]
 
 In a database of its own: a generic job at its run_log limit (every run inserts one row and prunes one)
 next to 100,000 rows of other jobs. Each round times ``runs`` autocommit calls of ``lockstep._finish``
@@ -18,8 +18,8 @@ import time
 
 import psycopg
 
-from runner.lab.scratch import create_database, drop_database
-from runner.migrate import migrate
+from lockstep.lab.scratch import create_database, drop_database
+from lockstep.migrate import migrate
 
 LOG_RUN = "lockstep._log_run(lockstep.job,text,text,timestamp with time zone,lockstep._pass,text)"
 NOOP = """

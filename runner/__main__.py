@@ -1,3 +1,0 @@
-from runner.cli import main
-
-main(prog_name="lockstep")

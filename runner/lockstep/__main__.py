@@ -1,0 +1,3 @@
+from lockstep.cli import main
+
+main(prog_name="lockstep")

@@ -1,0 +1,372 @@
+-- lockstep: generic scheduled jobs, lockstep.run() (the runner's entry point) and drop_job.
+
+-- lockstep._check_schedule(job, lock_group, every, backoff): argument checks shared by define_*, and the
+-- lock group free of jobs of roles the caller may not manage.
+-- locks: nothing.
+create or replace function lockstep._check_schedule(job text, lock_group text, every interval, backoff interval)
+returns void
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+set intervalstyle = 'postgres'
+as $$
+declare
+    g record;
+    v_long boolean;
+    v_blank text := case when pg_catalog.btrim(job, E' \t\n\r') = '' then job
+                         when pg_catalog.btrim(lock_group, E' \t\n\r') = '' then lock_group end;
+    -- a newline or another control character in a name garbles every log line and status table that shows
+    -- it (and the line and paragraph separators, the bidirectional overrides and isolates: they garble too)
+    v_garbling constant text := '[[:cntrl:]\u2028\u2029\u202a-\u202e\u2066-\u2069]';
+begin
+    if job is null or every is null or backoff is null then
+        raise exception 'lockstep: job, every and backoff must not be NULL' using errcode = '22004';
+    end if;
+    if v_blank is not null then
+        raise exception 'lockstep: job and lock_group must not be empty or blank strings (got %)',
+            pg_catalog.quote_literal(v_blank) using errcode = '22023';
+    end if;
+    if job ~ v_garbling or lock_group ~ v_garbling then
+        raise exception 'lockstep: job and lock_group must not contain control characters (got %)',
+            pg_catalog.quote_literal(case when job ~ v_garbling then job else lock_group end)
+            using errcode = '22023', hint = 'Choose a name of printable characters.';
+    end if;
+    if pg_catalog.octet_length(job) > 63 then
+        raise exception 'lockstep: job names must be at most 63 bytes (got %)', pg_catalog.octet_length(job)
+            using errcode = '22023', hint = 'Like an SQL identifier: choose a shorter name.';
+    end if;
+    -- positive in every part: '1 month -29 days 00:01' compares above zero (a month counts 30 days) but
+    -- adds up to a minute in the past in February, and such a job then ran every minute (a review); the
+    -- postgres IntervalStyle (this function's) writes '-' only before a negative part
+    if every <= interval '0' or backoff <= interval '0' or every::text like '%-%' or backoff::text like '%-%' then
+        raise exception 'lockstep: every and backoff must be positive intervals with no negative part (got every %, backoff %)',
+            every, backoff using errcode = '22023';
+    end if;
+    -- past the year 294276 a run's next_run_at overflows: each run then failed with 22008 in _finish,
+    -- recording nothing, while status looked healthy (found by a probe). Checked on timestamps, not by
+    -- comparing intervals, which count a month as 30 days while a timestamp adds months first:
+    -- '293000 years -105479999 days' compared below 100 years and still overflowed (a review).
+    begin
+        v_long := now() + every > now() + interval '100 years' or now() + backoff > now() + interval '100 years';
+    exception when datetime_field_overflow then
+        v_long := true;
+    end;
+    if v_long then
+        raise exception 'lockstep: every and backoff must be at most 100 years (got every %, backoff %)',
+            every, backoff using errcode = '22023';
+    end if;
+    -- the lock group free of other owners' jobs (lockstep._group_holder, 11_privileges.sql). A role that
+    -- may not read the registry is refused by the checks that follow, with their own message.
+    if not pg_catalog.has_table_privilege('lockstep.job', 'SELECT') then
+        return;
+    end if;
+    g := lockstep._group_holder(coalesce(lock_group, job), job);
+    if g.holder is not null then
+        raise exception 'lockstep: lock group "%" is used by job "%" of role "%"',
+            coalesce(lock_group, job), g.holder, g.holder_owner
+            using errcode = '42501', hint = 'Choose another lock_group: a group holds the jobs of one owner.';
+    end if;
+end;
+$$;
+
+-- lockstep._callable(f, nargs): the schema-qualified name by which f is called with its first nargs
+-- arguments (the rest take their defaults), after making sure that call resolves to f alone.
+-- PostgreSQL calls functions by name only, so an overload in f's schema that also accepts such a call
+-- (same leading argument types, the rest defaulted, e.g. f(x int default 0) beside f()) would make the
+-- call fail with "is not unique", or worse pick the other one: then this raises 42725 naming it, at
+-- define time (define_job / define_derived refuse) or at run time (the run fails, recorded, and says why).
+-- locks: nothing.
+create or replace function lockstep._callable(f regprocedure, nargs integer) returns text
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    p pg_catalog.pg_proc;
+    v_other text;
+begin
+    select * into p from pg_catalog.pg_proc x where x.oid = f;
+    select pg_catalog.string_agg(q.oid::regprocedure::text, ', ' order by q.oid) into v_other
+    from pg_catalog.pg_proc q
+    where q.pronamespace = p.pronamespace and q.proname = p.proname and q.oid <> p.oid
+      and q.pronargs >= nargs and q.pronargs - q.pronargdefaults <= nargs
+      and (q.proargtypes::oid[])[0:nargs - 1] = (p.proargtypes::oid[])[0:nargs - 1];
+    if v_other is not null then
+        raise exception 'lockstep: a call of % with % argument(s) is ambiguous: % accepts it too', f, nargs, v_other
+            using errcode = '42725',
+                  hint = 'PostgreSQL resolves calls by name, and lockstep calls jobs and compute functions with no '
+                         'argument (a job) or one (compute): rename or drop the overload, or define the job with another function.';
+    end if;
+    return pg_catalog.format('%I.%I', (select n.nspname from pg_catalog.pg_namespace n where n.oid = p.pronamespace),
+                             p.proname);
+end;
+$$;
+
+-- lockstep._check_isolation(what): lockstep's writers run in READ COMMITTED (READ UNCOMMITTED is the same
+-- in PostgreSQL). Under REPEATABLE READ or SERIALIZABLE, pinning a row changed since the transaction's
+-- snapshot raises 40001 instead of skipping or re-reading it, so a run would fail and back off. Raised
+-- first, before any work; the runner sets READ COMMITTED on every transaction whatever the default.
+-- locks: nothing.
+create or replace function lockstep._check_isolation(what text) returns void
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if pg_catalog.current_setting('transaction_isolation') not in ('read committed', 'read uncommitted') then
+        raise exception 'lockstep: % needs a READ COMMITTED transaction, this one is %', what,
+            pg_catalog.upper(pg_catalog.current_setting('transaction_isolation'))
+            using errcode = '25000',
+                  hint = 'Call it in its own transaction: begin isolation level read committed; select ...; commit; '
+                         '(the runner does this whatever default_transaction_isolation says).';
+    end if;
+end;
+$$;
+
+-- lockstep.define_job(job, call, lock_group, every, backoff): register or update a generic job: `call` is
+-- run on schedule under the lock-group rules. `call` must be a function callable with no argument.
+-- Redefining it with another call makes it due at once; a new every counts from the last run.
+-- locks: the job's registry row (insert or update), then, on a redefinition, its status row. Nothing a
+-- runner holds.
+create or replace function lockstep.define_job(job text, call regprocedure, lock_group text default null,
+                                    every interval default '1 minute', backoff interval default '1 hour')
+returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    p pg_catalog.pg_proc;
+    old lockstep.job;
+begin
+    perform lockstep._check_schedule(job, lock_group, every, backoff);
+    if call is null then
+        raise exception 'lockstep: call must not be NULL' using errcode = '22004';
+    end if;
+    perform lockstep._check_privileges(null, call, null);
+    select * into p from pg_catalog.pg_proc where oid = call;
+    if p.prokind <> 'f' then
+        raise exception 'lockstep: % is not a plain function (procedures, aggregates and window functions cannot be jobs)',
+            call using errcode = 'LSD02';
+    end if;
+    if p.pronargs - p.pronargdefaults <> 0 then
+        raise exception 'lockstep: % needs % argument(s); a job function must be callable with none',
+            call, p.pronargs - p.pronargdefaults using errcode = 'LSD02';
+    end if;
+    perform lockstep._callable(call, 0);
+    select * into old from lockstep.job j where j.job = define_job.job;
+    if found then
+        perform lockstep._check_owner(old);
+        if old.kind <> 'job' then
+            raise exception 'lockstep: job "%" is a derived job; use lockstep.define_derived() or drop it first', job
+                using errcode = 'LSJ02';
+        end if;
+    end if;
+    insert into lockstep.job as j (job, kind, lock_group, call, every, backoff)
+    values (job, 'job', coalesce(lock_group, job), call::text, every, backoff)
+    on conflict on constraint job_pkey do update
+        set lock_group = excluded.lock_group, call = excluded.call, every = excluded.every,
+            backoff = excluded.backoff, updated_at = now();
+    insert into lockstep.job_state (job) values (job) on conflict do nothing;
+    -- as define_derived: another call is due now, a new every counts from the last run (the old
+    -- next_run_at was kept: an hour's schedule shortened to a second still waited the hour); the same
+    -- every keeps next_run_at (a run that outlasted its every is due after it ended: counted from its
+    -- start, the same definition again made it due at once; a review)
+    if old.job is not null then
+        update lockstep.job_state s
+        set next_run_at = case when old.call is distinct from call::text then now()
+                               when old.every = every then s.next_run_at  -- the same schedule: kept
+                               else least(s.next_run_at, coalesce(s.last_started_at, now()) + every) end
+        where s.job = define_job.job;
+    end if;
+end;
+$$;
+
+-- lockstep._call(job): run a generic job's function once, under the group lock, recording the outcome.
+-- The function runs as the job's owner (lockstep._as_owner); a caller that may not act as the owner gets
+-- a failed run with the reason in last_error, never a run with its own rights.
+-- locks: the group lock (try; busy if taken); then whatever the job's function locks; the status row last.
+create or replace function lockstep._call(j lockstep.job, only_if_due boolean) returns lockstep.result
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    s lockstep.job_state;
+    v_started timestamptz;
+    v_err text;
+begin
+    if not lockstep._try_lock(j.lock_group) then
+        return lockstep._result('busy', j.job, 'call');
+    end if;
+    -- re-read under the lock: another runner may have run it between our look and our lock.
+    select * into s from lockstep.job_state st where st.job = j.job;
+    if only_if_due and s.next_run_at > now() then
+        return lockstep._result(lockstep._not_due(s), j.job, 'call');
+    end if;
+    v_started := clock_timestamp();
+    begin
+        perform lockstep._as_owner(j, null);
+    exception
+        when query_canceled then
+            if not lockstep._is_statement_timeout(v_started) then
+                raise;
+            end if;
+            get stacked diagnostics v_err = message_text;
+            return lockstep._failed(j, 'call', v_started, v_err);
+        when others then
+            get stacked diagnostics v_err = message_text;
+            return lockstep._failed(j, 'call', v_started, v_err);
+    end;
+    perform lockstep._finish(j, 'call', 'done', v_started);
+    return lockstep._result('done', j.job, 'call');
+end;
+$$;
+
+-- lockstep._restore_state(j): the job's status row, made again where it is gone (an admin deleted it): the
+-- job had vanished from lockstep.status and lockstep.due(), so no runner ran it again and its queue grew,
+-- with every health check healthy (found by a probe). The new row has the defaults: its periodic part
+-- (the recompute of a derived job, which repairs whatever the lost row described) is due now. Made under
+-- the group lock (the job's run, which takes it again, holds it to its commit), so a second runner is busy
+-- at once instead of waiting on the first one's uncommitted row until its whole run ends (found by a
+-- review); NULL (a row of NULLs) when the group is busy. A row hidden from this role by row-level security
+-- (a runner not serving the owner) is refused first (lockstep._check_act_as).
+-- locks: the group lock (try); the new lockstep.job_state row (insert).
+create or replace function lockstep._restore_state(j lockstep.job) returns lockstep.job_state
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    s lockstep.job_state;
+begin
+    perform lockstep._check_act_as(j);
+    if not lockstep._try_lock(j.lock_group) then
+        return s;
+    end if;
+    begin
+        insert into lockstep.job_state (job) values (j.job) on conflict do nothing;
+    exception when insufficient_privilege then
+        raise exception 'lockstep: the status row of job "%" is gone (lockstep.job_state), and role % may not make it again',
+            j.job, current_user
+            using errcode = '42501',
+                  hint = pg_catalog.format('Run lockstep.define_%s(%L, ...) again as its owner, or grant insert on '
+                                           'lockstep.job_state to the runner (docs/security.md).',
+                                           case when j.kind = 'job' then 'job' else 'derived' end, j.job);
+    end;
+    select * into s from lockstep.job_state st where st.job = j.job;
+    return s;
+end;
+$$;
+
+-- lockstep.run(job): what the runner calls.-- lockstep.run(job): what the runner calls. Runs whatever part of the job is due:
+--   generic job: its function, if due (not_due / backoff otherwise);
+--   derived job: the periodic recompute if due or the job is flagged (lockstep.recompute_flag), else a
+--   worker pass over up to batch_parents (default 500) queued parents (idle if none).
+-- Keys convert to text in one form whatever the caller's settings (DateStyle, IntervalStyle,
+-- extra_float_digits pinned; see lockstep._canon); jobs and compute functions run under those settings.
+-- locks: nothing while looking for work (but the group lock, try, when its status row is gone); then as
+-- lockstep._call, lockstep.recompute or lockstep.work.
+create or replace function lockstep.run(job text) returns lockstep.result
+language plpgsql
+set search_path = pg_catalog, pg_temp
+set jit = off  -- lockstep._no_jit_note (03_helpers.sql)
+set datestyle = 'ISO, YMD'
+set intervalstyle = 'postgres'
+set extra_float_digits = 1
+as $$
+declare
+    j lockstep.job := lockstep._job(job);
+    s lockstep.job_state;
+    r lockstep.result;
+begin
+    perform lockstep._check_isolation('lockstep.run()');
+    select * into s from lockstep.job_state st where st.job = j.job;
+    if not found then
+        s := lockstep._restore_state(j);
+        if s.job is null then
+            return lockstep._result('busy', j.job, case when j.kind = 'job' then 'call' else 'recompute' end);
+        end if;
+    end if;
+    if j.kind = 'job' then
+        if s.next_run_at > now() then
+            return lockstep._result(lockstep._not_due(s), j.job, 'call');
+        end if;
+        return lockstep._call(j, true);
+    end if;
+    if s.next_run_at <= now() then
+        return lockstep._recompute(j, true);
+    end if;
+    -- a trigger fell back on flagging the job: its recompute is due now (unless failing: lockstep._flag_due)
+    if lockstep._flag_due(s) then
+        return lockstep._recompute(j, false);
+    end if;
+    if j.parent is null then
+        if s.recompute_rest is not null then  -- a recompute spread over transactions (07_recompute.sql)
+            return lockstep._continue(j);
+        end if;
+        return lockstep._result(lockstep._not_due(s), j.job, 'recompute');
+    end if;
+    r := lockstep._work(j, j.batch_parents);
+    if r.outcome = 'idle' and lockstep._not_due(s) = 'backoff' then
+        r.outcome := 'backoff';
+    end if;
+    return r;
+end;
+$$;
+
+-- lockstep._own_enqueuers(job): the application's own triggers (not lockstep's) whose function calls
+-- lockstep.enqueue, with job as the call's first argument, a literal, or a trigger argument the call reads
+-- from tg_argv (job NULL: any job). Read from the functions' source: a warning's evidence, not a dependency
+-- PostgreSQL records (a call through a helper function or an unqualified name is not seen). drop_job and
+-- the downgrade name them: they fail the application's next write once the job (LSJ01) or the schema is
+-- gone (found by a newcomer probe).
+-- locks: nothing.
+create or replace function lockstep._own_enqueuers(job text) returns text
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    with c(call) as (select text '"?lockstep"?\s*\.\s*"?enqueue"?\s*\(\s*')  -- the call, up to its first argument
+    select pg_catalog.string_agg(pg_catalog.format('trigger %I on %s (function %s)', t.tgname,
+                                                   t.tgrelid::regclass, p.oid::regprocedure), ', '
+                                 order by t.tgrelid::regclass::text, t.tgname)
+    from c, pg_catalog.pg_trigger t
+    join pg_catalog.pg_proc p on p.oid = t.tgfoid
+    where not t.tgisinternal and p.pronamespace <> 'lockstep'::regnamespace
+      and p.prosrc ~* c.call
+      and (job is null
+           -- the job's name right after the call's parenthesis, or a trigger argument passed on to it
+           or pg_catalog.strpos(pg_catalog.regexp_replace(p.prosrc, c.call, 'lockstep.enqueue(', 'gi'),
+                                'lockstep.enqueue(' || pg_catalog.quote_literal(job)) > 0
+           or (p.prosrc ~* (c.call || 'tg_argv')
+               and job = any(pg_catalog.string_to_array(pg_catalog.encode(t.tgargs, 'escape'), '\000'))));
+$$;
+
+-- lockstep.drop_job(job): remove a job, its state, its queue, its failures and the triggers that feed it.
+-- locks: the watched tables (drop trigger, through lockstep._ddl: never an application held up for long);
+-- then the job's registry, state, queue and failure rows (deleted).
+create or replace function lockstep.drop_job(job text) returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+set jit = off  -- lockstep._no_jit_note (03_helpers.sql)
+as $$
+declare
+    j lockstep.job := lockstep._job(job);
+    v_rels regclass[];
+    v_drops text[];
+    v_own text;
+begin
+    perform lockstep._check_owner(j);
+    -- all the watched tables at once, never holding an application up for long (lockstep._ddl, 08_enqueue.sql)
+    select coalesce(array_agg(w.rel), '{}'),
+           coalesce(array_agg(pg_catalog.format('drop trigger %I on %s', w.tgname, w.rel)), '{}')
+    into v_rels, v_drops
+    from lockstep._watchers(j.job) w;
+    perform lockstep._ddl(v_rels, v_drops,
+                          pg_catalog.format('drop_job(%L)', j.job));
+    perform lockstep._drop_unused_triggers();  -- 08_enqueue.sql
+    delete from lockstep.queue q where q.job = j.job;
+    delete from lockstep.recompute_flag f where f.job = j.job;
+    delete from lockstep.job x where x.job = j.job;
+    v_own := lockstep._own_enqueuers(j.job);
+    if v_own is not null then
+        raise warning 'lockstep: job "%" is dropped, but your own % call(s) lockstep.enqueue(''%'', ...): the next write that fires them fails (LSJ01)',
+            j.job, v_own, j.job
+            using hint = 'Drop those triggers, or define the job again.';
+    end if;
+end;
+$$;

@@ -1,0 +1,735 @@
+-- lockstep: define_derived: every check on a derived job's definition, before anything is written.
+-- define_derived runs one named check per concern (_check_target, _check_compute, _check_parent,
+-- _check_columns, _check_target_fks, _check_referencing, _check_parent_delete, _callable, _warn_index, _warn_unique,
+-- _dry_run), then _save_derived. Each check raises with a SQLSTATE and a hint, so an error changes nothing.
+
+-- lockstep._proc_columns(f): the output columns (name, type) of a set-returning function.
+-- locks: nothing.
+create or replace function lockstep._proc_columns(f regprocedure)
+returns table (name name, type oid, ord bigint)
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select a.n::name, a.t, a.o
+    from pg_catalog.pg_proc p,
+         unnest(p.proallargtypes, p.proargmodes, p.proargnames) with ordinality as a(t, m, n, o)
+    where p.oid = f and p.proallargtypes is not null and a.m in ('o', 't', 'b')
+    union all
+    select att.attname, att.atttypid, att.attnum
+    from pg_catalog.pg_proc p
+    join pg_catalog.pg_type ty on ty.oid = p.prorettype and ty.typtype = 'c'
+    join pg_catalog.pg_attribute att on att.attrelid = ty.typrelid and att.attnum > 0 and not att.attisdropped
+    where p.oid = f and p.proallargtypes is null
+    order by 3;
+$$;
+
+-- lockstep._attnames(rel, attnums): the column names of attnums of rel, in the order given.
+-- locks: nothing.
+create or replace function lockstep._attnames(rel oid, attnums smallint[]) returns name[]
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select array(select a.attname from pg_catalog.unnest(attnums) with ordinality k(n, o)
+                 join pg_catalog.pg_attribute a on a.attrelid = rel and a.attnum = k.n order by k.o);
+$$;
+
+-- lockstep._target_key(target): target is a table with a primary key; returns the primary-key columns, in
+-- index order. The structure only (lockstep._drift checks it again for a runner, which has no privilege on
+-- the job's tables).
+-- locks: nothing.
+create or replace function lockstep._target_key(target regclass) returns name[]
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_key name[];
+begin
+    if not exists (select from pg_catalog.pg_class c where c.oid = target and c.relkind in ('r', 'p')) then
+        raise exception 'lockstep: target % is not a table', target using errcode = '42809';
+    end if;
+    select lockstep._attnames(con.conrelid, con.conkey) into v_key
+    from pg_catalog.pg_constraint con
+    where con.conrelid = target and con.contype = 'p';
+    if v_key is null then
+        raise exception 'lockstep: target % has no primary key', target
+            using errcode = 'LSD01', hint = 'lockstep uses the primary key as the identity of a derived row; add one.';
+    end if;
+    return v_key;
+end;
+$$;
+
+-- lockstep._check_target(target, compute, parent): target is a table the caller may write, with a primary
+-- key. Returns the primary-key columns, in index order.
+-- locks: nothing.
+create or replace function lockstep._check_target(target regclass, compute regprocedure, parent regclass) returns name[]
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if target is null or compute is null then
+        raise exception 'lockstep: target and compute must not be NULL' using errcode = '22004';
+    end if;
+    if not exists (select from pg_catalog.pg_class c where c.oid = target and c.relkind in ('r', 'p')) then
+        raise exception 'lockstep: target % is not a table', target using errcode = '42809';
+    end if;
+    perform lockstep._check_not_ours(target, 'the target of a job');
+    perform lockstep._check_privileges(target, compute, parent);
+    return lockstep._target_key(target);
+end;
+$$;
+
+-- lockstep._check_target_rls(target): row-level security does not apply to the defining role (the job's
+-- owner, as which every run reads and writes the target) on target. Where it does, lockstep sees only the
+-- rows its policies show and may write only the rows they admit: a policy hiding some computed rows failed
+-- every run of the job as a whole with 42501, nothing written (found by a probe). Checked again at each
+-- run only by the failures it causes.
+-- locks: nothing.
+create or replace function lockstep._check_target_rls(target regclass) returns void
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if pg_catalog.row_security_active(target) then
+        raise exception 'lockstep: row-level security applies to % for role %: lockstep must read and write all its rows',
+            target, current_user
+            using errcode = '42501',
+                  hint = pg_catalog.format('Define the job as the table''s owner (without FORCE ROW LEVEL SECURITY) or '
+                                           'as a role with BYPASSRLS, or alter table %s no force row level security.',
+                                           target);
+    end if;
+end;
+$$;
+
+-- lockstep._check_target_free(job, target): no other job writes target-- lockstep._check_target_free(job, target): no other job writes target, a table below it (a partition, an
+-- inheriting table) or one above it. Two jobs on one table rewrite each other's rows at every run (each
+-- one's recompute deletes or reverts what the other computed); a job on a partitioned table and one on
+-- its partition write the same rows. Definitions are serialized (a transaction-level advisory lock, held
+-- to commit): two concurrent define_derived on one target both passed the check. Jobs the caller cannot
+-- see (row-level security: another owner's) are not checked, but that owner's table would also need this
+-- role's write privileges.
+-- locks: the advisory lock (lockstep, define), until the transaction ends: concurrent definitions wait.
+create or replace function lockstep._check_target_free(job text, target regclass) returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_other text;
+    v_table regclass;
+begin
+    perform pg_catalog.pg_advisory_xact_lock(pg_catalog.hashtext('lockstep'), pg_catalog.hashtext('define'));
+    with recursive up (rel, depth) as (
+        select _check_target_free.target::oid, 0
+        union all
+        select i.inhparent, up.depth + 1 from up join pg_catalog.pg_inherits i on i.inhrelid = up.rel
+        where up.depth < 100
+    )
+    select x.job, x.target into v_other, v_table from lockstep.job x
+    where x.job <> _check_target_free.job
+      and (x.target in (select up.rel from up) or x.target = any(lockstep._family(_check_target_free.target)))
+    order by x.job limit 1;
+    if v_other is not null then
+        raise exception 'lockstep: target % is already written by job "%"%', target, v_other,
+            case when v_table <> target then pg_catalog.format(' (through %s)', v_table) else '' end
+            using errcode = 'LSD07',
+                  hint = pg_catalog.format('One job per derived table: each would rewrite the other''s rows. '
+                                           'Redefine %L, or select lockstep.drop_job(%L) first.', v_other, v_other);
+    end if;
+end;
+$$;
+
+-- lockstep._check_compute(compute): compute is a function of one array argument returning a set of rows
+-- with named columns. Returns those column names, in order.
+-- locks: nothing.
+create or replace function lockstep._check_compute(compute regprocedure) returns name[]
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    p pg_catalog.pg_proc;
+    v_cols name[];
+begin
+    select * into p from pg_catalog.pg_proc where oid = compute;
+    if p.prokind <> 'f' or not p.proretset or p.pronargs <> 1 then
+        raise exception 'lockstep: compute function % must be a function of one array argument returning a set of rows', compute
+            using errcode = 'LSD02',
+                  hint = 'e.g. create function f(keys bigint[]) returns table (...) or returns setof target_table';
+    end if;
+    select array_agg(c.name order by c.ord) into v_cols from lockstep._proc_columns(compute) c;
+    if v_cols is null then
+        raise exception 'lockstep: compute function % must return named columns (returns table (...) or setof a table type)', compute
+            using errcode = 'LSD02';
+    end if;
+    return v_cols;
+end;
+$$;
+
+-- lockstep._check_parent(target, compute, cols, parent, parent_column): the parent has a one-column
+-- primary key, parent_column (inferred when there is exactly one candidate) references it through a
+-- foreign key and is returned by compute, and compute takes an array of the parent key's type.
+-- Returns parent_column, the parent's key column and its type (all NULL without a parent).
+-- locks: nothing.
+create or replace function lockstep._check_parent(target regclass, compute regprocedure, cols name[], parent regclass,
+                                       inout parent_column name, out parent_key name, out key_type regtype)
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_fks name[];
+    v_other text;
+    v_arg oid := (select p.proargtypes[0] from pg_catalog.pg_proc p where p.oid = compute);
+begin
+    if parent is null and parent_column is not null then
+        raise exception 'lockstep: parent_column % given without parent', parent_column using errcode = 'LSD04';
+    end if;
+    if parent is null then
+        if not exists (select from pg_catalog.pg_type t where t.oid = v_arg and t.typcategory = 'A') then
+            raise exception 'lockstep: compute function % must take an array argument (it is called with NULL: all rows)', compute
+                using errcode = 'LSD02';
+        end if;
+        return;
+    end if;
+    if not exists (select from pg_catalog.pg_class c where c.oid = parent and c.relkind in ('r', 'p')) then
+        raise exception 'lockstep: parent % is not a table', parent using errcode = '42809';
+    end if;
+    select a.attname, a.atttypid into parent_key, key_type
+    from pg_catalog.pg_constraint con
+    join pg_catalog.pg_attribute a on a.attrelid = con.conrelid and a.attnum = con.conkey[1]
+    where con.conrelid = parent and con.contype = 'p' and cardinality(con.conkey) = 1;
+    if parent_key is null then
+        raise exception 'lockstep: parent % needs a single-column primary key', parent
+            using errcode = 'LSD04', hint = 'Multi-column parent keys are not supported; use the parent''s surrogate key.';
+    end if;
+    select array_agg(a.attname order by a.attname) into v_fks
+    from pg_catalog.pg_constraint con
+    join pg_catalog.pg_attribute a on a.attrelid = con.conrelid and a.attnum = con.conkey[1]
+    join pg_catalog.pg_attribute pa on pa.attrelid = con.confrelid and pa.attnum = con.confkey[1]
+    where con.conrelid = target and con.confrelid = parent and con.contype = 'f'
+      and cardinality(con.conkey) = 1 and pa.attname = parent_key;
+    if parent_column is null then
+        if cardinality(v_fks) is distinct from 1 then
+            raise exception 'lockstep: cannot infer parent_column: % has % single-column foreign keys to %(%)',
+                target, coalesce(cardinality(v_fks), 0), parent, parent_key
+                using errcode = 'LSD04', hint = 'Pass parent_column => ''...'' naming a column with a foreign key to the parent.';
+        end if;
+        parent_column := v_fks[1];
+    elsif not exists (select from pg_catalog.pg_attribute a
+                      where a.attrelid = target and a.attname = parent_column and a.attnum > 0 and not a.attisdropped) then
+        raise exception 'lockstep: target % has no column %', target, parent_column using errcode = 'LSD04';
+    elsif not parent_column = any(coalesce(v_fks, '{}')) then
+        select pg_catalog.string_agg(pa.attname, ', ') into v_other  -- a key to another (unique) column
+        from pg_catalog.pg_constraint con
+        join pg_catalog.pg_attribute a on a.attrelid = con.conrelid and a.attnum = con.conkey[1]
+        join pg_catalog.pg_attribute pa on pa.attrelid = con.confrelid and pa.attnum = con.confkey[1]
+        where con.conrelid = target and con.confrelid = parent and con.contype = 'f'
+          and cardinality(con.conkey) = 1 and a.attname = parent_column;
+        if v_other is not null then
+            raise exception 'lockstep: %.% references %(%), not the primary key %(%)', target, parent_column,
+                parent, v_other, parent, parent_key
+                using errcode = 'LSD04',
+                      hint = pg_catalog.format('The parent key must be the parent''s primary key: reference %s(%I), '
+                                               'or make %s the primary key.', parent, parent_key, v_other);
+        end if;
+        raise exception 'lockstep: %.% does not reference %(%) through a foreign key', target, parent_column, parent, parent_key
+            using errcode = 'LSD04',
+                  hint = 'lockstep pins parents with the lock an FK check takes; add the foreign key.';
+    end if;
+    if not parent_column = any(cols) then
+        raise exception 'lockstep: compute function % does not return the parent column %', compute, parent_column
+            using errcode = 'LSD03';
+    end if;
+    -- an array of the key's type, or of a type every key value converts to without loss: binary-coercible
+    -- (a varchar key and a compute taking text[], as after a parent key retyped from text to varchar) or a
+    -- wider integer (int key, bigint[]); not numeric -> double precision, implicit but lossy
+    if not exists (select from pg_catalog.pg_type t
+                   where t.oid = v_arg and t.typcategory = 'A' and t.typelem <> 0
+                     and (t.typelem = key_type
+                          or exists (select from pg_catalog.pg_cast c
+                                     where c.castsource = key_type and c.casttarget = t.typelem
+                                       and c.castcontext = 'i' and c.castmethod = 'b')
+                          or (key_type::text, t.typelem::regtype::text)
+                             in (('smallint', 'integer'), ('smallint', 'bigint'), ('integer', 'bigint')))) then
+        raise exception 'lockstep: compute function % takes %, but the parent key %.% is %: it must take %[] '
+                        '(or an array of a type every key converts to without loss: binary-coercible, or a wider '
+                        'integer)', compute, v_arg::regtype, parent, parent_key, key_type, key_type
+            using errcode = 'LSD02';
+    end if;
+end;
+$$;
+
+-- lockstep._image_columns(target, cols): the columns of target among cols whose type's equality does not
+-- imply identical values, so that IS DISTINCT FROM misses changes: found by a probe, a box moved to a box of
+-- the same area, 'abc' -> 'ABC' under a case-insensitive collation and 1.0 -> 1.000 were never written,
+-- recompute included. A column's equality implies identity where the default btree operator class of its
+-- (base) type, or of a type it is binary-coercible to, has an equalimage support function that says so for
+-- the column's collation (PostgreSQL's own test for B-tree deduplication); every other column (numeric,
+-- float, jsonb, arrays, types with no btree class) is compared by binary image (lockstep._differs).
+-- locks: nothing.
+create or replace function lockstep._image_columns(target regclass, cols name[]) returns name[]
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    c record;
+    v_proc regproc;
+    v_same boolean;
+    v_out name[] := '{}';
+begin
+    for c in
+        select a.attname, a.attcollation,
+               (with recursive b(t, base) as (
+                    select y.oid, y.typbasetype from pg_catalog.pg_type y where y.oid = a.atttypid
+                    union all
+                    select y.oid, y.typbasetype from b join pg_catalog.pg_type y on y.oid = b.base where b.base <> 0)
+                select b.t from b where b.base = 0) as base
+        from pg_catalog.unnest(cols) with ordinality x(name, o)
+        join pg_catalog.pg_attribute a on a.attrelid = target and a.attname = x.name and a.attnum > 0
+        order by x.o
+    loop
+        -- the default class as PostgreSQL picks it (GetDefaultOpClass): the type's own, else one of a type
+        -- it is binary-coercible to; then its equalimage function, if it has one (citext's class has none:
+        -- picked through its cast to text, it passed for exact, and a change of case was never written;
+        -- found by a review)
+        select p.amproc into v_proc
+        from (select oc.opcfamily, oc.opcintype
+              from pg_catalog.pg_opclass oc
+              join pg_catalog.pg_am am on am.oid = oc.opcmethod and am.amname = 'btree'
+              where oc.opcdefault
+                and (oc.opcintype = c.base
+                     or exists (select from pg_catalog.pg_cast k
+                                where k.castsource = c.base and k.casttarget = oc.opcintype and k.castmethod = 'b'))
+              order by oc.opcintype = c.base desc
+              limit 1) oc
+        left join pg_catalog.pg_amproc p on p.amprocfamily = oc.opcfamily and p.amproclefttype = oc.opcintype
+                                        and p.amprocrighttype = oc.opcintype and p.amprocnum = 4;
+        -- PostgreSQL's two equalimage functions (any other: compared by image): btequalimage says yes,
+        -- btvarstrequalimage yes for a deterministic collation (it reads the call's collation, which no SQL
+        -- call of it can set)
+        v_same := v_proc = 'pg_catalog.btequalimage'::regproc
+                  or (v_proc = 'pg_catalog.btvarstrequalimage'::regproc
+                      and coalesce((select l.collisdeterministic from pg_catalog.pg_collation l
+                                    where l.oid = c.attcollation), true));
+        if not coalesce(v_same, false) then
+            v_out := v_out || c.attname;
+        end if;
+    end loop;
+    return v_out;
+end;
+$$;
+
+-- lockstep._check_columns(target, compute, key, cols): every column compute returns exists in the target
+-- with the same type, once, is writable and comparable; the primary key and every NOT NULL column without
+-- a default are among them.
+-- locks: nothing.
+create or replace function lockstep._check_columns(target regclass, compute regprocedure, key name[], cols name[])
+returns void
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_col record;
+    v_err text;
+begin
+    for v_col in
+        select c.name, c.type, a.atttypid, a.attgenerated, a.attidentity, count(*) over (partition by c.name) as dup
+        from lockstep._proc_columns(compute) c
+        left join pg_catalog.pg_attribute a
+            on a.attrelid = target and a.attname = c.name and a.attnum > 0 and not a.attisdropped
+        order by c.ord
+    loop
+        if v_col.dup > 1 then
+            raise exception 'lockstep: compute function % returns column % twice', compute, v_col.name using errcode = 'LSD03';
+        elsif v_col.atttypid is null then
+            raise exception 'lockstep: compute function % returns column %, which target % does not have', compute, v_col.name, target
+                using errcode = 'LSD03';
+        elsif v_col.atttypid <> v_col.type then
+            raise exception 'lockstep: column %: compute function % returns %, target % has %', v_col.name, compute,
+                v_col.type::regtype, target, v_col.atttypid::regtype using errcode = 'LSD03';
+        elsif v_col.attgenerated <> '' then
+            raise exception 'lockstep: column % of % is generated; compute must not return it', v_col.name, target
+                using errcode = 'LSD03';
+        elsif v_col.attidentity = 'a' then  -- every insert of a value for it fails (428C9)
+            raise exception 'lockstep: column % of % is GENERATED ALWAYS AS IDENTITY; compute must not return it',
+                v_col.name, target
+                using errcode = 'LSD03',
+                      hint = 'Leave it out of compute''s result, or declare it GENERATED BY DEFAULT AS IDENTITY.';
+        elsif v_col.name like 'lockstep\_%' then
+            raise exception 'lockstep: column names starting with lockstep_ are reserved (%)', v_col.name using errcode = 'LSD03';
+        end if;
+        begin
+            execute pg_catalog.format('select null::%s is distinct from null::%s', v_col.type::regtype, v_col.type::regtype);
+        exception when undefined_function then
+            raise exception 'lockstep: column % has type %, which has no equality operator', v_col.name, v_col.type::regtype
+                using errcode = 'LSD03',
+                      hint = 'lockstep compares each column with its type''s equality; use a type that has one '
+                             '(jsonb rather than json, text rather than xml).';
+        end;
+    end loop;
+    select array_agg(k) into v_err from pg_catalog.unnest(key) k where not k = any(cols);
+    if v_err is not null then
+        raise exception 'lockstep: compute function % does not return the target''s primary-key column(s) %', compute, v_err
+            using errcode = 'LSD03';
+    end if;
+    select pg_catalog.string_agg(a.attname, ', ') into v_err
+    from pg_catalog.pg_attribute a
+    where a.attrelid = target and a.attnum > 0 and not a.attisdropped and a.attnotnull and not a.atthasdef
+      and a.attidentity = '' and a.attgenerated = '' and not a.attname = any(cols);
+    if v_err is not null then
+        raise exception 'lockstep: target % has NOT NULL column(s) % without default that compute function % does not return',
+            target, v_err, compute using errcode = 'LSD03';
+    end if;
+end;
+$$;
+
+-- lockstep._check_target_fks(target, cols): every foreign-key column of the target that compute does not
+-- return is always NULL in the rows lockstep inserts (no default, no domain default, not generated, not
+-- identity), so every key the insert's FK check looks up is one lockstep pinned first (_pin_refs); and
+-- no foreign key references the target itself (a row inserted in the same pass could not be pinned).
+-- Also run by _pin_refs on every pass whose target has a foreign key besides the parent's, for foreign keys
+-- added after define_derived.
+-- locks: nothing.
+create or replace function lockstep._check_target_fks(target regclass, cols name[]) returns void
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    c record;
+begin
+    select con.conname into c from pg_catalog.pg_constraint con
+    where con.conrelid = target and con.confrelid = target and con.contype = 'f' and con.conparentid = 0
+    order by con.conname limit 1;
+    if found then
+        raise exception 'lockstep: target % references itself (foreign key %)', target, c.conname
+            using errcode = 'LSD06',
+                  hint = 'lockstep pins referenced rows before it inserts, and a row inserted in the same pass is not '
+                         'there yet; keep such links in another table.';
+    end if;
+    for c in
+        select con.conname, con.confrelid::regclass as ref, a.attname
+        from pg_catalog.pg_constraint con
+        join pg_catalog.pg_attribute a on a.attrelid = con.conrelid and a.attnum = any(con.conkey)
+        join pg_catalog.pg_type t on t.oid = a.atttypid
+        where con.conrelid = target and con.contype = 'f' and con.conparentid = 0
+          and not a.attname = any(cols)
+          and (a.atthasdef or a.attgenerated <> '' or a.attidentity <> '' or t.typdefaultbin is not null)
+        order by con.conname, a.attnum
+        limit 1
+    loop
+        raise exception 'lockstep: column % of % (foreign key % to %) gets a value compute does not return',
+            c.attname, target, c.conname, c.ref
+            using errcode = 'LSD06',
+                  hint = pg_catalog.format('lockstep pins the rows an insert references before it writes, and can only '
+                                           'pin values it has: return %I from the compute function (or drop its default).',
+                                           c.attname);
+    end loop;
+end;
+$$;
+
+-- lockstep._check_parent_delete(target, parent): what the ON DELETE action of the target's foreign keys
+-- to the parent does to the application's parent deletes. NO ACTION / RESTRICT (and SET NULL or SET
+-- DEFAULT that cannot succeed on a NOT NULL column) would make them fail with 23503 or 23502 whenever
+-- derived rows exist: refused. SET NULL and SET DEFAULT succeed but leave rows that lockstep removes only
+-- at the next recompute: a warning. The target's other foreign keys with NO ACTION / RESTRICT: a warning
+-- (a delete of a row they reference fails while derived rows still reference it, as with any such key).
+-- A parent key ON UPDATE NO ACTION / RESTRICT: a warning (an update of that key fails the same way).
+-- locks: nothing.
+create or replace function lockstep._check_parent_delete(target regclass, parent regclass) returns void
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    c record;
+begin
+    for c in
+        select con.conname, con.confdeltype, coalesce(con.confrelid = parent, false) as is_parent, con.confrelid::regclass as ref,
+               lockstep._attnames(con.conrelid, con.conkey) as cols,
+               exists (select from pg_catalog.pg_attribute a
+                       where a.attrelid = con.conrelid and a.attnum = any(coalesce(con.confdelsetcols, con.conkey))
+                         and a.attnotnull and (con.confdeltype = 'n' or not a.atthasdef)) as cannot
+        from pg_catalog.pg_constraint con
+        where con.conrelid = target and con.contype = 'f' and con.conparentid = 0 and con.confdeltype <> 'c'
+        order by con.conname
+    loop
+        if not c.is_parent then
+            if c.confdeltype in ('a', 'r') then
+                raise warning 'lockstep: foreign key % of % to % is ON DELETE %: an application delete of a row of % '
+                              'fails while derived rows still reference it', c.conname, target, c.ref,
+                              case c.confdeltype when 'a' then 'NO ACTION' else 'RESTRICT' end, c.ref;
+            end if;
+        elsif c.confdeltype in ('a', 'r') or c.cannot then
+            raise exception 'lockstep: foreign key % of %(%) to % is ON DELETE %: once lockstep writes derived rows, '
+                            'the application''s deletes of their parents fail', c.conname, target, c.cols, parent,
+                    case c.confdeltype when 'a' then 'NO ACTION' when 'r' then 'RESTRICT'
+                                       when 'n' then 'SET NULL (on a NOT NULL column)'
+                                       else 'SET DEFAULT (on a NOT NULL column without default)' end
+                using errcode = 'LSD04',
+                      hint = pg_catalog.format('alter table %s drop constraint %I, add foreign key (%s) references %s on delete cascade;',
+                                               target, c.conname, lockstep._cols(c.cols), parent);
+        else
+            raise warning 'lockstep: foreign key % of %(%) to % is ON DELETE %: an application delete of a parent keeps '
+                          'its derived rows (%), and lockstep removes them only at the next recompute', c.conname, target,
+                          c.cols, parent, case c.confdeltype when 'n' then 'SET NULL' else 'SET DEFAULT' end,
+                          case c.confdeltype when 'n' then 'their parent column set to NULL' else 'moved to the default parent' end
+                using hint = 'ON DELETE CASCADE deletes them with the parent.';
+        end if;
+    end loop;
+    -- the parent key's ON UPDATE: NO ACTION / RESTRICT (PostgreSQL's default) makes an application's update
+    -- of a parent's key fail with 23503 while derived rows reference it. Rare enough (a key that changes) to
+    -- warn, not refuse.
+    for c in
+        select con.conname, lockstep._attnames(con.conrelid, con.conkey) as cols
+        from pg_catalog.pg_constraint con
+        where con.conrelid = target and con.contype = 'f' and con.conparentid = 0 and con.confrelid = parent
+          and con.confupdtype in ('a', 'r')
+        order by con.conname
+    loop
+        raise warning 'lockstep: foreign key % of %(%) to % is ON UPDATE NO ACTION / RESTRICT: an application update '
+                      'of a parent''s key fails while derived rows reference it', c.conname, target, c.cols, parent
+            using hint = 'ON UPDATE CASCADE moves the derived rows with their parent''s key.';
+    end loop;
+end;
+$$;
+
+-- lockstep._warn_index(target, parent_column): a warning when no index starts with parent_column.
+-- locks: nothing.
+create or replace function lockstep._warn_index(target regclass, parent_column name) returns void
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if parent_column is not null and not exists (
+            select from pg_catalog.pg_index i
+            where i.indrelid = target and i.indkey[0] = (select a.attnum from pg_catalog.pg_attribute a
+                                                         where a.attrelid = target and a.attname = parent_column)) then
+        raise warning 'lockstep: no index on %(%): every worker pass and every cascade delete will scan %',
+            target, parent_column, target
+            using hint = pg_catalog.format('create index on %s (%I);', target, parent_column);
+    end if;
+end;
+$$;
+
+-- lockstep._warn_unique(target, parent): a warning for each unique index of target besides its primary key that is
+-- checked row by row (not a DEFERRABLE constraint): a pass writes a parent's rows in one statement per step,
+-- so values that move between rows (two parents swapping a unique value) fail with 23505 whatever the
+-- order, each time, and those parents end up parked. A DEFERRABLE constraint is checked at the end of each
+-- statement: a swap within one pass then works (and a job without a parent then writes its difference in
+-- one transaction: lockstep._limit_rows). Without a parent, no parent is parked: the recompute fails.
+-- locks: nothing.
+create or replace function lockstep._warn_unique(target regclass, parent regclass) returns void
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    c record;
+begin
+    for c in
+        select i.indexrelid::regclass as idx, pg_catalog.pg_get_indexdef(i.indexrelid) as def
+        from pg_catalog.pg_index i
+        where i.indrelid = target and i.indisunique and not i.indisprimary and i.indimmediate
+        order by 1
+    loop
+        raise warning 'lockstep: unique index % on % besides its primary key: %', c.idx, target,
+            case when parent is null then 'values that move between rows (a swap) fail the recompute with 23505 at '
+                                          'every try'
+                 else 'rows whose values move between parents (a swap) fail with 23505 at every try and their '
+                      'parents are parked' end
+            using detail = c.def,
+                  hint = 'Drop it if compute guarantees it, or make it a DEFERRABLE unique constraint (checked at '
+                         'the end of each statement: a swap within one pass then works).';
+    end loop;
+end;
+$$;
+
+-- lockstep._dry_run(compute, key_type): run compute on no keys, then roll it back: catches what only
+-- execution shows (e.g. tables the function cannot see with lockstep's search_path).
+-- locks: whatever compute locks, released by the rollback of the subtransaction.
+create or replace function lockstep._dry_run(compute regprocedure, key_type regtype) returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_err text;
+    v_state text;
+begin
+    if key_type is null then
+        return;
+    end if;
+    execute pg_catalog.format('select count(*) from %s($1::%s)', lockstep._callable(compute, 1),
+                              lockstep._array_type(key_type))
+        using '{}'::text[];
+    raise exception using errcode = 'LSDRY';  -- roll back whatever the dry run did
+exception when sqlstate 'LSDRY' then
+    null;
+when others then
+    get stacked diagnostics v_err = message_text, v_state = returned_sqlstate;
+    raise exception 'lockstep: compute function % failed on an empty key array: %', compute, v_err
+        using errcode = 'LSD02',
+              hint = case when v_state like '42%'  -- an unknown table, function, operator...: the path
+                          then 'lockstep runs compute with search_path = pg_catalog, pg_temp: schema-qualify '
+                               'table names or give the function its own SET search_path (or, if what it '
+                               'names is really gone, create it again).'
+                          else 'compute must return no rows, without error, for an empty key array.' end;
+end;
+$$;
+
+-- lockstep.define_derived(...): register or update a derived table.
+--   compute(keys parent_key_type[]) returns the desired rows of the parents in keys (NULL: all parents),
+--   with columns named and typed like the target's; the target's primary key is the row identity.
+--   parent / parent_column: the table whose rows own the derived rows, and the target column that
+--   references it through a foreign key (inferred when there is exactly one such key). Without a parent,
+--   only whole-table recomputes are possible.
+-- Everything is validated before anything is written (README: "what lockstep accepts and how it writes
+-- it"); an error changes nothing.
+-- locks: the job's registry row (insert or update). Nothing a runner holds.
+create or replace function lockstep.define_derived(job text, target regclass, compute regprocedure,
+                                        parent regclass default null, parent_column name default null,
+                                        lock_group text default null, every interval default '1 minute',
+                                        backoff interval default '1 hour')
+returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_key name[];
+    v_cols name[];
+    v_par record;
+begin
+    perform lockstep._check_schedule(job, lock_group, every, backoff);
+    v_key := lockstep._check_target(target, compute, parent);
+    perform lockstep._check_target_rls(target);
+    v_cols := lockstep._check_compute(compute);
+    select * into v_par from lockstep._check_parent(target, compute, v_cols, parent, parent_column);
+    perform lockstep._check_columns(target, compute, v_key, v_cols);
+    perform lockstep._check_target_fks(target, v_cols);
+    perform lockstep._check_referencing(target, v_key, v_cols);
+    -- a taken table: LSD07 before the dry run; every other refusal before the warnings from here on (a
+    -- warning printed before a refusal read as a definition accepted with a caveat; found by a probe)
+    perform lockstep._check_target_free(job, target);
+    perform lockstep._callable(compute, 1);
+    perform lockstep._dry_run(compute, v_par.key_type);
+    perform lockstep._check_watchers(job, parent, v_par.key_type);
+    perform lockstep._check_parent_delete(target, parent);  -- LSD04 refusals, then warnings
+    perform lockstep._warn_index(target, v_par.parent_column);
+    perform lockstep._warn_unique(target, parent);
+    perform lockstep._save_derived(job, target, compute, parent, v_par.parent_column, v_par.parent_key,
+                                   v_par.key_type, v_key, v_cols, lock_group, every, backoff);
+end;
+$$;
+
+-- lockstep._drift(j): for a failed run of a derived job, what no longer holds of the definition
+-- define_derived checked (its structural checks run again: the target a table with a primary key, compute,
+-- parent, columns; not the caller's privileges, which a runner lacks by design: it runs jobs as their
+-- owner), or how the target's primary key, compute's columns or the parent key differ from those
+-- recorded; NULL if all still hold, or if the caller may not look (a runner of docs/security.md's recipe
+-- has no USAGE on the job's schemas: its failed runs keep their own error). A failed run's error then says the cause and the fix: after DDL on the target, the compute or the
+-- parent, the error was the raw one of lockstep's own statements ("column t.qty does not exist", "there is
+-- no unique or exclusion constraint matching the ON CONFLICT specification"; found by a probe). Only on the
+-- failure path (lockstep._failed): a run that goes well never pays for it.
+-- locks: nothing.
+create or replace function lockstep._drift(j lockstep.job) returns text
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_fn regprocedure;
+    v_key name[];
+    v_cols name[];
+    v_par record;
+    v_fix text := 'fix it, or run lockstep.define_derived again';
+begin
+    if j.kind <> 'derived' or j.target is null then
+        return null;
+    end if;
+    begin
+        v_fn := j.compute::regprocedure;
+        v_key := lockstep._target_key(j.target);  -- not _check_target: a runner has no privilege on the target
+        v_cols := lockstep._check_compute(v_fn);
+        if j.parent is not null then
+            select * into v_par from lockstep._check_parent(j.target, v_fn, v_cols, j.parent, j.parent_column);
+        end if;
+        perform lockstep._check_columns(j.target, v_fn, v_key, v_cols);
+    exception
+        when insufficient_privilege then  -- a runner of the recipe may not even name the compute: no claim
+            return null;
+        when others then
+            return pg_catalog.format('the job''s definition no longer holds: %s; %s', sqlerrm, v_fix);
+    end;
+    if not (v_key @> j.target_key and v_key <@ j.target_key) then  -- as sets: the index order may differ
+        return pg_catalog.format('the primary key of %s is now (%s), not (%s) as at define_derived; %s', j.target,
+                                 pg_catalog.array_to_string(v_key, ', '), pg_catalog.array_to_string(j.target_key, ', '), v_fix);
+    end if;
+    if not (v_cols @> j.columns and v_cols <@ j.columns) then
+        return pg_catalog.format('compute now returns (%s), not (%s) as at define_derived; %s',
+                                 pg_catalog.array_to_string(v_cols, ', '), pg_catalog.array_to_string(j.columns, ', '), v_fix);
+    end if;
+    if j.parent is null then
+        return null;
+    end if;
+    if (v_par.parent_key, v_par.key_type) is distinct from (j.parent_key, j.key_type) then
+        return pg_catalog.format('the parent key of %s is now %s (%s), not %s (%s) as at define_derived; %s', j.parent,
+                                 v_par.parent_key, v_par.key_type, j.parent_key, j.key_type, v_fix);
+    end if;
+    return null;
+end;
+$$;
+
+-- lockstep._save_derived(...): write a derived job's registry and status rows (define_derived, last).
+-- locks: the job's registry row (insert or update) and its status row (insert, or update on a redefinition);
+-- with another parent key type, the job's queue and key_failure rows (deleted).
+create or replace function lockstep._save_derived(job text, target regclass, compute regprocedure, parent regclass,
+                                       parent_column name, parent_key name, key_type regtype, target_key name[],
+                                       columns name[], lock_group text, every interval, backoff interval)
+returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    old lockstep.job;
+begin
+    select * into old from lockstep.job j where j.job = _save_derived.job;
+    if found then
+        perform lockstep._check_owner(old);
+        if old.kind <> 'derived' then
+            raise exception 'lockstep: job "%" is a generic job; use lockstep.define_job() or drop it first', job
+                using errcode = 'LSJ02';
+        end if;
+    end if;
+    insert into lockstep.job as j (job, kind, lock_group, target, compute, parent, parent_column, parent_key,
+                                   key_type, target_key, columns, image_columns, every, backoff)
+    values (job, 'derived', coalesce(lock_group, job), target, compute::text, parent, parent_column, parent_key,
+            key_type, target_key, columns,
+            -- the primary key is matched by its own equality: compared by image, a key that changed only so
+            -- (case, scale) made a row that every pass locked and never wrote (found by a review)
+            lockstep._image_columns(target, array(select c from pg_catalog.unnest(columns) c where c <> all(target_key))),
+            every, backoff)
+    on conflict on constraint job_pkey do update
+        set lock_group = excluded.lock_group, target = excluded.target, compute = excluded.compute,
+            parent = excluded.parent, parent_column = excluded.parent_column, parent_key = excluded.parent_key,
+            key_type = excluded.key_type, target_key = excluded.target_key, columns = excluded.columns,
+            image_columns = excluded.image_columns, every = excluded.every, backoff = excluded.backoff, updated_at = now();
+    insert into lockstep.job_state (job) values (job) on conflict do nothing;
+    -- a redefinition whose rows may differ (another compute, target, parent or columns) makes the recompute
+    -- due now: the derived table was left a mix of the two definitions until the old next_run_at; a new
+    -- every counts from the last run
+    if old.job is not null then
+        update lockstep.job_state s
+        set next_run_at = case
+                when (old.compute, old.target, old.parent, old.parent_column, old.parent_key, old.key_type,
+                      old.columns, old.target_key, old.image_columns)
+                     is distinct from (compute::text, target, parent, parent_column, parent_key, key_type, columns,
+                                       target_key,
+                                       (select x.image_columns from lockstep.job x where x.job = _save_derived.job))
+                     then now()
+                when old.every = every then s.next_run_at  -- the same schedule: kept (as define_job)
+                else least(s.next_run_at, coalesce(s.last_started_at, now()) + every) end
+        where s.job = _save_derived.job;
+        -- another parent key type: the queued keys (and their failures) name parents of the old one; the
+        -- recompute, due now, covers every parent. Kept, they were parked as unreadable and lockstep status
+        -- reported the job unhealthy until the next periodic recompute (found by a probe). No watcher
+        -- enqueues the old type meanwhile: _check_watchers refused a watched job's new key type.
+        if old.key_type is distinct from key_type then
+            delete from lockstep.queue q where q.job = _save_derived.job;
+            delete from lockstep.key_failure f where f.job = _save_derived.job;
+        end if;
+    end if;
+end;
+$$;

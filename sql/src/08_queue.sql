@@ -1,0 +1,289 @@
+-- lockstep: the queue of changed parents: enqueue, canonical keys, and the recompute flag.
+--
+-- Keys are stored as text in one canonical form, whatever the session's settings: the text output under
+-- DateStyle ISO, IntervalStyle postgres, extra_float_digits 1 and TimeZone UTC (lockstep._canon). That form
+-- reads back to the same value under any setting.
+
+
+-- lockstep._canon(keys): the distinct non-NULL keys in canonical text, sorted by key (not as text).
+-- locks: nothing.
+create or replace function lockstep._canon(keys anyarray) returns text[]
+language sql stable
+set search_path = pg_catalog, pg_temp
+set datestyle = 'ISO, YMD'
+set intervalstyle = 'postgres'
+set extra_float_digits = 1
+set timezone = 'UTC'
+as $$
+    select coalesce(pg_catalog.array_agg(k::text order by k), '{}')
+    from (select distinct k from pg_catalog.unnest(keys) k where k is not null) s;
+$$;
+
+-- lockstep._fast_types(): key types whose JSON text (to_jsonb) is their canonical text under every setting;
+-- lockstep.enqueue_trigger's fast path, which checks the same list inline, takes only these.
+-- locks: nothing.
+create or replace function lockstep._fast_types() returns text[]
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select array['bigint', 'integer', 'smallint', 'numeric', 'text', 'character varying', 'uuid'];
+$$;
+
+-- lockstep._max_key_bytes(): the most bytes of key and job name together a queue entry takes. A queue
+-- entry's (key, job) index row holds at most 2,704 bytes: a longer key (an incompressible text key of 2,661
+-- bytes was enough) raised 54000 "index row size exceeds btree maximum" in the application's statement.
+-- 2,600 bytes always fit. Immutable: folded to its value when a caller's statement is planned; the
+-- generated trigger functions have it written in (lockstep._gen_trigger).
+-- locks: nothing.
+create or replace function lockstep._max_key_bytes() returns integer
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select 2600;
+$$;
+
+-- lockstep._queueable(job, keys): keys without those too long for the queue (lockstep._max_key_bytes), each
+-- of which flags the job for its full recompute instead (lockstep._flag: the recompute covers that parent).
+-- Callers test the bound on all keys at once first (cheap).
+-- locks: none beyond the insert into lockstep.recompute_flag (as lockstep._flag).
+create or replace function lockstep._queueable(job text, keys text[]) returns text[]
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_max integer := lockstep._max_key_bytes();
+    v_long text[] := array(select k from pg_catalog.unnest(keys) k
+                           where pg_catalog.octet_length(k) + pg_catalog.octet_length(job) > v_max);
+begin
+    if cardinality(v_long) = 0 then
+        return keys;
+    end if;
+    perform lockstep._flag(job, pg_catalog.format(
+        '%s key(s) too long for the queue (%s bytes with the job name, at most %s), first starting %L',
+        cardinality(v_long), pg_catalog.octet_length(v_long[1]) + pg_catalog.octet_length(job), v_max,
+        pg_catalog.left(v_long[1], 20)));
+    return array(select k from pg_catalog.unnest(keys) with ordinality u(k, o)
+                 where pg_catalog.octet_length(k) + pg_catalog.octet_length(job) <= v_max order by o);
+end;
+$$;
+
+-- lockstep._enqueue_text(j, keys): append keys (text: cast to the parent key type, NULLs dropped) to the
+-- queue, once each, sorted by key, in canonical text. No read of lockstep's tables and no NOTIFY: runners
+-- notice new entries through the queue's identity sequence (lockstep._queue_mark).
+-- locks: none beyond the insert into lockstep.queue. The queue is append-only with no unique constraint on
+-- keys, so this never waits for a worker, whatever the worker holds.
+create or replace function lockstep._enqueue_text(j lockstep.job, keys text[]) returns bigint
+language plpgsql
+set search_path = pg_catalog, pg_temp
+set datestyle = 'ISO, YMD'
+set intervalstyle = 'postgres'
+set extra_float_digits = 1
+set timezone = 'UTC'
+as $$
+declare
+    v text[];
+begin
+    if keys is null or cardinality(keys) = 0 then
+        return 0;
+    end if;
+    execute pg_catalog.format('select lockstep._canon($1::%s)', lockstep._array_type(j.key_type)) into v using keys;
+    v := lockstep._queueable(j.job, v);  -- a key too long for the queue flags the job instead
+    insert into lockstep.queue (job, key) select j.job, k from pg_catalog.unnest(v) with ordinality u(k, o) order by o;
+    return cardinality(v);
+end;
+$$;
+
+-- lockstep._enqueue_missing(j, keys): lockstep._enqueue_text of the keys (canonical text) that have no
+-- queue entry of j yet: a recompute's hand-off (keys it did not write) while an earlier hand-off or the
+-- application's changes have them queued. An entry still queued is taken by a later worker pass, which
+-- computes the parent afresh from then-current data, so a second entry adds nothing but a duplicate that
+-- fills a pass (a second recompute over a pending hand-off doubled the queue, 160 -> 325 entries). Only
+-- for callers that hold the job's group lock: no worker pass is taking those entries meanwhile.
+-- locks: as lockstep._enqueue_text.
+create or replace function lockstep._enqueue_missing(j lockstep.job, keys text[]) returns bigint
+language sql
+set search_path = pg_catalog, pg_temp
+as $$
+    select lockstep._enqueue_text(j, array(
+        select k from pg_catalog.unnest(keys) k
+        where not exists (select from lockstep.queue q where q.key = k and (q.job = j.job) is true)));
+$$;
+
+-- lockstep._queue_job(job): the registry row of a derived job that has a queue (it has a parent).
+-- locks: nothing.
+create or replace function lockstep._queue_job(job text) returns lockstep.job
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    j lockstep.job := lockstep._job(job, 'derived');
+begin
+    if j.parent is null then
+        raise exception 'lockstep: job "%" has no parent, so it has no queue', j.job
+            using errcode = 'LSJ02', hint = 'Use lockstep.recompute(), or redefine it with parent => ...';
+    end if;
+    return j;
+end;
+$$;
+
+-- lockstep._castable(source, target): values of type source always convert to target: the same type, a
+-- domain over it, or an implicit cast (int -> bigint, varchar -> text). Not numeric -> bigint (it rounds or
+-- fails), nor text -> uuid (it can fail).
+-- locks: nothing.
+create or replace function lockstep._castable(source regtype, target regtype) returns boolean
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    with recursive base(t) as (
+        select source::oid
+        union
+        select ty.typbasetype from base join pg_catalog.pg_type ty on ty.oid = base.t where ty.typtype = 'd')
+    select exists (select from base where base.t = target)
+        or exists (select from base join pg_catalog.pg_cast c on c.castsource = base.t
+                   where c.casttarget = target and c.castcontext = 'i');
+$$;
+
+-- lockstep._fast_pairs(): the (column type oid, key type) pairs of lockstep._fast_types() where the column
+-- converts to the key type without loss (lockstep._castable), as 'oid:key type': a column of such a type
+-- reads in JSON as the key type's canonical text. lockstep.enqueue_trigger's fast path checks the same list
+-- inline (tests/sql/test_queue.py checks that they agree).
+-- locks: nothing.
+create or replace function lockstep._fast_pairs() returns text[]
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select pg_catalog.array_agg(pg_catalog.concat(c.oid, ':', k.t) order by c.oid, k.t)
+    from pg_catalog.unnest(lockstep._fast_types()) f(t)
+    join pg_catalog.pg_type c on c.oid = f.t::pg_catalog.regtype
+    cross join pg_catalog.unnest(lockstep._fast_types()) k(t)
+    where lockstep._castable(c.oid, k.t::pg_catalog.regtype);
+$$;
+
+-- lockstep._check_key_type(j, t, what): t (an element type) can stand for the job's parent key: the same
+-- type, one that always converts to it (lockstep._castable, as watch() asks: integer for bigint, varchar
+-- for text, integer for numeric), or another integer type (bigint for an integer key: a value that does
+-- not fit raises 22003 at the call, where the caller sees it). Not numeric or float for an integer key: 3.7
+-- rounded to 4, and 3.0 failed with 22P02 while 3 passed (found by a probe); those are LSQ01, as in watch().
+-- locks: nothing.
+create or replace function lockstep._check_key_type(j lockstep.job, t regtype, what text) returns void
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if t is distinct from j.key_type and not lockstep._castable(t, j.key_type)
+       and not (t::text = any(array['smallint', 'integer', 'bigint'])
+                and j.key_type::text = any(array['smallint', 'integer', 'bigint'])) then
+        raise exception 'lockstep: % is %, but the parent key %.% of job "%" is %', what, coalesce(t::text, 'not an array'),
+            j.parent, j.parent_key, j.job, j.key_type
+            using errcode = 'LSQ01', hint = pg_catalog.format('Pass an array of %s.', j.key_type);
+    end if;
+end;
+$$;
+
+-- lockstep._keys_text(j, keys): keys checked (not NULL, no NULL element, a type that converts to the parent
+-- key's type) and converted to the parent key type by PostgreSQL's own cast, in the caller's settings, then
+-- to the canonical text the queue stores (lockstep._canon: distinct, sorted by key). No SET of TimeZone and
+-- the others here: a cast through text under lockstep's pinned settings named another parent than the
+-- caller's implicit cast does (a timestamp for a timestamptz key, in a session at +05:30, named an instant
+-- 5.5 hours off; a real 0.1 for a float8 key 0.1, not 0.10000000149011612), so the pass found no such
+-- parent and the change was lost until the periodic recompute (found by a probe). A numeric for an integer
+-- key, which a cast would round, is refused before (lockstep._check_key_type).
+-- locks: nothing.
+create or replace function lockstep._keys_text(j lockstep.job, keys anyarray) returns text[]
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v text[];
+begin
+    if keys is null then
+        raise exception 'lockstep: keys must not be NULL' using errcode = '22004';
+    end if;
+    if pg_catalog.array_ndims(keys) > 1 then  -- it failed with 0A000 in the NULL check below
+        raise exception 'lockstep: keys must be a one-dimensional array (got % dimensions)', pg_catalog.array_ndims(keys)
+            using errcode = '22023';
+    end if;
+    perform lockstep._check_key_type(j, (select typelem from pg_catalog.pg_type where oid = pg_catalog.pg_typeof(keys)),
+                                     'keys');
+    if pg_catalog.array_position(keys, null) is not null then
+        raise exception 'lockstep: keys must not contain NULL (job "%")', j.job using errcode = '22004';
+    end if;
+    begin
+        execute pg_catalog.format('select lockstep._canon(pg_catalog.array_agg(k::%s)) from pg_catalog.unnest($1) k',
+                                  lockstep._type_sql(j.key_type))
+            into v using keys;
+    exception when data_exception then  -- 3000000000 for an integer key: say whose key, keep the SQLSTATE
+        raise exception 'lockstep: a key does not fit the parent key type % of job "%": %', j.key_type, j.job, sqlerrm
+            using errcode = sqlstate, hint = 'Enqueue keys the parent table can hold.';
+    end;
+    return coalesce(v, '{}');
+end;
+$$;
+
+-- lockstep.enqueue(job, keys): mark parents as changed. Returns the number of distinct keys appended.
+-- locks: as lockstep._enqueue_text: nothing a worker or a recompute holds.
+create or replace function lockstep.enqueue(job text, keys anyarray) returns bigint
+language plpgsql
+set search_path = pg_catalog, pg_temp
+set row_security = on  -- under off, the policies of lockstep.job and lockstep.queue refuse it (see _append)
+as $$
+declare
+    j lockstep.job := lockstep._queue_job(job);
+begin
+    return lockstep._enqueue_text(j, lockstep._keys_text(j, keys));
+end;
+$$;
+
+-- lockstep._append(job, keys): append keys (canonical text, in array order) to the queue for job, with
+-- row_security = on. The triggers' path when the session has row_security = off: PostgreSQL then refuses
+-- (42501), rather than filters, any statement on a table with row-level security (lockstep.queue) from a
+-- role the policies apply to, an application role among them; with the setting on, the queue's insert
+-- policy admits every row (an application session with row_security = off got 42501 on every write of a
+-- watched table; found by a probe). A SET clause costs each call ~1 us, so the triggers' fast path does its
+-- own insert and comes here only then.
+-- locks: none beyond the insert into lockstep.queue.
+create or replace function lockstep._append(job text, keys text[]) returns void
+language sql
+set search_path = pg_catalog, pg_temp
+set row_security = on
+as $$
+    insert into lockstep.queue (job, key)
+    select _append.job, u.k from pg_catalog.unnest(keys) with ordinality u(k, o) order by u.o;
+$$;
+
+-- lockstep._flag(job, problem): the trigger could not enqueue: mark job for its full recompute (one INSERT,
+-- never an UPDATE: application roles may only insert), and say so with a WARNING.
+-- locks: none beyond the insert into lockstep.recompute_flag.
+create or replace function lockstep._flag(job text, problem text) returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+set row_security = on  -- under off, the policies of lockstep.recompute_flag refuse the insert (see _append)
+as $$
+begin
+    insert into lockstep.recompute_flag (job, flagged_at, problem)
+    values (coalesce(job, ''), pg_catalog.clock_timestamp(), problem);
+    raise warning 'lockstep: could not enqueue for job "%": %; job flagged for a full recompute', job, problem
+        using hint = 'See trigger_problem in lockstep.status; lockstep.recompute(job) clears the flag.';
+end;
+$$;
+
+-- lockstep._clear_flag(j, snap, started): after a successful full recompute that began at clock time
+-- started with snapshot snap: forget the flags whose transactions snap already saw (their changes are in the
+-- recompute). Flags committed later stay, and so do those this transaction raised after started (the
+-- recompute's own hand-off of a key too long for the queue flags the job: that parent is not written yet).
+-- This transaction's own flags are told apart by clock time, not by the snapshot: those raised before
+-- started are covered (the recompute read what this transaction wrote before it: a watch() and a
+-- recompute in one transaction), those raised after are not (two recomputes in one transaction lost the
+-- first one's hand-off flag in the second, when the snapshot decided, and the parent stayed stale).
+-- locks: the job's lockstep.recompute_flag rows (deleted).
+create or replace function lockstep._clear_flag(j lockstep.job, snap pg_snapshot, started timestamptz) returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    delete from lockstep.recompute_flag f
+    where f.job = j.job
+      and case when f.xid = pg_catalog.pg_current_xact_id_if_assigned() then f.flagged_at < started
+               else pg_catalog.pg_visible_in_snapshot(f.xid, snap) end;
+end;
+$$;

@@ -1,0 +1,849 @@
+-- lockstep: the watch side: the statement trigger, its generation, watch / unwatch and their DDL.
+--
+-- The trigger never raises. Where it cannot enqueue (unknown job, a job without a queue, a column gone, a
+-- key that does not convert, transition tables missing), it flags the job for its full recompute (an
+-- INSERT into lockstep.recompute_flag, the only write an application role needs besides the queue), raises
+-- a WARNING, and lockstep.status shows it (needs_recompute, trigger_problem) until a recompute clears it.
+
+-- lockstep._trigger_problem(job, key_column, rel, op, new_table, old_table): why the general path of
+-- lockstep.enqueue_trigger cannot enqueue (NULL: it can), and the job's key type. One static query: the
+-- job (unknown, no queue), the column (gone, renamed, or of a type that does not always convert: only the
+-- same type, a domain over it or an implicit cast), the transition tables the operation needs.
+-- locks: nothing.
+create or replace function lockstep._trigger_problem(job text, key_column text, rel oid, op text, new_table name,
+                                          old_table name, out problem text, out key_type regtype)
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+set row_security = on  -- it reads lockstep.job (see _append)
+as $$
+declare
+    v_queue boolean;
+    v_type regtype;
+    v_conv boolean;
+begin
+    if (op in ('INSERT', 'UPDATE') and new_table is null) or (op in ('UPDATE', 'DELETE') and old_table is null) then
+        problem := pg_catalog.format('the trigger on %s has no %s transition table (REFERENCING ... TABLE AS)',
+                                     rel::regclass, case when new_table is null and op <> 'DELETE' then 'NEW' else 'OLD' end);
+        return;
+    end if;
+    select j.key_type, case when j.job is not null then j.kind = 'derived' and j.parent is not null end, a.atttypid,
+           a.atttypid = j.key_type or t.typbasetype = j.key_type
+           or exists (select from pg_catalog.pg_cast c
+                      where c.castsource in (a.atttypid, t.typbasetype) and c.casttarget = j.key_type
+                        and c.castcontext = 'i')
+    into key_type, v_queue, v_type, v_conv
+    from (values (1)) one(x)
+    left join lockstep.job j on j.job = _trigger_problem.job
+    left join pg_catalog.pg_attribute a
+        on a.attrelid = rel and a.attname = key_column and a.attnum > 0 and not a.attisdropped
+    left join pg_catalog.pg_type t on t.oid = a.atttypid;
+    problem := case when v_queue is null then 'unknown job'
+                    when not v_queue then 'the job has no parent, so it has no queue'
+                    when v_type is null then pg_catalog.format('table %s has no column %I', rel::regclass, key_column)
+                    when not v_conv then pg_catalog.format('column %s.%I is %s, which does not always convert to the key type %s',
+                                                           rel::regclass, key_column, v_type, key_type) end;
+end;
+$$;
+
+-- lockstep.enqueue_trigger(): trigger function for AFTER ... FOR EACH STATEMENT triggers with transition
+-- tables (any names: read from pg_trigger). Arguments: job name, name of the column that holds the parent
+-- key, and (written by lockstep.watch, optional) the parent key type. Keys are enqueued once per statement.
+-- Fast path (lockstep.watch's triggers: transition tables lockstep_new / lockstep_old, a key type whose text
+-- is the same under every setting, and a column whose own type reads as that key type's text): one probe of
+-- pg_attribute (the column's type now), one static read of the keys, in a block that catches any error (a
+-- trigger of this form whose transition tables have other names, a column type whose output raises: the
+-- block only reads, so its subtransaction gets no transaction id), then one static INSERT; no read of
+-- lockstep's tables. The probe is there because the third argument names the key type, not the column's:
+-- a char(8) column under a text key (one's own trigger, or an owner's `alter column ... type` after watch())
+-- was read through to_jsonb, which keeps char(n)'s padding, so 'ab' was queued as 'ab      ', a key that
+-- names no parent, and the change waited for the periodic recompute, status healthy (found by a probe).
+-- Anything else takes the general path (checks with one static query, then one EXECUTE, which casts the
+-- column to the key type). Never raises: where it cannot enqueue it flags the job (lockstep._flag).
+-- No SET search_path, unlike every other lockstep function: a SET clause costs each call a GUC save and
+-- restore and, on PostgreSQL 15, two recomputations of the session's namespace search path (2.5-4 µs of the
+-- trigger's 30 per statement). It is safe under any caller's search_path because nothing in the body
+-- is looked up through it: every table, function, type and operator is schema-qualified (operators as
+-- operator(pg_catalog.x)), the transition tables are ephemeral named relations, which the parser resolves
+-- before the search path, and the EXECUTEd SQL names types through regtype output (qualified wherever
+-- the search path would find another type) and lockstep's functions, which set their own search_path.
+-- tests/sql/test_security.py checks this function against an application search_path that shadows the
+-- operators and types it uses.
+-- Longer than the ~80 lines lockstep aims at, knowingly: every statement that reads the transition tables
+-- must be in this function (they are visible only to the trigger function's own queries), and the
+-- checks of the general path are already apart (lockstep._trigger_problem, lockstep._flag).
+-- locks: the insert into lockstep.queue (or lockstep.recompute_flag): nothing a worker or a recompute holds.
+create or replace function lockstep.enqueue_trigger() returns trigger
+language plpgsql
+as $$
+declare
+    v_keys pg_catalog.text[];
+    v_new pg_catalog.name;
+    v_old pg_catalog.name;
+    v_type pg_catalog.regtype;
+    v_sql pg_catalog.text;
+    v_problem pg_catalog.text;
+begin
+    if tg_nargs operator(pg_catalog.=) 3 and tg_level operator(pg_catalog.=) 'STATEMENT'
+       and tg_when operator(pg_catalog.=) 'AFTER' and tg_op operator(pg_catalog.<>) 'TRUNCATE'
+       and tg_argv[2] operator(pg_catalog.=) any ('{bigint,integer,smallint,numeric,text,"character varying",uuid}'
+                                                   ::pg_catalog.text[]) then  -- lockstep._fast_types()
+        begin  -- reads only: the subtransaction gets no transaction id
+            -- in the block, as all that reads: a role that may not read pg_attribute is not failed (a review).
+            -- The column's type oid and the key type given are a pair of lockstep._fast_pairs() (a column
+            -- type of _fast_types() that converts to the key type without loss, watch()'s test: the same
+            -- text both ways), and no relation of the session is named like the transition tables (a
+            -- hand-written trigger with other names read a temp table lockstep_new; a review). Else v_keys
+            -- stays NULL: the general path.
+            if pg_catalog.concat((select a.atttypid from pg_catalog.pg_attribute a
+                                  where a.attrelid operator(pg_catalog.=) tg_relid
+                                    and a.attname operator(pg_catalog.=) tg_argv[1]
+                                    and a.attnum operator(pg_catalog.>) 0 and not a.attisdropped), ':', tg_argv[2])
+                   operator(pg_catalog.<>) all ('{21:smallint,21:integer,21:bigint,21:numeric,23:integer,23:bigint,'
+                                                '23:numeric,20:bigint,20:numeric,1700:numeric,25:text,'
+                                                '"25:character varying",1043:text,"1043:character varying",2950:uuid}'
+                                                ::pg_catalog.text[])  -- lockstep._fast_pairs()
+               or pg_catalog.to_regclass('lockstep_new') is not null or pg_catalog.to_regclass('lockstep_old') is not null then
+                v_keys := null;
+            -- the distinct non-NULL keys as JSON, sorted by key (JSON orders numbers as numbers); offset 0:
+            -- to_jsonb once per row, not again in the filter; x.*, the row: plain x is a column named x
+            -- where the table has one (its value was read as the row, and the keys lost; a review)
+            elsif tg_op operator(pg_catalog.=) 'UPDATE' then
+                v_keys := array(select d.t from (select s.k, s.k operator(pg_catalog.#>>) '{}' t from (
+                                    select pg_catalog.to_jsonb(x.*) operator(pg_catalog.->) tg_argv[1] k from lockstep_new x
+                                    union select pg_catalog.to_jsonb(x.*) operator(pg_catalog.->) tg_argv[1] from lockstep_old x
+                                    offset 0) s) d
+                                where d.t is not null order by d.k);
+            elsif tg_op operator(pg_catalog.=) 'INSERT' then
+                v_keys := array(select d.t from (select s.k, s.k operator(pg_catalog.#>>) '{}' t from (
+                                    select distinct pg_catalog.to_jsonb(x.*) operator(pg_catalog.->) tg_argv[1] k
+                                    from lockstep_new x offset 0) s) d
+                                where d.t is not null order by d.k);
+            else
+                v_keys := array(select d.t from (select s.k, s.k operator(pg_catalog.#>>) '{}' t from (
+                                    select distinct pg_catalog.to_jsonb(x.*) operator(pg_catalog.->) tg_argv[1] k
+                                    from lockstep_old x offset 0) s) d
+                                where d.t is not null order by d.k);
+            end if;
+        exception when others then
+            v_keys := null;  -- the general path says why
+        end;
+        if pg_catalog.octet_length(pg_catalog.array_to_string(v_keys, ''))
+           operator(pg_catalog.+) pg_catalog.octet_length(tg_argv[0]) operator(pg_catalog.>) lockstep._max_key_bytes() then
+            v_keys := lockstep._queueable(tg_argv[0], v_keys);  -- a key too long for the queue flags the job
+        end if;
+        if pg_catalog.cardinality(v_keys) operator(pg_catalog.>) 0
+           and pg_catalog.current_setting('row_security') operator(pg_catalog.=) 'off' then
+            perform lockstep._append(tg_argv[0], v_keys);  -- the queue's policies refuse a plain insert then
+            return null;
+        elsif pg_catalog.cardinality(v_keys) operator(pg_catalog.=) 1 then  -- the common case: no function scan
+            insert into lockstep.queue (job, key) values (tg_argv[0], v_keys[1]);
+            return null;
+        elsif pg_catalog.cardinality(v_keys) operator(pg_catalog.>) 1 then
+            -- in array order, so queue ids follow the keys' order
+            insert into lockstep.queue (job, key) select tg_argv[0], u.k from pg_catalog.unnest(v_keys) u(k);
+            return null;
+        end if;
+        if v_keys is not null then  -- nothing to enqueue: NULL keys, or no row (the column is there: probed)
+            return null;
+        end if;
+    end if;
+    -- the general path: any transition-table names, any key type (EXECUTE)
+    select t.tgnewtable, t.tgoldtable into v_new, v_old
+    from pg_catalog.pg_trigger t
+    where t.tgrelid operator(pg_catalog.=) tg_relid and t.tgname operator(pg_catalog.=) tg_name;
+    if tg_level operator(pg_catalog.<>) 'STATEMENT' or tg_when operator(pg_catalog.<>) 'AFTER'
+       or not tg_nargs operator(pg_catalog.=) any ('{2,3}'::pg_catalog.int4[]) then
+        v_problem := 'lockstep.enqueue_trigger() must be used in AFTER ... FOR EACH STATEMENT triggers with '
+                     'arguments (job, key column)';
+    elsif tg_op operator(pg_catalog.=) 'TRUNCATE' then
+        v_problem := pg_catalog.format('TRUNCATE of %s (no transition table names its rows)', tg_relid::pg_catalog.regclass);
+    else
+        v_new := case when tg_op operator(pg_catalog.<>) 'DELETE' then v_new end;
+        v_old := case when tg_op operator(pg_catalog.<>) 'INSERT' then v_old end;
+        begin  -- reads only: the subtransaction gets no transaction id
+            select x.problem, x.key_type into v_problem, v_type
+            from lockstep._trigger_problem(tg_argv[0], tg_argv[1], tg_relid, tg_op, v_new, v_old) x;
+        exception when others then
+            get stacked diagnostics v_problem = message_text;
+        end;
+    end if;
+    if v_problem is not null then
+        perform lockstep._flag(case when tg_nargs operator(pg_catalog.>) 0 then tg_argv[0] end, v_problem);
+        return null;
+    end if;
+    -- checked above: the column exists and converts without loss, so this cannot fail (no subtransaction:
+    -- a write in one would take a subtransaction id per statement)
+    v_sql := pg_catalog.concat_ws(' union all ',
+        case when v_new is not null then pg_catalog.format('select %I::%s k from %I', tg_argv[1], lockstep._type_sql(v_type), v_new) end,
+        case when v_old is not null then pg_catalog.format('select %I::%s k from %I', tg_argv[1], lockstep._type_sql(v_type), v_old) end);
+    if v_type::pg_catalog.text operator(pg_catalog.=) any (lockstep._fast_types()) then  -- the same text under every setting
+        execute pg_catalog.format('select array(select k::pg_catalog.text '
+                                  'from (select distinct k from (%s) s where k is not null) d order by k)', v_sql)
+            into v_keys;
+    else
+        execute pg_catalog.format('select lockstep._canon(pg_catalog.array_agg(k)) from (%s) s', v_sql) into v_keys;
+    end if;
+    v_keys := lockstep._queueable(tg_argv[0], v_keys);  -- a key too long for the queue flags the job
+    perform lockstep._append(tg_argv[0], v_keys);
+    return null;
+end;
+$$;
+
+-- lockstep._trigger_fns(): every trigger function that enqueues for lockstep: lockstep.enqueue_trigger()
+-- and the ones lockstep.watch() generated (lockstep.enqueue_w_<hash>(), lockstep._gen_trigger).
+-- locks: nothing.
+create or replace function lockstep._trigger_fns() returns setof oid
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select p.oid from pg_catalog.pg_proc p
+    where p.pronamespace = 'lockstep'::regnamespace and p.prorettype = 'trigger'::regtype
+      and (p.proname = 'enqueue_trigger' or p.proname like 'enqueue\_w\_%');
+$$;
+
+-- lockstep._gen_trigger(j, source, key_column): the trigger function of watch()'s triggers on source and
+-- the tables below it, generated for this job, table and column: lockstep.enqueue_w_<hash>(), which reads
+-- only the key column of the transition tables. The shared lockstep.enqueue_trigger() cannot name a column
+-- statically, so its fast path reads the key through to_jsonb of the whole row, which detoasts and converts
+-- every column: a watched row with a 200 KB text column cost ~500 us per single-row UPDATE against ~5 us
+-- unwatched.
+-- Fast path: where the key column is still the one watch() found (at the attribute number watch() found in
+-- that table, written in for each table of the family, the same name and the same type: one index probe of
+-- pg_attribute) and row-level security is not off, the static statements cannot fail to plan, so they run
+-- with no subtransaction: for a key type whose text is never too long for the queue, one INSERT ... SELECT
+-- from the transition tables, else one read and one INSERT. Measured under pgbench (single-row UPDATEs, one
+-- client, synchronous_commit off): the earlier body (the read in a subtransaction, then an INSERT: two
+-- statements and their expressions set up again in every transaction) added ~35 us per statement, one
+-- INSERT ... SELECT ~16 us. The type is part of the check: after an ALTER COLUMN ... TYPE that kept the name,
+-- the fast path failed the application's statement (json: no equality for its UNION; text under an integer
+-- key: a 3 KB value too long for the queue's index; found by a probe); such a table now takes the slow path,
+-- which flags the job until watch() runs again. The probe costs ~1 us more than the two pg_identify_object
+-- calls it replaces (which checked the name only; the fastest of 10 chunks of 1,000 single-row UPDATEs).
+-- Otherwise (the column renamed, dropped and added again, of another type; a table of the family not known
+-- here; row_security = off) the column is looked up by name and its type checked, the read runs in a block
+-- that only reads (its subtransaction gets no transaction id), and where either fails the job is flagged
+-- (lockstep._flag); the trigger never raises. Under row_security = off PostgreSQL refuses, rather than
+-- filters, any statement of a role that row-level security applies to on a table that has it
+-- (lockstep.queue, lockstep.recompute_flag): the keys then go through lockstep._append, which sets
+-- row_security = on for its insert (an application session with row_security = off got 42501 on every
+-- write of a watched table; found by a probe). Like lockstep.enqueue_trigger() it has no SET clause and
+-- qualifies every name and operator (ORDER BY, DISTINCT and UNION take the type's default operator class,
+-- not the search path). Returns NULL (watch() then uses lockstep.enqueue_trigger()) where the session may
+-- not create functions in schema lockstep (job owners of docs/security.md's recipe may not) or a function of
+-- that name belongs to another role. Generated functions go with their last trigger
+-- (lockstep._drop_unused_triggers) and with the schema.
+-- locks: nothing (creates or replaces the function).
+create or replace function lockstep._gen_trigger(j lockstep.job, source regclass, key_column name) returns text
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_name name := ('enqueue_w_' || pg_catalog.left(pg_catalog.md5(
+                        pg_catalog.concat_ws(pg_catalog.chr(1), j.job, source::oid, key_column)), 24))::name;
+    v_read text := 'v_keys := array(select s.k::pg_catalog.text from (%s) s where s.k is not null order by s.k);';
+    -- a key type whose text always fits the queue: one statement
+    v_long boolean := j.key_type in ('text'::regtype, 'character varying'::regtype, 'numeric'::regtype);
+    v_fast text := case when v_long then v_read
+                        else 'insert into lockstep.queue (job, key) select tg_argv[0], s.k::pg_catalog.text '
+                             'from (%s) s where s.k is not null order by s.k;' end;
+    v_upd text := pg_catalog.format('select x.%1$I as k from lockstep_new x union select x.%1$I from lockstep_old x',
+                                    key_column);
+    v_ins text := pg_catalog.format('select distinct x.%I as k from lockstep_new x', key_column);
+    v_del text := pg_catalog.format('select distinct x.%I as k from lockstep_old x', key_column);
+    -- the branch on tg_op (formatted twice below): %1$s, %3$s, %4$s the UPDATE, INSERT, DELETE statements, %2$s the indent
+    v_ops text := E'if tg_op operator(pg_catalog.=) ''UPDATE'' then\n%2$s    %1$s\n'
+                  || E'%2$selsif tg_op operator(pg_catalog.=) ''INSERT'' then\n%2$s    %3$s\n'
+                  || E'%2$selse\n%2$s    %4$s\n%2$send if;';
+    v_attnum text;
+    v_type oid := (select a.atttypid from pg_catalog.pg_attribute a
+                   where a.attrelid = source and a.attname = key_column and a.attnum > 0 and not a.attisdropped);
+begin
+    if not pg_catalog.has_schema_privilege('lockstep', 'CREATE') then
+        return null;
+    end if;
+    -- the key column's attribute number in each table (a partition may number its columns otherwise)
+    select pg_catalog.concat('case ', pg_catalog.string_agg(
+               pg_catalog.format('when tg_relid operator(pg_catalog.=) %s::pg_catalog.oid then %s', t.rel::oid, a.attnum),
+               ' ' order by t.o), ' end')
+    into v_attnum
+    from pg_catalog.unnest(lockstep._family(source)) with ordinality t(rel, o)
+    join pg_catalog.pg_attribute a on a.attrelid = t.rel and a.attname = key_column and a.attnum > 0
+                                      and not a.attisdropped;
+    execute pg_catalog.format($gen$
+create or replace function lockstep.%1$I() returns trigger
+language plpgsql
+as $body$
+-- generated by lockstep.watch() (lockstep._gen_trigger): reads only the key column %2$I (type %9$s)
+declare
+    v_keys pg_catalog.text[];
+    v_problem pg_catalog.text;
+    v_type pg_catalog.oid;
+begin
+    -- a role that may not read pg_attribute takes the slow path, whose reads are in blocks (a review; the
+    -- privilege of a query is checked when it starts, whatever branch of it would run: a test of its own)
+    if pg_catalog.has_table_privilege('pg_catalog.pg_attribute'::pg_catalog.regclass, 'SELECT') then
+        v_type := (select a.atttypid from pg_catalog.pg_attribute a
+                   where a.attrelid operator(pg_catalog.=) tg_relid
+                     and a.attnum operator(pg_catalog.=) (%3$s)::pg_catalog.int2
+                     and a.attname operator(pg_catalog.=) %4$L::pg_catalog.name);
+    end if;
+    -- the column is still %2$I, of type %9$s, at the attribute number watch() found in this table, and
+    -- row_security is not off: no subtransaction
+    if v_type operator(pg_catalog.=) %10$s::pg_catalog.oid
+       and pg_catalog.current_setting('row_security') operator(pg_catalog.<>) 'off' then
+        %5$s
+%6$s
+    else
+        if v_type is null then  -- not at that attribute number (renamed, dropped, a table not known here)
+            begin  -- reads only
+                v_type := (select a.atttypid from pg_catalog.pg_attribute a
+                           where a.attrelid operator(pg_catalog.=) tg_relid
+                             and a.attname operator(pg_catalog.=) %4$L::pg_catalog.name
+                             and a.attnum operator(pg_catalog.>) 0 and not a.attisdropped);
+            exception when others then
+                get stacked diagnostics v_problem = message_text;
+            end;
+        end if;
+        if v_problem is not null then
+            null;  -- the job is flagged below
+        elsif v_type is null or v_type operator(pg_catalog.<>) %10$s::pg_catalog.oid then
+            v_problem := pg_catalog.concat('column ', %11$L, ' of ', tg_relid::pg_catalog.regclass,
+                                           coalesce(' is of type ' operator(pg_catalog.||) v_type::pg_catalog.regtype,
+                                                    ' is gone'),
+                                           %12$L);
+        else
+            begin  -- reads only: the subtransaction gets no transaction id
+                %7$s
+            exception when others then
+                get stacked diagnostics v_problem = message_text;
+            end;
+        end if;
+    end if;
+    if v_problem is not null then
+        begin  -- the same words as lockstep.enqueue_trigger's general path where it can tell
+            select coalesce(x.problem, v_problem) into v_problem
+            from lockstep._trigger_problem(tg_argv[0], tg_argv[1], tg_relid, tg_op,
+                                           case when tg_op operator(pg_catalog.<>) 'DELETE' then 'lockstep_new' end,
+                                           case when tg_op operator(pg_catalog.<>) 'INSERT' then 'lockstep_old' end) x;
+        exception when others then
+            null;
+        end;
+        perform lockstep._flag(tg_argv[0], v_problem);
+        return null;
+    end if;
+%8$s
+    if pg_catalog.current_setting('row_security') operator(pg_catalog.=) 'off' then
+        perform lockstep._append(tg_argv[0], v_keys);  -- the queue's policies refuse a plain insert then
+    elsif pg_catalog.cardinality(v_keys) operator(pg_catalog.=) 1 then
+        insert into lockstep.queue (job, key) values (tg_argv[0], v_keys[1]);
+    elsif pg_catalog.cardinality(v_keys) operator(pg_catalog.>) 1 then
+        insert into lockstep.queue (job, key) select tg_argv[0], u.k from pg_catalog.unnest(v_keys) u(k);
+    end if;
+    return null;
+end;
+$body$
+$gen$, v_name, key_column, coalesce(v_attnum, 'null::pg_catalog.int4'), key_column,
+        pg_catalog.format(v_ops, pg_catalog.format(v_fast, v_upd), '        ', pg_catalog.format(v_fast, v_ins),
+                          pg_catalog.format(v_fast, v_del)),
+        case when v_long then '' else '        return null;  -- queued' end,
+        pg_catalog.format(v_ops, pg_catalog.format(v_read, v_upd), '                ', pg_catalog.format(v_read, v_ins),
+                          pg_catalog.format(v_read, v_del)),
+        case when v_long then
+pg_catalog.format('    if pg_catalog.octet_length(pg_catalog.array_to_string(v_keys, ''''))
+       operator(pg_catalog.+) pg_catalog.octet_length(tg_argv[0]) operator(pg_catalog.>) %s then
+        v_keys := lockstep._queueable(tg_argv[0], v_keys);  -- a key too long for the queue flags the job
+    end if;', lockstep._max_key_bytes()) else '' end,
+        pg_catalog.format_type(v_type, null), coalesce(v_type, 0), pg_catalog.quote_ident(key_column),
+        pg_catalog.format(', not of type %s as when watch() ran: run lockstep.watch() again',
+                          pg_catalog.format_type(v_type, null)));
+    return pg_catalog.format('lockstep.%I', v_name);
+exception when insufficient_privilege then  -- a function of that name owned by another role
+    return null;
+end;
+$$;
+
+-- lockstep._drop_unused_triggers(): drop the generated trigger functions no trigger uses any more (their
+-- triggers unwatched or dropped, or their table dropped). One the session may not drop is left for a
+-- role that may.
+-- locks: nothing beyond the functions dropped.
+create or replace function lockstep._drop_unused_triggers() returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    f regprocedure;
+begin
+    for f in select p.oid from pg_catalog.pg_proc p
+             where p.oid in (select lockstep._trigger_fns()) and p.oid <> 'lockstep.enqueue_trigger()'::regprocedure
+               and not exists (select from pg_catalog.pg_trigger t where t.tgfoid = p.oid) loop
+        begin
+            execute pg_catalog.format('drop function %s', f);
+        exception when insufficient_privilege or dependent_objects_still_exist then
+            null;
+        end;
+    end loop;
+end;
+$$;
+
+-- lockstep._trigger_name(job, op): name of the trigger lockstep.watch() creates: at most 20 bytes of the
+-- job name (cut on a character boundary), 12 hex digits of its md5 (unique in bytes), the operation.
+-- At most 55 bytes, below the 63 of a name.
+-- locks: nothing.
+create or replace function lockstep._trigger_name(job text, op text) returns name
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select ('lockstep_' || (select s from pg_catalog.generate_series(least(pg_catalog.length(job), 20), 0, -1) n,
+                                           pg_catalog.left(job, n) s
+                            where pg_catalog.octet_length(s) <= 20 limit 1)
+            || '_' || pg_catalog.left(pg_catalog.md5(job), 12) || '_' || op)::name;
+$$;
+
+-- lockstep._tgarg(args, n): the n-th (0-based) argument of pg_trigger.tgargs, compared as bytes (not
+-- through encode(.., 'escape'), which mangles backslashes and non-ASCII characters).
+-- locks: nothing.
+create or replace function lockstep._tgarg(args bytea, n integer) returns text
+language plpgsql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v bytea := args;
+    p integer;
+begin
+    for i in 0..n loop
+        p := pg_catalog.position(v, '\x00'::bytea);
+        if p = 0 then
+            return null;
+        end if;
+        if i = n then
+            return pg_catalog.convert_from(pg_catalog.substr(v, 1, p - 1), pg_catalog.getdatabaseencoding());
+        end if;
+        v := pg_catalog.substr(v, p + 1);
+    end loop;
+    return null;
+end;
+$$;
+
+-- lockstep._watchers(job): every trigger that feeds job through lockstep.enqueue_trigger or a function
+-- lockstep.watch() generated (lockstep.watch's triggers and one's own): table, trigger name, key column.
+-- locks: nothing.
+create or replace function lockstep._watchers(job text)
+returns table (rel regclass, tgname name, key_column text)
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select tg.tgrelid::regclass, tg.tgname, lockstep._tgarg(tg.tgargs, 1)
+    from pg_catalog.pg_trigger tg
+    where tg.tgfoid in (select lockstep._trigger_fns()) and tg.tgnargs >= 1
+      and pg_catalog.substr(tg.tgargs, 1, pg_catalog.position(tg.tgargs, '\x00'::bytea) - 1)
+          = pg_catalog.convert_to(job, pg_catalog.getdatabaseencoding())
+    order by 1, 2;
+$$;
+
+-- lockstep._check_watchers(job, parent, key_type): define_derived's check on a job that triggers feed:
+-- the new definition must keep a queue (a parent), and every watched column must still convert to the new
+-- key type (a changed key type also needs watch() again: its triggers carry the type). Else LSJ02 / LSQ01,
+-- and nothing is defined.
+-- locks: nothing.
+create or replace function lockstep._check_watchers(job text, parent regclass, key_type regtype) returns void
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    w record;
+    v_type regtype;
+    v_old regtype := (select x.key_type from lockstep.job x where x.job = _check_watchers.job);
+    v_why text;
+    -- every table that feeds the job, for the hint: one named at a time, an admin met the next refusal
+    -- after each unwatch (found by a probe)
+    v_all text := (select pg_catalog.string_agg(distinct pg_catalog.format('lockstep.unwatch(%L, %L)', job, x.rel::text), ', ')
+                   from lockstep._watchers(job) x);
+begin
+    for w in select * from lockstep._watchers(job) loop
+        if parent is null then
+            raise exception 'lockstep: job "%" is fed by trigger % on %, so it needs a parent (its queue)', job, w.tgname, w.rel
+                using errcode = 'LSJ02',
+                      hint = pg_catalog.format('Pass parent => ..., or first select lockstep.unwatch(%L, %L).', job, w.rel);
+        end if;
+        select a.atttypid into v_type from pg_catalog.pg_attribute a
+        where a.attrelid = w.rel and a.attname = w.key_column and a.attnum > 0 and not a.attisdropped;
+        -- the reason in words that say which (one message for all three contradicted itself: "(column
+        -- warehouse_id, bigint) ... does not fit the new parent key type bigint"; found by a probe)
+        v_why := case when v_type is null then pg_catalog.format('its column %I is gone (renamed or dropped)', w.key_column)
+                      when not lockstep._castable(v_type, _check_watchers.key_type) then
+                          pg_catalog.format('its column %I is %s, which does not always convert to the new parent key type %s',
+                                            w.key_column, v_type, key_type)
+                      when v_old <> _check_watchers.key_type then
+                          pg_catalog.format('its trigger was made for the parent key type %s, not the new %s', v_old, key_type)
+                 end;
+        if v_why is not null then
+            raise exception 'lockstep: job "%" is fed by trigger % on %: %', job, w.tgname, w.rel, v_why
+                using errcode = 'LSQ01',
+                      hint = pg_catalog.format('First select %s (every table that feeds it), then watch() again '
+                                               'after redefining.', v_all);
+        end if;
+    end loop;
+end;
+$$;
+
+-- lockstep._ddl(tables, stmts, what): run DDL that locks application tables (CREATE / DROP TRIGGER on
+-- tables), all of it or none, without ever keeping an application waiting long or deadlocking it. Each
+-- attempt, a subtransaction, first locks the tables one by one (ACCESS EXCLUSIVE, what DROP TRIGGER takes),
+-- waiting at most lock_timeout for each (100 ms, and under half of deadlock_timeout), then runs the
+-- statements. An application statement queued behind the first table waits for the later tables' waits
+-- too: 100 ms a table at most, as README states. (One 100 ms budget for all the tables of an attempt, tried
+-- after a probe showed that wait, failed drop_job with 55P03 under a steady load of short readers on three
+-- tables that these per-table waits get in ~200 ms, and stalled the application once per failed attempt:
+-- a review.) A timed-out attempt gives back every lock it took, so the application statement queued
+-- behind it goes on, and is tried again after a pause, with the table it could not lock first: an
+-- application that writes a child table and then its parent, in transactions that follow each other
+-- closely, always held the second table lockstep asked for while it waited for the first lockstep held,
+-- so every attempt timed out (drop_job never succeeded); locking the contended table first, holding
+-- nothing, waits only for the transactions already in it. (drop_job once locked the tables table by table
+-- without a timeout: an application transaction holding the second that then read the first was killed
+-- as a deadlock, 40P01.) After 50 attempts (~10 s), 55P03 and nothing done.
+-- locks: tables (ACCESS EXCLUSIVE), never waited for long, in the order of the array, the last contended
+-- one first.
+create or replace function lockstep._ddl(tables regclass[], stmts text[], what text) returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_ms text := (extract(epoch from least(interval '100 ms',
+                  pg_catalog.current_setting('deadlock_timeout')::interval / 2)) * 1000)::bigint::text;
+    v_old text := pg_catalog.current_setting('lock_timeout');
+    v_order regclass[] := array(select t from pg_catalog.unnest(tables) with ordinality u(t, o)
+                                group by t order by min(o));
+    v_at regclass;
+    t regclass;
+    s text;
+begin
+    for attempt in 1..50 loop
+        begin
+            perform pg_catalog.set_config('lock_timeout', v_ms, true);  -- undone if the attempt fails
+            foreach t in array v_order loop
+                v_at := t;
+                execute pg_catalog.format('lock table %s in access exclusive mode', t);
+            end loop;
+            v_at := null;
+            foreach s in array stmts loop
+                execute s;
+            end loop;
+            perform pg_catalog.set_config('lock_timeout', v_old, true);
+            return;
+        exception when lock_not_available then
+            if v_at is not null then  -- the next attempt waits for this one first, holding nothing
+                v_order := v_at || pg_catalog.array_remove(v_order, v_at);
+            end if;
+            perform pg_catalog.pg_sleep(0.05 + 0.1 * pg_catalog.random());
+        end;
+    end loop;
+    raise exception 'lockstep: % could not lock its tables: application transactions kept them busy', what
+        using errcode = '55P03',
+              hint = pg_catalog.format('Nothing was changed. Each of 50 attempts waited at most %s ms for each of %s; '
+                                       'try again when fewer or shorter transactions use them.',
+                                       v_ms, pg_catalog.array_to_string(v_order, ', '));
+end;
+$$;
+
+-- lockstep._family(source): source and every table below it (its partitions, at every level, and tables that
+-- inherit from it), parents before children; foreign tables left out (they cannot have transition tables).
+-- A statement trigger fires only for statements that name its table: a write made directly to a partition
+-- fires the partition's triggers, not the root's, so watch() puts its triggers on each of these.
+-- locks: nothing.
+create or replace function lockstep._family(source regclass) returns regclass[]
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    with recursive f (rel, depth) as (
+        select source::oid, 0
+        union all
+        select i.inhrelid, f.depth + 1 from f join pg_catalog.pg_inherits i on i.inhparent = f.rel
+        where f.depth < 100
+    )
+    select array(select f.rel::regclass from f join pg_catalog.pg_class c on c.oid = f.rel
+                 where c.relkind in ('r', 'p') group by f.rel order by min(f.depth), f.rel);
+$$;
+
+-- lockstep._drop_watch_ddl(job, tables): the DROP TRIGGER IF EXISTS statements for the four triggers
+-- lockstep.watch() creates for job on each of tables (run through lockstep._ddl by watch and unwatch).
+-- locks: nothing (returns text).
+create or replace function lockstep._drop_watch_ddl(job text, tables regclass[]) returns text[]
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select array(select pg_catalog.format('drop trigger if exists %I on %s', lockstep._trigger_name(job, o), x)
+                 from pg_catalog.unnest(tables) x, pg_catalog.unnest(array['insert', 'update', 'delete', 'truncate']) o);
+$$;
+
+-- lockstep._warn_writers(tables): after watch(): a WARNING naming each role that may write one of tables
+-- (granted INSERT, UPDATE, DELETE or TRUNCATE on it or on one of its columns, or its owner) but lacks what
+-- the triggers need as that role, and what it lacks: USAGE on schema lockstep and INSERT on lockstep.queue
+-- (every write of it fails with 42501 without them), INSERT on lockstep.recompute_flag (a write the
+-- trigger cannot enqueue, which it flags instead, fails without it); docs/security.md. Said when watch()
+-- runs, not at the application's next write. Roles granted through a group are checked as the group.
+-- locks: nothing.
+create or replace function lockstep._warn_writers(tables regclass[]) returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_roles text;
+begin
+    with w as (
+        select a.grantee as r
+        from pg_catalog.pg_class c, pg_catalog.aclexplode(c.relacl) a
+        where c.oid = any(tables) and a.privilege_type in ('INSERT', 'UPDATE', 'DELETE', 'TRUNCATE')
+        union
+        select a.grantee
+        from pg_catalog.pg_attribute t, pg_catalog.aclexplode(t.attacl) a
+        where t.attrelid = any(tables) and t.attacl is not null and a.privilege_type in ('INSERT', 'UPDATE')
+        union
+        select c.relowner from pg_catalog.pg_class c where c.oid = any(tables)
+    ), n as (
+        select coalesce(r.rolname, 'public') as name, coalesce(r.rolname, 'PUBLIC') as shown
+        from w left join pg_catalog.pg_roles r on r.oid = w.r
+        where not coalesce(r.rolsuper, false)
+    ), m as (
+        select n.shown, pg_catalog.concat_ws(', ',
+                   case when not pg_catalog.has_schema_privilege(n.name, 'lockstep', 'USAGE') then 'USAGE on schema lockstep' end,
+                   -- on the table, or on the two columns every insert of lockstep's triggers names (docs/security.md)
+                   case when not (pg_catalog.has_column_privilege(n.name, 'lockstep.queue', 'job', 'INSERT')
+                                  and pg_catalog.has_column_privilege(n.name, 'lockstep.queue', 'key', 'INSERT'))
+                        then 'INSERT on lockstep.queue' end,
+                   case when not pg_catalog.has_table_privilege(n.name, 'lockstep.recompute_flag', 'INSERT')
+                        then 'INSERT on lockstep.recompute_flag' end) as lacks
+        from n
+    )
+    select pg_catalog.string_agg(pg_catalog.format('%s (lacks %s)', m.shown, m.lacks), '; ' order by m.shown)
+    into v_roles
+    from m where m.lacks <> '';
+    if v_roles is not null then
+        raise warning 'lockstep: roles that may write % lack grants watch()''s triggers need: %',
+            pg_catalog.array_to_string(tables, ', '), v_roles
+            using hint = 'Without USAGE on schema lockstep or INSERT on lockstep.queue every write of theirs fails '
+                         'with 42501; without INSERT on lockstep.recompute_flag one the trigger cannot enqueue does '
+                         '(docs/security.md, Application).';
+    end if;
+end;
+$$;
+
+-- lockstep._warn_source(j, source, key_column, below): watch()'s warnings about what its triggers will not
+-- see. A partitioned source: partitions attached or created later (below: how many it covers today). A
+-- partition or inheriting table: a write through its parent fires the parent's statement triggers, not
+-- its own (watching one partition missed every insert made through the partitioned table; found by a
+-- probe). A key column whose foreign keys all reference another table than the job's parent: it holds
+-- that table's keys (a comments.post_id watched for a job whose parent is authors queued post ids as
+-- author ids; found by a probe). A key column that is the primary key of a table other than the parent
+-- and references nothing: it holds that table's own keys (authors.id watched for a job whose parent is
+-- posts queued author ids as post ids, silently; found by a probe).
+-- locks: nothing.
+create or replace function lockstep._warn_source(j lockstep.job, source regclass, key_column name, below integer) returns void
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_up regclass := (select i.inhparent::regclass from pg_catalog.pg_inherits i where i.inhrelid = source limit 1);
+    v_family regclass[] := lockstep._family(j.parent);
+    v_att smallint := (select a.attnum from pg_catalog.pg_attribute a
+                       where a.attrelid = source and a.attname = key_column and a.attnum > 0 and not a.attisdropped);
+    v_refs text;
+begin
+    if exists (select from pg_catalog.pg_class c where c.oid = source and c.relkind = 'p') then
+        raise warning 'lockstep: watch(%, %) covers its % partition(s) of today; run it again after attaching or creating one',
+            j.job, source, below
+            using hint = 'A write made directly to a partition that is not watched reaches the job only at its next recompute.';
+    end if;
+    if v_up is not null then
+        raise warning 'lockstep: % is a partition or child of %: a write made through % fires the triggers of %, not of %',
+            source, v_up, v_up, v_up, source
+            using hint = pg_catalog.format('Watch %s instead (watch() covers every table below it).', v_up);
+    end if;
+    if source = any(v_family) then  -- the parent's own key, whatever it references
+        return;
+    end if;
+    select pg_catalog.string_agg(distinct c.confrelid::regclass::text, ', ') into v_refs
+    from pg_catalog.pg_constraint c
+    where c.conrelid = source and c.contype = 'f' and c.conkey = array[v_att]
+      and not exists (select from pg_catalog.pg_constraint p
+                      where p.conrelid = source and p.contype = 'f' and p.conkey = array[v_att]
+                        and p.confrelid = any(v_family));
+    if v_refs is not null then
+        raise warning 'lockstep: %.% references %, not the parent % of job "%": its values are keys of that table',
+            source, key_column, v_refs, j.parent, j.job
+            using hint = 'For a table two levels below the parent, write a trigger that enqueues the parent''s keys '
+                         '(README, Writing your own triggers).';
+    elsif exists (select from pg_catalog.pg_constraint c
+                  where c.conrelid = source and c.contype = 'p' and c.conkey = array[v_att])
+          and not exists (select from pg_catalog.pg_constraint c
+                          where c.conrelid = source and c.contype = 'f' and v_att = any(c.conkey))
+          -- nor referenced by the parent's key: a reverse one-to-one (post.id references entity.id), whose
+          -- keys are the parent's (a false warning; found by a review)
+          and not exists (select from pg_catalog.pg_constraint c
+                          join pg_catalog.pg_attribute pa on pa.attrelid = c.conrelid and pa.attname = j.parent_key
+                          where c.conrelid = any(v_family) and c.contype = 'f'
+                            and c.conkey = array[pa.attnum] and c.confrelid = source and c.confkey = array[v_att]) then
+        raise warning 'lockstep: %.% is the primary key of %, not a reference to the parent % of job "%": its values are keys of % itself',
+            source, key_column, source, j.parent, j.job, source
+            using hint = pg_catalog.format('Watch the column of %s that holds %s''s keys, or write a trigger that enqueues them '
+                                           '(README, Writing your own triggers); if %s.%s does hold them (no foreign key '
+                                           'declared), nothing is wrong.', source, j.parent, source, key_column);
+    end if;
+end;
+$$;
+
+-- lockstep.watch(job, source, key_column): create the three statement triggers (insert, update, delete)
+-- that enqueue source.key_column for job, and one on truncate that flags job for its full recompute, on
+-- source and on every partition (or inheriting table) below it (lockstep._family: a write made directly to
+-- a partition fires only the partition's triggers; a partition attached later needs watch() again, which
+-- a WARNING says for a partitioned source). Re-running it replaces them. The column's type must convert
+-- to the parent key type without loss (lockstep._castable): checked here, not at the application's next
+-- write.
+-- The triggers execute a function generated for this job, table and column that reads only the key column
+-- (lockstep._gen_trigger), or, where the session may not create one or the key type has no single text
+-- form, lockstep.enqueue_trigger().
+-- locks: source and the tables below it (DROP / CREATE TRIGGER) through lockstep._ddl: it waits for their
+-- writers, like any DDL, but never holds an application up for more than 100 ms at a time (it retries for
+-- ~10 s, then 55P03). Run it at deploy time. Then, if source was not watched for job before, or on
+-- another column, appends a lockstep.recompute_flag row (its earlier changes wait for the job's full
+-- recompute).
+create or replace function lockstep.watch(job text, source regclass, key_column name) returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+set client_min_messages = warning
+as $$
+declare
+    j lockstep.job := lockstep._queue_job(job);
+    v_type regtype;
+    v_fast boolean;
+    v_fn text := 'lockstep.enqueue_trigger';
+    v_ddl text[] := '{}';
+    v_tables regclass[] := lockstep._family(source);
+    v_new boolean;
+    v_moved boolean;
+    v_args bytea;
+    op text;
+    t regclass;
+begin
+    if source is null or key_column is null then
+        raise exception 'lockstep: source and key_column must not be NULL' using errcode = '22004';
+    end if;
+    -- only who manages the job feeds it (another owner's triggers on its own tables fed the job, and the
+    -- job's owner could then neither unwatch them nor drop the job; found by a review)
+    perform lockstep._check_owner(j);
+    if not exists (select from pg_catalog.pg_class c where c.oid = source and c.relkind in ('r', 'p')) then
+        raise exception 'lockstep: source % is not a table', source using errcode = '42809';
+    end if;
+    -- lockstep's own tables: a watched queue fed itself on every enqueue until the stack ran out (54001 on
+    -- every write of every watched table), a watched job_state a job that never went idle (a probe)
+    perform lockstep._check_not_ours(source, 'a watched table');
+    if j.target = any(v_tables) or source = any(lockstep._family(j.target)) then
+        raise exception 'lockstep: % is the target of job "%" (or a partition of it)', source, j.job
+            using errcode = '22023',
+                  hint = 'The job writes this table: its own writes would queue its parents again, for ever. '
+                         'watch the tables compute reads.';
+    end if;
+    select a.atttypid into v_type from pg_catalog.pg_attribute a
+    where a.attrelid = source and a.attname = key_column and a.attnum > 0 and not a.attisdropped;
+    if v_type is null then
+        raise exception 'lockstep: table % has no column %', source, key_column using errcode = '42703';
+    end if;
+    -- a trigger cannot report a value that does not convert (numeric 3.5 for a bigint key): only lossless
+    -- conversions are accepted here
+    if not lockstep._castable(v_type, j.key_type) then
+        raise exception 'lockstep: %.% is %, which does not always convert to the parent key type % of job "%"',
+            source, key_column, v_type, j.key_type, j.job
+            using errcode = 'LSQ01',
+                  hint = pg_catalog.format('Watch a column of type %s (or of a type with an implicit cast to it).', j.key_type);
+    end if;
+    -- the fast path (a third argument) where the column's JSON text is the key's canonical text
+    v_fast := v_type::text = any(lockstep._fast_types()) and j.key_type::text = any(lockstep._fast_types());
+    -- a table this job did not watch until now: what it changed before (between an unwatch() and this
+    -- watch(), say) reached no queue, so the job is flagged for its full recompute (found by a probe: four
+    -- rows of 500 stayed wrong, status healthy, until the periodic recompute an hour later)
+    -- a partition attached since the last watch() counts: its rows were not watched (found by a probe)
+    v_new := exists (select from pg_catalog.unnest(v_tables) t(rel)
+                     where not exists (select from pg_catalog.pg_trigger tg
+                                       where tg.tgrelid = t.rel and tg.tgname = lockstep._trigger_name(j.job, 'insert')));
+    -- a table watched on another column until now: what changed meanwhile queued that column's values, or
+    -- nothing (found by a probe: a wrong column watched, then the right one, three rows stayed wrong). The
+    -- triggers' arguments begin with job and column, each ending in a zero byte (compared as bytes).
+    v_args := pg_catalog.convert_to(j.job, pg_catalog.getdatabaseencoding()) || '\x00'::bytea
+              || pg_catalog.convert_to(key_column, pg_catalog.getdatabaseencoding()) || '\x00'::bytea;
+    v_moved := not v_new and exists (
+        select from pg_catalog.unnest(v_tables) t(rel)
+        join pg_catalog.pg_trigger tg on tg.tgrelid = t.rel and tg.tgname = lockstep._trigger_name(j.job, 'insert')
+        where pg_catalog.substring(tg.tgargs, 1, pg_catalog.length(v_args)) <> v_args);
+    -- the triggers of an earlier watch() go in the same attempts (lockstep._ddl), named in its errors as watch
+    v_ddl := lockstep._drop_watch_ddl(j.job, v_tables);
+    if v_fast then  -- a function that reads only the key column, where the session may create one
+        v_fn := coalesce(lockstep._gen_trigger(j, source, key_column), v_fn);
+    end if;
+    foreach t in array v_tables loop  -- one function for all: it names only the column, which they share
+        foreach op in array array['insert', 'update', 'delete'] loop
+            v_ddl := v_ddl || pg_catalog.format(
+                'create trigger %I after %s on %s referencing %s for each statement '
+                'execute function %s(%L, %L%s)',
+                lockstep._trigger_name(j.job, op), op, t,
+                case op when 'insert' then 'new table as lockstep_new'
+                        when 'update' then 'old table as lockstep_old new table as lockstep_new'
+                        else 'old table as lockstep_old' end,
+                v_fn, j.job, key_column, case when v_fast then pg_catalog.format(', %L', j.key_type) else '' end);
+        end loop;
+        -- a TRUNCATE has no transition table to name its rows: the shared function flags the job for its
+        -- full recompute
+        v_ddl := v_ddl || pg_catalog.format('create trigger %I after truncate on %s for each statement '
+                                            'execute function lockstep.enqueue_trigger(%L, %L)',
+                                            lockstep._trigger_name(j.job, 'truncate'), t, j.job, key_column);
+    end loop;
+    perform lockstep._ddl(v_tables, v_ddl, pg_catalog.format('watch(%L, %L)', j.job, source));
+    if v_new or v_moved then
+        insert into lockstep.recompute_flag (job, flagged_at, problem)  -- clock time, as _flag (_clear_flag)
+        values (j.job, pg_catalog.clock_timestamp(),
+                case when v_new
+                     then pg_catalog.format('%s newly watched: its earlier changes wait for the full recompute', source)
+                     else pg_catalog.format('%s watched on column %s now: its earlier changes wait for the full '
+                                            'recompute', source, key_column) end);
+    end if;
+    perform lockstep._warn_writers(v_tables);
+    perform lockstep._warn_source(j, source, key_column, cardinality(v_tables) - 1);
+    perform lockstep._drop_unused_triggers();  -- a function the replaced triggers used, if no longer any
+end;
+$$;
+
+-- lockstep.unwatch(job, source): drop the triggers lockstep.watch() created on source and the tables below
+-- it (LSJ01 for an unknown job that has none there; a WARNING where the job has none there: it was silent,
+-- and a mistyped table looked unwatched; found by a probe).
+-- locks: source and the tables below it (DROP TRIGGER) through lockstep._ddl, as lockstep.watch.
+create or replace function lockstep.unwatch(job text, source regclass) returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+set client_min_messages = warning
+as $$
+declare
+    v_tables regclass[] := lockstep._family(source);
+begin
+    if job is null or source is null then
+        raise exception 'lockstep: job and source must not be NULL' using errcode = '22004';
+    end if;
+    -- an unknown job is an error, as in watch(), unless watch() left triggers of that name on source
+    if exists (select from lockstep.job x where x.job = unwatch.job) then
+        perform lockstep._job(job, 'derived');  -- LSJ02 for a generic job, as watch() (found by a probe)
+    elsif not exists (select from pg_catalog.pg_trigger t
+                       where t.tgrelid = source and t.tgname in (select lockstep._trigger_name(unwatch.job, o)
+                             from pg_catalog.unnest(array['insert', 'update', 'delete', 'truncate']) o)) then
+        perform lockstep._job(job);  -- LSJ01
+    end if;
+    if not exists (select from pg_catalog.pg_trigger t
+                   where t.tgrelid = any(v_tables) and t.tgname in (select lockstep._trigger_name(unwatch.job, o)
+                         from pg_catalog.unnest(array['insert', 'update', 'delete', 'truncate']) o)) then
+        -- a warning, not an error: unwatch() stays safe to repeat in a deploy script (and a repeated one still
+        -- drops generated functions whose tables are gone)
+        raise warning 'lockstep: job "%" does not watch %: nothing to unwatch', job, source
+            using hint = 'The triggers named lockstep_<job>_* on a table show what a job watches.';
+    end if;
+    perform lockstep._ddl(v_tables, lockstep._drop_watch_ddl(job, v_tables),
+                          pg_catalog.format('unwatch(%L, %L)', job, source));
+    perform lockstep._drop_unused_triggers();
+end;
+$$;

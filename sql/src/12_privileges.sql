@@ -1,0 +1,465 @@
+-- lockstep: who may define, change, see and run jobs.
+-- lockstep's functions are SECURITY INVOKER: a role that defines jobs needs DML on lockstep's tables.
+-- Row-level security on every lockstep table keeps each role to the jobs it manages (its own, those of
+-- roles it is a member of; the lockstep admin: every job), and a job's compute or call runs as the job's
+-- owner, never with the rights of whoever runs it, so no role can make lockstep do more than it could do
+-- itself. Superusers and the tables' owner bypass row-level security, as usual. docs/security.md has the
+-- role recipes.
+
+-- lockstep._is_admin(): the current role is a lockstep admin: a member of the role owning lockstep's
+-- tables (the role `lockstep migrate` ran as; it bypasses row-level security as their owner), or a superuser.
+-- locks: nothing.
+create or replace function lockstep._is_admin() returns boolean
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    return (select pg_catalog.pg_has_role(current_user, c.relowner, 'MEMBER')
+            from pg_catalog.pg_class c where c.oid = 'lockstep.job'::pg_catalog.regclass);
+end;
+$$;
+
+-- lockstep._may_manage(owner): the current role may see and change the rows of a job owned by owner:
+-- it is owner, a member of owner, or a lockstep admin. A job whose owner role is gone may be taken over.
+-- PL/pgSQL (as lockstep._is_admin): every row-level security policy calls it, so every statement of a pass
+-- on lockstep's tables did; a SQL function with a SET clause is planned again at every such statement.
+-- locks: nothing.
+create or replace function lockstep._may_manage(owner name) returns boolean
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    return case when owner = current_user then true
+                when not exists (select from pg_catalog.pg_roles r where r.rolname = owner) then true
+                else pg_catalog.pg_has_role(current_user, owner, 'MEMBER') or lockstep._is_admin() end;
+end;
+$$;
+
+-- lockstep._is_member(role): the current role is role or a member of it; false for a name no role has (a
+-- viewer row naming a role dropped since, or never created: pg_has_role raised 42704 inside the read
+-- policies, and every other owner's runs and status failed; found by a review).
+-- locks: nothing.
+create or replace function lockstep._is_member(role name) returns boolean
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    return coalesce((select pg_catalog.pg_has_role(current_user, r.oid, 'MEMBER')
+                     from pg_catalog.pg_roles r where r.rolname = _is_member.role), false);
+end;
+$$;
+drop policy if exists viewer_read on lockstep.viewer;
+create policy viewer_read on lockstep.viewer for select
+    using (lockstep._is_member(viewer) or lockstep._may_manage(owner));
+drop policy if exists viewer_write on lockstep.viewer;
+create policy viewer_write on lockstep.viewer for all
+    using (lockstep._may_manage(owner)) with check (lockstep._may_manage(owner));
+
+-- lockstep._may_view(owner): the current role may read the rows of a job owned by owner: it may manage
+-- them, or lockstep.viewer lets it (or a role it is a member of) read them. A role without SELECT on
+-- lockstep.viewer (a runner, an application) is only asked lockstep._may_manage.
+-- locks: nothing.
+create or replace function lockstep._may_view(owner name) returns boolean
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if lockstep._may_manage(owner) then
+        return true;
+    end if;
+    if not pg_catalog.has_table_privilege('lockstep.viewer', 'SELECT') then
+        return false;  -- apart: a query naming the table checks its privilege before it runs
+    end if;
+    return exists (select from lockstep.viewer v where v.owner = _may_view.owner and lockstep._is_member(v.viewer));
+end;
+$$;
+
+-- lockstep._may_own(owner): a registry row written by the current role may name owner: an existing role
+-- the current role is, or is a member of (or any role, for an admin).
+-- locks: nothing.
+create or replace function lockstep._may_own(owner name) returns boolean
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select exists (select from pg_catalog.pg_roles r where r.rolname = owner)
+       and (pg_catalog.pg_has_role(current_user, owner, 'MEMBER') or lockstep._is_admin());
+$$;
+
+-- lockstep._safe_key_type(t): t may be a parent key type: a base type that is not an array, or an enum.
+-- Casting a queued key to it runs no user code (a domain's CHECK or a composite's column types could, and
+-- so could an array of either: its typtype is 'b' too, which let a hand-written job row through, and the
+-- runner's cast ran the domain's CHECK as the runner; found by a probe), and lockstep casts keys as the
+-- runner and as the application, outside the owner's sandbox.
+-- locks: nothing.
+create or replace function lockstep._safe_key_type(t regtype) returns boolean
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select t is null or exists (select from pg_catalog.pg_type ty
+                                where ty.oid = t and (ty.typtype = 'e' or (ty.typtype = 'b' and ty.typcategory <> 'A')));
+$$;
+
+-- lockstep._group_holder(lock_group, job): the first job but job in lock_group (and its owner) owned by a
+-- role the current role may not manage; NULLs if none. A lock group belongs to its jobs' owners: another
+-- role's job in it would decide when theirs may run (busy while it runs, a worker giving way while it is
+-- due; found by a review). define_* say so with this job's name (lockstep._check_schedule); the registry's
+-- policies refuse a hand-written row (lockstep._group_free: an UPDATE of lock_group did it).
+-- locks: nothing.
+create or replace function lockstep._group_holder(lock_group text, job text, out holder text, out holder_owner name)
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    select x.job, x.owner into holder, holder_owner from lockstep.job x
+    where x.lock_group = _group_holder.lock_group and x.job <> _group_holder.job
+      and not lockstep._may_manage(x.owner)
+    order by x.job limit 1;
+end;
+$$;
+
+-- lockstep._group_free(lock_group, job): no other owner's job holds lock_group (lockstep._group_holder).
+-- locks: nothing.
+create or replace function lockstep._group_free(lock_group text, job text) returns boolean
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    return (lockstep._group_holder(lock_group, job)).holder is null;
+end;
+$$;
+drop policy if exists job_read on lockstep.job;
+create policy job_read on lockstep.job for select using (true);
+drop policy if exists job_insert on lockstep.job;
+create policy job_insert on lockstep.job for insert
+    with check (owner = current_user and lockstep._safe_key_type(key_type) and lockstep._group_free(lock_group, job));
+drop policy if exists job_update on lockstep.job;
+create policy job_update on lockstep.job for update
+    using (lockstep._may_manage(owner))
+    with check (lockstep._may_own(owner) and lockstep._safe_key_type(key_type) and lockstep._group_free(lock_group, job));
+drop policy if exists job_delete on lockstep.job;
+create policy job_delete on lockstep.job for delete using (lockstep._may_manage(owner));
+drop policy if exists job_state_own on lockstep.job_state;
+create policy job_state_own on lockstep.job_state for all
+    using (job in (select j.job from lockstep.job j where lockstep._may_manage(j.owner)))
+    with check (job in (select j.job from lockstep.job j where lockstep._may_manage(j.owner)));
+drop policy if exists key_failure_own on lockstep.key_failure;
+create policy key_failure_own on lockstep.key_failure for all
+    using (job in (select j.job from lockstep.job j where lockstep._may_manage(j.owner)))
+    with check (job in (select j.job from lockstep.job j where lockstep._may_manage(j.owner)));
+-- and read by the roles lockstep.viewer names (permissive policies: either one lets a row through)
+drop policy if exists job_state_view on lockstep.job_state;
+create policy job_state_view on lockstep.job_state for select
+    using (job in (select j.job from lockstep.job j where lockstep._may_view(j.owner)));
+drop policy if exists key_failure_view on lockstep.key_failure;
+create policy key_failure_view on lockstep.key_failure for select
+    using (job in (select j.job from lockstep.job j where lockstep._may_view(j.owner)));
+drop policy if exists queue_append on lockstep.queue;
+create policy queue_append on lockstep.queue for insert with check (true);
+drop policy if exists queue_read on lockstep.queue;
+create policy queue_read on lockstep.queue for select
+    using (job in (select j.job from lockstep.job j where lockstep._may_view(j.owner))
+           or not pg_catalog.has_column_privilege('lockstep.queue'::pg_catalog.regclass, 'key', 'SELECT'));
+drop policy if exists queue_update on lockstep.queue;
+create policy queue_update on lockstep.queue for update
+    using (job in (select j.job from lockstep.job j where lockstep._may_manage(j.owner)))
+    with check (job in (select j.job from lockstep.job j where lockstep._may_manage(j.owner)));
+drop policy if exists queue_delete on lockstep.queue;
+create policy queue_delete on lockstep.queue for delete
+    using (job in (select j.job from lockstep.job j where lockstep._may_manage(j.owner)));
+drop policy if exists recompute_flag_append on lockstep.recompute_flag;
+create policy recompute_flag_append on lockstep.recompute_flag for insert with check (true);
+drop policy if exists recompute_flag_own on lockstep.recompute_flag;
+create policy recompute_flag_own on lockstep.recompute_flag for select
+    using (job in (select j.job from lockstep.job j where lockstep._may_view(j.owner)));
+drop policy if exists recompute_flag_delete on lockstep.recompute_flag;
+create policy recompute_flag_delete on lockstep.recompute_flag for delete
+    using (job in (select j.job from lockstep.job j where lockstep._may_manage(j.owner)));
+
+-- lockstep._check_privileges(target, fn, parent): the calling role may itself run fn and read and write
+-- target (and read and pin parent: SELECT, and UPDATE on a column for FOR KEY SHARE); else 42501 and
+-- nothing is defined. The job will run with exactly these rights (as its owner).
+-- locks: nothing.
+create or replace function lockstep._check_privileges(target regclass, fn regprocedure, parent regclass) returns void
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    p text;
+begin
+    if fn is not null and not pg_catalog.has_function_privilege(fn, 'EXECUTE') then
+        raise exception 'lockstep: role "%" may not execute %', current_user, fn using errcode = '42501';
+    end if;
+    if target is not null then
+        -- one privilege at a time: with a list, has_table_privilege is true if any one is held
+        foreach p in array array['SELECT', 'INSERT', 'UPDATE', 'DELETE'] loop
+            if not pg_catalog.has_table_privilege(target, p) then
+                raise exception 'lockstep: role "%" lacks % on %', current_user, p, target
+                    using errcode = '42501', hint = 'A job may only maintain a table its definer may write.';
+            end if;
+        end loop;
+    end if;
+    if parent is not null and not pg_catalog.has_table_privilege(parent, 'SELECT') then
+        raise exception 'lockstep: role "%" lacks SELECT on %', current_user, parent using errcode = '42501';
+    end if;
+    if parent is not null and not pg_catalog.has_any_column_privilege(parent, 'UPDATE') then
+        raise exception 'lockstep: role "%" lacks UPDATE on parent % (on any column)', current_user, parent
+            using errcode = '42501',
+                  hint = pg_catalog.format('The write phase pins parents with FOR KEY SHARE, which needs UPDATE on one '
+                                           'column: grant update (<its key column>) on %s to %I.', parent, current_user);
+    end if;
+    if parent is not null and not lockstep._safe_key_type(
+            (select a.atttypid from pg_catalog.pg_constraint con
+             join pg_catalog.pg_attribute a on a.attrelid = con.conrelid and a.attnum = con.conkey[1]
+             where con.conrelid = parent and con.contype = 'p')) then
+        raise exception 'lockstep: the primary key of parent % is of a domain or composite type', parent
+            using errcode = 'LSD04',
+                  hint = 'lockstep casts queued keys outside the job owner''s rights; use a base type (bigint, text, uuid, ...).';
+    end if;
+end;
+$$;
+
+-- jobs run as their owner ---------------------------------------------------------------------------------
+-- The runner switches to the job's owner (SET LOCAL ROLE: its login role must be a member of the owner
+-- role; superusers may act for anyone) and runs the compute and write phase, or the generic job's call,
+-- inside a SECURITY DEFINER trampoline owned by the owner: inside it, the owner's code (compute or call,
+-- the target's triggers, defaults, policies) can neither RESET nor SET ROLE back to the runner. The role
+-- is restored on return; on error, the (sub)transaction's rollback restores it.
+
+-- lockstep._check_act_as(j): the session may act as j's owner; else 42501 with what to grant.
+-- locks: nothing.
+create or replace function lockstep._check_act_as(j lockstep.job) returns void
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if not exists (select from pg_catalog.pg_roles r where r.rolname = j.owner) then
+        raise exception 'lockstep: job "%" is owned by role "%", which does not exist; it is not run', j.job, j.owner
+            using errcode = '42501',
+                  hint = 'A job runs with its owner''s rights only. Drop it and define it again as the role it should run as.';
+    end if;
+    if not pg_catalog.pg_has_role(session_user, j.owner, 'MEMBER') then
+        raise exception 'lockstep: role "%" may not act as role "%", the owner of job "%"; it is not run',
+            session_user, j.owner, j.job
+            using errcode = '42501',
+                  hint = pg_catalog.format('A job runs with its owner''s rights only: grant %I to %I (docs/security.md).',
+                                           j.owner, session_user);
+    end if;
+end;
+$$;
+
+-- lockstep._trampoline(): name of this session's SECURITY DEFINER trampoline owned by the current role,
+-- created (in pg_temp, EXECUTE for its owner only) on first use. Only a function owned by the current
+-- role with exactly the expected definition is used, so another role's objects cannot stand in for it.
+-- locks: nothing (creates a temporary function once per session and role).
+create or replace function lockstep._trampoline() returns text
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_me oid := (select r.oid from pg_catalog.pg_roles r where r.rolname = current_user);
+    v_src text := ' begin return lockstep._owner_run(j, keys, true); end ';
+    v_name name;
+begin
+    select p.proname into v_name
+    from pg_catalog.pg_proc p
+    where p.pronamespace = pg_catalog.pg_my_temp_schema() and p.proname like 'lockstep\_as\_%'
+      and p.proowner = v_me and p.prosecdef and p.prosrc = v_src and p.prokind = 'f'
+      and p.prolang = (select l.oid from pg_catalog.pg_language l where l.lanname = 'plpgsql')
+      and p.proargtypes = pg_catalog.array_to_string(array['lockstep.job'::regtype::oid, 'text[]'::regtype::oid], ' ')::oidvector
+      and p.prorettype = 'lockstep._pass'::regtype
+      and p.proconfig = array['search_path=pg_catalog, pg_temp']
+      and p.proacl = array[pg_catalog.makeaclitem(v_me, v_me, 'EXECUTE', false)]
+    limit 1;
+    if v_name is null then
+        v_name := pg_catalog.format('lockstep_as_%s_%s', v_me, pg_catalog.substr(pg_catalog.md5(pg_catalog.random()::text), 1, 8));
+        execute pg_catalog.format(
+            'create function pg_temp.%I(j lockstep.job, keys text[]) returns lockstep._pass language plpgsql '
+            'security definer set search_path = pg_catalog, pg_temp as %L', v_name, v_src);
+        execute pg_catalog.format('revoke all on function pg_temp.%I(lockstep.job, text[]) from public', v_name);
+    end if;
+    return v_name;
+end;
+$$;
+
+-- lockstep._owner_run(j, keys, sandboxed): the part of a run that executes the owner's code: the generic
+-- job's call, or lockstep._apply(j, keys) for a derived job (or, j.kind set to 'parent_keys' by
+-- lockstep._parent_keys, the read of every parent key: a read of the owner's table may run its code too). sandboxed (inside the trampoline): afterwards,
+-- what the owner's code could leave behind for the runner's session is undone or refused: deferred
+-- triggers fire now (as the owner), a WITH HOLD cursor or a changed prepared statement is an error, and
+-- search_path is set back to lockstep's (a plain SET by the owner's code would outlive the function).
+-- locks: as the job's function or lockstep._apply.
+create or replace function lockstep._owner_run(j lockstep.job, keys text[], sandboxed boolean) returns lockstep._pass
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_sql text;
+    v_stmts text[];
+    v_cursors text[];
+    p lockstep._pass;
+begin
+    if sandboxed then
+        v_stmts := lockstep._prepared();
+        v_cursors := lockstep._held_cursors();
+    end if;
+    if j.kind = 'job' then
+        -- by the stored regprocedure: a function dropped or made ambiguous since define_job fails the run
+        v_sql := pg_catalog.format('select %s()', lockstep._callable(j.call::regprocedure, 0));
+        execute v_sql;
+    elsif j.kind = 'parent_keys' then  -- lockstep._parent_keys: every parent key, in p.skipped
+        p := row(0, 0, 0, '{}', 0, 0, 0, '{}', '{}');
+        execute pg_catalog.format('select coalesce(array_agg(%1$I::text order by %1$I), ''{}'') from %2$s',
+                                  j.parent_key, j.parent) into p.skipped;
+    else
+        p := lockstep._apply(j, keys);
+    end if;
+    if sandboxed then
+        perform pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', false);
+        set constraints all immediate;
+        perform pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', false);
+        perform lockstep._drop_temp_objects();
+        if lockstep._held_cursors() is distinct from v_cursors then
+            raise exception 'lockstep: job "%" left a WITH HOLD cursor open', j.job using errcode = '42501';
+        end if;
+        if lockstep._prepared() is distinct from v_stmts then
+            -- prepared statements are not transactional: drop what the job's code prepared or replaced
+            perform lockstep._deallocate_changed(v_stmts);
+            raise exception 'lockstep: job "%" changed the session''s prepared statements', j.job using errcode = '42501';
+        end if;
+    end if;
+    return p;
+end;
+$$;
+
+-- lockstep._drop_temp_objects(): drop the temporary relations and types of the current role (the job's
+-- owner, at the end of its sandbox) but lockstep's own work tables: a compute whose search_path does not
+-- name pg_temp (`set search_path = public, pg_catalog`) looks there first for
+-- relations and types, and the runner's session serves other owners next, so a temp view another owner's
+-- job left named like a table of this one's ran that owner's code with this one's rights (found by a
+-- review). A job's temporary objects therefore do not outlive its run. Kept: the work tables
+-- lockstep._tmp_setup names (lockstep_put_, _gone_, _rest_ and their suffix), plain, with no trigger,
+-- rule, policy or child, and readable by no other role: a grant on one to another role (a column grant, or
+-- the owner's default privileges) is revoked, once. Another role's code in this session then cannot read
+-- them, and reading one runs no code. Before, every name lockstep_* was spared: a temp view lockstep_rates
+-- granted to PUBLIC stood in for another owner's table of that name; then a plain table granted by column
+-- (relacl stays NULL), and a leftover named like lockstep's transaction-scoped tables (lockstep_parents:
+-- the next owner's recompute failed, "must be owner"), while default privileges dropped lockstep's own work
+-- tables at every run (found by a probe and a review). Types are dropped whatever their name (lockstep
+-- makes none).
+-- locks: those objects (dropped; nobody else can hold them: they are this session's).
+create or replace function lockstep._drop_temp_objects() returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_me oid := (select r.oid from pg_catalog.pg_roles r where r.rolname = current_user);
+    v text;
+begin
+    if pg_catalog.pg_my_temp_schema() = 0 then
+        return;
+    end if;
+    for v in
+        with mine as (
+            select c.oid, c.relname, c.relkind,
+                   c.relkind = 'r' and c.relname ~ '^lockstep_(put|gone|rest)_[0-9a-f]{16}(_[0-9a-f]{8})?$'
+                   and not c.relhastriggers and not c.relhasrules and not c.relrowsecurity
+                   and not c.relhassubclass as keep
+            from pg_catalog.pg_class c
+            where c.relnamespace = pg_catalog.pg_my_temp_schema() and c.relowner = v_me
+              and c.relkind in ('r', 'p', 'v', 'm', 'S', 'f', 'c'))
+        select pg_catalog.format('drop %s if exists pg_temp.%I cascade',
+                                 case m.relkind when 'v' then 'view' when 'm' then 'materialized view'
+                                                when 'S' then 'sequence' when 'f' then 'foreign table'
+                                                when 'c' then 'type' else 'table' end, m.relname)
+        from mine m where not m.keep
+        union all  -- a kept table another role may read (table or column grants): revoked
+        select pg_catalog.format('revoke all on table pg_temp.%I from %s', m.relname,
+                                 pg_catalog.string_agg(distinct case when g.grantee = 0 then 'public'
+                                                                     else pg_catalog.quote_ident(r.rolname) end, ', '))
+        from mine m
+        cross join lateral (select a.grantee from pg_catalog.pg_class c, pg_catalog.aclexplode(c.relacl) a
+                            where c.oid = m.oid
+                            union all
+                            select a.grantee from pg_catalog.pg_attribute t, pg_catalog.aclexplode(t.attacl) a
+                            where t.attrelid = m.oid) g
+        left join pg_catalog.pg_roles r on r.oid = g.grantee
+        where m.keep and g.grantee <> v_me
+        group by m.relname
+        union all
+        select pg_catalog.format('drop type if exists pg_temp.%I cascade', t.typname)
+        from pg_catalog.pg_type t
+        where t.typnamespace = pg_catalog.pg_my_temp_schema() and t.typowner = v_me
+          and t.typtype in ('d', 'e', 'r', 'm') and t.typname not like '\_%'
+    loop
+        execute v;
+    end loop;
+end;
+$$;
+
+-- lockstep._prepared(): the session's prepared statements (name, prepare time, parameter types, text): a
+-- statement dropped, replaced or re-prepared by a job's code shows as a difference.
+-- locks: nothing.
+-- (PL/pgSQL, as lockstep._held_cursors: called twice by every pass that runs as the owner, planned once.)
+create or replace function lockstep._prepared() returns text[]
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    return (select pg_catalog.array_agg(pg_catalog.concat_ws(' ', s.name, s.prepare_time, s.parameter_types, s.statement)
+                                        order by s.name)
+            from pg_catalog.pg_prepared_statements s);
+end;
+$$;
+
+-- lockstep._held_cursors(): the session's WITH HOLD cursors (name, creation time).
+-- locks: nothing.
+create or replace function lockstep._held_cursors() returns text[]
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    return (select pg_catalog.array_agg(pg_catalog.concat_ws(' ', c.name, c.creation_time) order by c.name)
+            from pg_catalog.pg_cursors c where c.is_holdable);
+end;
+$$;
+
+-- lockstep._deallocate_changed(kept): deallocate every prepared statement not in kept (as lockstep._prepared).
+-- locks: nothing.
+create or replace function lockstep._deallocate_changed(kept text[]) returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v name;
+begin
+    for v in select s.name from pg_catalog.pg_prepared_statements s
+             where not pg_catalog.concat_ws(' ', s.name, s.prepare_time, s.parameter_types, s.statement)
+                       = any(coalesce(kept, '{}')) loop
+        execute pg_catalog.format('deallocate %I', v);
+    end loop;
+end;
+$$;
+
+-- lockstep._as_owner(j, keys): run the owner's part of j (lockstep._owner_run) as j's owner. Already the
+-- owner: directly. Else: check the session may act as the owner (42501 otherwise: the job is refused,
+-- never run with the caller's rights), SET LOCAL ROLE owner, call the owner's trampoline, restore the role.
+-- locks: as lockstep._owner_run.
+create or replace function lockstep._as_owner(j lockstep.job, keys text[]) returns lockstep._pass
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_role text;
+    p lockstep._pass;
+begin
+    if j.owner = current_user then
+        return lockstep._owner_run(j, keys, false);
+    end if;
+    perform lockstep._check_act_as(j);
+    v_role := pg_catalog.current_setting('role');
+    perform pg_catalog.set_config('role', j.owner, true);
+    execute pg_catalog.format('select * from pg_temp.%I($1, $2)', lockstep._trampoline()) into p using j, keys;
+    perform pg_catalog.set_config('role', v_role, true);
+    return p;
+end;
+$$;
