@@ -17,13 +17,11 @@ the server's major version.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
-
 
 HEADER = "-- lockstep schema (pg_dump, normalized)\n"
 

@@ -100,7 +100,11 @@ def split_statements(text: str) -> list[str]:
             while (j := text.find(c, j)) >= 0 and text.startswith(c + c, j):
                 j += 2
             i = n if j < 0 else j + 1
-        elif c == "$" and (m := _DOLLAR.match(text, i)) and not (i and (text[i - 1].isalnum() or text[i - 1] == "_")):
+        elif (
+            c == "$"
+            and (m := _DOLLAR.match(text, i))
+            and not (i and (text[i - 1].isalnum() or text[i - 1] == "_"))
+        ):
             j = text.find(m.group(0), m.end())
             i = n if j < 0 else j + len(m.group(0))
         elif c == ";":

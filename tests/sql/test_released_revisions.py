@@ -23,7 +23,9 @@ _IMPORT = re.compile(rb"(?m)^from (runner|lockstep) import sqlfiles$")
 
 def _same(path: str, then: bytes, now: bytes) -> bool:
     if path.startswith("alembic/versions/"):
-        return _IMPORT.sub(b"from lockstep import sqlfiles", then) == _IMPORT.sub(b"from lockstep import sqlfiles", now)
+        return _IMPORT.sub(b"from lockstep import sqlfiles", then) == _IMPORT.sub(
+            b"from lockstep import sqlfiles", now
+        )
     return then == now
 
 
