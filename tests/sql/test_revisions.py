@@ -32,7 +32,7 @@ def define_example(dsn: str) -> None:
 
 
 def same_schema(dsn: str) -> list[str]:
-    """The dump's statements, sorted, with the names and oids watch() writes into its generated triggers masked."""
+    """The dump's statements, sorted, with the names and oids of watch()'s generated triggers masked."""
     masked = re.sub(r"enqueue_w_[0-9a-f]{24}", "enqueue_w_<hash>", dump(dsn))
     return sorted(re.sub(r"\b\d+::pg_catalog\.oid\b", "<oid>::pg_catalog.oid", masked).split("\n\n"))
 
