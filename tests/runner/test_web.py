@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterator
 import psycopg
 import pytest
 from history_fixtures import as_role, make_roles_fixture, setup_workload  # noqa: F401  (make_roles)
+from util import snapshot
 
 from lockstep import web
-from tests.util import snapshot
 
 
 @pytest.fixture

@@ -12,10 +12,10 @@ import pytest
 from history_fixtures import as_role, make_roles_fixture  # noqa: F401  (the make_roles fixture)
 from isolation import Spec
 from psycopg.rows import dict_row
+from util import raises_sqlstate, result
 
 from lockstep.lab import example
 from lockstep.status import jsonable
-from tests.util import raises_sqlstate, result
 
 JOBS = """
 create function public.ok() returns void language sql as $$ select $$;

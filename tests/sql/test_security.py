@@ -18,9 +18,9 @@ import psycopg
 import pytest
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from util import raises_sqlstate, result, snapshot
 
 from lockstep.lab import example
-from tests.util import raises_sqlstate, result, snapshot
 
 log = logging.getLogger(__name__)
 
