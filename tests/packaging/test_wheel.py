@@ -78,3 +78,19 @@ def test_installed_cli_prints_sql_without_a_database(installed: Path, tmp_path: 
     assert "create schema lockstep" in script.lower()
     assert f"INSERT INTO lockstep_alembic_version (version_num) VALUES ('{head()}')" in script
     assert run(installed / "lockstep", "--version", cwd=tmp_path, env=env).startswith("lockstep, version")
+
+
+def test_wheel_carries_the_licence(installed_wheel: tuple[Path, Path]):
+    """The PostgreSQL License: the LICENSE file in the checkout and in the wheel, and the SPDX metadata."""
+    _, wheel = installed_wheel
+    text = (ROOT / "LICENSE").read_text()
+    assert text.startswith("PostgreSQL License") and "The lockstep developers" in text
+    names = zipfile.ZipFile(wheel).namelist()
+    licences = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
+    assert licences and zipfile.ZipFile(wheel).read(licences[0]).decode() == text
+    metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
+    fields = zipfile.ZipFile(wheel).read(metadata).decode().split("\n\n", 1)[0].splitlines()
+    assert "License-Expression: PostgreSQL" in fields
+    assert "License-File: LICENSE" in fields
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    assert "## [Unreleased]" in changelog and "## [0.1.0]" in changelog
