@@ -1,8 +1,9 @@
 """Where the packaged SQL and Alembic environment live.
 
-In a wheel they are shipped inside the package as ``lockstep/_sql`` and ``lockstep/_alembic``; in a checkout
-(or an editable install) they are the top-level ``sql/`` and ``alembic/`` folders beside ``runner/``
-(the package is ``runner/lockstep/``).
+Both are inside the package, ``lockstep/_sql`` and ``lockstep/_alembic``: copies in a wheel, symbolic links
+to the top-level ``sql/`` and ``alembic/`` in a checkout (and so in an editable install), which is what
+lets a host Alembic name ``lockstep:_alembic/versions`` in either. A checkout made without symbolic links
+falls back to the top-level folders beside ``runner/``.
 """
 
 from __future__ import annotations

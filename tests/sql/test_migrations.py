@@ -356,13 +356,47 @@ def test_lockstep_migrate_on_a_host_installed_schema_says_so(empty_dsn, tmp_path
     assert "base (not installed)" not in current.stdout
 
 
+def shadow_runner(ini: Path, kind: str) -> None:
+    """The host project has its own ``runner`` (a package or a module) first on Alembic's import path
+    (``prepend_sys_path = .``, Alembic's template default)."""
+    ini.write_text(ini.read_text() + "prepend_sys_path = .\n")
+    if kind == "package":
+        (ini.parent / "runner").mkdir()
+        (ini.parent / "runner" / "__init__.py").write_text("HOST = True\n")
+    else:
+        (ini.parent / "runner.py").write_text("HOST = True\n")
+
+
+@pytest.mark.parametrize("kind", ["package", "module"])
+def test_host_alembic_with_its_own_runner_from_an_editable_install(empty_dsn, tmp_path: Path, kind: str):
+    """The package form `lockstep:_alembic/versions` resolves in an editable install (this test's own
+    environment, `make .venv/.installed`) to the checkout's alembic/versions, beside a host `runner`."""
+    import lockstep
+
+    root = Path(__file__).resolve().parents[2]
+    assert Path(lockstep.__file__).resolve().is_relative_to(root / "runner"), "an editable install"
+    ini = host_project(tmp_path, empty_dsn, "lockstep:_alembic/versions")
+    shadow_runner(ini, kind)
+    heads = host_alembic(ini, "heads")
+    assert {line.split()[0] for line in heads.stdout.splitlines()} == {"h001", HEAD}, heads.stderr
+    host_alembic(ini, "upgrade", "lockstep@head")
+    assert host_versions(empty_dsn) == {HEAD}
+    host_alembic(ini, "upgrade", "heads")
+    assert host_versions(empty_dsn) == {HEAD, "h001"}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_host_alembic_package_form_from_the_wheel(installed_wheel, empty_dsn, tmp_path: Path):
+@pytest.mark.parametrize("kind", ["package", "module"])
+def test_host_alembic_package_form_from_the_wheel(installed_wheel, empty_dsn, tmp_path: Path, kind: str):
     """README way (b) as written: version_locations `lockstep:_alembic/versions` (package resource, no
-    site-packages path), `upgrade heads`, `alembic revision --version-path` into the host's folder."""
+    site-packages path), `upgrade heads`, `alembic revision --version-path` into the host's folder; the
+    host has its own `runner` package or module first on the import path."""
     bin_dir, _ = installed_wheel
     ini = host_project(tmp_path, empty_dsn, "lockstep:_alembic/versions")
+    shadow_runner(ini, kind)
+    heads = host_alembic(ini, "heads", python=bin_dir / "python")
+    assert {line.split()[0] for line in heads.stdout.splitlines()} == {"h001", HEAD}, heads.stderr
     python = bin_dir / "python"
     host_alembic(ini, "upgrade", "heads", python=python)
     assert host_versions(empty_dsn) == {HEAD, "h001"}
