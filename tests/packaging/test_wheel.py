@@ -76,7 +76,8 @@ def test_installed_cli_prints_sql_without_a_database(installed: Path, tmp_path: 
     assert script.lstrip().startswith("BEGIN;") and script.rstrip().endswith("COMMIT;")
     assert "lockstep:migrate" in script
     assert "create schema lockstep" in script.lower()
-    assert f"INSERT INTO lockstep_alembic_version (version_num) VALUES ('{head()}')" in script
+    assert "INSERT INTO lockstep_alembic_version (version_num) VALUES ('lockstep_0001')" in script
+    assert f"UPDATE lockstep_alembic_version SET version_num='{head()}'" in script  # through every revision
     assert run(installed / "lockstep", "--version", cwd=tmp_path, env=env).startswith("lockstep, version")
 
 
