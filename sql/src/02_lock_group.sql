@@ -1,8 +1,7 @@
 -- lockstep: the one lock of a lock group, and when a run may take it.
 
--- lockstep._try_lock(lock_group): the one lock of a lock group.
--- locks: the group's transaction-level advisory lock, without waiting. Released at commit, rollback,
--- crash or disconnect, so it works behind a transaction pooler.
+-- lockstep._try_lock(lock_group): the one lock of a lock group, without waiting.
+-- locks: the group's transaction-level advisory lock (released at commit, rollback or disconnect).
 create or replace function lockstep._try_lock(lock_group text) returns boolean
 language plpgsql volatile strict
 set search_path = pg_catalog, pg_temp
@@ -13,10 +12,7 @@ end;
 $$;
 
 -- lockstep._group_due(lock_group): a periodic part of a job of the group is due (rule 7: a worker gives
--- way to it). A job overdue by more than a minute is not waited for: nobody runs it, and the queue must not
--- stall behind it.
--- (PL/pgSQL: its plan is cached for the session; as a SQL function it was planned at every pass, ~130 us.)
--- locks: nothing.
+-- way to it); a job overdue by more than a minute is not waited for.
 create or replace function lockstep._group_due(lock_group text) returns boolean
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -31,7 +27,6 @@ end;
 $$;
 
 -- lockstep._not_due(state): not_due or backoff, for a periodic part that is not due yet.
--- locks: nothing.
 create or replace function lockstep._not_due(s lockstep.job_state) returns text
 language sql immutable
 set search_path = pg_catalog, pg_temp
@@ -40,18 +35,8 @@ as $$
                 then 'backoff' else 'not_due' end;
 $$;
 
--- lockstep._flag_due(s): a derived job's recompute flag (lockstep.recompute_flag: a trigger fell back on
--- flagging it) makes its recompute due now, for run() and due() alike: it has one, and no failure holds it
--- back. A good worker pass resets consecutive_failures but not recompute_error, which a failed recompute
--- set: read alone, the flag re-ran a failing recompute after every worker pass (found by a probe); nor does
--- it after a recompute that handed every parent to the worker because some are poison
--- (recompute_poisoned_at: it ran again at once and failed the same way, forever; found by a probe) until
--- the poison is cured (lockstep._finish clears recompute_poisoned_at after a worker pass that cured a
--- failing key and left none, the hand-off done), the next periodic recompute, or a retry of the whole job.
--- (Counting the flags raised since the poisoned recompute started looped: that recompute raises flags
--- itself, a key too long for the queue; and a trigger that flags on every write re-ran it per write;
--- found by a review.)
--- locks: nothing.
+-- lockstep._flag_due(s): a recompute flag makes a derived job's recompute due now, unless a failed
+-- recompute's backoff or a poisoned recompute's hold (recompute_poisoned_at) holds it back.
 create or replace function lockstep._flag_due(s lockstep.job_state) returns boolean
 language sql stable
 set search_path = pg_catalog, pg_temp
@@ -62,7 +47,6 @@ $$;
 
 -- lockstep._is_statement_timeout(started): a query_canceled error came from statement_timeout (recorded
 -- as a failure with backoff) rather than from a cancel request (re-raised: the runner is shutting down).
--- locks: nothing.
 create or replace function lockstep._is_statement_timeout(started timestamptz) returns boolean
 language sql stable
 set search_path = pg_catalog, pg_temp

@@ -1,7 +1,6 @@
 -- lockstep: shared helpers: the registry row, identifier lists, results and the job's status row.
 
 -- lockstep._job(job, kind): the registry row of a job, or a clear error.
--- locks: nothing.
 create or replace function lockstep._job(job text, kind text default null) returns lockstep.job
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -29,18 +28,14 @@ begin
 end;
 $$;
 
--- lockstep._check_not_ours(rel, what): rel (or a table it is a partition or child of) is not one of
--- lockstep's own tables, nor a temporary table. Lockstep's own: watched, the queue fed itself on every
--- enqueue until the stack ran out (54001 on every write of every watched table), job_state a job that
--- never went idle (found by a probe); as a target, a job would rewrite lockstep's registry.
--- locks: nothing.
+-- lockstep._check_not_ours(rel, what): rel (or a table above it) is neither one of lockstep's own tables
+-- nor a temporary table.
 create or replace function lockstep._check_not_ours(rel regclass, what text) returns void
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
 begin
-    -- rel and every table it inherits from (partitions, inheritance children, at any depth), and the
-    -- version table lockstep migrate keeps beside the schema
+    -- rel and every table it inherits from, and the version table lockstep migrate keeps
     if exists (with recursive up(oid) as (select rel::oid
                                           union
                                           select i.inhparent from pg_catalog.pg_inherits i join up on i.inhrelid = up.oid)
@@ -50,8 +45,7 @@ begin
             using errcode = '22023',
                   hint = 'Name the application''s tables: the ones compute reads (watch) or the job writes (target).';
     end if;
-    -- a temporary table: the runner's sessions never see its rows, and its triggers go with the session that
-    -- made it, leaving their generated function behind (found by a probe)
+    -- a temporary table: the runner's sessions never see its rows
     if exists (select from pg_catalog.pg_class c where c.oid = rel and c.relpersistence = 't') then
         raise exception 'lockstep: % is a temporary table: it cannot be %', rel, what
             using errcode = '22023', hint = 'Only the session that created it sees its rows; use a regular table.';
@@ -60,9 +54,6 @@ end;
 $$;
 
 -- lockstep._cols(cols, alias): "a.c1, a.c2" with quoted identifiers.
--- (PL/pgSQL, as the other small helpers a worker pass calls: a SQL function with a SET clause is never
--- inlined and is planned again at every call, ~30-60 us each; PL/pgSQL caches its plans for the session.)
--- locks: nothing.
 create or replace function lockstep._cols(cols name[], alias text default null) returns text
 language plpgsql immutable
 set search_path = pg_catalog, pg_temp
@@ -76,7 +67,6 @@ $$;
 
 -- lockstep._op_sql(op): operator op as SQL text to put between two operands: its bare name if it is
 -- pg_catalog's (lockstep's search_path finds it), else schema-qualified ('operator(public.=)').
--- locks: nothing.
 create or replace function lockstep._op_sql(op oid) returns text
 language sql stable
 set search_path = pg_catalog, pg_temp
@@ -88,13 +78,8 @@ as $$
     where o.oid = op
 $$;
 
--- lockstep._eq_op(t): the equality operator of type t (of its base type, for a domain) as SQL text: '='
--- for a type whose operators are pg_catalog's, else that of its default btree operator class, qualified
--- ('operator(public.=)'). lockstep's functions run with search_path = pg_catalog, pg_temp, where a bare =
--- between two citext values resolves through citext's implicit cast to text = text: case-sensitive where
--- the parent's key is not (a key queued as 'red' found neither the parent 'Red' nor its rows, and the
--- pass dropped the change).
--- locks: nothing.
+-- lockstep._eq_op(t): the equality operator of type t (of its base type, for a domain) as SQL text,
+-- qualified unless pg_catalog's: a bare = under lockstep's search_path compares citext as text.
 create or replace function lockstep._eq_op(t regtype) returns text
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -123,7 +108,6 @@ $$;
 
 -- lockstep._eq(cols, a, b, rel): "a.c1 = b.c1 and a.c2 = b.c2", each = that of the column's type in rel
 -- (lockstep._eq_op; rel NULL: a bare =).
--- locks: nothing.
 create or replace function lockstep._eq(cols name[], a text, b text, rel regclass default null) returns text
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -133,8 +117,6 @@ declare
     v_type oid;
     c name;
 begin
-    -- one index probe per column (a join of unnest(cols) with pg_attribute was planned as a scan of
-    -- pg_attribute: ~100 us a call, several calls a pass)
     foreach c in array cols loop
         v_type := null;
         if rel is not null then
@@ -147,13 +129,8 @@ begin
 end;
 $$;
 
--- lockstep._key_eq(j): the comparison of two of j's parent keys as SQL text to put between them: the key
--- type's equality (lockstep._eq_op), after a COLLATE of the parent key column's collation when that is
--- nondeterministic (e.g. case-insensitive ICU): 'abc' names the parent 'ABC' there, but compute's rows
--- carry the default collation (a function's result columns have no other), so their key compared with
--- the queued 'abc' as different: the pass found no computed row and deleted the parent's (found by a
--- probe). A deterministic collation compares equal strings only, whatever its order: no COLLATE then.
--- locks: nothing.
+-- lockstep._key_eq(j): the comparison of two of j's parent keys as SQL text: the key type's equality,
+-- after a COLLATE of the parent key's collation when it is nondeterministic (compute's rows carry the default).
 create or replace function lockstep._key_eq(j lockstep.job) returns text
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -173,12 +150,8 @@ begin
 end;
 $$;
 
--- lockstep._fk_eq(con, pk, fk): "pk.r1 = fk.c1 and ...", the match foreign key con's own check makes:
--- each referenced column (alias pk) against its referencing column (alias fk) with the constraint's
--- PK = FK operator (conpfeqop, as lockstep._op_sql writes it). A bare = under
--- lockstep's search_path compared two citext columns as text: a row referencing 'Red' as 'red' (which
--- the key accepts) was not found, so it was neither pinned nor locked.
--- locks: nothing.
+-- lockstep._fk_eq(con, pk, fk): "pk.r1 = fk.c1 and ...", with the constraint's own PK = FK operators
+-- (conpfeqop), the match its FK check makes.
 create or replace function lockstep._fk_eq(con oid, pk text, fk text) returns text
 language sql stable
 set search_path = pg_catalog, pg_temp
@@ -193,11 +166,8 @@ as $$
     where c.oid = con
 $$;
 
--- lockstep._type_sql(t): type t as SQL text for a cast, with no type modifier: format_type(t, -1), not
--- t::text. A type's SQL name can carry a default modifier: character means char(1) and bit means bit(1),
--- so a char(5) key cast to t::text ('character') was cut to its first character (the queue held 'a' for
--- 'abcde'); bpchar and "bit" keep every character.
--- locks: nothing.
+-- lockstep._type_sql(t): type t as SQL text for a cast, with no type modifier (format_type(t, -1):
+-- 'character' alone means char(1)).
 create or replace function lockstep._type_sql(t regtype) returns text
 language sql stable strict
 set search_path = pg_catalog, pg_temp
@@ -206,7 +176,6 @@ as $$
 $$;
 
 -- lockstep._array_type(t): the array type of t, as SQL text for a cast (no type modifier: _type_sql).
--- locks: nothing.
 create or replace function lockstep._array_type(t regtype) returns text
 language plpgsql stable strict
 set search_path = pg_catalog, pg_temp
@@ -217,7 +186,6 @@ end;
 $$;
 
 -- lockstep._check_owner(j): a job may be redefined or dropped only by a member of its owner role.
--- locks: nothing.
 create or replace function lockstep._check_owner(j lockstep.job) returns void
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -231,7 +199,6 @@ end;
 $$;
 
 -- lockstep._result(...): build a lockstep.result.
--- locks: nothing.
 create or replace function lockstep._result(outcome text, job text, action text, p lockstep._pass default null,
                                  error text default null, more boolean default false)
 returns lockstep.result
@@ -242,24 +209,17 @@ begin
     return row(outcome,
                coalesce(p.inserted, 0), coalesce(p.updated, 0), coalesce(p.deleted, 0),
                coalesce(pg_catalog.cardinality(p.skipped), 0),
-               -- to the microsecond: clock differences in ms carry float noise (37.818000000000005)
+               -- to the microsecond: no float noise
                pg_catalog.round(coalesce(p.compute_ms, 0)::numeric, 3)::float8,
                pg_catalog.round(coalesce(p.write_ms, 0)::numeric, 3)::float8,
                error, job, action, more)::lockstep.result;
 end;
 $$;
 
--- lockstep._no_jit_note: the entry points a runner calls (run, work, recompute, due, retry, drop_job) set
--- jit = off for everything they run. Inside, statements run with sequential scans disabled (disable_cost,
--- 1e10, in every estimate that still has one), and for a role under row-level security (the runner
--- recipe) the policies' subplans on lockstep.job are such scans: every statement passed jit_above_cost
--- and was compiled, 95-315 ms each (~415 ms a work() pass of one key against 4-14 ms for a superuser,
--- and 40 % of a core while idle). Compute runs with JIT off in lockstep anyway (lockstep._diff).
+-- lockstep._no_jit_note: the entry points a runner calls set jit = off for everything they run: under
+-- row-level security every statement would pass jit_above_cost and be compiled.
 
--- lockstep._defer_until(): when a queue entry deferred now is ready again: a key skipped because an
--- application held its parent is retried a second later (lockstep._settle_entries), and lockstep.due()
--- wakes the runner then (job_state.deferred_until, written by lockstep._finish).
--- locks: nothing.
+-- lockstep._defer_until(): when a queue entry deferred now (its parent held) is ready again.
 create or replace function lockstep._defer_until() returns timestamptz
 language sql stable
 set search_path = pg_catalog, pg_temp
@@ -267,14 +227,8 @@ as $$
     select now() + interval '1 second';
 $$;
 
--- lockstep._finish(job, action, outcome, started, pass, error, only_skipped, more): write the job's status
--- row. Called last in every run that did something, after all other writes. more: a worker pass left a
--- backlog behind (lockstep._work: lockstep.due() opens no --batch-wait window after it).
--- A worker pass that only skipped parents an application holds (only_skipped: every key it claimed was
--- skipped; it wrote, deleted and failed nothing), right after a pass that only skipped too, is not a new run: the status row's last_* show it, but runs is not
--- counted up and lockstep.run_log gets no row. A parent held for minutes is retried every second
--- (lockstep._defer_until), and each retry was a run: the job's 1000 logged runs were pushed out in 17
--- minutes (found by a probe); now a held period is one run.
+-- lockstep._finish(job, action, outcome, started, pass, error, only_skipped, more): write the job's
+-- status row, last in every run that did something (a second only-skipped pass in a row is no new run).
 -- locks: the job's lockstep.job_state row (FOR NO KEY UPDATE, by the update); then as lockstep._log_run.
 create or replace function lockstep._finish(j lockstep.job, action text, outcome text, started timestamptz,
                                  p lockstep._pass default null, error text default null,
@@ -294,16 +248,12 @@ declare
     v_release boolean;
     v_end timestamptz := pg_catalog.clock_timestamp();  -- when the run ended
 begin
-    -- the status row as it was (read under the group lock: no other writer), once for both questions
+    -- the status row as it was (read under the group lock: no other writer)
     select * into v_s from lockstep.job_state s where s.job = j.job;
     -- the previous pass only skipped too
     v_again := v_only_skipped and v_s.last_action = 'work' and v_s.last_outcome = 'done' and v_s.last_error is null
                and v_s.last_inserted + v_s.last_updated + v_s.last_deleted = 0 and v_s.last_skipped > 0;
-    -- a poisoned recompute's hold on the flags ends at a worker pass once a key that had failed was written
-    -- (in this pass or an earlier one: recompute_poison_cured), no key fails any more and the hand-off is
-    -- worked off: a TRUNCATE after the poison was fixed waited for the periodic recompute, its derived rows
-    -- stale (found by a probe). A pass that follows no cure ends no hold: a whole-table pass that fails
-    -- with every key alone fine would run again after each hand-off.
+    -- a poisoned recompute's hold ends once a failed key was written, no key fails and the hand-off is done
     v_release := action = 'work' and not v_failed and v_s.recompute_poisoned_at is not null
                  and (v_s.recompute_poison_cured or v_cured)
                  and not exists (select from lockstep.key_failure f where f.job = j.job)
@@ -311,9 +261,7 @@ begin
     update lockstep.job_state s set
         next_run_at = case
             when action in ('recompute', 'call') and v_failed then now() + j.backoff
-            -- a run that outlasted its every is next due min(every, 1 minute) after it ended: due again at
-            -- once, it ran back to back for ever, and rule 7 held its lock group's worker off all the while
-            -- (found by a probe: a 1.5 s job every second, a change queued for its group waited 20 s)
+            -- a run that outlasted its every is next due min(every, 1 minute) after it ended (rule 7)
             when action in ('recompute', 'call') and v_end >= started + j.every
                 then v_end + least(j.every, interval '1 minute')
             when action in ('recompute', 'call') then started + j.every
@@ -333,8 +281,7 @@ begin
         last_deleted = coalesce(p.deleted, 0),
         last_skipped = coalesce(cardinality(p.skipped), 0),
         last_more = more,
-        -- a work pass deferred the entries of its skipped keys (lockstep._settle_entries): the earliest
-        -- pending deferral (least ignores NULL; a past one is dropped)
+        -- the earliest pending deferral (least ignores NULL; a past one is dropped)
         deferred_until = case
             when action = 'work' and coalesce(cardinality(p.skipped), 0) > 0
                 then least(case when s.deferred_until > now() then s.deferred_until end, lockstep._defer_until())
@@ -343,7 +290,6 @@ begin
         last_error = case when v_failed then error else null end,
         recompute_error = case when action in ('recompute', 'call') then case when v_failed then error end
                                else s.recompute_error end,
-        -- the hold (v_release, above)
         recompute_poisoned_at = case when action = 'recompute' or v_release then null else s.recompute_poisoned_at end,
         recompute_poison_cured = case
             when action = 'recompute' or v_release then false

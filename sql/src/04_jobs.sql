@@ -2,7 +2,6 @@
 
 -- lockstep._check_schedule(job, lock_group, every, backoff): argument checks shared by define_*, and the
 -- lock group free of jobs of roles the caller may not manage.
--- locks: nothing.
 create or replace function lockstep._check_schedule(job text, lock_group text, every interval, backoff interval)
 returns void
 language plpgsql stable
@@ -14,8 +13,7 @@ declare
     v_long boolean;
     v_blank text := case when pg_catalog.btrim(job, E' \t\n\r') = '' then job
                          when pg_catalog.btrim(lock_group, E' \t\n\r') = '' then lock_group end;
-    -- a newline or another control character in a name garbles every log line and status table that shows
-    -- it (and the line and paragraph separators, the bidirectional overrides and isolates: they garble too)
+    -- a control character or bidirectional override in a name garbles every log line that shows it
     v_garbling constant text := '[[:cntrl:]\u2028\u2029\u202a-\u202e\u2066-\u2069]';
 begin
     if job is null or every is null or backoff is null then
@@ -34,17 +32,12 @@ begin
         raise exception 'lockstep: job names must be at most 63 bytes (got %)', pg_catalog.octet_length(job)
             using errcode = '22023', hint = 'Like an SQL identifier: choose a shorter name.';
     end if;
-    -- positive in every part: '1 month -29 days 00:01' compares above zero (a month counts 30 days) but
-    -- adds up to a minute in the past in February, and such a job then ran every minute (a review); the
-    -- postgres IntervalStyle (this function's) writes '-' only before a negative part
+    -- positive in every part: '1 month -29 days' is above zero, yet can be in the past
     if every <= interval '0' or backoff <= interval '0' or every::text like '%-%' or backoff::text like '%-%' then
         raise exception 'lockstep: every and backoff must be positive intervals with no negative part (got every %, backoff %)',
             every, backoff using errcode = '22023';
     end if;
-    -- past the year 294276 a run's next_run_at overflows: each run then failed with 22008 in _finish,
-    -- recording nothing, while status looked healthy (found by a probe). Checked on timestamps, not by
-    -- comparing intervals, which count a month as 30 days while a timestamp adds months first:
-    -- '293000 years -105479999 days' compared below 100 years and still overflowed (a review).
+    -- a next_run_at past the year 294276 overflows: checked on timestamps (intervals count a month as 30 days)
     begin
         v_long := now() + every > now() + interval '100 years' or now() + backoff > now() + interval '100 years';
     exception when datetime_field_overflow then
@@ -54,8 +47,7 @@ begin
         raise exception 'lockstep: every and backoff must be at most 100 years (got every %, backoff %)',
             every, backoff using errcode = '22023';
     end if;
-    -- the lock group free of other owners' jobs (lockstep._group_holder, 11_privileges.sql). A role that
-    -- may not read the registry is refused by the checks that follow, with their own message.
+    -- the lock group free of other owners' jobs (lockstep._group_holder, 12_privileges.sql)
     if not pg_catalog.has_table_privilege('lockstep.job', 'SELECT') then
         return;
     end if;
@@ -69,12 +61,7 @@ end;
 $$;
 
 -- lockstep._callable(f, nargs): the schema-qualified name by which f is called with its first nargs
--- arguments (the rest take their defaults), after making sure that call resolves to f alone.
--- PostgreSQL calls functions by name only, so an overload in f's schema that also accepts such a call
--- (same leading argument types, the rest defaulted, e.g. f(x int default 0) beside f()) would make the
--- call fail with "is not unique", or worse pick the other one: then this raises 42725 naming it, at
--- define time (define_job / define_derived refuse) or at run time (the run fails, recorded, and says why).
--- locks: nothing.
+-- arguments, after making sure that call resolves to f alone (else 42725 naming the overload).
 create or replace function lockstep._callable(f regprocedure, nargs integer) returns text
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -100,11 +87,8 @@ begin
 end;
 $$;
 
--- lockstep._check_isolation(what): lockstep's writers run in READ COMMITTED (READ UNCOMMITTED is the same
--- in PostgreSQL). Under REPEATABLE READ or SERIALIZABLE, pinning a row changed since the transaction's
--- snapshot raises 40001 instead of skipping or re-reading it, so a run would fail and back off. Raised
--- first, before any work; the runner sets READ COMMITTED on every transaction whatever the default.
--- locks: nothing.
+-- lockstep._check_isolation(what): raise 25000 unless READ COMMITTED: under REPEATABLE READ or
+-- SERIALIZABLE, pinning a row changed since the snapshot raises 40001 instead of skipping it.
 create or replace function lockstep._check_isolation(what text) returns void
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -120,11 +104,9 @@ begin
 end;
 $$;
 
--- lockstep.define_job(job, call, lock_group, every, backoff): register or update a generic job: `call` is
--- run on schedule under the lock-group rules. `call` must be a function callable with no argument.
--- Redefining it with another call makes it due at once; a new every counts from the last run.
--- locks: the job's registry row (insert or update), then, on a redefinition, its status row. Nothing a
--- runner holds.
+-- lockstep.define_job(job, call, lock_group, every, backoff): register or update a generic job: call, a
+-- function callable with no argument, runs on schedule under the lock-group rules. Another call is due at once.
+-- locks: the job's registry row (insert or update), then, on a redefinition, its status row.
 create or replace function lockstep.define_job(job text, call regprocedure, lock_group text default null,
                                     every interval default '1 minute', backoff interval default '1 hour')
 returns void
@@ -164,10 +146,7 @@ begin
         set lock_group = excluded.lock_group, call = excluded.call, every = excluded.every,
             backoff = excluded.backoff, updated_at = now();
     insert into lockstep.job_state (job) values (job) on conflict do nothing;
-    -- as define_derived: another call is due now, a new every counts from the last run (the old
-    -- next_run_at was kept: an hour's schedule shortened to a second still waited the hour); the same
-    -- every keeps next_run_at (a run that outlasted its every is due after it ended: counted from its
-    -- start, the same definition again made it due at once; a review)
+    -- another call is due now; a new every counts from the last run; the same every keeps next_run_at
     if old.job is not null then
         update lockstep.job_state s
         set next_run_at = case when old.call is distinct from call::text then now()
@@ -178,9 +157,8 @@ begin
 end;
 $$;
 
--- lockstep._call(job): run a generic job's function once, under the group lock, recording the outcome.
--- The function runs as the job's owner (lockstep._as_owner); a caller that may not act as the owner gets
--- a failed run with the reason in last_error, never a run with its own rights.
+-- lockstep._call(job): run a generic job's function once, as its owner (lockstep._as_owner), under the
+-- group lock, recording the outcome.
 -- locks: the group lock (try; busy if taken); then whatever the job's function locks; the status row last.
 create or replace function lockstep._call(j lockstep.job, only_if_due boolean) returns lockstep.result
 language plpgsql
@@ -194,7 +172,7 @@ begin
     if not lockstep._try_lock(j.lock_group) then
         return lockstep._result('busy', j.job, 'call');
     end if;
-    -- re-read under the lock: another runner may have run it between our look and our lock.
+    -- re-read under the lock: another runner may have run it between our look and our lock
     select * into s from lockstep.job_state st where st.job = j.job;
     if only_if_due and s.next_run_at > now() then
         return lockstep._result(lockstep._not_due(s), j.job, 'call');
@@ -218,14 +196,8 @@ begin
 end;
 $$;
 
--- lockstep._restore_state(j): the job's status row, made again where it is gone (an admin deleted it): the
--- job had vanished from lockstep.status and lockstep.due(), so no runner ran it again and its queue grew,
--- with every health check healthy (found by a probe). The new row has the defaults: its periodic part
--- (the recompute of a derived job, which repairs whatever the lost row described) is due now. Made under
--- the group lock (the job's run, which takes it again, holds it to its commit), so a second runner is busy
--- at once instead of waiting on the first one's uncommitted row until its whole run ends (found by a
--- review); NULL (a row of NULLs) when the group is busy. A row hidden from this role by row-level security
--- (a runner not serving the owner) is refused first (lockstep._check_act_as).
+-- lockstep._restore_state(j): the job's status row, made again with defaults (recompute due now) where
+-- it is gone; NULL (a row of NULLs) when the group is busy.
 -- locks: the group lock (try); the new lockstep.job_state row (insert).
 create or replace function lockstep._restore_state(j lockstep.job) returns lockstep.job_state
 language plpgsql
@@ -253,12 +225,8 @@ begin
 end;
 $$;
 
--- lockstep.run(job): what the runner calls.-- lockstep.run(job): what the runner calls. Runs whatever part of the job is due:
---   generic job: its function, if due (not_due / backoff otherwise);
---   derived job: the periodic recompute if due or the job is flagged (lockstep.recompute_flag), else a
---   worker pass over up to batch_parents (default 500) queued parents (idle if none).
--- Keys convert to text in one form whatever the caller's settings (DateStyle, IntervalStyle,
--- extra_float_digits pinned; see lockstep._canon); jobs and compute functions run under those settings.
+-- lockstep.run(job): what the runner calls. Runs whatever part of the job is due: a generic job's
+-- function; a derived job's recompute if due or flagged, else a worker pass over up to batch_parents keys.
 -- locks: nothing while looking for work (but the group lock, try, when its status row is gone); then as
 -- lockstep._call, lockstep.recompute or lockstep.work.
 create or replace function lockstep.run(job text) returns lockstep.result
@@ -291,7 +259,7 @@ begin
     if s.next_run_at <= now() then
         return lockstep._recompute(j, true);
     end if;
-    -- a trigger fell back on flagging the job: its recompute is due now (unless failing: lockstep._flag_due)
+    -- a trigger fell back on flagging the job: its recompute is due now (lockstep._flag_due)
     if lockstep._flag_due(s) then
         return lockstep._recompute(j, false);
     end if;
@@ -309,13 +277,8 @@ begin
 end;
 $$;
 
--- lockstep._own_enqueuers(job): the application's own triggers (not lockstep's) whose function calls
--- lockstep.enqueue, with job as the call's first argument, a literal, or a trigger argument the call reads
--- from tg_argv (job NULL: any job). Read from the functions' source: a warning's evidence, not a dependency
--- PostgreSQL records (a call through a helper function or an unqualified name is not seen). drop_job and
--- the downgrade name them: they fail the application's next write once the job (LSJ01) or the schema is
--- gone (found by a newcomer probe).
--- locks: nothing.
+-- lockstep._own_enqueuers(job): the application's own triggers whose function calls lockstep.enqueue
+-- for job (NULL: any), read from their source: drop_job and the downgrade warn about them.
 create or replace function lockstep._own_enqueuers(job text) returns text
 language sql stable
 set search_path = pg_catalog, pg_temp
@@ -337,8 +300,8 @@ as $$
 $$;
 
 -- lockstep.drop_job(job): remove a job, its state, its queue, its failures and the triggers that feed it.
--- locks: the watched tables (drop trigger, through lockstep._ddl: never an application held up for long);
--- then the job's registry, state, queue and failure rows (deleted).
+-- locks: the watched tables (drop trigger, through lockstep._ddl); then the job's registry, state, queue and
+-- failure rows (deleted).
 create or replace function lockstep.drop_job(job text) returns void
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -351,7 +314,7 @@ declare
     v_own text;
 begin
     perform lockstep._check_owner(j);
-    -- all the watched tables at once, never holding an application up for long (lockstep._ddl, 08_enqueue.sql)
+    -- all the watched tables at once, never holding an application up for long (lockstep._ddl)
     select coalesce(array_agg(w.rel), '{}'),
            coalesce(array_agg(pg_catalog.format('drop trigger %I on %s', w.tgname, w.rel)), '{}')
     into v_rels, v_drops

@@ -1,10 +1,7 @@
--- lockstep: define_derived: every check on a derived job's definition, before anything is written.
--- define_derived runs one named check per concern (_check_target, _check_compute, _check_parent,
--- _check_columns, _check_target_fks, _check_referencing, _check_parent_delete, _callable, _warn_index, _warn_unique,
--- _dry_run), then _save_derived. Each check raises with a SQLSTATE and a hint, so an error changes nothing.
+-- lockstep: define_derived: one named check per concern, each raising with a SQLSTATE and a hint, all
+-- before anything is written; then _save_derived.
 
 -- lockstep._proc_columns(f): the output columns (name, type) of a set-returning function.
--- locks: nothing.
 create or replace function lockstep._proc_columns(f regprocedure)
 returns table (name name, type oid, ord bigint)
 language sql stable
@@ -24,7 +21,6 @@ as $$
 $$;
 
 -- lockstep._attnames(rel, attnums): the column names of attnums of rel, in the order given.
--- locks: nothing.
 create or replace function lockstep._attnames(rel oid, attnums smallint[]) returns name[]
 language sql stable
 set search_path = pg_catalog, pg_temp
@@ -33,10 +29,7 @@ as $$
                  join pg_catalog.pg_attribute a on a.attrelid = rel and a.attnum = k.n order by k.o);
 $$;
 
--- lockstep._target_key(target): target is a table with a primary key; returns the primary-key columns, in
--- index order. The structure only (lockstep._drift checks it again for a runner, which has no privilege on
--- the job's tables).
--- locks: nothing.
+-- lockstep._target_key(target): target is a table with a primary key; returns its columns in index order.
 create or replace function lockstep._target_key(target regclass) returns name[]
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -60,7 +53,6 @@ $$;
 
 -- lockstep._check_target(target, compute, parent): target is a table the caller may write, with a primary
 -- key. Returns the primary-key columns, in index order.
--- locks: nothing.
 create or replace function lockstep._check_target(target regclass, compute regprocedure, parent regclass) returns name[]
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -78,12 +70,8 @@ begin
 end;
 $$;
 
--- lockstep._check_target_rls(target): row-level security does not apply to the defining role (the job's
--- owner, as which every run reads and writes the target) on target. Where it does, lockstep sees only the
--- rows its policies show and may write only the rows they admit: a policy hiding some computed rows failed
--- every run of the job as a whole with 42501, nothing written (found by a probe). Checked again at each
--- run only by the failures it causes.
--- locks: nothing.
+-- lockstep._check_target_rls(target): row-level security does not apply to the defining role on
+-- target: a run would see only the rows its policies show.
 create or replace function lockstep._check_target_rls(target regclass) returns void
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -100,13 +88,8 @@ begin
 end;
 $$;
 
--- lockstep._check_target_free(job, target): no other job writes target-- lockstep._check_target_free(job, target): no other job writes target, a table below it (a partition, an
--- inheriting table) or one above it. Two jobs on one table rewrite each other's rows at every run (each
--- one's recompute deletes or reverts what the other computed); a job on a partitioned table and one on
--- its partition write the same rows. Definitions are serialized (a transaction-level advisory lock, held
--- to commit): two concurrent define_derived on one target both passed the check. Jobs the caller cannot
--- see (row-level security: another owner's) are not checked, but that owner's table would also need this
--- role's write privileges.
+-- lockstep._check_target_free(job, target): no other job writes target, a table below it or above it.
+-- Definitions are serialized so two concurrent ones cannot both pass.
 -- locks: the advisory lock (lockstep, define), until the transaction ends: concurrent definitions wait.
 create or replace function lockstep._check_target_free(job text, target regclass) returns void
 language plpgsql
@@ -139,7 +122,6 @@ $$;
 
 -- lockstep._check_compute(compute): compute is a function of one array argument returning a set of rows
 -- with named columns. Returns those column names, in order.
--- locks: nothing.
 create or replace function lockstep._check_compute(compute regprocedure) returns name[]
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -163,11 +145,8 @@ begin
 end;
 $$;
 
--- lockstep._check_parent(target, compute, cols, parent, parent_column): the parent has a one-column
--- primary key, parent_column (inferred when there is exactly one candidate) references it through a
--- foreign key and is returned by compute, and compute takes an array of the parent key's type.
--- Returns parent_column, the parent's key column and its type (all NULL without a parent).
--- locks: nothing.
+-- lockstep._check_parent(target, compute, cols, parent, parent_column): parent has a one-column primary key
+-- that parent_column (inferred if unique) references; compute returns it and takes the key type's array.
 create or replace function lockstep._check_parent(target regclass, compute regprocedure, cols name[], parent regclass,
                                        inout parent_column name, out parent_key name, out key_type regtype)
 language plpgsql stable
@@ -237,9 +216,7 @@ begin
         raise exception 'lockstep: compute function % does not return the parent column %', compute, parent_column
             using errcode = 'LSD03';
     end if;
-    -- an array of the key's type, or of a type every key value converts to without loss: binary-coercible
-    -- (a varchar key and a compute taking text[], as after a parent key retyped from text to varchar) or a
-    -- wider integer (int key, bigint[]); not numeric -> double precision, implicit but lossy
+    -- an array of the key's type, or of one every key converts to without loss (binary-coercible, wider integer)
     if not exists (select from pg_catalog.pg_type t
                    where t.oid = v_arg and t.typcategory = 'A' and t.typelem <> 0
                      and (t.typelem = key_type
@@ -256,14 +233,8 @@ begin
 end;
 $$;
 
--- lockstep._image_columns(target, cols): the columns of target among cols whose type's equality does not
--- imply identical values, so that IS DISTINCT FROM misses changes: found by a probe, a box moved to a box of
--- the same area, 'abc' -> 'ABC' under a case-insensitive collation and 1.0 -> 1.000 were never written,
--- recompute included. A column's equality implies identity where the default btree operator class of its
--- (base) type, or of a type it is binary-coercible to, has an equalimage support function that says so for
--- the column's collation (PostgreSQL's own test for B-tree deduplication); every other column (numeric,
--- float, jsonb, arrays, types with no btree class) is compared by binary image (lockstep._differs).
--- locks: nothing.
+-- lockstep._image_columns(target, cols): the columns among cols whose type's equality does not imply
+-- identical values (no equalimage saying so for the column's collation): compared by binary image.
 create or replace function lockstep._image_columns(target regclass, cols name[]) returns name[]
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -285,10 +256,7 @@ begin
         join pg_catalog.pg_attribute a on a.attrelid = target and a.attname = x.name and a.attnum > 0
         order by x.o
     loop
-        -- the default class as PostgreSQL picks it (GetDefaultOpClass): the type's own, else one of a type
-        -- it is binary-coercible to; then its equalimage function, if it has one (citext's class has none:
-        -- picked through its cast to text, it passed for exact, and a change of case was never written;
-        -- found by a review)
+        -- the default btree class as PostgreSQL picks it (GetDefaultOpClass), then its equalimage function
         select p.amproc into v_proc
         from (select oc.opcfamily, oc.opcintype
               from pg_catalog.pg_opclass oc
@@ -301,9 +269,7 @@ begin
               limit 1) oc
         left join pg_catalog.pg_amproc p on p.amprocfamily = oc.opcfamily and p.amproclefttype = oc.opcintype
                                         and p.amprocrighttype = oc.opcintype and p.amprocnum = 4;
-        -- PostgreSQL's two equalimage functions (any other: compared by image): btequalimage says yes,
-        -- btvarstrequalimage yes for a deterministic collation (it reads the call's collation, which no SQL
-        -- call of it can set)
+        -- btequalimage says yes; btvarstrequalimage yes for a deterministic collation
         v_same := v_proc = 'pg_catalog.btequalimage'::regproc
                   or (v_proc = 'pg_catalog.btvarstrequalimage'::regproc
                       and coalesce((select l.collisdeterministic from pg_catalog.pg_collation l
@@ -319,7 +285,6 @@ $$;
 -- lockstep._check_columns(target, compute, key, cols): every column compute returns exists in the target
 -- with the same type, once, is writable and comparable; the primary key and every NOT NULL column without
 -- a default are among them.
--- locks: nothing.
 create or replace function lockstep._check_columns(target regclass, compute regprocedure, key name[], cols name[])
 returns void
 language plpgsql stable
@@ -380,13 +345,8 @@ begin
 end;
 $$;
 
--- lockstep._check_target_fks(target, cols): every foreign-key column of the target that compute does not
--- return is always NULL in the rows lockstep inserts (no default, no domain default, not generated, not
--- identity), so every key the insert's FK check looks up is one lockstep pinned first (_pin_refs); and
--- no foreign key references the target itself (a row inserted in the same pass could not be pinned).
--- Also run by _pin_refs on every pass whose target has a foreign key besides the parent's, for foreign keys
--- added after define_derived.
--- locks: nothing.
+-- lockstep._check_target_fks(target, cols): every FK column compute does not return is always NULL in
+-- inserted rows (so _pin_refs pins every key an FK check looks up); no FK references the target itself.
 create or replace function lockstep._check_target_fks(target regclass, cols name[]) returns void
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -424,14 +384,8 @@ begin
 end;
 $$;
 
--- lockstep._check_parent_delete(target, parent): what the ON DELETE action of the target's foreign keys
--- to the parent does to the application's parent deletes. NO ACTION / RESTRICT (and SET NULL or SET
--- DEFAULT that cannot succeed on a NOT NULL column) would make them fail with 23503 or 23502 whenever
--- derived rows exist: refused. SET NULL and SET DEFAULT succeed but leave rows that lockstep removes only
--- at the next recompute: a warning. The target's other foreign keys with NO ACTION / RESTRICT: a warning
--- (a delete of a row they reference fails while derived rows still reference it, as with any such key).
--- A parent key ON UPDATE NO ACTION / RESTRICT: a warning (an update of that key fails the same way).
--- locks: nothing.
+-- lockstep._check_parent_delete(target, parent): refuse a parent FK whose ON DELETE action would fail the
+-- application's deletes; warn for SET NULL / SET DEFAULT and NO ACTION / RESTRICT on other keys or ON UPDATE.
 create or replace function lockstep._check_parent_delete(target regclass, parent regclass) returns void
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -472,9 +426,7 @@ begin
                 using hint = 'ON DELETE CASCADE deletes them with the parent.';
         end if;
     end loop;
-    -- the parent key's ON UPDATE: NO ACTION / RESTRICT (PostgreSQL's default) makes an application's update
-    -- of a parent's key fail with 23503 while derived rows reference it. Rare enough (a key that changes) to
-    -- warn, not refuse.
+    -- the parent key's ON UPDATE NO ACTION / RESTRICT fails an update of the key while derived rows exist: warn
     for c in
         select con.conname, lockstep._attnames(con.conrelid, con.conkey) as cols
         from pg_catalog.pg_constraint con
@@ -490,7 +442,6 @@ end;
 $$;
 
 -- lockstep._warn_index(target, parent_column): a warning when no index starts with parent_column.
--- locks: nothing.
 create or replace function lockstep._warn_index(target regclass, parent_column name) returns void
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -507,13 +458,8 @@ begin
 end;
 $$;
 
--- lockstep._warn_unique(target, parent): a warning for each unique index of target besides its primary key that is
--- checked row by row (not a DEFERRABLE constraint): a pass writes a parent's rows in one statement per step,
--- so values that move between rows (two parents swapping a unique value) fail with 23505 whatever the
--- order, each time, and those parents end up parked. A DEFERRABLE constraint is checked at the end of each
--- statement: a swap within one pass then works (and a job without a parent then writes its difference in
--- one transaction: lockstep._limit_rows). Without a parent, no parent is parked: the recompute fails.
--- locks: nothing.
+-- lockstep._warn_unique(target, parent): a warning for each non-deferrable unique index besides the primary
+-- key: values that move between rows in one pass fail with 23505.
 create or replace function lockstep._warn_unique(target regclass, parent regclass) returns void
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -571,15 +517,9 @@ when others then
 end;
 $$;
 
--- lockstep.define_derived(...): register or update a derived table.
---   compute(keys parent_key_type[]) returns the desired rows of the parents in keys (NULL: all parents),
---   with columns named and typed like the target's; the target's primary key is the row identity.
---   parent / parent_column: the table whose rows own the derived rows, and the target column that
---   references it through a foreign key (inferred when there is exactly one such key). Without a parent,
---   only whole-table recomputes are possible.
--- Everything is validated before anything is written (README: "what lockstep accepts and how it writes
--- it"); an error changes nothing.
--- locks: the job's registry row (insert or update). Nothing a runner holds.
+-- lockstep.define_derived(...): register or update a derived table: compute(keys) returns the rows of the
+-- parents in keys (NULL: all) in the target's shape; without a parent, only whole-table recomputes.
+-- locks: the job's registry row (insert or update).
 create or replace function lockstep.define_derived(job text, target regclass, compute regprocedure,
                                         parent regclass default null, parent_column name default null,
                                         lock_group text default null, every interval default '1 minute',
@@ -601,8 +541,7 @@ begin
     perform lockstep._check_columns(target, compute, v_key, v_cols);
     perform lockstep._check_target_fks(target, v_cols);
     perform lockstep._check_referencing(target, v_key, v_cols);
-    -- a taken table: LSD07 before the dry run; every other refusal before the warnings from here on (a
-    -- warning printed before a refusal read as a definition accepted with a caveat; found by a probe)
+    -- a taken table: LSD07 before the dry run; every refusal before any warning
     perform lockstep._check_target_free(job, target);
     perform lockstep._callable(compute, 1);
     perform lockstep._dry_run(compute, v_par.key_type);
@@ -615,16 +554,8 @@ begin
 end;
 $$;
 
--- lockstep._drift(j): for a failed run of a derived job, what no longer holds of the definition
--- define_derived checked (its structural checks run again: the target a table with a primary key, compute,
--- parent, columns; not the caller's privileges, which a runner lacks by design: it runs jobs as their
--- owner), or how the target's primary key, compute's columns or the parent key differ from those
--- recorded; NULL if all still hold, or if the caller may not look (a runner of docs/security.md's recipe
--- has no USAGE on the job's schemas: its failed runs keep their own error). A failed run's error then says the cause and the fix: after DDL on the target, the compute or the
--- parent, the error was the raw one of lockstep's own statements ("column t.qty does not exist", "there is
--- no unique or exclusion constraint matching the ON CONFLICT specification"; found by a probe). Only on the
--- failure path (lockstep._failed): a run that goes well never pays for it.
--- locks: nothing.
+-- lockstep._drift(j): for a failed run of a derived job, what no longer holds of its definition; NULL if
+-- all holds or the caller may not look.
 create or replace function lockstep._drift(j lockstep.job) returns text
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -697,8 +628,7 @@ begin
                                    key_type, target_key, columns, image_columns, every, backoff)
     values (job, 'derived', coalesce(lock_group, job), target, compute::text, parent, parent_column, parent_key,
             key_type, target_key, columns,
-            -- the primary key is matched by its own equality: compared by image, a key that changed only so
-            -- (case, scale) made a row that every pass locked and never wrote (found by a review)
+            -- the primary key is matched by its own equality, never by image
             lockstep._image_columns(target, array(select c from pg_catalog.unnest(columns) c where c <> all(target_key))),
             every, backoff)
     on conflict on constraint job_pkey do update
@@ -707,9 +637,7 @@ begin
             key_type = excluded.key_type, target_key = excluded.target_key, columns = excluded.columns,
             image_columns = excluded.image_columns, every = excluded.every, backoff = excluded.backoff, updated_at = now();
     insert into lockstep.job_state (job) values (job) on conflict do nothing;
-    -- a redefinition whose rows may differ (another compute, target, parent or columns) makes the recompute
-    -- due now: the derived table was left a mix of the two definitions until the old next_run_at; a new
-    -- every counts from the last run
+    -- a redefinition whose rows may differ makes the recompute due now; a new every counts from the last run
     if old.job is not null then
         update lockstep.job_state s
         set next_run_at = case
@@ -722,10 +650,7 @@ begin
                 when old.every = every then s.next_run_at  -- the same schedule: kept (as define_job)
                 else least(s.next_run_at, coalesce(s.last_started_at, now()) + every) end
         where s.job = _save_derived.job;
-        -- another parent key type: the queued keys (and their failures) name parents of the old one; the
-        -- recompute, due now, covers every parent. Kept, they were parked as unreadable and lockstep status
-        -- reported the job unhealthy until the next periodic recompute (found by a probe). No watcher
-        -- enqueues the old type meanwhile: _check_watchers refused a watched job's new key type.
+        -- another parent key type: the queued keys and their failures name old parents; the due recompute covers all
         if old.key_type is distinct from key_type then
             delete from lockstep.queue q where q.job = _save_derived.job;
             delete from lockstep.key_failure f where f.job = _save_derived.job;

@@ -1,30 +1,9 @@
--- lockstep: the compute phase and the one write path (lockstep._write), shared by the periodic
--- recompute and the queue worker.
---
--- Work tables. The diff goes into session-level temp tables, one set per job shape, created at first use
--- in a session and then reused: no CREATE, DROP or ANALYZE per run, so no catalog row is written and no
--- catalog full-page image lands in the WAL.
---   pg_temp.lockstep_gone_<s>     j.columns, lockstep_parent text, lockstep_ctid tid
---   pg_temp.lockstep_put_<s>      j.columns, lockstep_parent text, lockstep_old_parent text,
---                                 lockstep_new boolean, lockstep_ctid tid
--- lockstep._tmp(j, what) names them ('gone', 'put'). <s> (lockstep._tmp_setup) hashes the
--- target, the name, type, typmod and collation of each of j.columns, j.target_key, the layout version
--- below and current_user: another shape, a retyped column or another role gets other tables, never a
--- mismatch. Compute's rows are not stored in a table: the diff reads them from a CTE.
--- Pooler-safe (PgBouncer transaction pooling: consecutive transactions of one server connection serve
--- other clients and jobs): a run empties the tables before it fills them, and lockstep._write empties
--- them again before it returns (unless the difference was empty: then nothing was put in them), so no row
--- outlives the transaction that wrote it, whoever uses the connection next. The one exception is the rest
--- of a recompute without a parent (pg_temp.lockstep_rest_<s>, 07_recompute.sql): it waits for the next
--- run() of the session that wrote it, owned by the job's owner, and any other session recomputes instead. DISCARD ALL / DISCARD TEMP (a pooler's server_reset_query) drops them; the next run
--- creates them again. They are emptied by DELETE, not ON COMMIT DELETE ROWS (measured: that truncates
--- every such table of the session at every commit, 0.3-0.7 ms each, and sends a shared invalidation per
--- table) and not TRUNCATE (a new relfilenode: catalog writes, ~50 KB of WAL). Autovacuum never visits
--- temp tables, so once their dead rows pass lockstep._tmp_clear's threshold they are truncated, once.
--- Changing the lockstep_* columns above: change them in lockstep._tmp_setup and bump its layout version.
+-- lockstep: the compute phase and the one write path (lockstep._write), shared by recompute and worker.
+-- Work tables (lockstep._tmp_setup): session temp tables per job shape and role, empty between calls:
+-- pg_temp.lockstep_gone_<s>  j.columns, lockstep_parent, lockstep_ctid
+-- pg_temp.lockstep_put_<s>   j.columns, lockstep_parent, lockstep_old_parent, lockstep_new, lockstep_ctid
 
--- lockstep._tmp_setup(j): make sure this session has the work tables of j's shape; remember their suffix
--- for this transaction (lockstep._tmp reads it) and return it.
+-- lockstep._tmp_setup(j): make sure this session has the work tables of j's shape and return their suffix.
 -- locks: nothing outside pg_temp (the first time in a session: creates the tables).
 create or replace function lockstep._tmp_setup(j lockstep.job) returns text
 language plpgsql
@@ -46,11 +25,7 @@ begin
     into v_s, v_cols
     from pg_catalog.unnest(j.columns) with ordinality u(c, o)
     left join pg_catalog.pg_attribute a on a.attrelid = j.target and a.attname = u.c and not a.attisdropped;
-    -- only tables of this role: the temp schema is the session's, shared by every job it runs, and another
-    -- owner's code (run by the same runner session) can create tables of these predictable names, grant
-    -- them to PUBLIC and put triggers on them, which would then fire as this role. So this role's own pair,
-    -- under the plain name or, when another role holds that, under a random suffix (found again here).
-    -- the common case: two index probes of pg_class
+    -- only tables this role owns: another owner's code could make tables of these names fire triggers as it
     if not (lockstep._own_temp('lockstep_put_' || v_s) and lockstep._own_temp('lockstep_gone_' || v_s)) then
         select pg_catalog.substr(c.relname, 14) into v_other  -- this role's pair under another suffix (14:
         from pg_catalog.pg_class c                            -- after 'lockstep_put_')
@@ -81,9 +56,8 @@ begin
 end;
 $$;
 
--- lockstep._own_temp(name): a table of that name exists in this session's temp schema and the current role
--- owns it (so no other role's trigger, rule or policy is on it).
--- locks: nothing.
+-- lockstep._own_temp(name): a table of that name exists in this session's temp schema and the current
+-- role owns it.
 create or replace function lockstep._own_temp(name text) returns boolean
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -112,8 +86,7 @@ begin
 end;
 $$;
 
--- lockstep._tmp_clear(j): empty j's work tables: DELETE, or TRUNCATE once their dead rows pass 1 MB (a
--- scan of them would cost more than the catalog write; only after big diffs, never after a no-op run).
+-- lockstep._tmp_clear(j): empty j's work tables: DELETE, or TRUNCATE once their dead rows pass 1 MB.
 -- locks: nothing outside pg_temp.
 create or replace function lockstep._tmp_clear(j lockstep.job) returns void
 language plpgsql
@@ -149,10 +122,8 @@ begin
 end;
 $$;
 
--- lockstep._check_computed_key(j, bad, is_null): raise LSD05 for the primary key bad that compute returned
--- NULL (is_null) or more than once, as lockstep._diff_all and lockstep._diff found it; nothing if bad is
--- NULL and is_null is not true.
--- locks: nothing.
+-- lockstep._check_computed_key(j, bad, is_null): raise LSD05 for the primary key bad that compute
+-- returned NULL (is_null) or more than once; nothing if bad is NULL and is_null is not true.
 create or replace function lockstep._check_computed_key(j lockstep.job, bad text, is_null boolean) returns void
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -168,13 +139,8 @@ begin
 end;
 $$;
 
--- lockstep._differs(j, a, b, cols): SQL that is true where the columns cols (NULL: all of j's) of row a
--- (compute's, or a work table's) differ from those of row b (the target's): IS DISTINCT FROM for the columns
--- whose type's equality implies identity, and for the others (j.image_columns: numeric, float, jsonb, a box
--- compared by area, text under a nondeterministic collation) their binary images, a's values cast to the
--- target's column types (record *=, as REFRESH MATERIALIZED VIEW CONCURRENTLY compares rows). In
--- parentheses: it is an OR, and an AND beside it (the primary key's match) must not bind tighter.
--- locks: nothing.
+-- lockstep._differs(j, a, b, cols): SQL true where row a's columns cols (NULL: all) differ from row b's
+-- (the target's): IS DISTINCT FROM, or binary image (*=) for j.image_columns. Parenthesized: it is an OR.
 create or replace function lockstep._differs(j lockstep.job, a text, b text, cols name[] default null) returns text
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -201,19 +167,9 @@ begin
 end;
 $$;
 
--- lockstep._diff_all(j, keys): lockstep._diff of the whole table (keys NULL, or a job without a parent
--- column): compute's rows and the target's in one hash full join on the primary key, each side read once
--- (compute's rows through a materialized CTE, which is also counted), only the rows that differ kept (a
--- materialized CTE: small unless much changed) and split into gone and put. No sort and no grouping of the
--- whole computed set: a duplicate primary key among the new rows (or a NULL one) is found in put alone;
--- one among rows matching a current row shows in the counts (compute's rows less the new ones would exceed
--- the current rows less the gone ones: one current row matched twice), and only then is compute grouped by
--- the primary key again (an error path) to name the key. Measured (50,000 parents, 697,087 rows, 0 %
--- changed, backend CPU side by side): the former anti-join (a sort of every computed row), left join and
--- grouping by the key cost 2.6x the bare compute; this 1.7x, most of the rest the join itself (~450 ms:
--- hashing and probing 697,087 rows each side) and the count of compute's materialized rows (~120 ms).
--- A larger work_mem made the join slower (a 46 MB hash table instead of 8 batches of 6 MB).
--- locks: no row locks (compute reads and the target is read under MVCC); writes only pg_temp work tables.
+-- lockstep._diff_all(j, keys): lockstep._diff of the whole table: one hash full join of compute's rows and
+-- the target's on the primary key, keeping the rows that differ; no sort of every computed row.
+-- locks: no row locks; writes only pg_temp work tables.
 create or replace function lockstep._diff_all(j lockstep.job, keys text[]) returns lockstep._diff_counts
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -278,23 +234,9 @@ begin
 end;
 $$;
 
--- lockstep._diff(j, keys): compute(keys) (NULL: all parents) and its difference with the target,
--- restricted to the parents in keys, without any row lock, in one statement. Compute's rows (only those of
--- the parents in keys) are read once (a materialized CTE); a duplicate or NULL primary key raises LSD05.
--- Fills j's gone work table (current rows compute no longer returns) and put work table (rows new or
--- changed by IS DISTINCT FROM), each with the row's parent key (lockstep_parent) and the current row's
--- ctid (lockstep_ctid); put also has lockstep_old_parent and lockstep_new (see lockstep._tmp). Returns
--- how many rows gone and put hold. For a job without a parent, lockstep_parent is the row's primary key as
--- text: what the write steps return for a row they skip, so skipped counts rows there.
--- For a subset, the current rows are read once (a CTE) by one index probe per parent key (the lateral
--- subquery is not flattened, so no estimate can turn it into a scan of the whole target); a computed row
--- that no current row of those parents has is looked up by primary key (it may exist under another parent:
--- it moves), unless the primary key holds the parent column (then it cannot). No ANALYZE anywhere: a few keys are probed by index whatever the estimates, and a whole-table
--- diff is hash joins sized by the relations. compute is kept from seeing the subset filter (offset 0):
--- pushed into it, the filter spoiled its plan (measured: a sequential scan instead of index scans).
--- JIT is off in lockstep's compute and write functions: their queries are short, and JIT compilation,
--- triggered by a bad estimate, cost more than the query itself in measurements (200 ms for a 500-key pass).
--- locks: no row locks (compute reads and the target is read under MVCC); writes only pg_temp work tables.
+-- lockstep._diff(j, keys): compute(keys) and its difference with the target, for the parents in keys, in
+-- one statement: fills j's gone and put work tables and returns their counts; LSD05 for a bad primary key.
+-- locks: no row locks; writes only pg_temp work tables.
 create or replace function lockstep._diff(j lockstep.job, keys text[]) returns lockstep._diff_counts
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -330,14 +272,12 @@ begin
            lockstep._array_type(j.key_type) as arr,
            lockstep._tmp(j, 'gone') as gone, lockstep._tmp(j, 'put') as put, lockstep._key_eq(j) as op
     into f;
-    -- a subset has a parent column (else lockstep._diff_all, above)
     v_cpar := pg_catalog.format('c.%I::text', j.parent_column);
     v_dpar := pg_catalog.format('d.%I::text', j.parent_column);
     v_cur := pg_catalog.format('select t.* from pg_catalog.unnest($1::%s) k(v), lateral (select %s, t.ctid as lockstep_ctid '
                                'from %s t where t.%I %s k.v offset 0) t', f.arr, f.tcols, j.target, j.parent_column, f.op);
     if j.parent_column = any(j.target_key) then
-        -- the primary key holds the parent: a row of that key has that parent, so it is among the current
-        -- rows read above or does not exist; no probe per new row (at 100 % changed, 7,000 probes a pass)
+        -- the primary key holds the parent: a row of that key cannot move, so no probe per new row
         v_moved := '';
         v_old := 'c.lockstep_ctid';
         v_new := 'c.lockstep_ctid is null';
@@ -375,19 +315,8 @@ begin
 end;
 $$;
 
--- lockstep._pin_timeout(): the lock_timeout of a FOR KEY SHARE SKIP LOCKED pin (write steps 1 and 2):
--- 10ms, or the session's own if it is shorter. SKIP LOCKED does not cover one case: a row whose visible
--- version an application transaction updated without changing its key (which FOR KEY SHARE does not
--- conflict with) and whose newer version that transaction then deleted or locked FOR UPDATE. PostgreSQL
--- locks the old version, follows the update chain to the new one and waits for the application there,
--- whatever SKIP LOCKED says, holding the pins it took before: the application's DELETE of one of those
--- then deadlocked with lockstep, and got 40P01 (found by a probe; an ORM's "update, then lock" is enough).
--- Such a wait is the only one a SKIP LOCKED pin can meet on a row, so it is cut short, and the pins are
--- taken again a few rows at a time (lockstep._pin_each), each with that timeout: the row an application
--- holds so is skipped after 10 ms, every other row pinned FOR KEY SHARE as before. (Not FOR SHARE SKIP
--- LOCKED, which skips such a row at once: held to the end of the pass, it made an application's plain
--- UPDATE of every other parent of the write wait for the whole pass; found by a review.)
--- locks: nothing.
+-- lockstep._pin_timeout(): lock_timeout of a pin: 10ms, or the session's if shorter. SKIP LOCKED still
+-- waits on a row an application updated and then deleted or locked: that wait is cut short.
 create or replace function lockstep._pin_timeout() returns text
 language sql stable
 set search_path = pg_catalog, pg_temp
@@ -396,10 +325,8 @@ as $$
     from pg_catalog.current_setting('lock_timeout') s;
 $$;
 
--- lockstep._pin_waits(): how many waits lockstep._pin_each cuts short (lockstep._pin_timeout each) before
--- it leaves every row not pinned yet out: 4, so a pin of one table waits 50 ms at most in all (the first
--- statement's wait included), far below the 1 s of PostgreSQL's default deadlock_timeout.
--- locks: nothing.
+-- lockstep._pin_waits(): how many waits lockstep._pin_each cuts short before it leaves every row not
+-- pinned yet out: 4, so one table's pin waits 50 ms at most, far below deadlock_timeout.
 create or replace function lockstep._pin_waits() returns integer
 language sql immutable
 set search_path = pg_catalog, pg_temp
@@ -407,10 +334,8 @@ as $$
     select 4;
 $$;
 
--- lockstep._pin_try(stmt, args): run stmt, a FOR KEY SHARE SKIP LOCKED pin of the rows named by args ($1,
--- text[]) that returns the elements of args it pinned, in a subtransaction with lock_timeout
--- lockstep._pin_timeout(); NULL if that timeout ended a wait (the subtransaction's rollback releases its
--- locks and restores lock_timeout).
+-- lockstep._pin_try(stmt, args): run stmt, a FOR KEY SHARE SKIP LOCKED pin of the rows named by args ($1)
+-- returning those it pinned, in a subtransaction with lockstep._pin_timeout(); NULL if the timeout ended a wait.
 -- locks: as stmt.
 create or replace function lockstep._pin_try(stmt text, args text[]) returns text[]
 language plpgsql
@@ -429,19 +354,8 @@ exception when lock_not_available then
 end;
 $$;
 
--- lockstep._pin_each(rel, stmt, args): lockstep._pin_timeout's slow path, after the pin of args as one
--- statement timed out. First the table lock the pin needs (ROW SHARE, by a pin of no row), waited for with
--- the session's own lock_timeout as the one statement would (a table lock an application holds is not a
--- held row: retried 10 ms a row, it skipped every key; found by a review). Then stmt (as lockstep._pin_try)
--- over args in order, 16 at a time, and one at a time within 16 that time out: the held row is skipped
--- after 10 ms, the others pinned, with few subtransaction ids (one per row overflowed the 64 a backend
--- caches beyond 64 rows, which slows every snapshot of the cluster while the pass is open). At most 4
--- waits are cut short in all (lockstep._pin_waits): then every row not pinned yet is left out, untried. A
--- wait is taken holding the pins before it, so an application that held many such rows and then deleted
--- one lockstep had pinned waited for all of them, 10 ms each, while lockstep waited for it: 300 rows held,
--- and the application's deadlock check (deadlock_timeout, 1 s) found the cycle and failed it with 40P01
--- (found by a probe). The rows left out are skipped (their parents re-queued a second later).
--- Returns the elements of args pinned.
+-- lockstep._pin_each(rel, stmt, args): the slow path after a pin timed out: the table lock, then stmt
+-- 16 rows at a time, one at a time within 16 that time out, until _pin_waits() waits. Returns the pinned.
 -- locks: rel ROW SHARE; then the rows of args, FOR KEY SHARE SKIP LOCKED, in the order of args.
 create or replace function lockstep._pin_each(rel regclass, stmt text, args text[]) returns text[]
 language plpgsql
@@ -476,20 +390,10 @@ begin
 end;
 $$;
 
--- lockstep._pin_parents(j): write step 1. Pin the parent of every row of j's put work table that the
--- target's foreign-key check will look up: a row to insert, or one that moves to another parent (its new
--- parent). Rows whose parent could not be pinned are dropped from both work tables. Returns the parent
--- keys left out.
--- Not pinned: the parents of rows updated in place or deleted. No FK check runs for them (PostgreSQL checks
--- a referencing row only when its key changes), and a FOR KEY SHARE there would cost every pass a locked,
--- dirtied, WAL-logged parent row per changed parent, and an application's concurrent UPDATE of that
--- parent a multixact. A parent an application is deleting is still never waited for: its ON DELETE
--- CASCADE locks the target rows, which _lock_rows then skips; an application that has locked the parent
--- and not yet deleted waits at most for this write phase.
--- locks: those parent rows, FOR KEY SHARE SKIP LOCKED, in parent-key order (a parent an application holds,
--- e.g. one being deleted, is skipped, never waited for), with lock_timeout lockstep._pin_timeout(); if that
--- ends a wait (a row an application updated, then deleted or locked), then (the statement's locks released
--- with its subtransaction) the same rows in the same order, a few at a time (lockstep._pin_each).
+-- lockstep._pin_parents(j): write step 1. Pin the parent of every put row an FK check will look up (new,
+-- or moving); drop the rows whose parent could not be pinned and return their parent keys.
+-- locks: those parent rows, FOR KEY SHARE SKIP LOCKED, in parent-key order, with lockstep._pin_timeout();
+-- if that ends a wait, the same rows in the same order a few at a time (lockstep._pin_each).
 create or replace function lockstep._pin_parents(j lockstep.job) returns text[]
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -511,7 +415,6 @@ begin
     if cardinality(v_need) = 0 then
         return '{}';
     end if;
-    -- the pin of the parents named by $1, in key order; returns the elements of $1 it pinned
     v_pin := pg_catalog.format(
         'with p as (select r.%1$I as k from %2$s r where r.%1$I %3$s any($1::%4$s) order by r.%1$I '
         '           for key share skip locked) '
@@ -537,22 +440,9 @@ end;
 $$;
 
 -- lockstep._pin_refs(j): write step 2. Pin the rows the target's other foreign keys reference, for every
--- row of j's put work table the key's check will look up: a new row, or one whose key columns change (as
--- lockstep._pin_parents: a row updated in place with the same key columns, or deleted, has no FK check,
--- and pinning its referenced row cost a row lock, a dirtied page and WAL per row: 10,000 rows of a
--- top-20 table rewritten by a new formula, each pinning its post, held a write phase for 1.8 s; found by
--- a probe). Rows whose referenced row could not be pinned are dropped. Returns the parent keys of the
--- rows dropped. A foreign key whose columns compute does not
--- all return is one whose missing columns are always NULL (_check_target_fks, also run here for keys
--- added after define_derived): no FK check looks anything up for it. Only top-level constraints
--- (conparentid = 0): a key to a partitioned table has one child constraint per partition, and pinning each
--- row in every partition failed in all but one (a partitioned parent never converged; found by a probe).
--- Two pin statements, unlike lockstep._pin_parents: the one statement pins the rows its key match finds
--- as it reads them; the slow path first reads them unpinned, then pins them a few at a time by row
--- (tableoid, ctid), since a foreign key may span columns. Pinned by ctid in the fast path too, a row an
--- application updated between the read and the pin would be skipped for nothing.
--- locks: the referenced rows, FOR KEY SHARE SKIP LOCKED, one constraint at a time in constraint-name
--- order, each in key order; as lockstep._pin_parents, a few at a time after lockstep._pin_timeout.
+-- put row an FK check will look them up for; drop the rows not pinned and return their parent keys.
+-- locks: the referenced rows, FOR KEY SHARE SKIP LOCKED, one constraint at a time in constraint-name order,
+-- each in key order; a few at a time after lockstep._pin_timeout, as lockstep._pin_parents.
 create or replace function lockstep._pin_refs(j lockstep.job) returns text[]
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -566,7 +456,7 @@ declare
     v_rows text[];
     c record;
 begin
-    -- the common case, no foreign key but the parent's (on a column compute returns): nothing to pin or check
+    -- the common case, no foreign key but the parent's: nothing to pin or check
     if not exists (select from pg_catalog.pg_constraint con
                    where con.conrelid = j.target and con.contype = 'f' and con.conparentid = 0
                      and not (j.parent is not null and con.confrelid = j.parent and j.parent <> j.target
@@ -629,16 +519,8 @@ begin
 end;
 $$;
 
--- lockstep._lock_rows(j, expected): write step 3a. Lock the existing target rows about to be deleted or
--- updated, found by their ctid (a TID scan); a row that is locked, or whose ctid no longer holds its key, is
--- dropped from j's gone / put work tables. Returns the parent keys of the rows dropped.
--- expected: how many rows the work tables hold to lock, if the caller knows (NULL: not known). Then the
--- common case, every row locked, is one statement that only locks and counts; only when some row was not
--- locked does the second statement find and drop those (it locks again: rows already held are taken at
--- once, the others skipped as before, none waited for).
--- A partitioned target (or one with inheritance children) has one ctid space per partition: the same
--- ctid names a row of another parent in another partition, so there the rows found by ctid are also
--- matched by primary key before they are locked (the primary key is unique across partitions).
+-- lockstep._lock_rows(j, expected): write step 3a. Lock the target rows to delete or update, found by ctid;
+-- drop the rows not locked and return their parent keys. expected: how many to lock, if known.
 -- locks: those target rows, SKIP LOCKED, in primary-key order: the rows to delete FOR UPDATE, then the rows
 -- to update FOR NO KEY UPDATE (FOR UPDATE where the target has another unique index).
 create or replace function lockstep._lock_rows(j lockstep.job, expected bigint default null) returns text[]
@@ -662,10 +544,7 @@ begin
         v_mine_p := pg_catalog.format(' and (%s) in (select %s from pg_temp.%I where not lockstep_new)',
                                       lockstep._cols(j.target_key, 't'), lockstep._cols(j.target_key), v_put);
     end if;
-    -- a row updated in place keeps its primary key: FOR NO KEY UPDATE, the lock its UPDATE takes, which an
-    -- application's foreign-key check of that row (FOR KEY SHARE) neither waits for nor blocks (FOR UPDATE
-    -- did both: such rows were skipped while a referencing row was inserted; found by a probe). Not with
-    -- another unique index on the target, whose columns the update may change.
+    -- in place: FOR NO KEY UPDATE, which FK checks neither wait for nor block (unless another unique index)
     if exists (select from pg_catalog.pg_index i where i.indrelid = j.target and i.indisunique and not i.indisprimary) then
         v_strength := 'update';
     end if;
@@ -684,7 +563,6 @@ begin
             return '{}';
         end if;
     end if;
-    -- the rows locked (lg, lp), then the rows of gone and put that are not among them dropped
     execute pg_catalog.format(
         'with lg as materialized (%1$s), lp as materialized (%2$s), '
         'dg as (delete from pg_temp.%3$I w where not exists (select from lg l where %5$s) returning lockstep_parent), '
@@ -697,16 +575,8 @@ begin
 end;
 $$;
 
--- lockstep._referencing(rel, key, cols): the foreign keys that reference rel (rows of other tables, or of
--- rel itself, that a delete of rel's rows acts on), with the columns to join on, the referencing table's
--- primary key (lock order) and whether the action deletes (CASCADE: its rows are deleted in turn) or
--- updates (SET NULL). Raises LSD06 for what lockstep cannot delete through without waiting or failing:
--- ON DELETE NO ACTION / RESTRICT (the delete would fail with 23503 while referenced), SET DEFAULT (its FK
--- check locks a row lockstep did not pin), SET NULL on columns that are referenced in turn, and, when rel
--- is the target (key, cols given), a key on columns compute writes (the update would run its ON UPDATE
--- action); 42501 when the role cannot lock the referencing rows (SELECT and UPDATE).
--- Used by _check_referencing (define_derived refuses) and _lock_level (a key added later fails the run).
--- locks: nothing.
+-- lockstep._referencing(rel, key, cols): the foreign keys referencing rel, with what a delete does through
+-- them; LSD06 for those lockstep cannot delete through without waiting, 42501 if it may not lock their rows.
 create or replace function lockstep._referencing(rel regclass, key name[] default null, cols name[] default null)
 returns table (conoid oid, conname name, refrel regclass, fk name[], rk name[], ord name[], deletes boolean)
 language plpgsql stable
@@ -757,7 +627,6 @@ $$;
 
 -- lockstep._check_referencing(target, key, cols): every foreign key a delete of target rows acts on, at
 -- any depth (through ON DELETE CASCADE, cycles included), is one lockstep can lock through (_referencing).
--- locks: nothing.
 create or replace function lockstep._check_referencing(target regclass, key name[], cols name[]) returns void
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -786,9 +655,8 @@ begin
 end;
 $$;
 
--- lockstep._lock_level(t, depth): lock the rows referencing the rows of table t at this depth of
--- pg_temp.lockstep_doomed (rows the delete will remove), add them at depth + 1 (each row once), and return
--- the roots (target rows) of which a referencing row could not be locked.
+-- lockstep._lock_level(t, depth): lock the rows referencing the rows of t at this depth of
+-- pg_temp.lockstep_doomed, add them at depth + 1, and return the roots of which a row could not be locked.
 -- locks: the referencing rows, FOR UPDATE SKIP LOCKED, one foreign key at a time in constraint-name order,
 -- each in the referencing table's primary-key order (ctid order without one).
 create or replace function lockstep._lock_level(t regclass, depth integer) returns text[]
@@ -828,12 +696,8 @@ begin
 end;
 $$;
 
--- lockstep._lock_referencing(j): write step 3a'. Lock the rows the delete of the target rows in
--- j's gone work table acts on through foreign keys that reference the target (ON DELETE CASCADE / SET
--- NULL), and through the cascade on, level by level (pg_temp.lockstep_doomed). A target row of which any
--- such row could not be locked (an application holds it) is not deleted: dropped from the gone work table, its
--- parent key returned (re-queued like any skipped parent). No new referencing row can appear meanwhile:
--- inserting one takes FOR KEY SHARE on the row it references, which lockstep already holds FOR UPDATE.
+-- lockstep._lock_referencing(j): write step 3a'. Lock the rows a delete of the gone rows acts on, level by
+-- level; a target row of which one could not be locked is not deleted, its parent key returned.
 -- locks: the referencing rows, FOR UPDATE SKIP LOCKED, level by level, each as _lock_level.
 create or replace function lockstep._lock_referencing(j lockstep.job) returns text[]
 language plpgsql
@@ -880,10 +744,8 @@ begin
 end;
 $$;
 
--- lockstep._delete_rows(j): write step 3b. Delete the target rows in j's gone work table, where _lock_rows
--- locked them (by ctid: a TID scan; matched by primary key too, for a partitioned target). Joined by
--- primary key alone, the planner hashed the whole target (a sequential scan of it per pass: 45 ms of a
--- 120 ms pass deleting 3,974 rows of 174,244, growing with the table). Returns how many.
+-- lockstep._delete_rows(j): write step 3b. Delete the gone rows where _lock_rows locked them (by ctid, and
+-- primary key in a partitioned target). Returns how many.
 -- locks: those target rows (already held).
 create or replace function lockstep._delete_rows(j lockstep.job) returns bigint
 language plpgsql
@@ -900,11 +762,8 @@ begin
 end;
 $$;
 
--- lockstep._upsert_rows(j, updates, inserts): write step 3c. The rows of j's put work table: those that exist
--- (if updates: the diff found some) are updated where _lock_rows locked them (by ctid: a TID scan, no index
--- probe per row; matched by primary key too, for a partitioned target), the new ones (if inserts) inserted
--- in primary-key order by one INSERT ... ON CONFLICT DO UPDATE ... WHERE IS DISTINCT FROM (a row an
--- application inserted meanwhile is updated, not a 23505).
+-- lockstep._upsert_rows(j, updates, inserts): write step 3c. Update the put rows that exist where
+-- _lock_rows locked them; insert the new ones in primary-key order by one INSERT ... ON CONFLICT DO UPDATE.
 -- locks: the target rows it updates (already held by _lock_rows), then those it inserts.
 create or replace function lockstep._upsert_rows(j lockstep.job, updates boolean, inserts boolean,
                                       out inserted bigint, out updated bigint)
@@ -945,24 +804,12 @@ begin
 end;
 $$;
 
--- lockstep._write(j, keys): THE write path. Apply compute(keys) to the target, restricted to the parents
--- in keys (NULL: the whole table). Used by recompute and by work.
--- First compute and the difference, without any row lock (_diff), cut to the first j.batch_parents parents
--- when keys is NULL (_limit_batch: the rest is handed to the queue, before any row lock); then the write
--- phase, in this order, never waiting for any lock:
---   1. _pin_parents: parents of every row about to be inserted (or moved to them);
---   2. _pin_refs: rows referenced through the target's other foreign keys;
---   3. _lock_rows, _lock_referencing, _delete_rows, _upsert_rows: the target rows, in primary-key order
---      (and, before a delete, the rows referencing them that its ON DELETE action changes).
--- Rows whose locks were skipped are not written (never a wait, never a 23503), nor is any other row of
--- their parents (a parent's rows are written together or not at all); those parent keys are returned in
--- skipped (still existing, to be re-queued) or counted in gone (deleted meanwhile).
--- It returns with the work tables empty: a pass whose difference is empty finds them so (_diff empties
--- them before it fills them), any other is emptied by _tmp_clear; a call that raises leaves only rows its
--- (sub)transaction's rollback removes. The caller writes the job's status row after this.
--- locks: parents of new rows (FOR KEY SHARE SKIP LOCKED, key order), then other referenced rows (same, constraint-name
--- order), then target rows (FOR UPDATE SKIP LOCKED, primary-key order), then the rows referencing target
--- rows to delete (FOR UPDATE SKIP LOCKED, constraint-name then key order): see the steps.
+-- lockstep._write(j, keys): THE write path: apply compute(keys) for the parents in keys (NULL: the whole
+-- table, cut to a batch by _limit_batch): diff without row locks, then the steps, never waiting. A parent's
+-- rows are written together or not at all; those left out come back in skipped. Work tables left empty.
+-- locks: parents of new rows (FOR KEY SHARE SKIP LOCKED, key order), then other referenced rows (same,
+-- constraint-name order), then target rows (SKIP LOCKED, primary-key order), then the rows referencing
+-- target rows to delete (FOR UPDATE SKIP LOCKED, constraint-name then key order).
 create or replace function lockstep._write(j lockstep.job, keys text[]) returns lockstep._pass
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -991,9 +838,8 @@ begin
 end;
 $$;
 
--- lockstep._write_steps(j, d, exact): the write phase of lockstep._write, over j's work tables (d: what the
--- difference held, an upper bound of what they hold now; exact: they still hold all of it, so how many
--- rows to lock is known). Each step runs only if it has rows to write.
+-- lockstep._write_steps(j, d, exact): the write phase of lockstep._write over j's work tables (d: what the
+-- difference held; exact: they still hold all of it). A step with no rows is not run.
 -- locks: as lockstep._write: parents of new rows, other referenced rows, target rows, referencing rows.
 create or replace function lockstep._write_steps(j lockstep.job, d lockstep._diff_counts, exact boolean) returns lockstep._pass
 language plpgsql
@@ -1006,8 +852,7 @@ declare
     v_skip text[] := '{}';
     p lockstep._pass := row(0, 0, 0, '{}', 0, 0, 0, '{}', '{}');
 begin
-    -- a step with nothing to do is not run (d: counted before _limit_batch and the steps drop rows, so an
-    -- upper bound): each is a statement planned at every pass, ~0.1-0.2 ms of a pass of 50 keys
+    -- a step with nothing to do is not run (d is an upper bound: counted before rows were dropped)
     if d.pin > 0 then
         v_skip := lockstep._pin_parents(j);
     end if;
@@ -1029,7 +874,6 @@ begin
         p.deleted := lockstep._delete_rows(j);
     end if;
     select u.inserted, u.updated into p.inserted, p.updated from lockstep._upsert_rows(j, d.kept > 0, d.fresh > 0) u;
-    -- skipped parents: those that still exist go back to the queue; the others were deleted meanwhile
     v_skip := array(select distinct pg_catalog.unnest(v_skip));
     if j.parent is not null and cardinality(v_skip) > 0 then
         execute pg_catalog.format('select coalesce(array_agg(k order by k), ''{}'') from pg_catalog.unnest($1) k '
@@ -1046,10 +890,8 @@ begin
 end;
 $$;
 
--- lockstep._apply(j, keys): compute, diff and write for the parents in keys (NULL: all), then empty the
--- work tables. The only path by which lockstep writes a derived table. It runs as the job's owner: called by another role, it comes back
--- here through lockstep._as_owner (SET LOCAL ROLE owner, in the owner's SECURITY DEFINER trampoline), or
--- raises 42501 if that role may not act as the owner.
+-- lockstep._apply(j, keys): compute, diff and write for the parents in keys (NULL: all): the only path
+-- by which lockstep writes a derived table. Runs as the job's owner (lockstep._as_owner) or raises 42501.
 -- locks: as lockstep._write (the compute phase takes no row lock).
 create or replace function lockstep._apply(j lockstep.job, keys text[]) returns lockstep._pass
 language plpgsql
@@ -1060,9 +902,7 @@ declare
     v_gone record;
     p lockstep._pass;
 begin
-    -- a table dropped since define_derived: its oid is all the job still has (the next statement that
-    -- named it failed with 'syntax error at or near "43073"'; found by a probe). Class 42: the job's error
-    -- at once (lockstep._attempt), no key blamed.
+    -- a table dropped since define_derived: the job's error at once (class 42), no key blamed
     select t.what, t.rel into v_gone
     from (values ('target', j.target, 1), ('parent', j.parent, 2)) t(what, rel, o)
     where t.rel is not null and not exists (select from pg_catalog.pg_class c where c.oid = t.rel)
@@ -1081,10 +921,7 @@ begin
     else
         p := lockstep._write(j, keys);  -- it leaves the work tables empty (a failed call: rolled back)
     end if;
-    -- the deferred checks of these writes fire here, inside the pass, where a failure is the pass's
-    -- (isolated, recorded), as in the owner's sandbox (lockstep._owner_run); left to COMMIT, a deferred
-    -- exclusion or unique violation failed the commit after run() had returned done, and the job looked
-    -- healthy (found by a review)
+    -- deferred checks fire here, inside the pass, where a failure is the pass's, not the COMMIT's
     set constraints all immediate;
     p.compute_ms := extract(epoch from clock_timestamp() - v_t0) * 1000 - p.write_ms;
     return p;

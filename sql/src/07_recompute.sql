@@ -1,26 +1,9 @@
--- lockstep: the periodic full recompute, applied in bounded batches.
---
--- A recompute computes every parent (compute(NULL)) and diffs the whole target without any row lock. If
--- the difference touches more than the job's batch_parents parents, it writes only the first batch_parents
--- of them (in parent-key order) and hands the others to the queue in the same transaction, where worker
--- passes recompute them fresh, batch_parents at most per transaction. So no transaction holds row locks
--- for longer than one batch, whatever the size of the change; the hand-off is as durable as the batch it
--- commits with (nothing is lost if the runner dies between batches), and every later batch is computed from
--- a fresh snapshot (an application change is never overwritten by older rows). If the whole-table pass
--- fails while an empty pass works, some parents are poison: every parent is handed to the queue, where the
--- worker's bisection isolates, retries and parks the failing ones and writes all the others.
+-- lockstep: the periodic full recompute: the first batch_parents changed parents are written, the rest
+-- handed to the queue in the same transaction; poison parents go to the worker's bisection.
 
--- lockstep._limit_batch(j, budget): write step 0. Keep in j's work tables (gone, put) only the
--- rows of the first budget changed parents, in parent-key order after those whose key is too long for the
--- queue (a row moving between parents stays if
--- either is kept; rows without a parent always stay), and hand the other changed parents to the queue, in
--- key order, before any row lock is taken. Returns how many it handed off, also left in the transaction's
--- setting lockstep.handed_off for the recompute (it runs as the job's owner, whose temp tables the caller
--- may not read); they are listed in pg_temp.lockstep_rest (key text, ON COMMIT DROP).
--- budget NULL, or a job without a parent: no limit. The two tables are rewritten compactly (truncate and
--- refill), so the write steps scan only the batch.
--- locks: appends to lockstep.queue (as lockstep._enqueue_text: no lock anyone else holds); nothing else
--- outside pg_temp.
+-- lockstep._limit_batch(j, budget): write step 0. Keep only the rows of the first budget changed parents
+-- and hand the others to the queue before any row lock; returns how many (NULL budget or no parent: all).
+-- locks: appends to lockstep.queue (as lockstep._enqueue_text); nothing else outside pg_temp.
 create or replace function lockstep._limit_batch(j lockstep.job, budget integer) returns bigint
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -37,22 +20,13 @@ begin
     if budget is null or j.parent is null then
         return 0;
     end if;
-    -- a bound without deduplicating (each gone row names at most one parent, each put row two): a small
-    -- difference returns here, creating no temp table (no catalog row, no WAL). A large one is deduplicated
-    -- once, below (counting the distinct parents here too cost 671 ms of _limit_batch's 1.37 s at 100 % of
-    -- 50,000 parents).
+    -- a bound without deduplicating: a small difference returns here, creating no temp table
     execute pg_catalog.format('select (select count(*) from pg_temp.%I) + 2 * (select count(*) from pg_temp.%I)',
                               v_gone, v_put) into v_changed;
     if v_changed <= budget then
         return 0;
     end if;
-    -- every changed parent once, in key order, numbered: the first budget are the batch, the rest is handed off.
-    -- Parents whose key is too long for the queue (lockstep._queueable) come first: handed off, each flagged
-    -- the job for another full recompute, which again wrote one batch and flagged again while the worker had
-    -- not caught up: one whole compute per batch (found by a probe). In the batch they are written now.
-    -- The filters below test membership in the batch's small set (an uncorrelated IN, hashed), never in the
-    -- rest (a NOT EXISTS inside an OR cannot become an anti-join and rescanned the rest for every row:
-    -- quadratic in the size of the change).
+    -- every changed parent once, numbered: keys too long for the queue first, then key order
     drop table if exists pg_temp.lockstep_parents, pg_temp.lockstep_rest, pg_temp.lockstep_first;
     execute pg_catalog.format(
         'create temp table lockstep_parents on commit drop as '
@@ -91,12 +65,9 @@ begin
     drop table pg_temp.lockstep_first;
     execute pg_catalog.format('analyze pg_temp.%I', v_gone);
     execute pg_catalog.format('analyze pg_temp.%I', v_put);
-    -- the rest goes to the queue, but not a second time: a parent still queued (an earlier hand-off, the
-    -- application's change) is computed afresh by the pass that takes that entry
+    -- the rest goes to the queue, but not a parent still queued
     v_rest := array(select r.key from pg_temp.lockstep_rest r);
-    -- a changed parent queued already (the application's change): the hand-off's range starts at its entry,
-    -- which the worker takes first (by id). Counted from the hand-off's own entries only, the progress of
-    -- 200 parents changed with 150 queued showed 10 / 50, unmoving while the worker took those (a probe)
+    -- a changed parent queued already: the hand-off's range starts at its entry
     select least(nullif(pg_catalog.current_setting('lockstep.handoff_from', true), '')::bigint, min(q.id))
     into v_first from lockstep.queue q
     where q.job = j.job and q.key in (select r.key from pg_temp.lockstep_rest r);
@@ -106,9 +77,7 @@ begin
     perform lockstep._enqueue_missing(j, v_rest);
     v_changed := cardinality(v_rest);
     perform pg_catalog.set_config('lockstep.handed_off', v_changed::text, true);
-    -- the hand-off's parents to do, counted now, before the first row lock (lockstep._hand_off): counted
-    -- after the write, a distinct count over the whole hand-off, they held the batch's row locks ~1 ms per
-    -- 1,000 parents handed off (582 ms at 600,000; found by a probe)
+    -- the hand-off's parents to do, counted before the first row lock
     if pg_catalog.current_setting('lockstep.handoff_from', true) <> '' then
         perform pg_catalog.set_config('lockstep.handoff_todo', lockstep._handoff_todo(j.job,
             pg_catalog.current_setting('lockstep.handoff_from')::bigint,
@@ -118,21 +87,9 @@ begin
 end;
 $$;
 
--- A job without a parent has no queue to hand its rest to: a recompute whose difference exceeds
--- batch_parents rows writes the first batch_parents of them (in primary-key order) and keeps the others in a
--- temp table of its session (pg_temp.lockstep_rest_<s>, the work tables' shape), which the next run() calls
--- of that session write, batch_parents rows each (lockstep._continue). A new recompute supersedes it. The
--- session is recorded in the job's status row; if it ends (a killed runner, a pooler's other connection),
--- the rest is gone with it and the next run recomputes: nothing is lost, one batch is written per compute.
 
--- lockstep._limit_rows(j, budget): write step 0 for a job without a parent: if j's work tables hold more
--- than budget rows, move them all to the rest table, numbered in primary-key order, and load the first
--- budget back (lockstep._load_rest). Returns how many rows were left in the rest table.
--- Not split where the target (or a partition of it) has a DEFERRABLE unique or exclusion constraint besides
--- its primary key: such a job's rows swap unique values (a top-N whose users change ranks), and the first
--- batch then held a value the rest still had, so every recompute failed with 23505 (23P01) and the job
--- never converged (found by a probe and a review). Its difference is written in one transaction (README:
--- a row-lock time that grows with the change).
+-- lockstep._limit_rows(j, budget): write step 0 without a parent: keep budget rows, move the rest to
+-- this session's rest table (lockstep._continue writes it). Not where a deferrable unique constraint is.
 -- locks: nothing outside pg_temp.
 create or replace function lockstep._limit_rows(j lockstep.job, budget integer) returns bigint
 language plpgsql
@@ -178,9 +135,7 @@ end;
 $$;
 
 -- lockstep._load_rest(j, budget): move the first budget rows of j's rest table to its work tables, each
--- checked against the target as it is now (its current ctid; a row already as wanted, or one to delete that
--- is gone, is dropped). Returns what the work tables hold, and leaves how many rows the rest table still
--- holds in the transaction's setting lockstep.handed_off (-1: this session has no rest table for j).
+-- checked against the target as it is now. Rows left go to lockstep.handed_off (-1: no rest table).
 -- locks: nothing outside pg_temp (the target is read under MVCC).
 create or replace function lockstep._load_rest(j lockstep.job, budget integer) returns lockstep._diff_counts
 language plpgsql
@@ -223,7 +178,6 @@ $$;
 
 -- lockstep._session(pid): the session of backend pid (default: this one), as recorded with a rest (pid @
 -- backend start); NULL if no such backend is running.
--- locks: nothing.
 create or replace function lockstep._session(pid integer default pg_catalog.pg_backend_pid()) returns text
 language sql stable
 set search_path = pg_catalog, pg_temp
@@ -249,9 +203,8 @@ begin
 end;
 $$;
 
--- lockstep._continue(j, s): run() for a job without a parent whose recompute left a rest (s its status
--- row): write the next batch if this session holds the rest; busy while another live session that wrote a
--- batch in the last 30 s holds it; else (that session ended, or stalled behind a pooler) recompute again.
+-- lockstep._continue(j): run() of a parentless job with a recompute's rest: write its next batch if this
+-- session holds it; busy while another live session does; else recompute again.
 -- locks: the group lock (try: busy if taken); then as lockstep._write_steps; the job's status row last.
 create or replace function lockstep._continue(j lockstep.job) returns lockstep.result
 language plpgsql
@@ -298,23 +251,8 @@ begin
 end;
 $$;
 
--- lockstep._hand_off(j, keys, before, written): queue the keys not yet queued (the parents the write
--- skipped, or every parent: lockstep._enqueue_missing) and record the recompute's hand-off in the job's
--- status row: parents written in this transaction, plus the distinct parents still queued in the range of
--- queue ids above before (the job's highest id when the recompute started), from which lockstep.status
--- derives recompute_done until the worker has taken them all. written NULL: this recompute is not spread
--- over transactions. An earlier hand-off still in progress is carried on, not forgotten: the range starts
--- at its first id, so its entries still queued count as to do (each parent once), and a parent the
--- second recompute found still queued is not queued again; the total never exceeds the parents changed.
--- The earlier hand-off's total is carried on too: the total is the larger of it and this recompute's own
--- (written + to do), so what that hand-off had done stays done where this recompute found nothing new.
--- Without that, a recompute that came due when the worker had done half of a hand-off showed 50 / 150
--- where the first had shown 100 / 200 (found by a probe). Adding up the two instead counted a parent twice
--- when this recompute found it changed again (100 / 300 with 200 parents; found by a review): which
--- parents the earlier hand-off wrote is not kept, so an exact union is not known.
--- With the batch's row locks held, it reads nothing whose size grows with the hand-off: the count of the
--- parents to do was taken before the write (lockstep._limit_batch, from lockstep.handoff_from, which
--- lockstep._recompute sets), and an earlier hand-off is seen in progress by its first entry still queued.
+-- lockstep._hand_off(j, keys, before, written): queue the keys not yet queued and record the hand-off's
+-- queue-id range and total in the job's status row, carrying on an earlier hand-off in progress.
 -- locks: appends to lockstep.queue; the job's lockstep.job_state row (FOR NO KEY UPDATE, by the update).
 create or replace function lockstep._hand_off(j lockstep.job, keys text[], before bigint, written bigint) returns void
 language plpgsql
@@ -344,9 +282,9 @@ begin
         v_from := s.recompute_queue_from;
         v_to := coalesce(v_to, s.recompute_queue_to);
     end if;
-    -- from the first entry of a changed parent queued before this recompute (lockstep._limit_batch)
+    -- from the first entry of a changed parent queued before this recompute
     v_from := least(v_from, nullif(pg_catalog.current_setting('lockstep.handoff_from', true), '')::bigint);
-    -- to do: as counted before the write (lockstep._limit_batch), plus the skipped parents queued since
+    -- to do: as counted before the write, plus the skipped parents queued since
     v_total := written + coalesce(nullif(pg_catalog.current_setting('lockstep.handoff_todo', true), '')::bigint + v_queued,
                                   lockstep._handoff_todo(j.job, v_from, v_to));
     update lockstep.job_state x set
@@ -357,11 +295,7 @@ begin
 end;
 $$;
 
--- lockstep._parent_keys(j): every parent key of j, in key order, read as j's owner through the owner's
--- sandbox (lockstep._as_owner, as a pass: the read of the owner's table may run the owner's code, a row
--- security policy's function, which must not get the runner's session). Read with the caller's rights, a
--- runner of the least-privilege recipe (no right on the owner's tables) failed here with 42501, so a
--- poison parent stalled the job instead of being handed to the worker and parked.
+-- lockstep._parent_keys(j): every parent key of j, in key order, read as j's owner (lockstep._as_owner).
 -- locks: nothing (reads the parent table).
 create or replace function lockstep._parent_keys(j lockstep.job) returns text[]
 language plpgsql
@@ -377,7 +311,6 @@ $$;
 
 -- lockstep._key_type_drift(j): what to do when j's parent key column is no longer of the job's key type
 -- (retyped since define_derived), else NULL.
--- locks: nothing.
 create or replace function lockstep._key_type_drift(j lockstep.job) returns text
 language sql stable
 set search_path = pg_catalog, pg_temp
@@ -391,18 +324,10 @@ as $$
     where a.attrelid = j.parent and a.attname = j.parent_key and not a.attisdropped and a.atttypid <> j.key_type;
 $$;
 
--- lockstep._recompute_failed(j, started, error, sqlstate): the whole-table pass raised error. If it is a
--- definition error (SQLSTATE class 42, or lockstep's LSDxx: the target, its keys, its foreign keys or the
--- shape of compute's rows; not LSD05, a primary key computed twice or NULL, which is a fault of the rows of
--- some parents, as the worker treats it), or an empty pass raises too, or the job has no parent, the job
--- itself is broken: a failed run with its backoff. An error of the moment (lockstep._transient: a lock
--- timeout, say) fails the run too, retried within a minute, unless the last recompute failed already. Otherwise (an error of compute or of a constraint, or
--- LSD05) some parents are poison: every parent is handed to the queue, where the worker's bisection isolates,
--- retries and parks the failing ones (lockstep.failing_keys / parked_keys) and writes all the others; the
--- recompute is done (no backoff) and reports the error; the job's recompute flags wait for the next
--- periodic recompute or a retry (recompute_poisoned_at). With no parent to hand off, the run fails.
--- locks: the group lock is already held; the empty pass as lockstep._write (no row lock: nothing to write);
--- then as lockstep._hand_off; the job's status row last.
+-- lockstep._recompute_failed(j, started, error, sqlstate): the whole-table pass raised: a definition or
+-- job error fails the run; else (poison parents) every parent goes to the worker and the flags wait.
+-- locks: the group lock is already held; the empty pass as lockstep._write (no row lock); then as
+-- lockstep._hand_off; the job's status row last.
 create or replace function lockstep._recompute_failed(j lockstep.job, started timestamptz, error text, sqlstate text)
 returns lockstep.result
 language plpgsql
@@ -417,9 +342,7 @@ begin
     if j.parent is null or sqlstate like '42%' or (sqlstate like 'LSD%' and sqlstate <> 'LSD05') then
         return lockstep._failed(j, 'recompute', started, error);
     end if;
-    -- a lock timeout (say) is likely the moment's, not some parents': the first time, a failed run tried
-    -- again within a minute (not after the job's whole backoff: a review); if it fails again, the parents go
-    -- to the worker's bisection as below (a parent whose compute always raises it is isolated, not a stall)
+    -- a transient error is likely the moment's: retried once within a minute before the bisection
     if lockstep._transient(sqlstate)
        and (select s.recompute_error is null from lockstep.job_state s where s.job = j.job) then
         v_result := lockstep._failed(j, 'recompute', started, error);
@@ -440,8 +363,7 @@ begin
     begin
         perform lockstep._hand_off(j, v_keys, v_before, case when cardinality(v_keys) > 0 then 0 end);
     exception when data_exception then
-        -- a parent key the job's key type cannot hold: the parent key column was retyped (int -> bigint)
-        -- since define_derived. This raised out of run() (22003), recording nothing (found by a probe)
+        -- a parent key the job's key type cannot hold: the parent key column was retyped
         get stacked diagnostics v_msg = message_text;
         return lockstep._failed(j, 'recompute', started, pg_catalog.format(
             '%s; its parents could not be handed to the worker either (%s)%s', error, v_msg,
@@ -451,10 +373,7 @@ begin
                                'which isolates the failing ones (lockstep.failing_keys)', error, cardinality(v_keys));
     -- a done run with its reason: lockstep.run_log.error has it (the status row keeps last_error for failures)
     perform lockstep._finish(j, 'recompute', 'done', started, null, v_msg);
-    -- the job's flags wait for the next periodic recompute or a retry (job_state.recompute_poisoned_at):
-    -- taken again at once, the same pass failed the same way, forever, and the worker never took the
-    -- hand-off (found by a probe). Not cleared: what they flag (a key too long for the queue, rows of a
-    -- parent gone) this hand-off does not cover.
+    -- the flags wait for the next periodic recompute, a retry or a cure: the same pass would fail again
     update lockstep.job_state s set recompute_poisoned_at = now(), recompute_poison_cured = false
     where s.job = j.job;
     return lockstep._result('done', j.job, 'recompute', null, v_msg, cardinality(v_keys) > 0);
@@ -462,10 +381,9 @@ end;
 $$;
 
 -- lockstep._recompute(j, only_if_due): the full recompute under the group lock, writing at most
--- j.batch_parents parents in this transaction and handing the rest to the queue (see the top of this file).
--- locks: the group lock (try: busy if taken); then as lockstep._write for the first batch of the difference
--- (the rest appended to the queue before its first row lock); then the queue (skipped parents appended);
--- the job's status row last.
+-- j.batch_parents parents in this transaction and handing the rest to the queue.
+-- locks: the group lock (try: busy if taken); then as lockstep._write for the first batch (the rest appended
+-- to the queue before its first row lock); then the queue (skipped parents); the job's status row last.
 create or replace function lockstep._recompute(j lockstep.job, only_if_due boolean) returns lockstep.result
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -483,7 +401,6 @@ begin
     if not lockstep._try_lock(j.lock_group) then
         return lockstep._result('busy', j.job, 'recompute');
     end if;
-    -- re-read under the lock: another runner may have run it between our look and our lock.
     select * into s from lockstep.job_state st where st.job = j.job;
     if only_if_due and s.next_run_at > now() then
         return lockstep._result(lockstep._not_due(s), j.job, 'recompute');
@@ -491,8 +408,7 @@ begin
     v_started := clock_timestamp();
     select coalesce(max(q.id), 0) into v_before from lockstep.queue q where q.job = j.job;
     perform pg_catalog.set_config('lockstep.handed_off', '0', true);
-    -- where this recompute's hand-off starts in the queue, for lockstep._limit_batch to count it before the
-    -- write: at an earlier hand-off still in progress (lockstep._hand_off carries it on), else after v_before
+    -- where this recompute's hand-off starts: at an earlier hand-off in progress, else after v_before
     perform pg_catalog.set_config('lockstep.handoff_todo', '', true);
     perform pg_catalog.set_config('lockstep.handoff_from',
         case when s.recompute_total is not null
@@ -512,23 +428,16 @@ begin
             get stacked diagnostics v_err = message_text, v_state = returned_sqlstate;
             return lockstep._recompute_failed(j, v_started, v_err, v_state);
     end;
-    -- the rest of the difference was handed to the queue before the write (_limit_batch), or, without a
-    -- parent, left in this session's rest table (_limit_rows)
+    -- the rest of the difference was handed off (_limit_batch) or, without a parent, kept (_limit_rows)
     v_rest := coalesce(nullif(pg_catalog.current_setting('lockstep.handed_off', true), ''), '0')::bigint;
     if j.parent is null and (v_rest > 0 or s.recompute_rest is not null) then
         perform lockstep._set_rest(j, v_rest, v_rest + p.inserted + p.updated + p.deleted + cardinality(p.skipped));
     elsif j.parent is not null then
-        -- the batch was j.batch_parents parents (the first of the difference), its skipped ones re-queued
         perform lockstep._hand_off(j, p.skipped, v_before,
                                    case when v_rest > 0 then j.batch_parents - cardinality(p.skipped) end);
     end if;
     perform lockstep._clear_flag(j, v_snap, v_started);
-    -- every parent computed and written without an error in this transaction (the whole-table pass went
-    -- through and handed nothing off): the job's failing and parked keys are cured (a parked key fixed
-    -- meanwhile kept lockstep status unhealthy until someone ran retry: a probe). After a hand-off the
-    -- worker still has to write some parents: a key that fails only at its write keeps its attempts, but
-    -- is tried at once, and the keys this recompute wrote or found right are cured (a fixed parked parent
-    -- handed off waited for its retry_at, up to the job's backoff, unwritten; found by a probe).
+    -- every parent computed and written here: failing and parked keys cured (after a hand-off: due at once)
     if v_rest = 0 then
         perform lockstep._cure(j);
     elsif j.parent is not null then
@@ -539,17 +448,8 @@ begin
 end;
 $$;
 
--- lockstep._cure(j, handed_off): after a recompute that computed and wrote every parent of j: forget its
--- failing and parked keys. A key among them that cannot be read as the parent key type (a queue row written
--- by hand, or by a trigger on a column whose type changed) names no parent: its queue entries go too (left,
--- they parked it again at the next pass; found by a probe). handed_off (the recompute computed every parent
--- but handed some to the worker): a readable key still queued (handed off, or skipped, or changed since; a
--- failing key keeps its entries, so one handed off may have no new entry) keeps its attempts and is due at
--- once, tried alone, a parked one too (its entries so far count as queued again: failed_upto 0); a key not
--- queued was written or found right, and goes (a first version went by entries newer than the recompute's
--- start and forgot a still failing key whose old entry stood for its hand-off; a review). An unreadable
--- key goes either way: kept, it was parked again at the next pass, which made the recompute due, which
--- handed off again: 310 full recomputes in 8 s of a job every hour (a review).
+-- lockstep._cure(j, handed_off): after a recompute that computed every parent: forget j's failing and
+-- parked keys (handed_off: those still queued keep their attempts, due at once).
 -- locks: the job's key_failure rows (updated, deleted), then the queue entries of keys that do not read back.
 create or replace function lockstep._cure(j lockstep.job, handed_off boolean default false) returns void
 language plpgsql
@@ -594,9 +494,8 @@ begin
 end;
 $$;
 
--- lockstep.set_batch_parents(job, batch_parents): parents written per transaction (default 500): a
--- recompute writes at most this many and hands the rest to the queue, and a worker pass of lockstep.run()
--- claims this many. Smaller: shorter row locks, more transactions.
+-- lockstep.set_batch_parents(job, batch_parents): parents written per transaction (default 500) by a
+-- recompute batch and a worker pass. Smaller: shorter row locks, more transactions.
 -- locks: the job's registry row.
 create or replace function lockstep.set_batch_parents(job text, batch_parents integer) returns void
 language plpgsql

@@ -1,12 +1,9 @@
 -- lockstep: the queue of changed parents: enqueue, canonical keys, and the recompute flag.
---
--- Keys are stored as text in one canonical form, whatever the session's settings: the text output under
--- DateStyle ISO, IntervalStyle postgres, extra_float_digits 1 and TimeZone UTC (lockstep._canon). That form
--- reads back to the same value under any setting.
+-- Keys are stored as canonical text (lockstep._canon: DateStyle ISO, IntervalStyle postgres,
+-- extra_float_digits 1, TimeZone UTC), which reads back to the same value under any setting.
 
 
 -- lockstep._canon(keys): the distinct non-NULL keys in canonical text, sorted by key (not as text).
--- locks: nothing.
 create or replace function lockstep._canon(keys anyarray) returns text[]
 language sql stable
 set search_path = pg_catalog, pg_temp
@@ -20,8 +17,7 @@ as $$
 $$;
 
 -- lockstep._fast_types(): key types whose JSON text (to_jsonb) is their canonical text under every setting;
--- lockstep.enqueue_trigger's fast path, which checks the same list inline, takes only these.
--- locks: nothing.
+-- lockstep.enqueue_trigger's fast path checks the same list inline.
 create or replace function lockstep._fast_types() returns text[]
 language sql immutable
 set search_path = pg_catalog, pg_temp
@@ -29,12 +25,8 @@ as $$
     select array['bigint', 'integer', 'smallint', 'numeric', 'text', 'character varying', 'uuid'];
 $$;
 
--- lockstep._max_key_bytes(): the most bytes of key and job name together a queue entry takes. A queue
--- entry's (key, job) index row holds at most 2,704 bytes: a longer key (an incompressible text key of 2,661
--- bytes was enough) raised 54000 "index row size exceeds btree maximum" in the application's statement.
--- 2,600 bytes always fit. Immutable: folded to its value when a caller's statement is planned; the
--- generated trigger functions have it written in (lockstep._gen_trigger).
--- locks: nothing.
+-- lockstep._max_key_bytes(): the most bytes of key and job name together a queue entry takes: 2,600, so its
+-- (key, job) index row always fits. Immutable: folded into callers' plans and generated triggers.
 create or replace function lockstep._max_key_bytes() returns integer
 language sql immutable
 set search_path = pg_catalog, pg_temp
@@ -42,9 +34,8 @@ as $$
     select 2600;
 $$;
 
--- lockstep._queueable(job, keys): keys without those too long for the queue (lockstep._max_key_bytes), each
--- of which flags the job for its full recompute instead (lockstep._flag: the recompute covers that parent).
--- Callers test the bound on all keys at once first (cheap).
+-- lockstep._queueable(job, keys): keys without those too long for the queue, each of which flags the job
+-- for its full recompute instead (lockstep._flag).
 -- locks: none beyond the insert into lockstep.recompute_flag (as lockstep._flag).
 create or replace function lockstep._queueable(job text, keys text[]) returns text[]
 language plpgsql
@@ -67,11 +58,9 @@ begin
 end;
 $$;
 
--- lockstep._enqueue_text(j, keys): append keys (text: cast to the parent key type, NULLs dropped) to the
--- queue, once each, sorted by key, in canonical text. No read of lockstep's tables and no NOTIFY: runners
--- notice new entries through the queue's identity sequence (lockstep._queue_mark).
--- locks: none beyond the insert into lockstep.queue. The queue is append-only with no unique constraint on
--- keys, so this never waits for a worker, whatever the worker holds.
+-- lockstep._enqueue_text(j, keys): append keys (text, cast to the parent key type, NULLs dropped) to the
+-- queue once each, sorted by key, in canonical text. No read of lockstep's tables and no NOTIFY.
+-- locks: none beyond the insert into lockstep.queue: append-only, so this never waits for a worker.
 create or replace function lockstep._enqueue_text(j lockstep.job, keys text[]) returns bigint
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -93,12 +82,8 @@ begin
 end;
 $$;
 
--- lockstep._enqueue_missing(j, keys): lockstep._enqueue_text of the keys (canonical text) that have no
--- queue entry of j yet: a recompute's hand-off (keys it did not write) while an earlier hand-off or the
--- application's changes have them queued. An entry still queued is taken by a later worker pass, which
--- computes the parent afresh from then-current data, so a second entry adds nothing but a duplicate that
--- fills a pass (a second recompute over a pending hand-off doubled the queue, 160 -> 325 entries). Only
--- for callers that hold the job's group lock: no worker pass is taking those entries meanwhile.
+-- lockstep._enqueue_missing(j, keys): lockstep._enqueue_text of the keys that have no queue entry of j yet.
+-- Only for callers holding the job's group lock (no worker is taking those entries meanwhile).
 -- locks: as lockstep._enqueue_text.
 create or replace function lockstep._enqueue_missing(j lockstep.job, keys text[]) returns bigint
 language sql
@@ -110,7 +95,6 @@ as $$
 $$;
 
 -- lockstep._queue_job(job): the registry row of a derived job that has a queue (it has a parent).
--- locks: nothing.
 create or replace function lockstep._queue_job(job text) returns lockstep.job
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -127,9 +111,7 @@ end;
 $$;
 
 -- lockstep._castable(source, target): values of type source always convert to target: the same type, a
--- domain over it, or an implicit cast (int -> bigint, varchar -> text). Not numeric -> bigint (it rounds or
--- fails), nor text -> uuid (it can fail).
--- locks: nothing.
+-- domain over it, or an implicit cast (not numeric -> bigint, nor text -> uuid).
 create or replace function lockstep._castable(source regtype, target regtype) returns boolean
 language sql stable
 set search_path = pg_catalog, pg_temp
@@ -144,10 +126,7 @@ as $$
 $$;
 
 -- lockstep._fast_pairs(): the (column type oid, key type) pairs of lockstep._fast_types() where the column
--- converts to the key type without loss (lockstep._castable), as 'oid:key type': a column of such a type
--- reads in JSON as the key type's canonical text. lockstep.enqueue_trigger's fast path checks the same list
--- inline (tests/sql/test_queue.py checks that they agree).
--- locks: nothing.
+-- converts to the key type without loss, as 'oid:key type'; enqueue_trigger checks the same list inline.
 create or replace function lockstep._fast_pairs() returns text[]
 language sql stable
 set search_path = pg_catalog, pg_temp
@@ -160,11 +139,7 @@ as $$
 $$;
 
 -- lockstep._check_key_type(j, t, what): t (an element type) can stand for the job's parent key: the same
--- type, one that always converts to it (lockstep._castable, as watch() asks: integer for bigint, varchar
--- for text, integer for numeric), or another integer type (bigint for an integer key: a value that does
--- not fit raises 22003 at the call, where the caller sees it). Not numeric or float for an integer key: 3.7
--- rounded to 4, and 3.0 failed with 22P02 while 3 passed (found by a probe); those are LSQ01, as in watch().
--- locks: nothing.
+-- type, one that always converts to it (lockstep._castable), or another integer type; else LSQ01.
 create or replace function lockstep._check_key_type(j lockstep.job, t regtype, what text) returns void
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -180,15 +155,9 @@ begin
 end;
 $$;
 
--- lockstep._keys_text(j, keys): keys checked (not NULL, no NULL element, a type that converts to the parent
--- key's type) and converted to the parent key type by PostgreSQL's own cast, in the caller's settings, then
--- to the canonical text the queue stores (lockstep._canon: distinct, sorted by key). No SET of TimeZone and
--- the others here: a cast through text under lockstep's pinned settings named another parent than the
--- caller's implicit cast does (a timestamp for a timestamptz key, in a session at +05:30, named an instant
--- 5.5 hours off; a real 0.1 for a float8 key 0.1, not 0.10000000149011612), so the pass found no such
--- parent and the change was lost until the periodic recompute (found by a probe). A numeric for an integer
--- key, which a cast would round, is refused before (lockstep._check_key_type).
--- locks: nothing.
+-- lockstep._keys_text(j, keys): keys checked (not NULL, no NULL element, a type that converts) and cast to
+-- the parent key type by PostgreSQL's own cast in the caller's settings, then to canonical text
+-- (lockstep._canon).
 create or replace function lockstep._keys_text(j lockstep.job, keys anyarray) returns text[]
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -234,13 +203,8 @@ begin
 end;
 $$;
 
--- lockstep._append(job, keys): append keys (canonical text, in array order) to the queue for job, with
--- row_security = on. The triggers' path when the session has row_security = off: PostgreSQL then refuses
--- (42501), rather than filters, any statement on a table with row-level security (lockstep.queue) from a
--- role the policies apply to, an application role among them; with the setting on, the queue's insert
--- policy admits every row (an application session with row_security = off got 42501 on every write of a
--- watched table; found by a probe). A SET clause costs each call ~1 us, so the triggers' fast path does its
--- own insert and comes here only then.
+-- lockstep._append(job, keys): append keys (canonical text) to the queue for job, with row_security = on:
+-- with it off, PostgreSQL refuses any statement on the queue from a role its policies apply to.
 -- locks: none beyond the insert into lockstep.queue.
 create or replace function lockstep._append(job text, keys text[]) returns void
 language sql
@@ -251,8 +215,8 @@ as $$
     select _append.job, u.k from pg_catalog.unnest(keys) with ordinality u(k, o) order by u.o;
 $$;
 
--- lockstep._flag(job, problem): the trigger could not enqueue: mark job for its full recompute (one INSERT,
--- never an UPDATE: application roles may only insert), and say so with a WARNING.
+-- lockstep._flag(job, problem): the trigger could not enqueue: mark job for its full recompute (one INSERT:
+-- application roles may only insert), and say so with a WARNING.
 -- locks: none beyond the insert into lockstep.recompute_flag.
 create or replace function lockstep._flag(job text, problem text) returns void
 language plpgsql
@@ -267,14 +231,8 @@ begin
 end;
 $$;
 
--- lockstep._clear_flag(j, snap, started): after a successful full recompute that began at clock time
--- started with snapshot snap: forget the flags whose transactions snap already saw (their changes are in the
--- recompute). Flags committed later stay, and so do those this transaction raised after started (the
--- recompute's own hand-off of a key too long for the queue flags the job: that parent is not written yet).
--- This transaction's own flags are told apart by clock time, not by the snapshot: those raised before
--- started are covered (the recompute read what this transaction wrote before it: a watch() and a
--- recompute in one transaction), those raised after are not (two recomputes in one transaction lost the
--- first one's hand-off flag in the second, when the snapshot decided, and the parent stayed stale).
+-- lockstep._clear_flag(j, snap, started): after a successful full recompute that began at started with
+-- snapshot snap: forget the flags snap saw; this transaction's own flags only if raised before started.
 -- locks: the job's lockstep.recompute_flag rows (deleted).
 create or replace function lockstep._clear_flag(j lockstep.job, snap pg_snapshot, started timestamptz) returns void
 language plpgsql

@@ -1,15 +1,8 @@
--- lockstep: the watch side: the statement trigger, its generation, watch / unwatch and their DDL.
---
--- The trigger never raises. Where it cannot enqueue (unknown job, a job without a queue, a column gone, a
--- key that does not convert, transition tables missing), it flags the job for its full recompute (an
--- INSERT into lockstep.recompute_flag, the only write an application role needs besides the queue), raises
--- a WARNING, and lockstep.status shows it (needs_recompute, trigger_problem) until a recompute clears it.
+-- lockstep: the watch side: the statement trigger, its generation, watch / unwatch and their DDL. The
+-- trigger never raises: where it cannot enqueue it flags the job (lockstep._flag) and raises a WARNING.
 
 -- lockstep._trigger_problem(job, key_column, rel, op, new_table, old_table): why the general path of
--- lockstep.enqueue_trigger cannot enqueue (NULL: it can), and the job's key type. One static query: the
--- job (unknown, no queue), the column (gone, renamed, or of a type that does not always convert: only the
--- same type, a domain over it or an implicit cast), the transition tables the operation needs.
--- locks: nothing.
+-- lockstep.enqueue_trigger cannot enqueue (NULL: it can), and the job's key type, in one static query.
 create or replace function lockstep._trigger_problem(job text, key_column text, rel oid, op text, new_table name,
                                           old_table name, out problem text, out key_type regtype)
 language plpgsql stable
@@ -45,32 +38,9 @@ begin
 end;
 $$;
 
--- lockstep.enqueue_trigger(): trigger function for AFTER ... FOR EACH STATEMENT triggers with transition
--- tables (any names: read from pg_trigger). Arguments: job name, name of the column that holds the parent
--- key, and (written by lockstep.watch, optional) the parent key type. Keys are enqueued once per statement.
--- Fast path (lockstep.watch's triggers: transition tables lockstep_new / lockstep_old, a key type whose text
--- is the same under every setting, and a column whose own type reads as that key type's text): one probe of
--- pg_attribute (the column's type now), one static read of the keys, in a block that catches any error (a
--- trigger of this form whose transition tables have other names, a column type whose output raises: the
--- block only reads, so its subtransaction gets no transaction id), then one static INSERT; no read of
--- lockstep's tables. The probe is there because the third argument names the key type, not the column's:
--- a char(8) column under a text key (one's own trigger, or an owner's `alter column ... type` after watch())
--- was read through to_jsonb, which keeps char(n)'s padding, so 'ab' was queued as 'ab      ', a key that
--- names no parent, and the change waited for the periodic recompute, status healthy (found by a probe).
--- Anything else takes the general path (checks with one static query, then one EXECUTE, which casts the
--- column to the key type). Never raises: where it cannot enqueue it flags the job (lockstep._flag).
--- No SET search_path, unlike every other lockstep function: a SET clause costs each call a GUC save and
--- restore and, on PostgreSQL 15, two recomputations of the session's namespace search path (2.5-4 µs of the
--- trigger's 30 per statement). It is safe under any caller's search_path because nothing in the body
--- is looked up through it: every table, function, type and operator is schema-qualified (operators as
--- operator(pg_catalog.x)), the transition tables are ephemeral named relations, which the parser resolves
--- before the search path, and the EXECUTEd SQL names types through regtype output (qualified wherever
--- the search path would find another type) and lockstep's functions, which set their own search_path.
--- tests/sql/test_security.py checks this function against an application search_path that shadows the
--- operators and types it uses.
--- Longer than the ~80 lines lockstep aims at, knowingly: every statement that reads the transition tables
--- must be in this function (they are visible only to the trigger function's own queries), and the
--- checks of the general path are already apart (lockstep._trigger_problem, lockstep._flag).
+-- lockstep.enqueue_trigger(): AFTER ... FOR EACH STATEMENT trigger function with transition tables.
+-- Arguments: job, key column, optionally the key type. Never raises: where it cannot enqueue it flags the
+-- job. No SET search_path: every name is qualified. Over 80 lines: only it can read the transition tables.
 -- locks: the insert into lockstep.queue (or lockstep.recompute_flag): nothing a worker or a recompute holds.
 create or replace function lockstep.enqueue_trigger() returns trigger
 language plpgsql
@@ -88,12 +58,7 @@ begin
        and tg_argv[2] operator(pg_catalog.=) any ('{bigint,integer,smallint,numeric,text,"character varying",uuid}'
                                                    ::pg_catalog.text[]) then  -- lockstep._fast_types()
         begin  -- reads only: the subtransaction gets no transaction id
-            -- in the block, as all that reads: a role that may not read pg_attribute is not failed (a review).
-            -- The column's type oid and the key type given are a pair of lockstep._fast_pairs() (a column
-            -- type of _fast_types() that converts to the key type without loss, watch()'s test: the same
-            -- text both ways), and no relation of the session is named like the transition tables (a
-            -- hand-written trigger with other names read a temp table lockstep_new; a review). Else v_keys
-            -- stays NULL: the general path.
+            -- in the block, as all that reads: a pair of lockstep._fast_pairs() and no relation named like the tables
             if pg_catalog.concat((select a.atttypid from pg_catalog.pg_attribute a
                                   where a.attrelid operator(pg_catalog.=) tg_relid
                                     and a.attname operator(pg_catalog.=) tg_argv[1]
@@ -104,9 +69,7 @@ begin
                                                 ::pg_catalog.text[])  -- lockstep._fast_pairs()
                or pg_catalog.to_regclass('lockstep_new') is not null or pg_catalog.to_regclass('lockstep_old') is not null then
                 v_keys := null;
-            -- the distinct non-NULL keys as JSON, sorted by key (JSON orders numbers as numbers); offset 0:
-            -- to_jsonb once per row, not again in the filter; x.*, the row: plain x is a column named x
-            -- where the table has one (its value was read as the row, and the keys lost; a review)
+            -- the distinct non-NULL keys as JSON, sorted by key; x.*, the row (plain x may be a column named x)
             elsif tg_op operator(pg_catalog.=) 'UPDATE' then
                 v_keys := array(select d.t from (select s.k, s.k operator(pg_catalog.#>>) '{}' t from (
                                     select pg_catalog.to_jsonb(x.*) operator(pg_catalog.->) tg_argv[1] k from lockstep_new x
@@ -171,8 +134,7 @@ begin
         perform lockstep._flag(case when tg_nargs operator(pg_catalog.>) 0 then tg_argv[0] end, v_problem);
         return null;
     end if;
-    -- checked above: the column exists and converts without loss, so this cannot fail (no subtransaction:
-    -- a write in one would take a subtransaction id per statement)
+    -- checked above: the column exists and converts without loss, so no subtransaction
     v_sql := pg_catalog.concat_ws(' union all ',
         case when v_new is not null then pg_catalog.format('select %I::%s k from %I', tg_argv[1], lockstep._type_sql(v_type), v_new) end,
         case when v_old is not null then pg_catalog.format('select %I::%s k from %I', tg_argv[1], lockstep._type_sql(v_type), v_old) end);
@@ -190,8 +152,7 @@ end;
 $$;
 
 -- lockstep._trigger_fns(): every trigger function that enqueues for lockstep: lockstep.enqueue_trigger()
--- and the ones lockstep.watch() generated (lockstep.enqueue_w_<hash>(), lockstep._gen_trigger).
--- locks: nothing.
+-- and the ones lockstep.watch() generated (lockstep._gen_trigger).
 create or replace function lockstep._trigger_fns() returns setof oid
 language sql stable
 set search_path = pg_catalog, pg_temp
@@ -201,37 +162,9 @@ as $$
       and (p.proname = 'enqueue_trigger' or p.proname like 'enqueue\_w\_%');
 $$;
 
--- lockstep._gen_trigger(j, source, key_column): the trigger function of watch()'s triggers on source and
--- the tables below it, generated for this job, table and column: lockstep.enqueue_w_<hash>(), which reads
--- only the key column of the transition tables. The shared lockstep.enqueue_trigger() cannot name a column
--- statically, so its fast path reads the key through to_jsonb of the whole row, which detoasts and converts
--- every column: a watched row with a 200 KB text column cost ~500 us per single-row UPDATE against ~5 us
--- unwatched.
--- Fast path: where the key column is still the one watch() found (at the attribute number watch() found in
--- that table, written in for each table of the family, the same name and the same type: one index probe of
--- pg_attribute) and row-level security is not off, the static statements cannot fail to plan, so they run
--- with no subtransaction: for a key type whose text is never too long for the queue, one INSERT ... SELECT
--- from the transition tables, else one read and one INSERT. Measured under pgbench (single-row UPDATEs, one
--- client, synchronous_commit off): the earlier body (the read in a subtransaction, then an INSERT: two
--- statements and their expressions set up again in every transaction) added ~35 us per statement, one
--- INSERT ... SELECT ~16 us. The type is part of the check: after an ALTER COLUMN ... TYPE that kept the name,
--- the fast path failed the application's statement (json: no equality for its UNION; text under an integer
--- key: a 3 KB value too long for the queue's index; found by a probe); such a table now takes the slow path,
--- which flags the job until watch() runs again. The probe costs ~1 us more than the two pg_identify_object
--- calls it replaces (which checked the name only; the fastest of 10 chunks of 1,000 single-row UPDATEs).
--- Otherwise (the column renamed, dropped and added again, of another type; a table of the family not known
--- here; row_security = off) the column is looked up by name and its type checked, the read runs in a block
--- that only reads (its subtransaction gets no transaction id), and where either fails the job is flagged
--- (lockstep._flag); the trigger never raises. Under row_security = off PostgreSQL refuses, rather than
--- filters, any statement of a role that row-level security applies to on a table that has it
--- (lockstep.queue, lockstep.recompute_flag): the keys then go through lockstep._append, which sets
--- row_security = on for its insert (an application session with row_security = off got 42501 on every
--- write of a watched table; found by a probe). Like lockstep.enqueue_trigger() it has no SET clause and
--- qualifies every name and operator (ORDER BY, DISTINCT and UNION take the type's default operator class,
--- not the search path). Returns NULL (watch() then uses lockstep.enqueue_trigger()) where the session may
--- not create functions in schema lockstep (job owners of docs/security.md's recipe may not) or a function of
--- that name belongs to another role. Generated functions go with their last trigger
--- (lockstep._drop_unused_triggers) and with the schema.
+-- lockstep._gen_trigger(j, source, key_column): generate lockstep.enqueue_w_<hash>(), a trigger function
+-- that reads only the key column; NULL where the session may not create it (watch() then uses
+-- lockstep.enqueue_trigger()). Never raises; no SET clause: every name and operator qualified.
 -- locks: nothing (creates or replaces the function).
 create or replace function lockstep._gen_trigger(j lockstep.job, source regclass, key_column name) returns text
 language plpgsql
@@ -250,7 +183,7 @@ declare
                                     key_column);
     v_ins text := pg_catalog.format('select distinct x.%I as k from lockstep_new x', key_column);
     v_del text := pg_catalog.format('select distinct x.%I as k from lockstep_old x', key_column);
-    -- the branch on tg_op (formatted twice below): %1$s, %3$s, %4$s the UPDATE, INSERT, DELETE statements, %2$s the indent
+    -- the branch on tg_op: %1$s, %3$s, %4$s the UPDATE, INSERT, DELETE statements, %2$s the indent
     v_ops text := E'if tg_op operator(pg_catalog.=) ''UPDATE'' then\n%2$s    %1$s\n'
                   || E'%2$selsif tg_op operator(pg_catalog.=) ''INSERT'' then\n%2$s    %3$s\n'
                   || E'%2$selse\n%2$s    %4$s\n%2$send if;';
@@ -362,9 +295,8 @@ exception when insufficient_privilege then  -- a function of that name owned by 
 end;
 $$;
 
--- lockstep._drop_unused_triggers(): drop the generated trigger functions no trigger uses any more (their
--- triggers unwatched or dropped, or their table dropped). One the session may not drop is left for a
--- role that may.
+-- lockstep._drop_unused_triggers(): drop the generated trigger functions no trigger uses any more; one the
+-- session may not drop is left for a role that may.
 -- locks: nothing beyond the functions dropped.
 create or replace function lockstep._drop_unused_triggers() returns void
 language plpgsql
@@ -385,10 +317,8 @@ begin
 end;
 $$;
 
--- lockstep._trigger_name(job, op): name of the trigger lockstep.watch() creates: at most 20 bytes of the
--- job name (cut on a character boundary), 12 hex digits of its md5 (unique in bytes), the operation.
--- At most 55 bytes, below the 63 of a name.
--- locks: nothing.
+-- lockstep._trigger_name(job, op): name of a trigger lockstep.watch() creates: at most 20 bytes of the job
+-- name, 12 hex digits of its md5, the operation (at most 55 bytes).
 create or replace function lockstep._trigger_name(job text, op text) returns name
 language sql immutable
 set search_path = pg_catalog, pg_temp
@@ -399,9 +329,7 @@ as $$
             || '_' || pg_catalog.left(pg_catalog.md5(job), 12) || '_' || op)::name;
 $$;
 
--- lockstep._tgarg(args, n): the n-th (0-based) argument of pg_trigger.tgargs, compared as bytes (not
--- through encode(.., 'escape'), which mangles backslashes and non-ASCII characters).
--- locks: nothing.
+-- lockstep._tgarg(args, n): the n-th (0-based) argument of pg_trigger.tgargs, compared as bytes.
 create or replace function lockstep._tgarg(args bytea, n integer) returns text
 language plpgsql immutable
 set search_path = pg_catalog, pg_temp
@@ -426,7 +354,6 @@ $$;
 
 -- lockstep._watchers(job): every trigger that feeds job through lockstep.enqueue_trigger or a function
 -- lockstep.watch() generated (lockstep.watch's triggers and one's own): table, trigger name, key column.
--- locks: nothing.
 create or replace function lockstep._watchers(job text)
 returns table (rel regclass, tgname name, key_column text)
 language sql stable
@@ -440,11 +367,8 @@ as $$
     order by 1, 2;
 $$;
 
--- lockstep._check_watchers(job, parent, key_type): define_derived's check on a job that triggers feed:
--- the new definition must keep a queue (a parent), and every watched column must still convert to the new
--- key type (a changed key type also needs watch() again: its triggers carry the type). Else LSJ02 / LSQ01,
--- and nothing is defined.
--- locks: nothing.
+-- lockstep._check_watchers(job, parent, key_type): define_derived's check on a job that triggers feed: it
+-- keeps a parent, and every watched column converts to the new key type; else LSJ02 / LSQ01.
 create or replace function lockstep._check_watchers(job text, parent regclass, key_type regtype) returns void
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -454,8 +378,7 @@ declare
     v_type regtype;
     v_old regtype := (select x.key_type from lockstep.job x where x.job = _check_watchers.job);
     v_why text;
-    -- every table that feeds the job, for the hint: one named at a time, an admin met the next refusal
-    -- after each unwatch (found by a probe)
+    -- every table that feeds the job, for the hint
     v_all text := (select pg_catalog.string_agg(distinct pg_catalog.format('lockstep.unwatch(%L, %L)', job, x.rel::text), ', ')
                    from lockstep._watchers(job) x);
 begin
@@ -467,8 +390,7 @@ begin
         end if;
         select a.atttypid into v_type from pg_catalog.pg_attribute a
         where a.attrelid = w.rel and a.attname = w.key_column and a.attnum > 0 and not a.attisdropped;
-        -- the reason in words that say which (one message for all three contradicted itself: "(column
-        -- warehouse_id, bigint) ... does not fit the new parent key type bigint"; found by a probe)
+        -- the reason in words that say which
         v_why := case when v_type is null then pg_catalog.format('its column %I is gone (renamed or dropped)', w.key_column)
                       when not lockstep._castable(v_type, _check_watchers.key_type) then
                           pg_catalog.format('its column %I is %s, which does not always convert to the new parent key type %s',
@@ -486,22 +408,9 @@ begin
 end;
 $$;
 
--- lockstep._ddl(tables, stmts, what): run DDL that locks application tables (CREATE / DROP TRIGGER on
--- tables), all of it or none, without ever keeping an application waiting long or deadlocking it. Each
--- attempt, a subtransaction, first locks the tables one by one (ACCESS EXCLUSIVE, what DROP TRIGGER takes),
--- waiting at most lock_timeout for each (100 ms, and under half of deadlock_timeout), then runs the
--- statements. An application statement queued behind the first table waits for the later tables' waits
--- too: 100 ms a table at most, as README states. (One 100 ms budget for all the tables of an attempt, tried
--- after a probe showed that wait, failed drop_job with 55P03 under a steady load of short readers on three
--- tables that these per-table waits get in ~200 ms, and stalled the application once per failed attempt:
--- a review.) A timed-out attempt gives back every lock it took, so the application statement queued
--- behind it goes on, and is tried again after a pause, with the table it could not lock first: an
--- application that writes a child table and then its parent, in transactions that follow each other
--- closely, always held the second table lockstep asked for while it waited for the first lockstep held,
--- so every attempt timed out (drop_job never succeeded); locking the contended table first, holding
--- nothing, waits only for the transactions already in it. (drop_job once locked the tables table by table
--- without a timeout: an application transaction holding the second that then read the first was killed
--- as a deadlock, 40P01.) After 50 attempts (~10 s), 55P03 and nothing done.
+-- lockstep._ddl(tables, stmts, what): run DDL on application tables, all or none: each attempt waits at
+-- most 100 ms per table, gives every lock back on a timeout, and the next locks the contended table first.
+-- After ~10 s, 55P03 and nothing done.
 -- locks: tables (ACCESS EXCLUSIVE), never waited for long, in the order of the array, the last contended
 -- one first.
 create or replace function lockstep._ddl(tables regclass[], stmts text[], what text) returns void
@@ -546,11 +455,8 @@ begin
 end;
 $$;
 
--- lockstep._family(source): source and every table below it (its partitions, at every level, and tables that
--- inherit from it), parents before children; foreign tables left out (they cannot have transition tables).
--- A statement trigger fires only for statements that name its table: a write made directly to a partition
--- fires the partition's triggers, not the root's, so watch() puts its triggers on each of these.
--- locks: nothing.
+-- lockstep._family(source): source and every table below it, parents first, foreign tables left out (a
+-- statement trigger fires only for statements that name its table).
 create or replace function lockstep._family(source regclass) returns regclass[]
 language sql stable
 set search_path = pg_catalog, pg_temp
@@ -576,13 +482,8 @@ as $$
                  from pg_catalog.unnest(tables) x, pg_catalog.unnest(array['insert', 'update', 'delete', 'truncate']) o);
 $$;
 
--- lockstep._warn_writers(tables): after watch(): a WARNING naming each role that may write one of tables
--- (granted INSERT, UPDATE, DELETE or TRUNCATE on it or on one of its columns, or its owner) but lacks what
--- the triggers need as that role, and what it lacks: USAGE on schema lockstep and INSERT on lockstep.queue
--- (every write of it fails with 42501 without them), INSERT on lockstep.recompute_flag (a write the
--- trigger cannot enqueue, which it flags instead, fails without it); docs/security.md. Said when watch()
--- runs, not at the application's next write. Roles granted through a group are checked as the group.
--- locks: nothing.
+-- lockstep._warn_writers(tables): after watch(): a WARNING for each role that may write one of tables but
+-- lacks what the triggers need as that role.
 create or replace function lockstep._warn_writers(tables regclass[]) returns void
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -629,15 +530,7 @@ end;
 $$;
 
 -- lockstep._warn_source(j, source, key_column, below): watch()'s warnings about what its triggers will not
--- see. A partitioned source: partitions attached or created later (below: how many it covers today). A
--- partition or inheriting table: a write through its parent fires the parent's statement triggers, not
--- its own (watching one partition missed every insert made through the partitioned table; found by a
--- probe). A key column whose foreign keys all reference another table than the job's parent: it holds
--- that table's keys (a comments.post_id watched for a job whose parent is authors queued post ids as
--- author ids; found by a probe). A key column that is the primary key of a table other than the parent
--- and references nothing: it holds that table's own keys (authors.id watched for a job whose parent is
--- posts queued author ids as post ids, silently; found by a probe).
--- locks: nothing.
+-- see, and about a key column that holds another table's keys.
 create or replace function lockstep._warn_source(j lockstep.job, source regclass, key_column name, below integer) returns void
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -677,8 +570,7 @@ begin
                   where c.conrelid = source and c.contype = 'p' and c.conkey = array[v_att])
           and not exists (select from pg_catalog.pg_constraint c
                           where c.conrelid = source and c.contype = 'f' and v_att = any(c.conkey))
-          -- nor referenced by the parent's key: a reverse one-to-one (post.id references entity.id), whose
-          -- keys are the parent's (a false warning; found by a review)
+          -- nor referenced by the parent's key: a reverse one-to-one, whose keys are the parent's
           and not exists (select from pg_catalog.pg_constraint c
                           join pg_catalog.pg_attribute pa on pa.attrelid = c.conrelid and pa.attname = j.parent_key
                           where c.conrelid = any(v_family) and c.contype = 'f'
@@ -692,21 +584,11 @@ begin
 end;
 $$;
 
--- lockstep.watch(job, source, key_column): create the three statement triggers (insert, update, delete)
--- that enqueue source.key_column for job, and one on truncate that flags job for its full recompute, on
--- source and on every partition (or inheriting table) below it (lockstep._family: a write made directly to
--- a partition fires only the partition's triggers; a partition attached later needs watch() again, which
--- a WARNING says for a partitioned source). Re-running it replaces them. The column's type must convert
--- to the parent key type without loss (lockstep._castable): checked here, not at the application's next
--- write.
--- The triggers execute a function generated for this job, table and column that reads only the key column
--- (lockstep._gen_trigger), or, where the session may not create one or the key type has no single text
--- form, lockstep.enqueue_trigger().
--- locks: source and the tables below it (DROP / CREATE TRIGGER) through lockstep._ddl: it waits for their
--- writers, like any DDL, but never holds an application up for more than 100 ms at a time (it retries for
--- ~10 s, then 55P03). Run it at deploy time. Then, if source was not watched for job before, or on
--- another column, appends a lockstep.recompute_flag row (its earlier changes wait for the job's full
--- recompute).
+-- lockstep.watch(job, source, key_column): create the triggers that enqueue source.key_column for job (and
+-- flag it on truncate) on source and every table below it; re-running replaces them.
+-- locks: source and the tables below it (DROP / CREATE TRIGGER) through lockstep._ddl, never more than
+-- 100 ms at a time (55P03 after ~10 s); then, if source was not watched for job on that column, appends a
+-- lockstep.recompute_flag row.
 create or replace function lockstep.watch(job text, source regclass, key_column name) returns void
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -728,14 +610,12 @@ begin
     if source is null or key_column is null then
         raise exception 'lockstep: source and key_column must not be NULL' using errcode = '22004';
     end if;
-    -- only who manages the job feeds it (another owner's triggers on its own tables fed the job, and the
-    -- job's owner could then neither unwatch them nor drop the job; found by a review)
+    -- only who manages the job feeds it
     perform lockstep._check_owner(j);
     if not exists (select from pg_catalog.pg_class c where c.oid = source and c.relkind in ('r', 'p')) then
         raise exception 'lockstep: source % is not a table', source using errcode = '42809';
     end if;
-    -- lockstep's own tables: a watched queue fed itself on every enqueue until the stack ran out (54001 on
-    -- every write of every watched table), a watched job_state a job that never went idle (a probe)
+    -- lockstep's own tables: a watched queue would feed itself
     perform lockstep._check_not_ours(source, 'a watched table');
     if j.target = any(v_tables) or source = any(lockstep._family(j.target)) then
         raise exception 'lockstep: % is the target of job "%" (or a partition of it)', source, j.job
@@ -748,8 +628,7 @@ begin
     if v_type is null then
         raise exception 'lockstep: table % has no column %', source, key_column using errcode = '42703';
     end if;
-    -- a trigger cannot report a value that does not convert (numeric 3.5 for a bigint key): only lossless
-    -- conversions are accepted here
+    -- a trigger cannot report a value that does not convert: only lossless conversions
     if not lockstep._castable(v_type, j.key_type) then
         raise exception 'lockstep: %.% is %, which does not always convert to the parent key type % of job "%"',
             source, key_column, v_type, j.key_type, j.job
@@ -758,23 +637,17 @@ begin
     end if;
     -- the fast path (a third argument) where the column's JSON text is the key's canonical text
     v_fast := v_type::text = any(lockstep._fast_types()) and j.key_type::text = any(lockstep._fast_types());
-    -- a table this job did not watch until now: what it changed before (between an unwatch() and this
-    -- watch(), say) reached no queue, so the job is flagged for its full recompute (found by a probe: four
-    -- rows of 500 stayed wrong, status healthy, until the periodic recompute an hour later)
-    -- a partition attached since the last watch() counts: its rows were not watched (found by a probe)
+    -- a table (or partition) this job did not watch until now: its earlier changes reached no queue: flag
     v_new := exists (select from pg_catalog.unnest(v_tables) t(rel)
                      where not exists (select from pg_catalog.pg_trigger tg
                                        where tg.tgrelid = t.rel and tg.tgname = lockstep._trigger_name(j.job, 'insert')));
-    -- a table watched on another column until now: what changed meanwhile queued that column's values, or
-    -- nothing (found by a probe: a wrong column watched, then the right one, three rows stayed wrong). The
-    -- triggers' arguments begin with job and column, each ending in a zero byte (compared as bytes).
+    -- a table watched on another column until now: flag too. Arguments compared as bytes, NUL-terminated.
     v_args := pg_catalog.convert_to(j.job, pg_catalog.getdatabaseencoding()) || '\x00'::bytea
               || pg_catalog.convert_to(key_column, pg_catalog.getdatabaseencoding()) || '\x00'::bytea;
     v_moved := not v_new and exists (
         select from pg_catalog.unnest(v_tables) t(rel)
         join pg_catalog.pg_trigger tg on tg.tgrelid = t.rel and tg.tgname = lockstep._trigger_name(j.job, 'insert')
         where pg_catalog.substring(tg.tgargs, 1, pg_catalog.length(v_args)) <> v_args);
-    -- the triggers of an earlier watch() go in the same attempts (lockstep._ddl), named in its errors as watch
     v_ddl := lockstep._drop_watch_ddl(j.job, v_tables);
     if v_fast then  -- a function that reads only the key column, where the session may create one
         v_fn := coalesce(lockstep._gen_trigger(j, source, key_column), v_fn);
@@ -790,8 +663,7 @@ begin
                         else 'old table as lockstep_old' end,
                 v_fn, j.job, key_column, case when v_fast then pg_catalog.format(', %L', j.key_type) else '' end);
         end loop;
-        -- a TRUNCATE has no transition table to name its rows: the shared function flags the job for its
-        -- full recompute
+        -- a TRUNCATE has no transition table: the shared function flags the job
         v_ddl := v_ddl || pg_catalog.format('create trigger %I after truncate on %s for each statement '
                                             'execute function lockstep.enqueue_trigger(%L, %L)',
                                             lockstep._trigger_name(j.job, 'truncate'), t, j.job, key_column);
@@ -812,8 +684,7 @@ end;
 $$;
 
 -- lockstep.unwatch(job, source): drop the triggers lockstep.watch() created on source and the tables below
--- it (LSJ01 for an unknown job that has none there; a WARNING where the job has none there: it was silent,
--- and a mistyped table looked unwatched; found by a probe).
+-- it (LSJ01 for an unknown job with none there; a WARNING for a known job with none there).
 -- locks: source and the tables below it (DROP TRIGGER) through lockstep._ddl, as lockstep.watch.
 create or replace function lockstep.unwatch(job text, source regclass) returns void
 language plpgsql
@@ -826,9 +697,8 @@ begin
     if job is null or source is null then
         raise exception 'lockstep: job and source must not be NULL' using errcode = '22004';
     end if;
-    -- an unknown job is an error, as in watch(), unless watch() left triggers of that name on source
     if exists (select from lockstep.job x where x.job = unwatch.job) then
-        perform lockstep._job(job, 'derived');  -- LSJ02 for a generic job, as watch() (found by a probe)
+        perform lockstep._job(job, 'derived');  -- LSJ02 for a generic job, as watch()
     elsif not exists (select from pg_catalog.pg_trigger t
                        where t.tgrelid = source and t.tgname in (select lockstep._trigger_name(unwatch.job, o)
                              from pg_catalog.unnest(array['insert', 'update', 'delete', 'truncate']) o)) then
@@ -837,8 +707,7 @@ begin
     if not exists (select from pg_catalog.pg_trigger t
                    where t.tgrelid = any(v_tables) and t.tgname in (select lockstep._trigger_name(unwatch.job, o)
                          from pg_catalog.unnest(array['insert', 'update', 'delete', 'truncate']) o)) then
-        -- a warning, not an error: unwatch() stays safe to repeat in a deploy script (and a repeated one still
-        -- drops generated functions whose tables are gone)
+        -- a warning, not an error: unwatch() stays safe to repeat in a deploy script
         raise warning 'lockstep: job "%" does not watch %: nothing to unwatch', job, source
             using hint = 'The triggers named lockstep_<job>_* on a table show what a job watches.';
     end if;

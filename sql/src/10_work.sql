@@ -1,7 +1,6 @@
 -- lockstep: the incremental worker: claim queued keys, apply them, isolate poison keys; retry.
 
 -- lockstep._add(a, b): sum two passes.
--- locks: nothing.
 create or replace function lockstep._add(a lockstep._pass, b lockstep._pass) returns lockstep._pass
 language sql immutable
 set search_path = pg_catalog, pg_temp
@@ -11,14 +10,8 @@ as $$
                a.failed || b.failed, a.errors || b.errors)::lockstep._pass;
 $$;
 
--- lockstep._transient(state): an error that is likely the moment's, not the keys': a lock_timeout (55P03:
--- an application's table lock on the target, say), a deadlock (40P01) or a serialization failure
--- (40001). A pass that meets one fails as a whole and is tried again after the job's backoff; its keys
--- stay queued and none is blamed (the bisection parked them one by one after max_attempts, so the changes
--- waited for a manual retry long after the lock was gone: found by a probe). But a parent whose own compute
--- raises one every time (NOWAIT, its own lock_timeout, a remote call) would then stall the whole job (found
--- by a review): after 3 failed passes in a row the pass bisects as for any error (lockstep._whole_pass_error).
--- locks: nothing.
+-- lockstep._transient(state): an error likely the moment's, not the keys': 55P03, 40P01, 40001. A pass
+-- that meets one fails as a whole and its keys stay queued; after 3 such passes in a row it bisects.
 create or replace function lockstep._transient(state text) returns boolean
 language sql immutable
 set search_path = pg_catalog, pg_temp
@@ -26,10 +19,8 @@ as $$
     select coalesce(state in ('55P03', '40P01', '40001'), false);
 $$;
 
--- lockstep._whole_pass_error(state): this pass treats an error of that SQLSTATE as the moment's
--- (lockstep._transient), failing the pass as a whole: set by lockstep._work for the job's first 3 failed
--- passes in a row (lockstep.transient_whole).
--- locks: nothing.
+-- lockstep._whole_pass_error(state): this pass treats that SQLSTATE as the moment's (lockstep._transient):
+-- set by lockstep._work for the job's first 3 failed passes in a row (lockstep.transient_whole).
 create or replace function lockstep._whole_pass_error(state text) returns boolean
 language sql stable
 set search_path = pg_catalog, pg_temp
@@ -37,11 +28,8 @@ as $$
     select lockstep._transient(state) and pg_catalog.current_setting('lockstep.transient_whole', true) = 'on';
 $$;
 
--- lockstep._try(j, keys, dry): one attempt at keys, in a subtransaction: its pass, or the error it raised
--- and its SQLSTATE (pass NULL). A statement timeout is remembered for the rest of the pass (lockstep._timed_out: these
--- keys) and returns an empty pass: after it, nothing in this statement is bounded any more, because
--- statement_timeout fires once per top-level statement. dry: a good attempt is rolled back too (its pass
--- is still returned: PL/pgSQL variables are not transactional), with its row locks.
+-- lockstep._try(j, keys, dry): one attempt at keys, in a subtransaction: its pass, or its error and
+-- SQLSTATE. A statement timeout is remembered (lockstep._timed_out). dry: a good attempt is rolled back too.
 -- locks: as lockstep._write (nothing is left behind by a failed or dry attempt).
 create or replace function lockstep._try(j lockstep.job, keys text[], dry boolean default false, out p lockstep._pass,
                               out error text, out state text)
@@ -74,7 +62,6 @@ end;
 $$;
 
 -- lockstep._timed_out(): the keys of the attempt a statement timeout ended in this pass, or NULL.
--- locks: nothing.
 create or replace function lockstep._timed_out() returns text[]
 language plpgsql volatile
 set search_path = pg_catalog, pg_temp
@@ -85,12 +72,8 @@ end;
 $$;
 
 -- lockstep._isolate(j, keys, error, dry): apply keys, bisecting on failure until the failing keys are
--- alone. error: the batch is already known to fail with this message (skip the first attempt). dry: each
--- part that goes through is rolled back (lockstep._try), so only the failures are found (and returned);
--- lockstep._write_good then writes the rest at once.
--- After a statement timeout (lockstep._try), the parts not tried yet are returned in skipped.
--- locks: as lockstep._write, once per part that succeeds (dry: released with the part); each attempt is a
--- subtransaction, so a failed part leaves nothing behind.
+-- alone (dry: only find them). After a statement timeout, the parts not tried come back in skipped.
+-- locks: as lockstep._write, once per part that succeeds (dry: released with the part).
 create or replace function lockstep._isolate(j lockstep.job, keys text[], error text default null, dry boolean default false)
 returns lockstep._pass
 language plpgsql
@@ -121,15 +104,8 @@ begin
 end;
 $$;
 
--- lockstep._write_good(j, keys, p): after a dry bisection of keys (p: its failures, and the keys it did
--- not try), write the keys that went through, together, in one attempt. The bisection (and a retry pass,
--- its keys tried one by one) wrote each good part as it went, in subtransactions whose row locks are held
--- to the end of the pass, through the computes and the failures of every later part: an application's
--- DELETE of a parent written early waited 1.9 s for a retry pass of 500 keys, 1.7 s for a batch of 500
--- with 100 poison keys, against a write_ms of 288 (found by a review). Now one write phase holds row
--- locks, as in a pass without a failure. If that write fails after all (the keys' rows clash with each
--- other: a swap of unique values), they are bisected as before, each part written as it goes. After a
--- statement timeout or a transient error nothing more is tried: the good keys stay queued (skipped).
+-- lockstep._write_good(j, keys, p): after a dry bisection, write the good keys in one attempt, so one
+-- write phase holds row locks; if that fails, bisect writing each part.
 -- locks: as lockstep._write, for the good keys (or, on a failure, once per part that succeeds).
 create or replace function lockstep._write_good(j lockstep.job, keys text[], p lockstep._pass) returns lockstep._pass
 language plpgsql
@@ -154,14 +130,8 @@ begin
 end;
 $$;
 
--- lockstep._has_ready(j): j has queue entries that are ready, whose key is neither parked nor waiting
--- for a retry. (PL/pgSQL: its plan is cached for the session. Custom plans, not generic: a generic plan of
--- this exists() is a sequential scan of the queue filtered by job, which reads every entry of the other
--- jobs when this one has none; lockstep.due() calls it for every job at every tick. No bitmap or
--- sequential scan either: with the queue's statistics stale, the planner took a bitmap scan, which reads
--- every entry of the job before the first is returned: O(queue) per pass and per tick, where an index scan
--- stops at the first ready entry.)
--- locks: nothing.
+-- lockstep._has_ready(j): j has ready queue entries whose key is neither parked nor waiting for a retry.
+-- Custom plans, index scans only: it stops at the first ready entry whatever the statistics.
 create or replace function lockstep._has_ready(j lockstep.job) returns boolean
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -178,10 +148,8 @@ begin
 end;
 $$;
 
--- lockstep._batch(j, batch): the keys (as queued) of the oldest ready entries, up to batch entries whose
--- key has no key_failure row, and whether batch entries were taken (full: more may be ready). The batch of
--- a pass (lockstep._claim), and after a full one whether another full batch is ready (lockstep._work).
--- locks: nothing.
+-- lockstep._batch(j, batch): the keys of the oldest ready entries, up to batch entries whose key has no
+-- key_failure row, and whether batch entries were taken (full: more may be ready).
 create or replace function lockstep._batch(j lockstep.job, batch integer, out keys text[], out full boolean)
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -196,20 +164,8 @@ begin
 end;
 $$;
 
--- lockstep._entries(j, keys): every visible queue entry of j with one of these keys: its id, where it is
--- (ctid: lockstep._settle_entries deletes it there, without a second probe) and its key.
--- One probe of the (key, job) index per key (a LATERAL subquery kept apart by OFFSET 0), not one
--- q.key = any(keys) over the job's entries: the queue's statistics are often stale (a VACUUM of the
--- queue while it is empty leaves reltuples = 0, and a recompute's hand-off or a write load then refills
--- the same pages), and with an estimate of one row the planner filters every entry of the job instead of
--- probing per key: measured after a hand-off of 49,500 keys, 261 ms per pass of 500 keys against 1 ms
--- (O(queue x batch) against O(batch)). The job test is written `(q.job = j.job) is true` so that it can
--- only filter: with `q.job = j.job` the cached generic plan took the primary key (job, id) and filtered
--- by key (the costs tie at one estimated row), and under a pgbench load with 2 runners a pass of 500
--- keys grew to 2.4 s as the queue grew; and with a plan cached on a small queue, a sequential scan per
--- key (sequential and bitmap scans are off here). (A function of its own for its generic plan, as
--- lockstep._claim.)
--- locks: nothing.
+-- lockstep._entries(j, keys): every visible queue entry of j with one of these keys: id, ctid, key. One
+-- probe of the (key, job) index per key; the job test only filters (`is true`), whatever the statistics.
 create or replace function lockstep._entries(j lockstep.job, keys text[], out ids bigint[], out ctids tid[], out entry_keys text[])
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -225,15 +181,8 @@ begin
 end;
 $$;
 
--- lockstep._settle_entries(j, ids, ctids, entry_keys, leave, skip): delete the queue entries found by
--- lockstep._entries (ids, at ctids, of entry_keys) that are done (not of a key in leave) and defer the
--- skipped ones (of a key in skip) a second: a parent an application holds is retried a second later, not in
--- a hot loop. Each entry by its row id (a TID scan per entry, joined to the arrays unnested side by side: no
--- second probe per key) and checked again by id: ids are unique across jobs, so a slot that a VACUUM after
--- an admin's delete gave to a new entry is left alone. The id was once checked as `id = any(ids)` on
--- every entry: a linear search of the array per entry, quadratic in the entries of a pass (a key queued
--- 100 times over 500 keys: 50,000 entries, 4.9 s, with the pass's row locks held). Linear now; the keys
--- of leave and skip are matched the same way, by a join, not by a search per entry.
+-- lockstep._settle_entries(j, ids, ctids, entry_keys, leave, skip): delete the entries done (not of a key
+-- in leave) and defer those of keys in skip a second, each by row id, checked again by id.
 -- locks: those queue entries (deleted or updated; disjoint rows, skip being part of leave).
 create or replace function lockstep._settle_entries(j lockstep.job, ids bigint[], ctids tid[], entry_keys text[], leave text[],
                                          skip text[])
@@ -260,10 +209,7 @@ begin
         left join (select distinct x from pg_catalog.unnest(leave) x) l(k) on l.k = e.k
         left join (select distinct x from pg_catalog.unnest(skip) x) s(k) on s.k = e.k;
     end if;
-    -- one statement (one plan) for both; every statement runs even when it has no row to change: a missing
-    -- privilege fails every pass at once, not the first pass that needs it
-    -- the id check only filters (is true): as an index condition, on the primary key's second column, a
-    -- generic plan read the whole index per entry (200 ms a pass over 100,000 dead entries)
+    -- one statement for both, run even with no row: a missing privilege fails every pass at once
     with d as (delete from lockstep.queue q using unnest(v_done, v_done_ids) u(c, i)
                where q.ctid = u.c and (q.id = u.i) is true)
     update lockstep.queue q set ready_at = lockstep._defer_until()
@@ -272,36 +218,17 @@ begin
 end;
 $$;
 
--- lockstep._claim(j, batch): the keys (as queued) of this pass, and how to apply them (kind), first of:
---   probe: the first half (by key) of the ready suspects, the keys of a part a statement timeout ended
---          (key_failure rows with attempts = 0): bisection across passes, each probe with a whole
---          statement's time;
---   retry: ready failing keys (attempts >= 1), each tried alone (a slow key then fails alone), and parked
---          keys queued again since they were parked: an application changed the parent again, and its
---          change may be the fix. Tried alone once; failing again, the key is parked again (its
---          failed_upto then covers that entry). Before, a parked key's new changes were held until a
---          retry() or the next periodic recompute, the fix of its data included (found by a probe).
---          Not before its retry_at, which grows with every failure (as a failing key's, up to the job's
---          backoff): tried at once after any change, parked keys that the application kept changing made
---          every pass a retry pass, and the other keys' entries were never claimed (found by a review);
 
---   (probe and retry take a key only with a ready entry: a failing key whose parent an application held
---   was skipped, its entry deferred a second, and claimed again at once, every pass, while the other keys
---   waited for the lock to go; found by a review)
---   batch: lockstep._batch: the keys of the oldest ready entries, up to batch entries whose key has no
---          key_failure row; full: batch entries were taken (more may be ready).
--- Generic plans (index scans of the queue and key_failure by job; with custom plans, PostgreSQL's choice
--- here, its three statements were planned again at every pass, ~120 us). Only on functions that run no
--- user code: the setting holds for everything a function calls.
--- locks: nothing.
+-- lockstep._claim(j, batch): the keys of this pass and how to apply them (kind), first of: probe (half of
+-- the ready suspects), retry (ready failing keys, and parked keys queued again; each alone), batch. Generic
+-- plans: it runs no user code.
 create or replace function lockstep._claim(j lockstep.job, batch integer, out keys text[], out kind text, out full boolean)
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
 set plan_cache_mode = force_generic_plan
 as $$
 begin
-    -- the common case, no failing key due and no parked key queued again (index probes of key_failure):
-    -- straight to the batch
+    -- the common case, no failing key due and no parked key queued again: straight to the batch
     if not exists (select from lockstep.key_failure f where f.job = j.job and not f.parked and f.retry_at <= now())
        and not exists (select from lockstep.key_failure f
                        where f.job = j.job and f.parked and f.retry_at <= now()
@@ -331,14 +258,12 @@ begin
         kind := 'retry';
         return;
     end if;
-    -- entries appended after this snapshot stay queued for the next pass
     select b.keys, b.full, 'batch' into keys, full, kind from lockstep._batch(j, batch) b;
 end;
 $$;
 
 -- lockstep._sorted_keys(j, keys): keys read back as j's parent key type, distinct, sorted as the type
 -- sorts, as canonical text; raises if one does not read back.
--- locks: nothing.
 create or replace function lockstep._sorted_keys(j lockstep.job, keys text[]) returns text[]
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -352,14 +277,8 @@ begin
 end;
 $$;
 
--- lockstep._readable(j, keys): the queued keys read back as the parent key type: canon (their canonical
--- text, distinct, sorted by key) and raw (the queued text of the keys that read back); a key that cannot be
--- read back goes to bad, with its error in errors (it is parked, never left to stall the queue).
--- Fast path for bigint, integer and text keys that cannot fail the cast (digits only, short enough: no
--- overflow; one regular expression over the keys joined by commas, and as many commas as separators, so no
--- key has one): static SQL (a plan cached for the session), no subtransaction. Measured in a loop, 50
--- bigint keys: 38 us against 59 us by EXECUTE in a subtransaction (a regular expression per key: 64 us).
--- locks: nothing.
+-- lockstep._readable(j, keys): the queued keys read back as the parent key type: canon (canonical,
+-- distinct, sorted) and raw; a key that does not read back goes to bad, its error in errors.
 create or replace function lockstep._readable(j lockstep.job, keys text[], out canon text[], out raw text[],
                                    out bad text[], out errors text[])
 language plpgsql stable
@@ -406,9 +325,7 @@ begin
             errors := errors || pg_catalog.format('lockstep: queued key cannot be read as %s: %s', j.key_type, v_err);
         end;
     end loop;
-    -- canonical, distinct and sorted as the type sorts, when the keys left read back together; else (the
-    -- type's schema not even usable: every key failed) as text. Never again recursively: with no key left
-    -- the same failure recursed until the stack ran out, and the runner backed off for every job (a probe).
+    -- canonical and sorted as the type sorts when the keys left read back together, else as text
     if cardinality(canon) > 0 then
         begin
             canon := lockstep._sorted_keys(j, canon);
@@ -419,9 +336,7 @@ begin
 end;
 $$;
 
--- lockstep._retry_budget(): how long a retry pass goes on trying keys once it holds row locks (the first key
--- that wrote): 50 ms, about one write phase of a batch on a loaded machine.
--- locks: nothing.
+-- lockstep._retry_budget(): how long a retry pass goes on trying keys once it holds row locks: 50 ms.
 create or replace function lockstep._retry_budget() returns interval
 language sql immutable
 set search_path = pg_catalog, pg_temp
@@ -429,10 +344,8 @@ as $$
     select interval '50 milliseconds';
 $$;
 
--- lockstep._attempt(j, keys, kind): apply the claimed keys (canonical, sorted): as one part, bisected on
--- failure (batch, probe), or each alone (retry). job_error: the job itself is broken (an empty pass fails
--- too), so every key would fail and none is blamed; or a batch timed out as a whole, which a broken job
--- does too: the next pass tells (lockstep._check_timed_out).
+-- lockstep._attempt(j, keys, kind): apply the claimed keys: one part bisected on failure, or each alone
+-- (retry). job_error: the job itself is broken, or the batch timed out as a whole.
 -- locks: as lockstep._isolate.
 create or replace function lockstep._attempt(j lockstep.job, keys text[], kind text, out p lockstep._pass,
                                   out job_error text)
@@ -451,13 +364,7 @@ begin
         return;
     end if;
     if kind = 'retry' then
-        -- each alone, written as it goes; once row locks have been held for lockstep._retry_budget() since
-        -- the first key that wrote, the others are left for the next pass (lockstep.untried), so the locks
-        -- are not held through the computes of every later key (a review: an application DELETE waited
-        -- 1.9 s on a retry pass of 500). Not one key a pass: 300 fixed keys then held the other changes up
-        -- for 300 passes (a review). Not dry with one write at the end: each key computed twice, and that
-        -- write all or nothing, a statement_timeout the old pass stayed under cancelled it at every pass
-        -- (a review). After a timeout the rest is untried too (it was counted as skipped: no parent held).
+        -- each alone, written as it goes, until row locks have been held for lockstep._retry_budget()
         foreach k in array keys loop
             if clock_timestamp() > v_first_write + lockstep._retry_budget() or lockstep._timed_out() is not null then
                 v_untried := v_untried || k;
@@ -481,10 +388,7 @@ begin
         p := t.p;
         return;
     end if;
-    -- the job itself is broken (every key would fail) or some keys are poison: an empty pass tells, and an
-    -- error of class 42 (a privilege revoked, a column gone) is the job's wherever it is raised: one that
-    -- only writing raises (INSERT on the target revoked) passed the empty pass, and parked key after key
-    -- while the job looked healthy (found by a probe)
+    -- the job itself is broken (an empty pass fails too), or an error of class 42: the job's wherever raised
     if pg_catalog.left(t.state, 2) = '42' or lockstep._whole_pass_error(t.state)
        or (select e.error from lockstep._try(j, '{}'::text[]) e) is not null
        or lockstep._timed_out() is not null then
@@ -495,10 +399,8 @@ begin
 end;
 $$;
 
--- lockstep._check_timed_out(j, batch): the last pass failed because its batch timed out as a whole. An
--- empty pass tells a broken job (it fails or times out too: its error is returned) from a slow key: then
--- the keys of the batch (claimed again: the oldest ready entries) become suspects, which the next claims
--- bisect (lockstep._claim, probe), each probe with a whole statement's time.
+-- lockstep._check_timed_out(j, batch): the last batch timed out whole: an empty pass tells a broken job
+-- (its error returned) from a slow key (the batch's keys become suspects).
 -- locks: as lockstep._write for an empty key set (nothing); the job's key_failure rows of those keys.
 create or replace function lockstep._check_timed_out(j lockstep.job, batch integer) returns text
 language plpgsql
@@ -509,7 +411,6 @@ declare
 begin
     select * into t from lockstep._try(j, '{}'::text[]);
     if lockstep._timed_out() is not null then
-        -- the setting in force named: a runner role's own statement_timeout read as the job's fault (a probe)
         return pg_catalog.format('lockstep: statement timeout on an empty pass (%s): the job itself is too slow '
                                  'for this session''s statement_timeout of %s (the runner role''s or '
                                  'database''s setting, or the job''s own)',
@@ -528,12 +429,8 @@ begin
 end;
 $$;
 
--- lockstep._settle(j, kind, raw, ids, ctids, entry_keys, p, bad, errors): after the target's rows,
--- lockstep's own rows for a pass over the claimed keys raw, whose queue entries lockstep._entries found
--- (ids, ctids, entry_keys): delete the entries done, defer the skipped ones a second, record
--- failing keys (backoff, parked after max_attempts), suspects (the keys of a part a statement timeout
--- ended: bisected by the next passes) and keys that cannot be read back (parked at once). Returns a
--- message for the result when keys failed.
+-- lockstep._settle(j, kind, raw, ids, ctids, entry_keys, p, bad, errors): lockstep's own rows for a pass:
+-- entries done deleted, skipped deferred, failing keys, suspects and unreadable keys recorded.
 -- locks: the processed queue entries (deleted or updated), then the job's key_failure rows, key order.
 create or replace function lockstep._settle(j lockstep.job, kind text, raw text[], ids bigint[], ctids tid[], entry_keys text[],
                                  p lockstep._pass, bad text[], bad_errors text[]) returns text
@@ -553,7 +450,6 @@ begin
         p.errors := p.errors || v_terr;
         v_susp := '{}';
     end if;
-    -- and the keys a retry pass left for the next one (lockstep._attempt): their entries and failures stay
     v_leave := p.failed || v_skip || v_susp
                || coalesce(nullif(pg_catalog.current_setting('lockstep.untried', true), '')::text[], '{}');
     if cardinality(v_leave) > 0 then  -- the queued (raw) text of those keys
@@ -563,19 +459,14 @@ begin
                                   'where r::%s::text = any($2)', lockstep._type_sql(j.key_type)) into v_skip using raw, v_skip;
     end if;
     v_leave := v_leave || bad;  -- their entries stay, shown as parked
-    -- cured: a key that had failed is written now, and the application changed it since it failed (an
-    -- entry of this pass enqueued after its last failure): lockstep._finish may end the hold of a poisoned
-    -- recompute's flags. A key that failed once and then went through unchanged (a timeout on a cold
-    -- cache) is no cure: counted as one, a whole-table pass that always fails re-ran after every hand-off
-    -- (found by a review).
+    -- cured: a failed key written now, changed since it failed: lockstep._finish may end a poison hold
     select case when pg_catalog.count(*) > 0 then pg_catalog.set_config('lockstep.cured', 'on', true) end
     into v_cured
     from lockstep.key_failure f
     where f.job = j.job and f.attempts > 0 and f.key = any(raw) and f.key <> all(v_leave)
       and exists (select from lockstep.queue q
                   where q.job = j.job and q.id = any(ids) and q.key = f.key and q.id > f.failed_upto);
-    -- the entries done go, a parent an application holds is retried a second later (disjoint rows: v_skip
-    -- is part of v_leave)
+    -- the entries done go; a parent an application holds is retried a second later
     perform lockstep._settle_entries(j, ids, ctids, entry_keys, v_leave, v_skip);
     delete from lockstep.key_failure f
     where f.job = j.job and ((f.key = any(raw) and f.key <> all(v_leave))
@@ -603,12 +494,7 @@ begin
             retry_at = case when excluded.attempts = 0 then excluded.retry_at
                             else now() + least(j.backoff, interval '1 second' * power(2, least(f.attempts + 1, 20))) end,
             parked = excluded.parked or (excluded.attempts > 0 and f.attempts + 1 >= j.max_attempts);
-    -- a key that cannot be read back names no parent this pass could compute (an enum label renamed since,
-    -- a key typed by hand): its change would wait for the periodic recompute, up to its `every` (found by
-    -- a probe). It is parked and shown, and the periodic recompute is due now: it covers every parent, and
-    -- cures the parked keys (lockstep._cure). (The status row, the last row this pass writes.) Not while
-    -- a parent of the job fails: that recompute would fail too and hand every parent to the queue again,
-    -- once per unreadable key (a review); those keys then wait for a retry or the periodic recompute.
+    -- a key that does not read back is parked, and the recompute due now, unless a parent of the job fails
     if cardinality(bad) > 0
        and not exists (select from lockstep.key_failure f where f.job = j.job and f.attempts > 0 and f.key <> all(bad))
        and cardinality(p.failed) = 0 then
@@ -630,11 +516,10 @@ end;
 $$;
 
 -- lockstep._work(j, batch): one incremental pass.
--- locks, in this order: nothing until there is work (idle) and no periodic job of the group is due
--- (busy: give way); the group lock (try: busy if taken); then, through lockstep._write, the parents of the
--- claimed keys' new rows (FOR KEY SHARE SKIP LOCKED, key order) and the target's rows (key order); then
--- lockstep's own rows (lockstep._settle): the processed queue entries, the key_failure rows; the status
--- row last.
+-- locks: nothing until there is work (idle) and no periodic job of the group is due (busy: give way); the
+-- group lock (try: busy if taken); then, through lockstep._write, the parents of the claimed keys' new rows
+-- (FOR KEY SHARE SKIP LOCKED, key order) and the target's rows (key order); then lockstep's own rows
+-- (lockstep._settle): the processed queue entries, the key_failure rows; the status row last.
 create or replace function lockstep._work(j lockstep.job, batch integer) returns lockstep.result
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -675,8 +560,7 @@ begin
         end if;
         select * into c from lockstep._claim(j, batch);
     end if;
-    -- every visible entry of those keys goes with them (a key enqueued many times is computed once)
-    -- (under the group lock: a worker that held it before us may have done some of them)
+    -- every visible entry of those keys goes with them, read under the group lock
     select * into e from lockstep._entries(j, c.keys);
     if e.ids is null then
         return lockstep._result('idle', j.job, 'work');
@@ -690,12 +574,7 @@ begin
     end if;
     v_err := lockstep._settle(j, c.kind, r.raw, e.ids, e.ctids, e.entry_keys, a.p, r.bad, r.errors);
     v_more := (c.kind <> 'batch' or c.full) and lockstep._has_ready(j);  -- a retry's untried keys are ready
-    -- (a pass whose every claimed key was skipped: lockstep._finish may count it with the one before.)
-    -- Its status row keeps whether a backlog is left: a retry's untried keys, or after a full batch another
-    -- full batch ready. Fewer keys are the start of the next --batch-wait window (lockstep.due()), gathered
-    -- with the keys that arrive meanwhile: under a steady load of more keys per window than a batch, every
-    -- pass was followed at once by a pass of the rest, a third of a batch that paid a pass's whole fixed
-    -- cost (bench oltp: 430 passes a minute, half of them that small; found by reading lockstep.run_log).
+    -- whether a backlog is left: lockstep.due() opens no --batch-wait window after it
     perform lockstep._finish(j, 'work', 'done', v_started, a.p, null,
                              cardinality((a.p).skipped) = cardinality(coalesce(r.canon, '{}')) and cardinality(r.bad) = 0,
                              v_more and (c.kind <> 'batch' or (select b.full from lockstep._batch(j, batch) b)));
@@ -723,8 +602,7 @@ begin
             using errcode = '22023';
     end if;
     j := lockstep._queue_job(job);
-    -- its status row deleted by hand: made again, as run() does (a pass wrote its rows and recorded nothing;
-    -- found by a review)
+    -- its status row deleted by hand: made again, as run() does
     if not exists (select from lockstep.job_state s where s.job = j.job)
        and (lockstep._restore_state(j)).job is null then
         return lockstep._result('busy', j.job, 'work');
@@ -733,13 +611,8 @@ begin
 end;
 $$;
 
--- lockstep._end_backoff(j, whole): the job's failure backoff is over, if it is in one (its last run or its
--- last full recompute failed: 02_lock_group.sql), and, for a retry of the whole job (whole), its recompute
--- flags held since a recompute met poison parents (job_state.recompute_poisoned_at) count again: the
--- worker may run at once (retry_at) and the periodic recompute is due now (next_run_at). A retry of some
--- keys leaves that hold: it re-ran the whole-table recompute, which met the other poison parents again and
--- handed all 56,123 parents to the worker a second time (found by a probe). A job whose last run did not
--- fail keeps its schedule.
+-- lockstep._end_backoff(j, whole): end the job's failure backoff, if it is in one; for a retry of the whole
+-- job (whole), the recompute flags held since a poisoned recompute count again.
 -- locks: the job's lockstep.job_state row (FOR NO KEY UPDATE, by the update), if so.
 create or replace function lockstep._end_backoff(j lockstep.job, whole boolean) returns void
 language plpgsql
@@ -754,13 +627,9 @@ end;
 $$;
 
 -- lockstep._retry(j, keys): forget the failures of keys (NULL: all of j's), queue them again, and end the
--- job's failure backoff (lockstep._end_backoff).
--- A key that cannot be read as the parent key type (queued by a trigger on a column whose type changed
--- since) names no parent, so no derived row: its failure and its queue entries are deleted with a
--- WARNING, not queued again. Queued again, it failed the whole retry with 22P02, so no other key of the
--- job could be retried, and its entries parked it again after every recompute (found by a probe).
--- locks: the job's key_failure rows of those keys (deleted); the queue entries of unreadable keys
--- (deleted); appends to the queue; then, if its last run failed or it dropped unreadable keys, the job's
+-- job's failure backoff. A key that does not read back as the parent key type is deleted with a WARNING.
+-- locks: the job's key_failure rows of those keys (deleted); the queue entries of unreadable keys (deleted);
+-- appends to the queue; then, if its last run failed or it dropped unreadable keys, the job's
 -- lockstep.job_state row (FOR NO KEY UPDATE, by the update).
 create or replace function lockstep._retry(j lockstep.job, keys text[]) returns bigint
 language plpgsql
@@ -770,8 +639,7 @@ declare
     v_keys text[];
     r record;
 begin
-    -- the owner's (or a member's, or the admin's): row-level security would hide another owner's key
-    -- failures, and the retry returned 0 as if there were none (found by a probe)
+    -- the owner's (or a member's, or the admin's): row-level security would hide another owner's failures
     perform lockstep._check_owner(j);
     with d as (delete from lockstep.key_failure f
                where f.job = j.job and (keys is null or f.key = any(keys)) returning f.key)
@@ -786,8 +654,7 @@ begin
     end if;
     perform lockstep._enqueue_text(j, v_keys);
     if cardinality(r.bad) > 0 then
-        -- dropped: their parents are the periodic recompute's, due now (a pass that parked them makes it due
-        -- only while no parent fails: the change was lost until `every` when retry came first; a review)
+        -- dropped: their parents are the periodic recompute's, due now
         update lockstep.job_state s set next_run_at = least(s.next_run_at, now()) where s.job = j.job;
     end if;
     -- no failing key left behind: as a retry of the whole job (the retried keys are all the poison known)
@@ -812,9 +679,7 @@ end;
 $$;
 
 -- lockstep.retry(job): put every failing or parked key of job back in the queue now, and end the job's
--- failure backoff. A job with no queue (a generic job, a derived job without a parent) has no key to put
--- back: its backoff ends, and 0 is returned (it raised LSJ02, so nothing but waiting out the backoff or
--- defining the job again could run a fixed job sooner; found by a probe).
+-- failure backoff. A job with no queue has no key to put back: its backoff ends, 0 is returned.
 -- locks: as lockstep._retry; for a job with no queue, as lockstep._end_backoff.
 create or replace function lockstep.retry(job text) returns bigint
 language plpgsql

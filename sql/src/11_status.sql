@@ -1,10 +1,7 @@
 -- lockstep: what operators and the runner read. Views and the runner's due query; nothing here locks.
 
--- lockstep._queue_depth(job): the job's queue entries, those of parked keys aside. A function with JIT off,
--- read by lockstep.status: as a subquery of the view, its estimate (the queue's statistics stay at a past
--- size: VACUUM extrapolates over the emptied pages it skips) passed jit_above_cost, and each read of the view
--- compiled ~80 functions: 285-360 ms against 0.5 ms, on an empty queue that once held 500,000 entries.
--- locks: nothing.
+-- lockstep._queue_depth(job): the job's queue entries, those of parked keys aside. A function with JIT
+-- off: as a subquery of lockstep.status, stale statistics made every read of the view compile.
 create or replace function lockstep._queue_depth(job text) returns bigint
 language sql stable
 set search_path = pg_catalog, pg_temp
@@ -17,7 +14,6 @@ $$;
 
 -- lockstep._handoff_todo(job, from_id, to_id): distinct keys of a recompute's hand-off (queue ids from_id
 -- to to_id) still queued, those of parked keys aside. JIT off, as lockstep._queue_depth.
--- locks: nothing.
 create or replace function lockstep._handoff_todo(job text, from_id bigint, to_id bigint) returns bigint
 language sql stable
 set search_path = pg_catalog, pg_temp
@@ -30,7 +26,6 @@ $$;
 
 -- lockstep._handoff_any(job, from_id, to_id): lockstep._handoff_todo(job, from_id, to_id) > 0, stopping at
 -- the first entry: lockstep._hand_off runs it with a batch's row locks held.
--- locks: nothing.
 create or replace function lockstep._handoff_any(job text, from_id bigint, to_id bigint) returns boolean
 language sql stable
 set search_path = pg_catalog, pg_temp
@@ -42,12 +37,8 @@ as $$
                                      where f.job = q.job and f.key = q.key and f.parked));
 $$;
 
--- lockstep._queue_lag(job): how long ago the job's oldest queue entry was enqueued (parked keys' entries
--- aside; NULL: none). Its lowest id, by the primary key (job, id): ids grow with time, so the first entry
--- not of a parked key is the oldest, and no other entry is read. An alert on it catches a queue nothing
--- drains (no runner, or a runner whose failures cannot be recorded: a read-only session). JIT off, as
--- lockstep._queue_depth.
--- locks: nothing.
+-- lockstep._queue_lag(job): how long ago the job's oldest queue entry (parked keys' aside) was enqueued;
+-- NULL: none. An alert on it catches a queue nothing drains. JIT off.
 create or replace function lockstep._queue_lag(job text) returns interval
 language sql stable
 set search_path = pg_catalog, pg_temp
@@ -59,10 +50,8 @@ as $$
     order by q.id limit 1;
 $$;
 
--- lockstep._state_gone(owner): for a job of owner whose status row the current role does not see: the row
--- is gone (deleted by hand), not hidden by row-level security, because the role manages the job
--- (lockstep._may_manage, 11_privileges.sql: PL/pgSQL binds it at the first call).
--- locks: nothing.
+-- lockstep._state_gone(owner): for a job whose status row the current role does not see: the row is gone,
+-- not hidden by row-level security, because the role manages the job.
 create or replace function lockstep._state_gone(owner name) returns boolean
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -101,8 +90,7 @@ select j.job,
        j.every,
        j.backoff,
        j.max_attempts,
-       -- a recompute spread over transactions: parents done / changed, until the worker has taken the
-       -- hand-off (its queue entries still there, parked ones aside); NULL when none is in progress
+       -- a recompute spread over transactions: parents done / changed; NULL when none is in progress
        case when h.todo > 0 then s.recompute_total - h.todo
             when s.recompute_rest > 0 then s.recompute_total - s.recompute_rest end as recompute_done,
        case when h.todo > 0 or s.recompute_rest > 0 then s.recompute_total end as recompute_total,
@@ -110,13 +98,10 @@ select j.job,
        (select f.problem from lockstep.recompute_flag f where f.job = j.job order by f.flagged_at desc limit 1)
            as trigger_problem,
        lockstep._queue_lag(j.job) as queue_lag,
-       -- its flags held since a recompute met poison parents, until they are cured (written again), the
-       -- next periodic recompute or lockstep.retry(job): "flagged" alone left an operator nothing to act on
-       -- (found by a review)
+       -- its flags held since a recompute met poison parents, until cured, the next periodic recompute or retry
        s.recompute_poisoned_at as recompute_held_since
 from lockstep.job j
--- a status row deleted by hand: the job is shown (and due: run() makes the row again) to the roles that
--- manage it; to others a missing row is one row-level security hides, as before
+-- a status row deleted by hand: the job is shown (and due) to the roles that manage it
 left join lockstep.job_state s on s.job = j.job
 cross join lateral (
     select case when s.recompute_total is not null
@@ -130,9 +115,8 @@ select f.job, f.key, f.attempts, f.last_error, f.first_failed_at, f.last_failed_
 from lockstep.key_failure f
 where f.parked;
 
--- every failing key: parked, or waiting for its next attempt (retry_at). A parked key is tried again only
--- when it is queued again (then not before its retry_at, shown: an operator saw nothing of a fix waiting
--- for it; a review), or by retry().
+-- every failing key: parked, or waiting for its next attempt (retry_at). A parked key is tried again when
+-- it is queued again (not before its retry_at), or by retry().
 create or replace view lockstep.failing_keys with (security_invoker = true) as
 select f.job, f.key, f.attempts, f.last_error, f.first_failed_at, f.last_failed_at,
        case when not f.parked
@@ -141,22 +125,8 @@ select f.job, f.key, f.attempts, f.last_error, f.first_failed_at, f.last_failed_
             then f.retry_at end as retry_at, f.parked
 from lockstep.key_failure f;
 
--- lockstep.due(jobs): when each job next has something to do (the runner's one query per tick).
---   generic and parentless jobs: next_run_at; a job flagged for its recompute (lockstep.recompute_flag): now;
---   derived jobs: the earlier of next_run_at and, if ready keys are queued, now (or the worker's retry_at);
---   also the earliest retry of a failing key that still has queue entries (a parked key: entries queued
---   since it was parked), and when the earliest deferred
---   entry is ready (a key skipped because an application held its parent: job_state.deferred_until, so no
---   read of the queue beyond its first ready entry).
--- jobs: restrict to these names (NULL: all).
--- gather: after a worker pass of a derived job that ended well and left no backlog behind (by any
---   runner; a full pass that left another full batch ready opens no window: lockstep._work), its ready
---   keys are due only gather after that pass
---   ended (lockstep run --batch-wait): keys that arrive meanwhile gather for one larger pass (a server
---   clock stepped back delays them no longer). NULL (the default): at once. Kept in the job's status row,
---   so several runners make the passes one runner would: with a window per runner, two runners made
---   261-285 passes in a 30 s round of bench oltp, 108-110 with this one (each pass has a fixed cost).
--- locks: nothing.
+-- lockstep.due(jobs, gather): when each job next has something to do (the runner's one query per tick);
+-- jobs: these names (NULL: all); gather: ready keys wait that long after a pass that left no backlog.
 create or replace function lockstep.due(jobs text[] default null, gather interval default null)
 returns table (job text, lock_group text, due_at timestamptz)
 language sql stable

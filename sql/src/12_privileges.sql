@@ -1,14 +1,7 @@
--- lockstep: who may define, change, see and run jobs.
--- lockstep's functions are SECURITY INVOKER: a role that defines jobs needs DML on lockstep's tables.
--- Row-level security on every lockstep table keeps each role to the jobs it manages (its own, those of
--- roles it is a member of; the lockstep admin: every job), and a job's compute or call runs as the job's
--- owner, never with the rights of whoever runs it, so no role can make lockstep do more than it could do
--- itself. Superusers and the tables' owner bypass row-level security, as usual. docs/security.md has the
--- role recipes.
+-- lockstep: who may define, change, see and run jobs: row-level security keeps each role to the jobs it
+-- manages, and a job's code runs as its owner. Role recipes: docs/security.md.
 
--- lockstep._is_admin(): the current role is a lockstep admin: a member of the role owning lockstep's
--- tables (the role `lockstep migrate` ran as; it bypasses row-level security as their owner), or a superuser.
--- locks: nothing.
+-- lockstep._is_admin(): the current role is a member of the role owning lockstep's tables, or a superuser.
 create or replace function lockstep._is_admin() returns boolean
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -19,11 +12,8 @@ begin
 end;
 $$;
 
--- lockstep._may_manage(owner): the current role may see and change the rows of a job owned by owner:
--- it is owner, a member of owner, or a lockstep admin. A job whose owner role is gone may be taken over.
--- PL/pgSQL (as lockstep._is_admin): every row-level security policy calls it, so every statement of a pass
--- on lockstep's tables did; a SQL function with a SET clause is planned again at every such statement.
--- locks: nothing.
+-- lockstep._may_manage(owner): the current role may see and change the rows of a job owned by owner: it
+-- is owner, a member of owner, or the admin. A job whose owner role is gone may be taken over.
 create or replace function lockstep._may_manage(owner name) returns boolean
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -35,10 +25,7 @@ begin
 end;
 $$;
 
--- lockstep._is_member(role): the current role is role or a member of it; false for a name no role has (a
--- viewer row naming a role dropped since, or never created: pg_has_role raised 42704 inside the read
--- policies, and every other owner's runs and status failed; found by a review).
--- locks: nothing.
+-- lockstep._is_member(role): the current role is role or a member of it; false for a name no role has.
 create or replace function lockstep._is_member(role name) returns boolean
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -56,9 +43,7 @@ create policy viewer_write on lockstep.viewer for all
     using (lockstep._may_manage(owner)) with check (lockstep._may_manage(owner));
 
 -- lockstep._may_view(owner): the current role may read the rows of a job owned by owner: it may manage
--- them, or lockstep.viewer lets it (or a role it is a member of) read them. A role without SELECT on
--- lockstep.viewer (a runner, an application) is only asked lockstep._may_manage.
--- locks: nothing.
+-- them, or lockstep.viewer lets it (or a role it is a member of).
 create or replace function lockstep._may_view(owner name) returns boolean
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -76,7 +61,6 @@ $$;
 
 -- lockstep._may_own(owner): a registry row written by the current role may name owner: an existing role
 -- the current role is, or is a member of (or any role, for an admin).
--- locks: nothing.
 create or replace function lockstep._may_own(owner name) returns boolean
 language sql stable
 set search_path = pg_catalog, pg_temp
@@ -86,11 +70,7 @@ as $$
 $$;
 
 -- lockstep._safe_key_type(t): t may be a parent key type: a base type that is not an array, or an enum.
--- Casting a queued key to it runs no user code (a domain's CHECK or a composite's column types could, and
--- so could an array of either: its typtype is 'b' too, which let a hand-written job row through, and the
--- runner's cast ran the domain's CHECK as the runner; found by a probe), and lockstep casts keys as the
--- runner and as the application, outside the owner's sandbox.
--- locks: nothing.
+-- Casting a key to it runs no user code: lockstep casts keys as the runner and the application.
 create or replace function lockstep._safe_key_type(t regtype) returns boolean
 language sql stable
 set search_path = pg_catalog, pg_temp
@@ -100,11 +80,7 @@ as $$
 $$;
 
 -- lockstep._group_holder(lock_group, job): the first job but job in lock_group (and its owner) owned by a
--- role the current role may not manage; NULLs if none. A lock group belongs to its jobs' owners: another
--- role's job in it would decide when theirs may run (busy while it runs, a worker giving way while it is
--- due; found by a review). define_* say so with this job's name (lockstep._check_schedule); the registry's
--- policies refuse a hand-written row (lockstep._group_free: an UPDATE of lock_group did it).
--- locks: nothing.
+-- role the current role may not manage; NULLs if none. A lock group belongs to its jobs' owners.
 create or replace function lockstep._group_holder(lock_group text, job text, out holder text, out holder_owner name)
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -118,7 +94,6 @@ end;
 $$;
 
 -- lockstep._group_free(lock_group, job): no other owner's job holds lock_group (lockstep._group_holder).
--- locks: nothing.
 create or replace function lockstep._group_free(lock_group text, job text) returns boolean
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -175,10 +150,8 @@ drop policy if exists recompute_flag_delete on lockstep.recompute_flag;
 create policy recompute_flag_delete on lockstep.recompute_flag for delete
     using (job in (select j.job from lockstep.job j where lockstep._may_manage(j.owner)));
 
--- lockstep._check_privileges(target, fn, parent): the calling role may itself run fn and read and write
--- target (and read and pin parent: SELECT, and UPDATE on a column for FOR KEY SHARE); else 42501 and
--- nothing is defined. The job will run with exactly these rights (as its owner).
--- locks: nothing.
+-- lockstep._check_privileges(target, fn, parent): the calling role may itself run fn, read and write
+-- target, and read and pin parent; else 42501. The job will run with exactly these rights.
 create or replace function lockstep._check_privileges(target regclass, fn regprocedure, parent regclass) returns void
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -218,15 +191,9 @@ begin
 end;
 $$;
 
--- jobs run as their owner ---------------------------------------------------------------------------------
--- The runner switches to the job's owner (SET LOCAL ROLE: its login role must be a member of the owner
--- role; superusers may act for anyone) and runs the compute and write phase, or the generic job's call,
--- inside a SECURITY DEFINER trampoline owned by the owner: inside it, the owner's code (compute or call,
--- the target's triggers, defaults, policies) can neither RESET nor SET ROLE back to the runner. The role
--- is restored on return; on error, the (sub)transaction's rollback restores it.
+-- jobs run as their owner ------------------------------------------------------------------------------
 
 -- lockstep._check_act_as(j): the session may act as j's owner; else 42501 with what to grant.
--- locks: nothing.
 create or replace function lockstep._check_act_as(j lockstep.job) returns void
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -248,8 +215,7 @@ end;
 $$;
 
 -- lockstep._trampoline(): name of this session's SECURITY DEFINER trampoline owned by the current role,
--- created (in pg_temp, EXECUTE for its owner only) on first use. Only a function owned by the current
--- role with exactly the expected definition is used, so another role's objects cannot stand in for it.
+-- created in pg_temp on first use and checked to be exactly that.
 -- locks: nothing (creates a temporary function once per session and role).
 create or replace function lockstep._trampoline() returns text
 language plpgsql
@@ -281,12 +247,8 @@ begin
 end;
 $$;
 
--- lockstep._owner_run(j, keys, sandboxed): the part of a run that executes the owner's code: the generic
--- job's call, or lockstep._apply(j, keys) for a derived job (or, j.kind set to 'parent_keys' by
--- lockstep._parent_keys, the read of every parent key: a read of the owner's table may run its code too). sandboxed (inside the trampoline): afterwards,
--- what the owner's code could leave behind for the runner's session is undone or refused: deferred
--- triggers fire now (as the owner), a WITH HOLD cursor or a changed prepared statement is an error, and
--- search_path is set back to lockstep's (a plain SET by the owner's code would outlive the function).
+-- lockstep._owner_run(j, keys, sandboxed): run the owner's code (the call, lockstep._apply, or the parent
+-- keys' read); sandboxed: then undo or refuse what it could leave behind for the runner's session.
 -- locks: as the job's function or lockstep._apply.
 create or replace function lockstep._owner_run(j lockstep.job, keys text[], sandboxed boolean) returns lockstep._pass
 language plpgsql
@@ -331,21 +293,8 @@ begin
 end;
 $$;
 
--- lockstep._drop_temp_objects(): drop the temporary relations and types of the current role (the job's
--- owner, at the end of its sandbox) but lockstep's own work tables: a compute whose search_path does not
--- name pg_temp (`set search_path = public, pg_catalog`) looks there first for
--- relations and types, and the runner's session serves other owners next, so a temp view another owner's
--- job left named like a table of this one's ran that owner's code with this one's rights (found by a
--- review). A job's temporary objects therefore do not outlive its run. Kept: the work tables
--- lockstep._tmp_setup names (lockstep_put_, _gone_, _rest_ and their suffix), plain, with no trigger,
--- rule, policy or child, and readable by no other role: a grant on one to another role (a column grant, or
--- the owner's default privileges) is revoked, once. Another role's code in this session then cannot read
--- them, and reading one runs no code. Before, every name lockstep_* was spared: a temp view lockstep_rates
--- granted to PUBLIC stood in for another owner's table of that name; then a plain table granted by column
--- (relacl stays NULL), and a leftover named like lockstep's transaction-scoped tables (lockstep_parents:
--- the next owner's recompute failed, "must be owner"), while default privileges dropped lockstep's own work
--- tables at every run (found by a probe and a review). Types are dropped whatever their name (lockstep
--- makes none).
+-- lockstep._drop_temp_objects(): drop the current role's temporary relations and types but lockstep's own
+-- work tables (kept plain and private): the runner's session serves other owners next.
 -- locks: those objects (dropped; nobody else can hold them: they are this session's).
 create or replace function lockstep._drop_temp_objects() returns void
 language plpgsql
@@ -398,8 +347,6 @@ $$;
 
 -- lockstep._prepared(): the session's prepared statements (name, prepare time, parameter types, text): a
 -- statement dropped, replaced or re-prepared by a job's code shows as a difference.
--- locks: nothing.
--- (PL/pgSQL, as lockstep._held_cursors: called twice by every pass that runs as the owner, planned once.)
 create or replace function lockstep._prepared() returns text[]
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -412,7 +359,6 @@ end;
 $$;
 
 -- lockstep._held_cursors(): the session's WITH HOLD cursors (name, creation time).
--- locks: nothing.
 create or replace function lockstep._held_cursors() returns text[]
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -424,7 +370,6 @@ end;
 $$;
 
 -- lockstep._deallocate_changed(kept): deallocate every prepared statement not in kept (as lockstep._prepared).
--- locks: nothing.
 create or replace function lockstep._deallocate_changed(kept text[]) returns void
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -440,9 +385,8 @@ begin
 end;
 $$;
 
--- lockstep._as_owner(j, keys): run the owner's part of j (lockstep._owner_run) as j's owner. Already the
--- owner: directly. Else: check the session may act as the owner (42501 otherwise: the job is refused,
--- never run with the caller's rights), SET LOCAL ROLE owner, call the owner's trampoline, restore the role.
+-- lockstep._as_owner(j, keys): run lockstep._owner_run as j's owner: directly, or after checking the
+-- session may act as the owner (42501), by SET LOCAL ROLE and the owner's trampoline.
 -- locks: as lockstep._owner_run.
 create or replace function lockstep._as_owner(j lockstep.job, keys text[]) returns lockstep._pass
 language plpgsql

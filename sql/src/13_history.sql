@@ -8,11 +8,7 @@ drop policy if exists run_log_delete on lockstep.run_log;
 create policy run_log_delete on lockstep.run_log for delete using (lockstep._may_manage(owner));
 
 -- lockstep._spared_run(job, action, run_no, max_per_job): whether the count limit spares this run_log row:
--- the job's newest recompute is kept until the next one is logged, so a backlog's worker passes cannot
--- push a failed recompute out of the history while status still shows its error (found by a probe: 1000
--- passes did it in ~40 s). max_per_job 0 (logging stopped) spares nothing. The newest recompute is looked
--- up only for a recompute's row (CASE: the only evaluation order SQL guarantees).
--- locks: nothing.
+-- the job's newest recompute is kept until the next one is logged (its error stays visible).
 create or replace function lockstep._spared_run(job text, action text, run_no bigint, max_per_job integer)
 returns boolean
 language sql stable
@@ -25,9 +21,9 @@ as $$
 $$;
 
 -- lockstep.set_run_log_retention(keep, max_per_job): change the retention (NULL: leave as is), and apply
--- it to the rows already there at once (runs prune only at their own job's boundary).
--- locks: the pruners' advisory lock (lockstep, run_log), waiting for a run that holds it to commit (runs
--- skip pruning meanwhile); then the lockstep.setting row (update); then the run_log rows it deletes.
+-- it to the rows already there at once.
+-- locks: the pruners' advisory lock (lockstep, run_log), waiting for a run that holds it to commit; then the
+-- lockstep.setting row (update); then the run_log rows it deletes.
 create or replace function lockstep.set_run_log_retention(keep interval default null, max_per_job integer default null)
 returns lockstep.setting
 language plpgsql
@@ -60,17 +56,8 @@ begin
 end;
 $$;
 
--- lockstep._prune_run_log(job, run_no, keep, max_per_job, action): delete at most 10 rows finished before now() -
--- keep, and the rows of job that just fell off its max_per_job newest (run_no in (run_no - max_per_job -
--- 10, run_no - max_per_job]: a window, so the scan never walks the dead entries of older prunes). Each
--- run adds one row and may delete up to 20, so the table stays bounded (a row that slips below the window,
--- when ten prunes in a row were skipped, goes by age). Both look-ups are index range scans that stop at
--- once when there is nothing to prune. One pruner at a time (try lock): runners never wait for each other.
--- The per-job prune spares what lockstep._spared_run spares (the job's newest recompute); a recompute
--- logged (action: the run just logged) then deletes the one it supersedes if that is past the limit.
--- Generic plans: with custom plans (PostgreSQL's choice here, since `finished_at < now() - keep` looks
--- selective only once keep is known) both deletes were planned again at every run: ~300 us per run
--- against ~30 us with the cached generic plans, which are the same index scans (measured, docs/web.md).
+-- lockstep._prune_run_log(job, run_no, keep, max_per_job, action): delete at most 10 rows older than keep
+-- and job's rows that just fell off its max_per_job newest (lockstep._spared_run spared). One pruner at a time.
 -- locks: the advisory lock (lockstep, run_log), transaction-level, without waiting (not taken: no prune);
 -- then the run_log rows it deletes (no application touches them).
 create or replace function lockstep._prune_run_log(job text, run_no bigint, keep interval, max_per_job integer,
@@ -105,10 +92,9 @@ end;
 $$;
 
 -- lockstep._log_run(j, action, outcome, started, p, error): append the run just recorded in j's status row
--- to lockstep.run_log, then prune. Never fails the run: a role without privileges on run_log or setting
--- (or any other error) gets a WARNING and the run is simply not logged.
--- locks: reads the job's status row (already locked by lockstep._finish); inserts one run_log row; then
--- as lockstep._prune_run_log.
+-- to lockstep.run_log, then prune. Never fails the run: any error is a WARNING and the run is not logged.
+-- locks: reads the job's status row (already locked by lockstep._finish); inserts one run_log row; then as
+-- lockstep._prune_run_log.
 create or replace function lockstep._log_run(j lockstep.job, action text, outcome text, started timestamptz,
                                   p lockstep._pass default null, error text default null)
 returns void
