@@ -3,3 +3,6 @@
 -- sql/0002/code/ at release) follows, then up_after.sql.
 -- locks: ACCESS EXCLUSIVE on each table altered, for the migration's transaction.
 select;
+
+-- watch() gains through, through_column and via
+drop function if exists lockstep.watch(text, regclass, name);

@@ -159,7 +159,7 @@ set search_path = pg_catalog, pg_temp
 as $$
     select p.oid from pg_catalog.pg_proc p
     where p.pronamespace = 'lockstep'::regnamespace and p.prorettype = 'trigger'::regtype
-      and (p.proname = 'enqueue_trigger' or p.proname like 'enqueue\_w\_%');
+      and (p.proname in ('enqueue_trigger', 'enqueue_through') or p.proname like 'enqueue\_w\_%');
 $$;
 
 -- lockstep._gen_trigger(j, source, key_column): generate lockstep.enqueue_w_<hash>(), a trigger function
@@ -306,7 +306,7 @@ declare
     f regprocedure;
 begin
     for f in select p.oid from pg_catalog.pg_proc p
-             where p.oid in (select lockstep._trigger_fns()) and p.oid <> 'lockstep.enqueue_trigger()'::regprocedure
+             where p.oid in (select lockstep._trigger_fns()) and p.proname like 'enqueue\_w\_%'
                and not exists (select from pg_catalog.pg_trigger t where t.tgfoid = p.oid) loop
         begin
             execute pg_catalog.format('drop function %s', f);
@@ -529,6 +529,36 @@ begin
 end;
 $$;
 
+-- lockstep._check_source_key(j, source, key_column): refuse a key column whose foreign keys all reference
+-- a table other than the job's parent: its values are that table's keys (LSQ02; watch through that table).
+-- locks: nothing.
+create or replace function lockstep._check_source_key(j lockstep.job, source regclass, key_column name) returns void
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_family regclass[] := lockstep._family(j.parent);
+    v_att smallint := (select a.attnum from pg_catalog.pg_attribute a
+                       where a.attrelid = source and a.attname = key_column and a.attnum > 0 and not a.attisdropped);
+    v_refs regclass := (select c.confrelid::regclass from pg_catalog.pg_constraint c
+                        where c.conrelid = source and c.contype = 'f' and c.conkey = array[v_att]
+                        order by c.conname limit 1);
+begin
+    if source = any(v_family) or v_refs is null
+       or exists (select from pg_catalog.pg_constraint p
+                  where p.conrelid = source and p.contype = 'f' and p.conkey = array[v_att]
+                    and p.confrelid = any(v_family)) then
+        return;
+    end if;
+    raise exception 'lockstep: %.% references %, not the parent % of job "%": its values are keys of %',
+        source, key_column, v_refs, j.parent, j.job, v_refs
+        using errcode = 'LSQ02',
+              hint = pg_catalog.format('Watch it through that table: lockstep.watch(%L, %L, %L, through => %L, '
+                                       'through_column => <the column of %s that holds %s''s key>).',
+                                       j.job, source, key_column, v_refs, v_refs, j.parent);
+end;
+$$;
+
 -- lockstep._warn_source(j, source, key_column, below): watch()'s warnings about what its triggers will not
 -- see, and about a key column that holds another table's keys.
 create or replace function lockstep._warn_source(j lockstep.job, source regclass, key_column name, below integer) returns void
@@ -540,7 +570,6 @@ declare
     v_family regclass[] := lockstep._family(j.parent);
     v_att smallint := (select a.attnum from pg_catalog.pg_attribute a
                        where a.attrelid = source and a.attname = key_column and a.attnum > 0 and not a.attisdropped);
-    v_refs text;
 begin
     if exists (select from pg_catalog.pg_class c where c.oid = source and c.relkind = 'p') then
         raise warning 'lockstep: watch(%, %) covers its % partition(s) of today; run it again after attaching or creating one',
@@ -555,18 +584,7 @@ begin
     if source = any(v_family) then  -- the parent's own key, whatever it references
         return;
     end if;
-    select pg_catalog.string_agg(distinct c.confrelid::regclass::text, ', ') into v_refs
-    from pg_catalog.pg_constraint c
-    where c.conrelid = source and c.contype = 'f' and c.conkey = array[v_att]
-      and not exists (select from pg_catalog.pg_constraint p
-                      where p.conrelid = source and p.contype = 'f' and p.conkey = array[v_att]
-                        and p.confrelid = any(v_family));
-    if v_refs is not null then
-        raise warning 'lockstep: %.% references %, not the parent % of job "%": its values are keys of that table',
-            source, key_column, v_refs, j.parent, j.job
-            using hint = 'For a table two levels below the parent, write a trigger that enqueues the parent''s keys '
-                         '(README, Writing your own triggers).';
-    elsif exists (select from pg_catalog.pg_constraint c
+    if exists (select from pg_catalog.pg_constraint c
                   where c.conrelid = source and c.contype = 'p' and c.conkey = array[v_att])
           and not exists (select from pg_catalog.pg_constraint c
                           where c.conrelid = source and c.contype = 'f' and v_att = any(c.conkey))
@@ -584,12 +602,15 @@ begin
 end;
 $$;
 
--- lockstep.watch(job, source, key_column): create the triggers that enqueue source.key_column for job (and
--- flag it on truncate) on source and every table below it; re-running replaces them.
+-- lockstep.watch(job, source, key_column, through, through_column, via): create the triggers that enqueue source.key_column for job (and
+-- flag it on truncate) on source and every table below it; re-running replaces them. With through, the
+-- source is one hop below the parent (lockstep._watch_through).
 -- locks: source and the tables below it (DROP / CREATE TRIGGER) through lockstep._ddl, never more than
 -- 100 ms at a time (55P03 after ~10 s); then, if source was not watched for job on that column, appends a
 -- lockstep.recompute_flag row.
-create or replace function lockstep.watch(job text, source regclass, key_column name) returns void
+create or replace function lockstep.watch(job text, source regclass, key_column name,
+                                          through regclass default null, through_column name default null,
+                                          via text default 'trigger') returns void
 language plpgsql
 set search_path = pg_catalog, pg_temp
 set client_min_messages = warning
@@ -627,6 +648,20 @@ begin
     where a.attrelid = source and a.attname = key_column and a.attnum > 0 and not a.attisdropped;
     if v_type is null then
         raise exception 'lockstep: table % has no column %', source, key_column using errcode = '42703';
+    end if;
+    if via is distinct from 'trigger' then
+        raise exception 'lockstep: via => % is not a way to watch', pg_catalog.quote_nullable(via)
+            using errcode = '22023', hint = 'Use via => ''trigger''.';
+    end if;
+    if through is null then
+        perform lockstep._check_source_key(j, source, key_column);
+    end if;
+    if (through is null) <> (through_column is null) then
+        raise exception 'lockstep: through and through_column go together' using errcode = '22004',
+            hint = 'through => the table source.key_column references, through_column => its column holding the parent key.';
+    elsif through is not null then
+        perform lockstep._watch_through(j, source, key_column, through, through_column);
+        return;
     end if;
     -- a trigger cannot report a value that does not convert: only lossless conversions
     if not lockstep._castable(v_type, j.key_type) then

@@ -1,0 +1,144 @@
+"""Watches through a join: a source one hop below the parent (order lines of orders of customers) queues
+the parent keys its changed rows map to, old and new, never fails the application, and a column that does
+not lead to the parent is refused at watch() time."""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+from util import drain, raises_sqlstate
+
+SHOP = """
+create schema shop;
+create table shop.customer (id bigint primary key, name text not null);
+create table shop.orders (id bigint primary key,
+                          customer_id bigint not null references shop.customer (id) on delete cascade);
+create table shop.order_line (id bigint primary key,
+                              order_id bigint not null references shop.orders (id) on delete cascade,
+                              amount integer not null);
+create table shop.customer_total (
+    customer_id bigint primary key references shop.customer (id) on delete cascade,
+    total bigint not null, lines bigint not null);
+create function shop.customer_total_compute(ids bigint[])
+returns table (customer_id bigint, total bigint, lines bigint) language sql stable as $$
+    select c.id, coalesce(sum(l.amount), 0)::bigint, count(l.id)
+    from shop.customer c left join shop.orders o on o.customer_id = c.id
+    left join shop.order_line l on l.order_id = o.id
+    where ids is null or c.id = any(ids)
+    group by c.id $$;
+insert into shop.customer select g, 'c' || g from generate_series(1, 5) g;
+insert into shop.orders select g, 1 + g % 5 from generate_series(1, 20) g;
+insert into shop.order_line select g, 1 + g % 20, g from generate_series(1, 100) g;
+select lockstep.define_derived('totals', 'shop.customer_total', 'shop.customer_total_compute(bigint[])',
+                               parent => 'shop.customer');
+select lockstep.recompute('totals');
+"""
+
+DIVERGENCE = """
+select count(*) from (
+    (select * from shop.customer_total except select * from shop.customer_total_compute(null))
+    union all
+    (select * from shop.customer_total_compute(null) except select * from shop.customer_total)) d
+"""
+
+
+@pytest.fixture
+def shop(conn: psycopg.Connection) -> psycopg.Connection:
+    conn.execute(SHOP)
+    conn.execute(
+        "select lockstep.watch('totals', 'shop.order_line', 'order_id',"
+        " through => 'shop.orders', through_column => 'customer_id')"
+    )
+    conn.execute("select lockstep.recompute('totals')")  # the flag of the newly watched tables
+    conn.execute("delete from lockstep.queue")
+    return conn
+
+
+def queued(conn: psycopg.Connection) -> list[str]:
+    return [
+        r[0] for r in conn.execute("select distinct key from lockstep.queue where job = 'totals' order by 1")
+    ]
+
+
+def test_a_changed_line_queues_its_customer_not_its_order(shop: psycopg.Connection) -> None:
+    order_customer = shop.execute("select customer_id from shop.orders where id = 7").fetchone()[0]
+    shop.execute("update shop.order_line set amount = amount + 1 where order_id = 7")
+    assert queued(shop) == [str(order_customer)]
+    drain(shop, "totals")
+    assert shop.execute(DIVERGENCE).fetchone()[0] == 0
+
+
+def test_a_line_moved_to_another_customers_order_queues_both(shop: psycopg.Connection) -> None:
+    # order 1 belongs to customer 2, order 2 to customer 3
+    shop.execute("update shop.order_line set order_id = 2 where id = 20")  # line 20 is on order 1
+    assert queued(shop) == ["2", "3"]
+    drain(shop, "totals")
+    assert shop.execute(DIVERGENCE).fetchone()[0] == 0
+
+
+def test_the_through_table_is_watched_too(shop: psycopg.Connection) -> None:
+    shop.execute("update shop.orders set customer_id = 5 where id = 1")  # from customer 2 to 5
+    assert queued(shop) == ["2", "5"]
+    drain(shop, "totals")
+    shop.execute("delete from shop.orders where id = 3")  # its lines go by cascade: customer 4
+    assert "4" in queued(shop)
+    drain(shop, "totals")
+    assert shop.execute(DIVERGENCE).fetchone()[0] == 0
+
+
+def test_inserts_and_deletes_of_lines_converge(shop: psycopg.Connection) -> None:
+    shop.execute("insert into shop.order_line select 1000 + g, g, 5 from generate_series(1, 20) g")
+    shop.execute("delete from shop.order_line where id % 3 = 0")
+    assert set(queued(shop)) == {"1", "2", "3", "4", "5"}
+    drain(shop, "totals")
+    assert shop.execute(DIVERGENCE).fetchone()[0] == 0
+
+
+def test_an_unreadable_through_table_flags_the_job_and_never_fails_the_app(shop, connect, make_db) -> None:
+    role = "through_app_" + str(shop.info.backend_pid)
+    shop.execute(f"create role {role}")
+    shop.execute(f"grant usage on schema shop, lockstep to {role}")
+    shop.execute(f"grant select, update on shop.order_line to {role}")  # not orders
+    shop.execute(f"grant insert on lockstep.queue, lockstep.recompute_flag to {role}")
+    try:
+        with shop.transaction():
+            shop.execute(f"set local role {role}")
+            shop.execute("update shop.order_line set amount = 0 where id = 1")  # does not fail
+        problems = shop.execute("select problem from lockstep.recompute_flag where job = 'totals'").fetchall()
+        assert any("shop.orders" in p[0] for p in problems), problems
+    finally:
+        shop.execute(f"drop owned by {role}")
+        shop.execute(f"drop role {role}")
+
+
+def test_a_column_that_does_not_lead_to_the_parent_is_refused(conn: psycopg.Connection) -> None:
+    conn.execute(SHOP)
+    before = conn.execute(
+        "select count(*) from pg_trigger where tgrelid = 'shop.order_line'::regclass"
+    ).fetchone()
+    with raises_sqlstate("LSQ02", "shop.order_line.order_id references shop.orders, not the parent"):
+        conn.execute("select lockstep.watch('totals', 'shop.order_line', 'order_id')")
+    with raises_sqlstate("LSQ02", "has no foreign key to shop.customer"):
+        conn.execute(
+            "select lockstep.watch('totals', 'shop.order_line', 'id',"
+            " through => 'shop.customer', through_column => 'id')"
+        )
+    with raises_sqlstate("42703"):
+        conn.execute(
+            "select lockstep.watch('totals', 'shop.order_line', 'order_id',"
+            " through => 'shop.orders', through_column => 'nope')"
+        )
+    with raises_sqlstate("22004"):
+        conn.execute(
+            "select lockstep.watch('totals', 'shop.order_line', 'order_id', through => 'shop.orders')"
+        )
+    after = conn.execute(
+        "select count(*) from pg_trigger where tgrelid = 'shop.order_line'::regclass"
+    ).fetchone()
+    assert before == after  # nothing created
+
+
+def test_unwatch_removes_the_through_triggers(shop: psycopg.Connection) -> None:
+    shop.execute("select lockstep.unwatch('totals', 'shop.order_line')")
+    shop.execute("update shop.order_line set amount = 1 where id = 1")
+    assert queued(shop) == []
