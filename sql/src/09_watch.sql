@@ -602,9 +602,9 @@ begin
 end;
 $$;
 
--- lockstep.watch(job, source, key_column, through, through_column, via): create the triggers that enqueue source.key_column for job (and
--- flag it on truncate) on source and every table below it; re-running replaces them. With through, the
--- source is one hop below the parent (lockstep._watch_through).
+-- lockstep.watch(job, source, key_column, through, through_column, via): create the triggers that enqueue
+-- source.key_column for job (and flag it on truncate) on source and every table below it; re-running
+-- replaces them. With through, source is one hop below the parent (lockstep._watch_through).
 -- locks: source and the tables below it (DROP / CREATE TRIGGER) through lockstep._ddl, never more than
 -- 100 ms at a time (55P03 after ~10 s); then, if source was not watched for job on that column, appends a
 -- lockstep.recompute_flag row.
