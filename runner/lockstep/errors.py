@@ -95,10 +95,6 @@ _PERMANENT_MESSAGES = (
         "check the user in --dsn / DATABASE_URL / PGUSER",
     ),
     (
-        re.compile(r"password authentication failed|authentication failed for user|no pg_hba\.conf entry"),
-        "check the password (~/.pgpass, PGPASSFILE, PGPASSWORD) and the server's pg_hba.conf",
-    ),
-    (
         re.compile(r"is not permitted to log in|permission denied for database"),
         "grant the role LOGIN and CONNECT on the database (docs/security.md)",
     ),
@@ -117,6 +113,16 @@ _PERMANENT_MESSAGES += (
         "(alter role ... set ...) instead of --connection-check-interval / PGOPTIONS",
     ),
 )
+PASSWORD_HINT = (
+    "give this user's password in a password file, ~/.pgpass or the file PGPASSFILE names (mode 0600, "
+    "readable by the user the command runs as), or in PGPASSWORD; check the server's pg_hba.conf"
+)
+# A refused login, by the server (FATAL) or by libpq before the server asked twice (fe_sendauth: it had no
+# password to send): the same fix whoever says it, so it needs no FATAL in the text.
+_LOGIN_REFUSED = re.compile(
+    r"password authentication failed|authentication failed for user|no pg_hba\.conf entry"
+    r"|pg_hba\.conf rejects connection|fe_sendauth: no password supplied|password retrieved from file"
+)
 # libpq's own refusals of a connection string (a value it cannot parse): retrying cannot fix them
 _BAD_CONNINFO = re.compile(
     r"invalid (integer |sslmode |gssencmode |target_session_attrs |load_balance_hosts )?value"
@@ -129,14 +135,14 @@ _PERMANENT_SQLSTATES = {
     "42883": MIGRATE_HINT,  # undefined_function: lockstep.due(...) missing (schema older than this runner)
     "42501": "grant the runner role its privileges on schema lockstep (docs/security.md)",
     "3D000": "check the database name",  # invalid_catalog_name
-    "28000": "check the user and pg_hba.conf",  # invalid_authorization_specification
-    "28P01": "check the password",  # invalid_password
+    "28000": PASSWORD_HINT,  # invalid_authorization_specification (pg_hba.conf)
+    "28P01": PASSWORD_HINT,  # invalid_password
 }
 
 
 def permanent_hint(exc: BaseException) -> str | None:
     """The hint for a start-up error that retrying cannot fix (missing database, role or lockstep schema,
-    refused login, bad server options), or None when the error may be transient (server down, restarting,
+    a missing or wrong password, a login pg_hba.conf refuses, bad server options), or None when the error may be transient (server down, restarting,
     network) or is not a database error."""
     if not isinstance(exc, psycopg.Error):
         return None
@@ -146,6 +152,8 @@ def permanent_hint(exc: BaseException) -> str | None:
     if isinstance(exc, psycopg.OperationalError) and state is None:
         # libpq reports connection failures without a SQLSTATE: only the server's FATAL text says why
         text = str(exc)
+        if _LOGIN_REFUSED.search(text):
+            return PASSWORD_HINT
         if _BAD_CONNINFO.search(text):  # refused by libpq itself, before any server is asked
             return "fix the connection string (--dsn / DATABASE_URL / the PG* variables)"
         if "FATAL" in text:
