@@ -142,8 +142,8 @@ _PERMANENT_SQLSTATES = {
 
 def permanent_hint(exc: BaseException) -> str | None:
     """The hint for a start-up error that retrying cannot fix (missing database, role or lockstep schema,
-    a missing or wrong password, a login pg_hba.conf refuses, bad server options), or None when the error may be transient (server down, restarting,
-    network) or is not a database error."""
+    a missing or wrong password, a login pg_hba.conf refuses, bad server options), or None when the error
+    may be transient (server down, restarting, network) or is not a database error."""
     if not isinstance(exc, psycopg.Error):
         return None
     state = getattr(exc, "sqlstate", None)
