@@ -10,6 +10,9 @@ begin
     return pg_catalog.pg_try_advisory_xact_lock(pg_catalog.hashtextextended('lockstep:' || lock_group, 0));
 end;
 $$;
+comment on function lockstep._try_lock(text) is
+    'The one lock of a lock group, without waiting. Locks: the group''s transaction-level advisory lock '
+    '(released at commit, rollback or disconnect).';
 
 -- lockstep._group_due(lock_group): a periodic part of a job of the group is due (rule 7: a worker gives
 -- way to it); a job overdue by more than a minute is not waited for.

@@ -303,6 +303,10 @@ begin
     end if;
 end;
 $$;
+comment on function lockstep._finish(lockstep.job, text, text, timestamp with time zone, lockstep._pass, text, boolean, boolean) is
+    'Write the job''s status row, last in every run that did something (a second only-skipped pass in a '
+    'row is no new run). Locks: the job''s lockstep.job_state row (FOR NO KEY UPDATE, by the update); '
+    'then as lockstep._log_run.';
 
 -- lockstep._failed(j, action, started, error): record a failed run (status row) and return its result.
 -- The error says what no longer holds of a derived job's definition, if anything (lockstep._drift).
@@ -322,3 +326,7 @@ begin
     return lockstep._result('failed', j.job, action, null, error);
 end;
 $$;
+comment on function lockstep._failed(lockstep.job, text, timestamp with time zone, text) is
+    'Record a failed run (status row) and return its result. The error says what no longer holds of a '
+    'derived job''s definition, if anything (lockstep._drift). Locks: the job''s lockstep.job_state row, '
+    'as lockstep._finish.';

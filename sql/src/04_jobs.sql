@@ -156,6 +156,10 @@ begin
     end if;
 end;
 $$;
+comment on function lockstep.define_job(text, regprocedure, text, interval, interval) is
+    'Register or update a generic job: call, a function callable with no argument, runs on schedule under'
+    ' the lock-group rules. Another call is due at once. Locks: the job''s registry row (insert or '
+    'update), then, on a redefinition, its status row.';
 
 -- lockstep._call(job): run a generic job's function once, as its owner (lockstep._as_owner), under the
 -- group lock, recording the outcome.
@@ -195,6 +199,10 @@ begin
     return lockstep._result('done', j.job, 'call');
 end;
 $$;
+comment on function lockstep._call(lockstep.job, boolean) is
+    'Run a generic job''s function once, as its owner (lockstep._as_owner), under the group lock, '
+    'recording the outcome. Locks: the group lock (try; busy if taken); then whatever the job''s function'
+    ' locks; the status row last.';
 
 -- lockstep._restore_state(j): the job's status row, made again with defaults (recompute due now) where
 -- it is gone; NULL (a row of NULLs) when the group is busy.
@@ -224,6 +232,10 @@ begin
     return s;
 end;
 $$;
+comment on function lockstep._restore_state(lockstep.job) is
+    'The job''s status row, made again with defaults (recompute due now) where it is gone; NULL (a row of'
+    ' NULLs) when the group is busy. Locks: the group lock (try); the new lockstep.job_state row '
+    '(insert).';
 
 -- lockstep.run(job): what the runner calls. Runs whatever part of the job is due: a generic job's
 -- function; a derived job's recompute if due or flagged, else a worker pass over up to batch_parents keys.
@@ -276,6 +288,11 @@ begin
     return r;
 end;
 $$;
+comment on function lockstep.run(text) is
+    'What the runner calls. Runs whatever part of the job is due: a generic job''s function; a derived '
+    'job''s recompute if due or flagged, else a worker pass over up to batch_parents keys. Locks: nothing'
+    ' while looking for work (but the group lock, try, when its status row is gone); then as '
+    'lockstep._call, lockstep.recompute or lockstep.work.';
 
 -- lockstep._own_enqueuers(job): the application's own triggers whose function calls lockstep.enqueue
 -- for job (NULL: any), read from their source: drop_job and the downgrade warn about them.
@@ -333,3 +350,7 @@ begin
     end if;
 end;
 $$;
+comment on function lockstep.drop_job(text) is
+    'Remove a job, its state, its queue, its failures and the triggers that feed it. Locks: the watched '
+    'tables (drop trigger, through lockstep._ddl); then the job''s registry, state, queue and failure '
+    'rows (deleted).';

@@ -119,6 +119,10 @@ begin
     end if;
 end;
 $$;
+comment on function lockstep._check_target_free(text, regclass) is
+    'No other job writes target, a table below it or above it. Definitions are serialized so two '
+    'concurrent ones cannot both pass. Locks: the advisory lock (lockstep, define), until the transaction'
+    ' ends: concurrent definitions wait.';
 
 -- lockstep._check_compute(compute): compute is a function of one array argument returning a set of rows
 -- with named columns. Returns those column names, in order.
@@ -516,6 +520,10 @@ when others then
                           else 'compute must return no rows, without error, for an empty key array.' end;
 end;
 $$;
+comment on function lockstep._dry_run(regprocedure, regtype) is
+    'Run compute on no keys, then roll it back: catches what only execution shows (e.g. tables the '
+    'function cannot see with lockstep''s search_path). Locks: whatever compute locks, released by the '
+    'rollback of the subtransaction.';
 
 -- lockstep.define_derived(...): register or update a derived table: compute(keys) returns the rows of the
 -- parents in keys (NULL: all) in the target's shape; without a parent, only whole-table recomputes.
@@ -553,6 +561,10 @@ begin
                                    v_par.key_type, v_key, v_cols, lock_group, every, backoff);
 end;
 $$;
+comment on function lockstep.define_derived(text, regclass, regprocedure, regclass, name, text, interval, interval) is
+    'Register or update a derived table: compute(keys) returns the rows of the parents in keys (NULL: '
+    'all) in the target''s shape; without a parent, only whole-table recomputes. Locks: the job''s '
+    'registry row (insert or update).';
 
 -- lockstep._drift(j): for a failed run of a derived job, what no longer holds of its definition; NULL if
 -- all holds or the caller may not look.
@@ -658,3 +670,7 @@ begin
     end if;
 end;
 $$;
+comment on function lockstep._save_derived(text, regclass, regprocedure, regclass, name, name, regtype, name[], name[], text, interval, interval) is
+    'Write a derived job''s registry and status rows (define_derived, last). Locks: the job''s registry '
+    'row (insert or update) and its status row (insert, or update on a redefinition); with another parent'
+    ' key type, the job''s queue and key_failure rows (deleted).';

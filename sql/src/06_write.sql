@@ -233,6 +233,10 @@ begin
     return n;
 end;
 $$;
+comment on function lockstep._diff_all(lockstep.job, text[]) is
+    'Lockstep._diff of the whole table: one hash full join of compute''s rows and the target''s on the '
+    'primary key, keeping the rows that differ; no sort of every computed row. Locks: no row locks; '
+    'writes only pg_temp work tables.';
 
 -- lockstep._diff(j, keys): compute(keys) and its difference with the target, for the parents in keys, in
 -- one statement: fills j's gone and put work tables and returns their counts; LSD05 for a bad primary key.
@@ -314,6 +318,10 @@ begin
     return n;
 end;
 $$;
+comment on function lockstep._diff(lockstep.job, text[]) is
+    'Compute(keys) and its difference with the target, for the parents in keys, in one statement: fills '
+    'j''s gone and put work tables and returns their counts; LSD05 for a bad primary key. Locks: no row '
+    'locks; writes only pg_temp work tables.';
 
 -- lockstep._pin_timeout(): lock_timeout of a pin: 10ms, or the session's if shorter. SKIP LOCKED still
 -- waits on a row an application updated and then deleted or locked: that wait is cut short.
@@ -353,6 +361,9 @@ exception when lock_not_available then
     return null;
 end;
 $$;
+comment on function lockstep._pin_try(text, text[]) is
+    'Run stmt, a FOR KEY SHARE SKIP LOCKED pin of the rows named by args ($1) returning those it pinned, '
+    'in a subtransaction with lockstep._pin_timeout(); NULL if the timeout ended a wait. Locks: as stmt.';
 
 -- lockstep._pin_each(rel, stmt, args): the slow path after a pin timed out: the table lock, then stmt
 -- 16 rows at a time, one at a time within 16 that time out, until _pin_waits() waits. Returns the pinned.
@@ -389,6 +400,10 @@ begin
     return v_pinned;
 end;
 $$;
+comment on function lockstep._pin_each(regclass, text, text[]) is
+    'The slow path after a pin timed out: the table lock, then stmt 16 rows at a time, one at a time '
+    'within 16 that time out, until _pin_waits() waits. Returns the pinned. Locks: rel ROW SHARE; then '
+    'the rows of args, FOR KEY SHARE SKIP LOCKED, in the order of args.';
 
 -- lockstep._pin_parents(j): write step 1. Pin the parent of every put row an FK check will look up (new,
 -- or moving); drop the rows whose parent could not be pinned and return their parent keys.
@@ -438,6 +453,11 @@ begin
     return v_skip;
 end;
 $$;
+comment on function lockstep._pin_parents(lockstep.job) is
+    'Write step 1. Pin the parent of every put row an FK check will look up (new, or moving); drop the '
+    'rows whose parent could not be pinned and return their parent keys. Locks: those parent rows, FOR '
+    'KEY SHARE SKIP LOCKED, in parent-key order, with lockstep._pin_timeout(); if that ends a wait, the '
+    'same rows in the same order a few at a time (lockstep._pin_each).';
 
 -- lockstep._pin_refs(j): write step 2. Pin the rows the target's other foreign keys reference, for every
 -- put row an FK check will look them up for; drop the rows not pinned and return their parent keys.
@@ -518,6 +538,11 @@ begin
     return v_skip;
 end;
 $$;
+comment on function lockstep._pin_refs(lockstep.job) is
+    'Write step 2. Pin the rows the target''s other foreign keys reference, for every put row an FK check'
+    ' will look them up for; drop the rows not pinned and return their parent keys. Locks: the referenced'
+    ' rows, FOR KEY SHARE SKIP LOCKED, one constraint at a time in constraint-name order, each in key '
+    'order; a few at a time after lockstep._pin_timeout, as lockstep._pin_parents.';
 
 -- lockstep._lock_rows(j, expected): write step 3a. Lock the target rows to delete or update, found by ctid;
 -- drop the rows not locked and return their parent keys. expected: how many to lock, if known.
@@ -574,6 +599,11 @@ begin
     return v_skip;
 end;
 $$;
+comment on function lockstep._lock_rows(lockstep.job, bigint) is
+    'Write step 3a. Lock the target rows to delete or update, found by ctid; drop the rows not locked and'
+    ' return their parent keys. expected: how many to lock, if known. Locks: those target rows, SKIP '
+    'LOCKED, in primary-key order: the rows to delete FOR UPDATE, then the rows to update FOR NO KEY '
+    'UPDATE (FOR UPDATE where the target has another unique index).';
 
 -- lockstep._referencing(rel, key, cols): the foreign keys referencing rel, with what a delete does through
 -- them; LSD06 for those lockstep cannot delete through without waiting, 42501 if it may not lock their rows.
@@ -695,6 +725,11 @@ begin
     return v_blocked;
 end;
 $$;
+comment on function lockstep._lock_level(regclass, integer) is
+    'Lock the rows referencing the rows of t at this depth of pg_temp.lockstep_doomed, add them at depth '
+    '+ 1, and return the roots of which a row could not be locked. Locks: the referencing rows, FOR '
+    'UPDATE SKIP LOCKED, one foreign key at a time in constraint-name order, each in the referencing '
+    'table''s primary-key order (ctid order without one).';
 
 -- lockstep._lock_referencing(j): write step 3a'. Lock the rows a delete of the gone rows acts on, level by
 -- level; a target row of which one could not be locked is not deleted, its parent key returned.
@@ -743,6 +778,10 @@ begin
                                pg_catalog.format('row(%s)::text = any($1)', lockstep._cols(j.target_key)), v_blocked);
 end;
 $$;
+comment on function lockstep._lock_referencing(lockstep.job) is
+    'Write step 3a''. Lock the rows a delete of the gone rows acts on, level by level; a target row of '
+    'which one could not be locked is not deleted, its parent key returned. Locks: the referencing rows, '
+    'FOR UPDATE SKIP LOCKED, level by level, each as _lock_level.';
 
 -- lockstep._delete_rows(j): write step 3b. Delete the gone rows where _lock_rows locked them (by ctid, and
 -- primary key in a partitioned target). Returns how many.
@@ -761,6 +800,9 @@ begin
     return n;
 end;
 $$;
+comment on function lockstep._delete_rows(lockstep.job) is
+    'Write step 3b. Delete the gone rows where _lock_rows locked them (by ctid, and primary key in a '
+    'partitioned target). Returns how many. Locks: those target rows (already held).';
 
 -- lockstep._upsert_rows(j, updates, inserts): write step 3c. Update the put rows that exist where
 -- _lock_rows locked them; insert the new ones in primary-key order by one INSERT ... ON CONFLICT DO UPDATE.
@@ -803,6 +845,10 @@ begin
         into inserted;
 end;
 $$;
+comment on function lockstep._upsert_rows(lockstep.job, boolean, boolean) is
+    'Write step 3c. Update the put rows that exist where _lock_rows locked them; insert the new ones in '
+    'primary-key order by one INSERT ... ON CONFLICT DO UPDATE. Locks: the target rows it updates '
+    '(already held by _lock_rows), then those it inserts.';
 
 -- lockstep._write(j, keys): THE write path: apply compute(keys) for the parents in keys (NULL: the whole
 -- table, cut to a batch by _limit_batch): diff without row locks, then the steps, never waiting. A parent's
@@ -837,6 +883,13 @@ begin
     return p;
 end;
 $$;
+comment on function lockstep._write(lockstep.job, text[]) is
+    'THE write path: apply compute(keys) for the parents in keys (NULL: the whole table, cut to a batch '
+    'by _limit_batch): diff without row locks, then the steps, never waiting. A parent''s rows are '
+    'written together or not at all; those left out come back in skipped. Work tables left empty. Locks: '
+    'parents of new rows (FOR KEY SHARE SKIP LOCKED, key order), then other referenced rows (same, '
+    'constraint-name order), then target rows (SKIP LOCKED, primary-key order), then the rows referencing'
+    ' target rows to delete (FOR UPDATE SKIP LOCKED, constraint-name then key order).';
 
 -- lockstep._write_steps(j, d, exact): the write phase of lockstep._write over j's work tables (d: what the
 -- difference held; exact: they still hold all of it). A step with no rows is not run.
@@ -889,6 +942,10 @@ begin
     return p;
 end;
 $$;
+comment on function lockstep._write_steps(lockstep.job, lockstep._diff_counts, boolean) is
+    'The write phase of lockstep._write over j''s work tables (d: what the difference held; exact: they '
+    'still hold all of it). A step with no rows is not run. Locks: as lockstep._write: parents of new '
+    'rows, other referenced rows, target rows, referencing rows.';
 
 -- lockstep._apply(j, keys): compute, diff and write for the parents in keys (NULL: all): the only path
 -- by which lockstep writes a derived table. Runs as the job's owner (lockstep._as_owner) or raises 42501.
@@ -927,3 +984,7 @@ begin
     return p;
 end;
 $$;
+comment on function lockstep._apply(lockstep.job, text[]) is
+    'Compute, diff and write for the parents in keys (NULL: all): the only path by which lockstep writes '
+    'a derived table. Runs as the job''s owner (lockstep._as_owner) or raises 42501. Locks: as '
+    'lockstep._write (the compute phase takes no row lock).';

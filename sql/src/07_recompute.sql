@@ -86,6 +86,10 @@ begin
     return v_changed;
 end;
 $$;
+comment on function lockstep._limit_batch(lockstep.job, integer) is
+    'Write step 0. Keep only the rows of the first budget changed parents and hand the others to the '
+    'queue before any row lock; returns how many (NULL budget or no parent: all). Locks: appends to '
+    'lockstep.queue (as lockstep._enqueue_text); nothing else outside pg_temp.';
 
 
 -- lockstep._limit_rows(j, budget): write step 0 without a parent: keep budget rows, move the rest to
@@ -202,6 +206,10 @@ begin
     where st.job = j.job;
 end;
 $$;
+comment on function lockstep._set_rest(lockstep.job, bigint, bigint) is
+    'Record in j''s status row the rows of a recompute without a parent still to write, held by this '
+    'session (total NULL: keep the one recorded); none when rows_left is 0. Locks: the job''s '
+    'lockstep.job_state row (by the update).';
 
 -- lockstep._continue(j): run() of a parentless job with a recompute's rest: write its next batch if this
 -- session holds it; busy while another live session does; else recompute again.
@@ -250,6 +258,10 @@ begin
     return lockstep._result('done', j.job, 'recompute', p, null, v_left > 0);
 end;
 $$;
+comment on function lockstep._continue(lockstep.job) is
+    'Run() of a parentless job with a recompute''s rest: write its next batch if this session holds it; '
+    'busy while another live session does; else recompute again. Locks: the group lock (try: busy if '
+    'taken); then as lockstep._write_steps; the job''s status row last.';
 
 -- lockstep._hand_off(j, keys, before, written): queue the keys not yet queued and record the hand-off's
 -- queue-id range and total in the job's status row, carrying on an earlier hand-off in progress.
@@ -294,6 +306,10 @@ begin
     where x.job = j.job;
 end;
 $$;
+comment on function lockstep._hand_off(lockstep.job, text[], bigint, bigint) is
+    'Queue the keys not yet queued and record the hand-off''s queue-id range and total in the job''s '
+    'status row, carrying on an earlier hand-off in progress. Locks: appends to lockstep.queue; the '
+    'job''s lockstep.job_state row (FOR NO KEY UPDATE, by the update).';
 
 -- lockstep._parent_keys(j): every parent key of j, in key order, read as j's owner (lockstep._as_owner).
 -- locks: nothing (reads the parent table).
@@ -379,6 +395,10 @@ begin
     return lockstep._result('done', j.job, 'recompute', null, v_msg, cardinality(v_keys) > 0);
 end;
 $$;
+comment on function lockstep._recompute_failed(lockstep.job, timestamp with time zone, text, text) is
+    'The whole-table pass raised: a definition or job error fails the run; else (poison parents) every '
+    'parent goes to the worker and the flags wait. Locks: the group lock is already held; the empty pass '
+    'as lockstep._write (no row lock); then as lockstep._hand_off; the job''s status row last.';
 
 -- lockstep._recompute(j, only_if_due): the full recompute under the group lock, writing at most
 -- j.batch_parents parents in this transaction and handing the rest to the queue.
@@ -447,6 +467,11 @@ begin
     return lockstep._result('done', j.job, 'recompute', p, null, v_rest > 0);
 end;
 $$;
+comment on function lockstep._recompute(lockstep.job, boolean) is
+    'The full recompute under the group lock, writing at most j.batch_parents parents in this transaction'
+    ' and handing the rest to the queue. Locks: the group lock (try: busy if taken); then as '
+    'lockstep._write for the first batch (the rest appended to the queue before its first row lock); then'
+    ' the queue (skipped parents); the job''s status row last.';
 
 -- lockstep._cure(j, handed_off): after a recompute that computed every parent: forget j's failing and
 -- parked keys (handed_off: those still queued keep their attempts, due at once).
@@ -477,6 +502,10 @@ begin
     end if;
 end;
 $$;
+comment on function lockstep._cure(lockstep.job, boolean) is
+    'After a recompute that computed every parent: forget j''s failing and parked keys (handed_off: those'
+    ' still queued keep their attempts, due at once). Locks: the job''s key_failure rows (updated, '
+    'deleted), then the queue entries of keys that do not read back.';
 
 -- lockstep.recompute(job): full recompute now, even if not due (and even during a failure backoff).
 -- locks: as lockstep._recompute.
@@ -493,6 +522,9 @@ begin
     return lockstep._recompute(lockstep._job(job, 'derived'), false);
 end;
 $$;
+comment on function lockstep.recompute(text) is
+    'Full recompute now, even if not due (and even during a failure backoff). Locks: as '
+    'lockstep._recompute.';
 
 -- lockstep.set_batch_parents(job, batch_parents): parents written per transaction (default 500) by a
 -- recompute batch and a worker pass. Smaller: shorter row locks, more transactions.
@@ -515,3 +547,6 @@ begin
     where x.job = j.job;
 end;
 $$;
+comment on function lockstep.set_batch_parents(text, integer) is
+    'Parents written per transaction (default 500) by a recompute batch and a worker pass. Smaller: '
+    'shorter row locks, more transactions. Locks: the job''s registry row.';

@@ -57,6 +57,10 @@ begin
                  where pg_catalog.octet_length(k) + pg_catalog.octet_length(job) <= v_max order by o);
 end;
 $$;
+comment on function lockstep._queueable(text, text[]) is
+    'Keys without those too long for the queue, each of which flags the job for its full recompute '
+    'instead (lockstep._flag). Locks: none beyond the insert into lockstep.recompute_flag (as '
+    'lockstep._flag).';
 
 -- lockstep._enqueue_text(j, keys): append keys (text, cast to the parent key type, NULLs dropped) to the
 -- queue once each, sorted by key, in canonical text. No read of lockstep's tables and no NOTIFY.
@@ -81,6 +85,10 @@ begin
     return cardinality(v);
 end;
 $$;
+comment on function lockstep._enqueue_text(lockstep.job, text[]) is
+    'Append keys (text, cast to the parent key type, NULLs dropped) to the queue once each, sorted by '
+    'key, in canonical text. No read of lockstep''s tables and no NOTIFY. Locks: none beyond the insert '
+    'into lockstep.queue: append-only, so this never waits for a worker.';
 
 -- lockstep._enqueue_missing(j, keys): lockstep._enqueue_text of the keys that have no queue entry of j yet.
 -- Only for callers holding the job's group lock (no worker is taking those entries meanwhile).
@@ -93,6 +101,9 @@ as $$
         select k from pg_catalog.unnest(keys) k
         where not exists (select from lockstep.queue q where q.key = k and (q.job = j.job) is true)));
 $$;
+comment on function lockstep._enqueue_missing(lockstep.job, text[]) is
+    'Lockstep._enqueue_text of the keys that have no queue entry of j yet. Only for callers holding the '
+    'job''s group lock (no worker is taking those entries meanwhile). Locks: as lockstep._enqueue_text.';
 
 -- lockstep._queue_job(job): the registry row of a derived job that has a queue (it has a parent).
 create or replace function lockstep._queue_job(job text) returns lockstep.job
@@ -202,6 +213,9 @@ begin
     return lockstep._enqueue_text(j, lockstep._keys_text(j, keys));
 end;
 $$;
+comment on function lockstep.enqueue(text, anyarray) is
+    'Mark parents as changed. Returns the number of distinct keys appended. Locks: as '
+    'lockstep._enqueue_text: nothing a worker or a recompute holds.';
 
 -- lockstep._append(job, keys): append keys (canonical text) to the queue for job, with row_security = on:
 -- with it off, PostgreSQL refuses any statement on the queue from a role its policies apply to.
@@ -214,6 +228,10 @@ as $$
     insert into lockstep.queue (job, key)
     select _append.job, u.k from pg_catalog.unnest(keys) with ordinality u(k, o) order by u.o;
 $$;
+comment on function lockstep._append(text, text[]) is
+    'Append keys (canonical text) to the queue for job, with row_security = on: with it off, PostgreSQL '
+    'refuses any statement on the queue from a role its policies apply to. Locks: none beyond the insert '
+    'into lockstep.queue.';
 
 -- lockstep._flag(job, problem): the trigger could not enqueue: mark job for its full recompute (one INSERT:
 -- application roles may only insert), and say so with a WARNING.
@@ -230,6 +248,9 @@ begin
         using hint = 'See trigger_problem in lockstep.status; lockstep.recompute(job) clears the flag.';
 end;
 $$;
+comment on function lockstep._flag(text, text) is
+    'The trigger could not enqueue: mark job for its full recompute (one INSERT: application roles may '
+    'only insert), and say so with a WARNING. Locks: none beyond the insert into lockstep.recompute_flag.';
 
 -- lockstep._clear_flag(j, snap, started): after a successful full recompute that began at started with
 -- snapshot snap: forget the flags snap saw; this transaction's own flags only if raised before started.
@@ -245,3 +266,7 @@ begin
                else pg_catalog.pg_visible_in_snapshot(f.xid, snap) end;
 end;
 $$;
+comment on function lockstep._clear_flag(lockstep.job, pg_snapshot, timestamp with time zone) is
+    'After a successful full recompute that began at started with snapshot snap: forget the flags snap '
+    'saw; this transaction''s own flags only if raised before started. Locks: the job''s '
+    'lockstep.recompute_flag rows (deleted).';

@@ -150,6 +150,11 @@ begin
     return null;
 end;
 $$;
+comment on function lockstep.enqueue_trigger() is
+    'AFTER ... FOR EACH STATEMENT trigger function with transition tables. Arguments: job, key column, '
+    'optionally the key type. Never raises: where it cannot enqueue it flags the job. No SET search_path:'
+    ' every name is qualified. Over 80 lines: only it can read the transition tables. Locks: the insert '
+    'into lockstep.queue (or lockstep.recompute_flag): nothing a worker or a recompute holds.';
 
 -- lockstep._trigger_fns(): every trigger function that enqueues for lockstep: lockstep.enqueue_trigger()
 -- and the ones lockstep.watch() generated (lockstep._gen_trigger).
@@ -454,6 +459,11 @@ begin
                                        v_ms, pg_catalog.array_to_string(v_order, ', '));
 end;
 $$;
+comment on function lockstep._ddl(regclass[], text[], text) is
+    'Run DDL on application tables, all or none: each attempt waits at most 100 ms per table, gives every'
+    ' lock back on a timeout, and the next locks the contended table first. After ~10 s, 55P03 and '
+    'nothing done. Locks: tables (ACCESS EXCLUSIVE), never waited for long, in the order of the array, '
+    'the last contended one first.';
 
 -- lockstep._family(source): source and every table below it, parents first, foreign tables left out (a
 -- statement trigger fires only for statements that name its table).
@@ -717,6 +727,12 @@ begin
     perform lockstep._drop_unused_triggers();  -- a function the replaced triggers used, if no longer any
 end;
 $$;
+comment on function lockstep.watch(text, regclass, name, regclass, name, text) is
+    'Create the triggers that enqueue source.key_column for job (and flag it on truncate) on source and '
+    'every table below it; re-running replaces them. With through, source is one hop below the parent '
+    '(lockstep._watch_through). Locks: source and the tables below it (DROP / CREATE TRIGGER) through '
+    'lockstep._ddl, never more than 100 ms at a time (55P03 after ~10 s); then, if source was not watched'
+    ' for job on that column, appends a lockstep.recompute_flag row.';
 
 -- lockstep.unwatch(job, source): drop the triggers lockstep.watch() created on source and the tables below
 -- it (LSJ01 for an unknown job with none there; a WARNING for a known job with none there).
@@ -751,3 +767,7 @@ begin
     perform lockstep._drop_unused_triggers();
 end;
 $$;
+comment on function lockstep.unwatch(text, regclass) is
+    'Drop the triggers lockstep.watch() created on source and the tables below it (LSJ01 for an unknown '
+    'job with none there; a WARNING for a known job with none there). Locks: source and the tables below '
+    'it (DROP TRIGGER) through lockstep._ddl, as lockstep.watch.';

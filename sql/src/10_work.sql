@@ -60,6 +60,10 @@ exception
         end if;
 end;
 $$;
+comment on function lockstep._try(lockstep.job, text[], boolean) is
+    'One attempt at keys, in a subtransaction: its pass, or its error and SQLSTATE. A statement timeout '
+    'is remembered (lockstep._timed_out). dry: a good attempt is rolled back too. Locks: as '
+    'lockstep._write (nothing is left behind by a failed or dry attempt).';
 
 -- lockstep._timed_out(): the keys of the attempt a statement timeout ended in this pass, or NULL.
 create or replace function lockstep._timed_out() returns text[]
@@ -103,6 +107,10 @@ begin
                          lockstep._isolate(j, keys[n / 2 + 1:n], null, dry));
 end;
 $$;
+comment on function lockstep._isolate(lockstep.job, text[], text, boolean) is
+    'Apply keys, bisecting on failure until the failing keys are alone (dry: only find them). After a '
+    'statement timeout, the parts not tried come back in skipped. Locks: as lockstep._write, once per '
+    'part that succeeds (dry: released with the part).';
 
 -- lockstep._write_good(j, keys, p): after a dry bisection, write the good keys in one attempt, so one
 -- write phase holds row locks; if that fails, bisect writing each part.
@@ -129,6 +137,10 @@ begin
     return lockstep._add(p, lockstep._isolate(j, v_good, t.error));
 end;
 $$;
+comment on function lockstep._write_good(lockstep.job, text[], lockstep._pass) is
+    'After a dry bisection, write the good keys in one attempt, so one write phase holds row locks; if '
+    'that fails, bisect writing each part. Locks: as lockstep._write, for the good keys (or, on a '
+    'failure, once per part that succeeds).';
 
 -- lockstep._has_ready(j): j has ready queue entries whose key is neither parked nor waiting for a retry.
 -- Custom plans, index scans only: it stops at the first ready entry whatever the statistics.
@@ -217,6 +229,10 @@ begin
     where q.ctid = u.c and (q.id = u.i) is true;
 end;
 $$;
+comment on function lockstep._settle_entries(lockstep.job, bigint[], tid[], text[], text[], text[]) is
+    'Delete the entries done (not of a key in leave) and defer those of keys in skip a second, each by '
+    'row id, checked again by id. Locks: those queue entries (deleted or updated; disjoint rows, skip '
+    'being part of leave).';
 
 
 -- lockstep._claim(j, batch): the keys of this pass and how to apply them (kind), first of: probe (half of
@@ -398,6 +414,9 @@ begin
     p := lockstep._write_good(j, keys, lockstep._isolate(j, keys, t.error, true));
 end;
 $$;
+comment on function lockstep._attempt(lockstep.job, text[], text) is
+    'Apply the claimed keys: one part bisected on failure, or each alone (retry). job_error: the job '
+    'itself is broken, or the batch timed out as a whole. Locks: as lockstep._isolate.';
 
 -- lockstep._check_timed_out(j, batch): the last batch timed out whole: an empty pass tells a broken job
 -- (its error returned) from a slow key (the batch's keys become suspects).
@@ -428,6 +447,10 @@ begin
     return null;
 end;
 $$;
+comment on function lockstep._check_timed_out(lockstep.job, integer) is
+    'The last batch timed out whole: an empty pass tells a broken job (its error returned) from a slow '
+    'key (the batch''s keys become suspects). Locks: as lockstep._write for an empty key set (nothing); '
+    'the job''s key_failure rows of those keys.';
 
 -- lockstep._settle(j, kind, raw, ids, ctids, entry_keys, p, bad, errors): lockstep's own rows for a pass:
 -- entries done deleted, skipped deferred, failing keys, suspects and unreadable keys recorded.
@@ -514,6 +537,10 @@ begin
                               cardinality(v_susp), v_terr) end);
 end;
 $$;
+comment on function lockstep._settle(lockstep.job, text, text[], bigint[], tid[], text[], lockstep._pass, text[], text[]) is
+    'Lockstep''s own rows for a pass: entries done deleted, skipped deferred, failing keys, suspects and '
+    'unreadable keys recorded. Locks: the processed queue entries (deleted or updated), then the job''s '
+    'key_failure rows, key order.';
 
 -- lockstep._work(j, batch): one incremental pass.
 -- locks: nothing until there is work (idle) and no periodic job of the group is due (busy: give way); the
@@ -610,6 +637,9 @@ begin
     return lockstep._work(j, coalesce(batch, j.batch_parents));
 end;
 $$;
+comment on function lockstep.work(text, integer) is
+    'One incremental pass over up to batch queued parents (NULL, the default: the job''s batch_parents, '
+    'as lockstep.run(); a larger batch is the caller''s explicit choice). Locks: as lockstep._work.';
 
 -- lockstep._end_backoff(j, whole): end the job's failure backoff, if it is in one; for a retry of the whole
 -- job (whole), the recompute flags held since a poisoned recompute count again.
@@ -625,6 +655,10 @@ begin
     where s.job = j.job and (lockstep._not_due(s) = 'backoff' or (whole and s.recompute_poisoned_at is not null));
 end;
 $$;
+comment on function lockstep._end_backoff(lockstep.job, boolean) is
+    'End the job''s failure backoff, if it is in one; for a retry of the whole job (whole), the recompute'
+    ' flags held since a poisoned recompute count again. Locks: the job''s lockstep.job_state row (FOR NO'
+    ' KEY UPDATE, by the update), if so.';
 
 -- lockstep._retry(j, keys): forget the failures of keys (NULL: all of j's), queue them again, and end the
 -- job's failure backoff. A key that does not read back as the parent key type is deleted with a WARNING.
@@ -663,6 +697,12 @@ begin
     return coalesce(cardinality(v_keys), 0);
 end;
 $$;
+comment on function lockstep._retry(lockstep.job, text[]) is
+    'Forget the failures of keys (NULL: all of j''s), queue them again, and end the job''s failure '
+    'backoff. A key that does not read back as the parent key type is deleted with a WARNING. Locks: the '
+    'job''s key_failure rows of those keys (deleted); the queue entries of unreadable keys (deleted); '
+    'appends to the queue; then, if its last run failed or it dropped unreadable keys, the job''s '
+    'lockstep.job_state row (FOR NO KEY UPDATE, by the update).';
 
 -- lockstep.retry(job, keys): put these failing or parked keys back in the queue now. Returns how many.
 -- locks: as lockstep._retry.
@@ -677,6 +717,8 @@ begin
     return lockstep._retry(j, lockstep._keys_text(j, keys));
 end;
 $$;
+comment on function lockstep.retry(text, anyarray) is
+    'Put these failing or parked keys back in the queue now. Returns how many. Locks: as lockstep._retry.';
 
 -- lockstep.retry(job): put every failing or parked key of job back in the queue now, and end the job's
 -- failure backoff. A job with no queue has no key to put back: its backoff ends, 0 is returned.
@@ -697,6 +739,10 @@ begin
     return 0;
 end;
 $$;
+comment on function lockstep.retry(text) is
+    'Put every failing or parked key of job back in the queue now, and end the job''s failure backoff. A '
+    'job with no queue has no key to put back: its backoff ends, 0 is returned. Locks: as '
+    'lockstep._retry; for a job with no queue, as lockstep._end_backoff.';
 
 -- lockstep.set_max_attempts(job, max_attempts): failures of one key before it is parked (default 5).
 -- locks: the job's registry row.
@@ -715,3 +761,5 @@ begin
     update lockstep.job x set max_attempts = set_max_attempts.max_attempts, updated_at = now() where x.job = j.job;
 end;
 $$;
+comment on function lockstep.set_max_attempts(text, integer) is
+    'Failures of one key before it is parked (default 5). Locks: the job''s registry row.';

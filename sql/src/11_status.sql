@@ -157,3 +157,6 @@ as $$
     where (jobs is null or j.job = any(jobs)) and (s.job is not null or lockstep._state_gone(j.owner))
     order by 3, 1;
 $$;
+comment on function lockstep.due(text[], interval) is
+    'When each job next has something to do (the runner''s one query per tick); jobs: these names (NULL: '
+    'all); gather: ready keys wait that long after a pass that left no backlog. Locks: nothing.';

@@ -292,6 +292,10 @@ begin
     return p;
 end;
 $$;
+comment on function lockstep._owner_run(lockstep.job, text[], boolean) is
+    'Run the owner''s code (the call, lockstep._apply, or the parent keys'' read); sandboxed: then undo '
+    'or refuse what it could leave behind for the runner''s session. Locks: as the job''s function or '
+    'lockstep._apply.';
 
 -- lockstep._drop_temp_objects(): drop the current role's temporary relations and types but lockstep's own
 -- work tables (kept plain and private): the runner's session serves other owners next.
@@ -344,6 +348,10 @@ begin
     end loop;
 end;
 $$;
+comment on function lockstep._drop_temp_objects() is
+    'Drop the current role''s temporary relations and types but lockstep''s own work tables (kept plain '
+    'and private): the runner''s session serves other owners next. Locks: those objects (dropped; nobody '
+    'else can hold them: they are this session''s).';
 
 -- lockstep._prepared(): the session's prepared statements (name, prepare time, parameter types, text): a
 -- statement dropped, replaced or re-prepared by a job's code shows as a difference.
@@ -407,3 +415,6 @@ begin
     return p;
 end;
 $$;
+comment on function lockstep._as_owner(lockstep.job, text[]) is
+    'Run lockstep._owner_run as j''s owner: directly, or after checking the session may act as the owner '
+    '(42501), by SET LOCAL ROLE and the owner''s trampoline. Locks: as lockstep._owner_run.';

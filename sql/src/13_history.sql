@@ -55,6 +55,10 @@ begin
     return s;
 end;
 $$;
+comment on function lockstep.set_run_log_retention(interval, integer) is
+    'Change the retention (NULL: leave as is), and apply it to the rows already there at once. Locks: the'
+    ' pruners'' advisory lock (lockstep, run_log), waiting for a run that holds it to commit; then the '
+    'lockstep.setting row (update); then the run_log rows it deletes.';
 
 -- lockstep._prune_run_log(job, run_no, keep, max_per_job, action): delete at most 10 rows older than keep
 -- and job's rows that just fell off its max_per_job newest (lockstep._spared_run spared). One pruner at a time.
@@ -90,6 +94,11 @@ begin
     end if;
 end;
 $$;
+comment on function lockstep._prune_run_log(text, bigint, interval, integer, text) is
+    'Delete at most 10 rows older than keep and job''s rows that just fell off its max_per_job newest '
+    '(lockstep._spared_run spared). One pruner at a time. Locks: the advisory lock (lockstep, run_log), '
+    'transaction-level, without waiting (not taken: no prune); then the run_log rows it deletes (no '
+    'application touches them).';
 
 -- lockstep._log_run(j, action, outcome, started, p, error): append the run just recorded in j's status row
 -- to lockstep.run_log, then prune. Never fails the run: any error is a WARNING and the run is not logged.
@@ -135,3 +144,7 @@ begin
     end;
 end;
 $$;
+comment on function lockstep._log_run(lockstep.job, text, text, timestamp with time zone, lockstep._pass, text) is
+    'Append the run just recorded in j''s status row to lockstep.run_log, then prune. Never fails the '
+    'run: any error is a WARNING and the run is not logged. Locks: reads the job''s status row (already '
+    'locked by lockstep._finish); inserts one run_log row; then as lockstep._prune_run_log.';
