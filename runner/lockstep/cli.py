@@ -379,6 +379,15 @@ def _migrate_report(action: str, current: tuple[str, ...], head: str, json: bool
     "may lose the last passes, each whole with its queue entries, which the next pass redoes. on (or the "
     "others): PostgreSQL's synchronous_commit for the pass's transaction.",
 )
+@option(
+    "--capture-every",
+    type=click.FloatRange(min=0),
+    default=0.2,  # lockstep.loop.CAPTURE_EVERY
+    show_default=True,
+    help="Seconds between two reads of the WAL (lockstep.capture()) while tables are watched through it "
+    "(watch(..., via => 'wal')). Each read decodes the WAL since the slot's restart point: less often costs "
+    "the server less and adds up to this much lag.",
+)
 @option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @option(
     "--metrics-port",
@@ -405,6 +414,7 @@ def run(
     no_prepare: bool,
     connection_check_interval: str | None,
     synchronous_commit: str,
+    capture_every: float,
     log_format: str,
     metrics_port: int | None,
     metrics_host: str,
@@ -433,6 +443,7 @@ def run(
         prepare=False if no_prepare else None,
         check_interval=connection_check_interval,
         synchronous_commit=synchronous_commit,
+        capture_every=capture_every,
     )
     try:
         server = loop.Metrics(metrics_port, metrics_host)  # bound before the start-up line names its port

@@ -41,6 +41,17 @@ class Result:
 
 
 @dataclass(frozen=True)
+class Capture:
+    """One row of lockstep.capture(): what a capture of the WAL read and queued."""
+
+    outcome: str  # done | idle | busy | absent (no lockstep.capture in this database's schema)
+    changes: int = 0
+    keys: int = 0
+    flagged: int = 0
+    retained_bytes: int | None = None
+
+
+@dataclass(frozen=True)
 class Due:
     job: str
     lock_group: str
@@ -159,6 +170,19 @@ def vacuum_queue(conn: psycopg.Connection) -> None:
     another runner's vacuum; the queue's vacuum_truncate = false: never an ACCESS EXCLUSIVE lock, so an
     enqueuing application never waits for it."""
     conn.execute("vacuum (skip_locked) lockstep.queue")
+
+
+def capture(conn: psycopg.Connection) -> Capture:
+    """Queue the changes of the tables watched through the WAL (lockstep.capture()), in a transaction of its
+    own (autocommit): its queue rows and the LSN it read up to commit together. ``absent`` where the schema
+    has no capture (an older revision)."""
+    try:
+        row = conn.execute(
+            "select outcome, changes, keys, flagged, retained_bytes from lockstep.capture()"
+        ).fetchone()
+    except psycopg.errors.UndefinedFunction:
+        return Capture("absent")
+    return Capture(*row)
 
 
 def backend_pid(conn: psycopg.Connection) -> int:

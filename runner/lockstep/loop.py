@@ -35,6 +35,7 @@ POLL = 0.1  # how often a sleeping runner looks at the queue's sequence (wake-up
 VACUUM_EVERY = 10.0  # seconds between two VACUUMs of the queue by a runner that worked meanwhile
 BATCH_WAIT = 0.2  # after a worker pass that left no ready keys: let keys gather this long before the next
 WARN_EVERY = 600.0  # the same server WARNING (a run not logged, say: every run says it) once in this long
+CAPTURE_EVERY = 0.2  # seconds between two captures of the WAL while tables are watched through it
 RECHECK = 1.0  # after the sequence moved: look at the schedule every POLL this long (the enqueuer may not
 # have committed yet when the sequence moved)
 
@@ -51,6 +52,7 @@ class Options:
     check_interval: str | None = None  # client_connection_check_interval for the runner's sessions
     batch_wait: float = BATCH_WAIT  # seconds between a job's worker passes while keys trickle in
     synchronous_commit: str = "off"  # how each pass commits (db.RUN_SQL)
+    capture_every: float = CAPTURE_EVERY  # seconds between two lockstep.capture() calls (WAL watching)
 
 
 class Metrics:
@@ -72,6 +74,12 @@ class Metrics:
         self.depth = p.Gauge("lockstep_queue_depth", "Ready keys queued per job", ["job"])
         self.parked = p.Gauge("lockstep_parked_keys", "Keys set aside after max_attempts failures", ["job"])
         self.retries = p.Counter("lockstep_runner_retries", "Transient errors retried with backoff")
+        self.capture_changes = p.Counter(
+            "lockstep_capture_changes", "Changes of tables watched through the WAL read by lockstep.capture()"
+        )
+        self.capture_retained = p.Gauge(
+            "lockstep_capture_retained_bytes", "WAL held by the capture's replication slot"
+        )
         self.last_tick = p.Gauge(
             "lockstep_runner_last_tick_seconds", "Unix time of the runner's last look at what is due"
         )
@@ -89,6 +97,12 @@ class Metrics:
     def retry(self) -> None:
         if self.enabled:
             self.retries.inc()
+
+    def capture(self, c: db.Capture) -> None:
+        if self.enabled:
+            self.capture_changes.inc(c.changes)
+            if c.retained_bytes is not None:
+                self.capture_retained.set(c.retained_bytes)
 
     def tick(self) -> None:
         if self.enabled:
@@ -129,6 +143,9 @@ class Runner:
         self.started = False  # a tick succeeded: from then on every database error is retried
         self._ran = False  # a run went through since the last database error (a backlog's tick is long)
         self._warned: dict[str, float] = {}  # server WARNING text -> when this runner last logged it
+        self._capture_at = 0.0  # monotonic time of the last lockstep.capture() call
+        self._capture_on = True  # False: the schema has no capture (an older revision)
+        self._capture_error: _JobError | None = None
 
     # signals -------------------------------------------------------------------------------------------
     def install_signals(self) -> None:
@@ -299,6 +316,7 @@ class Runner:
         assert self.conn is not None
         if self._sequence is not None:
             self._mark = db.queue_mark(self.conn, self._sequence)  # before due(): later keys wake us
+        self._capture()
         rows = db.due(self.conn, self.opts.jobs, self.opts.batch_wait if sleep else 0.0)
         self.metrics.tick()
         if self.opts.jobs:
@@ -384,6 +402,40 @@ class Runner:
             if not more or self.stopping:
                 break
         return progressed
+
+    def _capture(self) -> bool:
+        """Call lockstep.capture() (the WAL's changes of watched tables into the queue), at most once per
+        --capture-every, until it says idle; True if it queued or flagged something. A non-transient error
+        (the role lacks REPLICATION, say) is logged and retried with backoff, like a job's."""
+        now = time.monotonic()
+        if not self._capture_on or self.conn is None or now - self._capture_at < self.opts.capture_every:
+            return False
+        held = self._capture_error
+        if held is not None and held.until > now:
+            return False
+        self._capture_at = now
+        try:
+            c = db.capture(self.conn)
+        except psycopg.Error as exc:
+            if is_transient(exc):
+                raise
+            self.any_failed = True
+            if held is None:
+                held = self._capture_error = _JobError(until=0.0)
+                log.error("capture: %s; retrying with backoff", describe(exc))
+            held.until = time.monotonic() + held.backoff.next()
+            return False
+        self._capture_error = None
+        if c.outcome == "absent":
+            self._capture_on = False
+            return False
+        self.metrics.capture(c)
+        if c.outcome == "done":
+            self._ran = True
+            log.debug(
+                "capture: %s change(s), %s key(s) queued, %s job(s) flagged", c.changes, c.keys, c.flagged
+            )
+        return c.outcome == "done"
 
     def _check_known(self, rows: list[db.Due]) -> None:
         """--job names that are not (or no longer) jobs: one error line each; --once then exits 1."""
@@ -474,6 +526,8 @@ class Runner:
                 return False
             if wake and self.conn is not None and self._sequence is not None:
                 time.sleep(min(left, POLL))
+                if self._capture():  # keys of the WAL's changes queued: look at what is due
+                    return True
                 mark = db.queue_mark(self.conn, self._sequence)
                 if mark != self._mark:
                     self._mark = mark

@@ -31,3 +31,35 @@ drop function if exists lockstep.enqueue_through();
 drop function if exists lockstep._watch_through(lockstep.job, regclass, name, regclass, name);
 drop function if exists lockstep._through_key(regclass, name, regclass);
 drop function if exists lockstep._check_source_key(lockstep.job, regclass, name);
+
+-- the WAL capture: its slot and publication first (nothing of 0001 reads them), then its code and state
+do $$
+declare
+    v_slot name := (select c.slot from lockstep.capture_state c);
+begin
+    if exists (select from pg_catalog.pg_replication_slots s where s.slot_name = v_slot) then
+        perform pg_catalog.pg_drop_replication_slot(v_slot);
+    end if;
+end;
+$$;
+drop publication if exists lockstep_capture;
+drop view if exists lockstep.capture_status;
+drop function if exists lockstep.capture(integer);
+drop function if exists lockstep.set_capture_bounds(bigint, bigint);
+drop function if exists lockstep._capture_read(name, pg_lsn, integer);
+drop function if exists lockstep._capture_slot_ready(name);
+drop function if exists lockstep._pgo_truncated(bytea);
+drop function if exists lockstep._pgo_keys(bytea, integer);
+drop function if exists lockstep._pgo_relation(bytea);
+drop function if exists lockstep._pgo_int(bytea, integer, integer);
+drop function if exists lockstep._capture_cleanup();
+drop function if exists lockstep._unwatch_wal(text, regclass);
+drop function if exists lockstep._watch_wal(lockstep.job, regclass, name);
+drop function if exists lockstep._publication_ddl();
+drop function if exists lockstep._check_wal(regclass, name);
+drop function if exists lockstep._identity_covers(regclass, name);
+drop function if exists lockstep._capture_publication();
+drop function if exists lockstep._capture_slot();
+drop table if exists lockstep.capture_state;
+drop table if exists lockstep.wal_watch;
+alter table lockstep.setting drop column if exists capture_unhealthy_bytes, drop column if exists capture_max_bytes;

@@ -21,6 +21,8 @@
 -- LSQ01  keys of the wrong type for the job's parent key
 -- LSQ02  a watched key column that does not lead to the parent (a foreign key to another table; with
 -- through, no foreign key to the through table)
+-- 55000  watch(..., via => 'wal') on a server whose wal_level is not logical, or of a table whose
+-- replica identity does not hold the key column
 
 create schema lockstep;
 
@@ -216,7 +218,12 @@ alter table lockstep.recompute_flag enable row level security;
 create table lockstep.setting (
     only_row            boolean primary key default true check (only_row),
     run_log_keep        interval not null default '14 days' check (run_log_keep > interval '0'),
-    run_log_max_per_job integer not null default 1000 check (run_log_max_per_job >= 0)
+    run_log_max_per_job integer not null default 1000 check (run_log_max_per_job >= 0),
+    -- the WAL capture (lockstep.capture): lockstep.capture_status turns unhealthy once its slot holds more
+    -- WAL than capture_unhealthy_bytes; past capture_max_bytes the capture drops and recreates the slot
+    -- and flags every job watching through the WAL for its full recompute
+    capture_unhealthy_bytes bigint not null default 268435456 check (capture_unhealthy_bytes > 0),
+    capture_max_bytes   bigint not null default 1073741824 check (capture_max_bytes > 0)
 );
 
 insert into lockstep.setting default values;
@@ -255,3 +262,32 @@ create index run_log_finished_at_idx on lockstep.run_log (finished_at);
 
 -- row security: a role sees only the runs of jobs whose owner it may manage; no UPDATE policy.
 alter table lockstep.run_log enable row level security;
+
+-- WAL capture ----------------------------------------------------------------------------------------------
+
+-- the tables jobs watch through the WAL (watch(..., via => 'wal')): no trigger on them; lockstep.capture()
+-- reads their changes from the database's logical replication slot and queues the key column's values.
+create table lockstep.wal_watch (
+    job         text not null references lockstep.job (job) on delete cascade,
+    source      regclass not null,
+    key_column  name not null,
+    watched_at  timestamptz not null default now(),
+    primary key (job, source)
+);
+alter table lockstep.wal_watch enable row level security;
+
+-- where the capture is: one row per database, written by lockstep.capture() only.
+--   slot: the logical replication slot it reads (one per database, shared by every job watching via wal)
+--   queued_lsn: the changes up to here are in the queue (committed with them); the next capture first
+--   advances the slot to it, so a capture that rolls back or dies re-reads them (at least once).
+create table lockstep.capture_state (
+    only_row        boolean primary key default true check (only_row),
+    slot            name not null,
+    queued_lsn      pg_lsn,
+    slot_created_at timestamptz not null default now(),
+    last_capture_at timestamptz,
+    last_changes    bigint not null default 0,    -- changes of watched tables the last capture read
+    changes         bigint not null default 0,    -- all of them since the slot was created
+    recreated       bigint not null default 0     -- times the slot fell too far behind and was recreated
+);
+alter table lockstep.capture_state enable row level security;

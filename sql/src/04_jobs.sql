@@ -342,6 +342,7 @@ begin
     delete from lockstep.queue q where q.job = j.job;
     delete from lockstep.recompute_flag f where f.job = j.job;
     delete from lockstep.job x where x.job = j.job;
+    perform lockstep._capture_cleanup();  -- its lockstep.wal_watch rows went with it (16_capture.sql)
     v_own := lockstep._own_enqueuers(j.job);
     if v_own is not null then
         raise warning 'lockstep: job "%" is dropped, but your own % call(s) lockstep.enqueue(''%'', ...): the next write that fires them fails (LSJ01)',

@@ -659,9 +659,14 @@ begin
     if v_type is null then
         raise exception 'lockstep: table % has no column %', source, key_column using errcode = '42703';
     end if;
-    if via is distinct from 'trigger' then
-        raise exception 'lockstep: via => % is not a way to watch', pg_catalog.quote_nullable(via)
-            using errcode = '22023', hint = 'Use via => ''trigger''.';
+    if via = 'wal' and through is null then  -- no trigger: lockstep.capture() reads the WAL (16_capture.sql)
+        perform lockstep._watch_wal(j, source, key_column);
+        perform lockstep._warn_source(j, source, key_column, cardinality(v_tables) - 1);
+        return;
+    elsif via is distinct from 'trigger' then
+        raise exception 'lockstep: via => % is not a way to watch%', pg_catalog.quote_nullable(via),
+            case when via = 'wal' then ' a table through another' else '' end
+            using errcode = '22023', hint = 'Use via => ''trigger'' or, without through, via => ''wal''.';
     end if;
     if through is null then
         perform lockstep._check_source_key(j, source, key_column);
@@ -725,6 +730,7 @@ begin
     perform lockstep._warn_writers(v_tables);
     perform lockstep._warn_source(j, source, key_column, cardinality(v_tables) - 1);
     perform lockstep._drop_unused_triggers();  -- a function the replaced triggers used, if no longer any
+    perform lockstep._unwatch_wal(j.job, source);  -- watched through the WAL until now (16_capture.sql)
 end;
 $$;
 comment on function lockstep.watch(text, regclass, name, regclass, name, text) is
@@ -747,6 +753,9 @@ declare
 begin
     if job is null or source is null then
         raise exception 'lockstep: job and source must not be NULL' using errcode = '22004';
+    end if;
+    if lockstep._unwatch_wal(job, source) then  -- watched through the WAL (16_capture.sql)
+        return;
     end if;
     if exists (select from lockstep.job x where x.job = unwatch.job) then
         perform lockstep._job(job, 'derived');  -- LSJ02 for a generic job, as watch()

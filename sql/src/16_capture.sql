@@ -1,0 +1,542 @@
+-- lockstep: watching a table through the WAL (watch(..., via => 'wal')) and the capture that reads it.
+--
+-- No trigger on the table: the application's transaction does no work for lockstep. The database has one
+-- publication (lockstep_capture) of the tables jobs watch this way, and one logical replication slot
+-- (lockstep_<database oid>, plugin pgoutput) that lockstep.capture() reads with
+-- pg_logical_slot_peek_binary_changes. A capture queues the changed keys and records the LSN it read up to
+-- in one transaction; the next capture advances the slot to that LSN first. So a capture that fails, or a
+-- runner killed during one, reads the same changes again (the queue folds the duplicates), and the slot
+-- never moves past a change whose keys are not queued.
+
+-- lockstep._capture_slot(): the name of this database's capture slot (slot names are cluster-wide).
+-- locks: nothing.
+create or replace function lockstep._capture_slot() returns name
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select pg_catalog.format('lockstep_%s', d.oid)::name from pg_catalog.pg_database d
+    where d.datname = pg_catalog.current_database();
+$$;
+
+-- lockstep._capture_publication(): the name of this database's capture publication.
+-- locks: nothing.
+create or replace function lockstep._capture_publication() returns name
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select 'lockstep_capture'::name;
+$$;
+
+-- lockstep._identity_covers(rel, key_column): the WAL record of an UPDATE or DELETE of rel holds the old
+-- value of key_column (rel's replica identity is FULL, or its primary key or replica identity index holds
+-- the column). Else an update that moves a row to another key would queue the new key only.
+-- locks: nothing.
+create or replace function lockstep._identity_covers(rel regclass, key_column name) returns boolean
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select c.relreplident = 'f'
+           or exists (select from pg_catalog.pg_index i
+                      join pg_catalog.pg_attribute a on a.attrelid = i.indrelid and a.attnum = any(i.indkey)
+                      where i.indrelid = c.oid and a.attname = key_column
+                        and ((c.relreplident = 'd' and i.indisprimary) or (c.relreplident = 'i' and i.indisreplident)))
+    from pg_catalog.pg_class c where c.oid = rel;
+$$;
+
+-- lockstep._check_wal(source, key_column): refuse watch(..., via => 'wal') where the capture could not see
+-- every change of source: the server's wal_level is not logical (55000), the session's role may not use
+-- replication slots (42501: lockstep.capture() runs as the runner, which needs the same), or a table of
+-- source's family has a replica identity that does not hold key_column (55000). A table in a publication
+-- that publishes updates needs a replica identity, or the application's UPDATE and DELETE fail: checked
+-- here, so watch() never puts the application in that state.
+-- locks: nothing.
+create or replace function lockstep._check_wal(source regclass, key_column name) returns void
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_bad regclass;
+begin
+    if pg_catalog.current_setting('wal_level') <> 'logical' then
+        raise exception 'lockstep: watch(..., via => ''wal'') needs wal_level = logical; this server has %',
+            pg_catalog.current_setting('wal_level')
+            using errcode = '55000',
+                  hint = 'Set wal_level = logical (and max_replication_slots >= 1) and restart the server, or watch '
+                         'through triggers (the default).';
+    end if;
+    if not exists (select from pg_catalog.pg_roles r
+                   where r.rolname = current_user and (r.rolreplication or r.rolsuper)) then
+        raise exception 'lockstep: role % may not use replication slots, which watch(..., via => ''wal'') needs', current_user
+            using errcode = '42501',
+                  hint = pg_catalog.format('ALTER ROLE %I REPLICATION (the runner''s role needs it too), or watch '
+                                           'through triggers (the default).', current_user);
+    end if;
+    select t into v_bad from pg_catalog.unnest(lockstep._family(source)) t
+    where not coalesce(lockstep._identity_covers(t, key_column), false) limit 1;
+    if v_bad is not null then
+        raise exception 'lockstep: the replica identity of % does not hold column %: the WAL would not say which key an update or delete left',
+            v_bad, key_column
+            using errcode = '55000',
+                  hint = pg_catalog.format('ALTER TABLE %s REPLICA IDENTITY FULL (or USING INDEX of a unique index on %I); '
+                                           'a primary key on %I is enough.', v_bad, key_column, key_column);
+    end if;
+end;
+$$;
+
+-- lockstep._publication_ddl(): the ALTER PUBLICATION statements that make the capture publication hold
+-- exactly the tables of lockstep.wal_watch (CREATE PUBLICATION when there is none and a table to hold).
+-- locks: nothing.
+create or replace function lockstep._publication_ddl() returns text[]
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_pub name := lockstep._capture_publication();
+    v_has boolean := exists (select from pg_catalog.pg_publication p where p.pubname = v_pub);
+    v_want regclass[] := array(select distinct w.source from lockstep.wal_watch w order by 1);
+    v_now regclass[] := array(select pr.prrelid::regclass from pg_catalog.pg_publication_rel pr
+                              join pg_catalog.pg_publication p on p.oid = pr.prpubid where p.pubname = v_pub);
+    v_add regclass[] := array(select t from pg_catalog.unnest(v_want) t where t <> all(v_now));
+    v_drop regclass[] := array(select t from pg_catalog.unnest(v_now) t
+                               where t <> all(v_want)
+                                 and not exists (select from pg_catalog.unnest(v_want) w
+                                                 where t = any(lockstep._family(w))));
+    v_ddl text[] := '{}';
+begin
+    if not v_has and cardinality(v_want) > 0 then
+        v_ddl := v_ddl || pg_catalog.format('create publication %I', v_pub);
+    end if;
+    if cardinality(v_add) > 0 then
+        v_ddl := v_ddl || pg_catalog.format('alter publication %I add table %s', v_pub,
+                                            pg_catalog.array_to_string(v_add, ', '));
+    end if;
+    if v_has and cardinality(v_want) = 0 then
+        v_ddl := v_ddl || pg_catalog.format('drop publication %I', v_pub);
+    elsif cardinality(v_drop) > 0 then
+        v_ddl := v_ddl || pg_catalog.format('alter publication %I drop table %s', v_pub,
+                                            pg_catalog.array_to_string(v_drop, ', '));
+    end if;
+    return v_ddl;
+end;
+$$;
+
+-- lockstep._watch_wal(j, source, key_column): watch source through the WAL for job j: the checks of
+-- lockstep._check_wal, then one lockstep.wal_watch row, source in the capture publication, and the job's
+-- triggers on source (an earlier watch()) dropped, all in one lockstep._ddl call. Flags the job for its full
+-- recompute when source is newly watched or watched on another column (as watch() through triggers does).
+-- locks: source and the tables below it (ACCESS EXCLUSIVE, never waited for long: lockstep._ddl).
+create or replace function lockstep._watch_wal(j lockstep.job, source regclass, key_column name) returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_tables regclass[] := lockstep._family(source);
+    v_old name := (select w.key_column from lockstep.wal_watch w where w.job = j.job and w.source = _watch_wal.source);
+    v_type regtype;
+begin
+    perform lockstep._check_source_key(j, source, key_column);  -- LSQ02: a column that does not lead to the parent
+    perform lockstep._check_wal(source, key_column);
+    select a.atttypid into v_type from pg_catalog.pg_attribute a
+    where a.attrelid = source and a.attname = key_column and a.attnum > 0 and not a.attisdropped;
+    -- the WAL holds the column's text: queued as it is, so it must be the key's own text (lockstep._fast_pairs)
+    if pg_catalog.concat(v_type::oid, ':', j.key_type) <> all(lockstep._fast_pairs()) then
+        raise exception 'lockstep: %.% is %, and the job''s key type is %: watch(..., via => ''wal'') takes a column whose text is the key''s',
+            source, key_column, v_type, j.key_type
+            using errcode = 'LSQ01',
+                  hint = pg_catalog.format('Key and column types of %s (a column of the same type is always fine), or '
+                                           'watch through triggers (the default).', pg_catalog.array_to_string(lockstep._fast_types(), ', '));
+    end if;
+    insert into lockstep.wal_watch (job, source, key_column) values (j.job, source, key_column)
+    on conflict on constraint wal_watch_pkey do update set key_column = excluded.key_column, watched_at = now();
+    perform lockstep._ddl(v_tables, lockstep._drop_watch_ddl(j.job, v_tables) || lockstep._publication_ddl(),
+                          pg_catalog.format('watch(%L, %L, via => ''wal'')', j.job, source));
+    if v_old is distinct from key_column then
+        insert into lockstep.recompute_flag (job, flagged_at, problem)
+        values (j.job, pg_catalog.clock_timestamp(),
+                pg_catalog.format('%s watched through the WAL on column %s now: its earlier changes wait for the '
+                                  'full recompute', source, key_column));
+    end if;
+    perform lockstep._drop_unused_triggers();
+end;
+$$;
+
+-- lockstep._unwatch_wal(job, source): stop watching source through the WAL for job (its lockstep.wal_watch
+-- row); source leaves the capture publication when no job watches it, and the publication and the slot go
+-- when no table is left (lockstep._capture_cleanup). False: the job did not watch source through the WAL.
+-- locks: source and the tables below it (ACCESS EXCLUSIVE, never waited for long: lockstep._ddl).
+create or replace function lockstep._unwatch_wal(job text, source regclass) returns boolean
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    delete from lockstep.wal_watch w where w.job = _unwatch_wal.job and w.source = _unwatch_wal.source;
+    if not found then
+        return false;
+    end if;
+    perform lockstep._capture_cleanup();
+    return true;
+end;
+$$;
+
+-- lockstep._capture_cleanup(): the capture publication holds the tables of lockstep.wal_watch and nothing
+-- else; with none left, the publication, the slot and the capture's state go (a slot nobody reads would
+-- keep WAL for ever). Called by unwatch, drop_job and lockstep.capture.
+-- locks: the tables leaving the publication (ACCESS EXCLUSIVE, never waited for long: lockstep._ddl).
+create or replace function lockstep._capture_cleanup() returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_ddl text[] := lockstep._publication_ddl();
+    v_slot name := lockstep._capture_slot();
+begin
+    if cardinality(v_ddl) > 0 then
+        perform lockstep._ddl(array(select pr.prrelid::regclass from pg_catalog.pg_publication_rel pr
+                                    join pg_catalog.pg_publication p on p.oid = pr.prpubid
+                                    where p.pubname = lockstep._capture_publication()
+                                      and not exists (select from lockstep.wal_watch w where w.source = pr.prrelid)),
+                              v_ddl, 'the capture publication''s update');
+    end if;
+    if not exists (select from lockstep.wal_watch) then
+        delete from lockstep.capture_state;
+        if exists (select from pg_catalog.pg_replication_slots s where s.slot_name = v_slot) then
+            perform pg_catalog.pg_drop_replication_slot(v_slot);
+        end if;
+    end if;
+end;
+$$;
+
+-- lockstep._pgo_int(d, at, bytes): the big-endian unsigned integer of 2 or 4 bytes at offset at (from 0) of
+-- a pgoutput message.
+-- locks: nothing.
+create or replace function lockstep._pgo_int(d bytea, at integer, bytes integer) returns bigint
+language sql immutable strict parallel safe
+set search_path = pg_catalog, pg_temp
+as $$
+    select case bytes when 2 then pg_catalog.get_byte(d, at)::bigint << 8 | pg_catalog.get_byte(d, at + 1)
+           else pg_catalog.get_byte(d, at)::bigint << 24 | pg_catalog.get_byte(d, at + 1)::bigint << 16
+                | pg_catalog.get_byte(d, at + 2)::bigint << 8 | pg_catalog.get_byte(d, at + 3) end;
+$$;
+
+-- lockstep._pgo_relation(d): a pgoutput Relation message ('R'): the relation's oid, its columns' names and
+-- type oids in the order the change messages that follow send them (dropped and generated columns left
+-- out, as of when the change was made, not now: a column renamed since is under its name of then).
+-- locks: nothing.
+create or replace function lockstep._pgo_relation(d bytea, out relid oid, out cols name[], out types oid[])
+language plpgsql immutable strict
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_pos integer := 5;
+    v_end integer;
+    v_n integer;
+    v_enc name := pg_catalog.getdatabaseencoding();
+begin
+    relid := lockstep._pgo_int(d, 1, 4)::oid;
+    for i in 1 .. 2 loop  -- the namespace and the relation's name, each ending in a zero byte
+        v_pos := v_pos + pg_catalog.position(pg_catalog.substr(d, v_pos + 1), '\x00'::bytea);
+    end loop;
+    v_n := lockstep._pgo_int(d, v_pos + 1, 2);  -- after the replica identity byte
+    v_pos := v_pos + 3;
+    cols := '{}';
+    types := '{}';
+    for i in 1 .. v_n loop  -- flags, name and a zero byte, type oid, type modifier
+        v_end := v_pos + 1 + pg_catalog.position(pg_catalog.substr(d, v_pos + 2), '\x00'::bytea);
+        cols := cols || pg_catalog.convert_from(pg_catalog.substr(d, v_pos + 2, v_end - v_pos - 2), v_enc)::name;
+        types := types || lockstep._pgo_int(d, v_end, 4)::oid;
+        v_pos := v_end + 8;
+    end loop;
+end;
+$$;
+
+-- lockstep._pgo_keys(d, idx): the values of column idx (from 0) in the tuples of a pgoutput Insert, Update
+-- or Delete message: the old row's ('K': its replica identity, 'O': all of it) and the new row's ('N'),
+-- NULLs left out. NULL when the value cannot be told: the new row's column is an unchanged TOAST value ('u')
+-- and no old row came with it.
+-- locks: nothing.
+create or replace function lockstep._pgo_keys(d bytea, idx integer) returns text[]
+language plpgsql immutable strict
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_len integer := pg_catalog.length(d);
+    v_pos integer := 5;  -- past the message type and the relation oid
+    v_keys text[] := '{}';
+    v_unknown boolean := false;
+    v_tag integer;
+    v_n integer;
+    v_kind integer;
+    v_l integer;
+begin
+    while v_pos < v_len loop
+        v_tag := pg_catalog.get_byte(d, v_pos);
+        v_n := pg_catalog.get_byte(d, v_pos + 1) << 8 | pg_catalog.get_byte(d, v_pos + 2);
+        v_pos := v_pos + 3;
+        for i in 0 .. v_n - 1 loop
+            v_kind := pg_catalog.get_byte(d, v_pos);
+            if v_kind in (116, 98) then  -- 't' text, 'b' binary: a 4-byte length and the value
+                v_l := pg_catalog.get_byte(d, v_pos + 1) << 24 | pg_catalog.get_byte(d, v_pos + 2) << 16
+                       | pg_catalog.get_byte(d, v_pos + 3) << 8 | pg_catalog.get_byte(d, v_pos + 4);
+                if i = idx then
+                    v_keys := v_keys || pg_catalog.convert_from(pg_catalog.substr(d, v_pos + 6, v_l),
+                                                                pg_catalog.getdatabaseencoding());
+                    if v_tag = 78 then  -- the new row comes last: nothing more to read
+                        return v_keys;
+                    end if;
+                end if;
+                v_pos := v_pos + 5 + v_l;
+            else  -- 'n' NULL, 'u' unchanged TOAST value
+                v_unknown := v_unknown or (i = idx and v_kind = 117);
+                v_pos := v_pos + 1;
+            end if;
+        end loop;
+    end loop;
+    if v_unknown and cardinality(v_keys) = 0 then
+        return null;
+    end if;
+    return v_keys;
+end;
+$$;
+
+-- lockstep._pgo_truncated(d): the relation oids of a pgoutput Truncate message ('T').
+-- locks: nothing.
+create or replace function lockstep._pgo_truncated(d bytea) returns oid[]
+language sql immutable strict
+set search_path = pg_catalog, pg_temp
+as $$
+    select array(select lockstep._pgo_int(d, 6 + 4 * i, 4)::oid
+                 from pg_catalog.generate_series(0, lockstep._pgo_int(d, 1, 4)::integer - 1) i);
+$$;
+
+-- lockstep._capture_slot_ready(slot): make sure the capture slot exists and is not too far behind: create
+-- it when there is none; drop and create it again when the WAL it holds passed lockstep.setting's
+-- capture_max_bytes, or the server invalidated it (max_slot_wal_keep_size). Either way the changes before
+-- the new slot are not read, so every job watching through the WAL is flagged for its full recompute.
+-- Returns how many jobs it flagged. Must run before the transaction writes anything (PostgreSQL creates a
+-- logical slot only in a transaction without a transaction id); the creation waits for the transactions
+-- running at that moment to end, at most lock_timeout.
+-- locks: nothing lockstep or an application holds (the slot's creation waits on running transaction ids).
+create or replace function lockstep._capture_slot_ready(slot name) returns bigint
+language plpgsql
+set search_path = pg_catalog, pg_temp
+set lock_timeout = '10s'
+as $$
+declare
+    v_max bigint := (select s.capture_max_bytes from lockstep.setting s);
+    v_held bigint;
+    v_status text;
+    v_why text;
+    v_flagged bigint;
+begin
+    select pg_catalog.pg_current_wal_lsn() - s.restart_lsn, s.wal_status into v_held, v_status
+    from pg_catalog.pg_replication_slots s where s.slot_name = _capture_slot_ready.slot;
+    if not found then
+        v_why := 'the capture slot was created: the changes made before it were not read';
+    elsif v_status = 'lost' or v_held > v_max then
+        v_why := pg_catalog.format('the capture slot held %s of WAL (capture_max_bytes %s, or invalidated by the server): '
+                                   'it was recreated, the changes it held were not read',
+                                   coalesce(pg_catalog.pg_size_pretty(v_held), 'lost'), pg_catalog.pg_size_pretty(v_max));
+        perform pg_catalog.pg_drop_replication_slot(slot);
+    else
+        return 0;
+    end if;
+    perform pg_catalog.pg_create_logical_replication_slot(slot, 'pgoutput');
+    insert into lockstep.capture_state as c (slot) values (slot)
+    on conflict (only_row) do update
+    set slot = excluded.slot, queued_lsn = null, slot_created_at = now(),
+        recreated = c.recreated + (v_status is not null)::integer;
+    insert into lockstep.recompute_flag (job, flagged_at, problem)
+    select d.job, pg_catalog.clock_timestamp(), v_why from (select distinct w.job from lockstep.wal_watch w) d;
+    get diagnostics v_flagged = row_count;
+    raise warning 'lockstep: %; % job(s) flagged for a full recompute', v_why, v_flagged
+        using hint = 'See lockstep.capture_status.';
+    return v_flagged;
+end;
+$$;
+
+-- lockstep._capture_read(slot, upto, max_rows): read the slot's changes up to the LSN upto (at most about
+-- max_rows messages: whole transactions), queue the keys of the watched tables' changes (old and new), and
+-- flag the jobs whose changes say nothing of their keys: a TRUNCATE, a key column renamed, dropped or of
+-- another type now, a replica identity that no longer holds it, a key too long for the queue. Reads with
+-- pg_logical_slot_peek_binary_changes: the slot does not move (lockstep.capture advances it after commit).
+-- Returns the messages read, the watched changes among them, the queue rows and flags written, and the
+-- LSN of the last transaction read.
+-- locks: nothing (inserts into lockstep.queue and lockstep.recompute_flag).
+create or replace function lockstep._capture_read(slot name, upto pg_lsn, max_rows integer,
+                                                  out messages bigint, out changes bigint, out keys bigint,
+                                                  out flagged bigint, out last_commit pg_lsn)
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_pairs text[] := lockstep._fast_pairs();
+    v_max integer := lockstep._max_key_bytes();
+begin
+    with raw as materialized (
+        select c.o, c.lsn, c.data, pg_catalog.get_byte(c.data, 0) t
+        from pg_catalog.pg_logical_slot_peek_binary_changes(slot, upto, max_rows, 'proto_version', '1',
+             'publication_names', lockstep._capture_publication()) with ordinality c(lsn, xid, data, o)
+    ), rel as materialized (  -- 'R': the columns of a relation, before its first change (and after DDL)
+        select r.o, x.relid, x.cols, x.types from raw r, lateral lockstep._pgo_relation(r.data) x where r.t = 82
+    ), watched as materialized (
+        select w.job, f.rel::oid relid, w.key_column, j.key_type, lockstep._identity_covers(f.rel, w.key_column) covered
+        from lockstep.wal_watch w join lockstep.job j on j.job = w.job
+        cross join lateral pg_catalog.unnest(lockstep._family(w.source)) f(rel)
+    ), change as materialized (  -- 'I', 'U', 'D' of a watched table, with the key column's place then
+        select w.job, w.relid, w.key_column, w.key_type, w.covered, r.t, r.data, x.idx, x.typ
+        from raw r
+        join watched w on w.relid = lockstep._pgo_int(r.data, 1, 4)::oid
+        left join lateral (select pg_catalog.array_position(l.cols, w.key_column) - 1 idx,
+                                  l.types[pg_catalog.array_position(l.cols, w.key_column)] typ
+                           from rel l where l.relid = w.relid and l.o < r.o order by l.o desc limit 1) x on true
+        where r.t in (73, 85, 68)
+    ), keyed as materialized (
+        select c.job, k.keys, case
+            when c.idx is null then pg_catalog.format('column %I of %s is not in its WAL records (renamed or dropped)',
+                                                      c.key_column, c.relid::regclass)
+            when pg_catalog.concat(c.typ, ':', c.key_type) <> all(v_pairs)
+                then pg_catalog.format('column %I of %s is of type %s now', c.key_column, c.relid::regclass, c.typ::regtype)
+            when k.keys is null then pg_catalog.format('a change of %s does not say its key (unchanged TOAST value)',
+                                                       c.relid::regclass)
+            when not c.covered and c.t <> 73 then pg_catalog.format('the replica identity of %s no longer holds column %I',
+                                                                   c.relid::regclass, c.key_column) end problem
+        from change c cross join lateral (select lockstep._pgo_keys(c.data, c.idx) keys) k
+    ), queued as (
+        insert into lockstep.queue (job, key)
+        select d.job, d.key from (select distinct k.job, u.key from keyed k cross join lateral pg_catalog.unnest(k.keys) u(key)
+                                  where pg_catalog.octet_length(u.key) + pg_catalog.octet_length(k.job) <= v_max) d
+        order by d.job, d.key
+        returning 1
+    ), problem as (
+        select k.job, k.problem from keyed k where k.problem is not null
+        union all
+        select k.job, pg_catalog.format('a key too long for the queue (at most %s bytes with the job name)', v_max)
+        from keyed k cross join lateral pg_catalog.unnest(k.keys) u(key)
+        where pg_catalog.octet_length(u.key) + pg_catalog.octet_length(k.job) > v_max
+        union all
+        select w.job, pg_catalog.format('TRUNCATE of %s', w.relid::regclass)
+        from raw r cross join lateral pg_catalog.unnest(lockstep._pgo_truncated(r.data)) t(relid)
+        join watched w on w.relid = t.relid
+        where r.t = 84
+    ), flags as (
+        insert into lockstep.recompute_flag (job, flagged_at, problem)
+        select p.job, pg_catalog.clock_timestamp(), min(p.problem) from problem p group by p.job
+        returning 1
+    )
+    select (select count(*) from raw), (select count(*) from change), (select count(*) from queued),
+           (select count(*) from flags), (select max(r.lsn) from raw r where r.t = 67)
+    into messages, changes, keys, flagged, last_commit;
+end;
+$$;
+
+-- lockstep.capture(max_rows): queue the keys of the changes made to tables watched through the WAL
+-- (watch(..., via => 'wal')) since the last capture, at most about max_rows WAL messages (whole
+-- transactions). The runner calls it on its own, in a transaction of its own, every tick while any table is
+-- watched this way. In order: the slot advanced to the LSN the last committed capture recorded (never
+-- further: a capture that rolled back recorded nothing, so its changes are read again); the slot created,
+-- or recreated when it holds more WAL than lockstep.setting.capture_max_bytes (the jobs flagged for their
+-- full recompute); the changes read without consuming them (lockstep._capture_read); the LSN read up to
+-- recorded in lockstep.capture_state, in this transaction. outcome: done (read or flagged something), idle
+-- (nothing new, or no table watched through the WAL: then the slot and the publication are removed), busy
+-- (another capture is running). Call it in a transaction that has written nothing yet (a slot is created
+-- only there), as the runner does.
+-- locks: the advisory lock 'lockstep:capture' (try, transaction-level); the slot while it reads.
+create or replace function lockstep.capture(max_rows integer default 20000, out outcome text, out changes bigint,
+                                            out keys bigint, out flagged bigint, out queued_lsn pg_lsn,
+                                            out retained_bytes bigint)
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_slot name := lockstep._capture_slot();
+    v_upto pg_lsn;
+    v_confirmed pg_lsn;
+    r record;
+begin
+    if max_rows is null or max_rows < 1 then
+        raise exception 'lockstep: max_rows must be positive' using errcode = '22023';
+    end if;
+    changes := 0; keys := 0; flagged := 0;
+    if not exists (select from lockstep.wal_watch) then
+        if exists (select from lockstep.capture_state) then
+            perform lockstep._capture_cleanup();
+        end if;
+        outcome := 'idle';
+        return;
+    end if;
+    if not pg_catalog.pg_try_advisory_xact_lock(pg_catalog.hashtextextended('lockstep:capture', 0)) then
+        outcome := 'busy';
+        return;
+    end if;
+    flagged := lockstep._capture_slot_ready(v_slot);
+    select s.queued_lsn into queued_lsn from lockstep.capture_state s;
+    select s.confirmed_flush_lsn into v_confirmed from pg_catalog.pg_replication_slots s where s.slot_name = v_slot;
+    if queued_lsn > v_confirmed then  -- what the last committed capture queued
+        perform pg_catalog.pg_replication_slot_advance(v_slot, queued_lsn);
+    end if;
+    v_upto := pg_catalog.pg_current_wal_flush_lsn();  -- decoding reads no further than the WAL flushed
+    r := lockstep._capture_read(v_slot, v_upto, max_rows);
+    -- fewer messages than asked: every transaction that ended before v_upto was read
+    queued_lsn := greatest(v_confirmed, queued_lsn, case when r.messages < max_rows then v_upto else r.last_commit end);
+    update lockstep.capture_state s
+    set queued_lsn = capture.queued_lsn, last_capture_at = now(), last_changes = r.changes, changes = s.changes + r.changes;
+    changes := r.changes;
+    keys := r.keys;
+    flagged := flagged + r.flagged;
+    if r.flagged > 0 then
+        raise warning 'lockstep: the capture flagged % job(s) for a full recompute', r.flagged
+            using hint = 'See trigger_problem in lockstep.status.';
+    end if;
+    retained_bytes := (select pg_catalog.pg_current_wal_lsn() - s.restart_lsn
+                       from pg_catalog.pg_replication_slots s where s.slot_name = v_slot);
+    outcome := case when r.changes > 0 or flagged > 0 then 'done' else 'idle' end;
+end;
+$$;
+
+-- lockstep.set_capture_bounds(unhealthy_bytes, max_bytes): the WAL the capture slot may hold before
+-- lockstep.capture_status says unhealthy, and before lockstep.capture recreates the slot (the jobs then
+-- recompute in full). NULL keeps a bound. Keep max_bytes below the server's max_slot_wal_keep_size.
+-- locks: the lockstep.setting row.
+create or replace function lockstep.set_capture_bounds(unhealthy_bytes bigint default null, max_bytes bigint default null)
+returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if unhealthy_bytes <= 0 or max_bytes <= 0 or coalesce(unhealthy_bytes, 1) > coalesce(max_bytes, unhealthy_bytes) then
+        raise exception 'lockstep: capture bounds must be positive, unhealthy_bytes at most max_bytes' using errcode = '22023',
+            hint = 'For example lockstep.set_capture_bounds(256 * 1024 * 1024, 1024 * 1024 * 1024).';
+    end if;
+    update lockstep.setting s
+    set capture_unhealthy_bytes = coalesce(unhealthy_bytes, s.capture_unhealthy_bytes),
+        capture_max_bytes = coalesce(max_bytes, s.capture_max_bytes);
+end;
+$$;
+
+-- lockstep.capture_status: the WAL capture at a glance (no row: no table is watched through the WAL).
+--   retained_bytes: WAL the slot keeps on disk; lag_bytes: WAL written since the LSN the capture queued up
+--   to; healthy: the slot is valid and retains at most lockstep.setting.capture_unhealthy_bytes.
+create or replace view lockstep.capture_status with (security_invoker = true) as
+select c.slot, l.slot_name is not null as slot_exists, l.wal_status,
+       c.queued_lsn, l.confirmed_flush_lsn, l.restart_lsn,
+       (pg_catalog.pg_current_wal_lsn() - l.restart_lsn)::bigint as retained_bytes,
+       (pg_catalog.pg_current_wal_lsn() - coalesce(c.queued_lsn, l.confirmed_flush_lsn))::bigint as lag_bytes,
+       c.last_capture_at, c.last_changes, c.changes, c.recreated, c.slot_created_at,
+       (select count(*) from lockstep.wal_watch) as watched,
+       coalesce(l.wal_status in ('reserved', 'extended')
+                and pg_catalog.pg_current_wal_lsn() - l.restart_lsn <= s.capture_unhealthy_bytes, false) as healthy,
+       s.capture_unhealthy_bytes, s.capture_max_bytes
+from lockstep.capture_state c
+cross join lockstep.setting s
+left join pg_catalog.pg_replication_slots l on l.slot_name = c.slot;
+
+-- row security: anyone granted SELECT reads what is watched through the WAL (the runner's capture does);
+-- only who manages a job changes its rows. The capture's state is one row with nothing of any job in it.
+drop policy if exists wal_watch_read on lockstep.wal_watch;
+create policy wal_watch_read on lockstep.wal_watch for select using (true);
+drop policy if exists wal_watch_own on lockstep.wal_watch;
+create policy wal_watch_own on lockstep.wal_watch for all
+    using (job in (select j.job from lockstep.job j where lockstep._may_manage(j.owner)))
+    with check (job in (select j.job from lockstep.job j where lockstep._may_manage(j.owner)));
+drop policy if exists capture_state_all on lockstep.capture_state;
+create policy capture_state_all on lockstep.capture_state for all using (true) with check (true);

@@ -1,0 +1,298 @@
+"""Watching a table through the WAL (watch(..., via => 'wal')) and lockstep.capture(), on a throw-away
+cluster with wal_level = logical (tests/wal_cluster.py), one per module: no trigger in the application's
+transaction, every change's keys queued (old and new), at least once, TRUNCATE and DDL flag the job, the
+refusals, and nothing retained for ever."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pg_cluster
+import psycopg
+import pytest
+import wal_cluster
+from util import raises_sqlstate, snapshot
+
+from lockstep.lab.example import JOB, divergence
+from lockstep.migrate import migrate
+
+pytestmark = pytest.mark.skipif(not pg_cluster.AVAILABLE, reason=pg_cluster.MISSING)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[pg_cluster.Cluster]:
+    with wal_cluster.running() as c:
+        yield c
+
+
+@pytest.fixture
+def wdsn(cluster: pg_cluster.Cluster) -> Iterator[str]:
+    with wal_cluster.database(cluster) as dsn:
+        yield dsn
+
+
+@pytest.fixture
+def c(wdsn: str) -> Iterator[psycopg.Connection]:
+    with wal_cluster.connect(wdsn) as conn:
+        yield conn
+
+
+def capture(c: psycopg.Connection) -> dict:
+    cur = c.execute("select * from lockstep.capture()")
+    return dict(zip([d.name for d in cur.description], cur.fetchone(), strict=True))
+
+
+def queued(c: psycopg.Connection) -> list[str]:
+    return [r[0] for r in c.execute("select distinct key from lockstep.queue order by 1")]
+
+
+def flags(c: psycopg.Connection) -> list[str]:
+    return [r[0] for r in c.execute("select problem from lockstep.recompute_flag order by flagged_at")]
+
+
+def converge(c: psycopg.Connection) -> None:
+    for _ in range(20):
+        r = c.execute("select outcome from lockstep.run(%s)", [JOB]).fetchone()[0]
+        if r == "idle":
+            break
+    assert divergence(c) == (0, 0)
+
+
+def test_no_trigger_and_every_change_queues_its_keys_old_and_new(c):
+    assert (
+        c.execute(
+            "select count(*) from pg_trigger where not tgisinternal"
+            " and tgrelid in ('example.exam'::regclass, 'example.exam_item'::regclass)"
+        ).fetchone()[0]
+        == 0
+    )
+    c.execute("update example.exam_item set body = body || ' x' where exam_id = 2")
+    c.execute("insert into example.exam_item (exam_id, body) values (3, 'new words')")
+    # a key column update: the old exam (4) and the new one (5)
+    c.execute(
+        "update example.exam_item set exam_id = 5 where id = (select min(id) from example.exam_item where exam_id = 4)"
+    )
+    c.execute("delete from example.exam where id = 7")
+    c.execute("insert into example.exam (id, title, body) values (12, 'twelve', 'twelve')")
+    c.execute("update example.exam set id = 13 where id = 12")  # the parent's own key: old and new
+    assert divergence(c) != (0, 0)
+    r = capture(c)
+    assert r["outcome"] == "done" and r["flagged"] == 0
+    assert queued(c) == ["12", "13", "2", "3", "4", "5", "7"]
+    converge(c)
+    assert capture(c)["outcome"] == "idle"
+
+
+def test_changes_committed_in_any_order_all_arrive(c, wdsn):
+    with wal_cluster.connect(wdsn) as a, wal_cluster.connect(wdsn) as b:
+        a.execute("begin")
+        a.execute("update example.exam_item set body = body || ' a' where exam_id = 2")
+        b.execute("begin")
+        b.execute("update example.exam_item set body = body || ' b' where exam_id = 3")
+        b.execute("commit")
+        capture(c)  # b's change; a's is not committed yet
+        assert queued(c) == ["3"]
+        c.execute("update example.exam_item set body = body || ' c' where exam_id = 6")
+        capture(c)
+        a.execute("commit")  # began before the two captures, committed after them
+    capture(c)
+    assert queued(c) == ["2", "3", "6"]
+    converge(c)
+
+
+def test_a_capture_that_rolls_back_is_read_again_and_the_slot_does_not_move_past_it(c):
+    c.execute("update example.exam_item set body = body || ' x' where exam_id in (2, 9)")
+    slot = c.execute("select slot from lockstep.capture_state").fetchone()[0]
+    recorded = c.execute("select queued_lsn from lockstep.capture_state").fetchone()[0]
+    c.execute("begin")
+    assert capture(c)["keys"] == 2
+    c.execute("rollback")  # a capture that failed after its read: nothing of it stays
+    assert queued(c) == []
+    # the slot went no further than what the last committed capture recorded
+    moved = c.execute(
+        "select confirmed_flush_lsn > %s::pg_lsn from pg_replication_slots where slot_name = %s",
+        [recorded, slot],
+    ).fetchone()[0]
+    assert moved is False
+    # the next capture reads the same changes again
+    assert capture(c)["keys"] == 2
+    assert queued(c) == ["2", "9"]
+    converge(c)
+
+
+def test_a_capture_failing_midway_changes_nothing(c):
+    c.execute("update example.exam_item set body = body || ' x' where exam_id = 2")
+    # a queue insert that fails: the capture's statement is one, so it rolls back whole
+    c.execute("alter table lockstep.queue add constraint no_two check (key <> '2')")
+    with pytest.raises(psycopg.errors.CheckViolation):
+        capture(c)
+    assert c.execute("select queued_lsn from lockstep.capture_state").fetchone()[0] is not None
+    c.execute("alter table lockstep.queue drop constraint no_two")
+    assert capture(c)["keys"] == 1
+    assert queued(c) == ["2"]
+    converge(c)
+
+
+def test_truncate_of_a_watched_table_flags_the_job(c):
+    c.execute("truncate example.exam_item")
+    r = capture(c)
+    assert r["flagged"] == 1
+    assert flags(c) == ["TRUNCATE of example.exam_item"]
+    assert c.execute("select outcome, action from lockstep.run(%s)", [JOB]).fetchone() == (
+        "done",
+        "recompute",
+    )
+    converge(c)
+    assert flags(c) == []
+
+
+def test_a_renamed_or_dropped_key_column_flags_the_job_and_the_capture_goes_on(c):
+    c.execute("update example.exam_item set body = body || ' x' where exam_id = 2")
+    c.execute("alter table example.exam_item rename column exam_id to exam")
+    c.execute("update example.exam_item set body = body || ' y' where exam = 3")
+    c.execute("update example.exam set title = title || ' z' where id = 4")
+    r = capture(c)
+    assert r["flagged"] == 1
+    assert queued(c) == ["2", "4"]  # before the rename, and the other table's change after it
+    assert flags(c) == ["column exam_id of example.exam_item is not in its WAL records (renamed or dropped)"]
+    c.execute("update example.exam set title = title || ' w' where id = 5")
+    assert capture(c)["keys"] == 1  # not stalled
+    assert "5" in queued(c)
+
+
+def test_watch_via_wal_refuses_a_replica_identity_without_the_key_column_and_changes_nothing(c):
+    c.execute("alter table example.exam_item replica identity default")  # the primary key: id only
+    c.execute("select lockstep.unwatch(%s, 'example.exam_item')", [JOB])
+    before = snapshot(c, "lockstep.wal_watch")
+    with raises_sqlstate(
+        "55000", match="replica identity of example.exam_item does not hold column exam_id"
+    ) as e:
+        c.execute("select lockstep.watch(%s, 'example.exam_item', 'exam_id', via => 'wal')", [JOB])
+    assert "REPLICA IDENTITY FULL" in e.value.diag.message_hint
+    assert snapshot(c, "lockstep.wal_watch") == before
+
+
+def test_watch_via_wal_refuses_bad_input(c):
+    before = snapshot(c, "lockstep.wal_watch")
+    with raises_sqlstate("22023", match="not a way to watch"):
+        c.execute("select lockstep.watch(%s, 'example.exam', 'id', via => 'logical')", [JOB])
+    with raises_sqlstate("22023", match="not a way to watch a table through another"):
+        c.execute(
+            "select lockstep.watch(%s, 'example.exam_item', 'id', through => 'example.exam_item',"
+            " through_column => 'exam_id', via => 'wal')",
+            [JOB],
+        )
+    with raises_sqlstate("22023"):
+        c.execute("select lockstep.watch(%s, 'example.exam', 'id', via => null)", [JOB])
+    with raises_sqlstate("42703"):
+        c.execute("select lockstep.watch(%s, 'example.exam', 'nope', via => 'wal')", [JOB])
+    with raises_sqlstate("LSJ01"):
+        c.execute("select lockstep.watch('nope', 'example.exam', 'id', via => 'wal')")
+    c.execute("create role walless login")
+    try:
+        c.execute("grant root to walless")  # may act for the job's owner, but has no REPLICATION
+        c.execute("set role walless")
+        with raises_sqlstate("42501", match="may not use replication slots") as e:
+            c.execute("select lockstep.watch(%s, 'example.exam', 'id', via => 'wal')", [JOB])
+        assert "REPLICATION" in e.value.diag.message_hint
+    finally:
+        c.execute("reset role")
+        c.execute("drop role walless")
+    assert snapshot(c, "lockstep.wal_watch") == before
+
+
+def test_watch_via_wal_refuses_a_server_whose_wal_level_is_not_logical(ex):
+    assert ex.execute("show wal_level").fetchone()[0] != "logical"
+    before = snapshot(ex)
+    with raises_sqlstate("55000", match="wal_level = logical") as e:
+        ex.execute("select lockstep.watch(%s, 'example.exam', 'id', via => 'wal')", [JOB])
+    assert "triggers" in e.value.diag.message_hint
+    assert snapshot(ex) == before
+
+
+def test_switching_between_triggers_and_the_wal(c):
+    c.execute("select lockstep.watch(%s, 'example.exam_item', 'exam_id', via => 'trigger')", [JOB])
+    assert (
+        c.execute(
+            "select count(*) from lockstep.wal_watch where source = 'example.exam_item'::regclass"
+        ).fetchone()[0]
+        == 0
+    )
+    assert (
+        c.execute(
+            "select count(*) from pg_trigger where tgrelid = 'example.exam_item'::regclass and not tgisinternal"
+        ).fetchone()[0]
+        == 4
+    )
+    c.execute("select lockstep.watch(%s, 'example.exam_item', 'exam_id', via => 'wal')", [JOB])
+    assert (
+        c.execute(
+            "select count(*) from pg_trigger where tgrelid = 'example.exam_item'::regclass and not tgisinternal"
+        ).fetchone()[0]
+        == 0
+    )
+    c.execute("update example.exam_item set body = body || ' x' where exam_id = 2")
+    assert queued(c) == []  # no trigger
+    capture(c)
+    assert queued(c) == ["2"]
+
+
+def test_the_application_never_waits_for_a_capture(c, wdsn):
+    c.execute("begin")
+    capture(c)  # its transaction open: what it holds
+    held = c.execute(
+        "select count(*) from pg_locks where pid = pg_backend_pid() and locktype = 'relation'"
+        " and relation in ('example.exam'::regclass, 'example.exam_item'::regclass)"
+    ).fetchone()[0]
+    assert held == 0
+    with wal_cluster.connect(wdsn) as app:
+        app.execute("set lock_timeout = '5s'")  # a wait would fail it
+        app.execute("update example.exam_item set body = body || ' x' where exam_id = 2")
+        app.execute("delete from example.exam where id = 3")
+        app.execute("truncate example.exam_item")  # ACCESS EXCLUSIVE: nothing of lockstep's in its way
+    c.execute("commit")
+
+
+def test_unwatch_and_drop_job_remove_the_publication_and_the_slot_when_nothing_uses_them(c):
+    slot = c.execute("select slot from lockstep.capture_state").fetchone()[0]
+
+    def state() -> tuple[int, int, int]:
+        return c.execute(
+            "select (select count(*) from pg_replication_slots where slot_name = %s),"
+            " (select count(*) from pg_publication where pubname = 'lockstep_capture'),"
+            " (select count(*) from pg_publication_tables where pubname = 'lockstep_capture')",
+            [slot],
+        ).fetchone()
+
+    assert state() == (1, 1, 2)
+    c.execute("select lockstep.unwatch(%s, 'example.exam_item')", [JOB])
+    assert state() == (1, 1, 1)
+    c.execute("select lockstep.drop_job(%s)", [JOB])
+    assert state() == (0, 0, 0)
+    assert c.execute("select count(*) from lockstep.capture_state").fetchone()[0] == 0
+    assert capture(c)["outcome"] == "idle"
+
+
+def test_past_its_bounds_the_slot_is_unhealthy_then_recreated_and_the_jobs_flagged(c):
+    with raises_sqlstate("22023"):
+        c.execute("select lockstep.set_capture_bounds(10, 5)")
+    c.execute("select lockstep.set_capture_bounds(1, 1024 * 1024 * 1024)")
+    c.execute("create table filler as select g, repeat('x', 100) t from generate_series(1, 1000) g")
+    assert c.execute("select healthy from lockstep.capture_status").fetchone()[0] is False
+    c.execute("select lockstep.set_capture_bounds(1, 1)")
+    r = capture(c)
+    assert r["flagged"] == 1
+    assert c.execute("select recreated from lockstep.capture_status").fetchone()[0] == 1
+    assert "it was recreated" in flags(c)[0]
+    c.execute("select lockstep.set_capture_bounds(256 * 1024 * 1024, 1024 * 1024 * 1024)")
+    assert c.execute("select healthy from lockstep.capture_status").fetchone()[0] is True
+    converge(c)
+
+
+def test_the_downgrade_removes_the_slot_and_the_publication(c, wdsn):
+    slot = c.execute("select slot from lockstep.capture_state").fetchone()[0]
+    migrate(wdsn, "lockstep_0001", downgrade=True)
+    assert (
+        c.execute("select count(*) from pg_replication_slots where slot_name = %s", [slot]).fetchone()[0] == 0
+    )
+    assert c.execute("select count(*) from pg_publication").fetchone()[0] == 0
