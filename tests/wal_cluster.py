@@ -62,7 +62,10 @@ def database(cluster: pg_cluster.Cluster, watched: bool = True) -> Iterator[str]
                 c.execute("select lockstep.recompute(%s)", [JOB])
                 c.execute("select lockstep.capture()")
                 c.execute("delete from lockstep.queue")
-                c.execute("update lockstep.job_state set next_run_at = now() + interval '1 year' where job = %s", [JOB])
+                c.execute(
+                    "update lockstep.job_state set next_run_at = now() + interval '1 year' where job = %s",
+                    [JOB],
+                )
         yield dsn
     finally:
         with connect(cluster.dsn) as admin:

@@ -70,7 +70,8 @@ def test_no_trigger_and_every_change_queues_its_keys_old_and_new(c):
     c.execute("insert into example.exam_item (exam_id, body) values (3, 'new words')")
     # a key column update: the old exam (4) and the new one (5)
     c.execute(
-        "update example.exam_item set exam_id = 5 where id = (select min(id) from example.exam_item where exam_id = 4)"
+        "update example.exam_item set exam_id = 5"
+        " where id = (select min(id) from example.exam_item where exam_id = 4)"
     )
     c.execute("delete from example.exam where id = 7")
     c.execute("insert into example.exam (id, title, body) values (12, 'twelve', 'twelve')")
@@ -220,14 +221,16 @@ def test_switching_between_triggers_and_the_wal(c):
     )
     assert (
         c.execute(
-            "select count(*) from pg_trigger where tgrelid = 'example.exam_item'::regclass and not tgisinternal"
+            "select count(*) from pg_trigger"
+            " where tgrelid = 'example.exam_item'::regclass and not tgisinternal"
         ).fetchone()[0]
         == 4
     )
     c.execute("select lockstep.watch(%s, 'example.exam_item', 'exam_id', via => 'wal')", [JOB])
     assert (
         c.execute(
-            "select count(*) from pg_trigger where tgrelid = 'example.exam_item'::regclass and not tgisinternal"
+            "select count(*) from pg_trigger"
+            " where tgrelid = 'example.exam_item'::regclass and not tgisinternal"
         ).fetchone()[0]
         == 0
     )
