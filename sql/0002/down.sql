@@ -63,3 +63,10 @@ drop function if exists lockstep._capture_slot();
 drop table if exists lockstep.capture_state;
 drop table if exists lockstep.wal_watch;
 alter table lockstep.setting drop column if exists capture_unhealthy_bytes, drop column if exists capture_max_bytes;
+
+-- jobs defined by a query (0002) keep their generated compute function, as a job of 0001 would
+drop function if exists lockstep.define_derived(text, regclass, regprocedure, regclass, name, text, interval, interval, text, text);
+drop function if exists lockstep._query_compute(text, regclass, text, regclass, name, text);
+drop function if exists lockstep._query_parent(regclass, regclass, name);
+drop function if exists lockstep._query_scans(text, text, name, regtype);
+drop function if exists lockstep._query_columns(text, text);

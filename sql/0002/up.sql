@@ -29,3 +29,6 @@ create table lockstep.capture_state (
     recreated       bigint not null default 0
 );
 alter table lockstep.capture_state enable row level security;
+
+-- define_derived() gains query and query_search_path (compute may be NULL then)
+drop function if exists lockstep.define_derived(text, regclass, regprocedure, regclass, name, text, interval, interval);

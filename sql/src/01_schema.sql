@@ -18,6 +18,7 @@
 -- LSD05  compute returned invalid rows (duplicate or NULL primary key)
 -- LSD06  a foreign key lockstep cannot write through without waiting
 -- LSD07  the target is already written by another job
+-- LSD08  a job's query calls a volatile function
 -- LSQ01  keys of the wrong type for the job's parent key
 -- LSQ02  a watched key column that does not lead to the parent (a foreign key to another table; with
 -- through, no foreign key to the through table)

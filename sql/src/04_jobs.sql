@@ -343,6 +343,10 @@ begin
     delete from lockstep.recompute_flag f where f.job = j.job;
     delete from lockstep.job x where x.job = j.job;
     perform lockstep._capture_cleanup();  -- its lockstep.wal_watch rows went with it (16_capture.sql)
+    if pg_catalog.obj_description(pg_catalog.to_regprocedure(j.compute), 'pg_proc')
+       = 'lockstep: compute of a job defined by a query' then  -- written by lockstep._query_compute
+        execute pg_catalog.format('drop function if exists %s', j.compute);
+    end if;
     v_own := lockstep._own_enqueuers(j.job);
     if v_own is not null then
         raise warning 'lockstep: job "%" is dropped, but your own % call(s) lockstep.enqueue(''%'', ...): the next write that fires them fails (LSJ01)',

@@ -528,10 +528,11 @@ comment on function lockstep._dry_run(regprocedure, regtype) is
 -- lockstep.define_derived(...): register or update a derived table: compute(keys) returns the rows of the
 -- parents in keys (NULL: all) in the target's shape; without a parent, only whole-table recomputes.
 -- locks: the job's registry row (insert or update).
-create or replace function lockstep.define_derived(job text, target regclass, compute regprocedure,
+create or replace function lockstep.define_derived(job text, target regclass, compute regprocedure default null,
                                         parent regclass default null, parent_column name default null,
                                         lock_group text default null, every interval default '1 minute',
-                                        backoff interval default '1 hour')
+                                        backoff interval default '1 hour', query text default null,
+                                        query_search_path text default pg_catalog.current_setting('search_path'))
 returns void
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -541,6 +542,13 @@ declare
     v_cols name[];
     v_par record;
 begin
+    if (compute is null) = (query is null) then
+        raise exception 'lockstep: pass either compute or query' using errcode = '22004',
+            hint = 'compute => a function of the parent keys, or query => ''select ...'' returning the target''s columns.';
+    elsif query is not null then
+        compute := lockstep._query_compute(job, target, pg_catalog.rtrim(pg_catalog.btrim(query), ';'), parent,
+                                           parent_column, query_search_path);
+    end if;
     perform lockstep._check_schedule(job, lock_group, every, backoff);
     v_key := lockstep._check_target(target, compute, parent);
     perform lockstep._check_target_rls(target);

@@ -1,0 +1,144 @@
+"""Jobs defined by a query: define_derived(..., query => 'select ...') writes the keyed compute function,
+keeps the target current like a function-defined job, warns when a few keys still read a whole table,
+and refuses what does not fit at define time, changing nothing."""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+from util import drain, raises_sqlstate
+
+SHOP = """
+create schema shop;
+create table shop.customer (id bigint primary key, name text not null);
+create table shop.orders (id bigint primary key,
+                          customer_id bigint not null references shop.customer (id) on delete cascade);
+create index on shop.orders (customer_id);
+create table shop.order_line (id bigint primary key,
+                              order_id bigint not null references shop.orders (id) on delete cascade,
+                              amount integer not null);
+create table shop.customer_total (
+    customer_id bigint primary key references shop.customer (id) on delete cascade,
+    total bigint not null, lines bigint not null);
+insert into shop.customer select g, 'c' || g from generate_series(1, 50) g;
+insert into shop.orders select g, 1 + g % 50 from generate_series(1, 200) g;
+insert into shop.order_line select g, 1 + g % 200, g % 17 from generate_series(1, 2000) g;
+analyze shop.customer, shop.orders, shop.order_line;
+"""
+
+QUERY = """
+    select c.id as customer_id, coalesce(sum(l.amount), 0)::bigint as total, count(l.id) as lines
+    from customer c left join orders o on o.customer_id = c.id left join order_line l on l.order_id = o.id
+    group by c.id
+"""
+
+FN = "shop.customer_total_lockstep_compute(bigint[])"
+DIVERGENCE = f"""
+select count(*) from (
+    (select * from shop.customer_total except select * from {FN.replace("(bigint[])", "(null)")})
+    union all
+    (select * from {FN.replace("(bigint[])", "(null)")} except select * from shop.customer_total)) d
+"""
+
+
+@pytest.fixture
+def shop(conn: psycopg.Connection) -> psycopg.Connection:
+    conn.execute(SHOP)
+    conn.execute("set search_path = shop, public")
+    return conn
+
+
+def define(conn: psycopg.Connection, query: str = QUERY, **extra: str) -> list[str]:
+    notices: list[str] = []
+    conn.add_notice_handler(lambda d: notices.append(d.message_primary or ""))
+    args = "".join(f", {k} => {v}" for k, v in extra.items())
+    conn.execute(
+        "select lockstep.define_derived('totals', 'shop.customer_total', query => %s,"
+        f" parent => 'shop.customer'{args})",
+        [query],
+    )
+    return notices
+
+
+def test_a_query_defined_job_keeps_its_target_current(shop: psycopg.Connection) -> None:
+    notices = define(shop, query=QUERY.replace("left join order_line l", "left join order_line l"))
+    assert shop.execute("select compute from lockstep.job where job = 'totals'").fetchone()[0] == FN
+    shop.execute("select lockstep.recompute('totals')")
+    assert shop.execute("select count(*) from shop.customer_total").fetchone()[0] == 50
+    shop.execute("create index on shop.order_line (order_id)")
+    shop.execute("select lockstep.watch('totals', 'orders', 'customer_id')")
+    shop.execute(
+        "select lockstep.watch('totals', 'order_line', 'order_id',"
+        " through => 'orders', through_column => 'customer_id')"
+    )
+    shop.execute("select lockstep.recompute('totals')")
+    shop.execute("update order_line set amount = amount + 5 where order_id in (3, 4)")
+    shop.execute("delete from orders where id = 10")
+    shop.execute("insert into order_line values (5000, 7, 100)")
+    drain(shop, "totals")
+    assert shop.execute(DIVERGENCE).fetchone()[0] == 0
+    assert any("reads all of shop.order_line" in n for n in notices), notices  # defined before its index
+
+
+def test_the_key_filter_reaches_the_tables(shop: psycopg.Connection) -> None:
+    shop.execute("create index on shop.order_line (order_id)")
+    notices = define(shop)
+    assert not any("reads all of" in n for n in notices), notices
+    rows = shop.execute(
+        f"select customer_id from {FN.replace('(bigint[])', '(array[3, 5])')} order by 1"
+    ).fetchall()
+    assert rows == [(3,), (5,)]
+    with shop.transaction():
+        shop.execute("set local enable_seqscan = off")
+        plan = "\n".join(
+            r[0]
+            for r in shop.execute(
+                "explain select * from (" + QUERY + ") q where q.customer_id = any('{3,5}'::bigint[])"
+            )
+        )
+    assert "Seq Scan" not in plan, plan
+
+
+def test_a_redefined_query_replaces_the_function_and_drop_job_removes_it(shop: psycopg.Connection) -> None:
+    define(shop)
+    define(shop, QUERY.replace("count(l.id)", "count(l.id) * 2"))
+    shop.execute("select lockstep.recompute('totals')")
+    assert shop.execute("select sum(lines) from shop.customer_total").fetchone()[0] == 4000
+    shop.execute("select lockstep.drop_job('totals')")
+    assert shop.execute("select to_regprocedure(%s)", [FN]).fetchone()[0] is None
+
+
+BAD = [
+    ("select 1 as total", "LSD03", "does not return the parent column customer_id"),
+    (QUERY.replace("as lines", "as line_count"), "LSD03", None),
+    (QUERY.replace("count(l.id)", "count(l.id) + (random() * 0)::int"), "LSD08", "random()"),
+    ("select customer_id frm nowhere", "42601", None),
+    ("select customer_id, 1::bigint as total, 1::bigint as lines from nowhere", "42P01", None),
+]
+
+
+@pytest.mark.parametrize(("query", "sqlstate", "match"), BAD)
+def test_a_query_that_does_not_fit_is_refused_and_changes_nothing(shop, query, sqlstate, match) -> None:
+    with raises_sqlstate(sqlstate, match):
+        define(shop, query)
+    assert shop.execute("select count(*) from lockstep.job").fetchone()[0] == 0
+    assert shop.execute("select to_regprocedure(%s)", [FN]).fetchone()[0] is None
+
+
+def test_compute_and_query_are_one_or_the_other(shop: psycopg.Connection) -> None:
+    with raises_sqlstate("22004", "either compute or query"):
+        shop.execute(
+            "select lockstep.define_derived('totals', 'shop.customer_total', parent => 'shop.customer')"
+        )
+    with raises_sqlstate("LSD04", "needs a parent"):
+        shop.execute("select lockstep.define_derived('totals', 'shop.customer_total', query => %s)", [QUERY])
+
+
+def test_a_function_lockstep_did_not_write_is_not_replaced(shop: psycopg.Connection) -> None:
+    shop.execute(
+        "create function shop.customer_total_lockstep_compute(keys bigint[])"
+        " returns table (customer_id bigint)"
+        " language sql as 'select 1::bigint'"
+    )
+    with raises_sqlstate("42723", "lockstep did not write it"):
+        define(shop)
