@@ -569,10 +569,11 @@ begin
                                    v_par.key_type, v_key, v_cols, lock_group, every, backoff);
 end;
 $$;
-comment on function lockstep.define_derived(text, regclass, regprocedure, regclass, name, text, interval, interval) is
+comment on function lockstep.define_derived(text, regclass, regprocedure, regclass, name, text, interval, interval,
+                                           text, text) is
     'Register or update a derived table: compute(keys) returns the rows of the parents in keys (NULL: '
-    'all) in the target''s shape; without a parent, only whole-table recomputes. Locks: the job''s '
-    'registry row (insert or update).';
+    'all) in the target''s shape, or query returns them and lockstep writes that function; without a parent, '
+    'only whole-table recomputes. Locks: the job''s registry row (insert or update).';
 
 -- lockstep._drift(j): for a failed run of a derived job, what no longer holds of its definition; NULL if
 -- all holds or the caller may not look.
