@@ -68,10 +68,29 @@ def database(cluster: pg_cluster.Cluster, watched: bool = True) -> Iterator[str]
                 )
         yield dsn
     finally:
-        with connect(cluster.dsn) as admin:
+        drop(cluster, name)
+
+
+def drop(cluster: pg_cluster.Cluster, name: str) -> None:
+    """Drop the database and its slots: its sessions ended first (a killed runner's backend may still
+    hold the slot for a moment)."""
+    with connect(cluster.dsn) as admin:
+        for _ in range(200):
             admin.execute(
-                "select pg_drop_replication_slot(slot_name) from pg_replication_slots"
-                " where database = %s and not active",
+                "select pg_terminate_backend(pid, 1000) from pg_stat_activity"
+                " where datname = %s and pid <> pg_backend_pid()",
                 [name],
             )
-            admin.execute(f"drop database if exists {name} with (force)")
+            left = admin.execute(
+                "select count(pg_drop_replication_slot(slot_name) is null) from pg_replication_slots"
+                " where database = %s and not active",
+                [name],
+            ).fetchone()[0]
+            if (
+                not left
+                and not admin.execute(
+                    "select count(*) from pg_replication_slots where database = %s", [name]
+                ).fetchone()[0]
+            ):
+                break
+        admin.execute(f"drop database if exists {name} with (force)")

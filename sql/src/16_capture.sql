@@ -540,3 +540,14 @@ create policy wal_watch_own on lockstep.wal_watch for all
     with check (job in (select j.job from lockstep.job j where lockstep._may_manage(j.owner)));
 drop policy if exists capture_state_all on lockstep.capture_state;
 create policy capture_state_all on lockstep.capture_state for all using (true) with check (true);
+
+comment on function lockstep.capture(integer) is
+    'Queue the keys of the changes made to tables watched through the WAL (watch(..., via => ''wal'')) since '
+    'the last capture, at most about max_rows WAL messages: advances the slot to what the last committed '
+    'capture recorded, reads with pg_logical_slot_peek_binary_changes, records the LSN read up to with the '
+    'queue rows. Call it in a transaction that has written nothing yet; the runner does, every '
+    '--capture-every. Locks: the advisory lock lockstep:capture (try).';
+comment on function lockstep.set_capture_bounds(bigint, bigint) is
+    'The WAL the capture slot may hold before lockstep.capture_status says unhealthy, and before '
+    'lockstep.capture recreates the slot and flags the jobs watching through the WAL. Locks: the '
+    'lockstep.setting row.';

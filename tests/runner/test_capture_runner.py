@@ -1,0 +1,155 @@
+"""The runner and the WAL capture (watch(..., via => 'wal')) on a throw-away wal_level = logical cluster
+(tests/wal_cluster.py): the runner keeps the derived table current with no trigger; a capture whose
+client is killed (kill -9), and a server restart, lose nothing; a logical-replication subscriber's derived
+table follows its publisher's changes, which its apply worker writes and no trigger sees."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pg_cluster
+import psycopg
+import pytest
+import wal_cluster
+from psycopg.conninfo import make_conninfo
+from runner_procs import wait_for
+
+from lockstep.lab.example import JOB, divergence
+
+pytestmark = pytest.mark.skipif(not pg_cluster.AVAILABLE, reason=pg_cluster.MISSING)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[pg_cluster.Cluster]:
+    with wal_cluster.running() as c:
+        yield c
+
+
+@pytest.fixture
+def wdsn(cluster: pg_cluster.Cluster) -> Iterator[str]:
+    with wal_cluster.database(cluster) as dsn:
+        yield dsn
+
+
+def change(c: psycopg.Connection) -> None:
+    c.execute("update example.exam_item set body = body || ' changed' where exam_id in (2, 3)")
+    c.execute(
+        "update example.exam_item set exam_id = 5"
+        " where id = (select min(id) from example.exam_item where exam_id = 4)"
+    )
+    c.execute("delete from example.exam where id = 7")
+    assert divergence(c) != (0, 0)
+
+
+def converged(c: psycopg.Connection) -> bool:
+    return divergence(c) == (0, 0) and c.execute("select count(*) from lockstep.queue").fetchone()[0] == 0
+
+
+def drain(c: psycopg.Connection) -> None:
+    c.execute("select lockstep.capture()")
+    for _ in range(20):
+        if c.execute("select outcome from lockstep.run(%s)", [JOB]).fetchone()[0] == "idle":
+            break
+    assert converged(c)
+
+
+def settle(c: psycopg.Connection) -> bool:
+    c.execute("select lockstep.capture()")
+    for _ in range(20):
+        if c.execute("select outcome from lockstep.run(%s)", [JOB]).fetchone()[0] == "idle":
+            break
+    return converged(c)
+
+
+def test_the_runner_keeps_a_table_watched_through_the_wal_current(wdsn, runners):
+    with wal_cluster.connect(wdsn) as c:
+        r = runners(wdsn, "--tick", "0.2", "--capture-every", "0.1")
+        change(c)
+        wait_for(lambda: converged(c), timeout=30, what="converged through the WAL")
+        assert c.execute("select changes > 0 from lockstep.capture_status").fetchone()[0]
+        assert r.alive()
+
+
+CAPTURE_AND_HANG = """
+import sys, time, psycopg
+c = psycopg.connect(sys.argv[1])
+print(c.execute("select keys from lockstep.capture()").fetchone()[0], flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_capture_whose_client_is_killed_before_its_commit_loses_nothing(wdsn):
+    with wal_cluster.connect(wdsn) as c:
+        change(c)
+        with subprocess.Popen(
+            [sys.executable, "-c", CAPTURE_AND_HANG, wdsn], stdout=subprocess.PIPE, text=True
+        ) as p:
+            try:
+                assert int(p.stdout.readline()) > 0  # it read and queued the keys, in its open transaction
+                os.kill(p.pid, signal.SIGKILL)
+            finally:
+                p.kill()
+        wait_for(
+            lambda: c.execute(
+                "select not exists (select from pg_stat_activity"
+                " where datname = current_database() and pid <> pg_backend_pid()"
+                " and backend_type = 'client backend')"
+            ).fetchone()[0],
+            what="the killed client's backend to end",
+        )
+        assert c.execute("select count(*) from lockstep.queue").fetchone()[0] == 0
+        drain(c)
+
+
+def test_a_server_restart_loses_nothing(cluster, wdsn):
+    c = wal_cluster.connect(wdsn)
+    change(c)
+    c.execute("select lockstep.capture()")  # committed: the slot is advanced at the next capture
+    c.execute("update example.exam_item set body = body || ' again' where exam_id = 6")
+    c.execute("begin")
+    c.execute("select lockstep.capture()")  # not committed when the server goes
+    cluster.pg_ctl("restart", "-m", "immediate")
+    c.close()
+    with wal_cluster.connect(wdsn) as c:
+        drain(c)
+
+
+def test_a_subscribers_derived_table_follows_its_publisher_through_the_wal(cluster, wdsn):
+    # the publisher: the example's tables (the same rows as the subscriber's, from one template)
+    with wal_cluster.database(cluster, watched=False) as pub_dsn:
+        pub = wal_cluster.connect(pub_dsn)
+        sub = wal_cluster.connect(wdsn)
+        slot = f"sub_{os.getpid()}"
+        try:
+            pub.execute("create publication app for table example.exam, example.exam_item")
+            pub.execute("select pg_create_logical_replication_slot(%s, 'pgoutput')", [slot])
+            conninfo = make_conninfo(pub_dsn)
+            sub.execute(
+                f"create subscription app connection '{conninfo}' publication app"
+                f" with (create_slot = false, slot_name = '{slot}', copy_data = false)"
+            )
+            change(pub)
+            pub.execute("insert into example.exam_item (exam_id, body) values (9, 'brand new words')")
+            # the subscriber's apply worker writes the changes: no trigger fires for them
+            wait_for(
+                lambda: sub.execute(
+                    "select count(*) from example.exam_item where body like '%brand new%'"
+                ).fetchone()[0],
+                timeout=30,
+                what="the subscriber applying the changes",
+            )
+            wait_for(lambda: sub.execute("select count(*) from example.exam where id = 7").fetchone()[0] == 0)
+            assert divergence(sub) != (0, 0)
+            # captured from the subscriber's own WAL (its apply worker commits without waiting for the
+            # flush, and a capture reads the flushed WAL: a moment later)
+            wait_for(lambda: settle(sub), timeout=30, what="the subscriber's derived table current")
+        finally:
+            sub.execute("alter subscription app disable")
+            sub.execute("alter subscription app set (slot_name = none)")
+            sub.execute("drop subscription app")
+            pub.close()
+            sub.close()
