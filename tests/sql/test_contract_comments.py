@@ -1,0 +1,45 @@
+"""The contract of every public and every lock-taking function is stored as ``comment on function``."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[2] / "sql" / "src"
+START = re.compile(r"^create or replace function lockstep\.(\w+)\(", re.M)
+
+
+def lock_taking() -> set[str]:
+    """Names of the functions in sql/src whose header has a ``-- locks:`` line that is not "nothing"."""
+    names: set[str] = set()
+    for path in sorted(SRC.glob("*.sql")):
+        lines = path.read_text().split("\n")
+        for i, line in enumerate(lines):
+            m = START.match(line)
+            if not m:
+                continue
+            header = []
+            j = i - 1
+            while j >= 0 and lines[j].startswith("--"):
+                header.append(lines[j])
+                j -= 1
+            locks = [h for h in header if h.startswith("-- locks:")]
+            if locks and not locks[0].startswith("-- locks: nothing"):
+                names.add(m.group(1))
+    return names
+
+
+def test_public_and_lock_taking_functions_carry_their_contract(conn):
+    rows = conn.execute(
+        "select p.proname, p.oid::regprocedure::text, obj_description(p.oid, 'pg_proc')"
+        " from pg_proc p where p.pronamespace = 'lockstep'::regnamespace"
+        " and p.proname not like 'enqueue\\_w\\_%'"
+    ).fetchall()
+    wanted = lock_taking()
+    assert wanted, "no lock-taking function found in sql/src: the header convention changed?"
+    missing = sorted(
+        sig for name, sig, text in rows if (not name.startswith("_") or name in wanted) and not text
+    )
+    assert missing == [], f"functions without comment on function: {missing}"
+    locks = sorted(sig for name, sig, text in rows if name in wanted and "locks:" not in (text or "").lower())
+    assert locks == [], f"lock-taking functions whose comment names no locks: {locks}"
