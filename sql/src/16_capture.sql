@@ -159,6 +159,12 @@ begin
     perform lockstep._drop_unused_triggers();
 end;
 $$;
+comment on function lockstep._watch_wal(lockstep.job, regclass, name) is
+    'Watch source through the WAL for job j: the checks of lockstep._check_wal, then one '
+    'lockstep.wal_watch row, source in the capture publication, and the job''s triggers on source (an '
+    'earlier watch()) dropped, all in one lockstep._ddl call. Flags the job for its full recompute when '
+    'source is newly watched or watched on another column (as watch() through triggers does). Locks: '
+    'source and the tables below it (ACCESS EXCLUSIVE, never waited for long: lockstep._ddl).';
 
 -- lockstep._unwatch_wal(job, source): stop watching source through the WAL for job (its lockstep.wal_watch
 -- row); source leaves the capture publication when no job watches it, and the publication and the slot go
@@ -177,6 +183,11 @@ begin
     return true;
 end;
 $$;
+comment on function lockstep._unwatch_wal(text, regclass) is
+    'Stop watching source through the WAL for job (its lockstep.wal_watch row); source leaves the capture'
+    ' publication when no job watches it, and the publication and the slot go when no table is left '
+    '(lockstep._capture_cleanup). False: the job did not watch source through the WAL. Locks: source and '
+    'the tables below it (ACCESS EXCLUSIVE, never waited for long: lockstep._ddl).';
 
 -- lockstep._capture_cleanup(): the capture publication holds the tables of lockstep.wal_watch and nothing
 -- else; with none left, the publication, the slot and the capture's state go (a slot nobody reads would
@@ -205,6 +216,11 @@ begin
     end if;
 end;
 $$;
+comment on function lockstep._capture_cleanup() is
+    'The capture publication holds the tables of lockstep.wal_watch and nothing else; with none left, the'
+    ' publication, the slot and the capture''s state go (a slot nobody reads would keep WAL for ever). '
+    'Called by unwatch, drop_job and lockstep.capture. Locks: the tables leaving the publication (ACCESS '
+    'EXCLUSIVE, never waited for long: lockstep._ddl).';
 
 -- lockstep._pgo_int(d, at, bytes): the big-endian unsigned integer of 2 or 4 bytes at offset at (from 0) of
 -- a pgoutput message.
@@ -492,6 +508,19 @@ begin
     outcome := case when r.changes > 0 or flagged > 0 then 'done' else 'idle' end;
 end;
 $$;
+comment on function lockstep.capture(integer) is
+    'Queue the keys of the changes made to tables watched through the WAL (watch(..., via => ''wal'')) '
+    'since the last capture, at most about max_rows WAL messages (whole transactions). The runner calls '
+    'it on its own, in a transaction of its own, every tick while any table is watched this way. In '
+    'order: the slot advanced to the LSN the last committed capture recorded (never further: a capture '
+    'that rolled back recorded nothing, so its changes are read again); the slot created, or recreated '
+    'when it holds more WAL than lockstep.setting.capture_max_bytes (the jobs flagged for their full '
+    'recompute); the changes read without consuming them (lockstep._capture_read); the LSN read up to '
+    'recorded in lockstep.capture_state, in this transaction. outcome: done (read or flagged something), '
+    'idle (nothing new, or no table watched through the WAL: then the slot and the publication are '
+    'removed), busy (another capture is running). Call it in a transaction that has written nothing yet '
+    '(a slot is created only there), as the runner does. Locks: the advisory lock ''lockstep:capture'' '
+    '(try, transaction-level); the slot while it reads.';
 
 -- lockstep.set_capture_bounds(unhealthy_bytes, max_bytes): the WAL the capture slot may hold before
 -- lockstep.capture_status says unhealthy, and before lockstep.capture recreates the slot (the jobs then
@@ -512,6 +541,10 @@ begin
         capture_max_bytes = coalesce(max_bytes, s.capture_max_bytes);
 end;
 $$;
+comment on function lockstep.set_capture_bounds(bigint, bigint) is
+    'The WAL the capture slot may hold before lockstep.capture_status says unhealthy, and before '
+    'lockstep.capture recreates the slot (the jobs then recompute in full). NULL keeps a bound. Keep '
+    'max_bytes below the server''s max_slot_wal_keep_size. Locks: the lockstep.setting row.';
 
 -- lockstep.capture_status: the WAL capture at a glance (no row: no table is watched through the WAL).
 --   retained_bytes: WAL the slot keeps on disk; lag_bytes: WAL written since the LSN the capture queued up
