@@ -508,19 +508,6 @@ begin
     outcome := case when r.changes > 0 or flagged > 0 then 'done' else 'idle' end;
 end;
 $$;
-comment on function lockstep.capture(integer) is
-    'Queue the keys of the changes made to tables watched through the WAL (watch(..., via => ''wal'')) '
-    'since the last capture, at most about max_rows WAL messages (whole transactions). The runner calls '
-    'it on its own, in a transaction of its own, every tick while any table is watched this way. In '
-    'order: the slot advanced to the LSN the last committed capture recorded (never further: a capture '
-    'that rolled back recorded nothing, so its changes are read again); the slot created, or recreated '
-    'when it holds more WAL than lockstep.setting.capture_max_bytes (the jobs flagged for their full '
-    'recompute); the changes read without consuming them (lockstep._capture_read); the LSN read up to '
-    'recorded in lockstep.capture_state, in this transaction. outcome: done (read or flagged something), '
-    'idle (nothing new, or no table watched through the WAL: then the slot and the publication are '
-    'removed), busy (another capture is running). Call it in a transaction that has written nothing yet '
-    '(a slot is created only there), as the runner does. Locks: the advisory lock ''lockstep:capture'' '
-    '(try, transaction-level); the slot while it reads.';
 
 -- lockstep.set_capture_bounds(unhealthy_bytes, max_bytes): the WAL the capture slot may hold before
 -- lockstep.capture_status says unhealthy, and before lockstep.capture recreates the slot (the jobs then
@@ -541,10 +528,6 @@ begin
         capture_max_bytes = coalesce(max_bytes, s.capture_max_bytes);
 end;
 $$;
-comment on function lockstep.set_capture_bounds(bigint, bigint) is
-    'The WAL the capture slot may hold before lockstep.capture_status says unhealthy, and before '
-    'lockstep.capture recreates the slot (the jobs then recompute in full). NULL keeps a bound. Keep '
-    'max_bytes below the server''s max_slot_wal_keep_size. Locks: the lockstep.setting row.';
 
 -- lockstep.capture_status: the WAL capture at a glance (no row: no table is watched through the WAL).
 --   retained_bytes: WAL the slot keeps on disk; lag_bytes: WAL written since the LSN the capture queued up
