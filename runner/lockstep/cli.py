@@ -605,6 +605,75 @@ def drop(job: str, dsn: str | None, json: bool) -> None:
         click.echo(f"{job}: dropped")
 
 
+def _split_keys(values: tuple[str, ...]) -> list[str] | None:
+    keys = [k.strip() for v in values for k in v.split(",") if k.strip()]
+    return keys or None
+
+
+@main.command()
+@click.argument("job")
+@option(
+    "--keys",
+    multiple=True,
+    metavar="K1,K2,...",
+    help="Only these parents (comma-separated, repeatable; cast to the job's key type) [default: all].",
+)
+@dsn_option
+@option("--json", is_flag=True, help="Print the result as JSON.")
+@log_options
+def verify(job: str, keys: tuple[str, ...], dsn: str | None, json: bool) -> None:
+    """Compare JOB's derived table with what its compute returns now (lockstep.verify), without locks and
+    without writing: rows missing, extra and different, with up to 3 examples of each.
+
+    Exit 0 when they match, 1 on any difference. Keys still queued may differ until the runner has run:
+    verify when the queue is empty, or run it again.
+    """
+    import psycopg
+
+    from lockstep import db
+
+    _setup_logging(level=log_level(logging.WARNING))
+    with _connect(dsn, "lockstep-verify") as conn:
+        try:
+            result = db.verify(conn, job, _split_keys(keys))
+        except psycopg.DataError as exc:  # a key not of the job's key type (22P02, 22003...)
+            first = (str(exc).strip().splitlines() or [""])[0]
+            raise Failure(
+                f"[{exc.sqlstate}] {first} (hint: --keys takes parent keys of the job's key type)",
+                codes.EXIT_USAGE,
+            ) from exc
+    if json:
+        out = {
+            "job": job,
+            "keys": result.keys,
+            "ok": result.ok,
+            "missing": result.missing,
+            "extra": result.extra,
+            "different": result.different,
+            "examples": result.examples,
+        }
+        _echo_json(out)
+    else:
+        click.echo(_verify_text(result))
+    raise SystemExit(codes.EXIT_OK if result.ok else codes.EXIT_UNHEALTHY)
+
+
+def _verify_text(r) -> str:  # lockstep.db.Verified
+    scope = "all parents" if r.keys is None else f"{len(r.keys)} parent{'' if len(r.keys) == 1 else 's'}"
+    if r.ok:
+        return f"{r.job}: matches its compute ({scope})"
+    lines = [f"{r.job}: {r.missing} missing, {r.extra} extra, {r.different} different ({scope})"]
+    for e in r.examples:
+        if e["kind"] == "missing":
+            lines.append(f"  missing    {jsonlib.dumps(e['computed'], default=str)}")
+        elif e["kind"] == "extra":
+            lines.append(f"  extra      {jsonlib.dumps(e['target'], default=str)}")
+        else:
+            lines.append(f"  different  target   {jsonlib.dumps(e['target'], default=str)}")
+            lines.append(f"             computed {jsonlib.dumps(e['computed'], default=str)}")
+    return "\n".join(lines)
+
+
 @main.command()
 @dsn_option
 @option("--parents", default=50000, show_default=True, help="Exams in the example.")

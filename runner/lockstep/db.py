@@ -294,13 +294,47 @@ def retry(conn: psycopg.Connection, job: str, keys: list[str] | None) -> int:
     """
     if keys is None:
         return conn.execute("select lockstep.retry(%s)", [job]).fetchone()[0]
-    # format_type(t, -1): the type with no modifier, as lockstep's own casts name it (a char(n) key's regtype
-    # name is 'character', char(1): the keys were cut to one character; found by a probe)
-    row = conn.execute("select format_type(key_type, -1) from lockstep.job where job = %s", [job]).fetchone()
-    key_type = row[0] if row is not None and row[0] is not None else "text"
-    # key_type is format_type output (quoted by PostgreSQL), never user input
-    query = sql.SQL("select lockstep.retry(%s, %s::text[]::{}[])").format(sql.SQL(key_type))
+    # the key type is format_type output (quoted by PostgreSQL), never user input
+    query = sql.SQL("select lockstep.retry(%s, %s::text[]::{}[])").format(sql.SQL(_key_type(conn, job)))
     return conn.execute(query, [job, keys]).fetchone()[0]
+
+
+def _key_type(conn: psycopg.Connection, job: str) -> str:
+    # format_type(t, -1): the type with no modifier, as lockstep's own casts name it (a char(n) key's regtype
+    # name is 'character', char(1): the keys were cut to one character)
+    row = conn.execute("select format_type(key_type, -1) from lockstep.job where job = %s", [job]).fetchone()
+    return row[0] if row is not None and row[0] is not None else "text"
+
+
+@dataclass(frozen=True)
+class Verified:
+    """``lockstep.verify``: rows missing from the target, extra in it, different, and a few examples."""
+
+    job: str
+    keys: list[str] | None
+    missing: int
+    extra: int
+    different: int
+    examples: list[dict]
+
+    @property
+    def ok(self) -> bool:
+        return self.missing == self.extra == self.different == 0
+
+
+def verify(conn: psycopg.Connection, job: str, keys: list[str] | None = None) -> Verified:
+    """``lockstep.verify(job [, keys])``: the target compared with its compute, without a lock or a write.
+
+    ``keys`` come as text and are cast to the job's parent key type (as :func:`retry`)."""
+    if keys is None:
+        row = conn.execute("select * from lockstep.verify(%s)", [job]).fetchone()
+    else:
+        # the key type is format_type output (quoted by PostgreSQL), never user input
+        query = sql.SQL("select * from lockstep.verify(%s, %s::text[]::{}[])").format(
+            sql.SQL(_key_type(conn, job))
+        )
+        row = conn.execute(query, [job, keys]).fetchone()
+    return Verified(job, keys, row[0], row[1], row[2], row[3])
 
 
 def drop_job(conn: psycopg.Connection, job: str) -> None:

@@ -70,3 +70,7 @@ drop function if exists lockstep._query_compute(text, regclass, text, regclass, 
 drop function if exists lockstep._query_parent(regclass, regclass, name);
 drop function if exists lockstep._query_scans(text, text, name, regtype);
 drop function if exists lockstep._query_columns(text, text);
+drop function if exists lockstep.verify(text, anyarray);
+drop function if exists lockstep.verify(text);
+drop function if exists lockstep._verify(lockstep.job, text[]);
+drop function if exists lockstep._verify_pass(lockstep.job, text[]);

@@ -268,6 +268,8 @@ begin
         -- by the stored regprocedure: a function dropped or made ambiguous since define_job fails the run
         v_sql := pg_catalog.format('select %s()', lockstep._callable(j.call::regprocedure, 0));
         execute v_sql;
+    elsif j.kind = 'verify' then  -- lockstep.verify: the difference, read-only (14_verify.sql)
+        p := lockstep._verify_pass(j, keys);
     elsif j.kind = 'parent_keys' then  -- lockstep._parent_keys: every parent key, in p.skipped
         p := row(0, 0, 0, '{}', 0, 0, 0, '{}', '{}');
         execute pg_catalog.format('select coalesce(array_agg(%1$I::text order by %1$I), ''{}'') from %2$s',

@@ -316,5 +316,5 @@ def test_storm_survives_a_postgres_restart(throwaway_cluster, tmp_path):
     assert r["runner"]["exit_codes"] == [0, 0], report
     assert r["drain"]["queue_left"] == 0, report
     assert r["failing_keys"] == 0, report
-    assert r["divergence"] == [0, 0], report
+    assert r["divergence"] == [0, 0, 0], report
     assert r["ok"], report

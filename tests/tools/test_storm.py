@@ -34,7 +34,7 @@ def test_short_storm_keeps_every_invariant(admin_dsn, tmp_path):
     fr = r["final_recompute"]
     assert (fr["outcome"], fr["inserted"], fr["updated"], fr["deleted"]) == ("done", 0, 0, 0), report
     assert r["failing_keys"] == 0, report
-    assert r["divergence"] == [0, 0], report
+    assert r["divergence"] == [0, 0, 0], report
     assert r["ok"], report
     # the storm really stormed: every kind of app transaction, work and recompute runs both happened
     kinds = {"delete_one", "delete_any", "delete_each", "merge", "edit", "insert"}

@@ -11,7 +11,7 @@
    application clients (threads, one connection each) doing deletes, merges, edits, inserts and explicit
    ``lockstep.enqueue`` calls. Each client owns the exams whose id is congruent to its number, so clients
    never wait for each other: every wait or deadlock involves a job. Then the runners drain the queue and
-   the derived table is compared with a full computation (``lockstep.lab.example.divergence``).
+   the derived table is compared with a full computation (``lockstep.verify``, as users check theirs).
 4. naive phase (``--naive-seconds``): the same clients against ``example.naive_recompute()`` (looped: the
    periodic job) and ``example.naive_work(ids)`` (looped over keys taken from ``lockstep.queue``: the
    queue worker).
@@ -293,14 +293,14 @@ class Phase:
     app: Stats = field(default_factory=Stats)
     rows_written: int = 0
     key_failures: int = 0
-    divergence: tuple[int, int] | None = None
+    divergence: tuple[int, int, int] | None = None  # rows missing, extra, different (lockstep.verify)
     drained: bool | None = None
     drain_seconds: float | None = None
     notes: list[str] = field(default_factory=list)
 
     @property
     def converged(self) -> bool:
-        return self.divergence == (0, 0)
+        return self.divergence == (0, 0, 0)
 
     def to_dict(self) -> dict[str, Any]:
         a = self.app
@@ -473,7 +473,7 @@ class Demo:
         ph.deadlocks = self._deadlocks(conn) - d0
         ph.fk_errors = ph.app.errors.get("23503", 0) + ph.job_errors.get("23503", 0)
         ph.key_failures = int(conn.execute(KEY_FAILURES_SQL, [JOB]).fetchone()[0])
-        ph.divergence = example.divergence(conn)
+        ph.divergence = example.verify(conn)
         return ph
 
     # -- naive phase
@@ -516,7 +516,7 @@ class Demo:
             ph.rows_written += j.rows
         ph.deadlocks = self._deadlocks(conn) - d0
         ph.fk_errors = ph.app.errors.get("23503", 0) + ph.job_errors.get("23503", 0)
-        ph.divergence = example.divergence(conn)
+        ph.divergence = example.verify(conn)
         return ph
 
     def _progress(
@@ -609,7 +609,8 @@ def render(r: dict[str, Any]) -> str:
             return "-"
         if p["converged"]:
             return "yes"
-        return f"NO: {p['divergence'][0]} missing, {p['divergence'][1]} extra"
+        missing, extra, different = p["divergence"]
+        return f"NO: {missing} missing, {extra} extra, {different} different"
 
     def runs(p: dict[str, Any]) -> str:
         parts = []

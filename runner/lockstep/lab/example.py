@@ -22,6 +22,14 @@ def install(conn: psycopg.Connection, parents: int = 0, job: str = JOB, every: s
     conn.execute("select example.install(%s, %s::interval)", [job, every])
 
 
+def verify(conn: psycopg.Connection, job: str = JOB) -> tuple[int, int, int]:
+    """(rows missing, extra, different) in the job's target: ``lockstep.verify``, as users check theirs."""
+    from lockstep import db
+
+    r = db.verify(conn, job)
+    return r.missing, r.extra, r.different
+
+
 def divergence(conn: psycopg.Connection) -> tuple[int, int]:
     """(rows missing from example.exam_key, rows that should not be there), both ways with EXCEPT ALL."""
     missing = conn.execute(
