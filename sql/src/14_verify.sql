@@ -36,6 +36,10 @@ begin
     return p;
 end;
 $$;
+comment on function lockstep._verify_pass(lockstep.job, text[]) is
+    'As j''s owner: lockstep._diff for the parents in keys (NULL: all), its counts and up to 3 examples of '
+    'each kind, in lockstep._pass (inserted = missing, deleted = extra, updated = different, errors = the '
+    'examples). Locks: no row locks; writes only pg_temp work tables.';
 
 -- lockstep._verify(job, keys): lockstep.verify for keys as text (NULL: all parents).
 -- locks: none (no row lock, no lock group); reads the target, the parent and what compute reads.
@@ -53,6 +57,8 @@ begin
                         coalesce((select pg_catalog.jsonb_agg(e::jsonb) from pg_catalog.unnest(p.errors) e), '[]');
 end;
 $$;
+comment on function lockstep._verify(lockstep.job, text[]) is
+    'Lockstep.verify for keys as text (NULL: all parents). Locks: none.';
 
 -- lockstep.verify(job, keys): compare job's target with what its compute returns now, for the parents in
 -- keys, as the job's owner, writing nothing: rows missing (computed, not in the target), extra (in the
@@ -73,11 +79,14 @@ declare
 begin
     if j.parent_column is null then
         raise exception 'lockstep: job "%" has no parent: verify it whole', j.job
-            using errcode = '22023', hint = pg_catalog.format('select * from lockstep.verify(%L)', j.job);
+            using errcode = 'LSJ02', hint = pg_catalog.format('select * from lockstep.verify(%L)', j.job);
     end if;
     return query select * from lockstep._verify(j, lockstep._keys_text(j, keys));
 end;
 $$;
+comment on function lockstep.verify(text, anyarray) is
+    'Compare job''s target with what its compute returns now for these parents, as the job''s owner, '
+    'writing nothing: rows missing, extra and different, with up to 3 examples of each. Locks: none.';
 
 -- lockstep.verify(job): lockstep.verify for every parent (the whole target).
 -- locks: none (no row lock, no lock group); reads the target, the parent and what compute reads.
@@ -94,3 +103,6 @@ begin
     return query select * from lockstep._verify(lockstep._job(job, 'derived'), null);
 end;
 $$;
+comment on function lockstep.verify(text) is
+    'Compare job''s whole target with what its compute returns now, as the job''s owner, writing '
+    'nothing: rows missing, extra and different, with up to 3 examples of each. Locks: none.';

@@ -203,7 +203,7 @@ def test_a_demo_larger_than_one_batch_fills_every_exam_before_it_measures(admin_
         [
             sys.executable,
             "-m",
-            "runner",
+            "lockstep",
             "demo",
             "--parents",
             "1200",
