@@ -88,7 +88,7 @@ def _failure(exc: BaseException, command: str | None = None) -> Failure:
         )
     elif command == "migrate" and state == "42501":
         # the installer's grants, not the runner's; a downgrade refused for other owners' watched tables
-        # says what to do itself (it was told to get CREATE on the database it owned; found by a probe)
+        # says what to do itself (it was told to get CREATE on the database it owned)
         hint = getattr(getattr(err, "diag", None), "message_hint", None) or MIGRATE_PRIVILEGE_HINT
     elif command not in (None, "run") and state == "42501":
         # not the runner: an application role's `lockstep status`, another owner's `lockstep drop`... were
@@ -207,7 +207,7 @@ class _JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         out = {
             # UTC with its offset, so the line means one instant wherever it is read (it was local time
-            # without an offset; found by a probe)
+            # without an offset)
             "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
             "level": record.levelname.lower(),
             "logger": record.name,
@@ -488,7 +488,7 @@ def _connect(dsn: str | None, app_name: str):
 
     conn = db.connect(dsn, app_name=app_name)
     # the server's warnings reach the user (retry() dropping a queued key that names no parent said so only
-    # to the server log: "0 keys back in the queue", silently; found by a probe)
+    # to the server log: "0 keys back in the queue", silently)
     conn.add_notice_handler(_server_warning)
     if not db.lockstep_installed(conn):
         name = conn.info.dbname
@@ -535,13 +535,13 @@ def status(dsn: str | None, json: bool, history: bool, job: str | None, limit: i
         raise click.UsageError("--job goes with --history")
     with _connect(dsn, "lockstep-status") as conn:
         rows = db.status(conn)
-        # none at all is not a visibility problem (that message sent a user after grants; found by a probe)
+        # none at all is not a visibility problem (that message sent a user after grants)
         hidden = not rows and db.job_count(conn) > 0
         empty = st.no_jobs(conn.info.user) if hidden else "no jobs defined"
     click.echo(st.to_json(rows) if json else st.to_table(rows, empty=empty))
     if hidden:
         # jobs exist and this role sees none: nothing was checked, so not healthy (a viewer that lost one
-        # grant, SELECT on lockstep.viewer, saw none and exited 0 while a job was failing; found by a probe)
+        # grant, SELECT on lockstep.viewer, saw none and exited 0 while a job was failing)
         click.echo(f"Error: {empty}: nothing to check", err=True)
         raise SystemExit(codes.EXIT_SETUP)
     for line in st.reasons(rows, max_lag):
@@ -782,7 +782,7 @@ def storm(
     raise SystemExit(0 if result["ok"] else 1)
 
 
-# ---- run history and the web page (issue 16) ------------------------------------------------------------
+# ---- run history and the web page -------------------------------------------------------------------
 
 
 def _status_history(dsn: str | None, as_json: bool, job: str | None, limit: int) -> None:

@@ -209,7 +209,7 @@ RUN_SQL = (
     " select outcome, inserted, updated, deleted, skipped, compute_ms, write_ms, error, job, action, more"
     " from lockstep.run({job});"
     # a plain SET in a job's code outlived its call: a generic job's `set statement_timeout = '100ms'` made
-    # the next jobs on this connection fail (found by a probe), its `set datestyle = 'SQL, DMY'` crashed the
+    # the next jobs on this connection fail, its `set datestyle = 'SQL, DMY'` crashed the
     # runner's next due() (psycopg parses ISO only), and behind PgBouncer its search_path reached the
     # application clients given that server connection next (a review). So every setting goes back to the
     # session's start values, role too (RESET ALL leaves it), in the same transaction (no extra round trip),
@@ -256,7 +256,7 @@ def run_job(conn: psycopg.Connection, job: str, synchronous_commit: str = "off")
 
 def status(conn: psycopg.Connection) -> list[dict]:
     """The rows of lockstep.status, tables named with their schema whatever the session's search_path (a
-    table on it came out bare: public.d and other.d both as "d"; found by a probe)."""
+    table on it came out bare: public.d and other.d both as "d")."""
     with conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
         cur.execute("set local search_path = pg_catalog, pg_temp")
         return cur.execute("select * from lockstep.status order by job").fetchall()
@@ -342,7 +342,7 @@ def drop_job(conn: psycopg.Connection, job: str) -> None:
     conn.execute("select lockstep.drop_job(%s)", [job])
 
 
-# run history and the web page (issue 16) -------------------------------------------------------------
+# run history and the web page --------------------------------------------------------------------
 
 
 def query(name: str) -> str:

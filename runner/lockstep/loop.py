@@ -243,7 +243,7 @@ class Runner:
     def _pooled(self, exc: psycopg.Error) -> None:
         """A prepared statement lost or doubled: the session is shared behind a transaction pooler, so
         the runner stops preparing statements on this connection (it kept retrying, and drained about 14
-        times slower; found by a probe), unless --prepare was asked for."""
+        times slower), unless --prepare was asked for."""
         conn = self.conn
         if (
             getattr(exc, "sqlstate", None) in POOLER_SQLSTATES
@@ -323,7 +323,7 @@ class Runner:
             self._check_known(rows)
         elif not rows and not self._looked_for_jobs:
             # a runner that is not a member of the jobs' owner roles sees none of them and ran nothing,
-            # exit 0, without a word (found by a probe); no job defined at all is no problem
+            # exit 0, without a word; no job defined at all is no problem
             defined = db.job_count(self.conn)
             if defined:
                 log.warning("%s job(s) defined, but %s", defined, no_jobs(self.conn.info.user))
@@ -351,7 +351,7 @@ class Runner:
                 continue
             # due now: run it, whatever this runner's own window says. The window is due()'s, for ready
             # keys only; applied here as well, it held back a periodic recompute, a flag or a retry that
-            # came due within --batch-wait of this runner's pass (found by a review)
+            # came due within --batch-wait of this runner's pass
             shared = groups[row.lock_group] > 1
             progressed |= self._drain(row.job, min(self.opts.drain_limit, SHARED_DRAIN) if shared else None)
         self._update_depths()

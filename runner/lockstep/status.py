@@ -129,8 +129,7 @@ def _progress(r: dict) -> str | None:
 
 def no_jobs(user: str) -> str:
     """What an empty status says: which role sees no job, and why that may be (a runner that is not a
-    member of a job's owner role sees none of its jobs: its health check said "no jobs" and exited 0;
-    found by a probe)."""
+    member of a job's owner role sees none of its jobs: its health check said "no jobs" and exited 0)."""
     return (
         f"no jobs visible to role {user} (a role sees the jobs of the owner roles it is a member of, and an"
         " admin sees all: docs/security.md)"

@@ -191,7 +191,7 @@ def test_a_backlog_is_drained_without_waiting_and_its_rest_gathers(shop, dsn, cl
 
 def test_a_backlog_goes_on_at_the_next_tick_without_waiting(shop, dsn, clock):
     # due(jobs, gather) opened the window after a full pass too: a backlog that outlasted a tick's
-    # --drain-limit then waited --batch-wait at every tick (found by a review)
+    # --drain-limit then waited --batch-wait at every tick
     shop.execute("select lockstep.set_batch_parents('item_band', 3)")
     sleeps: list[tuple[float, bool]] = []
     r = _runner(dsn, 5.0, sleeps, drain_limit=2)
@@ -207,7 +207,7 @@ def test_a_backlog_goes_on_at_the_next_tick_without_waiting(shop, dsn, clock):
 
 def test_a_periodic_recompute_due_right_after_a_pass_is_not_held_by_the_window(shop, dsn, clock):
     # the runner's own window held back every job due within --batch-wait of its pass, the periodic
-    # recompute, a flag or a retry included, not only the ready keys (found by a review)
+    # recompute, a flag or a retry included, not only the ready keys
     sleeps: list[tuple[float, bool]] = []
     r = _runner(dsn, 5.0, sleeps)
     try:
@@ -236,7 +236,7 @@ def test_once_does_not_wait(shop, dsn, clock):
 
 def test_jobs_of_one_lock_group_take_turns(shop, dsn, clock):
     # a job with a long queue was called up to --drain-limit (50) times in a row while the other job of
-    # its lock group waited (busy): 18 s for a sibling during a 24,000-parent hand-off (found by a probe)
+    # its lock group waited (busy): 18 s for a sibling during a 24,000-parent hand-off
     shop.execute(
         "create table shop.item_flag (item_id integer primary key references shop.item (id)"
         " on delete cascade, dear boolean not null);"

@@ -86,7 +86,7 @@ def test_log_level_and_verbose(dsn):
 
 def test_a_pass_whose_keys_failed_is_logged_as_a_warning(dsn):
     # it was logged as a plain "work done: +0 ~0 -0" at INFO: an operator reading the logs did not see the
-    # poison key (found by a probe)
+    # poison key
     with psycopg.connect(dsn, autocommit=True) as c:
         c.execute(
             "create table p (id bigint primary key); insert into p values (1), (2);"
@@ -158,7 +158,7 @@ def test_metrics_host_binds_that_address():
 
 def test_metrics_port_0_names_the_port_it_bound():
     """--metrics-port 0 (accepted: 0..65535) bound a free port, and the start-up line said
-    http://127.0.0.1:0/metrics, so the endpoint could not be found from the log (found by a probe)."""
+    http://127.0.0.1:0/metrics, so the endpoint could not be found from the log."""
     code = (
         "import psutil\n"
         "from lockstep.loop import Metrics\n"
@@ -177,7 +177,7 @@ def test_metrics_port_0_names_the_port_it_bound():
 
 def test_a_metrics_port_in_use_is_a_setup_error_that_says_so():
     """A taken --metrics-port printed only "Error: [Errno 98] Address already in use", exit 1 (a run
-    failed), before any line said what it was for (found by a review): exit 4, naming the metrics server."""
+    failed), before any line said what it was for: exit 4, naming the metrics server."""
     import socket
 
     with socket.socket() as busy:
@@ -195,7 +195,7 @@ def test_a_metrics_port_in_use_is_a_setup_error_that_says_so():
 
 def test_status_names_tables_with_their_schema_and_says_when_no_job_is_defined(conn, dsn):
     """status printed a target or parent on the search_path without its schema (public.d and other.d both
-    as "d"), and "no jobs visible to role ..." where no job was defined at all (found by a probe)."""
+    as "d"), and "no jobs visible to role ..." where no job was defined at all."""
     p = lockstep("status", "--dsn", dsn)
     assert (p.returncode, p.stdout.strip()) == (0, "no jobs defined"), p.stderr
     conn.execute(
@@ -306,7 +306,7 @@ def installer(empty_dsn):
 def test_a_downgrade_by_the_installer_says_which_owners_must_drop_their_jobs_first(installer, empty_dsn):
     """The installer (the database's owner, not a superuser) downgrading after a job owner of
     docs/security.md watched its own tables got "permission denied for schema blog" and the install hint
-    (get CREATE on the database it owned; found by a probe): dropping watch()'s triggers needs each table's
+    (get CREATE on the database it owned): dropping watch()'s triggers needs each table's
     ownership. The downgrade now says so up front, naming the tables, their owners and what to do, and
     changes nothing; once the owner has dropped its job, the installer's downgrade goes through."""
     from psycopg import sql
@@ -339,7 +339,7 @@ def test_a_downgrade_by_the_installer_says_which_owners_must_drop_their_jobs_fir
 
 def test_a_downgrade_names_a_watched_table_whose_schema_the_installer_may_not_use(installer, empty_dsn):
     """The installer owning a watched table in a schema it lost USAGE on passed the downgrade's ownership
-    check, then failed on the lock with the install hint (found by a review): the check covers the schema."""
+    check, then failed on the lock with the install hint: the check covers the schema."""
     from psycopg import sql
 
     admin, inst, other, as_role = installer
@@ -366,7 +366,7 @@ def test_migrate_upgrade_never_goes_down_in_python(empty_dsn):
 
 def test_retry_of_char_n_keys_takes_them_whole(conn, dsn):
     # the CLI cast the keys to the regtype name of the key type: 'character', which is char(1), so
-    # `lockstep retry bp AB1234` looked for 'A', put 0 keys back and exited 0 (found by a probe)
+    # `lockstep retry bp AB1234` looked for 'A', put 0 keys back and exited 0
     conn.execute(
         "create table p (k char(6) primary key);"
         " create table d (k char(6) primary key references p on delete cascade, n int);"

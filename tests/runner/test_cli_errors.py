@@ -139,7 +139,7 @@ def test_migrate_unreachable_server():
 
 def test_drop_that_gives_up_on_a_busy_table_exits_1_with_the_sqlstate_and_hint(dsn, connect):
     # 55P03 (psycopg's OperationalError family) was reported as exit 3, "no server answered", without the
-    # code or the server's hint: a deploy script took the database for down (found by a probe)
+    # code or the server's hint: a deploy script took the database for down
     setup = connect(dsn)
     setup.execute(
         "create table p (id bigint primary key); create table d (p_id bigint primary key references p"
@@ -161,7 +161,7 @@ def test_drop_that_gives_up_on_a_busy_table_exits_1_with_the_sqlstate_and_hint(d
 
 def test_describe_says_what_a_read_only_session_and_a_schema_gone_under_a_runner_mean():
     """A runner on a standby logged only "cannot execute UPDATE in a read-only transaction", one whose
-    schema was downgraded under it "could not open relation with OID ..." (found by a probe)."""
+    schema was downgraded under it "could not open relation with OID ..."."""
     from psycopg import errors as pe
 
     from lockstep.errors import describe

@@ -178,7 +178,7 @@ def test_schema_gone_after_a_good_start_is_retried_not_fatal(dsn, connect):
 def test_migrate_as_a_role_that_may_not_create_its_tables_says_what_the_installer_needs(empty_dsn):
     """PostgreSQL 15 gives no one but the database owner CREATE on schema public, where Alembic's version
     table goes: migrate failed with 42501 and a hint about the runner role's grants on schema lockstep,
-    the wrong role and the wrong schema (found by a probe)."""
+    the wrong role and the wrong schema."""
     import psycopg
     from psycopg import sql
 

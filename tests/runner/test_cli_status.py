@@ -1,4 +1,4 @@
-"""``lockstep status``: the view as a table or JSON, exit code 1 when a job fails (issue 5)."""
+"""``lockstep status``: the view as a table or JSON, exit code 1 when a job fails."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def test_status_without_the_schema_is_a_setup_error_with_a_hint(empty_dsn):
 
 def test_a_queue_nothing_drains_makes_status_unhealthy(conn, dsn):
     # A runner that cannot write (a read-only session: 25006) cannot record its own failures, so status
-    # said healthy while the queue only grew (found by a probe). The age of the oldest queued key, parked
+    # said healthy while the queue only grew. The age of the oldest queued key, parked
     # ones aside, is in the view (queue_lag) and, past --max-lag, makes status exit 1.
     conn.execute(
         "create table p (id bigint primary key); insert into p values (1), (2);"
@@ -105,7 +105,7 @@ def test_a_queue_nothing_drains_makes_status_unhealthy(conn, dsn):
 def test_an_infinite_next_run_does_not_break_status(conn, dsn):
     # an owner may set its own job's next_run_at = 'infinity': Python has no infinite datetime, and every
     # read of lockstep.status by lockstep status (and the web page) failed for every role that saw that job
-    # (found by a review)
+    #
     conn.execute(
         "create function public.ok() returns void language sql as $$ select $$;"
         " select lockstep.define_job('ok', 'public.ok()', every => '1 minute');"
@@ -119,7 +119,7 @@ def test_an_infinite_next_run_does_not_break_status(conn, dsn):
 
 def test_a_flag_held_since_a_poisoned_recompute_says_what_to_do():
     """'flagged' alone, with no failing key shown and an empty queue, left an operator nothing to act on
-    while the hold lasted (found by a review)."""
+    while the hold lasted."""
     import datetime as dt
 
     from lockstep.status import reasons
@@ -134,14 +134,14 @@ def test_a_flag_held_since_a_poisoned_recompute_says_what_to_do():
         "unhealthy: job dj: flagged for a full recompute (public.c newly watched: rows written before are"
         " not queued)"
     ]
-    # a name a shell splits is quoted, so the command pastes as is (found by a probe)
+    # a name a shell splits is quoted, so the command pastes as is
     rows[0].update(job="billing totals", recompute_held_since=held)
     assert "`lockstep retry 'billing totals'`" in reasons(rows)[0]
 
 
 def test_a_failing_generic_job_is_said_to_have_failed_its_call(conn, dsn):
     """A generic job whose call failed was reported as "its last full recompute failed": it has no
-    recompute (found by a probe)."""
+    recompute."""
     conn.execute(
         "create function boom() returns void language plpgsql as $$ begin raise exception 'boom'; end $$;"
         " select lockstep.define_job('nightly', 'boom()')"

@@ -1,4 +1,4 @@
-"""``lockstep run``: real processes against real PostgreSQL (issue 5)."""
+"""``lockstep run``: real processes against real PostgreSQL."""
 
 from __future__ import annotations
 
@@ -349,7 +349,7 @@ def test_metrics_endpoint_counts_runs(conn, dsn, runners):
     text = wait_for(lambda: 'lockstep_parked_keys{job="t"} 0.0' in (t := scrape()) and t, what="gauges")
     assert 'lockstep_queue_depth{job="t"} 0.0' in text
 
-    # the liveness gauge moves at every tick, idle or not (lockstep_runs_total does not: found by a probe)
+    # the liveness gauge moves at every tick, idle or not (lockstep_runs_total does not)
     def last_tick() -> float:
         line = next(
             (x for x in scrape().splitlines() if x.startswith("lockstep_runner_last_tick_seconds ")), ""
@@ -473,7 +473,7 @@ def test_connection_losses_between_good_runs_do_not_stretch_the_backoff(conn, ds
 def test_a_jobs_plain_set_does_not_outlive_its_call_on_the_runners_connection(conn, dsn):
     """A generic job whose code ran `set statement_timeout = '100ms'` (meant for itself) changed the
     runner's session: every job after it on that connection ran with it, failed, and parked healthy keys;
-    at '1' ms the runner never recovered (found by a probe); its SET ROLE stayed, its DateStyle crashed the
+    at '1' ms the runner never recovered; its SET ROLE stayed, its DateStyle crashed the
     runner (a review). The runner resets every setting to the session's start values after each call, in
     the same transaction; its own (here from the startup packet) and its application_name stay."""
     from lockstep import db
@@ -503,7 +503,7 @@ def test_a_jobs_plain_set_does_not_outlive_its_call_on_the_runners_connection(co
 def test_a_job_that_changes_client_encoding_does_not_crash_the_runner(conn, dsn):
     """A job's `set client_encoding = 'LATIN1'` sent the call's result row in LATIN1, and the reset in the
     same message put UTF8 back before the server said so: psycopg decoded LATIN1 as UTF8 and the runner
-    died with a UnicodeDecodeError, a traceback and exit 1 (found by a review). The call is a job error now
+    died with a UnicodeDecodeError, a traceback and exit 1. The call is a job error now
     (the runner backs that job off and goes on), and the connection is UTF8 again."""
     from lockstep import db
 

@@ -1,4 +1,4 @@
-"""Recompute in bounded batches (issue 10) with a real runner process: kill -9 between batches, then one
+"""Recompute in bounded batches with a real runner process: kill -9 between batches, then one
 ``lockstep run --once`` converges. The first batch commits together with its hand-off to the queue, so the
 parents not yet written survive the runner; the batch in flight rolls back.
 """

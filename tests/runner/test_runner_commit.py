@@ -1,4 +1,4 @@
-"""How a runner's pass commits (issue 17): without waiting for the WAL flush, and nothing lost by it.
+"""How a runner's pass commits: without waiting for the WAL flush, and nothing lost by it.
 
 A pass's transaction deletes its queue entries and writes the derived rows together, so a crash that
 loses its commit loses both: the entries are back and the next pass redoes them. The runner therefore

@@ -1,4 +1,4 @@
-"""``lockstep run`` behind PgBouncer in transaction mode (issue 5).
+"""``lockstep run`` behind PgBouncer in transaction mode.
 
 A transaction pooler hands each transaction to whichever server connection is free, so the runner must keep
 no session state that matters: one autocommit statement per call, transaction-level advisory locks, work
@@ -235,7 +235,7 @@ def test_a_runner_behind_a_pooler_it_did_not_recognise_stops_preparing_statement
 ):
     """Behind a transaction pooler on another port than 6432, without --no-prepare, the runner's prepared
     statements met other clients' on the shared server connection ("prepared statement ... already
-    exists"): it retried for ever and drained ~14x slower (found by a probe). At the first such error it now
+    exists"): it retried for ever and drained ~14x slower. At the first such error it now
     stops preparing, says why, and works on."""
     pgb = PgBouncer(example_dsn, tmp_path, pool_size=1)
     try:
@@ -282,7 +282,7 @@ def test_a_second_signal_cancels_the_call_through_pgbouncer(ex, pgbouncer, runne
 def test_a_database_pgbouncer_does_not_know_is_a_permanent_start_up_error(pgbouncer, mode):
     """PgBouncer answers a database missing from its [databases] with its own FATAL text ("no such
     database: x"), not PostgreSQL's: the runner exited 3 (no server answered) and, in its loop, retried for
-    ever (found by a probe). It is exit 4 with the database hint, as behind no pooler."""
+    ever. It is exit 4 with the database hint, as behind no pooler."""
     dsn = make_conninfo(pgbouncer.dsn, dbname="lockstep_pgb_no_such_alias")
     try:
         p = subprocess.run(
@@ -301,8 +301,8 @@ def test_a_database_pgbouncer_does_not_know_is_a_permanent_start_up_error(pgboun
 def test_the_runners_application_name_survives_its_calls_through_pgbouncer(ex, pgbouncer):
     """The runner resets every setting after each call (RESET ALL): behind PgBouncer that also reset the
     application_name the pooler had set on the server connection, the pooler took '' as the client's, and
-    the runner vanished from pg_stat_activity's lockstep-runner sessions that docs/runner.md says to watch
-    (found by a review). It sets the application_name it had again, in the same transaction; and a job's
+    the runner vanished from pg_stat_activity's lockstep-runner sessions that docs/runner.md says to watch.
+    It sets the application_name it had again, in the same transaction; and a job's
     search_path no longer reaches the application clients given that server connection next."""
     from lockstep import db
 

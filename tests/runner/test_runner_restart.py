@@ -1,4 +1,4 @@
-"""``lockstep run`` across a real PostgreSQL restart (issue 5).
+"""``lockstep run`` across a real PostgreSQL restart.
 
 A throw-away cluster (tests/pg_cluster.py), stopped (``-m immediate``) and removed at teardown, even on
 failure.

@@ -1,4 +1,4 @@
-"""``lockstep web`` (issue 16): the page's data against a real database, its HTTP surface, least privilege.
+"""``lockstep web``: the page's data against a real database, its HTTP surface, least privilege.
 
 The browser test (real headless Chromium) is tests/runner/test_web_browser.py.
 """
@@ -290,7 +290,7 @@ def test_the_documented_viewer_role_reads_every_section(ex, example_dsn, make_ro
     assert data["totals"]["queue_depth"] == 31 and data["keys_total"] == 2
     assert [r["job"] for r in data["runs"]] == ["boom"]  # row security: its owner role's runs only
     # and it reads only: the recipe granted the owner role before, which is the owner's rights and
-    # SET ROLE to it (the "viewer" deleted derived rows and dropped tables; found by a review)
+    # SET ROLE to it (the "viewer" deleted derived rows and dropped tables)
     with psycopg.connect(as_role(example_dsn, viewer), autocommit=True) as v:
         for stmt in (
             "delete from example.exam_key",

@@ -1,4 +1,4 @@
-"""Recompute in bounded batches (issue 10), as deterministic schedules and with a real runner process.
+"""Recompute in bounded batches, as deterministic schedules and with a real runner process.
 
 A recompute whose difference touches more than the job's batch_parents parents writes the first batch (in
 parent-key order) and hands the others to the queue, where worker passes recompute them fresh, one bounded
@@ -106,7 +106,7 @@ def spec(ex: psycopg.Connection, example_dsn: str) -> Spec:
 def test_the_hand_off_is_counted_before_the_batch_is_locked(spec, ex):
     """A hand-off's bookkeeping reads the queue and key_failure over the whole hand-off (how many parents
     are left to do). It ran after the write, with the batch's row locks held: ~1 ms per 1,000 parents handed
-    off, 582 ms at 600,000, while an application's DELETE of a parent of the batch waited (found by a probe).
+    off, 582 ms at 600,000, while an application's DELETE of a parent of the batch waited.
     It now runs before the first row lock. Shown by an admin's lock on lockstep.key_failure (s3), which
     holds the recompute where it first reads the table: now before the write, so the application's
     DELETE of exam 3 (batch 1) does not wait; before, after it, so the DELETE waited for the recompute."""
@@ -203,7 +203,7 @@ def test_a_due_recompute_is_not_starved_by_its_own_hand_off(ex):
 
 def test_a_recompute_due_during_a_hand_off_carries_its_progress_on(ex):
     # a recompute that came due when the worker had done half of a hand-off started its progress over:
-    # 50 / 150 where the first had shown 100 / 200 (found by a probe)
+    # 50 / 150 where the first had shown 100 / 200
     ex.execute(f"select lockstep.set_batch_parents('{JOB}', 50)")
     _rewrite(ex, list(range(1, 201)))
     assert result(ex, f"lockstep.recompute('{JOB}')")["more"] is True
@@ -224,7 +224,7 @@ def test_a_recompute_due_during_a_hand_off_carries_its_progress_on(ex):
 def test_the_progress_counts_the_changed_parents_the_application_had_queued_already(ex):
     """200 parents changed, 150 of them queued already by the application: the hand-off queued only the
     other 40, and the progress counted those, 10 / 50, unmoving while the worker took the older entries
-    first (found by a probe). It counts from the first entry of a changed parent."""
+    first. It counts from the first entry of a changed parent."""
     ex.execute(f"select lockstep.set_batch_parents('{JOB}', 10)")
     _rewrite(ex, list(range(1, 201)))
     ex.execute("select lockstep.enqueue(%s, %s::bigint[])", [JOB, list(range(51, 201))])  # the app's
@@ -337,7 +337,7 @@ def test_a_poison_parent_in_a_recompute_is_parked_while_the_rest_is_written(ex):
     # today: the whole recompute fails and backs off an hour; now the parents go to the worker's bisection
     assert (r["outcome"], r["more"]) == ("done", True), r
     assert "cannot compute exam 13" in r["error"] and "handed to the worker" in r["error"]
-    # the history says why too: run_log.error was NULL for this run (found by a probe)
+    # the history says why too: run_log.error was NULL for this run
     logged = ex.execute(
         f"select outcome, error from lockstep.run_log where job = '{JOB}' and action = 'recompute'"
         " order by id desc limit 1"

@@ -1,4 +1,4 @@
-"""Enqueue against workers, as isolation schedules (issue 4, DESIGN.md rules 4-5).
+"""Enqueue against workers, as isolation schedules (docs/design.md rules 4-5).
 
 s1 is the worker (deadlock_timeout 1s: the victim when a cycle forms; long enough that the harness always
 sees its wait before the deadlock check ends it), s2 and s3 are application sessions pushing keys (10s), s4

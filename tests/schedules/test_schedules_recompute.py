@@ -1,4 +1,4 @@
-"""Recompute against an application's parent DELETE, as isolation schedules (issue 3, DESIGN.md rules 3-4).
+"""Recompute against an application's parent DELETE, as isolation schedules (docs/design.md rules 3-4).
 
 Each test keeps the naive or seed pattern failing (40P01) beside lockstep not failing in the same schedule.
 Each schedule's whole trace (every wait, completion, error with its SQLSTATE and the rows shown) is compared

@@ -1,4 +1,4 @@
-"""Write-path edges (issue 13): every target define_derived accepts is written without waiting on the
+"""Write-path edges: every target define_derived accepts is written without waiting on the
 application, and what lockstep cannot write that way is refused up front.
 
 One deterministic schedule per case (tests/isolation.py): the application holds a lock, and lockstep must
@@ -593,7 +593,7 @@ def test_a_row_the_app_updated_then_holds_is_skipped_not_waited_for(dsn, case):
     or locked: PostgreSQL locks the old version, follows the update chain and waits for the application
     there. The naive pin (s3, permutation 1) waits for the application, holding its pin of post 1, so the
     application's DELETE of post 1 deadlocks and fails with 40P01. lockstep pinned the same way and did the
-    same (found by a probe); it now cuts that wait short and pins FOR SHARE SKIP LOCKED, which skips the row:
+    same; it now cuts that wait short and pins FOR SHARE SKIP LOCKED, which skips the row:
     post 1 is written, the held row's post re-queued, the application's DELETE does not wait. s1after is
     sent only once s1work completed (with s2 still open: the old code never did, a StepTimeout). No expected
     trace: whether the observer sees lockstep's 10 ms wait is a matter of timing."""
@@ -621,7 +621,7 @@ def test_a_row_the_app_updated_then_holds_is_skipped_not_waited_for(dsn, case):
     assert r.rows("s1work") == [("done", 2, 1)], r.trace  # post 1's two words; post 2 skipped
     assert r.rows("s1after") == [("2",)], r.trace  # re-queued
     # the rows it pinned are held FOR KEY SHARE, as always: an application's UPDATE of them does not wait
-    # (pinned FOR SHARE, they made it wait for lockstep's whole transaction; found by a review)
+    # (pinned FOR SHARE, they made it wait for lockstep's whole transaction)
     assert r.error("s3up") is None and not r.waited("s3up"), r.trace
     assert r.error("s2del") is None and not r.waited("s2del"), r.trace
 
@@ -645,7 +645,7 @@ def test_many_rows_the_app_updated_then_holds_cost_lockstep_a_bounded_wait_not_o
     that updated and then locked 150 rows the pass must pin (here the target's other foreign key, wp.lang)
     and then deleted post 1, which lockstep had pinned in the step before, waited on lockstep while lockstep
     waited 10 ms on each of its 150 rows in turn: the application's deadlock check (1 s, the default) found
-    the cycle and failed its DELETE with 40P01 (found by a probe, with 300 parents held). The waits are
+    the cycle and failed its DELETE with 40P01 (with 300 parents held). The waits are
     now bounded in all (lockstep._pin_waits): the rows not pinned by then are skipped untried, so lockstep
     stops waiting long before the application's check, which finds no cycle. Post 1 is written; the 150
     posts are re-queued."""

@@ -1,6 +1,7 @@
-"""An application statement never fails because of lockstep, and nothing it changed is lost (issue 11).
+"""An application statement never fails because of lockstep, and nothing it changed is lost.
 
-One test per numbered item of issue 11 (1-9, 12), each failing on the code before the fix, and the "hostile
+One test per way an application could fail or lose a change, each failing on the code before its fix, and
+the "hostile
 application" catalogue: app statements under every isolation level, two DateStyles, PREPARE TRANSACTION and
 user-written triggers, again after each admin action; 0 application failures, and afterwards the derived
 rows equal compute after draining with work() alone, or the job is flagged and converges after its
@@ -216,7 +217,7 @@ def test_item4_a_numeric_column_for_a_bigint_key_is_refused_at_watch(app):
 
 
 def test_watching_the_jobs_own_target_is_refused(app):
-    # accepted before (found by a probe): every pass's writes queued their parents again through the
+    # accepted before: every pass's writes queued their parents again through the
     # target's own triggers, so the worker never went idle (318 passes in 5 s with a volatile compute)
     before = snapshot(app)
     with raises_sqlstate("22023", "is the target of job") as info:
@@ -236,7 +237,7 @@ def test_watching_the_jobs_own_target_is_refused(app):
     ],
 )
 def test_watching_one_of_locksteps_own_tables_is_refused(app, table, column):
-    """Accepted before (found by a probe): a watched queue fed itself on every enqueue until the stack ran
+    """Accepted before: a watched queue fed itself on every enqueue until the stack ran
     out, so every application write of every watched table failed with 54001; a watched job_state made a
     job that never went idle (999 empty passes in one run --once)."""
     app.execute(
@@ -270,7 +271,7 @@ def test_work_makes_a_status_row_deleted_by_hand_again(app):
 
 
 def test_a_temporary_table_is_refused_as_a_watched_table_and_as_a_target(app):
-    """Accepted before (found by a probe): the runner never sees a temporary table's rows, and its triggers
+    """Accepted before: the runner never sees a temporary table's rows, and its triggers
     went with its session, leaving their generated function behind."""
     app.execute(
         "create temp table tmp_acc (aid bigint primary key);"
@@ -320,7 +321,7 @@ def test_a_job_name_with_a_control_character_is_refused(app):
 
 def test_a_new_parent_key_type_drops_the_keys_queued_as_the_old_one(app):
     """Kept, the old type's queued keys were parked as unreadable after the redefinition, and lockstep
-    status said unhealthy until the next periodic recompute (found by a probe)."""
+    status said unhealthy until the next periodic recompute."""
     app.execute(
         "create table app.code (c text primary key);"
         "insert into app.code values ('x'), ('y');"
@@ -373,7 +374,7 @@ WIDE_KEY = (
 def test_a_watched_column_of_another_type_flags_the_job_instead_of_failing(app, new_type, value):
     """After `alter column ... type` of a watched column that kept its name, watch()'s generated trigger
     took its fast path and failed the application's statement: text under a bigint key with a 3 KB value
-    (54000, the queue's index), json (42883, no equality for its UNION) (found by a probe). The fast path now
+    (54000, the queue's index), json (42883, no equality for its UNION). The fast path now
     checks the column's type too: the job is flagged (nothing is lost: its recompute), the problem names the
     fix, and watch() again, where the type converts, makes the trigger fast and exact again."""
     app.execute("alter table app.txn drop constraint txn_aid_fkey")
@@ -394,7 +395,7 @@ def test_a_watched_column_of_another_type_flags_the_job_instead_of_failing(app, 
 def test_a_session_with_row_security_off_still_enqueues(app, connect, dsn):
     """An application role's session with `row_security = off` (pg_dump's scripts set it) got 42501 "query
     would be affected by row-level security policy" on every write of a watched table, its TRUNCATE and its
-    enqueue() (found by a probe): PostgreSQL refuses such a statement on a table with row-level security
+    enqueue(): PostgreSQL refuses such a statement on a table with row-level security
     (lockstep.queue, lockstep.recompute_flag, lockstep.job) rather than filter it. lockstep's inserts there
     run with row_security = on; the application's own statements keep its setting."""
     role = f"app_rls_{secrets.token_hex(4)}"
@@ -571,7 +572,7 @@ def test_drop_job_never_deadlocks_an_application_transaction(app, dsn):
 def test_drop_job_gets_its_tables_between_transactions_that_write_child_then_parent(app, dsn):
     """drop_job locks the watched tables one by one (app.acc, then app.txn). Application transactions that
     write app.txn and then app.acc, back to back, always held app.txn while drop_job, holding app.acc, waited
-    for it: every attempt timed out and drop_job failed after ~10 s with 55P03 (found by a probe). Now the
+    for it: every attempt timed out and drop_job failed after ~10 s with 55P03. Now the
     next attempt waits for the contended table first, holding nothing, and gets both."""
     stop = threading.Event()
     errors: list[str] = []
@@ -620,12 +621,12 @@ def test_watch_that_cannot_lock_its_table_says_so_and_changes_nothing(app, conne
 def test_watch_names_the_writers_whose_writes_its_triggers_would_fail(app, connect):
     """A role that may write a watched table but not lockstep's queue gets 42501 on every write once the
     table is watched (docs/security.md lists the grants); a newcomer's application hit it first, and
-    nothing said so at watch() (found by a probe). watch() now names such roles in a WARNING."""
+    nothing said so at watch(). watch() now names such roles in a WARNING."""
     role = f"lsw_{os.getpid()}_{secrets.token_hex(3)}"
     app.execute(f"create role {role} login")
     try:
         app.execute(f"grant usage on schema app to {role}; grant insert, update on app.txn to {role}")
-        col = f"{role}_col"  # a column-level UPDATE is a write too (it was not named: found by a probe)
+        col = f"{role}_col"  # a column-level UPDATE is a write too (it was not named)
         app.execute(f"create role {col} login; grant usage on schema app to {col}")
         app.execute(f"grant update (amount) on app.txn to {col}")
         notices: list[str] = []
@@ -704,8 +705,8 @@ def test_the_shared_fast_path_queues_the_key_as_the_key_type_reads_the_column(ap
     schema lockstep, or one's own trigger following README's recipe) read the key through to_jsonb of the
     row, trusting its third argument for the column's type: a char(8) column under a text key queued 'ab'
     as 'ab      ' (JSON keeps char(n)'s padding, the cast to text drops it), a key that names no parent, so
-    the pass wrote nothing and the change waited for the periodic recompute, status healthy (found by a
-    probe; an owner's `alter column ... type char(8)` after watch() is enough). The fast path now takes only
+    the pass wrote nothing and the change waited for the periodic recompute, status healthy (an owner's
+    `alter column ... type char(8)` after watch() is enough). The fast path now takes only
     a column whose own type reads as the key type's text; any other goes by the general path's cast."""
     app.execute(LONG_SQL)
     app.execute(
@@ -732,7 +733,7 @@ def test_the_shared_fast_path_queues_the_key_as_the_key_type_reads_the_column(ap
 def test_a_watched_table_with_a_column_named_like_the_row_alias_queues_its_keys(app, how):
     """The shared function read the key through to_jsonb(x) ... from lockstep_new x: in a table with a
     column named x, x is that column, so a jsonb x queued its "name" member and an int x queued nothing,
-    nothing flagged (found by a review). It reads to_jsonb(x.*), the row, now."""
+    nothing flagged. It reads to_jsonb(x.*), the row, now."""
     app.execute(LONG_SQL)
     app.execute(
         "create table app.tag_use (id int primary key, name text not null references app.tag, x jsonb)"
@@ -753,7 +754,7 @@ def test_a_watched_table_with_a_column_named_like_the_row_alias_queues_its_keys(
 def test_a_hand_written_trigger_never_reads_a_session_table_named_like_watchs_transition_tables(app):
     """A trigger of one's own with other transition-table names and the key type argument took the fast
     path, whose static read names lockstep_new: a temp table of that name was read instead of the
-    statement's rows (found by a review). The fast path is not taken while such a relation is visible."""
+    statement's rows. The fast path is not taken while such a relation is visible."""
     app.execute(LONG_SQL)
     app.execute("create table app.t2 (id int primary key, name text not null references app.tag)")
     app.execute(
@@ -827,8 +828,8 @@ def test_a_recompute_keeps_the_flag_its_own_hand_off_raised_even_in_one_transact
 def test_a_recompute_writes_the_parents_of_keys_too_long_for_the_queue_in_its_batch(app):
     """A recompute hands what exceeds its batch to the queue; a key too long for the queue flags the job for
     another full recompute instead. With the long key last, each recompute wrote one batch and flagged the
-    job again while the worker had not caught up: one whole compute per batch_parents parents (found by a
-    probe). Parents of long keys are now written in the batch, so one recompute and the worker converge."""
+    job again while the worker had not caught up: one whole compute per batch_parents parents.
+    Parents of long keys are now written in the batch, so one recompute and the worker converge."""
     app.execute(LONG_SQL)
     app.execute(
         "insert into app.tag (name, hits) select 'k' || g, g from generate_series(1, 6) g;"
@@ -975,7 +976,7 @@ def test_hostile_application_catalogue(twopc_dsn):
     admin.close()
 
 
-# -- issue 17: the queue stays small under churn ---------------------------------------------------------
+# -- the queue stays small under churn -----------------------------------------------------------------
 
 
 def test_a_runner_that_owns_the_queue_vacuums_it_without_locking_writers_out(app, connect):

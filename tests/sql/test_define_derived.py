@@ -99,7 +99,7 @@ CASES = [
     ("lockstep.define_derived('j', 'd', 'no_pk_col(bigint[])', 'p')", "LSD03", "primary-key column"),
     ("lockstep.define_derived('j', 'd_req', 'good(bigint[])', 'p')", "LSD03", "NOT NULL column"),
     ("lockstep.define_derived('j', 'd_json', 'json_out(bigint[])', 'p')", "LSD03", "no equality operator"),
-    # accepted, then every run failed with 428C9 (found by a probe)
+    # accepted, then every run failed with 428C9
     ("lockstep.define_derived('j', 'd_ident', 'good(bigint[])', 'p')", "LSD03", "ALWAYS AS IDENTITY"),
     ("lockstep.define_derived('j', 'd_nofk', 'good(bigint[])', 'p')", "LSD04", "cannot infer parent_column"),
     ("lockstep.define_derived('j', 'd_nofk', 'good(bigint[])', 'p', 'p_id')", "LSD04", "foreign key"),
@@ -126,8 +126,8 @@ def test_bad_definition_is_refused_and_changes_nothing(db, call, sqlstate, match
 
 
 def test_a_second_job_on_the_same_target_is_refused(db):
-    """Two jobs writing one table rewrite each other's rows at every run; the second was accepted silently
-    (found by a probe). Redefining the job that owns it is still fine."""
+    """Two jobs writing one table rewrite each other's rows at every run; the second was accepted silently.
+    Redefining the job that owns it is still fine."""
     db.execute("select lockstep.define_derived('first', 'd', 'good(bigint[])', 'p')")
     with raises_sqlstate("LSD07", 'already written by job "first"'):
         db.execute("select lockstep.define_derived('second', 'd', 'good(bigint[])', 'p')")
@@ -135,7 +135,7 @@ def test_a_second_job_on_the_same_target_is_refused(db):
     db.execute("select lockstep.define_derived('first', 'd', 'good(bigint[])', 'p', every => '1 hour')")
     db.execute("select lockstep.drop_job('first')")
     db.execute("select lockstep.define_derived('second', 'd', 'good(bigint[])', 'p')")
-    # a partitioned target and its partition hold the same rows: refused both ways (found by a probe)
+    # a partitioned target and its partition hold the same rows: refused both ways
     db.execute(
         """
         create table dp (p_id bigint not null references p (id) on delete cascade, k text not null, w int,
@@ -155,7 +155,7 @@ def test_a_second_job_on_the_same_target_is_refused(db):
 
 def test_a_taken_target_is_refused_before_any_warning_about_it(db):
     """define_derived on another job's target printed the warnings of its later checks (the parent key's
-    ON UPDATE NO ACTION) and ran the dry run, then refused the table as taken (found by a review): the
+    ON UPDATE NO ACTION) and ran the dry run, then refused the table as taken: the
     taken table is checked first, so the refusal comes alone."""
     db.execute("select lockstep.define_derived('first', 'd', 'good(bigint[])', 'p')")
     notices: list[str] = []
@@ -170,7 +170,7 @@ def test_a_taken_target_is_refused_before_any_warning_about_it(db):
 
 def test_a_target_whose_row_level_security_applies_to_the_definer_is_refused(db):
     """A target whose row-level security hid some computed rows from the job's role was accepted, and every
-    run of the job then failed as a whole with 42501, nothing written (found by a probe). lockstep must see
+    run of the job then failed as a whole with 42501, nothing written. lockstep must see
     and write all the target's rows: refused at define time, changing nothing."""
     role = f"rls_definer_{secrets.token_hex(4)}"
     db.execute(f"create role {role} nologin")
@@ -199,8 +199,8 @@ def test_a_target_whose_row_level_security_applies_to_the_definer_is_refused(db)
 def test_a_redefinition_its_watchers_do_not_fit_says_why(db):
     """define_derived over a watched job whose watchers no longer fit said "(column warehouse_id, bigint)
     ... does not fit the new parent key type bigint" for a key type changed from integer to bigint, and
-    "(column sku, missing) ... does not fit the new parent key type text" for a renamed column (found by a
-    probe): each reason is now said as it is."""
+    "(column sku, missing) ... does not fit the new parent key type text" for a renamed column:
+    each reason is now said as it is."""
     db.execute(
         """
         create table ip (id int primary key);
@@ -223,7 +223,7 @@ def test_a_redefinition_its_watchers_do_not_fit_says_why(db):
     with raises_sqlstate("LSQ01", "made for the parent key type integer, not the new bigint") as info:
         db.execute("select lockstep.define_derived('ij', 'idd', 'icomp(bigint[])', 'ip')")
     # every table that feeds the job, in one hint: one at a time, an admin met the next refusal after each
-    # unwatch (found by a probe)
+    # unwatch
     assert info.value.diag.message_hint == (
         "First select lockstep.unwatch('ij', 'public.ip'), lockstep.unwatch('ij', 'public.iw')"
         " (every table that feeds it), then watch() again after redefining."
@@ -255,7 +255,7 @@ DRIFT = [
 def test_a_run_failing_after_ddl_on_its_tables_says_what_changed(db, ddl, names):
     """After DDL on the target, the compute or the parent, the job's runs failed with the raw error of
     lockstep's own statements ("column t.w does not exist", "no unique or exclusion constraint matching the
-    ON CONFLICT specification"), naming neither the cause nor the fix (found by a probe). The failed run's
+    ON CONFLICT specification"), naming neither the cause nor the fix. The failed run's
     error now says what no longer holds of the definition, and to run define_derived again."""
     db.execute("insert into p values (1, 1), (2, 2)")
     db.execute("select lockstep.define_derived('j', 'd', 'good(bigint[])', 'p')")
@@ -282,7 +282,7 @@ def test_a_run_failing_after_ddl_on_its_tables_says_what_changed(db, ddl, names)
 def test_moving_a_job_onto_another_jobs_target_is_refused_as_taken(db):
     """Redefining a watched job onto another job's target, with a parent of another key type, was refused
     with LSQ01 about its triggers' key type (the watchers were checked first), which sent the user to
-    unwatch instead of saying that the table is taken (found by a probe): the taken target is LSD07."""
+    unwatch instead of saying that the table is taken: the taken target is LSD07."""
     db.execute(
         """
         create table tp (code text primary key, v int not null);
@@ -301,8 +301,8 @@ def test_moving_a_job_onto_another_jobs_target_is_refused_as_taken(db):
 
 
 def test_concurrent_definitions_on_one_target_are_serialized(db, connect):
-    """Two define_derived on one target in concurrent transactions both passed the check and both committed
-    (found by a probe): now the second waits for the first and is refused."""
+    """Two define_derived on one target in concurrent transactions both passed the check and both committed:
+    now the second waits for the first and is refused."""
     other = connect(db.info.dsn)
     observer = connect(db.info.dsn)
     db.execute("begin")
@@ -329,7 +329,7 @@ def test_concurrent_definitions_on_one_target_are_serialized(db, connect):
 
 def test_a_compute_taking_a_wider_type_than_the_parent_key_is_accepted(db):
     """After `alter table ... type varchar(64)` of a text parent key the job kept working, but redefining it
-    unchanged was refused: its compute takes text[], not character varying[] (found by a probe). A compute
+    unchanged was refused: its compute takes text[], not character varying[]. A compute
     taking an array of a type every key converts to without loss (binary-coercible, or a wider integer)
     is accepted and called with it; a lossy one (numeric -> double precision) still is not."""
     db.execute(
@@ -455,7 +455,7 @@ def test_a_parent_key_on_update_no_action_is_warned_about_at_define(conn):
 
 
 def test_a_unique_index_besides_the_primary_key_is_warned_about(conn):
-    # accepted silently before (found by a probe): two parents swapping a unique value failed with 23505
+    # accepted silently before: two parents swapping a unique value failed with 23505
     # at every try and were parked; the derived table never converged
     conn.execute(
         "create table p (id bigint primary key, r int not null);"
@@ -483,7 +483,7 @@ def test_a_unique_index_besides_the_primary_key_is_warned_about(conn):
     conn.execute("select lockstep.enqueue('rank', array[1, 2])")
     assert conn.execute("select outcome, updated from lockstep.work('rank')").fetchone() == ("done", 2)
     assert conn.execute("select * from d order by 1").fetchall() == [(1, 2), (2, 1)]
-    # a job without a parent has no parent to park: the warning said so anyway (found by a probe)
+    # a job without a parent has no parent to park: the warning said so anyway
     conn.execute(
         "create table top (rank int primary key, p_id bigint not null unique);"
         " create function tops(ignored int[]) returns table (rank int, p_id bigint) language sql stable"

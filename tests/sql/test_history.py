@@ -1,4 +1,4 @@
-"""Run history (issue 16): lockstep.run_log rows, bounded retention, row security, never failing a run."""
+"""Run history: lockstep.run_log rows, bounded retention, row security, never failing a run."""
 
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ def test_max_per_job_keeps_the_newest_runs_of_each_job(ex):
 
 def test_the_jobs_last_recompute_outlives_max_per_job_until_the_next_one(ex):
     # during a backlog, 1000 worker passes pushed a failed recompute out of run_log in ~40 s while
-    # lockstep status still showed its error (found by a probe): the newest recompute is kept
+    # lockstep status still showed its error: the newest recompute is kept
     ex.execute("select lockstep.set_run_log_retention(max_per_job => 3)")
     ex.execute("alter function example.exam_key_compute(bigint[]) rename to exam_key_compute_orig")
     ex.execute(
@@ -392,7 +392,7 @@ def test_status_history_for_a_role_that_may_not_read_it_is_a_one_line_error(ex, 
 def test_passes_that_only_skip_a_held_parent_again_are_one_run(ex, exconnect):
     """An application holding a parent's derived rows for minutes made every worker pass (one a second:
     the skipped key's entry is deferred a second) a new run_log row and a new run, so the job's history of
-    1000 runs was pushed out in 17 minutes (found by a probe). A pass that only skips, right after a pass
+    1000 runs was pushed out in 17 minutes. A pass that only skips, right after a pass
     that only skipped, updates the status row and is neither logged nor counted."""
     app = exconnect()
     ex.execute("update example.exam set body = 'held parent rewritten' where id = 3")
@@ -417,7 +417,7 @@ def test_passes_that_only_skip_a_held_parent_again_are_one_run(ex, exconnect):
     state = ex.execute("select runs, last_skipped from lockstep.job_state where job = 'exam_keys'").fetchone()
     assert state == (runs0 + 1, 1) and finished == sorted(finished) and finished[0] < finished[-1]
     # a pass that also takes another key (a change with no effect on derived rows) did something: a run
-    # (it was hidden as one more skip; found by a review)
+    # (it was hidden as one more skip)
     ex.execute("update lockstep.queue set ready_at = now() where job = 'exam_keys'")
     ex.execute("select lockstep.enqueue('exam_keys', array[4]::bigint[])")
     r = result(ex, "lockstep.work('exam_keys')")

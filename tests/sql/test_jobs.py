@@ -1,4 +1,4 @@
-"""Generic scheduled jobs: define_job and run under rules 1, 2, 6 and 7 (issue 2)."""
+"""Generic scheduled jobs: define_job and run under rules 1, 2, 6 and 7."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def test_run_calls_the_function_then_not_due(jobs):
 
 def test_a_status_row_deleted_by_hand_is_made_again_by_the_next_run(jobs):
     """An admin's `delete from lockstep.job_state` made the job vanish from lockstep.status and
-    lockstep.due(): no runner ran it again, and every health check said healthy (found by a probe). The job
+    lockstep.due(): no runner ran it again, and every health check said healthy. The job
     stays shown and is due at once; its next run makes the row again and runs what is due."""
     jobs.execute("select lockstep.define_job('t', 'tick()', every => '1 hour')")
     assert result(jobs, "lockstep.run('t')")["outcome"] == "done"
@@ -190,7 +190,7 @@ def test_redefine_updates_schedule_and_keeps_state(jobs):
 
 def test_a_redefinition_reschedules_as_define_derived_does(jobs):
     """define_job kept the old next_run_at: an hourly job redefined to run every second (or with another
-    call) still waited the hour (found by a probe). Now a new every counts from the last run, another call
+    call) still waited the hour. Now a new every counts from the last run, another call
     is due at once, and the same definition leaves the schedule alone."""
 
     def next_in() -> float:
@@ -285,7 +285,7 @@ def test_drop_job_removes_everything(jobs):
 
 def test_retry_ends_the_failure_backoff_of_a_job_without_a_queue(jobs):
     """README: retry(job) ends the job's failure backoff. For a generic job it raised LSJ02 ("a generic job,
-    not a derived job"), so a fixed job waited out its whole backoff (found by a probe). It now ends the
+    not a derived job"), so a fixed job waited out its whole backoff. It now ends the
     backoff (and returns 0: no key to put back); a job whose last run did not fail keeps its schedule."""
     jobs.execute(
         "create function flaky() returns void language plpgsql as $$ begin"
@@ -307,7 +307,7 @@ def test_retry_ends_the_failure_backoff_of_a_job_without_a_queue(jobs):
 def test_a_run_that_outlasts_its_every_leaves_its_lock_group_a_turn(jobs):
     """A periodic run that took longer than its every was due again at once (next_run_at = start + every, in
     the past): it ran back to back for ever, and rule 7 made every worker of its lock group give way all the
-    while (found by a probe: a 1.5 s job every second; a change queued for its group waited 20 s). Such a
+    while (a 1.5 s job every second; a change queued for its group waited 20 s). Such a
     run is next due min(every, 1 minute) after it ended; one ending within its every keeps start + every."""
     jobs.execute(
         "create table p (id int primary key);"

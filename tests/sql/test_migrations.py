@@ -481,7 +481,7 @@ def test_a_downgrade_never_keeps_the_application_waiting(empty_dsn, connect):
     # A plain DROP SCHEMA lockstep CASCADE queued behind an open application transaction on a watched table
     # (its triggers go with the schema: ACCESS EXCLUSIVE on the table) while holding locks on lockstep's
     # own objects, so the application's next write waited behind it until that transaction ended (7 s
-    # seen, or a deadlock; found by a probe). It now locks through lockstep._ddl: at most 100 ms at a time.
+    # seen, or a deadlock). It now locks through lockstep._ddl: at most 100 ms at a time.
     migrate(empty_dsn)
     observer = connect(empty_dsn)
     observer.execute(WATCHED)

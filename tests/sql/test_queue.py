@@ -1,4 +1,4 @@
-"""Queue and worker: enqueue, triggers, work, dedup, poison keys, fairness, convergence (issue 4)."""
+"""Queue and worker: enqueue, triggers, work, dedup, poison keys, fairness, convergence."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def test_a_row_that_to_jsonb_cannot_convert_is_still_enqueued(ex):
 
 def test_a_table_watched_anew_flags_the_job_for_its_full_recompute(ex):
     # Changes made while a table is not watched (between unwatch() and watch(), say) reach no queue: four
-    # rows of 500 stayed wrong, status healthy, until the periodic recompute (found by a probe). watch() of
+    # rows of 500 stayed wrong, status healthy, until the periodic recompute. watch() of
     # a table not watched for the job flags it; watch() again over its own triggers loses nothing: no flag.
     flags = "select count(*) from lockstep.recompute_flag"
     ex.execute(f"select lockstep.unwatch('{JOB}', 'example.exam')")
@@ -252,7 +252,7 @@ def picky_job(ex: psycopg.Connection) -> None:
 
 def test_a_parked_key_queued_again_is_tried_again_once(ex):
     """A parked key's later changes were held until retry() or the next periodic recompute, the change that
-    fixed its data included (found by a probe). A parked key queued again since it was parked is tried once
+    fixed its data included. A parked key queued again since it was parked is tried once
     more, alone, once its retry time has come: the fix of its data is written; a change that does not fix
     it parks it again, and the queue does not loop on it."""
     picky_job(ex)
@@ -379,7 +379,7 @@ def test_an_unreadable_key_does_not_rerun_a_recompute_while_a_parent_fails(ex):
 def test_a_fix_whose_transaction_began_before_the_key_was_parked_is_still_tried(ex, exconnect):
     """Queued again "since it was parked" was told by time: enqueued_at (its transaction's start) after
     last_failed_at. A fix whose transaction began before the try that parked the key, and committed after
-    it, looked older: the key stayed parked on fixed data (found by a review). It is told by queue id now:
+    it, looked older: the key stayed parked on fixed data. It is told by queue id now:
     an entry above the highest one the failing pass had claimed."""
     picky_job(ex)
     ex.execute("update example.exam set title = title || ' poison' where id = 13")
@@ -401,7 +401,7 @@ def test_retry_drops_a_queued_key_that_names_no_parent_and_retries_the_others(ex
     # A trigger on a column whose type changed since watch() can queue 'abc' for a bigint job: the worker
     # parks it (it cannot be read as bigint). retry() queued it again through the bigint cast, failed with
     # 22P02, and so retried none of the job's other parked keys; recompute cleared the failure, and the
-    # still-queued entries parked it again (found by a probe). It names no parent: retry drops it.
+    # still-queued entries parked it again. It names no parent: retry drops it.
     not_due(ex, JOB)
     ex.execute(f"insert into lockstep.queue (job, key) values ('{JOB}', 'abc')")
     ex.execute(f"select lockstep.enqueue('{JOB}', array[5])")
@@ -431,7 +431,7 @@ def test_retry_drops_a_queued_key_that_names_no_parent_and_retries_the_others(ex
 def test_a_failed_recompute_stays_reported_after_good_worker_passes_and_retry_ends_its_backoff(ex):
     # A worker pass that succeeded reset consecutive_failures and last_error: lockstep status turned healthy
     # while the failed recompute waited out its hour of backoff, and retry() (which looked at those) then
-    # no longer ended it (found by a probe).
+    # no longer ended it.
     ex.execute(
         """
         create function example.no_full(ids bigint[]) returns table (exam_id bigint, key text, weight integer)
@@ -500,7 +500,7 @@ def test_a_broken_job_fails_as_a_whole_and_poisons_no_key(ex):
 def test_a_lock_timeout_fails_the_pass_as_a_whole_and_parks_no_key(ex, exconnect):
     """A runner with lock_timeout whose pass meets an application's table lock on the target (55P03) is not
     a fault of its keys: the bisection blamed them one by one and parked them after max_attempts, so the
-    changes waited for a manual retry after the lock was long gone (found by a probe). Like a deadlock or a
+    changes waited for a manual retry after the lock was long gone. Like a deadlock or a
     serialization failure, it now fails the pass as a whole: keys stay queued, none is failing, and the
     pass after the backoff writes them."""
     ex.execute(f"select lockstep.set_max_attempts('{JOB}', 1)")
@@ -525,7 +525,7 @@ def test_a_lock_timeout_fails_the_pass_as_a_whole_and_parks_no_key(ex, exconnect
 def test_a_parent_whose_compute_always_raises_a_transient_error_is_isolated_after_three_passes(ex):
     """A lock timeout, deadlock or serialization failure fails a pass as a whole (lockstep._transient), but a
     parent whose own compute raises 40001 every time then failed every pass and every recompute: nothing
-    written, no key parked, the job stalled (found by a review). After 3 failed passes in a row the pass
+    written, no key parked, the job stalled. After 3 failed passes in a row the pass
     bisects as for any error: the parent is isolated and the others are written."""
     ex.execute(
         "create function example.serial(ids bigint[])"
@@ -557,8 +557,8 @@ def test_a_parent_whose_compute_always_raises_a_transient_error_is_isolated_afte
 def test_a_table_lock_on_the_parent_is_waited_for_as_a_table_lock_not_retried_row_by_row(ex, exconnect):
     """The pin of parents cuts a row wait short (lockstep._pin_timeout) and retries a few rows at a time;
     a table lock an application holds on the parent ended the first statement the same way, and the
-    retry then waited 10 ms on it for every row and skipped every key, pass after pass (found by a
-    review). The table lock is now waited for with the session's own lock_timeout, as before: with one
+    retry then waited 10 ms on it for every row and skipped every key, pass after pass.
+    The table lock is now waited for with the session's own lock_timeout, as before: with one
     set, the pass fails as a whole (lockstep._transient) and its keys stay queued, not deferred."""
     ex.execute("update example.exam set body = body || ' tablelockword' where id in (1, 2, 3)")
     ex.execute("delete from lockstep.queue")
@@ -588,7 +588,7 @@ def test_a_lock_timeout_fails_a_recompute_as_a_whole_and_hands_nothing_off(ex, e
     r = result(ex, f"lockstep.recompute('{JOB}')")
     assert r["outcome"] == "failed" and "lock timeout" in r["error"], r
     assert queue_keys(ex) == [] and ex.execute("select count(*) from lockstep.key_failure").fetchone()[0] == 0
-    # tried again within a minute, not after the job's hour of backoff (found by a review)
+    # tried again within a minute, not after the job's hour of backoff
     soon = "select next_run_at <= now() + interval '1 minute' from lockstep.job_state where job = %s"
     assert ex.execute(soon, [JOB]).fetchone()[0]
     app.execute("rollback")
@@ -599,7 +599,7 @@ def test_a_lock_timeout_fails_a_recompute_as_a_whole_and_hands_nothing_off(ex, e
 def test_a_parent_key_widened_past_the_jobs_key_type_fails_the_run_and_says_what_to_do(conn):
     # after `alter column id type bigint` on the parent, a key beyond the old range made the recompute's
     # hand-off of every parent raise 22003 out of run() and recompute(): no failed run recorded, status
-    # showing the last run done, the runner retrying for ever (found by a probe)
+    # showing the last run done, the runner retrying for ever
     conn.execute(
         "create table p (id int primary key);"
         " create table d (p_id int primary key references p on delete cascade on update cascade,"
@@ -625,8 +625,8 @@ def test_a_parent_key_widened_past_the_jobs_key_type_fails_the_run_and_says_what
 def test_a_flagged_job_whose_recompute_fails_waits_out_its_backoff_between_worker_passes(ex):
     """A job flagged for its full recompute (a TRUNCATE, a newly watched table) whose recompute failed ran
     it again after every worker pass: a good pass reset consecutive_failures, and the flag was read only
-    while that was 0, so the hour of backoff was ignored and a 1.5 s recompute ran 20 times in 30 s
-    (found by a probe). The failed recompute's error (recompute_error) now holds the flag back too."""
+    while that was 0, so the hour of backoff was ignored and a 1.5 s recompute ran 20 times in 30 s.
+    The failed recompute's error (recompute_error) now holds the flag back too."""
     ex.execute(
         "create function example.whole_fails(ids bigint[])"
         " returns table (exam_id bigint, key text, weight integer) language plpgsql stable as $$ begin"
@@ -979,7 +979,7 @@ def test_a_pass_runs_only_the_write_statements_it_has_rows_for(conn):
 def test_writes_made_directly_to_a_partition_of_a_watched_table_are_queued(conn):
     """watch() on a partitioned table put its statement triggers on the root only, and a statement trigger
     fires only for statements naming its table: an UPDATE of a partition itself was neither queued nor
-    flagged, and the derived row stayed stale with status healthy (found by a probe). Now every partition
+    flagged, and the derived row stayed stale with status healthy. Now every partition
     (at every level) has the triggers too, and unwatch / drop_job remove them all."""
     conn.execute(
         """
@@ -1026,7 +1026,7 @@ def test_writes_made_directly_to_a_partition_of_a_watched_table_are_queued(conn)
 
 
 def test_watch_flags_a_partition_attached_since_and_warns_about_what_it_cannot_see(conn):
-    """Found by a probe: watch() again after attaching a partition that already held rows did not flag the
+    """Watch() again after attaching a partition that already held rows did not flag the
     job (it flagged only a source not watched before), so those rows stayed missing, status healthy, until
     the periodic recompute; watch() of one partition, which misses every write made through the
     partitioned table, and of a column that references another table than the job's parent (a grandchild's
@@ -1325,7 +1325,7 @@ def test_other_foreign_keys_of_an_extension_type_match_as_their_own_check_does(c
 def test_keys_of_a_type_whose_name_implies_a_length_are_kept_whole(conn, typ, keys):
     # The key type was cast by its regtype name: 'character' means char(1) and 'bit' bit(1), so the queue
     # held 'a' for 'abcde' and '1' for 10101010, compute(array['a']) found nothing, and every pass and every
-    # recompute reported done with the derived rows gone (found by a probe). Casts now use format_type(t, -1).
+    # recompute reported done with the derived rows gone. Casts now use format_type(t, -1).
     conn.execute(
         f"create table p (k {typ} primary key, v int not null default 1);"
         f" create table d (k {typ} primary key references p on delete cascade on update cascade,"
@@ -1354,7 +1354,7 @@ def test_a_partitioned_parent_converges(conn):
     # A foreign key to a partitioned table has a child constraint per partition (conparentid <> 0) on the
     # referencing table: _pin_refs took them for other foreign keys and pinned each parent in every
     # partition, which failed in all but its own, so every parent was skipped at every pass and every
-    # recompute (found by a probe). A partitioned parent referenced by another table too (other FK).
+    # recompute. A partitioned parent referenced by another table too (other FK).
     conn.execute(
         "create table pp (id int primary key, v int not null default 1) partition by range (id);"
         " create table pp1 partition of pp for values from (0) to (100);"
@@ -1384,7 +1384,7 @@ def test_a_partitioned_parent_converges(conn):
 def test_a_parent_key_of_a_nondeterministic_collation_compares_under_it(conn):
     # 'abc' names the parent 'ABC' under a case-insensitive collation (the child's key accepts it, the
     # trigger queues 'abc'), but compute's rows carry the default collation: the pass compared their key
-    # with the queued 'abc' as different, found no computed row and deleted the parent's (found by a probe).
+    # with the queued 'abc' as different, found no computed row and deleted the parent's.
     conn.execute(
         "create collation ci (provider = icu, locale = 'und-u-ks-level2', deterministic = false);"
         " create table np (k text collate ci primary key);"
@@ -1411,7 +1411,7 @@ def test_a_parent_key_of_a_nondeterministic_collation_compares_under_it(conn):
 
 def test_an_out_of_range_key_is_refused_naming_the_job_and_its_key_type(conn):
     # it failed with PostgreSQL's bare 22003 "value ... is out of range for type integer", no word of
-    # lockstep or the job (found by a probe)
+    # lockstep or the job
     conn.execute(
         "create table p (id int primary key);"
         " create table d (p_id int primary key references p on delete cascade, n int);"
@@ -1438,7 +1438,7 @@ def test_enqueue_names_the_parent_the_implicit_cast_names_in_the_callers_session
     # Keys went through text under lockstep's pinned settings (TimeZone UTC): a timestamp for a timestamptz
     # key, in a session at +05:30, named an instant 5.5 hours off, a real 0.1 for a float8 key named 0.1, not
     # 0.10000000149011612 (the parent's value); the pass found no such parent and the change was lost until
-    # the periodic recompute (found by a probe). The cast is PostgreSQL's own, in the caller's settings.
+    # the periodic recompute. The cast is PostgreSQL's own, in the caller's settings.
     conn.execute(
         f"create table p (k {key} primary key, v int not null default 1);"
         f" create table d (k {key} primary key references p on delete cascade, v int not null);"
@@ -1465,7 +1465,7 @@ def test_enqueue_names_the_parent_the_implicit_cast_names_in_the_callers_session
 
 
 def test_result_times_are_rounded_to_the_microsecond(ex):
-    # compute_ms showed float noise such as 37.818000000000005 (found by a probe)
+    # compute_ms showed float noise such as 37.818000000000005
     ex.execute(f"select lockstep.enqueue('{JOB}', array[1, 2, 3])")
     r = result(ex, f"lockstep.work('{JOB}')")
     for k in ("compute_ms", "write_ms"):
@@ -1475,7 +1475,7 @@ def test_result_times_are_rounded_to_the_microsecond(ex):
 def test_a_recompute_that_cures_a_key_naming_no_parent_drops_its_entries(ex):
     """A queue row whose key cannot be read as the parent key type (written by hand) is parked at once; a
     recompute that computed every parent cleared its parked row but left its entry, which parked it again
-    at the next pass, for ever (found by a probe). It names no parent: the cure drops its entries too."""
+    at the next pass, for ever. It names no parent: the cure drops its entries too."""
     not_due(ex, JOB)
     ex.execute(f"insert into lockstep.queue (job, key) values ('{JOB}', 'abc'), ('{JOB}', '5')")
     result(ex, f"lockstep.work('{JOB}')")
@@ -1488,7 +1488,7 @@ def test_a_recompute_that_cures_a_key_naming_no_parent_drops_its_entries(ex):
 
 def test_a_recompute_that_computes_every_parent_cures_the_parked_keys(ex):
     # a parked key whose data was fixed kept lockstep status unhealthy (parked_keys) until someone ran
-    # retry, though the next recompute computed it without error (found by a probe)
+    # retry, though the next recompute computed it without error
     ex.execute(
         """
         create table example.bad (id bigint primary key);
@@ -1519,7 +1519,7 @@ def test_a_recompute_that_computes_every_parent_cures_the_parked_keys(ex):
 
 def test_a_dropped_target_fails_the_job_with_a_message_that_names_it(conn):
     """After DROP TABLE of a job's target, work and recompute failed with 'syntax error at or near "43073"'
-    (the table's old oid, all the job still had; found by a probe). They now fail the job, not its keys, with
+    (the table's old oid, all the job still had). They now fail the job, not its keys, with
     a message that says what is gone and what to do; nothing is parked and the keys stay queued."""
     conn.execute(
         """

@@ -1,4 +1,4 @@
-"""Diff recompute on the example app: results, convergence, no-op, skipped parents (issue 3)."""
+"""Diff recompute on the example app: results, convergence, no-op, skipped parents."""
 
 from __future__ import annotations
 
@@ -211,7 +211,7 @@ def test_other_foreign_keys_are_pinned_and_skipped_when_locked(conn, connect):
 def test_a_row_updated_in_place_does_not_pin_what_its_other_foreign_keys_reference(conn, connect):
     # its key columns do not change, so no FK check looks the referenced row up: it was pinned all the
     # same (FOR KEY SHARE: a row lock, a dirtied page and WAL per row; 10,000 rows of a top-20 table held a
-    # write phase for 1.8 s), and skipped while an application held that row (found by a probe)
+    # write phase for 1.8 s), and skipped while an application held that row
     conn.execute(
         """
         create table p (id int primary key, tag text not null, n int not null);
@@ -245,7 +245,7 @@ def test_a_row_updated_in_place_does_not_pin_what_its_other_foreign_keys_referen
 def test_a_row_updated_in_place_is_locked_for_no_key_update(conn, connect):
     # an application inserting a row that references a derived row takes FOR KEY SHARE on it (its FK
     # check); lockstep locked rows to update FOR UPDATE, which conflicts: the row was skipped (and an
-    # application FK check arriving during the write phase waited for it; found by a probe)
+    # application FK check arriving during the write phase waited for it)
     conn.execute(
         """
         create table p (id int primary key, n int not null);
@@ -417,7 +417,7 @@ TOP_TARGETS = {
 @pytest.mark.parametrize("target", TOP_TARGETS)
 def test_a_parentless_job_with_a_deferrable_unique_constraint_is_not_split_across_transactions(conn, target):
     # a top-N whose users swap ranks: written batch_parents rows at a time, the first batch held a uid the
-    # rest still had, so every recompute failed with 23505 and the job never converged (found by a probe).
+    # rest still had, so every recompute failed with 23505 and the job never converged.
     # With a DEFERRABLE unique (or exclusion) constraint besides the primary key the difference is written
     # at once.
     conn.execute(
@@ -588,8 +588,8 @@ def test_a_poison_parent_of_a_flagged_job_is_isolated_not_recomputed_forever(con
     """A job flagged for its full recompute (a TRUNCATE of a watched table, a newly watched table) with one
     parent whose compute raises: the whole-table pass failed, every parent was handed to the worker, and the
     run was done, leaving the flag. run() then took the flag again at once: recompute, fail, hand off,
-    forever; the worker never ran and no parent was written (a runner looped ~120 recomputes a second;
-    found by a probe). The flag now waits (job_state.recompute_poisoned_at) for the next periodic recompute
+    forever; the worker never ran and no parent was written (a runner looped ~120 recomputes a second). The
+    flag now waits (job_state.recompute_poisoned_at) for the next periodic recompute
     or a retry: the next runs are worker passes, which isolate the poison parent and write the others."""
     badges(conn, ["t10"])
     conn.execute("select lockstep.watch('badges', 'team', 'id')")
@@ -659,7 +659,7 @@ def test_a_flag_raised_after_a_poisoned_recompute_runs_the_recompute_again(conn)
 
 @pytest.mark.parametrize("flagger", ["long_key", "trigger"])
 def test_a_poisoned_recompute_is_not_rerun_by_flags_raised_after_it(conn, flagger):
-    """A first version of "a flag raised after the poisoned recompute counts" looped (found by a review):
+    """A first version of "a flag raised after the poisoned recompute counts" looped:
     that recompute raises a flag itself for a key too long for the queue (342 recomputes in 4 s, the worker
     never ran), and a trigger that flags on every write re-ran it, handing every parent off, per write. The
     hold ends when the poison is cured, not when a flag is newer."""
@@ -722,7 +722,7 @@ def test_a_poisoned_recompute_is_not_rerun_by_flags_raised_after_it(conn, flagge
 def test_a_poison_cured_while_the_hand_off_is_still_queued_ends_the_hold(conn, dsn):
     """The hold ended only if the pass that wrote the cured key also found the hand-off worked off; retries
     come first, so a key cured early (the common case) left the hold on for good, and a later TRUNCATE's
-    flag waited for the periodic recompute, every derived row stale (found by a review)."""
+    flag waited for the periodic recompute, every derived row stale."""
     conn.execute(
         """
         create table p (id int primary key, v int not null, bad boolean not null default false);
@@ -771,8 +771,8 @@ def test_a_poison_cured_while_the_hand_off_is_still_queued_ends_the_hold(conn, d
 def test_a_key_that_fails_once_then_goes_through_unchanged_cures_nothing(conn):
     """With a whole-table pass that always fails, a key that failed its first try and went through on its
     retry, its data unchanged (a timeout on a cold cache), counted as a cure: the hold ended after every
-    hand-off and the recompute ran again, one full compute and hand-off per cycle, the worker never idle
-    (found by a review). A cure needs an application change since the key failed."""
+    hand-off and the recompute ran again, one full compute and hand-off per cycle, the worker never idle.
+    A cure needs an application change since the key failed."""
     conn.execute(
         """
         create table p (id int primary key, v int not null);
@@ -805,7 +805,7 @@ def test_a_key_that_fails_once_then_goes_through_unchanged_cures_nothing(conn):
 
 def test_a_retry_of_some_keys_does_not_rerun_a_poisoned_recompute(conn):
     """lockstep retry JOB KEY after a poisoned recompute re-ran the whole-table recompute, which met the
-    other poison parent again and handed every parent to the worker a second time (found by a probe). A
+    other poison parent again and handed every parent to the worker a second time. A
     retry of some keys queues those; a retry of the whole job makes the recompute due."""
     badges(conn, ["t10", "t11"])
     conn.execute(
@@ -834,7 +834,7 @@ def test_a_retry_of_some_keys_does_not_rerun_a_poisoned_recompute(conn):
 def test_a_change_the_columns_equality_does_not_see_is_still_written(conn):
     """A box moved to a box of the same area, 'abc' -> 'ABC' under a case-insensitive collation, 1.0 ->
     1.000: each is equal by its type's = (box compares areas), so IS DISTINCT FROM found no difference and
-    neither work() nor recompute() ever wrote them (found by a probe). Such columns
+    neither work() nor recompute() ever wrote them. Such columns
     (lockstep.job.image_columns) are compared by binary image; a no-op recompute still writes nothing."""
     conn.execute(
         """

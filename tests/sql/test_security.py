@@ -370,14 +370,14 @@ def recipe_scenario(ex: psycopg.Connection, dsn: str, roles, without: tuple[str,
         _drain(r, "exam_keys")
         assert example.divergence(ex) == (0, 0)
         # the owner writes its own watched table: a TRUNCATE flags the job (it failed with 42501 before
-        # the recipe had INSERT on recompute_flag: found by a probe)
+        # the recipe had INSERT on recompute_flag)
         o.execute("truncate example.exam_item")
         res = _run(r, "exam_keys")
         _check((res["action"], res["outcome"]) == ("recompute", "done"), f"flagged recompute: {res}")
         _drain(r, "exam_keys")
         assert example.divergence(ex) == (0, 0)
 
-        # an admin deleted the job's status row (found by a probe: the job had vanished from status and
+        # an admin deleted the job's status row (the job had vanished from status and
         # due(), and no runner ran it again): the runner makes it again, and the recompute is due
         ex.execute("delete from lockstep.job_state where job = 'exam_keys'")
         res = _run(r, "exam_keys")
@@ -439,7 +439,7 @@ def test_a_failed_run_by_a_least_privilege_runner_blames_nothing_on_the_definiti
     """A failed run appends what no longer holds of the job's definition (lockstep._drift). Its first version
     ran define_derived's target check, which also checks the caller's privileges on the target: a runner
     of the recipe has none (it runs the job as its owner), so every failed run of its jobs would have been
-    blamed on the definition (found by a review)."""
+    blamed on the definition."""
     runner = _recipe_runner_of_exam_keys(ex, roles)
     ex.execute(
         "create or replace function example.exam_key_compute(ids bigint[])"
@@ -699,7 +699,7 @@ def test_an_app_role_granted_the_queue_columns_only_enqueues_and_cannot_forge_an
     ex, example_dsn, roles
 ):
     """With INSERT on the whole queue an application role could write `ready_at = 'infinity'`: an entry
-    never taken, a queue_lag that grows for ever (found by a probe). docs/security.md offers the grant on
+    never taken, a queue_lag that grows for ever. docs/security.md offers the grant on
     (job, key) only: every insert lockstep's triggers and enqueue() make names only those columns, and
     watch() counts it as the grant its triggers need."""
     app = roles(
@@ -747,7 +747,7 @@ def owners(ex, roles):
 def test_a_job_cannot_be_retried_by_another_role(ex, example_dsn, owners):
     # retry() of another owner's job returned 0 and `lockstep retry` exited 0 ("0 keys back in the queue;
     # its failure backoff, if any, ended"), changing nothing: row-level security hid the key failures, and
-    # only a job without a queue was checked for its owner (found by a probe). Now 42501, as drop_job.
+    # only a job without a queue was checked for its owner. Now 42501, as drop_job.
     _, other, _ = owners
     ex.execute(
         "insert into lockstep.key_failure (job, key, attempts, last_error, retry_at, parked)"
@@ -774,7 +774,7 @@ def test_job_cannot_be_redefined_or_dropped_by_another_role(ex, example_dsn, own
             x.execute("select lockstep.drop_job('owned')")
     assert ex.execute("select * from lockstep.job where job = 'owned'").fetchone() == before
     # watch() too: another role's triggers on its own table fed the job, which its owner could then
-    # neither unwatch nor drop (found by a review)
+    # neither unwatch nor drop
     ex.execute("create table public.feed (id bigint primary key)")
     ex.execute(sql.SQL("alter table public.feed owner to {}").format(sql.Identifier(other)))
     with psycopg.connect(as_role(example_dsn, other), autocommit=True) as x:
@@ -1153,7 +1153,7 @@ def test_parent_key_of_a_domain_type_is_refused(ex, example_dsn, mallory):
         with raises_sqlstate("42501", match="row-level security"):
             m.execute("update lockstep.job set key_type = 'public.dkey'::regtype where job = 'mine'")
         # an array of a domain is typtype 'b' too: it passed, and the runner's cast of the queued keys ran the
-        # domain's CHECK as the runner, outside the sandbox (found by a probe)
+        # domain's CHECK as the runner, outside the sandbox
         with raises_sqlstate("42501", match="row-level security"):
             m.execute("update lockstep.job set key_type = 'public.dkey[]'::regtype where job = 'mine'")
         with raises_sqlstate("42501", match="row-level security"):
@@ -1223,7 +1223,7 @@ def test_work_tables_another_role_created_in_the_session_are_never_used(ex, exco
     """The temp schema is the session's: another owner's code run by the same runner session could create
     tables with the predictable names of a job's work tables, grant them to PUBLIC and put a trigger on
     them; the job's next pass in that session wrote into them, and the trigger ran with that job's owner's
-    rights (here a superuser's; found by a probe). A table of another role is never used now: the job gets
+    rights (here a superuser's). A table of another role is never used now: the job gets
     its own tables under another name."""
     ex.execute(f"select lockstep.enqueue('{example.JOB}', array[1])")
     assert result(ex, f"lockstep.work('{example.JOB}')")["outcome"] == "done"
@@ -1269,7 +1269,7 @@ def test_work_tables_another_role_created_in_the_session_are_never_used(ex, exco
 def test_keys_a_runner_cannot_read_are_parked_not_recursed_on(ex, example_dsn, roles):
     """An enum key type in a schema the runner may not use: every queued key failed its cast, and the
     retry of the keys left (none) recursed until the stack ran out (54001), raised out of run(): the
-    runner backed off for every job it serves (found by a review). Now the keys are isolated and parked,
+    runner backed off for every job it serves. Now the keys are isolated and parked,
     with the error, like any key that does not read back."""
     owner = roles("enum_owner", OWNER_GRANTS, login=False)
     runner = roles("lockstep_runner", RUNNER_GRANTS, attrs="noinherit", owner=owner)
@@ -1319,7 +1319,7 @@ PLANT_TABLE = (
 def test_another_owners_temp_view_never_stands_in_for_a_jobs_table(ex, example_dsn, roles, item, plant):
     """A compute with its own search_path that does not name pg_temp (the README's advice) looks there first
     for relations; the runner session serves several owners, so a temp view another owner's job left named
-    like a table of this one ran that owner's code with this one's rights (found by a review). A job's
+    like a table of this one ran that owner's code with this one's rights. A job's
     temporary objects are dropped at the end of its sandbox: lockstep_rates too (names starting lockstep_
     were all spared, for lockstep's own work tables: a probe planted its view under such a name); only
     plain tables of lockstep's names, granted to nobody, with no trigger, rule or policy, are kept."""
@@ -1440,7 +1440,7 @@ def test_a_viewer_row_for_a_role_that_does_not_exist_breaks_nobody(ex, example_d
 
 def test_a_lock_group_cannot_be_taken_by_plain_dml(ex, example_dsn, owners):
     # define_* refused it, but UPDATE on lockstep.job (in the owner recipe) put a job in another owner's
-    # group all the same (found by a review)
+    # group all the same
     owner, other, _ = owners
     with psycopg.connect(as_role(example_dsn, owner), autocommit=True) as o:
         _define_noop(o)

@@ -1,10 +1,10 @@
 """The worker pass: reused work tables (no catalog churn, pooler-safe), unreadable queued keys, slow keys.
 
-Issue 17 (worker side): a no-op recompute and a no-op worker pass write no catalog row once the session's
+A no-op recompute and a no-op worker pass write no catalog row once the session's
 work tables exist; two jobs of different shapes alternating on one connection, a DISCARD ALL in between
 (what a pooler's server_reset_query does) and a retyped target column all keep working.
-Issue 11 item 10: a queued key that cannot be read back is parked with its error, the rest moves.
-Issue 11 item 11: a key slower than statement_timeout is isolated like a poison key, the rest moves.
+A queued key that cannot be read back is parked with its error, the rest moves.
+A key slower than statement_timeout is isolated like a poison key, the rest moves.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def work_until_idle(conn: psycopg.Connection, job: str = JOB, batch: int = 500, 
     raise AssertionError(f"{job}: still more after {limit} passes")
 
 
-# issue 17: no catalog churn, pooled use ------------------------------------------------------------------
+# no catalog churn, pooled use --------------------------------------------------------------------------
 
 
 def test_noop_runs_write_no_catalog_row_once_the_work_tables_exist(ex):
@@ -135,7 +135,7 @@ def test_two_sessions_running_the_same_job_one_after_the_other(ex, exconnect):
     assert divergence(ex) == (0, 0)
 
 
-# issue 11 item 10: a queued key that cannot be read back -------------------------------------------------
+# a queued key that cannot be read back ----------------------------------------------------------------
 
 
 def test_an_unreadable_queued_key_is_parked_and_the_rest_of_the_queue_moves(ex):
@@ -154,7 +154,7 @@ def test_an_unreadable_queued_key_is_parked_and_the_rest_of_the_queue_moves(ex):
     st = ex.execute("select parked_keys, queue_depth, last_outcome from lockstep.status").fetchone()
     assert st == (2, 0, "done")
     # such a key names no parent a pass could compute (an enum label renamed since, say): the change it
-    # stands for waited for the periodic recompute, up to its `every` (found by a probe). That recompute is
+    # stands for waited for the periodic recompute, up to its `every`. That recompute is
     # due now: run() recomputes, which cures the parked keys; the queue moves on
     assert ex.execute("select next_run_at <= now() from lockstep.status").fetchone()[0]
     assert result(ex, f"lockstep.run('{JOB}')")["action"] == "recompute"
@@ -166,7 +166,7 @@ def test_an_unreadable_queued_key_is_parked_and_the_rest_of_the_queue_moves(ex):
     assert divergence(ex) == (0, 0)
 
 
-# issue 11 item 11: a slow key under statement_timeout ----------------------------------------------------
+# a slow key under statement_timeout -------------------------------------------------------------------
 
 SLOW_COMPUTE_SQL = """
 create function example.slow_13(ids bigint[]) returns table (exam_id bigint, key text, weight integer)
@@ -308,7 +308,7 @@ def test_a_recompute_that_hands_off_cures_the_keys_it_wrote_and_tries_the_handed
     """A recompute whose whole-table pass went through but handed parents off (more than batch_parents
     changed) cured no failing or parked key: a parked parent the application had fixed was handed off, and
     the worker left it for its retry_at (up to the job's backoff, an hour) unwritten, lockstep status
-    unhealthy (found by a probe). The keys still queued are now due at once, parked ones too, and keep
+    unhealthy. The keys still queued are now due at once, parked ones too, and keep
     their attempts: the fixed parent is written, and a parent that still fails at its write is parked again,
     not forgotten (a first version went by entries newer than the recompute and forgot it; a review)."""
     conn.execute(
@@ -347,7 +347,7 @@ def test_a_recompute_that_hands_off_cures_the_keys_it_wrote_and_tries_the_handed
 def test_an_unreadable_key_is_forgotten_by_a_recompute_that_hands_off(conn):
     """A recompute that handed off kept every failing key still queued, an unreadable one too (a queue row
     written by hand): the next pass parked it again, which made the recompute due, which handed off again,
-    for ever (310 full recomputes in 8 s of a job every hour; found by a review). It is forgotten, with its
+    for ever (310 full recomputes in 8 s of a job every hour). It is forgotten, with its
     entries, as by a recompute that hands nothing off."""
     conn.execute(
         """

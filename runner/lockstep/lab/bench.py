@@ -408,7 +408,7 @@ class Bench:
         passes, elapsed = self._drain(EDIT_SQL, ids, f"queue: worker over {n} edited parents")
         out["worker_edit_parents_per_s"] = n / elapsed
         self.progress("queue: no-op passes")
-        c.execute(VACUUM_SQL)  # the queue's dead rows (issue 17's trigger side) would dominate an empty pass
+        c.execute(VACUUM_SQL)  # the queue's dead rows would dominate an empty pass
         times = []
         for _ in range(200):
             t0 = time.perf_counter()
