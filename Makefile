@@ -1,6 +1,7 @@
 # make test: create .venv if missing, install the package editable with its test extras, lint, run pytest.
 # make test-fast: the same without runner processes, packaging, tools and slow tests (markers by kind,
 #   from the folder a test lives in, tests/{sql,schedules,runner,packaging,tools}/; and slow).
+# make freeze REV=NNNN: at a release, copy sql/src's code files into sql/NNNN/code/ (docs/design.md).
 # make expected: rewrite the schedule traces tests/expected/*/*.out (then review git diff).
 # Extra pytest arguments: make test PYTEST_ARGS="-k migrations -x"
 PYTHON ?= python3
@@ -13,7 +14,7 @@ DEMO_ARGS ?=
 
 FAST_MARKERS := not runner and not packaging and not tools and not slow
 
-.PHONY: test test-fast lint format expected clean demo
+.PHONY: test test-fast lint format expected clean demo freeze
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +39,13 @@ test-fast: lint
 
 expected: $(STAMP)
 	$(BIN)/pytest -q -m "schedules or sql" --update-expected $(PYTEST_ARGS)
+
+freeze:
+	@test -n "$(REV)" || { echo "make freeze REV=NNNN" >&2; exit 2; }
+	@test -f sql/$(REV)/up.sql || { echo "sql/$(REV)/up.sql: no such revision to freeze" >&2; exit 2; }
+	@test ! -e sql/$(REV)/code || { echo "sql/$(REV)/code exists: revision $(REV) is frozen already" >&2; exit 2; }
+	mkdir sql/$(REV)/code
+	cp $$(ls sql/src/[0-9][0-9]_*.sql | grep -v '/01_schema.sql$$') sql/$(REV)/code/
 
 # make demo: lockstep vs the naive jobs on the example (docs/demo.md). make demo DEMO_ARGS="--parents 5000"
 demo: | $(BIN)/python
