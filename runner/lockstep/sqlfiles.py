@@ -168,6 +168,21 @@ def current_scripts() -> list[Script]:
     return [(f"src/{p.name}", p.read_text(encoding="utf-8")) for p in source_files()]
 
 
+def schema_revision(op: Any) -> str | None:
+    """The revision the installed schema says it is at (its comment's "(revision NNNN)"); None offline."""
+    if op.get_context().as_sql:
+        return None
+    comment = (
+        op.get_bind()
+        .exec_driver_sql(
+            "select pg_catalog.obj_description(pg_catalog.to_regnamespace('lockstep'), 'pg_namespace')"
+        )
+        .scalar()
+    )
+    found = re.search(r"\(revision (\d{4})\)$", comment or "")
+    return found.group(1) if found else None
+
+
 def apply(op: Any, version: str, direction: Literal["up", "down"]) -> None:
     """Execute revision ``version``'s SQL in ``direction`` through Alembic's ``op``.
 

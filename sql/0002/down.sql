@@ -1,6 +1,18 @@
 -- lockstep 0002 down, before 0001's code is installed again: drop what 0001 did not have (functions,
 -- views), restore the state of 0001, and clear the function comments 0001 did not set.
 -- locks: ACCESS EXCLUSIVE on each table altered, for the migration's transaction.
+-- lockstep's own tables first, as in up.sql.
+do $$
+begin
+    perform lockstep._ddl(array(select c.oid::regclass from pg_catalog.pg_class c
+                                where c.relnamespace = 'lockstep'::regnamespace and c.relkind in ('r', 'p')
+                                order by c.relname), '{}', 'the downgrade to lockstep 0001');
+end;
+$$;
+
+comment on schema lockstep is
+    'lockstep: derived tables kept up to date by background jobs, with no deadlocks and no long row locks';
+
 do $$
 declare
     f regprocedure;

@@ -2,6 +2,22 @@
 -- functions and views whose signature or columns change or that go away. The code (sql/src, frozen into
 -- sql/0002/code/ at release) follows, then up_after.sql.
 -- locks: ACCESS EXCLUSIVE on each table altered, for the migration's transaction.
+
+-- lockstep's own tables first, each waited for at most 100 ms at a time (lockstep._ddl): the columns and
+-- policies below need them, and an ALTER queued behind one open application transaction would hold every
+-- application write to a watched table behind it.
+do $$
+begin
+    perform lockstep._ddl(array(select c.oid::regclass from pg_catalog.pg_class c
+                                where c.relnamespace = 'lockstep'::regnamespace and c.relkind in ('r', 'p')
+                                order by c.relname), '{}', 'the upgrade to lockstep 0002');
+end;
+$$;
+
+comment on schema lockstep is
+    'lockstep: derived tables kept up to date by background jobs, with no deadlocks and no long row locks '
+    '(revision 0002)';
+
 -- watch() gains through, through_column and via
 drop function if exists lockstep.watch(text, regclass, name);
 

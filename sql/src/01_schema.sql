@@ -27,8 +27,10 @@
 
 create schema lockstep;
 
+-- the comment names the revision the schema is at (an upgrade of a schema already there records it only)
 comment on schema lockstep is
-    'lockstep: derived tables kept up to date by background jobs, with no deadlocks and no long row locks';
+    'lockstep: derived tables kept up to date by background jobs, with no deadlocks and no long row locks '
+    '(revision 0002)';
 
 -- types ---------------------------------------------------------------------------------------------------
 

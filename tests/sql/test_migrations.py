@@ -260,8 +260,8 @@ def host_versions(dsn: str) -> set[str]:
 
 def test_revision_ids_are_namespaced():
     script_dir = paths.alembic_dir() / "versions"
-    assert HEAD == "lockstep_0001"
-    assert sorted(p.name for p in script_dir.glob("*.py")) == ["lockstep_0001_core.py"]
+    assert HEAD == "lockstep_0002"
+    assert sorted(p.name for p in script_dir.glob("*.py")) == ["lockstep_0001_core.py", "lockstep_0002.py"]
 
 
 def test_host_application_alembic_installs_lockstep_branch(empty_dsn, tmp_path: Path):
@@ -332,16 +332,19 @@ def test_moving_from_lockstep_migrate_to_host_alembic(empty_dsn, tmp_path: Path)
     said = done.stdout + done.stderr  # alembic prints "FAILED: ..." on stdout
     assert done.returncode != 0
     assert "Traceback" not in said and "DuplicateSchema" not in said, said
-    assert f"alembic stamp {HEAD}" in said and "drop table lockstep_alembic_version" in said, said
+    # the first revision's advice (it is frozen): stamp it; the later revisions find their schema there
+    assert "alembic stamp lockstep_0001" in said and "drop table lockstep_alembic_version" in said, said
     assert len([line for line in said.splitlines() if line.startswith("FAILED:")]) == 1, said
     assert one(empty_dsn, "select to_regclass('public.app_thing')") is None  # one transaction: rolled back
 
-    host_alembic(ini, "stamp", HEAD)
+    before = schema_dump(empty_dsn, "--schema=lockstep")
+    host_alembic(ini, "stamp", "lockstep_0001")
     with psycopg.connect(empty_dsn, autocommit=True) as c:
         c.execute("drop table lockstep_alembic_version")
     host_alembic(ini, "upgrade", "heads")
     assert host_versions(empty_dsn) == {HEAD, "h001"}
     assert one(empty_dsn, "select to_regclass('public.app_thing') is not null")
+    assert schema_dump(empty_dsn, "--schema=lockstep") == before  # recorded, not changed
 
 
 def test_lockstep_migrate_on_a_host_installed_schema_says_so(empty_dsn, tmp_path: Path):
@@ -518,3 +521,47 @@ def test_a_downgrade_never_keeps_the_application_waiting(empty_dsn, connect):
     assert "error" not in outcome, outcome
     assert observer.execute("select to_regnamespace('lockstep') is null").fetchone()[0]
     assert observer.execute("select count(*) from p").fetchone()[0] == 3
+
+
+@pytest.mark.parametrize("direction", ["up", "down"])
+def test_a_revision_never_keeps_the_application_waiting(empty_dsn, connect, direction):
+    """0002 replaces lockstep's policies (ACCESS EXCLUSIVE on its tables): queued behind an open application
+    transaction that wrote the queue, a plain ALTER held every later write of a watched table behind it."""
+    migrate(empty_dsn, "lockstep_0001" if direction == "up" else HEAD)
+    observer = connect(empty_dsn)
+    observer.execute(WATCHED)
+    holder = connect(empty_dsn)
+    holder.execute("begin")
+    holder.execute("update p set id = id where id = 1")  # fires the trigger: holds the queue
+    app = connect(empty_dsn)
+    app.execute("set statement_timeout = '5s'")
+    known = [c.info.backend_pid for c in (observer, holder, app)]
+    outcome: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            if direction == "up":
+                outcome["result"] = migrate(empty_dsn, HEAD)
+            else:
+                outcome["result"] = migrate(empty_dsn, "lockstep_0001", downgrade=True)
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not observer.execute(
+            "select exists (select from pg_stat_activity where pid <> all(%s)"
+            " and datname = current_database() and %s = any(pg_blocking_pids(pid)))",
+            [known, holder.info.backend_pid],
+        ).fetchone()[0]:
+            assert time.monotonic() < deadline and thread.is_alive(), outcome
+            time.sleep(0.01)
+        app.execute("insert into p values (3)")  # does not wait for the migration's queued locks
+        assert thread.is_alive()
+    finally:
+        holder.execute("commit")
+        thread.join(60)
+    assert "error" not in outcome, outcome
+    assert versions(empty_dsn) == [HEAD if direction == "up" else "lockstep_0001"]
