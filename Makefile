@@ -11,10 +11,11 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 DEMO_ARGS ?=
+STORM_ARGS ?=
 
 FAST_MARKERS := not runner and not packaging and not tools and not slow
 
-.PHONY: test test-fast lint format expected clean demo freeze
+.PHONY: test test-fast lint format expected clean demo freeze storm
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +47,10 @@ freeze:
 	@test ! -e sql/$(REV)/code || { echo "sql/$(REV)/code exists: revision $(REV) is frozen already" >&2; exit 2; }
 	mkdir sql/$(REV)/code
 	cp $$(ls sql/src/[0-9][0-9]_*.sql | grep -v '/01_schema.sql$$') sql/$(REV)/code/
+
+# make storm: app clients and runners at once, then every invariant (docs/storm.md). STORM_ARGS="--seconds 300"
+storm: $(STAMP)
+	PYTHONPATH=tests $(BIN)/python -m lab.storm $(STORM_ARGS)
 
 # make demo: lockstep vs the naive jobs on the example (docs/demo.md). make demo DEMO_ARGS="--parents 5000"
 demo: | $(BIN)/python

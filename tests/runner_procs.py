@@ -1,5 +1,5 @@
 """Helpers of the runner tests. The runner process itself is ``lockstep.lab.procs.RunnerProcess`` (also
-used by ``lockstep demo`` and ``lockstep storm``), re-exported here as ``Runner``; the ``runners`` fixture
+used by ``lockstep demo`` and the storm), re-exported here as ``Runner``; the ``runners`` fixture
 (tests/conftest.py) starts them and kills any left at teardown."""
 
 from __future__ import annotations

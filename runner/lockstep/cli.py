@@ -753,35 +753,6 @@ def bench(dsn: str | None, parents: int, sections: str, json: bool, json_file: s
     click.echo(bench_mod.to_json(result) if json else bench_mod.render(result))
 
 
-@main.command()
-@dsn_option
-@option("--seconds", default=60.0, show_default=True, help="How long the application clients run.")
-@option("--parents", default=2000, show_default=True, help="Parents (exams) in the example.")
-@option("--clients", default=4, show_default=True, help="Application client threads.")
-@option("--runners", default=2, show_default=True, help="`lockstep run` processes.")
-@option("--every", default="3 seconds", show_default=True, help="Full recompute interval.")
-@option("--keep", is_flag=True, help="Keep the storm database (lockstep_storm_<pid>).")
-@option("--json", is_flag=True, help="Print the whole result as JSON instead of the report.")
-@log_options
-def storm(
-    dsn: str | None,
-    seconds: float,
-    parents: int,
-    clients: int,
-    runners: int,
-    every: str,
-    keep: bool,
-    json: bool,
-) -> None:
-    """App transactions and runners at once in a database of its own; exit 1 if an invariant fails."""
-    from lockstep.lab import storm as storm_mod
-
-    _setup_logging(level=log_level(logging.WARNING))
-    result = storm_mod.run(dsn, seconds, parents, clients, runners, every, keep)
-    click.echo(storm_mod.to_json(result) if json else storm_mod.render(result))
-    raise SystemExit(0 if result["ok"] else 1)
-
-
 # ---- run history and the web page -------------------------------------------------------------------
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import fnmatch
 import os
+import re
 import subprocess
 import zipfile
 from pathlib import Path
@@ -95,3 +97,51 @@ def test_wheel_carries_the_licence(installed_wheel: tuple[Path, Path]):
     assert "License-File: LICENSE" in fields
     changelog = (ROOT / "CHANGELOG.md").read_text()
     assert "## [Unreleased]" in changelog and "## [0.1.0]" in changelog
+
+
+# What the wheel ships: the runner, `lockstep demo` and `lockstep bench`, the SQL and the Alembic scripts.
+# The storm, the history cost and the test helpers stay in tests/lab/.
+WHEEL_FILES = (
+    "lockstep/*.py",  # the runner
+    "lockstep/queries/*.sql",
+    "lockstep/lab/__init__.py",
+    "lockstep/lab/app.py",
+    "lockstep/lab/bench.py",
+    "lockstep/lab/bench_oltp.py",
+    "lockstep/lab/demo.py",
+    "lockstep/lab/example.py",
+    "lockstep/lab/procs.py",
+    "lockstep/lab/scratch.py",
+    "lockstep/_alembic/env.py",
+    "lockstep/_alembic/script.py.mako",
+    "lockstep/_alembic/versions/lockstep_[0-9][0-9][0-9][0-9]*.py",
+    "lockstep/_sql/src/[0-9][0-9]_*.sql",
+    "lockstep/_sql/[0-9][0-9][0-9][0-9]/*.sql",
+    "lockstep/_sql/[0-9][0-9][0-9][0-9]/code/[0-9][0-9]_*.sql",
+    "lockstep/_sql/example/*.sql",
+    "pg_lockstep-*.dist-info/METADATA",
+    "pg_lockstep-*.dist-info/RECORD",
+    "pg_lockstep-*.dist-info/WHEEL",
+    "pg_lockstep-*.dist-info/entry_points.txt",
+    "pg_lockstep-*.dist-info/licenses/LICENSE",
+)
+OPTIONAL = {"lockstep/_sql/[0-9][0-9][0-9][0-9]/code/[0-9][0-9]_*.sql"}  # only once a revision is frozen
+
+
+def test_the_wheel_holds_exactly_the_product(installed_wheel: tuple[Path, Path]):
+    _, wheel = installed_wheel
+    names = [n for n in zipfile.ZipFile(wheel).namelist() if not n.endswith("/")]
+
+    def matches(name: str, pattern: str) -> bool:  # fnmatch's * crosses "/": a pattern names one folder
+        return fnmatch.fnmatchcase(name, pattern) and name.count("/") == pattern.count("/")
+
+    stray = [n for n in names if not any(matches(n, p) for p in WHEEL_FILES)]
+    assert stray == [], f"files the wheel should not hold: {stray}"
+    unused = [p for p in WHEEL_FILES if p not in OPTIONAL and not any(matches(n, p) for n in names)]
+    assert unused == [], f"files the wheel lacks: {unused}"
+    # every SQL and Alembic file of the checkout, and nothing of tests/
+    sql_root = ROOT / "sql"
+    want = {f"lockstep/_sql/{p.relative_to(sql_root).as_posix()}" for p in sql_root.rglob("*") if p.is_file()}
+    assert want == {n for n in names if n.startswith("lockstep/_sql/")}
+    runner = {f"lockstep/{p.name}" for p in (ROOT / "runner" / "lockstep").glob("*.py")}
+    assert runner == {n for n in names if re.fullmatch(r"lockstep/[^/]+\.py", n)}

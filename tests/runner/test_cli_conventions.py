@@ -229,7 +229,7 @@ def test_json_means_json_on_stdout_everywhere(example_dsn):
     )
     assert parsed["retry"] == {"job": "exam_keys", "requeued": 0}
     assert parsed["drop"] == {"job": "exam_keys", "dropped": True}
-    for cmd in ("demo", "bench", "storm"):  # the lab commands: the same flag, no file argument
+    for cmd in ("demo", "bench"):  # the lab commands: the same flag, no file argument
         opt = next(o for o in main.commands[cmd].params if o.name == "json")
         assert opt.is_flag and opt.opts == ["--json"]
 

@@ -17,10 +17,11 @@ from pathlib import Path
 import psycopg
 import pytest
 from isolation import wait_for_lock_wait
+from lab import storm
 from runner_procs import Runner, runner_backends, wait_for
 from util import advisory_locks, pg_bindir
 
-from lockstep.lab import example, storm
+from lockstep.lab import example
 
 JOB = example.JOB
 GATE = 727272  # advisory lock key the write-gate trigger waits for (shared) while the test holds it

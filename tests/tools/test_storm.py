@@ -1,12 +1,11 @@
-"""``lockstep storm`` in the suite: a short storm (app clients + runner processes) keeps every invariant."""
+"""The storm (tests/lab/storm.py): a short storm (app clients + runner processes) keeps every invariant."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-
-from lockstep.lab import storm
+from lab import storm
 
 
 @pytest.mark.slow
@@ -48,8 +47,6 @@ def test_storm_command_prints_json_and_fails_with_exit_1(admin_dsn, monkeypatch)
     """Thin command: options go to storm.run, the result comes out as JSON, exit 1 on a failed check."""
     from click.testing import CliRunner
 
-    from lockstep.cli import main
-
     calls = []
 
     def fake_run(*args):
@@ -58,9 +55,8 @@ def test_storm_command_prints_json_and_fails_with_exit_1(admin_dsn, monkeypatch)
 
     monkeypatch.setattr(storm, "run", fake_run)
     out = CliRunner().invoke(
-        main,
+        storm.main,
         [
-            "storm",
             "--dsn",
             admin_dsn,
             "--seconds",

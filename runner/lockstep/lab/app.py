@@ -1,7 +1,7 @@
 """The application side of the lab tools: client threads that write the example app like a real one.
 
 One ``AppClient`` per connection (autocommit, explicit transactions), used by ``lockstep demo`` and
-``lockstep storm`` (and so by their tests). A ``Workload`` says which transactions a client runs and how:
+the storm (``tests/lab/storm.py``). A ``Workload`` says which transactions a client runs and how:
 
 - ``delete`` / ``delete_one``: delete one parent; ``delete_any``: several in one ``= any(...)`` statement;
   ``delete_each``: several, one statement each, in one transaction (random key order);

@@ -1,8 +1,8 @@
-"""``lockstep run`` as real processes, for the lab tools (demo, storm) and the tests.
+"""``lockstep run`` as a real process, for ``lockstep demo`` and the tests.
 
 ``RunnerProcess`` starts ``python -m lockstep run --dsn DSN ARGS...`` with its stderr (the log) in a file;
 the log can be read at any time (``stderr``), its JSON lines parsed as they come (``records``, incremental).
-``Runners`` is a group of them. Stopping is SIGTERM, then a wait, then SIGKILL if it did not exit.
+Stopping is SIGTERM, then a wait, then SIGKILL if it did not exit.
 """
 
 from __future__ import annotations
@@ -92,25 +92,3 @@ class RunnerProcess:
             self.proc.kill()
             self.proc.wait()
         self._f.close()
-
-
-class Runners:
-    """``n`` runner processes with the same arguments, logs ``log_dir/runner-<i>.log``."""
-
-    def __init__(
-        self, dsn: str, n: int, log_dir: Path, args: Sequence[str] = ("--tick", "0.2", "--log-format", "json")
-    ) -> None:
-        self.procs = [RunnerProcess(dsn, list(args), Path(log_dir) / f"runner-{i}.log") for i in range(n)]
-
-    def alive(self) -> bool:
-        return all(p.alive() for p in self.procs)
-
-    def stop(self, timeout: float = 30.0) -> list[int | None]:
-        """SIGTERM to all, then wait for each; None for one that had to be killed."""
-        for p in self.procs:
-            if p.alive():
-                p.signal(signal.SIGTERM)
-        return [p.reap(timeout) for p in self.procs]
-
-    def records(self) -> list[dict[str, Any]]:
-        return [rec for p in self.procs for rec in p.records()]

@@ -1,4 +1,4 @@
-"""``lockstep storm``: application transactions and lockstep runners at full tilt, then check the invariants.
+"""The storm: application transactions and lockstep runners at full tilt, then check the invariants.
 
 Creates its own database ``lockstep_storm_<pid>`` on the admin DSN's server (dropped at the end unless
 ``keep``), installs lockstep and the example (``parents`` exams, recompute ``every``), then for ``seconds``:
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import random
 import sys
@@ -35,12 +36,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import click
 import psycopg
 from psycopg import sql
 
+from lab.procs import Runners
+from lockstep.cli import dsn_option
 from lockstep.lab import example, scratch
 from lockstep.lab.app import STORM, AppClient, Stats, is_disconnect, partition
-from lockstep.lab.procs import Runners
 from lockstep.lab.scratch import percentile
 
 JOB = example.JOB
@@ -349,7 +352,7 @@ def render(r: dict[str, Any]) -> str:
     app, rn = r["app"], r["runner"]
     lat = app["latency_ms"]
     lines = [
-        f"lockstep storm: {r['seconds']:g} s, {r['parents']} parents, {r['clients']} app clients, "
+        f"storm: {r['seconds']:g} s, {r['parents']} parents, {r['clients']} app clients, "
         f"{r['runners']} runners, recompute every {r.get('every', '?')} (seed {r['seed']})",
         "",
         f"app transactions   {app['transactions']} ({app['tps']}/s): "
@@ -384,3 +387,33 @@ def render(r: dict[str, Any]) -> str:
     if r.get("database"):
         lines.append(f"database kept: {r['database']}")
     return "\n".join(lines)
+
+
+@click.command()
+@dsn_option
+@click.option("--seconds", default=60.0, show_default=True, help="How long the application clients run.")
+@click.option("--parents", default=2000, show_default=True, help="Parents (exams) in the example.")
+@click.option("--clients", default=4, show_default=True, help="Application client threads.")
+@click.option("--runners", default=2, show_default=True, help="`lockstep run` processes.")
+@click.option("--every", default="3 seconds", show_default=True, help="Full recompute interval.")
+@click.option("--keep", is_flag=True, help="Keep the storm database (lockstep_storm_<pid>).")
+@click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON instead of the report.")
+def main(
+    dsn: str | None,
+    seconds: float,
+    parents: int,
+    clients: int,
+    runners: int,
+    every: str,
+    keep: bool,
+    as_json: bool,
+) -> None:
+    """App transactions and runners at once in a database of its own; exit 1 if an invariant fails."""
+    logging.basicConfig(level=logging.WARNING)
+    result = run(dsn, seconds, parents, clients, runners, every, keep)
+    click.echo(to_json(result) if as_json else render(result))
+    raise SystemExit(0 if result["ok"] else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,6 @@
 """What the run history (lockstep.run_log) costs a run, side by side in one run.
 
-    python -m lockstep.lab.history_cost [--dsn ADMIN_DSN] [--runs 1000] [--rounds 3]
+    PYTHONPATH=tests python -m lab.history_cost [--dsn ADMIN_DSN] [--runs 1000] [--rounds 3]
 
 In a database of its own: a generic job at its run_log limit (every run inserts one row and prunes one)
 next to 100,000 rows of other jobs. Each round times ``runs`` autocommit calls of ``lockstep._finish``
