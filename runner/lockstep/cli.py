@@ -740,16 +740,34 @@ def demo(
 @option("--sections", default="recompute,queue", show_default=True, help="Comma-separated sections.")
 @option("--json", is_flag=True, help="Print the whole result as JSON instead of the tables.")
 @option("--json-file", metavar="FILE", default=None, help="Also write the result as JSON to FILE.")
+@option(
+    "--plot",
+    "plot_dir",
+    metavar="DIR",
+    default=None,
+    help="Also draw the figures as PNG charts in DIR, from the same run (needs the extra plot: matplotlib).",
+)
 @log_options
-def bench(dsn: str | None, parents: int, sections: str, json: bool, json_file: str | None) -> None:
+def bench(
+    dsn: str | None, parents: int, sections: str, json: bool, json_file: str | None, plot_dir: str | None
+) -> None:
     """Benchmark lockstep against the naive patterns in a database of its own (the DSN is the admin one)."""
     from lockstep.lab import bench as bench_mod
+    from lockstep.lab import plot
 
     _setup_logging(level=log_level(logging.WARNING))
+    if plot_dir is not None:
+        try:
+            plot.require()  # before the bench runs, not after
+        except ImportError as exc:
+            raise click.UsageError(str(exc)) from None
     result = bench_mod.run(dsn, parents, tuple(s.strip() for s in sections.split(",") if s.strip()))
     if json_file is not None:
         with open(json_file, "w") as f:
             f.write(bench_mod.to_json(result) + "\n")
+    if plot_dir is not None:
+        for path in plot.write_charts(result, plot_dir):
+            click.echo(f"wrote {path}", err=True)
     click.echo(bench_mod.to_json(result) if json else bench_mod.render(result))
 
 

@@ -307,7 +307,7 @@ class Oltp:
         bytes0 = self._queue_bytes()
         logdir = Path(tempfile.mkdtemp(prefix="lockstep-oltp-"))
         runners: list[tuple[subprocess.Popen, Any]] = []
-        samples: list[tuple[float, int, int]] = []
+        samples: list[tuple[float, int, int, float]] = []
         stop = threading.Event()
         try:
             for i in range(self.opts["runners"]):
@@ -382,6 +382,8 @@ class Oltp:
             queue_lag_p50_s=scratch.percentile(lags, 0.5),
             queue_depth_max=max((s[1] for s in samples), default=None),
             queue_bytes_max=max((s[2] for s in samples), default=None),
+            # [seconds into the load, oldest entry's age s, depth]: lockstep bench --plot draws it
+            queue_series=[[round(s[3], 2), round(s[0], 3), s[1]] for s in samples],
             divergence=self.conn.execute(DIVERGENCE_SQL).fetchone()[0],
         )
         r["converged"] = r["queue_left"] == 0 and r["divergence"] == 0
@@ -393,10 +395,13 @@ class Oltp:
         rows = self.conn.execute(RUNNER_BACKENDS_SQL, [APP_NAME]).fetchall()
         return {r[0]: scratch.backend_cpu_ms(r[0]) for r in rows}
 
-    def _sample(self, samples: list[tuple[float, int, int]], stop: threading.Event) -> None:
+    def _sample(self, samples: list[tuple[float, int, int, float]], stop: threading.Event) -> None:
+        """Every 0.5 s: (oldest entry's age s, depth, queue bytes, seconds since the sampling began)."""
+        t0 = time.monotonic()
         with psycopg.connect(self.dsn, autocommit=True) as c:
             while not stop.wait(0.5):
-                samples.append(tuple(c.execute(LAG_SQL).fetchone()))  # type: ignore[arg-type]
+                lag, depth, size = c.execute(LAG_SQL).fetchone()
+                samples.append((lag, depth, size, time.monotonic() - t0))
 
     def close(self) -> None:
         self.conn.close()
