@@ -57,6 +57,7 @@ KINDS: dict[str, tuple[str, ...]] = {
     "runner": ("runner/*", "test_runner*", "test_cli_*", "test_faults", "test_web", "test_web_browser"),
     "packaging": ("packaging/*", "test_wheel", "test_readme"),
     "tools": ("tools/*", "test_demo", "test_bench", "test_bench_oltp", "test_storm"),
+    "docs": ("docs/*",),
     "sql": (
         "sql/*",
         "test_app_safety",

@@ -1,6 +1,6 @@
 """The ``lockstep`` command. Commands stay thin: they parse options and call one function.
 
-Conventions (README "Command line"), the same for every command:
+Conventions (docs/cli.md), the same for every command:
 
 - ``-h`` / ``--help``; ``--log-level LEVEL`` and ``-v`` (repeatable), before or after the command name;
 - every option can also come from the environment: ``LOCKSTEP_<COMMAND>_<OPTION>`` (click's
@@ -324,7 +324,8 @@ def _migrate_report(action: str, current: tuple[str, ...], head: str, json: bool
     elif elsewhere:
         click.echo(
             "the lockstep schema exists, but lockstep_alembic_version records no revision: it is managed by "
-            "your application's Alembic (see `alembic current`; README: moving to your application's Alembic)"
+            "your application's Alembic (see `alembic current`; docs/operations.md: moving to your"
+            " application's Alembic)"
         )
     elif action == "current" or at_head:
         state = "head" if at_head else f"head is {head}"

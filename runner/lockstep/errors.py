@@ -74,7 +74,7 @@ class Backoff:
         self.attempt = 0
 
 
-# Exit codes of every ``lockstep`` command (README "Exit codes"; tests/test_cli_exit_codes.py).
+# Exit codes of every ``lockstep`` command (docs/cli.md "Exit codes"; tests/test_cli_exit_codes.py).
 EXIT_OK = 0  # healthy / done
 EXIT_UNHEALTHY = 1  # status: a job failing, parked keys or flagged; run --once: a run failed; other errors
 EXIT_USAGE = 2  # bad option or unparseable connection string (click's usage error)

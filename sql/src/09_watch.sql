@@ -606,7 +606,7 @@ begin
         raise warning 'lockstep: %.% is the primary key of %, not a reference to the parent % of job "%": its values are keys of % itself',
             source, key_column, source, j.parent, j.job, source
             using hint = pg_catalog.format('Watch the column of %s that holds %s''s keys, or write a trigger that enqueues them '
-                                           '(README, Writing your own triggers); if %s.%s does hold them (no foreign key '
+                                           '(docs/operations.md, Writing your own triggers); if %s.%s does hold them (no foreign key '
                                            'declared), nothing is wrong.', source, j.parent, source, key_column);
     end if;
 end;

@@ -69,3 +69,21 @@ def test_png_size_reads_the_header(tmp_path):
 def test_plot_without_recompute_or_oltp_writes_nothing(tmp_path):
     """A bench of the queue section alone has no figure to draw."""
     assert plot.write_charts({"queue": {}}, tmp_path / "img") == []
+
+
+def test_plot_without_matplotlib_is_a_usage_error_before_the_bench_runs(monkeypatch):
+    """No bench runs (minutes long) only to fail at the end for want of matplotlib."""
+    from click.testing import CliRunner
+
+    from lockstep.cli import main
+    from lockstep.lab import bench
+
+    def missing() -> None:
+        raise ImportError("lockstep bench --plot needs matplotlib: pip install 'pg-lockstep[plot]'")
+
+    ran = []
+    monkeypatch.setattr(plot, "require", missing)
+    monkeypatch.setattr(bench, "run", lambda *a, **k: ran.append(a))
+    r = CliRunner().invoke(main, ["bench", "--parents", "10", "--plot", "/nonexistent/img"])
+    assert r.exit_code == 2, r.output
+    assert "pg-lockstep[plot]" in r.output and ran == []

@@ -64,7 +64,7 @@ create table public.account_band (
     aid     integer primary key references public.pgbench_accounts (aid) on delete cascade,
     band    text not null,
     balance integer not null
-) with (fillfactor = 90);  -- rows rewritten in place: room on each page for HOT updates (README, Operations)
+) with (fillfactor = 90);  -- rows rewritten in place: room on each page for HOT updates (docs/operations.md)
 create function public.account_band_compute(keys integer[])
 returns table (aid integer, band text, balance integer)
 language sql stable
