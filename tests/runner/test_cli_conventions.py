@@ -1,4 +1,4 @@
-"""CLI conventions (README "Command line"): -h, --log-level / -v, LOCKSTEP_* environment variables,
+"""CLI conventions (docs/cli.md): -h, --log-level / -v, LOCKSTEP_* environment variables,
 one meaning for --json, migrate sub-actions that do what they say, --metrics-host, the start-up log line,
 `lockstep retry` and `lockstep drop`."""
 

@@ -1,7 +1,7 @@
 """The ``lockstep`` command on bad input: an exit code and one clear line on stderr, never a traceback.
 
 Each case runs the real console entry point (``python -m lockstep``) with a timeout. The exit codes
-(README "Command line"): 2 for a bad option or DSN, 3 when no server answered, 4 for a permanent setup
+(docs/cli.md): 2 for a bad option or DSN, 3 when no server answered, 4 for a permanent setup
 error (no lockstep schema...), always with one ``Error:`` / ERROR line; ``lockstep run``'s INFO start-up
 line is not an error line.
 """

@@ -2,7 +2,7 @@
 Selenium through /usr/bin/chromedriver; no browser download), while a ``lockstep run`` process works.
 
 Chromium missing: the test fails in CI (``CI`` set: .ci/run installs it) and is skipped elsewhere, with the
-reason. Set LOCKSTEP_WEB_SCREENSHOT=docs/web.png to also write the screenshot there (README's picture).
+reason. Set LOCKSTEP_WEB_SCREENSHOT=docs/web.png to also write the screenshot there (docs/web.md's picture).
 """
 
 from __future__ import annotations
