@@ -20,7 +20,7 @@ error boundary.
 from __future__ import annotations
 
 import functools
-import importlib.util
+import importlib
 import json as jsonlib
 import logging
 import shlex
@@ -111,19 +111,80 @@ def _failure(exc: BaseException, command: str | None = None) -> Failure:
 class _Group(click.Group):
     def invoke(self, ctx: click.Context):
         try:
-            return super().invoke(ctx)
-        except click.ClickException:
-            raise
-        except _user_errors() as exc:
-            raise _failure(exc, ctx.invoked_subcommand) from exc
+            try:
+                return super().invoke(ctx)
+            except BrokenPipeError:
+                raise
+            except click.UsageError:
+                raise
+            except click.ClickException as exc:
+                _json_error(ctx, exc.format_message(), exc.exit_code)
+                raise
+            except _user_errors() as exc:
+                failure = _failure(exc, ctx.invoked_subcommand)
+                _json_error(ctx, failure.format_message(), failure.exit_code)
+                raise failure from exc
+        except BrokenPipeError:
+            _quiet_broken_pipe()
+
+
+def _json_error(ctx: click.Context, message: str, exit_code: int) -> None:
+    """With --json, an error is JSON on stdout too (``{"error": ..., "exit_code": ...}``), so a script
+    reading stdout gets an object whatever happened; the one-line ``Error:`` still goes to stderr."""
+    if ctx.find_root().meta.get("lockstep.json"):
+        click.echo(jsonlib.dumps({"error": message, "exit_code": exit_code}))
+
+
+def _quiet_broken_pipe() -> None:
+    """The reader of stdout went away (``lockstep migrate --sql | head``): nothing left to say, exit 0."""
+    import os
+    import sys
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())  # the interpreter's last flush of stdout must not fail again
+    raise SystemExit(codes.EXIT_OK)
 
 
 class _Option(click.Option):
-    """Options show their environment variable in --help."""
+    """Options show their environment variable in --help; ``--json`` is remembered for the error boundary."""
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("show_envvar", True)
+        if args and "--json" in args[0]:
+            kwargs.setdefault("callback", _remember_json)
         super().__init__(*args, **kwargs)
+
+
+def _remember_json(ctx: click.Context, param: click.Parameter, value):
+    if value:
+        ctx.find_root().meta["lockstep.json"] = True
+    return value
+
+
+class SectionsType(click.ParamType):
+    """A comma-separated list of names from ``choices`` (each one checked: exit 2 with the valid ones)."""
+
+    name = "sections"
+
+    def __init__(self, choices: tuple[str, ...]) -> None:
+        self.choices = choices
+
+    def get_metavar(self, param, ctx=None) -> str:
+        return "[" + "|".join(self.choices) + "],..."
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        names = tuple(s.strip() for s in str(value).split(",") if s.strip())
+        unknown = [n for n in names if n not in self.choices]
+        if unknown or not names:
+            named = ", ".join(map(repr, unknown)) or "no section"
+            self.fail(
+                f"{named}: not a section; choose from {', '.join(self.choices)} (comma-separated)",
+                param,
+                ctx,
+            )
+        return names
 
 
 option = functools.partial(click.option, cls=_Option)
@@ -256,6 +317,7 @@ def main() -> None:
 
 
 MIGRATE_ACTIONS = ("upgrade", "downgrade", "current", "check")
+BENCH_SECTIONS = ("recompute", "queue", "scaling", "oltp")  # lockstep.lab.bench.SECTIONS (a test checks)
 
 
 @main.command()
@@ -296,7 +358,9 @@ def migrate(action: str, dsn: str | None, revision: str | None, sql: bool, json:
     if action == "downgrade" and revision is None:
         raise click.UsageError("migrate downgrade needs --revision (e.g. base: remove lockstep)")
     if not sql:
-        logging.getLogger("alembic.runtime.migration").setLevel(log_level(logging.INFO))
+        steps = logging.getLogger("alembic.runtime.migration")
+        steps.setLevel(log_level(logging.INFO))
+        steps.addFilter(_alembic_chatter)
     outcome = migrations.migrate(dsn, revision or "head", sql=sql, downgrade=action == "downgrade")
     if outcome is not None:
         now = ", ".join(outcome.after) or "base"
@@ -304,6 +368,14 @@ def migrate(action: str, dsn: str | None, revision: str | None, sql: bool, json:
             click.echo(f"lockstep schema: {', '.join(outcome.before) or 'base'} -> {now}", err=True)
         else:
             click.echo(f"lockstep schema: already at {now}", err=True)
+
+
+def _alembic_chatter(record: logging.LogRecord) -> bool:
+    """Alembic's "Context impl PostgresqlImpl." and "Will assume transactional DDL." only at debug: at the
+    default level `lockstep migrate` logs the migration steps alone."""
+    if record.msg in ("Context impl %s.", "Will assume %s DDL."):
+        return logging.getLogger("alembic.runtime.migration").isEnabledFor(logging.DEBUG)
+    return True
 
 
 def _schema_exists(dsn: str | None) -> bool:
@@ -433,6 +505,11 @@ def run(
         raise click.BadParameter(
             "expected a PostgreSQL time such as 1s or 500ms", param_hint="--connection-check-interval"
         )
+    if metrics_port is not None and not _importable("prometheus_client"):
+        raise click.UsageError(
+            "--metrics-port needs prometheus_client: pip install 'pg-lockstep[metrics]' "
+            "(or pip install prometheus-client)"
+        )
     _setup_logging(log_format, log_level(logging.INFO))
     opts = loop.Options(
         dsn=dsn,
@@ -454,9 +531,6 @@ def run(
             codes.EXIT_SETUP,
         ) from exc
     metrics = server.url or "off"
-    if metrics_port is not None and importlib.util.find_spec("prometheus_client") is None:
-        # the start-up line named a metrics URL that nothing served (found by a newcomer probe)
-        metrics = "off (prometheus_client is not installed: pip install 'pg-lockstep[metrics]')"
     log.info(
         "lockstep %s run starting: %s; jobs %s; %s; tick %gs; listen %s; batch wait %gs; "
         "prepared statements %s; connection check %s; synchronous commit %s; metrics %s",
@@ -476,6 +550,14 @@ def run(
         },
     )
     raise SystemExit(loop.run(opts, server))
+
+
+def _importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
 
 
 def _server_warning(diag: Any) -> None:  # psycopg.errors.Diagnostic
@@ -738,7 +820,13 @@ def demo(
 @main.command()
 @dsn_option
 @option("--parents", default=50000, show_default=True, help="Parents (exams) in the example.")
-@option("--sections", default="recompute,queue", show_default=True, help="Comma-separated sections.")
+@option(
+    "--sections",
+    type=SectionsType(BENCH_SECTIONS),
+    default="recompute,queue",
+    show_default=True,
+    help=f"Comma-separated sections, from: {', '.join(BENCH_SECTIONS)}.",
+)
 @option("--json", is_flag=True, help="Print the whole result as JSON instead of the tables.")
 @option("--json-file", metavar="FILE", default=None, help="Also write the result as JSON to FILE.")
 @option(
@@ -750,7 +838,12 @@ def demo(
 )
 @log_options
 def bench(
-    dsn: str | None, parents: int, sections: str, json: bool, json_file: str | None, plot_dir: str | None
+    dsn: str | None,
+    parents: int,
+    sections: tuple[str, ...],
+    json: bool,
+    json_file: str | None,
+    plot_dir: str | None,
 ) -> None:
     """Benchmark lockstep against the naive patterns in a database of its own (the DSN is the admin one)."""
     from lockstep.lab import bench as bench_mod
@@ -762,7 +855,7 @@ def bench(
             plot.require()  # before the bench runs, not after
         except ImportError as exc:
             raise click.UsageError(str(exc)) from None
-    result = bench_mod.run(dsn, parents, tuple(s.strip() for s in sections.split(",") if s.strip()))
+    result = bench_mod.run(dsn, parents, sections)
     if json_file is not None:
         with open(json_file, "w") as f:
             f.write(bench_mod.to_json(result) + "\n")
@@ -810,7 +903,33 @@ def _status_history(dsn: str | None, as_json: bool, job: str | None, limit: int)
 @log_options
 def web(dsn: str | None, host: str, port: int, refresh: int) -> None:
     """Serve a read-only status page: jobs, queue, failing keys, recent runs. Ctrl-C or SIGTERM stops it."""
+    import errno
+
+    import psycopg
+
     from lockstep import web as web_mod
 
     _setup_logging("text", log_level(logging.INFO))
-    raise SystemExit(web_mod.serve(web_mod.Options(dsn=dsn, host=host, port=port, refresh=refresh)))
+    try:  # a permanent error (database, role or lockstep schema missing, login refused) stops it here: exit 4
+        with _connect(dsn, "lockstep-web") as conn:
+            info = conn.info
+            log.info(
+                "lockstep web: database %s on host %s port %s as user %s",
+                info.dbname,
+                info.host,
+                info.port,
+                info.user,
+            )
+    except psycopg.OperationalError as exc:
+        if codes.permanent_hint(exc) is not None:
+            raise
+        # no server answered: the page serves 503 until it does, as it would after a restart
+        log.warning("lockstep web: %s; serving anyway, the page says so until the database answers", exc)
+    try:
+        raise SystemExit(web_mod.serve(web_mod.Options(dsn=dsn, host=host, port=port, refresh=refresh)))
+    except OSError as exc:
+        if exc.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
+            raise
+        raise Failure(
+            f"cannot listen on {host}:{port} (--host, --port): {exc.strerror}", codes.EXIT_SETUP
+        ) from exc

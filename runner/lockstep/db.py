@@ -140,6 +140,11 @@ def job_count(conn: psycopg.Connection) -> int:
     return conn.execute("select count(*) from lockstep.job").fetchone()[0]
 
 
+def job_names(conn: psycopg.Connection) -> list[str]:
+    """The jobs lockstep.job holds, by name."""
+    return [r[0] for r in conn.execute("select job from lockstep.job order by job")]
+
+
 def queue_sequence(conn: psycopg.Connection) -> str | None:
     """The queue's identity sequence (its last_value moves with every enqueued key), or None."""
     row = conn.execute("select pg_get_serial_sequence('lockstep.queue', 'id')").fetchone()

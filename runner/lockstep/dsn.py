@@ -19,6 +19,7 @@ import re
 
 _DRIVER_URL = re.compile(r"^(?P<scheme>postgres(?:ql)?)\+[A-Za-z0-9_]+://", re.IGNORECASE)
 _SECRET_KEYS = ("password", "sslpassword", "oauth_client_secret")
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
 class DsnError(ValueError):
@@ -39,10 +40,19 @@ def normalize(dsn: str | None) -> str:
     from psycopg.conninfo import conninfo_to_dict
 
     text = strip_driver((dsn or "").strip())
+    scheme = _SCHEME.match(text)
+    if scheme is not None and scheme.group(1).lower() not in ("postgres", "postgresql"):
+        raise DsnError(
+            f"{scheme.group(1)}:// is not a PostgreSQL connection string: use "
+            "postgresql://user@host:port/db, or libpq's key=value form"
+        )
     try:
-        conninfo_to_dict(text)
+        given = conninfo_to_dict(text)
     except psycopg.ProgrammingError as exc:
         raise DsnError(_first_line(exc)) from None
+    for port in str(given.get("port") or "").split(","):
+        if port.strip() and not (port.strip().isdigit() and 0 < int(port) < 65536):
+            raise DsnError(f"invalid port {port.strip()!r}: a number from 1 to 65535")
     return text
 
 

@@ -115,6 +115,10 @@ class Metrics:
                 self.parked.labels(job).set(parked)
 
 
+class UnknownJobs(Exception):
+    """--job named jobs that do not exist when the runner starts: a typo retrying cannot fix."""
+
+
 @dataclass
 class _JobError:
     until: float
@@ -140,6 +144,7 @@ class Runner:
         self._pooler_seen = False  # a prepared statement was lost or doubled: the session is pooled
         self._looked_for_jobs = False  # due() named no job, and this runner said whether any is defined
         self._gather_until: dict[str, float] = {}  # job -> monotonic time its next worker pass may start
+        self._announced = False  # the first connection was logged with its host, port, database and user
         self.started = False  # a tick succeeded: from then on every database error is retried
         self._ran = False  # a run went through since the last database error (a backlog's tick is long)
         self._warned: dict[str, float] = {}  # server WARNING text -> when this runner last logged it
@@ -188,7 +193,24 @@ class Runner:
                     self._sequence = sequence
             except psycopg.errors.InsufficientPrivilege as exc:
                 log.warning("cannot read the queue's sequence (%s); waking every --tick only", describe(exc))
-        log.debug("connected: backend pid %s, database %s", self.pid, conn.info.dbname)
+        if (
+            not self._announced
+        ):  # the server, database and user libpq really chose (PG* variables, service...)
+            self._announced = True
+            info = conn.info
+            log.info(
+                "connected to host %s port %s database %s as user %s (backend pid %s)",
+                info.host,
+                info.port,
+                info.dbname,
+                info.user,
+                self.pid,
+                extra={
+                    "fields": {"host": info.host, "port": info.port, "dbname": info.dbname, "user": info.user}
+                },
+            )
+        else:
+            log.debug("connected: backend pid %s, database %s", self.pid, conn.info.dbname)
 
     def _server_warning(self, diag: Any) -> None:  # psycopg.errors.Diagnostic
         """The server's WARNINGs reach the runner's log, each text at most once per WARN_EVERY: a run whose
@@ -231,6 +253,8 @@ class Runner:
             for _ in range(1000):
                 if self.stopping or not self._tick(sleep=False):
                     break
+        except UnknownJobs:
+            return EXIT_SETUP
         except psycopg.Error as exc:
             if self._refuse_to_start(exc):
                 return EXIT_SETUP
@@ -273,6 +297,9 @@ class Runner:
                     self._connect()
                 self._tick(sleep=True)
                 self.started = True
+            except UnknownJobs:
+                self._close()
+                return EXIT_SETUP
                 if trouble is not None:
                     log.info(
                         "recovered after %s retr%s; backend pid %s",
@@ -438,9 +465,22 @@ class Runner:
         return c.outcome == "done"
 
     def _check_known(self, rows: list[db.Due]) -> None:
-        """--job names that are not (or no longer) jobs: one error line each; --once then exits 1."""
-        assert self.opts.jobs is not None
+        """--job names that are not jobs at start-up: UnknownJobs after one error line naming the jobs there
+        are (exit 4); dropped since: one error line each, and --once then exits 1."""
+        assert self.opts.jobs is not None and self.conn is not None
         missing = set(self.opts.jobs) - {r.job for r in rows}
+        if missing and not self.started:
+            names = db.job_names(self.conn)
+            there = (
+                f"the jobs are: {', '.join(names)}" if names else "no job is defined (that this role sees)"
+            )
+            log.error(
+                "cannot start: no job %s (--job); hint: %s",
+                ", ".join(sorted(missing)),
+                there,
+                extra={"fields": {"hint": there}},
+            )
+            raise UnknownJobs(sorted(missing))
         for job in sorted(missing - self._unknown):
             log.error("job %s does not exist (lockstep.job); skipping it", job)
         self._unknown = missing

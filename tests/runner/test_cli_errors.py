@@ -78,9 +78,12 @@ def test_run_tick_not_a_number_is_a_usage_error():
     assert_clean(p, 2, "Error: Invalid value for '--tick'")
 
 
-def test_run_once_unknown_job_exits_1_with_one_line(dsn):
-    p = lockstep("run", "--once", "--dsn", dsn, "--job", "no such job")
-    assert_clean(p, 1, "no such job")
+@pytest.mark.parametrize("mode", [[], ["--once"]], ids=["loop", "once"])
+def test_run_unknown_job_exits_4_at_once_naming_the_jobs(dsn, mode):
+    """A --job typo is permanent: exit 4 at start-up (the loop used to idle for ever), naming the jobs."""
+    p = lockstep("run", *mode, "--dsn", dsn, "--job", "no such job")
+    line = assert_clean(p, 4, "no such job", "cannot start", "hint:")
+    assert "the jobs are:" in line or "no job is defined" in line, line
 
 
 def test_run_once_without_the_schema_says_so(empty_dsn):

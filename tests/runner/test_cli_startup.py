@@ -61,10 +61,10 @@ def permanent_cases(dsn: str) -> dict[str, tuple[list[str], dict[str, str], tupl
             {},
             ("does not exist", "user"),
         ),
-        "a connection option libpq refuses (port=abc)": (
-            ["--dsn", f"{dsn}{'&' if '?' in dsn else '?'}port=abc"],
+        "a connection option libpq refuses (sslmode=abc)": (
+            ["--dsn", f"{dsn}{'&' if '?' in dsn else '?'}sslmode=abc"],
             {},
-            ("port", "connection string"),
+            ("sslmode", "connection string"),
         ),
         "bad PGOPTIONS (a systemd-split value)": (
             ["--dsn", dsn],
