@@ -209,8 +209,7 @@ class Runner:
                     "fields": {"host": info.host, "port": info.port, "dbname": info.dbname, "user": info.user}
                 },
             )
-        else:
-            log.debug("connected: backend pid %s, database %s", self.pid, conn.info.dbname)
+        log.debug("connected: backend pid %s, database %s", self.pid, conn.info.dbname)
 
     def _server_warning(self, diag: Any) -> None:  # psycopg.errors.Diagnostic
         """The server's WARNINGs reach the runner's log, each text at most once per WARN_EVERY: a run whose

@@ -107,7 +107,7 @@ def test_a_pass_whose_keys_failed_is_logged_as_a_warning(dsn):
 
 def test_options_from_lockstep_variables(dsn):
     p = lockstep("run", "--once", "--dsn", dsn, LOCKSTEP_RUN_JOB="no_such_job")
-    assert p.returncode == 1 and "job no_such_job does not exist" in p.stderr, p.stderr
+    assert p.returncode == 4 and "no job no_such_job (--job)" in p.stderr, p.stderr
 
     p = lockstep("run", "--once", "--dsn", dsn, LOCKSTEP_RUN_TICK="0")
     assert p.returncode == 2 and "Invalid value for '--tick'" in p.stderr, p.stderr  # from LOCKSTEP_RUN_TICK
