@@ -160,3 +160,19 @@ def test_sentences_split_and_count():
     )
     assert [s for _, s in sentences(text)] == ["Title", "One short sentence.", "Another one, e.g. this."]
     assert words("A `code span` counts, and 3 numbers - dashes do not.") == 10
+
+
+def test_every_chart_is_shown_with_the_command_that_drew_it():
+    """docs/img holds the charts of `lockstep bench --plot`: each is a PNG, shown in benchmarks.md with its
+    command written under it; the README shows the headline one."""
+    page = (ROOT / "docs" / "benchmarks.md").read_text().splitlines()
+    charts = sorted((ROOT / "docs" / "img").glob("*.png"))
+    assert {c.name for c in charts} >= {"locks.png", "oltp_tps.png", "queue_age.png"}
+    for chart in charts:
+        assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", chart.name
+        shown = [i for i, line in enumerate(page) if f"](img/{chart.name})" in line]
+        assert shown, f"{chart.name} is not shown in docs/benchmarks.md"
+        under = " ".join(page[shown[0] + 1 : shown[0] + 4])
+        assert "Command:" in under, f"no command under {chart.name}"
+    assert "lockstep bench" in page[[i for i, ln in enumerate(page) if "](img/locks.png)" in ln][0] + 2]
+    assert "](docs/img/locks.png)" in (ROOT / "README.md").read_text()

@@ -9,6 +9,7 @@ import struct
 import subprocess
 import sys
 
+import matplotlib.image
 import pytest
 
 from lockstep.lab import plot
@@ -51,6 +52,8 @@ def test_bench_plot_writes_the_charts(admin_dsn, tmp_path):
         data = (out / name).read_bytes()
         assert png_size(data) == (width, height), name
         assert len(data) > 10_000, f"{name}: {len(data)} bytes, too small to hold a chart"
+        pixels = matplotlib.image.imread(out / name)  # decodes every chunk (CRCs, compressed data)
+        assert pixels.shape[:2] == (height, width) and pixels.std() > 0.05, f"{name}: blank or unreadable"
         assert f"wrote {out / name}" in p.stderr
     # the queue chart's series comes from this run's lockstep scenario
     series = r["oltp"]["rounds"][0]["lockstep"]["queue_series"]
