@@ -223,15 +223,18 @@ comment on function lockstep._capture_cleanup() is
     'EXCLUSIVE, never waited for long: lockstep._ddl).';
 
 -- lockstep._pgo_int(d, at, bytes): the big-endian unsigned integer of 2 or 4 bytes at offset at (from 0) of
--- a pgoutput message.
+-- a pgoutput message. No SET clause and not strict, so the planner inlines it into lockstep._capture_read's
+-- statement (it runs once per change); every operator is schema-qualified instead.
 -- locks: nothing.
 create or replace function lockstep._pgo_int(d bytea, at integer, bytes integer) returns bigint
-language sql immutable strict parallel safe
-set search_path = pg_catalog, pg_temp
+language sql immutable parallel safe
 as $$
-    select case bytes when 2 then pg_catalog.get_byte(d, at)::bigint << 8 | pg_catalog.get_byte(d, at + 1)
-           else pg_catalog.get_byte(d, at)::bigint << 24 | pg_catalog.get_byte(d, at + 1)::bigint << 16
-                | pg_catalog.get_byte(d, at + 2)::bigint << 8 | pg_catalog.get_byte(d, at + 3) end;
+    select case bytes when 2 then pg_catalog.get_byte(d, at)::pg_catalog.int8 operator(pg_catalog.<<) 8
+                                  operator(pg_catalog.|) pg_catalog.get_byte(d, at operator(pg_catalog.+) 1)
+           else pg_catalog.get_byte(d, at)::pg_catalog.int8 operator(pg_catalog.<<) 24
+                operator(pg_catalog.|) pg_catalog.get_byte(d, at operator(pg_catalog.+) 1)::pg_catalog.int8 operator(pg_catalog.<<) 16
+                operator(pg_catalog.|) pg_catalog.get_byte(d, at operator(pg_catalog.+) 2)::pg_catalog.int8 operator(pg_catalog.<<) 8
+                operator(pg_catalog.|) pg_catalog.get_byte(d, at operator(pg_catalog.+) 3) end;
 $$;
 
 -- lockstep._pgo_relation(d): a pgoutput Relation message ('R'): the relation's oid, its columns' names and
@@ -387,6 +390,7 @@ as $$
 declare
     v_pairs text[] := lockstep._fast_pairs();
     v_max integer := lockstep._max_key_bytes();
+    v_enc name := pg_catalog.getdatabaseencoding();
 begin
     with raw as materialized (
         select c.o, c.lsn, c.data, pg_catalog.get_byte(c.data, 0) t
@@ -416,7 +420,10 @@ begin
                                                        c.relid::regclass)
             when not c.covered and c.t <> 73 then pg_catalog.format('the replica identity of %s no longer holds column %I',
                                                                    c.relid::regclass, c.key_column) end problem
-        from change c cross join lateral (select lockstep._pgo_keys(c.data, c.idx) keys) k
+        from change c cross join lateral (  -- the common case inline: only a new row, the key first
+            select case when c.idx = 0 and pg_catalog.get_byte(c.data, 5) = 78 and pg_catalog.get_byte(c.data, 8) = 116
+                        then array[pg_catalog.convert_from(pg_catalog.substr(c.data, 14, lockstep._pgo_int(c.data, 9, 4)::integer), v_enc)]
+                        else lockstep._pgo_keys(c.data, c.idx) end keys) k
     ), queued as (
         insert into lockstep.queue (job, key)
         select d.job, d.key from (select distinct k.job, u.key from keyed k cross join lateral pg_catalog.unnest(k.keys) u(key)

@@ -14,6 +14,10 @@ or last):
 - ``trigger``: lockstep's triggers alone: watched, no runner: what the write path costs apart from the
   worker, into an ever-growing queue (~200,000 entries a minute; under ``lockstep`` it holds ~1,000 and
   reuses freed space). Each watched run starts on an empty queue file (set-up);
+- ``wal``: as ``lockstep``, watched through the WAL (``watch(..., via => 'wal')``: no trigger; the runners'
+  ``lockstep.capture()`` reads a logical slot). Only on a server with ``wal_level = logical``; there, after
+  the rounds, the capture's server CPU per change (one capture of a few seconds' changes, no runner), and
+  a fixed-rate run (``pgbench -R`` at half of base's tps) of base, lockstep and wal with p50 / p99 latency;
 - ``sync``: a reference, not lockstep: the same table kept current by a row trigger that rewrites the
   account's row in the application's own transaction (``update account_band set band = ..., balance =
   new.abalance where aid = new.aid``, the band computed inline): a minimal way to keep it current, with
@@ -120,11 +124,13 @@ LAG_SQL = (
 )
 # server time one watched UPDATE pays for the trigger: single-row updates of pgbench_accounts (watched)
 # against an unwatched twin, alternating in chunks of 1,000, the min of 10 chunks each
-TRIGGER_US_SQL = """
+TWIN_SQL = """
 create table public.accounts_twin as select * from public.pgbench_accounts where aid <= 20000;
 alter table public.accounts_twin add primary key (aid);
 analyze public.accounts_twin;
 create temp table trigger_us (us float8);
+"""
+TRIGGER_US_DO = """
 do $$
 declare t0 timestamptz; i int; c int; k int; a float8 := 1e9; b float8 := 1e9;
 begin
@@ -145,13 +151,23 @@ begin
     insert into trigger_us values (b - a);
 end $$;
 """
+TRIGGER_US_SQL = TWIN_SQL + TRIGGER_US_DO
 SEQ_SQL = "select coalesce(pg_sequence_last_value(pg_get_serial_sequence('lockstep.queue', 'id')), 0)"
 RUNNER_BACKENDS_SQL = (
     "select pid from pg_stat_activity where application_name = %s and datname = current_database()"
 )
 
 Progress = Callable[[str], None]
-SCENARIOS = ("base", "trigger", "lockstep", "sync")  # a round's order; every other round the other way round
+SCENARIOS = ("base", "trigger", "lockstep", "wal", "sync")  # a round's order; every other the other way round
+# the trigger micro-measure again (the twin is TRIGGER_US_SQL's) with pgbench_accounts watched via the WAL
+TRIGGER_US_AGAIN_SQL = "truncate trigger_us;" + TRIGGER_US_DO
+PEEK_SQL = (
+    "select count(*) from pg_logical_slot_peek_binary_changes((select slot from lockstep.capture_state),"
+    " null, null, 'proto_version', '1', 'publication_names', 'lockstep_capture')"
+)
+CAPTURE_LAG_SQL = (
+    "select coalesce((pg_current_wal_lsn() - queued_lsn)::bigint, 0) from lockstep.capture_status"
+)
 
 
 def _stderr(msg: str) -> None:
@@ -204,6 +220,8 @@ class Oltp:
         self.pgbench = str(pg_bindir() / "pgbench")
         self.conn = psycopg.connect(dsn, autocommit=True)
         self.trigger_us: float | None = None  # measured once, in round 1
+        self.logical = self.has_wal()
+        self.unwatched_us: float | None = None  # the micro-measure with nothing watched (logical servers)
 
     def _pgbench(self, *args: str, timeout: float) -> str:
         p = subprocess.run(
@@ -220,14 +238,79 @@ class Oltp:
     def _lsn(self) -> int:
         return int(self.conn.execute("select pg_current_wal_lsn() - '0/0'::pg_lsn").fetchone()[0])
 
-    def load(self) -> dict[str, Any]:
-        """One pgbench run: its parsed output."""
+    def load(self, rate: float | None = None) -> dict[str, Any]:
+        """One pgbench run: its parsed output; at a fixed ``rate`` (tps, -R), also the p50 and p99 of its
+        transactions' latency (ms, from pgbench's per-transaction log)."""
         o = self.opts
-        out = self._pgbench(
-            "-M", "prepared", "-c", str(o["clients"]), "-j", str(o["threads"]), "-T", str(o["seconds"]), "-r",
-            timeout=o["seconds"] * 3 + 120,
-        )  # fmt: skip
-        return parse_pgbench(out)
+        logdir = Path(tempfile.mkdtemp(prefix="lockstep-oltp-rate-"))
+        fixed = ["-R", f"{rate:.0f}", "-l", "--log-prefix", str(logdir / "tx")] if rate else []
+        try:
+            out = self._pgbench(
+                "-M", "prepared", "-c", str(o["clients"]), "-j", str(o["threads"]), "-T", str(o["seconds"]),
+                "-r", *fixed, timeout=o["seconds"] * 3 + 120,
+            )  # fmt: skip
+            r = parse_pgbench(out)
+            if rate:
+                lat = sorted(
+                    int(line.split()[2]) / 1000.0
+                    for f in logdir.glob("tx*")
+                    for line in f.read_text().splitlines()
+                )
+                r.update(
+                    rate=rate,
+                    latency_p50_ms=scratch.percentile(lat, 0.5),
+                    latency_p99_ms=scratch.percentile(lat, 0.99),
+                )
+            return r
+        finally:
+            shutil.rmtree(logdir, ignore_errors=True)
+
+    def has_wal(self) -> bool:
+        """The server can watch through the WAL (wal_level = logical)."""
+        return self.conn.execute("show wal_level").fetchone()[0] == "logical"
+
+    def _watch(self, via: str) -> None:
+        self.conn.execute(
+            "select lockstep.watch(%s, 'public.pgbench_accounts', 'aid', via => %s)", [JOB, via]
+        )
+        if via == "wal":
+            self.conn.execute("select lockstep.capture()")  # the slot, made before the changes to read
+
+    def wal(self, round_: int = 1, rate: float | None = None) -> dict[str, Any]:
+        return self.lockstep(round_, via="wal", rate=rate)
+
+    def capture_cost(self) -> dict[str, Any]:
+        """Server CPU of the capture per change: pgbench for a few seconds with pgbench_accounts watched
+        through the WAL and no runner, then one lockstep.capture() of all of it in a session of its own
+        (its backend's CPU), after a bare pg_logical_slot_peek_binary_changes of the same changes (the
+        decoding alone)."""
+        self.progress("capture cost: watch via wal, pgbench 5 s with no runner, one capture")
+        self._empty_queue()
+        self._watch("wal")
+        try:
+            seconds = self.opts["seconds"]
+            self.opts["seconds"] = 5
+            try:
+                txns = self.load()["transactions"]
+            finally:
+                self.opts["seconds"] = seconds
+            with psycopg.connect(self.dsn, autocommit=True) as c:
+                pid = c.info.backend_pid
+                cpu0 = scratch.backend_cpu_ms(pid)
+                c.execute(PEEK_SQL)
+                cpu1 = scratch.backend_cpu_ms(pid)
+                changes = c.execute("select changes from lockstep.capture(100000000)").fetchone()[0]
+                cpu2 = scratch.backend_cpu_ms(pid)
+        finally:
+            self.conn.execute("select lockstep.unwatch(%s, 'public.pgbench_accounts')", [JOB])
+            self._empty_queue()
+        ok = None not in (cpu0, cpu1, cpu2) and changes
+        return {
+            "transactions": txns,
+            "changes": changes,
+            "decode_us_per_change": (cpu1 - cpu0) * 1000 / changes if ok else None,
+            "capture_us_per_change": (cpu2 - cpu1) * 1000 / changes if ok else None,
+        }
 
     def setup(self) -> None:
         """pgbench's tables, lockstep installed, account_band defined (unwatched) and filled."""
@@ -239,6 +322,9 @@ class Oltp:
         self.conn.execute(TRIGGER_US_SQL)
         self.trigger_us = self.conn.execute("select us from trigger_us").fetchone()[0]
         self.conn.execute("select lockstep.unwatch(%s, 'public.pgbench_accounts')", [JOB])
+        if self.logical:  # the same micro-measure unwatched: what a WAL-watched UPDATE is compared with
+            self.conn.execute(TRIGGER_US_AGAIN_SQL)
+            self.unwatched_us = self.conn.execute("select us from trigger_us").fetchone()[0]
         self.conn.execute("insert into public.account_band select * from public.account_band_compute(null)")
         self._empty_queue()
         self.conn.execute(SYNC_FUNCTION_SQL)
@@ -293,10 +379,14 @@ class Oltp:
     def _queue_bytes(self) -> int:
         return int(self.conn.execute("select pg_relation_size('lockstep.queue')").fetchone()[0])
 
-    def lockstep(self, round_: int = 1) -> dict[str, Any]:
-        self.progress(f"lockstep {round_}: watch, recompute")
-        self.conn.execute("select lockstep.watch(%s, 'public.pgbench_accounts', 'aid')", [JOB])
+    def lockstep(self, round_: int = 1, via: str = "trigger", rate: float | None = None) -> dict[str, Any]:
+        name = "lockstep" if via == "trigger" else via
+        self.progress(f"{name} {round_}: watch, recompute")
+        self._watch(via)
         trigger_us = self.trigger_us
+        if via == "wal":  # what a WAL-watched UPDATE pays: the same micro-measure
+            self.conn.execute(TRIGGER_US_AGAIN_SQL)
+            trigger_us = self.conn.execute("select us from trigger_us").fetchone()[0]
         self._empty_queue()
         # the initial fill is set-up, not measured: in one transaction, so no hand-off is left for the runners
         self.conn.execute("select lockstep.set_batch_parents(%s, 1000000)", [JOB])
@@ -307,7 +397,7 @@ class Oltp:
         bytes0 = self._queue_bytes()
         logdir = Path(tempfile.mkdtemp(prefix="lockstep-oltp-"))
         runners: list[tuple[subprocess.Popen, Any]] = []
-        samples: list[tuple[float, int, int, float]] = []
+        samples: list[tuple[float, int, int, float, int]] = []
         stop = threading.Event()
         try:
             for i in range(self.opts["runners"]):
@@ -318,22 +408,23 @@ class Oltp:
             wal0 = self._lsn()
             sampler = threading.Thread(target=self._sample, args=(samples, stop), daemon=True)
             sampler.start()
-            self.progress(f"lockstep {round_}: {self.opts['seconds']} s with {self.opts['runners']} runners")
+            self.progress(f"{name} {round_}: {self.opts['seconds']} s with {self.opts['runners']} runners")
             # CPU counted from when every runner is connected (its imports and start-up are not the worker's)
             deadline = time.monotonic() + 30
             while len(self._runner_backends_cpu()) < len(runners) and time.monotonic() < deadline:
                 time.sleep(0.05)
             backends0 = self._runner_backends_cpu()
             runners0 = [_process_cpu_ms(p.pid) for p, _ in runners]
-            r = self.load()
+            r = self.load(rate)
             r["queue_bytes_start"] = bytes0
             stop.set()
             sampler.join()
             t0 = time.monotonic()
             depth = None
+            end = self._lsn()
             while time.monotonic() - t0 < 120:
                 depth = self.conn.execute("select count(*) from lockstep.queue").fetchone()[0]
-                if depth == 0:
+                if depth == 0 and (via != "wal" or self._captured(end)):
                     break
                 time.sleep(0.05)
             r["drain_s"] = time.monotonic() - t0
@@ -369,6 +460,7 @@ class Oltp:
         if r["runner_cpu_ms"] is not None and r["runner_backend_cpu_ms"] is not None:
             cpu = r["runner_cpu_ms"] + r["runner_backend_cpu_ms"]
         r.update(
+            unwatched_us_per_update=self.unwatched_us,
             worker_cpu_ms_per_key=cpu / keys if cpu is not None and keys else None,
             worker_backend_cpu_ms_per_key=r["runner_backend_cpu_ms"] / keys
             if r["runner_backend_cpu_ms"] is not None and keys
@@ -384,24 +476,34 @@ class Oltp:
             queue_bytes_max=max((s[2] for s in samples), default=None),
             # [seconds into the load, oldest entry's age s, depth]: lockstep bench --plot draws it
             queue_series=[[round(s[3], 2), round(s[0], 3), s[1]] for s in samples],
+            capture_lag_bytes_max=max((s[4] for s in samples), default=None) if via == "wal" else None,
             divergence=self.conn.execute(DIVERGENCE_SQL).fetchone()[0],
         )
         r["converged"] = r["queue_left"] == 0 and r["divergence"] == 0
         self.conn.execute("select lockstep.unwatch(%s, 'public.pgbench_accounts')", [JOB])
         return r
 
+    def _captured(self, lsn: int) -> bool:
+        """The capture has queued the changes up to ``lsn``."""
+        row = self.conn.execute(
+            "select queued_lsn - '0/0'::pg_lsn >= %s from lockstep.capture_state", [lsn]
+        ).fetchone()
+        return bool(row and row[0])
+
     def _runner_backends_cpu(self) -> dict[int, float | None]:
         """pid -> CPU ms so far of the runners' server backends (application_name lockstep's)."""
         rows = self.conn.execute(RUNNER_BACKENDS_SQL, [APP_NAME]).fetchall()
         return {r[0]: scratch.backend_cpu_ms(r[0]) for r in rows}
 
-    def _sample(self, samples: list[tuple[float, int, int, float]], stop: threading.Event) -> None:
-        """Every 0.5 s: (oldest entry's age s, depth, queue bytes, seconds since the sampling began)."""
+    def _sample(self, samples: list[tuple[float, int, int, float, int]], stop: threading.Event) -> None:
+        """Every 0.5 s: (oldest entry's age s, depth, queue bytes, seconds since the sampling began, WAL bytes
+        since the LSN the capture queued up to (0 where the server cannot watch through the WAL))."""
         t0 = time.monotonic()
         with psycopg.connect(self.dsn, autocommit=True) as c:
             while not stop.wait(0.5):
                 lag, depth, size = c.execute(LAG_SQL).fetchone()
-                samples.append((lag, depth, size, time.monotonic() - t0))
+                behind = c.execute(CAPTURE_LAG_SQL).fetchone() if self.logical else None
+                samples.append((lag, depth, size, time.monotonic() - t0, behind[0] if behind else 0))
 
     def close(self) -> None:
         self.conn.close()
@@ -424,33 +526,57 @@ def options(**overrides: int | None) -> dict[str, int]:
     return {k: int(overrides.get(k) or env[k] or v) for k, v in defaults.items()}
 
 
-def run(admin_dsn: str | None, progress: Progress = _stderr, **overrides: int | None) -> dict[str, Any]:
-    """The OLTP section in a scratch database of its own; the result dict."""
+def _fixed_rate(bench: Oltp, rounds: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
+    """base, lockstep and wal at a fixed rate: half of base's mean tps (what a server that is not saturated
+    sees: the application's latency, not tps)."""
+    rate = sum(rd["base"]["tps"] for rd in rounds) / len(rounds) / 2
+    out: dict[str, Any] = {}
+    for scenario in (n for n in ("base", "lockstep", "wal") if n in names):
+        bench.progress(f"fixed rate {rate:.0f} tps: {scenario}")
+        out[scenario] = bench.load(rate) if scenario == "base" else getattr(bench, scenario)(0, rate=rate)
+    return out
+
+
+def run(
+    admin_dsn: str | None, progress: Progress = _stderr, scenarios: str | None = None, **overrides: int | None
+) -> dict[str, Any]:
+    """The OLTP section in a scratch database of its own; the result dict. ``scenarios``: a comma list of
+    SCENARIOS to run (default: all; wal only where wal_level = logical)."""
     opts = options(**overrides)
+    chosen = (scenarios or os.environ.get("LOCKSTEP_OLTP_SCENARIOS") or ",".join(SCENARIOS)).split(",")
     name = f"lockstep_oltp_{os.getpid()}"
+    extra: dict[str, Any] = {}
     try:
         progress(f"create database {name}")
         bench = Oltp(scratch.create_database(admin_dsn or "", name), opts, progress)
         try:
             bench.setup()
+            names = [n for n in SCENARIOS if n in chosen and (n != "wal" or bench.logical)]
+            extra["wal_level"] = bench.conn.execute("show wal_level").fetchone()[0]
             rounds = []
             for i in range(1, opts["rounds"] + 1):
                 rd: dict[str, Any] = {}
-                for scenario in SCENARIOS if i % 2 else SCENARIOS[::-1]:
+                for scenario in names if i % 2 else names[::-1]:
                     rd[scenario] = getattr(bench, scenario)(i)
                 rounds.append(rd)
+            if "wal" in names:
+                extra["capture"] = bench.capture_cost()
+                extra["fixed_rate"] = _fixed_rate(bench, rounds, names)
         finally:
             bench.close()
     finally:
         scratch.drop_database(admin_dsn or "", name)
     for r in rounds:
-        for side in ("lockstep", "trigger", "sync"):
-            r["tps_pct_of_base" if side == "lockstep" else f"{side}_pct"] = (
-                100.0 * r[side]["tps"] / r["base"]["tps"] if r["base"]["tps"] else None
-            )
+        for side in ("lockstep", "trigger", "wal", "sync"):
+            if side in r:
+                r["tps_pct_of_base" if side == "lockstep" else f"{side}_pct"] = (
+                    100.0 * r[side]["tps"] / r["base"]["tps"] if r["base"]["tps"] else None
+                )
 
     def total(side: str, k: str) -> float | None:
-        vals = [r[side][k] for r in rounds]
+        vals = [r[side][k] for r in rounds if side in r]
+        if not vals:
+            return None
         return None if any(v is None for v in vals) else sum(vals)
 
     def ratios(side: str) -> dict[str, float | None]:
@@ -467,11 +593,13 @@ def run(admin_dsn: str | None, progress: Progress = _stderr, **overrides: int | 
     return {
         "options": opts,
         "base": rounds[0]["base"],
-        "lockstep": rounds[0]["lockstep"],
+        "lockstep": rounds[0].get("lockstep"),
         "rounds": rounds,
         **ratios("lockstep"),
         "trigger": ratios("trigger"),
         "sync": ratios("sync"),
+        **({"wal": ratios("wal")} if "wal" in rounds[0] else {}),
+        **extra,
         "lockstep_pct_of_sync": 100.0 * tps_l / tps_s if tps_s and tps_l is not None else None,
     }
 
@@ -547,7 +675,37 @@ def render(r: dict[str, Any]) -> str:
             f"  round {i}: converged {ls['converged']} (queue left {ls['queue_left']},"
             f" divergence {ls['divergence']})",
         ]
+    if r.get("wal"):
+        lines += _render_wal(r, rounds, reference("wal", "wal (watched through the WAL: no trigger)"))
     return "\n".join(lines)
+
+
+def _render_wal(r: dict[str, Any], rounds: list[dict[str, Any]], summary: str) -> list[str]:
+    """The wal scenario's lines: its summary, per round, the capture's cost and the fixed-rate runs."""
+    lines = [summary + f" (server at wal_level = {r.get('wal_level')})"]
+    for i, rd in enumerate(rounds, 1):
+        w = rd["wal"]
+        lines.append(
+            f"  round {i}: wal: a WAL-watched UPDATE pays {_f(w['trigger_us_per_update'], '{:.1f}')} µs,"
+            f" unwatched {_f(w.get('unwatched_us_per_update'), '{:.1f}')} µs (target: within 1); runners' CPU (capture, worker) {_f(w.get('worker_cpu_ms_per_key'), '{:.3f}')}"
+            f" ms per key; queue oldest p50 {_f(w['queue_lag_p50_s'])} s, max {_f(w['queue_lag_max_s'])} s;"
+            f" capture lag max {_f(w.get('capture_lag_bytes_max'), '{:,}')} B of WAL;"
+            f" drained {_f(w['drain_s'])} s after; converged {w['converged']}"
+        )
+    c = r.get("capture")
+    if c:
+        lines.append(
+            f"  capture: one call read {c['changes']:,} changes ({c['transactions']:,} transactions):"
+            f" {_f(c['capture_us_per_change'], '{:.1f}')} µs server CPU per change (target <= 20);"
+            f" the decoding alone (a bare peek) {_f(c['decode_us_per_change'], '{:.1f}')} µs"
+        )
+    for scenario, x in (r.get("fixed_rate") or {}).items():
+        lines.append(
+            f"  fixed rate {_f(x['rate'], '{:,.0f}')} tps (half of base): {scenario:8} latency p50"
+            f" {_f(x['latency_p50_ms'], '{:.3f}')} ms, p99 {_f(x['latency_p99_ms'], '{:.3f}')} ms,"
+            f" tps {_f(x['tps'], '{:,.0f}')}"
+        )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -555,10 +713,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dsn", default=os.environ.get("DATABASE_URL", ""), help="admin DSN")
     for k in ("seconds", "scale", "clients", "threads", "runners", "rounds"):
         ap.add_argument(f"--{k}", type=int, default=None)
+    ap.add_argument("--scenarios", default=None, help="comma list of " + ",".join(SCENARIOS))
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     r = run(
         a.dsn,
+        scenarios=a.scenarios,
         seconds=a.seconds,
         scale=a.scale,
         clients=a.clients,
