@@ -83,3 +83,31 @@ def test_oltp_section_tiny(admin_dsn):
     assert labels == [
         "base 1", "trigger 1", "lockstep 1", "sync 1", "sync 2", "lockstep 2", "trigger 2", "base 2",
     ]  # fmt: skip
+
+
+def test_oltp_wal_scenario_on_a_logical_server():
+    """The wal scenario (watched through the WAL, runners capturing) at a tiny size on a throw-away
+    wal_level = logical cluster: converged, a WAL-watched UPDATE measured, the capture's CPU per change, and
+    the fixed-rate runs with their latency percentiles."""
+    import pg_cluster
+    import wal_cluster
+
+    from lockstep.lab import bench_oltp
+
+    if not pg_cluster.AVAILABLE:
+        pytest.skip(pg_cluster.MISSING)
+    with pg_cluster.running("lockstep-oltp-wal-", **wal_cluster.SETTINGS) as c:
+        r = bench_oltp.run(
+            c.dsn, lambda m: None, scenarios="base,wal", seconds=2, scale=1, clients=2, threads=1, rounds=1
+        )
+    assert r["wal_level"] == "logical" and list(r["rounds"][0]) == ["base", "wal", "wal_pct"]
+    w = r["rounds"][0]["wal"]
+    assert w["converged"] and w["transactions"] > 0 and w["failed"] == 0 and w["keys_enqueued"] > 0
+    assert w["trigger_us_per_update"] is not None and w["unwatched_us_per_update"] is not None
+    assert r["capture"]["changes"] >= r["capture"]["transactions"] > 0
+    assert r["capture"]["capture_us_per_change"] > 0
+    assert set(r["fixed_rate"]) == {"base", "wal"}
+    for x in r["fixed_rate"].values():
+        assert x["latency_p99_ms"] >= x["latency_p50_ms"] > 0
+    text = bench_oltp.render(r)
+    assert "wal (watched through the WAL" in text and "µs server CPU per change" in text

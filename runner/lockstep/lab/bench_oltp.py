@@ -625,15 +625,20 @@ def render(r: dict[str, Any]) -> str:
                 f" {_f(x['update_accounts_ms'], '{:.3f}'):>13} {_f(x['wal_per_txn'], '{:,.0f}'):>10}"
                 f" {x['transactions']:>8}"
             )
+    ran = rounds[0]  # the scenarios run (--scenarios, and wal only where wal_level = logical)
     per_round = ", ".join(_f(rd.get("tps_pct_of_base"), "{:.1f} %") for rd in rounds)
-    lines += [
-        f"  lockstep tps: {_f(r['tps_pct_of_base'], '{:.1f}')} % of base, rounds pooled ({per_round})"
-        " (target >= 75 %);"
-        f" added per UPDATE: {_f(r['added_ms_per_update'], '{:.3f}')} ms (target <= 0.1);"
-        f" WAL {_f(r['wal_ratio'])}x base (target <= 2)",
-        f"  trigger: {_f(rounds[0]['lockstep']['trigger_us_per_update'], '{:.1f}')} µs server time per"
-        " watched single-row UPDATE (target <= 20)",
-    ]
+    lines += (
+        []
+        if "lockstep" not in ran
+        else [
+            f"  lockstep tps: {_f(r['tps_pct_of_base'], '{:.1f}')} % of base, rounds pooled ({per_round})"
+            " (target >= 75 %);"
+            f" added per UPDATE: {_f(r['added_ms_per_update'], '{:.3f}')} ms (target <= 0.1);"
+            f" WAL {_f(r['wal_ratio'])}x base (target <= 2)",
+            f"  trigger: {_f(rounds[0]['lockstep']['trigger_us_per_update'], '{:.1f}')} µs server time per"
+            " watched single-row UPDATE (target <= 20)",
+        ]
+    )
 
     def reference(side: str, label: str) -> str:
         """side's pooled figures and its rounds' tps as % of base"""
@@ -644,14 +649,14 @@ def render(r: dict[str, Any]) -> str:
             f" {_f(x['added_ms_per_update'], '{:.3f}')} ms; WAL {_f(x['wal_ratio'])}x base"
         )
 
-    if r.get("trigger"):
+    if "trigger" in ran:
         lines.append(
             reference(
                 "trigger",
                 "trigger alone (watch, no runner: the write path's cost, into an ever-growing queue)",
             )
         )
-    if r.get("sync"):
+    if "sync" in ran:
         lines.append(
             reference(
                 "sync",
@@ -660,7 +665,7 @@ def render(r: dict[str, Any]) -> str:
             + f"; converged {all(rd['sync']['converged'] for rd in rounds)}; lockstep's tps"
             f" {_f(r.get('lockstep_pct_of_sync'), '{:.1f}')} % of sync's"
         )
-    for i, rd in enumerate(rounds, 1):
+    for i, rd in enumerate(rounds if "lockstep" in ran else [], 1):
         ls = rd["lockstep"]
         lines += [
             f"  round {i}: worker {_f(ls['worker_ms_per_key'], '{:.3f}')} ms per queued key (wall, under the"
@@ -675,7 +680,7 @@ def render(r: dict[str, Any]) -> str:
             f"  round {i}: converged {ls['converged']} (queue left {ls['queue_left']},"
             f" divergence {ls['divergence']})",
         ]
-    if r.get("wal"):
+    if "wal" in ran:
         lines += _render_wal(r, rounds, reference("wal", "wal (watched through the WAL: no trigger)"))
     return "\n".join(lines)
 
@@ -687,7 +692,8 @@ def _render_wal(r: dict[str, Any], rounds: list[dict[str, Any]], summary: str) -
         w = rd["wal"]
         lines.append(
             f"  round {i}: wal: a WAL-watched UPDATE pays {_f(w['trigger_us_per_update'], '{:.1f}')} µs,"
-            f" unwatched {_f(w.get('unwatched_us_per_update'), '{:.1f}')} µs (target: within 1); runners' CPU (capture, worker) {_f(w.get('worker_cpu_ms_per_key'), '{:.3f}')}"
+            f" unwatched {_f(w.get('unwatched_us_per_update'), '{:.1f}')} µs (target: within 1);"
+            f" runners' CPU (capture, worker) {_f(w.get('worker_cpu_ms_per_key'), '{:.3f}')}"
             f" ms per key; queue oldest p50 {_f(w['queue_lag_p50_s'])} s, max {_f(w['queue_lag_max_s'])} s;"
             f" capture lag max {_f(w.get('capture_lag_bytes_max'), '{:,}')} B of WAL;"
             f" drained {_f(w['drain_s'])} s after; converged {w['converged']}"
