@@ -65,6 +65,7 @@ drop function if exists lockstep._pgo_keys(bytea, integer);
 drop function if exists lockstep._pgo_relation(bytea);
 drop function if exists lockstep._pgo_int(bytea, integer, integer);
 drop function if exists lockstep._capture_cleanup();
+drop function if exists lockstep._capture_in_use();
 drop function if exists lockstep._unwatch_wal(text, regclass);
 drop function if exists lockstep._watch_wal(lockstep.job, regclass, name);
 drop function if exists lockstep._publication_ddl();

@@ -27,6 +27,18 @@ as $$
     select 'lockstep_capture'::name;
 $$;
 
+-- lockstep._capture_in_use(): the database has the capture's publication or slot. Reads only catalogs
+-- every role may read, so a role never granted lockstep.wal_watch (the trigger-only recipes of
+-- docs/security.md) can unwatch and drop jobs as before.
+-- locks: nothing.
+create or replace function lockstep._capture_in_use() returns boolean
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select exists (select from pg_catalog.pg_publication p where p.pubname = lockstep._capture_publication())
+           or exists (select from pg_catalog.pg_replication_slots s where s.slot_name = lockstep._capture_slot());
+$$;
+
 -- lockstep._identity_covers(rel, key_column): the WAL record of an UPDATE or DELETE of rel holds the old
 -- value of key_column (rel's replica identity is FULL, or its primary key or replica identity index holds
 -- the column). Else an update that moves a row to another key would queue the new key only.
@@ -175,6 +187,9 @@ language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 begin
+    if not lockstep._capture_in_use() then  -- never watched through the WAL: nothing of lockstep.wal_watch read
+        return false;
+    end if;
     delete from lockstep.wal_watch w where w.job = _unwatch_wal.job and w.source = _unwatch_wal.source;
     if not found then
         return false;
@@ -198,9 +213,13 @@ language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_ddl text[] := lockstep._publication_ddl();
+    v_ddl text[];
     v_slot name := lockstep._capture_slot();
 begin
+    if not lockstep._capture_in_use() then
+        return;
+    end if;
+    v_ddl := lockstep._publication_ddl();
     if cardinality(v_ddl) > 0 then
         perform lockstep._ddl(array(select pr.prrelid::regclass from pg_catalog.pg_publication_rel pr
                                     join pg_catalog.pg_publication p on p.oid = pr.prpubid
@@ -480,6 +499,10 @@ begin
         raise exception 'lockstep: max_rows must be positive' using errcode = '22023';
     end if;
     changes := 0; keys := 0; flagged := 0;
+    if not lockstep._capture_in_use() then  -- nothing was ever watched through the WAL here
+        outcome := 'idle';
+        return;
+    end if;
     if not exists (select from lockstep.wal_watch) then
         if exists (select from lockstep.capture_state) then
             perform lockstep._capture_cleanup();
