@@ -60,6 +60,7 @@ KINDS: dict[str, tuple[str, ...]] = {
     "docs": ("docs/*",),
     "sql": (
         "sql/*",
+        "regress/*",
         "test_app_safety",
         "test_define_derived",
         "test_history",

@@ -2,28 +2,28 @@
 -- a revision's up.sql changes them. Functions, views and policies live in the files that follow.
 --
 -- SQLSTATEs raised by lockstep (the one list):
--- 22004  a NULL argument or a NULL key
--- 22023  an invalid value (empty name, non-positive interval, batch or batch_parents, bad trigger arguments)
--- 25000  run / work / recompute called in a transaction that is not READ COMMITTED (checked first)
--- 42501  insufficient privilege: redefining another role's job; running a job whose owner the session may
--- not act as; a job's code leaving a WITH HOLD cursor or changed prepared statements
--- 42725  a call of the job's or the compute function by name would be ambiguous
--- LSJ01  unknown job
--- LSJ02  the job is of the wrong kind for this call (generic vs derived, no parent)
--- LSD01  target table has no primary key
--- LSD02  compute function signature does not match (argument count or type, return type)
--- LSD03  compute columns do not match the target's
--- LSD04  parent / parent_column invalid, the parent FK's ON DELETE action would fail the app's deletes,
--- or the parent's key is of a domain or composite type
--- LSD05  compute returned invalid rows (duplicate or NULL primary key)
--- LSD06  a foreign key lockstep cannot write through without waiting
--- LSD07  the target is already written by another job
--- LSD08  a job's query calls a volatile function
--- LSQ01  keys of the wrong type for the job's parent key
--- LSQ02  a watched key column that does not lead to the parent (a foreign key to another table; with
--- through, no foreign key to the through table)
--- 55000  watch(..., via => 'wal') on a server whose wal_level is not logical, or of a table whose
--- replica identity does not hold the key column
+--   22004  a NULL argument or a NULL key
+--   22023  an invalid value (empty name, non-positive interval, batch or batch_parents, bad trigger arguments)
+--   25000  run / work / recompute called in a transaction that is not READ COMMITTED (checked first)
+--   42501  insufficient privilege: redefining another role's job; running a job whose owner the session may
+--          not act as; a job's code leaving a WITH HOLD cursor or changed prepared statements
+--   42725  a call of the job's or the compute function by name would be ambiguous
+--   LSJ01  unknown job
+--   LSJ02  the job is of the wrong kind for this call (generic vs derived, no parent)
+--   LSD01  target table has no primary key
+--   LSD02  compute function signature does not match (argument count or type, return type)
+--   LSD03  compute columns do not match the target's
+--   LSD04  parent / parent_column invalid, the parent FK's ON DELETE action would fail the app's deletes,
+--          or the parent's key is of a domain or composite type
+--   LSD05  compute returned invalid rows (duplicate or NULL primary key)
+--   LSD06  a foreign key lockstep cannot write through without waiting
+--   LSD07  the target is already written by another job
+--   LSD08  a job's query calls a volatile function
+--   LSQ01  keys of the wrong type for the job's parent key
+--   LSQ02  a watched key column that does not lead to the parent (a foreign key to another table; with
+--          through, no foreign key to the through table)
+--   55000  watch(..., via => 'wal') on a server whose wal_level is not logical, or of a table whose
+--          replica identity does not hold the key column
 
 create schema lockstep;
 
