@@ -584,6 +584,7 @@ def _connect(dsn: str | None, app_name: str):
 @main.command()
 @dsn_option
 @option("--json", is_flag=True, help="Print all columns of lockstep.status as a JSON array.")
+@option("--wide", is_flag=True, help="Every column, the errors too (wider than 100 columns).")
 @option("--history", is_flag=True, help="Show the newest runs from lockstep.run_log instead (exit 0).")
 @option("--job", default=None, metavar="NAME", help="With --history: only this job's runs.")
 @option(
@@ -602,10 +603,13 @@ def _connect(dsn: str | None, app_name: str):
     help="Unhealthy when a job's oldest queued key (parked ones aside) waits longer (0: not checked).",
 )
 @log_options
-def status(dsn: str | None, json: bool, history: bool, job: str | None, limit: int, max_lag: float) -> None:
-    """Show lockstep.status. Exit 0 healthy; 1 when a job is failing, has parked keys, is flagged for a
-    full recompute or has a key queued longer than --max-lag; 3 no server answered; 4 no lockstep schema
-    (or database, role).
+def status(
+    dsn: str | None, json: bool, wide: bool, history: bool, job: str | None, limit: int, max_lag: float
+) -> None:
+    """Show lockstep.status, one line per job within 100 columns (--wide, --json: every column).
+
+    Exit 0 healthy; 1 when a job is failing, has parked keys, is flagged for a full recompute or has a
+    key queued longer than --max-lag; 3 no server answered; 4 no lockstep schema (or database, role).
     --history: the newest runs of lockstep.run_log, oldest first (exit 0)."""
     from lockstep import db
     from lockstep import status as st
@@ -621,7 +625,10 @@ def status(dsn: str | None, json: bool, history: bool, job: str | None, limit: i
         # none at all is not a visibility problem (that message sent a user after grants)
         hidden = not rows and db.job_count(conn) > 0
         empty = st.no_jobs(conn.info.user) if hidden else "no jobs defined"
-    click.echo(st.to_json(rows) if json else st.to_table(rows, empty=empty))
+    if json:
+        click.echo(st.to_json(rows))
+    else:
+        click.echo(st.to_table(rows, empty=empty) if wide else st.compact_table(rows, empty=empty))
     if hidden:
         # jobs exist and this role sees none: nothing was checked, so not healthy (a viewer that lost one
         # grant, SELECT on lockstep.viewer, saw none and exited 0 while a job was failing)
@@ -767,7 +774,13 @@ def _verify_text(r) -> str:  # lockstep.db.Verified
     is_flag=True,
     help="Use an embedded PostgreSQL (pgserver, data in .lockstep-demo/) even if a server answers.",
 )
-@option("--database", default="lockstep_demo", show_default=True, help="Database to (re)create.")
+@option(
+    "--database",
+    default="lockstep_demo",
+    show_default=True,
+    help="Database of its own to create (and drop at the end); an existing one is dropped only if lockstep "
+    "made it, else the demo stops.",
+)
 @option("--clients", default=4, show_default=True, help="Application client threads.")
 @option("--keep", is_flag=True, help="Keep the demo database at the end.")
 @option("--json", is_flag=True, help="Print the result as JSON instead of the report.")
@@ -792,6 +805,7 @@ def demo(
     DSN that fails is an error. Exit code 0 when lockstep had 0 deadlocks and converged.
     """
     from lockstep.lab import demo as demo_mod
+    from lockstep.lab import scratch
 
     _setup_logging(level=log_level(logging.WARNING))
     opts = demo_mod.Options(
@@ -808,6 +822,8 @@ def demo(
         result = demo_mod.run(opts)
     except demo_mod.NoServer as exc:
         raise Failure(str(exc), codes.EXIT_SETUP if exc.answered else codes.EXIT_UNREACHABLE) from exc
+    except scratch.NotOurs as exc:
+        raise Failure(str(exc), codes.EXIT_SETUP) from exc
     except RuntimeError as exc:
         raise Failure(str(exc)) from exc
     if json_file is not None:

@@ -136,15 +136,60 @@ def no_jobs(user: str) -> str:
     )
 
 
-def to_table(rows: list[dict], columns: tuple[str, ...] = TABLE_COLUMNS, empty: str = "no jobs") -> str:
+# The default table: one line per job within WIDTH columns; every column is in --wide and --json.
+WIDTH = 100
+JOB_WIDTH = 24
+
+
+def _short(seconds: float) -> str:
+    """A duration in one short word: 45s, 12m, 3h, 2d."""
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size:.0f}{unit}"
+    return f"{max(seconds, 0):.0f}s"
+
+
+def _compact(r: dict, now: dt.datetime) -> list[str]:
+    job = str(r.get("job"))
+    lag = r.get("queue_lag")
+    finished = r.get("last_finished_at")
+    last = " ".join(str(r[c]) for c in ("last_outcome", "last_action") if r.get(c) is not None) or "-"
+    progress = _progress(r)
+    return [
+        job if len(job) <= JOB_WIDTH else job[: JOB_WIDTH - 1] + "~",
+        str(r.get("kind") or "-")[:7],
+        _cell(r.get("queue_depth")),
+        _short(lag.total_seconds()) if isinstance(lag, dt.timedelta) else "-",
+        _cell(r.get("parked_keys")),
+        _cell(r.get("failing_keys")),
+        (last if progress is None else f"{last} {progress}")[:24],
+        _short((now - finished).total_seconds()) if isinstance(finished, dt.datetime) else "-",
+    ]
+
+
+def compact_table(rows: list[dict], empty: str = "no jobs", now: dt.datetime | None = None) -> str:
+    """``lockstep status``: job, kind, queue depth, oldest queued key's age, parked and failing keys, the
+    last run (outcome, action, a spread recompute's progress) and how long ago it finished; at most WIDTH
+    columns. The errors and every other column: --wide, --json."""
     if not rows:
         return empty
-    rows = [{**r, "recompute": _progress(r)} for r in rows]
-    cells = [[_cell(r.get(c)) for c in columns] for r in rows]
+    now = now or dt.datetime.now(dt.UTC)
+    columns = ("job", "kind", "queue", "lag", "parked", "failing", "last", "ago")
+    return _render(columns, [_compact(r, now) for r in rows])
+
+
+def _render(columns: tuple[str, ...], cells: list[list[str]]) -> str:
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip()]
     lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in cells]
     return "\n".join(lines)
+
+
+def to_table(rows: list[dict], columns: tuple[str, ...] = TABLE_COLUMNS, empty: str = "no jobs") -> str:
+    if not rows:
+        return empty
+    rows = [{**r, "recompute": _progress(r)} for r in rows]
+    return _render(columns, [[_cell(r.get(c)) for c in columns] for r in rows])
 
 
 # `lockstep status --history`: rows of lockstep.run_log, oldest first

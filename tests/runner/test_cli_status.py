@@ -42,7 +42,7 @@ def test_status_json_matches_the_view_and_exit_code_flips_on_failure(conn, dsn):
     p = status(dsn)
     assert p.returncode == 0, p.stderr
     header, *lines = p.stdout.splitlines()
-    assert header.split()[:3] == ["job", "kind", "queue_depth"]
+    assert header.split()[:3] == ["job", "kind", "queue"]
     assert [ln.split()[0] for ln in lines] == ["boom", "ok"]
 
     assert conn.execute("select outcome from lockstep.run('boom')").fetchone()[0] == "failed"
@@ -81,7 +81,7 @@ def test_a_queue_nothing_drains_makes_status_unhealthy(conn, dsn):
     lag = conn.execute("select extract(epoch from queue_lag) from lockstep.status").fetchone()[0]
     assert 1199 < lag < 1300
     p = status(dsn)
-    assert p.returncode == 1 and "queue_lag" in p.stdout.splitlines()[0], p.stdout
+    assert p.returncode == 1 and "lag" in p.stdout.splitlines()[0].split(), p.stdout
     # and says why on stderr (the table alone left the reader to find the column; a newcomer probe)
     assert "unhealthy: job d: oldest queued key waits 12" in p.stderr and "(--max-lag 900)" in p.stderr, (
         p.stderr
@@ -152,3 +152,31 @@ def test_a_failing_generic_job_is_said_to_have_failed_its_call(conn, dsn):
         p.returncode == 1
         and "unhealthy: job nightly: 1 consecutive failure(s); its last call failed" in p.stderr
     ), p.stderr
+
+
+def test_status_fits_100_columns_and_wide_shows_every_column(conn, dsn):
+    """Long job names, a long error, a spread recompute: the default table stays within 100 columns; --wide
+    has every column of the table and the errors; --json every column of the view."""
+    from lockstep.status import TABLE_COLUMNS
+
+    long = "a_job_with_a_long_name_" + "x" * 40
+    conn.execute(
+        "create function public.boom() returns void language plpgsql"
+        " as $$ begin raise exception '%', repeat('a long error ', 20); end $$;"
+        f" select lockstep.define_job('{long}', 'public.boom()', every => '1 minute');"
+        " select lockstep.define_job('short', 'public.boom()', every => '1 minute');"
+    )
+    conn.execute(f"select lockstep.run('{long}')")
+    p = status(dsn)
+    assert p.returncode == 1, p.stderr
+    lines = p.stdout.splitlines()
+    assert len(lines) == 1 + len(view(conn)) and max(map(len, lines)) <= 100, p.stdout
+    assert lines[0].split() == ["job", "kind", "queue", "lag", "parked", "failing", "last", "ago"]
+    row = next(ln for ln in lines if ln.startswith("a_job_with"))
+    assert row.split()[0] == long[:23] + "~" and "failed call" in row, row
+    assert "a long error" not in p.stdout  # the error is in --wide, --json and the reason on stderr
+    wide = status(dsn, "--wide")
+    assert wide.returncode == 1
+    assert wide.stdout.splitlines()[0].split() == list(TABLE_COLUMNS), wide.stdout
+    assert long[:57] in wide.stdout and "a long error" in wide.stdout
+    assert max(map(len, wide.stdout.splitlines())) > 100

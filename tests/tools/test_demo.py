@@ -229,3 +229,43 @@ def test_a_demo_larger_than_one_batch_fills_every_exam_before_it_measures(admin_
     r = json.loads(out.read_text())
     assert r["lockstep"]["converged"] and r["lockstep"]["divergence"] == [0, 0, 0], stdout
     assert r["lockstep"]["rows_written"] == 0, stdout  # no application: nothing left to write after the fill
+
+
+def test_the_demo_never_drops_a_database_it_did_not_create(admin_dsn, tmp_path):
+    """An existing database without lockstep's marker comment is left alone: exit 4, one line naming it and
+    --database; one the demo made (the marker) is dropped and made again."""
+    from lockstep.lab import scratch
+
+    name = f"{RUN_TAG}_demo_theirs"
+    with psycopg.connect(admin_dsn, autocommit=True) as admin:
+        admin.execute(f'create database "{name}"')
+    try:
+        with psycopg.connect(psycopg.conninfo.make_conninfo(admin_dsn, dbname=name), autocommit=True) as c:
+            c.execute("create table precious (x int); insert into precious values (1)")
+        proc = subprocess.run(
+            [sys.executable, "-m", "lockstep", "demo", *SMALL, "--dsn", admin_dsn, "--database", name],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+        )
+        assert proc.returncode == 4 and "Traceback" not in proc.stderr, proc.stderr
+        assert f'database "{name}" exists and was not created by lockstep' in proc.stderr
+        assert "--database" in proc.stderr
+        with psycopg.connect(psycopg.conninfo.make_conninfo(admin_dsn, dbname=name)) as c:
+            assert c.execute("select x from precious").fetchall() == [(1,)]
+        with pytest.raises(scratch.NotOurs):
+            scratch.drop_database(admin_dsn, name)
+    finally:
+        with psycopg.connect(admin_dsn, autocommit=True) as admin:
+            admin.execute(f'drop database if exists "{name}" with (force)')
+    ours = f"{RUN_TAG}_demo_ours"
+    dsn = scratch.create_database(admin_dsn, ours)
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute("create table leftover (x int)")
+    dsn = scratch.create_database(admin_dsn, ours)  # marked: dropped and made again, empty
+    with psycopg.connect(dsn) as c:
+        assert c.execute("select to_regclass('leftover')").fetchone()[0] is None
+    scratch.drop_database(admin_dsn, ours)
+    with psycopg.connect(admin_dsn) as admin:
+        assert admin.execute("select 1 from pg_database where datname = %s", [ours]).fetchone() is None

@@ -5,8 +5,9 @@
    nothing answers at libpq's defaults, an embedded PostgreSQL from the ``pgserver`` package, its data in
    ``.lockstep-demo/pgdata``, stopped at the end; it says so before starting it. A configured server
    that fails, or any server that answers with an error (authentication, missing database), is an error.
-2. Recreates database ``lockstep_demo`` (``--database``), migrates lockstep, installs the example with
-   ``--parents`` exams and runs one ``lockstep.recompute``.
+2. Creates database ``lockstep_demo`` (``--database``) with a marker comment: an existing one is dropped
+   only if it carries the marker, else the demo stops, changing nothing. Migrates lockstep, installs the
+   example with ``--parents`` exams and runs one ``lockstep.recompute``.
 3. lockstep phase (``--seconds``): two ``lockstep run --tick 0.2 --log-format json`` processes, and
    application clients (threads, one connection each) doing deletes, merges, edits, inserts and explicit
    ``lockstep.enqueue`` calls. Each client owns the exams whose id is congruent to its number, so clients
@@ -368,7 +369,7 @@ class Demo:
         from lockstep.migrate import migrate
 
         name = self.opts.database
-        self.say(f"recreate database {name}")
+        self.say(f"create database {name} (one lockstep made before is dropped first)")
         dsn = scratch.create_database(admin_dsn, name)
         self.say("migrate lockstep")
         migrate(dsn)
