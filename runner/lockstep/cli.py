@@ -92,7 +92,7 @@ def _failure(exc: BaseException, command: str | None = None) -> Failure:
         hint = getattr(getattr(err, "diag", None), "message_hint", None) or MIGRATE_PRIVILEGE_HINT
     elif command not in (None, "run") and state == "42501":
         # not the runner: an application role's `lockstep status`, another owner's `lockstep drop`... were
-        # told to grant the runner its privileges (found by a newcomer probe). The server's own hint first.
+        # told to grant the runner its privileges. The server's own hint first.
         diag = getattr(err, "diag", None)
         hint = getattr(diag, "message_hint", None) or OTHER_PRIVILEGE_HINT
         return Failure(f"{state}: {text} (hint: {hint})", codes.EXIT_SETUP)
@@ -525,7 +525,7 @@ def run(
     )
     try:
         server = loop.Metrics(metrics_port, metrics_host)  # bound before the start-up line names its port
-    except OSError as exc:  # a port in use, an unknown host: said as such, a setup error (a review)
+    except OSError as exc:  # a port in use, an unknown host: said as such, a setup error
         raise Failure(
             f"cannot serve metrics on {metrics_host}:{metrics_port} (--metrics-port, --metrics-host): {exc}",
             codes.EXIT_SETUP,
@@ -668,7 +668,7 @@ def retry(job: str, keys: tuple[str, ...], dsn: str | None, json: bool) -> None:
         _echo_json({"job": job, "requeued": n})
     else:
         # and the job's failure backoff ended (lockstep.retry): "0 keys back" after a whole-job failure read
-        # as nothing done (found by a newcomer probe)
+        # as nothing done
         click.echo(
             f"{job}: {n} key{'' if n == 1 else 's'} back in the queue; its failure backoff, if any, ended"
         )

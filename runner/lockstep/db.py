@@ -216,7 +216,7 @@ RUN_SQL = (
     # a plain SET in a job's code outlived its call: a generic job's `set statement_timeout = '100ms'` made
     # the next jobs on this connection fail, its `set datestyle = 'SQL, DMY'` crashed the
     # runner's next due() (psycopg parses ISO only), and behind PgBouncer its search_path reached the
-    # application clients given that server connection next (a review). So every setting goes back to the
+    # application clients given that server connection next. So every setting goes back to the
     # session's start values, role too (RESET ALL leaves it), in the same transaction (no extra round trip),
     # and then the parameters the server reports to the client as they were before the call: behind
     # PgBouncer RESET ALL also reset those the pooler had set for this client (its application_name, and
@@ -252,7 +252,7 @@ def run_job(conn: psycopg.Connection, job: str, synchronous_commit: str = "off")
             row = cur.fetchone()
         except UnicodeDecodeError as exc:
             # the job's code changed client_encoding: the row came in it, and the reset in the same message
-            # put it back before the server said so (a review). The run is done; the runner goes on.
+            # put it back before the server said so. The run is done; the runner goes on.
             raise psycopg.DataError(
                 f"job {job}: its result could not be decoded ({exc}); does its code SET client_encoding?"
             ) from exc

@@ -45,7 +45,7 @@ GONE_HINT = "lockstep's schema was dropped or replaced under this session: locks
 def describe(exc: BaseException) -> str:
     """One line: SQLSTATE (if any) and the first line of the message, with what it means where the message
     does not say: a prepared statement lost or doubled (the pooler hint: the runner only said "retrying"),
-    a read-only transaction, a relation gone under a cached plan (a probe: "could not open
+    a read-only transaction, a relation gone under a cached plan ("could not open
     relation with OID" while the schema was downgraded under a runner)."""
     text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     state = getattr(exc, "sqlstate", None)

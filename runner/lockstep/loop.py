@@ -213,7 +213,7 @@ class Runner:
 
     def _server_warning(self, diag: Any) -> None:  # psycopg.errors.Diagnostic
         """The server's WARNINGs reach the runner's log, each text at most once per WARN_EVERY: a run whose
-        history it may not write said so only to the server log (found by a newcomer probe)."""
+        history it may not write said so only to the server log."""
         if diag.severity_nonlocalized != "WARNING" or diag.message_primary is None:
             return
         if (diag.sqlstate or "").startswith("57P"):  # "terminating connection due to ... shutdown": the
@@ -519,7 +519,7 @@ class Runner:
                 r.error,
                 extra={"fields": fields},
             )
-        elif r.action == "call":  # a generic job: no rows counted (they read +0 ~0 -0; a newcomer probe)
+        elif r.action == "call":  # a generic job: no rows counted (they read +0 ~0 -0)
             log.info("%s call done in %.1f ms", r.job, fields["ms"], extra={"fields": fields})
         else:
             log.info(

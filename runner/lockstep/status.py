@@ -53,7 +53,7 @@ def _lagging(r: dict, max_lag: float | None) -> bool:
 
 def reasons(rows: list[dict], max_lag: float | None = MAX_LAG) -> list[str]:
     """Why each unhealthy job is (one line each, for ``lockstep status``'s stderr: an exit 1 with only the
-    table left the reader to find the column that made it; found by a newcomer probe)."""
+    table left the reader to find the column that made it)."""
     out = []
     for r in rows:
         why = []

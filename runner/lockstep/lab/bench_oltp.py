@@ -373,7 +373,7 @@ class Oltp:
         """Set-up, not measured: every watched run starts on an empty queue file. VACUUM never shrinks it
         (vacuum_truncate = false), VACUUM FULL keeps what the oldest open transaction of the server may
         see, and the trigger run's ~200,000 entries had grown it to 38 MB, over which the next lockstep run
-        inserted (a review). TRUNCATE keeps the identity sequence (SEQ_SQL's counts)."""
+        inserted. TRUNCATE keeps the identity sequence (SEQ_SQL's counts)."""
         self.conn.execute("truncate lockstep.queue")
 
     def _queue_bytes(self) -> int:

@@ -380,7 +380,7 @@ class Demo:
             t0 = time.perf_counter()
             # the initial fill is set-up, not measured: one unbounded transaction, so no hand-off is left
             # (deleting the queue afterwards dropped the hand-off of a bounded recompute: the demo's first
-            # fill wrote 500 exams and a short demo did not converge; found by a newcomer probe)
+            # fill wrote 500 exams and a short demo did not converge)
             with conn.transaction():
                 conn.execute("update lockstep.job set batch_parents = 1000000 where job = %s", [JOB])
                 outcome, error, ins = conn.execute(
