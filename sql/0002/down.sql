@@ -13,6 +13,33 @@ $$;
 comment on schema lockstep is
     'lockstep: derived tables kept up to date by background jobs, with no deadlocks and no long row locks';
 
+-- functions 0001 did not have, or had with other arguments or results
+drop function if exists lockstep._whole_pass_error(text, boolean);
+drop function if exists lockstep._isolate(lockstep.job, text[], text, boolean, boolean);
+drop function if exists lockstep._write_good(lockstep.job, text[], lockstep._pass, boolean);
+drop function if exists lockstep._retry_each(lockstep.job, text[], boolean);
+drop function if exists lockstep._attempt(lockstep.job, text[], text, boolean);
+drop function if exists lockstep._settle(lockstep.job, text, text[], bigint[], tid[], text[], lockstep._pass, text[], text[]);
+drop function if exists lockstep._record_failures(lockstep.job, bigint[], lockstep._pass, text[], text[], text[]);
+drop function if exists lockstep._settle_message(lockstep.job, lockstep._pass, text[], text[], text[]);
+drop function if exists lockstep._limit_batch(lockstep.job, integer, bigint);
+drop function if exists lockstep._keep_batch(lockstep.job);
+drop function if exists lockstep._hand_off_rest(lockstep.job, bigint);
+drop function if exists lockstep._hand_off(lockstep.job, text[], bigint, bigint, bigint, bigint);
+drop function if exists lockstep._recompute_failed(lockstep.job, timestamptz, text, text, bigint);
+drop function if exists lockstep._write(lockstep.job, text[], bigint);
+drop function if exists lockstep._apply(lockstep.job, text[], bigint);
+drop function if exists lockstep._owner_run(lockstep.job, text[], boolean, bigint);
+drop function if exists lockstep._as_owner(lockstep.job, text[], bigint);
+drop function if exists lockstep._owner_pass(lockstep.job, text[], bigint, boolean);
+drop function if exists lockstep._take(lockstep.job, text, boolean);
+drop function if exists lockstep._session_get(text);
+drop function if exists lockstep._session_set(text, text);
+alter type lockstep._pass
+    drop attribute timed_out, drop attribute timed_out_error, drop attribute transient, drop attribute untried,
+    drop attribute cured, drop attribute handed_off, drop attribute handoff_from, drop attribute handoff_todo;
+alter type lockstep._diff_counts drop attribute rest;
+
 do $$
 declare
     f regprocedure;

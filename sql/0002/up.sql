@@ -48,3 +48,25 @@ alter table lockstep.capture_state enable row level security;
 
 -- define_derived() gains query and query_search_path (compute may be NULL then)
 drop function if exists lockstep.define_derived(text, regclass, regprocedure, regclass, name, text, interval, interval);
+-- the pass carries what the worker and the recompute passed through session settings; the diff counts
+-- carry the rows left in a recompute's rest table
+alter type lockstep._pass
+    add attribute timed_out text[], add attribute timed_out_error text, add attribute transient text,
+    add attribute untried text[], add attribute cured boolean, add attribute handed_off bigint,
+    add attribute handoff_from bigint, add attribute handoff_todo bigint;
+alter type lockstep._diff_counts add attribute rest bigint;
+
+-- functions whose arguments or results change, or that go
+drop function if exists lockstep._whole_pass_error(text);
+drop function if exists lockstep._timed_out();
+drop function if exists lockstep._isolate(lockstep.job, text[], text, boolean);
+drop function if exists lockstep._write_good(lockstep.job, text[], lockstep._pass);
+drop function if exists lockstep._attempt(lockstep.job, text[], text);
+drop function if exists lockstep._settle(lockstep.job, text, text[], bigint[], tid[], text[], lockstep._pass, text[], text[]);
+drop function if exists lockstep._limit_batch(lockstep.job, integer);
+drop function if exists lockstep._hand_off(lockstep.job, text[], bigint, bigint);
+drop function if exists lockstep._recompute_failed(lockstep.job, timestamptz, text, text);
+drop function if exists lockstep._write(lockstep.job, text[]);
+drop function if exists lockstep._apply(lockstep.job, text[]);
+drop function if exists lockstep._owner_run(lockstep.job, text[], boolean);
+drop function if exists lockstep._as_owner(lockstep.job, text[]);

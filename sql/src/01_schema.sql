@@ -60,7 +60,15 @@ create type lockstep._pass as (
     compute_ms  double precision,
     write_ms    double precision,
     failed      text[],     -- worker only: keys whose computation or write raised
-    errors      text[]      -- worker only: the matching error messages
+    errors      text[],     -- worker only: the matching error messages
+    timed_out   text[],     -- worker only: the keys of the attempt a statement timeout ended (NULL: none)
+    timed_out_error text,   -- worker only: that timeout's message
+    transient   text,       -- worker only: an error that fails the pass as a whole (lockstep._whole_pass_error)
+    untried     text[],     -- worker only: keys a retry pass left for the next one (lockstep._retry_each)
+    cured       boolean,    -- worker only: a key that had failed was written (lockstep._settle)
+    handed_off  bigint,     -- recompute only: parents handed to the queue, or rows left in the rest table
+    handoff_from bigint,    -- recompute only: the first queue id of the hand-off (lockstep._limit_batch)
+    handoff_todo bigint     -- recompute only: its parents to do, counted before the write
 );
 
 -- what a diff put in the work tables (internal): a write step with nothing to do is not run.
@@ -68,8 +76,17 @@ create type lockstep._diff_counts as (
     gone        bigint,     -- rows to delete
     fresh       bigint,     -- rows to insert (no current row of that primary key)
     pin         bigint,     -- rows whose parent the FK check looks up: new, or moving to another parent
-    kept        bigint      -- rows to update in place (a current row of that primary key)
+    kept        bigint,     -- rows to update in place (a current row of that primary key)
+    rest        bigint      -- lockstep._load_rest only: rows still in the rest table (-1: none)
 );
+
+-- session settings --------------------------------------------------------------------------------------
+-- The only state lockstep keeps outside arguments and results: transaction-local settings, read and
+-- written only through lockstep._session_get(setting) and lockstep._session_set(setting, value) (03_helpers.sql).
+--   lockstep.tmp      the suffix of the work tables (06_write.sql) of the job named by lockstep.tmp_job,
+--   lockstep.tmp_job  as lockstep._tmp_setup found or made them: a cache for the transaction, read by each
+--                     step of the write path (lockstep._tmp), which runs as the job's owner below the
+--                     owner's SECURITY DEFINER trampoline; finding them again costs catalog reads per step.
 
 -- tables --------------------------------------------------------------------------------------------------
 

@@ -58,3 +58,32 @@ as $$
        and clock_timestamp() - statement_timestamp()
            >= current_setting('statement_timeout')::interval * 0.9;
 $$;
+
+-- lockstep._take(j, action, only_if_due): take j's group lock and re-read j's status row under it (another
+-- runner may have run the job between our look and our lock). refused: the result to return instead of
+-- running (busy: the lock is taken; not_due or backoff: only_if_due and the periodic part is not due);
+-- NULL fields otherwise. started: when the run starts (after the lock).
+-- locks: the group lock (try).
+create or replace function lockstep._take(j lockstep.job, action text, only_if_due boolean,
+                               out refused lockstep.result, out s lockstep.job_state, out started timestamptz)
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if not lockstep._try_lock(j.lock_group) then
+        refused := lockstep._result('busy', j.job, action);
+        return;
+    end if;
+    select * into s from lockstep.job_state st where st.job = j.job;
+    if only_if_due and s.next_run_at > now() then
+        refused := lockstep._result(lockstep._not_due(s), j.job, action);
+        return;
+    end if;
+    started := clock_timestamp();
+end;
+$$;
+comment on function lockstep._take(lockstep.job, text, boolean) is
+    'Take j''s group lock and re-read j''s status row under it (another runner may have run the job '
+    'between our look and our lock). refused: the result to return instead of running (busy: the lock is '
+    'taken; not_due or backoff: only_if_due and the periodic part is not due); NULL fields otherwise. '
+    'started: when the run starts (after the lock). Locks: the group lock (try).';

@@ -242,7 +242,7 @@ declare
     v_only_skipped boolean := only_skipped and action = 'work' and outcome = 'done' and error is null
                               and p.inserted + p.updated + p.deleted + p.gone = 0
                               and cardinality(p.failed) = 0 and cardinality(p.skipped) > 0;
-    v_cured boolean := pg_catalog.current_setting('lockstep.cured', true) = 'on';  -- set by lockstep._settle
+    v_cured boolean := coalesce(p.cured, false);  -- lockstep._settle
     v_s lockstep.job_state;
     v_again boolean;
     v_release boolean;
@@ -297,7 +297,6 @@ begin
             else s.recompute_poison_cured end,
         runs = s.runs + case when v_again then 0 else 1 end
     where s.job = j.job;
-    perform pg_catalog.set_config('lockstep.cured', '', true);  -- this pass's only (several in one transaction)
     if not coalesce(v_again, false) then
         perform lockstep._log_run(j, action, outcome, started, p, error);
     end if;
@@ -330,3 +329,22 @@ comment on function lockstep._failed(lockstep.job, text, timestamp with time zon
     'Record a failed run (status row) and return its result. The error says what no longer holds of a '
     'derived job''s definition, if anything (lockstep._drift). Locks: the job''s lockstep.job_state row, '
     'as lockstep._finish.';
+
+-- lockstep._session_get(setting): the transaction's value of lockstep.<setting> (01_schema.sql lists them), NULL if
+-- unset or empty. With lockstep._session_set, the only reader and writer of lockstep's session settings.
+create or replace function lockstep._session_get(setting text) returns text
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select nullif(pg_catalog.current_setting(pg_catalog.concat('lockstep.', setting), true), '');
+$$;
+
+-- lockstep._session_set(setting, value): set lockstep.<setting> to value (NULL: empty) until the transaction ends.
+create or replace function lockstep._session_set(setting text, value text) returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    perform pg_catalog.set_config(pg_catalog.concat('lockstep.', setting), coalesce(value, ''), true);
+end;
+$$;

@@ -163,46 +163,32 @@ comment on function lockstep.define_job(text, regprocedure, text, interval, inte
 
 -- lockstep._call(job): run a generic job's function once, as its owner (lockstep._as_owner), under the
 -- group lock, recording the outcome.
--- locks: the group lock (try; busy if taken); then whatever the job's function locks; the status row last.
+-- locks: the group lock (try; busy if taken: lockstep._take); then whatever the job's function locks; the
+-- status row last.
 create or replace function lockstep._call(j lockstep.job, only_if_due boolean) returns lockstep.result
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    s lockstep.job_state;
-    v_started timestamptz;
-    v_err text;
+    t record;
+    r record;
 begin
-    if not lockstep._try_lock(j.lock_group) then
-        return lockstep._result('busy', j.job, 'call');
+    select * into t from lockstep._take(j, 'call', only_if_due);
+    if (t.refused).outcome is not null then
+        return t.refused;
     end if;
-    -- re-read under the lock: another runner may have run it between our look and our lock
-    select * into s from lockstep.job_state st where st.job = j.job;
-    if only_if_due and s.next_run_at > now() then
-        return lockstep._result(lockstep._not_due(s), j.job, 'call');
+    select * into r from lockstep._owner_pass(j, null, null, false);
+    if r.error is not null then
+        return lockstep._failed(j, 'call', t.started, r.error);
     end if;
-    v_started := clock_timestamp();
-    begin
-        perform lockstep._as_owner(j, null);
-    exception
-        when query_canceled then
-            if not lockstep._is_statement_timeout(v_started) then
-                raise;
-            end if;
-            get stacked diagnostics v_err = message_text;
-            return lockstep._failed(j, 'call', v_started, v_err);
-        when others then
-            get stacked diagnostics v_err = message_text;
-            return lockstep._failed(j, 'call', v_started, v_err);
-    end;
-    perform lockstep._finish(j, 'call', 'done', v_started);
+    perform lockstep._finish(j, 'call', 'done', t.started);
     return lockstep._result('done', j.job, 'call');
 end;
 $$;
 comment on function lockstep._call(lockstep.job, boolean) is
     'Run a generic job''s function once, as its owner (lockstep._as_owner), under the group lock, '
-    'recording the outcome. Locks: the group lock (try; busy if taken); then whatever the job''s function'
-    ' locks; the status row last.';
+    'recording the outcome. Locks: the group lock (try; busy if taken: lockstep._take); then whatever the '
+    'job''s function locks; the status row last.';
 
 -- lockstep._restore_state(j): the job's status row, made again with defaults (recompute due now) where
 -- it is gone; NULL (a row of NULLs) when the group is busy.

@@ -50,8 +50,8 @@ begin
                                       'from %s t with no data', 'lockstep_put_' || v_s, v_cols, j.target);
         end if;
     end if;
-    perform pg_catalog.set_config('lockstep.tmp', v_s, true);
-    perform pg_catalog.set_config('lockstep.tmp_job', j.job, true);
+    perform lockstep._session_set('tmp', v_s);
+    perform lockstep._session_set('tmp_job', j.job);
     return v_s;
 end;
 $$;
@@ -77,9 +77,9 @@ language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_s text := pg_catalog.current_setting('lockstep.tmp', true);
+    v_s text := lockstep._session_get('tmp');
 begin
-    if coalesce(v_s, '') = '' or pg_catalog.current_setting('lockstep.tmp_job', true) is distinct from j.job then
+    if v_s is null or lockstep._session_get('tmp_job') is distinct from j.job then
         v_s := lockstep._tmp_setup(j);
     end if;
     return 'lockstep_' || what || '_' || v_s;
@@ -850,13 +850,16 @@ comment on function lockstep._upsert_rows(lockstep.job, boolean, boolean) is
     'primary-key order by one INSERT ... ON CONFLICT DO UPDATE. Locks: the target rows it updates '
     '(already held by _lock_rows), then those it inserts.';
 
--- lockstep._write(j, keys): THE write path: apply compute(keys) for the parents in keys (NULL: the whole
+-- lockstep._write(j, keys, queued_from): THE write path: apply compute(keys) for the parents in keys (NULL: the whole
 -- table, cut to a batch by _limit_batch): diff without row locks, then the steps, never waiting. A parent's
 -- rows are written together or not at all; those left out come back in skipped. Work tables left empty.
+-- queued_from: where a recompute's hand-off starts in the queue; what _limit_batch handed off comes back
+-- in handed_off, handoff_from and handoff_todo.
 -- locks: parents of new rows (FOR KEY SHARE SKIP LOCKED, key order), then other referenced rows (same,
 -- constraint-name order), then target rows (SKIP LOCKED, primary-key order), then the rows referencing
 -- target rows to delete (FOR UPDATE SKIP LOCKED, constraint-name then key order).
-create or replace function lockstep._write(j lockstep.job, keys text[]) returns lockstep._pass
+create or replace function lockstep._write(j lockstep.job, keys text[], queued_from bigint default null)
+returns lockstep._pass
 language plpgsql
 set search_path = pg_catalog, pg_temp
 set client_min_messages = warning
@@ -865,6 +868,8 @@ as $$
 declare
     v_t0 timestamptz := clock_timestamp();
     v_handed bigint := 0;
+    v_from bigint;
+    v_todo bigint;
     d lockstep._diff_counts := lockstep._diff(j, keys);
     p lockstep._pass;
 begin
@@ -876,20 +881,26 @@ begin
     if keys is null and j.parent is null then  -- 07_recompute.sql: the rest waits in a session table
         v_handed := lockstep._limit_rows(j, j.batch_parents);
     elsif keys is null then  -- 07_recompute.sql: the rest is handed to the queue
-        v_handed := lockstep._limit_batch(j, j.batch_parents);
+        select l.handed_off, l.handoff_from, l.handoff_todo into v_handed, v_from, v_todo
+        from lockstep._limit_batch(j, j.batch_parents, queued_from) l;
     end if;
     p := lockstep._write_steps(j, d, v_handed = 0);
     p.compute_ms := extract(epoch from clock_timestamp() - v_t0) * 1000 - p.write_ms;
+    p.handed_off := v_handed;
+    p.handoff_from := v_from;
+    p.handoff_todo := v_todo;
     return p;
 end;
 $$;
-comment on function lockstep._write(lockstep.job, text[]) is
+comment on function lockstep._write(lockstep.job, text[], bigint) is
     'THE write path: apply compute(keys) for the parents in keys (NULL: the whole table, cut to a batch '
     'by _limit_batch): diff without row locks, then the steps, never waiting. A parent''s rows are '
-    'written together or not at all; those left out come back in skipped. Work tables left empty. Locks: '
-    'parents of new rows (FOR KEY SHARE SKIP LOCKED, key order), then other referenced rows (same, '
-    'constraint-name order), then target rows (SKIP LOCKED, primary-key order), then the rows referencing'
-    ' target rows to delete (FOR UPDATE SKIP LOCKED, constraint-name then key order).';
+    'written together or not at all; those left out come back in skipped. Work tables left empty. '
+    'queued_from: where a recompute''s hand-off starts in the queue; what _limit_batch handed off comes '
+    'back in handed_off, handoff_from and handoff_todo. Locks: parents of new rows (FOR KEY SHARE SKIP '
+    'LOCKED, key order), then other referenced rows (same, constraint-name order), then target rows (SKIP '
+    'LOCKED, primary-key order), then the rows referencing target rows to delete (FOR UPDATE SKIP LOCKED, '
+    'constraint-name then key order).';
 
 -- lockstep._write_steps(j, d, exact): the write phase of lockstep._write over j's work tables (d: what the
 -- difference held; exact: they still hold all of it). A step with no rows is not run.
@@ -947,16 +958,19 @@ comment on function lockstep._write_steps(lockstep.job, lockstep._diff_counts, b
     'still hold all of it). A step with no rows is not run. Locks: as lockstep._write: parents of new '
     'rows, other referenced rows, target rows, referencing rows.';
 
--- lockstep._apply(j, keys): compute, diff and write for the parents in keys (NULL: all): the only path
--- by which lockstep writes a derived table. Runs as the job's owner (lockstep._as_owner) or raises 42501.
+-- lockstep._apply(j, keys, queued_from): compute, diff and write for the parents in keys (NULL: all): the
+-- only path by which lockstep writes a derived table. Runs as the job's owner (lockstep._as_owner) or raises
+-- 42501. queued_from: as lockstep._write.
 -- locks: as lockstep._write (the compute phase takes no row lock).
-create or replace function lockstep._apply(j lockstep.job, keys text[]) returns lockstep._pass
+create or replace function lockstep._apply(j lockstep.job, keys text[], queued_from bigint default null)
+returns lockstep._pass
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_t0 timestamptz := clock_timestamp();
     v_gone record;
+    d lockstep._diff_counts;
     p lockstep._pass;
 begin
     -- a table dropped since define_derived: the job's error at once (class 42), no key blamed
@@ -971,12 +985,14 @@ begin
                   hint = 'Create it again and run lockstep.define_derived() again, or lockstep.drop_job().';
     end if;
     if j.owner is distinct from current_user then
-        return lockstep._as_owner(j, keys);
+        return lockstep._as_owner(j, keys, queued_from);
     end if;
     if j.kind = 'rest' then  -- lockstep._continue: the next batch of a recompute without a parent (07_recompute.sql)
-        p := lockstep._write_steps(j, lockstep._load_rest(j, j.batch_parents), true);
+        d := lockstep._load_rest(j, j.batch_parents);
+        p := lockstep._write_steps(j, d, true);
+        p.handed_off := d.rest;  -- rows still in the rest table (-1: none)
     else
-        p := lockstep._write(j, keys);  -- it leaves the work tables empty (a failed call: rolled back)
+        p := lockstep._write(j, keys, queued_from);  -- it leaves the work tables empty (a failed call: rolled back)
     end if;
     -- deferred checks fire here, inside the pass, where a failure is the pass's, not the COMMIT's
     set constraints all immediate;
@@ -984,7 +1000,49 @@ begin
     return p;
 end;
 $$;
-comment on function lockstep._apply(lockstep.job, text[]) is
+comment on function lockstep._apply(lockstep.job, text[], bigint) is
     'Compute, diff and write for the parents in keys (NULL: all): the only path by which lockstep writes '
-    'a derived table. Runs as the job''s owner (lockstep._as_owner) or raises 42501. Locks: as '
-    'lockstep._write (the compute phase takes no row lock).';
+    'a derived table. Runs as the job''s owner (lockstep._as_owner) or raises 42501. queued_from: as '
+    'lockstep._write. Locks: as lockstep._write (the compute phase takes no row lock).';
+
+-- lockstep._owner_pass(j, keys, queued_from, dry): run j's owner code once in a subtransaction: a generic
+-- job's call (lockstep._as_owner), or lockstep._apply(j, keys, queued_from). Returns its pass, or the error
+-- it raised and its SQLSTATE (pass NULL). timed_out: that error is a statement timeout; a cancel request
+-- is raised again (the runner is shutting down). dry: a good run is rolled back too (its pass is still
+-- returned: PL/pgSQL variables are not transactional), with its row locks.
+-- locks: as the job's function or lockstep._apply (nothing is left behind by a failed or dry run).
+create or replace function lockstep._owner_pass(j lockstep.job, keys text[], queued_from bigint, dry boolean,
+                                     out p lockstep._pass, out error text, out state text, out timed_out boolean)
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    timed_out := false;
+    if j.kind = 'job' then
+        perform lockstep._as_owner(j, null);
+    else
+        p := lockstep._apply(j, keys, queued_from);
+    end if;
+    if dry then
+        raise exception using errcode = 'LSDRY';
+    end if;
+exception
+    when sqlstate 'LSDRY' then
+        null;
+    when query_canceled then
+        if not lockstep._is_statement_timeout(null) then
+            raise;
+        end if;
+        get stacked diagnostics error = message_text, state = returned_sqlstate;
+        timed_out := true;
+    when others then
+        get stacked diagnostics error = message_text, state = returned_sqlstate;
+end;
+$$;
+comment on function lockstep._owner_pass(lockstep.job, text[], bigint, boolean) is
+    'Run j''s owner code once in a subtransaction: a generic job''s call (lockstep._as_owner), or '
+    'lockstep._apply(j, keys, queued_from). Returns its pass, or the error it raised and its SQLSTATE '
+    '(pass NULL). timed_out: that error is a statement timeout; a cancel request is raised again (the '
+    'runner is shutting down). dry: a good run is rolled back too (its pass is still returned: PL/pgSQL '
+    'variables are not transactional), with its row locks. Locks: as the job''s function or '
+    'lockstep._apply (nothing is left behind by a failed or dry run).';

@@ -1,10 +1,13 @@
 -- lockstep: the periodic full recompute: the first batch_parents changed parents are written, the rest
 -- handed to the queue in the same transaction; poison parents go to the worker's bisection.
 
--- lockstep._limit_batch(j, budget): write step 0. Keep only the rows of the first budget changed parents
--- and hand the others to the queue before any row lock; returns how many (NULL budget or no parent: all).
+-- lockstep._limit_batch(j, budget, queued_from): write step 0. Keep only the rows of the first budget
+-- changed parents (lockstep._keep_batch) and hand the others to the queue before any row lock
+-- (lockstep._hand_off_rest, counting the hand-off from queued_from); returns how many it handed off, where
+-- the hand-off starts and its parents to do (NULL budget or no parent: nothing handed off).
 -- locks: appends to lockstep.queue (as lockstep._enqueue_text); nothing else outside pg_temp.
-create or replace function lockstep._limit_batch(j lockstep.job, budget integer) returns bigint
+create or replace function lockstep._limit_batch(j lockstep.job, budget integer, queued_from bigint,
+                                      out handed_off bigint, out handoff_from bigint, out handoff_todo bigint)
 language plpgsql
 set search_path = pg_catalog, pg_temp
 set client_min_messages = warning
@@ -14,17 +17,17 @@ declare
     v_gone text := lockstep._tmp(j, 'gone');
     v_put text := lockstep._tmp(j, 'put');
     v_changed bigint;
-    v_rest text[];
-    v_first bigint;
 begin
+    handed_off := 0;
+    handoff_from := queued_from;
     if budget is null or j.parent is null then
-        return 0;
+        return;
     end if;
     -- a bound without deduplicating: a small difference returns here, creating no temp table
     execute pg_catalog.format('select (select count(*) from pg_temp.%I) + 2 * (select count(*) from pg_temp.%I)',
                               v_gone, v_put) into v_changed;
     if v_changed <= budget then
-        return 0;
+        return;
     end if;
     -- every changed parent once, numbered: keys too long for the queue first, then key order
     drop table if exists pg_temp.lockstep_parents, pg_temp.lockstep_rest, pg_temp.lockstep_first;
@@ -38,14 +41,41 @@ begin
         lockstep._type_sql(j.key_type), v_gone, v_put, lockstep._max_key_bytes() - pg_catalog.octet_length(j.job));
     if not exists (select from pg_temp.lockstep_parents c where c.n > budget) then
         drop table pg_temp.lockstep_parents;
-        return 0;
+        return;
     end if;
     create temp table lockstep_rest on commit drop as
         select c.key from pg_temp.lockstep_parents c where c.n > budget order by c.n;
     create temp table lockstep_first on commit drop as
         select c.key from pg_temp.lockstep_parents c where c.n <= budget;
     drop table pg_temp.lockstep_parents;
-    -- keep the batch's rows, compacted (a DELETE would leave the write steps scanning every dead row)
+    perform lockstep._keep_batch(j);
+    select r.handed_off, r.handoff_from, r.handoff_todo into handed_off, handoff_from, handoff_todo
+    from lockstep._hand_off_rest(j, queued_from) r;
+end;
+$$;
+comment on function lockstep._limit_batch(lockstep.job, integer, bigint) is
+    'Write step 0. Keep only the rows of the first budget changed parents (lockstep._keep_batch) and hand '
+    'the others to the queue before any row lock (lockstep._hand_off_rest, counting the hand-off from '
+    'queued_from); returns how many it handed off, where the hand-off starts and its parents to do (NULL '
+    'budget or no parent: nothing handed off). Locks: appends to lockstep.queue (as '
+    'lockstep._enqueue_text); nothing else outside pg_temp.';
+
+-- lockstep._keep_batch(j): keep in j's work tables only the rows of the parents in pg_temp.lockstep_first
+-- (a row moving between parents stays if either is kept; rows without a parent always stay), compacted:
+-- each table is rewritten (truncate and refill; a DELETE would leave the write steps scanning every dead
+-- row) and analyzed. The filters test membership in the batch's small set (an uncorrelated IN, hashed),
+-- never in the rest (a NOT EXISTS inside an OR cannot become an anti-join: quadratic in the change).
+-- locks: nothing outside pg_temp.
+create or replace function lockstep._keep_batch(j lockstep.job) returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+set client_min_messages = warning
+set jit = off
+as $$
+declare
+    v_gone text := lockstep._tmp(j, 'gone');
+    v_put text := lockstep._tmp(j, 'put');
+begin
     drop table if exists pg_temp.lockstep_keep;
     execute pg_catalog.format(
         'create temp table lockstep_keep on commit drop as select * from pg_temp.%I g '
@@ -65,31 +95,44 @@ begin
     drop table pg_temp.lockstep_first;
     execute pg_catalog.format('analyze pg_temp.%I', v_gone);
     execute pg_catalog.format('analyze pg_temp.%I', v_put);
-    -- the rest goes to the queue, but not a parent still queued
-    v_rest := array(select r.key from pg_temp.lockstep_rest r);
-    -- a changed parent queued already: the hand-off's range starts at its entry
-    select least(nullif(pg_catalog.current_setting('lockstep.handoff_from', true), '')::bigint, min(q.id))
-    into v_first from lockstep.queue q
-    where q.job = j.job and q.key in (select r.key from pg_temp.lockstep_rest r);
-    if v_first is not null then
-        perform pg_catalog.set_config('lockstep.handoff_from', v_first::text, true);
-    end if;
-    perform lockstep._enqueue_missing(j, v_rest);
-    v_changed := cardinality(v_rest);
-    perform pg_catalog.set_config('lockstep.handed_off', v_changed::text, true);
-    -- the hand-off's parents to do, counted before the first row lock
-    if pg_catalog.current_setting('lockstep.handoff_from', true) <> '' then
-        perform pg_catalog.set_config('lockstep.handoff_todo', lockstep._handoff_todo(j.job,
-            pg_catalog.current_setting('lockstep.handoff_from')::bigint,
-            (select max(q.id) from lockstep.queue q where q.job = j.job))::text, true);
-    end if;
-    return v_changed;
 end;
 $$;
-comment on function lockstep._limit_batch(lockstep.job, integer) is
-    'Write step 0. Keep only the rows of the first budget changed parents and hand the others to the '
-    'queue before any row lock; returns how many (NULL budget or no parent: all). Locks: appends to '
-    'lockstep.queue (as lockstep._enqueue_text); nothing else outside pg_temp.';
+
+-- lockstep._hand_off_rest(j, queued_from): queue the parents of pg_temp.lockstep_rest that have no entry
+-- yet (a parent still queued, by an earlier hand-off or the application's change, is computed afresh by
+-- the pass that takes that entry). Returns how many parents it handed off; where the hand-off starts
+-- (queued_from, or the first entry of a parent of the rest queued already, which the worker takes first);
+-- and the hand-off's parents to do, counted now, before the first row lock (lockstep._hand_off), not with
+-- the batch's row locks held. queued_from NULL: nothing counted.
+-- locks: appends to lockstep.queue (as lockstep._enqueue_missing).
+create or replace function lockstep._hand_off_rest(j lockstep.job, queued_from bigint, out handed_off bigint,
+                                        out handoff_from bigint, out handoff_todo bigint)
+language plpgsql
+set search_path = pg_catalog, pg_temp
+set jit = off
+as $$
+declare
+    v_rest text[] := array(select r.key from pg_temp.lockstep_rest r);
+begin
+    select least(queued_from, min(q.id)) into handoff_from
+    from lockstep.queue q
+    where q.job = j.job and q.key in (select r.key from pg_temp.lockstep_rest r);
+    perform lockstep._enqueue_missing(j, v_rest);
+    handed_off := cardinality(v_rest);
+    if handoff_from is not null then
+        handoff_todo := lockstep._handoff_todo(j.job, handoff_from,
+                                               (select max(q.id) from lockstep.queue q where q.job = j.job));
+    end if;
+end;
+$$;
+comment on function lockstep._hand_off_rest(lockstep.job, bigint) is
+    'Queue the parents of pg_temp.lockstep_rest that have no entry yet (a parent still queued, by an '
+    'earlier hand-off or the application''s change, is computed afresh by the pass that takes that '
+    'entry). Returns how many parents it handed off; where the hand-off starts (queued_from, or the first '
+    'entry of a parent of the rest queued already, which the worker takes first); and the hand-off''s '
+    'parents to do, counted now, before the first row lock (lockstep._hand_off), not with the batch''s '
+    'row locks held. queued_from NULL: nothing counted. Locks: appends to lockstep.queue (as '
+    'lockstep._enqueue_missing).';
 
 
 -- lockstep._limit_rows(j, budget): write step 0 without a parent: keep budget rows, move the rest to
@@ -139,7 +182,8 @@ end;
 $$;
 
 -- lockstep._load_rest(j, budget): move the first budget rows of j's rest table to its work tables, each
--- checked against the target as it is now. Rows left go to lockstep.handed_off (-1: no rest table).
+-- checked against the target as it is now. Returns what the work tables hold, and in rest the rows left
+-- in the rest table (-1: no rest table).
 -- locks: nothing outside pg_temp (the target is read under MVCC).
 create or replace function lockstep._load_rest(j lockstep.job, budget integer) returns lockstep._diff_counts
 language plpgsql
@@ -149,11 +193,9 @@ set jit = off
 as $$
 declare
     v_rest text := lockstep._tmp(j, 'rest');
-    v_left bigint;
-    n lockstep._diff_counts := row(0, 0, 0, 0);
+    n lockstep._diff_counts := row(0, 0, 0, 0, -1);
 begin
     if not lockstep._own_temp(v_rest) then  -- none (or another role's: never read, 06_write.sql)
-        perform pg_catalog.set_config('lockstep.handed_off', '-1', true);
         return n;
     end if;
     execute pg_catalog.format(
@@ -174,8 +216,7 @@ begin
         v_rest, lockstep._tmp(j, 'gone'), lockstep._tmp(j, 'put'), j.target,
         lockstep._eq(j.target_key, 'm', 't', j.target), lockstep._differs(j, 'm', 't'), null,
         lockstep._cols(j.columns))
-        into n.gone, n.fresh, n.kept, v_left using budget;
-    perform pg_catalog.set_config('lockstep.handed_off', v_left::text, true);
+        into n.gone, n.fresh, n.kept, n.rest using budget;
     return n;
 end;
 $$;
@@ -213,23 +254,26 @@ comment on function lockstep._set_rest(lockstep.job, bigint, bigint) is
 
 -- lockstep._continue(j): run() of a parentless job with a recompute's rest: write its next batch if this
 -- session holds it; busy while another live session does; else recompute again.
--- locks: the group lock (try: busy if taken); then as lockstep._write_steps; the job's status row last.
+-- locks: the group lock (try: busy if taken: lockstep._take); then as lockstep._write_steps; the job's
+-- status row last.
 create or replace function lockstep._continue(j lockstep.job) returns lockstep.result
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 declare
     s lockstep.job_state;
+    t record;
     v lockstep.job := j;
     v_started timestamptz := clock_timestamp();
     v_left bigint;
     v_err text;
     p lockstep._pass;
 begin
-    if not lockstep._try_lock(j.lock_group) then
-        return lockstep._result('busy', j.job, 'recompute');
+    select * into t from lockstep._take(j, 'recompute', false);
+    if (t.refused).outcome is not null then
+        return t.refused;
     end if;
-    select * into s from lockstep.job_state st where st.job = j.job;
+    s := t.s;
     if s.recompute_rest is null then
         return lockstep._result(lockstep._not_due(s), j.job, 'recompute');
     end if;
@@ -249,7 +293,7 @@ begin
         perform lockstep._set_rest(j, 0);
         return lockstep._failed(j, 'recompute', v_started, v_err);
     end;
-    v_left := pg_catalog.current_setting('lockstep.handed_off')::bigint;
+    v_left := p.handed_off;
     if v_left < 0 then  -- this session's rest table is gone (DISCARD TEMP): recompute again
         return lockstep._recompute(j, false);
     end if;
@@ -261,12 +305,15 @@ $$;
 comment on function lockstep._continue(lockstep.job) is
     'Run() of a parentless job with a recompute''s rest: write its next batch if this session holds it; '
     'busy while another live session does; else recompute again. Locks: the group lock (try: busy if '
-    'taken); then as lockstep._write_steps; the job''s status row last.';
+    'taken: lockstep._take); then as lockstep._write_steps; the job''s status row last.';
 
--- lockstep._hand_off(j, keys, before, written): queue the keys not yet queued and record the hand-off's
--- queue-id range and total in the job's status row, carrying on an earlier hand-off in progress.
+-- lockstep._hand_off(j, keys, before, written, queued_from, todo): queue the keys not yet queued and
+-- record the hand-off's queue-id range (from queued_from at most) and total (todo: counted before the
+-- write; NULL: counted here) in the job's status row, carrying on an earlier hand-off in progress.
 -- locks: appends to lockstep.queue; the job's lockstep.job_state row (FOR NO KEY UPDATE, by the update).
-create or replace function lockstep._hand_off(j lockstep.job, keys text[], before bigint, written bigint) returns void
+create or replace function lockstep._hand_off(j lockstep.job, keys text[], before bigint, written bigint,
+                                   queued_from bigint, todo bigint)
+returns void
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
@@ -295,10 +342,9 @@ begin
         v_to := coalesce(v_to, s.recompute_queue_to);
     end if;
     -- from the first entry of a changed parent queued before this recompute
-    v_from := least(v_from, nullif(pg_catalog.current_setting('lockstep.handoff_from', true), '')::bigint);
+    v_from := least(v_from, queued_from);
     -- to do: as counted before the write, plus the skipped parents queued since
-    v_total := written + coalesce(nullif(pg_catalog.current_setting('lockstep.handoff_todo', true), '')::bigint + v_queued,
-                                  lockstep._handoff_todo(j.job, v_from, v_to));
+    v_total := written + coalesce(todo + v_queued, lockstep._handoff_todo(j.job, v_from, v_to));
     update lockstep.job_state x set
         recompute_total = case when v_old then greatest(s.recompute_total, v_total) else v_total end,
         recompute_queue_from = v_from,
@@ -306,10 +352,11 @@ begin
     where x.job = j.job;
 end;
 $$;
-comment on function lockstep._hand_off(lockstep.job, text[], bigint, bigint) is
-    'Queue the keys not yet queued and record the hand-off''s queue-id range and total in the job''s '
-    'status row, carrying on an earlier hand-off in progress. Locks: appends to lockstep.queue; the '
-    'job''s lockstep.job_state row (FOR NO KEY UPDATE, by the update).';
+comment on function lockstep._hand_off(lockstep.job, text[], bigint, bigint, bigint, bigint) is
+    'Queue the keys not yet queued and record the hand-off''s queue-id range (from queued_from at most) '
+    'and total (todo: counted before the write; NULL: counted here) in the job''s status row, carrying on '
+    'an earlier hand-off in progress. Locks: appends to lockstep.queue; the job''s lockstep.job_state row '
+    '(FOR NO KEY UPDATE, by the update).';
 
 -- lockstep._parent_keys(j): every parent key of j, in key order, read as j's owner (lockstep._as_owner).
 -- locks: nothing (reads the parent table).
@@ -340,11 +387,12 @@ as $$
     where a.attrelid = j.parent and a.attname = j.parent_key and not a.attisdropped and a.atttypid <> j.key_type;
 $$;
 
--- lockstep._recompute_failed(j, started, error, sqlstate): the whole-table pass raised: a definition or
--- job error fails the run; else (poison parents) every parent goes to the worker and the flags wait.
+-- lockstep._recompute_failed(j, started, error, sqlstate, queued_from): the whole-table pass raised: a
+-- definition or job error fails the run; else (poison parents) every parent goes to the worker and the flags wait.
 -- locks: the group lock is already held; the empty pass as lockstep._write (no row lock); then as
 -- lockstep._hand_off; the job's status row last.
-create or replace function lockstep._recompute_failed(j lockstep.job, started timestamptz, error text, sqlstate text)
+create or replace function lockstep._recompute_failed(j lockstep.job, started timestamptz, error text, sqlstate text,
+                                          queued_from bigint)
 returns lockstep.result
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -377,7 +425,7 @@ begin
     end if;
     select coalesce(max(q.id), 0) into v_before from lockstep.queue q where q.job = j.job;
     begin
-        perform lockstep._hand_off(j, v_keys, v_before, case when cardinality(v_keys) > 0 then 0 end);
+        perform lockstep._hand_off(j, v_keys, v_before, case when cardinality(v_keys) > 0 then 0 end, queued_from, null);
     exception when data_exception then
         -- a parent key the job's key type cannot hold: the parent key column was retyped
         get stacked diagnostics v_msg = message_text;
@@ -395,83 +443,70 @@ begin
     return lockstep._result('done', j.job, 'recompute', null, v_msg, cardinality(v_keys) > 0);
 end;
 $$;
-comment on function lockstep._recompute_failed(lockstep.job, timestamp with time zone, text, text) is
+comment on function lockstep._recompute_failed(lockstep.job, timestamp with time zone, text, text, bigint) is
     'The whole-table pass raised: a definition or job error fails the run; else (poison parents) every '
     'parent goes to the worker and the flags wait. Locks: the group lock is already held; the empty pass '
     'as lockstep._write (no row lock); then as lockstep._hand_off; the job''s status row last.';
 
 -- lockstep._recompute(j, only_if_due): the full recompute under the group lock, writing at most
 -- j.batch_parents parents in this transaction and handing the rest to the queue.
--- locks: the group lock (try: busy if taken); then as lockstep._write for the first batch (the rest appended
--- to the queue before its first row lock); then the queue (skipped parents); the job's status row last.
+-- locks: the group lock (try: busy if taken: lockstep._take); then as lockstep._write for the first batch (the rest
+-- appended to the queue before its first row lock); then the queue (skipped parents); the job's status row last.
 create or replace function lockstep._recompute(j lockstep.job, only_if_due boolean) returns lockstep.result
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    s lockstep.job_state;
-    v_started timestamptz;
-    v_err text;
-    v_state text;
+    t record;
+    r record;
     v_before bigint;
-    v_rest bigint := 0;
+    v_from bigint;
+    v_rest bigint;
     v_snap pg_snapshot;
     p lockstep._pass;
 begin
-    if not lockstep._try_lock(j.lock_group) then
-        return lockstep._result('busy', j.job, 'recompute');
+    select * into t from lockstep._take(j, 'recompute', only_if_due);
+    if (t.refused).outcome is not null then
+        return t.refused;
     end if;
-    select * into s from lockstep.job_state st where st.job = j.job;
-    if only_if_due and s.next_run_at > now() then
-        return lockstep._result(lockstep._not_due(s), j.job, 'recompute');
-    end if;
-    v_started := clock_timestamp();
     select coalesce(max(q.id), 0) into v_before from lockstep.queue q where q.job = j.job;
-    perform pg_catalog.set_config('lockstep.handed_off', '0', true);
     -- where this recompute's hand-off starts: at an earlier hand-off in progress, else after v_before
-    perform pg_catalog.set_config('lockstep.handoff_todo', '', true);
-    perform pg_catalog.set_config('lockstep.handoff_from',
-        case when s.recompute_total is not null
-                  and lockstep._handoff_any(j.job, s.recompute_queue_from, s.recompute_queue_to)
-             then s.recompute_queue_from else v_before + 1 end::text, true);
+    v_from := case when (t.s).recompute_total is not null
+                        and lockstep._handoff_any(j.job, (t.s).recompute_queue_from, (t.s).recompute_queue_to)
+                   then (t.s).recompute_queue_from else v_before + 1 end;
     v_snap := pg_catalog.pg_current_snapshot();  -- flags this snapshot sees are covered by this recompute
-    begin
-        p := lockstep._apply(j, null);
-    exception
-        when query_canceled then
-            if not lockstep._is_statement_timeout(v_started) then
-                raise;
-            end if;
-            get stacked diagnostics v_err = message_text;
-            return lockstep._failed(j, 'recompute', v_started, v_err);
-        when others then
-            get stacked diagnostics v_err = message_text, v_state = returned_sqlstate;
-            return lockstep._recompute_failed(j, v_started, v_err, v_state);
-    end;
+    select * into r from lockstep._owner_pass(j, null, v_from, false);
+    if r.timed_out then
+        return lockstep._failed(j, 'recompute', t.started, r.error);
+    elsif r.error is not null then
+        return lockstep._recompute_failed(j, t.started, r.error, r.state, v_from);
+    end if;
+    p := r.p;
     -- the rest of the difference was handed off (_limit_batch) or, without a parent, kept (_limit_rows)
-    v_rest := coalesce(nullif(pg_catalog.current_setting('lockstep.handed_off', true), ''), '0')::bigint;
-    if j.parent is null and (v_rest > 0 or s.recompute_rest is not null) then
+    v_rest := coalesce(p.handed_off, 0);
+    if j.parent is null and (v_rest > 0 or (t.s).recompute_rest is not null) then
         perform lockstep._set_rest(j, v_rest, v_rest + p.inserted + p.updated + p.deleted + cardinality(p.skipped));
     elsif j.parent is not null then
         perform lockstep._hand_off(j, p.skipped, v_before,
-                                   case when v_rest > 0 then j.batch_parents - cardinality(p.skipped) end);
+                                   case when v_rest > 0 then j.batch_parents - cardinality(p.skipped) end,
+                                   coalesce(p.handoff_from, v_from), p.handoff_todo);
     end if;
-    perform lockstep._clear_flag(j, v_snap, v_started);
+    perform lockstep._clear_flag(j, v_snap, t.started);
     -- every parent computed and written here: failing and parked keys cured (after a hand-off: due at once)
     if v_rest = 0 then
         perform lockstep._cure(j);
     elsif j.parent is not null then
         perform lockstep._cure(j, true);
     end if;
-    perform lockstep._finish(j, 'recompute', 'done', v_started, p);
+    perform lockstep._finish(j, 'recompute', 'done', t.started, p);
     return lockstep._result('done', j.job, 'recompute', p, null, v_rest > 0);
 end;
 $$;
 comment on function lockstep._recompute(lockstep.job, boolean) is
-    'The full recompute under the group lock, writing at most j.batch_parents parents in this transaction'
-    ' and handing the rest to the queue. Locks: the group lock (try: busy if taken); then as '
-    'lockstep._write for the first batch (the rest appended to the queue before its first row lock); then'
-    ' the queue (skipped parents); the job''s status row last.';
+    'The full recompute under the group lock, writing at most j.batch_parents parents in this transaction '
+    'and handing the rest to the queue. Locks: the group lock (try: busy if taken: lockstep._take); then '
+    'as lockstep._write for the first batch (the rest appended to the queue before its first row lock); '
+    'then the queue (skipped parents); the job''s status row last.';
 
 -- lockstep._cure(j, handed_off): after a recompute that computed every parent: forget j's failing and
 -- parked keys (handed_off: those still queued keep their attempts, due at once).

@@ -7,7 +7,11 @@ set search_path = pg_catalog, pg_temp
 as $$
     select row(a.inserted + b.inserted, a.updated + b.updated, a.deleted + b.deleted, a.skipped || b.skipped,
                a.gone + b.gone, a.compute_ms + b.compute_ms, a.write_ms + b.write_ms,
-               a.failed || b.failed, a.errors || b.errors)::lockstep._pass;
+               a.failed || b.failed, a.errors || b.errors,
+               coalesce(a.timed_out, b.timed_out), coalesce(a.timed_out_error, b.timed_out_error),
+               coalesce(a.transient, b.transient), a.untried || b.untried,
+               a.cured or b.cured, coalesce(a.handed_off, b.handed_off), coalesce(a.handoff_from, b.handoff_from),
+               coalesce(a.handoff_todo, b.handoff_todo))::lockstep._pass;
 $$;
 
 -- lockstep._transient(state): an error likely the moment's, not the keys': 55P03, 40P01, 40001. A pass
@@ -19,66 +23,53 @@ as $$
     select coalesce(state in ('55P03', '40P01', '40001'), false);
 $$;
 
--- lockstep._whole_pass_error(state): this pass treats that SQLSTATE as the moment's (lockstep._transient):
--- set by lockstep._work for the job's first 3 failed passes in a row (lockstep.transient_whole).
-create or replace function lockstep._whole_pass_error(state text) returns boolean
-language sql stable
+-- lockstep._whole_pass_error(state, whole): this pass treats that SQLSTATE as the moment's
+-- (lockstep._transient), failing the pass as a whole: whole, set by lockstep._work for the job's first 3
+-- failed passes in a row.
+create or replace function lockstep._whole_pass_error(state text, whole boolean) returns boolean
+language sql immutable
 set search_path = pg_catalog, pg_temp
 as $$
-    select lockstep._transient(state) and pg_catalog.current_setting('lockstep.transient_whole', true) = 'on';
+    select lockstep._transient(state) and coalesce(whole, false);
 $$;
 
--- lockstep._try(j, keys, dry): one attempt at keys, in a subtransaction: its pass, or its error and
--- SQLSTATE. A statement timeout is remembered (lockstep._timed_out). dry: a good attempt is rolled back too.
+-- lockstep._try(j, keys, dry): one attempt at keys, in a subtransaction (lockstep._owner_pass): its pass,
+-- or its error and SQLSTATE. A statement timeout returns an empty pass naming the keys (timed_out): after
+-- it nothing in the statement is bounded, so the callers try nothing else. dry: a good attempt is rolled
+-- back too.
 -- locks: as lockstep._write (nothing is left behind by a failed or dry attempt).
 create or replace function lockstep._try(j lockstep.job, keys text[], dry boolean default false, out p lockstep._pass,
                               out error text, out state text)
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
+declare
+    t record;
 begin
-    p := lockstep._apply(j, keys);
-    if dry then
-        raise exception using errcode = 'LSDRY';
-    end if;
-exception
-    when sqlstate 'LSDRY' then
-        null;
-    when query_canceled then
-        if not lockstep._is_statement_timeout(null) then
-            raise;
-        end if;
-        get stacked diagnostics error = message_text;
-        perform pg_catalog.set_config('lockstep.timed_out', keys::text, true);
-        perform pg_catalog.set_config('lockstep.timed_out_error', error, true);
+    select * into t from lockstep._owner_pass(j, keys, null, dry);
+    if t.timed_out then
         p := row(0, 0, 0, '{}', 0, 0, 0, '{}', '{}');
-        error := null;
-    when others then
-        get stacked diagnostics error = message_text, state = returned_sqlstate;
-        if lockstep._whole_pass_error(state) then  -- remembered for the rest of the pass (lockstep._work fails it)
-            perform pg_catalog.set_config('lockstep.transient', error, true);
-        end if;
+        p.timed_out := keys;
+        p.timed_out_error := t.error;
+        return;
+    end if;
+    p := t.p;
+    error := t.error;
+    state := t.state;
 end;
 $$;
 comment on function lockstep._try(lockstep.job, text[], boolean) is
-    'One attempt at keys, in a subtransaction: its pass, or its error and SQLSTATE. A statement timeout '
-    'is remembered (lockstep._timed_out). dry: a good attempt is rolled back too. Locks: as '
-    'lockstep._write (nothing is left behind by a failed or dry attempt).';
+    'One attempt at keys, in a subtransaction (lockstep._owner_pass): its pass, or its error and '
+    'SQLSTATE. A statement timeout returns an empty pass naming the keys (timed_out): after it nothing in '
+    'the statement is bounded, so the callers try nothing else. dry: a good attempt is rolled back too. '
+    'Locks: as lockstep._write (nothing is left behind by a failed or dry attempt).';
 
--- lockstep._timed_out(): the keys of the attempt a statement timeout ended in this pass, or NULL.
-create or replace function lockstep._timed_out() returns text[]
-language plpgsql volatile
-set search_path = pg_catalog, pg_temp
-as $$
-begin
-    return nullif(pg_catalog.current_setting('lockstep.timed_out', true), '')::text[];
-end;
-$$;
-
--- lockstep._isolate(j, keys, error, dry): apply keys, bisecting on failure until the failing keys are
--- alone (dry: only find them). After a statement timeout, the parts not tried come back in skipped.
+-- lockstep._isolate(j, keys, error, dry, whole): apply keys, bisecting on failure until the failing keys
+-- are alone (dry: only find them). After a statement timeout (timed_out) or an error that fails the pass as
+-- a whole (transient: lockstep._whole_pass_error), the parts not tried come back in skipped, not blamed.
 -- locks: as lockstep._write, once per part that succeeds (dry: released with the part).
-create or replace function lockstep._isolate(j lockstep.job, keys text[], error text default null, dry boolean default false)
+create or replace function lockstep._isolate(j lockstep.job, keys text[], error text default null, dry boolean default false,
+                                  whole boolean default false)
 returns lockstep._pass
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -87,60 +78,80 @@ declare
     n integer := cardinality(keys);
     v_err text := error;
     t record;
+    a lockstep._pass := row(0, 0, 0, '{}', 0, 0, 0, '{}', '{}');
 begin
-    if lockstep._timed_out() is not null or pg_catalog.current_setting('lockstep.transient', true) <> '' then
-        return row(0, 0, 0, keys, 0, 0, 0, '{}', '{}')::lockstep._pass;  -- not tried, not blamed
-    end if;
     if v_err is null then
         select * into t from lockstep._try(j, keys, dry);
         if t.error is null and dry then  -- went through, rolled back: only its compute time counts
-            return row(0, 0, 0, '{}', 0, (t.p).compute_ms, 0, '{}', '{}')::lockstep._pass;
+            a.compute_ms := (t.p).compute_ms;
+            a.timed_out := (t.p).timed_out;
+            a.timed_out_error := (t.p).timed_out_error;
+            return a;
         elsif t.error is null then
             return t.p;
+        elsif lockstep._whole_pass_error(t.state, whole) then  -- lockstep._work fails the pass
+            a.skipped := keys;
+            a.transient := t.error;
+            return a;
         end if;
         v_err := t.error;
     end if;
     if n = 1 then
-        return row(0, 0, 0, '{}', 0, 0, 0, keys, array[v_err])::lockstep._pass;
+        a.failed := keys;
+        a.errors := array[v_err];
+        return a;
     end if;
-    return lockstep._add(lockstep._isolate(j, keys[1:n / 2], null, dry),
-                         lockstep._isolate(j, keys[n / 2 + 1:n], null, dry));
+    a := lockstep._isolate(j, keys[1:n / 2], null, dry, whole);
+    if a.timed_out is not null or a.transient is not null then
+        a.skipped := a.skipped || keys[n / 2 + 1:n];  -- not tried, not blamed
+        return a;
+    end if;
+    return lockstep._add(a, lockstep._isolate(j, keys[n / 2 + 1:n], null, dry, whole));
 end;
 $$;
-comment on function lockstep._isolate(lockstep.job, text[], text, boolean) is
+comment on function lockstep._isolate(lockstep.job, text[], text, boolean, boolean) is
     'Apply keys, bisecting on failure until the failing keys are alone (dry: only find them). After a '
-    'statement timeout, the parts not tried come back in skipped. Locks: as lockstep._write, once per '
-    'part that succeeds (dry: released with the part).';
+    'statement timeout (timed_out) or an error that fails the pass as a whole (transient: '
+    'lockstep._whole_pass_error), the parts not tried come back in skipped, not blamed. Locks: as '
+    'lockstep._write, once per part that succeeds (dry: released with the part).';
 
--- lockstep._write_good(j, keys, p): after a dry bisection, write the good keys in one attempt, so one
--- write phase holds row locks; if that fails, bisect writing each part.
+-- lockstep._write_good(j, keys, p, whole): after a dry bisection, write the good keys in one attempt, so
+-- one write phase holds row locks; if that fails, bisect writing each part. After a statement timeout or
+-- a transient error nothing more is tried (skipped).
 -- locks: as lockstep._write, for the good keys (or, on a failure, once per part that succeeds).
-create or replace function lockstep._write_good(j lockstep.job, keys text[], p lockstep._pass) returns lockstep._pass
+create or replace function lockstep._write_good(j lockstep.job, keys text[], p lockstep._pass, whole boolean)
+returns lockstep._pass
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_good text[] := array(select k from pg_catalog.unnest(keys) k
                            where k <> all(p.failed) and k <> all(p.skipped)
-                             and k <> all(coalesce(lockstep._timed_out(), '{}')));
+                             and k <> all(coalesce(p.timed_out, '{}')));
     t record;
 begin
     if cardinality(v_good) = 0 then
         return p;
-    elsif lockstep._timed_out() is not null or pg_catalog.current_setting('lockstep.transient', true) <> '' then
-        return lockstep._add(p, row(0, 0, 0, v_good, 0, 0, 0, '{}', '{}')::lockstep._pass);
+    elsif p.timed_out is not null or p.transient is not null then
+        p.skipped := p.skipped || v_good;
+        return p;
     end if;
     select * into t from lockstep._try(j, v_good);
     if t.error is null then
         return lockstep._add(p, t.p);
+    elsif lockstep._whole_pass_error(t.state, whole) then  -- lockstep._work fails the pass
+        p.skipped := p.skipped || v_good;
+        p.transient := t.error;
+        return p;
     end if;
-    return lockstep._add(p, lockstep._isolate(j, v_good, t.error));
+    return lockstep._add(p, lockstep._isolate(j, v_good, t.error, false, whole));
 end;
 $$;
-comment on function lockstep._write_good(lockstep.job, text[], lockstep._pass) is
+comment on function lockstep._write_good(lockstep.job, text[], lockstep._pass, boolean) is
     'After a dry bisection, write the good keys in one attempt, so one write phase holds row locks; if '
-    'that fails, bisect writing each part. Locks: as lockstep._write, for the good keys (or, on a '
-    'failure, once per part that succeeds).';
+    'that fails, bisect writing each part. After a statement timeout or a transient error nothing more is '
+    'tried (skipped). Locks: as lockstep._write, for the good keys (or, on a failure, once per part that '
+    'succeeds).';
 
 -- lockstep._has_ready(j): j has ready queue entries whose key is neither parked nor waiting for a retry.
 -- Custom plans, index scans only: it stops at the first ready entry whatever the statistics.
@@ -360,63 +371,91 @@ as $$
     select interval '50 milliseconds';
 $$;
 
--- lockstep._attempt(j, keys, kind): apply the claimed keys: one part bisected on failure, or each alone
--- (retry). job_error: the job itself is broken, or the batch timed out as a whole.
--- locks: as lockstep._isolate.
-create or replace function lockstep._attempt(j lockstep.job, keys text[], kind text, out p lockstep._pass,
-                                  out job_error text)
+-- lockstep._retry_each(j, keys, whole): a retry pass: each key alone, written as it goes, until row locks
+-- have been held for lockstep._retry_budget() or a statement timeout: the rest is left for the next pass
+-- (untried). After a transient error the rest is not tried (skipped).
+-- locks: as lockstep._isolate, once per key.
+create or replace function lockstep._retry_each(j lockstep.job, keys text[], whole boolean) returns lockstep._pass
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 declare
     k text;
-    t record;
+    p lockstep._pass := row(0, 0, 0, '{}', 0, 0, 0, '{}', '{}');
     v_untried text[] := '{}';
     v_first_write timestamptz := 'infinity';
 begin
+    foreach k in array keys loop
+        if clock_timestamp() > v_first_write + lockstep._retry_budget() or p.timed_out is not null then
+            v_untried := v_untried || k;
+        elsif p.transient is not null then
+            p.skipped := p.skipped || k;  -- not tried, not blamed
+        else
+            p := lockstep._add(p, lockstep._isolate(j, array[k], null, false, whole));
+            if v_first_write = 'infinity' and p.inserted + p.updated + p.deleted > 0 then
+                v_first_write := clock_timestamp();
+            end if;
+        end if;
+    end loop;
+    p.untried := v_untried;
+    return p;
+end;
+$$;
+comment on function lockstep._retry_each(lockstep.job, text[], boolean) is
+    'A retry pass: each key alone, written as it goes, until row locks have been held for '
+    'lockstep._retry_budget() or a statement timeout: the rest is left for the next pass (untried). After '
+    'a transient error the rest is not tried (skipped). Locks: as lockstep._isolate, once per key.';
+
+-- lockstep._attempt(j, keys, kind, whole): apply the claimed keys (canonical, sorted): as one part,
+-- bisected on failure (batch, probe), or each alone (retry: lockstep._retry_each). job_error: the job
+-- itself is broken (an empty pass fails too, or the error is of class 42, the job's wherever it is
+-- raised), so every key would fail and none is blamed; or a batch timed out as a whole, which a broken job
+-- does too: the next pass tells (lockstep._check_timed_out). whole: as lockstep._whole_pass_error.
+-- locks: as lockstep._isolate.
+create or replace function lockstep._attempt(j lockstep.job, keys text[], kind text, whole boolean,
+                                  out p lockstep._pass, out job_error text)
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    t record;
+    e record;
+begin
     p := row(0, 0, 0, '{}', 0, 0, 0, '{}', '{}');
-    perform pg_catalog.set_config('lockstep.untried', '', true);
     if cardinality(keys) = 0 then
         return;
-    end if;
-    if kind = 'retry' then
-        -- each alone, written as it goes, until row locks have been held for lockstep._retry_budget()
-        foreach k in array keys loop
-            if clock_timestamp() > v_first_write + lockstep._retry_budget() or lockstep._timed_out() is not null then
-                v_untried := v_untried || k;
-            else
-                p := lockstep._add(p, lockstep._isolate(j, array[k]));
-                if v_first_write = 'infinity' and p.inserted + p.updated + p.deleted > 0 then
-                    v_first_write := clock_timestamp();
-                end if;
-            end if;
-        end loop;
-        perform pg_catalog.set_config('lockstep.untried', v_untried::text, true);
+    elsif kind = 'retry' then
+        p := lockstep._retry_each(j, keys, whole);
         return;
     end if;
     select * into t from lockstep._try(j, keys);
-    if t.error is null and kind = 'batch' and lockstep._timed_out() is not null then
+    if t.error is null and kind = 'batch' and (t.p).timed_out is not null then
         job_error := pg_catalog.format('lockstep: statement timeout on a batch of %s keys (%s); the next pass '
                                        'checks the job with an empty pass, then bisects the batch',
-                                       cardinality(keys), pg_catalog.current_setting('lockstep.timed_out_error', true));
+                                       cardinality(keys), (t.p).timed_out_error);
         return;
     elsif t.error is null then
         p := t.p;
         return;
-    end if;
     -- the job itself is broken (an empty pass fails too), or an error of class 42: the job's wherever raised
-    if pg_catalog.left(t.state, 2) = '42' or lockstep._whole_pass_error(t.state)
-       or (select e.error from lockstep._try(j, '{}'::text[]) e) is not null
-       or lockstep._timed_out() is not null then
+    elsif pg_catalog.left(t.state, 2) = '42' or lockstep._whole_pass_error(t.state, whole) then
         job_error := t.error;
         return;
     end if;
-    p := lockstep._write_good(j, keys, lockstep._isolate(j, keys, t.error, true));
+    select * into e from lockstep._try(j, '{}'::text[]);  -- the job itself is broken, or some keys are poison
+    if e.error is not null or (e.p).timed_out is not null then
+        job_error := t.error;
+        return;
+    end if;
+    p := lockstep._write_good(j, keys, lockstep._isolate(j, keys, t.error, true, whole), whole);
 end;
 $$;
-comment on function lockstep._attempt(lockstep.job, text[], text) is
-    'Apply the claimed keys: one part bisected on failure, or each alone (retry). job_error: the job '
-    'itself is broken, or the batch timed out as a whole. Locks: as lockstep._isolate.';
+comment on function lockstep._attempt(lockstep.job, text[], text, boolean) is
+    'Apply the claimed keys (canonical, sorted): as one part, bisected on failure (batch, probe), or each '
+    'alone (retry: lockstep._retry_each). job_error: the job itself is broken (an empty pass fails too, '
+    'or the error is of class 42, the job''s wherever it is raised), so every key would fail and none is '
+    'blamed; or a batch timed out as a whole, which a broken job does too: the next pass tells '
+    '(lockstep._check_timed_out). whole: as lockstep._whole_pass_error. Locks: as lockstep._isolate.';
 
 -- lockstep._check_timed_out(j, batch): the last batch timed out whole: an empty pass tells a broken job
 -- (its error returned) from a slow key (the batch's keys become suspects).
@@ -429,12 +468,11 @@ declare
     t record;
 begin
     select * into t from lockstep._try(j, '{}'::text[]);
-    if lockstep._timed_out() is not null then
+    if (t.p).timed_out is not null then
         return pg_catalog.format('lockstep: statement timeout on an empty pass (%s): the job itself is too slow '
                                  'for this session''s statement_timeout of %s (the runner role''s or '
                                  'database''s setting, or the job''s own)',
-                                 pg_catalog.current_setting('lockstep.timed_out_error', true),
-                                 pg_catalog.current_setting('statement_timeout'));
+                                 (t.p).timed_out_error, pg_catalog.current_setting('statement_timeout'));
     elsif t.error is not null then
         return t.error;
     end if;
@@ -452,29 +490,29 @@ comment on function lockstep._check_timed_out(lockstep.job, integer) is
     'key (the batch''s keys become suspects). Locks: as lockstep._write for an empty key set (nothing); '
     'the job''s key_failure rows of those keys.';
 
--- lockstep._settle(j, kind, raw, ids, ctids, entry_keys, p, bad, errors): lockstep's own rows for a pass:
--- entries done deleted, skipped deferred, failing keys, suspects and unreadable keys recorded.
--- locks: the processed queue entries (deleted or updated), then the job's key_failure rows, key order.
+-- lockstep._settle(j, kind, raw, ids, ctids, entry_keys, p, bad, bad_errors): lockstep's own rows for a
+-- pass: entries done deleted, skipped deferred, failing keys, suspects and unreadable keys recorded
+-- (lockstep._record_failures); message for the result (lockstep._settle_message); cured: a failed key
+-- written now, changed since it failed (lockstep._finish may end a poison hold).
+-- locks: the processed queue entries (deleted or updated), then the job's key_failure rows, key order;
+-- then, if a key does not read back, the job's status row.
 create or replace function lockstep._settle(j lockstep.job, kind text, raw text[], ids bigint[], ctids tid[], entry_keys text[],
-                                 p lockstep._pass, bad text[], bad_errors text[]) returns text
+                                 p lockstep._pass, bad text[], bad_errors text[], out message text, out cured boolean)
 language plpgsql
 set search_path = pg_catalog, pg_temp
 set plan_cache_mode = force_generic_plan
 as $$
 declare
-    v_susp text[] := coalesce(lockstep._timed_out(), '{}');
-    v_terr text := pg_catalog.current_setting('lockstep.timed_out_error', true);
+    v_susp text[] := coalesce(p.timed_out, '{}');
     v_leave text[];
     v_skip text[] := p.skipped;
-    v_cured text;
 begin
     if cardinality(v_susp) = 1 then  -- a key that is slow alone fails like a poison key
         p.failed := p.failed || v_susp;
-        p.errors := p.errors || v_terr;
+        p.errors := p.errors || p.timed_out_error;
         v_susp := '{}';
     end if;
-    v_leave := p.failed || v_skip || v_susp
-               || coalesce(nullif(pg_catalog.current_setting('lockstep.untried', true), '')::text[], '{}');
+    v_leave := p.failed || v_skip || v_susp || coalesce(p.untried, '{}');
     if cardinality(v_leave) > 0 then  -- the queued (raw) text of those keys
         execute pg_catalog.format('select coalesce(array_agg(r), ''{}'') from pg_catalog.unnest($1) r '
                                   'where r::%s::text = any($2)', lockstep._type_sql(j.key_type)) into v_leave using raw, v_leave;
@@ -482,9 +520,7 @@ begin
                                   'where r::%s::text = any($2)', lockstep._type_sql(j.key_type)) into v_skip using raw, v_skip;
     end if;
     v_leave := v_leave || bad;  -- their entries stay, shown as parked
-    -- cured: a failed key written now, changed since it failed: lockstep._finish may end a poison hold
-    select case when pg_catalog.count(*) > 0 then pg_catalog.set_config('lockstep.cured', 'on', true) end
-    into v_cured
+    select pg_catalog.count(*) > 0 into cured
     from lockstep.key_failure f
     where f.job = j.job and f.attempts > 0 and f.key = any(raw) and f.key <> all(v_leave)
       and exists (select from lockstep.queue q
@@ -496,16 +532,41 @@ begin
                              -- a probe timed out: the other suspects are cleared, its keys stay suspects
                              or (kind = 'probe' and cardinality(v_susp) > 0 and f.attempts = 0 and not f.parked
                                  and f.retry_at <= now() and f.key <> all(v_susp)));
+    perform lockstep._record_failures(j, ids, p, v_susp, bad, bad_errors);
+    message := lockstep._settle_message(j, p, v_susp, bad, bad_errors);
+end;
+$$;
+comment on function lockstep._settle(lockstep.job, text, text[], bigint[], tid[], text[], lockstep._pass, text[], text[]) is
+    'Lockstep''s own rows for a pass: entries done deleted, skipped deferred, failing keys, suspects and '
+    'unreadable keys recorded (lockstep._record_failures); message for the result '
+    '(lockstep._settle_message); cured: a failed key written now, changed since it failed '
+    '(lockstep._finish may end a poison hold). Locks: the processed queue entries (deleted or updated), '
+    'then the job''s key_failure rows, key order; then, if a key does not read back, the job''s status '
+    'row.';
+
+-- lockstep._record_failures(j, ids, p, susp, bad, bad_errors): the key_failure rows of a pass that claimed
+-- the queue entries ids: its failing keys (p.failed: backoff, parked after max_attempts), its suspects
+-- (susp: the keys of a part a statement timeout ended, bisected by the next passes) and its keys that
+-- cannot be read back (bad: parked at once).
+-- locks: the job's key_failure rows of those keys, key order.
+create or replace function lockstep._record_failures(j lockstep.job, ids bigint[], p lockstep._pass, susp text[],
+                                          bad text[], bad_errors text[])
+returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+set plan_cache_mode = force_generic_plan
+as $$
+begin
     insert into lockstep.key_failure as f (job, key, attempts, last_error, retry_at, parked, failed_upto)
     select j.job, x.k, x.a, x.e, x.r, x.p, coalesce((select max(i) from pg_catalog.unnest(ids) i), 0)
     from (select k, 1 as a, e, now() + least(j.backoff, interval '2 seconds') as r, j.max_attempts <= 1 as p
           from unnest(p.failed, p.errors) as u(k, e)
           union all
-          select k, 0, pg_catalog.format('%s (one of %s keys computed together; being bisected)', v_terr,
-                                         cardinality(v_susp)),
+          select k, 0, pg_catalog.format('%s (one of %s keys computed together; being bisected)', p.timed_out_error,
+                                         cardinality(susp)),
                  now() + least(j.backoff, greatest(interval '1 second',
                                                    pg_catalog.current_setting('statement_timeout')::interval)), false
-          from unnest(v_susp) k
+          from unnest(susp) k
           union all
           select k, j.max_attempts, e, now(), true from unnest(bad, bad_errors) as u(k, e)) x
     order by x.k
@@ -517,14 +578,36 @@ begin
             retry_at = case when excluded.attempts = 0 then excluded.retry_at
                             else now() + least(j.backoff, interval '1 second' * power(2, least(f.attempts + 1, 20))) end,
             parked = excluded.parked or (excluded.attempts > 0 and f.attempts + 1 >= j.max_attempts);
-    -- a key that does not read back is parked, and the recompute due now, unless a parent of the job fails
+end;
+$$;
+comment on function lockstep._record_failures(lockstep.job, bigint[], lockstep._pass, text[], text[], text[]) is
+    'The key_failure rows of a pass that claimed the queue entries ids: its failing keys (p.failed: '
+    'backoff, parked after max_attempts), its suspects (susp: the keys of a part a statement timeout '
+    'ended, bisected by the next passes) and its keys that cannot be read back (bad: parked at once). '
+    'Locks: the job''s key_failure rows of those keys, key order.';
+
+-- lockstep._settle_message(j, p, susp, bad, bad_errors): the result's message for a pass whose keys failed
+-- (p.failed), timed out together (susp) or cannot be read back (bad); NULL if none did. A key that cannot
+-- be read back names no parent this pass could compute (an enum label renamed since, a key typed by hand):
+-- it is parked, and the periodic recompute, which covers every parent and cures parked keys
+-- (lockstep._cure), is due now; not while another parent of the job fails (that recompute would fail too
+-- and hand every parent to the queue again).
+-- locks: the job's status row (by the update), if a key cannot be read back.
+create or replace function lockstep._settle_message(j lockstep.job, p lockstep._pass, susp text[], bad text[],
+                                         bad_errors text[])
+returns text
+language plpgsql
+set search_path = pg_catalog, pg_temp
+set plan_cache_mode = force_generic_plan
+as $$
+begin
     if cardinality(bad) > 0
        and not exists (select from lockstep.key_failure f where f.job = j.job and f.attempts > 0 and f.key <> all(bad))
        and cardinality(p.failed) = 0 then
         update lockstep.job_state s set next_run_at = least(s.next_run_at, now())
         where s.job = j.job and s.recompute_poisoned_at is null;
     end if;
-    if cardinality(p.failed) + cardinality(bad) + cardinality(v_susp) = 0 then
+    if cardinality(p.failed) + cardinality(bad) + cardinality(susp) = 0 then
         return null;
     end if;
     return pg_catalog.concat_ws('; ',
@@ -532,15 +615,18 @@ begin
             pg_catalog.format('%s key(s) failed, first %s: %s', cardinality(p.failed), p.failed[1], p.errors[1]) end,
         case when cardinality(bad) > 0 then
             pg_catalog.format('%s queued key(s) parked, first %s: %s', cardinality(bad), bad[1], bad_errors[1]) end,
-        case when cardinality(v_susp) > 0 then
+        case when cardinality(susp) > 0 then
             pg_catalog.format('%s key(s) timed out together (%s): bisected over the next passes',
-                              cardinality(v_susp), v_terr) end);
+                              cardinality(susp), p.timed_out_error) end);
 end;
 $$;
-comment on function lockstep._settle(lockstep.job, text, text[], bigint[], tid[], text[], lockstep._pass, text[], text[]) is
-    'Lockstep''s own rows for a pass: entries done deleted, skipped deferred, failing keys, suspects and '
-    'unreadable keys recorded. Locks: the processed queue entries (deleted or updated), then the job''s '
-    'key_failure rows, key order.';
+comment on function lockstep._settle_message(lockstep.job, lockstep._pass, text[], text[], text[]) is
+    'The result''s message for a pass whose keys failed (p.failed), timed out together (susp) or cannot '
+    'be read back (bad); NULL if none did. A key that cannot be read back names no parent this pass could '
+    'compute (an enum label renamed since, a key typed by hand): it is parked, and the periodic '
+    'recompute, which covers every parent and cures parked keys (lockstep._cure), is due now; not while '
+    'another parent of the job fails (that recompute would fail too and hand every parent to the queue '
+    'again). Locks: the job''s status row (by the update), if a key cannot be read back.';
 
 -- lockstep._work(j, batch): one incremental pass.
 -- locks: nothing until there is work (idle) and no periodic job of the group is due (busy: give way); the
@@ -560,6 +646,7 @@ declare
     e record;
     v_err text;
     v_more boolean;
+    p lockstep._pass;
 begin
     select * into s from lockstep.job_state st where st.job = j.job;
     if s.retry_at > now() then
@@ -576,10 +663,6 @@ begin
         return lockstep._result('busy', j.job, 'work');
     end if;
     v_started := clock_timestamp();
-    perform pg_catalog.set_config('lockstep.timed_out', '', true);
-    perform pg_catalog.set_config('lockstep.transient', '', true);
-    perform pg_catalog.set_config('lockstep.transient_whole',
-                                  case when s.consecutive_failures < 3 then 'on' else '' end, true);
     if s.last_action = 'work' and s.last_outcome = 'failed' and s.last_error like 'lockstep: statement timeout on %' then
         v_err := lockstep._check_timed_out(j, batch);
         if v_err is not null then
@@ -593,19 +676,22 @@ begin
         return lockstep._result('idle', j.job, 'work');
     end if;
     select * into r from lockstep._readable(j, c.keys);
-    select * into a from lockstep._attempt(j, coalesce(r.canon, '{}'), c.kind);
-    -- a lock timeout, deadlock or serialization failure in any part (lockstep._transient): the pass fails
-    v_err := coalesce(a.job_error, nullif(pg_catalog.current_setting('lockstep.transient', true), ''));
+    -- a lock timeout, deadlock or serialization failure fails the job's first 3 failed passes in a row as a
+    -- whole (lockstep._whole_pass_error)
+    select * into a from lockstep._attempt(j, coalesce(r.canon, '{}'), c.kind, s.consecutive_failures < 3);
+    p := a.p;
+    v_err := coalesce(a.job_error, p.transient);
     if v_err is not null then
         return lockstep._failed(j, 'work', v_started, v_err);
     end if;
-    v_err := lockstep._settle(j, c.kind, r.raw, e.ids, e.ctids, e.entry_keys, a.p, r.bad, r.errors);
+    select t.message, t.cured into v_err, p.cured
+    from lockstep._settle(j, c.kind, r.raw, e.ids, e.ctids, e.entry_keys, p, r.bad, r.errors) t;
     v_more := (c.kind <> 'batch' or c.full) and lockstep._has_ready(j);  -- a retry's untried keys are ready
     -- whether a backlog is left: lockstep.due() opens no --batch-wait window after it
-    perform lockstep._finish(j, 'work', 'done', v_started, a.p, null,
-                             cardinality((a.p).skipped) = cardinality(coalesce(r.canon, '{}')) and cardinality(r.bad) = 0,
+    perform lockstep._finish(j, 'work', 'done', v_started, p, null,
+                             cardinality(p.skipped) = cardinality(coalesce(r.canon, '{}')) and cardinality(r.bad) = 0,
                              v_more and (c.kind <> 'batch' or (select b.full from lockstep._batch(j, batch) b)));
-    return lockstep._result('done', j.job, 'work', a.p, v_err, v_more);
+    return lockstep._result('done', j.job, 'work', p, v_err, v_more);
 end;
 $$;
 

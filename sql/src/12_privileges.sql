@@ -223,7 +223,7 @@ set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_me oid := (select r.oid from pg_catalog.pg_roles r where r.rolname = current_user);
-    v_src text := ' begin return lockstep._owner_run(j, keys, true); end ';
+    v_src text := ' begin return lockstep._owner_run(j, keys, true, queued_from); end ';
     v_name name;
 begin
     select p.proname into v_name
@@ -231,7 +231,8 @@ begin
     where p.pronamespace = pg_catalog.pg_my_temp_schema() and p.proname like 'lockstep\_as\_%'
       and p.proowner = v_me and p.prosecdef and p.prosrc = v_src and p.prokind = 'f'
       and p.prolang = (select l.oid from pg_catalog.pg_language l where l.lanname = 'plpgsql')
-      and p.proargtypes = pg_catalog.array_to_string(array['lockstep.job'::regtype::oid, 'text[]'::regtype::oid], ' ')::oidvector
+      and p.proargtypes = pg_catalog.array_to_string(array['lockstep.job'::regtype::oid, 'text[]'::regtype::oid,
+                                                           'bigint'::regtype::oid], ' ')::oidvector
       and p.prorettype = 'lockstep._pass'::regtype
       and p.proconfig = array['search_path=pg_catalog, pg_temp']
       and p.proacl = array[pg_catalog.makeaclitem(v_me, v_me, 'EXECUTE', false)]
@@ -239,18 +240,21 @@ begin
     if v_name is null then
         v_name := pg_catalog.format('lockstep_as_%s_%s', v_me, pg_catalog.substr(pg_catalog.md5(pg_catalog.random()::text), 1, 8));
         execute pg_catalog.format(
-            'create function pg_temp.%I(j lockstep.job, keys text[]) returns lockstep._pass language plpgsql '
+            'create function pg_temp.%I(j lockstep.job, keys text[], queued_from bigint default null) '
+            'returns lockstep._pass language plpgsql '
             'security definer set search_path = pg_catalog, pg_temp as %L', v_name, v_src);
-        execute pg_catalog.format('revoke all on function pg_temp.%I(lockstep.job, text[]) from public', v_name);
+        execute pg_catalog.format('revoke all on function pg_temp.%I(lockstep.job, text[], bigint) from public', v_name);
     end if;
     return v_name;
 end;
 $$;
 
--- lockstep._owner_run(j, keys, sandboxed): run the owner's code (the call, lockstep._apply, or the parent
--- keys' read); sandboxed: then undo or refuse what it could leave behind for the runner's session.
+-- lockstep._owner_run(j, keys, sandboxed, queued_from): run the owner's code (the call, lockstep._apply
+-- with queued_from, or the parent keys' read); sandboxed: then undo or refuse what it could leave behind for the runner's session.
 -- locks: as the job's function or lockstep._apply.
-create or replace function lockstep._owner_run(j lockstep.job, keys text[], sandboxed boolean) returns lockstep._pass
+create or replace function lockstep._owner_run(j lockstep.job, keys text[], sandboxed boolean,
+                                    queued_from bigint default null)
+returns lockstep._pass
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
@@ -275,7 +279,7 @@ begin
         execute pg_catalog.format('select coalesce(array_agg(%1$I::text order by %1$I), ''{}'') from %2$s',
                                   j.parent_key, j.parent) into p.skipped;
     else
-        p := lockstep._apply(j, keys);
+        p := lockstep._apply(j, keys, queued_from);
     end if;
     if sandboxed then
         perform pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', false);
@@ -294,10 +298,10 @@ begin
     return p;
 end;
 $$;
-comment on function lockstep._owner_run(lockstep.job, text[], boolean) is
-    'Run the owner''s code (the call, lockstep._apply, or the parent keys'' read); sandboxed: then undo '
-    'or refuse what it could leave behind for the runner''s session. Locks: as the job''s function or '
-    'lockstep._apply.';
+comment on function lockstep._owner_run(lockstep.job, text[], boolean, bigint) is
+    'Run the owner''s code (the call, lockstep._apply with queued_from, or the parent keys'' read); '
+    'sandboxed: then undo or refuse what it could leave behind for the runner''s session. Locks: as the '
+    'job''s function or lockstep._apply.';
 
 -- lockstep._drop_temp_objects(): drop the current role's temporary relations and types but lockstep's own
 -- work tables (kept plain and private): the runner's session serves other owners next.
@@ -395,10 +399,11 @@ begin
 end;
 $$;
 
--- lockstep._as_owner(j, keys): run lockstep._owner_run as j's owner: directly, or after checking the
+-- lockstep._as_owner(j, keys, queued_from): run lockstep._owner_run as j's owner: directly, or after checking the
 -- session may act as the owner (42501), by SET LOCAL ROLE and the owner's trampoline.
 -- locks: as lockstep._owner_run.
-create or replace function lockstep._as_owner(j lockstep.job, keys text[]) returns lockstep._pass
+create or replace function lockstep._as_owner(j lockstep.job, keys text[], queued_from bigint default null)
+returns lockstep._pass
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
@@ -407,16 +412,17 @@ declare
     p lockstep._pass;
 begin
     if j.owner = current_user then
-        return lockstep._owner_run(j, keys, false);
+        return lockstep._owner_run(j, keys, false, queued_from);
     end if;
     perform lockstep._check_act_as(j);
     v_role := pg_catalog.current_setting('role');
     perform pg_catalog.set_config('role', j.owner, true);
-    execute pg_catalog.format('select * from pg_temp.%I($1, $2)', lockstep._trampoline()) into p using j, keys;
+    execute pg_catalog.format('select * from pg_temp.%I($1, $2, $3)', lockstep._trampoline())
+        into p using j, keys, queued_from;
     perform pg_catalog.set_config('role', v_role, true);
     return p;
 end;
 $$;
-comment on function lockstep._as_owner(lockstep.job, text[]) is
+comment on function lockstep._as_owner(lockstep.job, text[], bigint) is
     'Run lockstep._owner_run as j''s owner: directly, or after checking the session may act as the owner '
     '(42501), by SET LOCAL ROLE and the owner''s trampoline. Locks: as lockstep._owner_run.';
