@@ -765,6 +765,97 @@ def _verify_text(r) -> str:  # lockstep.db.Verified
 
 
 @main.command()
+@click.argument("job")
+@dsn_option
+@option("--keys", "keys", multiple=True, metavar="KEY", help="Only these parents (repeatable); default: all.")
+@option(
+    "--limit", type=click.IntRange(min=0), default=5, show_default=True, help="Example parents per action."
+)
+@option("--json", is_flag=True, help="Print the totals and examples as JSON (--limit examples per action).")
+@log_options
+def diff(job: str, dsn: str | None, keys: tuple[str, ...], limit: int, json: bool) -> None:
+    """Show what a recompute of JOB would change now, without changing it (lockstep.preview).
+
+    Totals per action (insert, update, delete) and a few example parents each. Writes nothing and takes
+    no row lock. --keys: what a worker pass over those parents would change.
+    """
+    from lockstep import controls, db
+
+    _setup_logging(level=log_level(logging.WARNING))
+    with _connect(dsn, "lockstep-diff") as conn:
+        rows = db.preview(conn, job, list(keys) or None)
+    s = controls.summary(rows, limit)
+    if json:
+        _echo_json({"job": job, **s})
+    else:
+        click.echo(controls.summary_text(job, s))
+
+
+@main.command()
+@click.argument("job")
+@dsn_option
+@option("--json", is_flag=True, help="Print the result as JSON.")
+@log_options
+def pause(job: str, dsn: str | None, json: bool) -> None:
+    """Pause JOB (lockstep.pause): runs write nothing and return paused; the triggers keep queueing."""
+    from lockstep import db
+
+    _setup_logging(level=log_level(logging.WARNING))
+    with _connect(dsn, "lockstep-pause") as conn:
+        at = db.pause(conn, job)
+    if json:
+        _echo_json({"job": job, "paused_at": at.isoformat()})
+    else:
+        click.echo(f"{job}: paused since {at.isoformat()}; `lockstep resume {shlex.quote(job)}` to go on")
+
+
+@main.command()
+@click.argument("job")
+@dsn_option
+@option("--json", is_flag=True, help="Print the result as JSON.")
+@log_options
+def resume(job: str, dsn: str | None, json: bool) -> None:
+    """Resume JOB (lockstep.resume): its queue is worked, and a full recompute runs first."""
+    from lockstep import db
+
+    _setup_logging(level=log_level(logging.WARNING))
+    with _connect(dsn, "lockstep-resume") as conn:
+        was = db.resume(conn, job)
+    if json:
+        _echo_json({"job": job, "resumed": was})
+    else:
+        click.echo(f"{job}: resumed; its full recompute is due" if was else f"{job}: was not paused")
+
+
+@main.command()
+@click.argument("job")
+@dsn_option
+@option("--json", is_flag=True, help="Print the end result as JSON (progress still goes to stderr).")
+@log_options
+def backfill(job: str, dsn: str | None, json: bool) -> None:
+    """Recompute JOB now and work its hand-off to the end, showing progress (a bar on a terminal, else a
+    line a second: parents done / to do, rate, ETA). Ctrl-C stops between batches (exit 1); what is left
+    stays queued for the runner. Exit 0 once converged."""
+    from lockstep import controls
+
+    _setup_logging(level=log_level(logging.WARNING))
+    with _connect(dsn, "lockstep-backfill") as conn:
+        out = controls.run_backfill(conn, job)
+    p = out.progress
+    if json:
+        _echo_json({"job": job, "state": out.state, "done": p.done, "total": p.total, "passes": p.passes,
+                    "error": out.error})  # fmt: skip
+    elif out.state == "done":
+        click.echo(f"{job}: backfill done: {p.done} parents in {p.passes} passes")
+    else:
+        why = f": {out.error}" if out.error else ""
+        rest = "; the rest stays queued for the runner" if out.state == "interrupted" else ""
+        click.echo(f"{job}: backfill {out.state} at {p.done}/{p.total} parents{why}{rest}")
+    if out.state != "done":
+        raise SystemExit(codes.EXIT_UNHEALTHY)
+
+
+@main.command()
 @dsn_option
 @option("--parents", default=50000, show_default=True, help="Exams in the example.")
 @option("--seconds", default=60.0, show_default=True, help="Length of the lockstep phase.")

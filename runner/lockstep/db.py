@@ -407,3 +407,59 @@ def web_page(conn: psycopg.Connection, runs: int = 200, keys: int = 50) -> dict[
                 log.info("web: section %s not readable: %s", name, exc)
                 out[name] = Section(error=str(exc).strip().splitlines()[0], sqlstate=exc.sqlstate)
     return out
+
+
+# operator controls: preview, pause and resume, backfill (docs/controls.md) ---------------------------------
+
+
+def _key_type(conn: psycopg.Connection, job: str) -> str:
+    """The job's parent key type as format_type prints it (no modifier), or text for an unknown job (whose
+    call then raises lockstep's own LSJ01)."""
+    row = conn.execute("select format_type(key_type, -1) from lockstep.job where job = %s", [job]).fetchone()
+    return row[0] if row is not None and row[0] is not None else "text"
+
+
+def preview(conn: psycopg.Connection, job: str, keys: list[str] | None = None) -> list[tuple[str, str, int]]:
+    """``lockstep.preview(job [, keys])``: (key, action, rows) of what a recompute (or a pass over ``keys``,
+    given as text and cast to the job's key type) would write. Writes nothing."""
+    if keys is None:
+        return conn.execute("select key, action, rows from lockstep.preview(%s)", [job]).fetchall()
+    # key type: format_type output (quoted by PostgreSQL), never user input
+    query = sql.SQL("select key, action, rows from lockstep.preview(%s, %s::text[]::{}[])").format(
+        sql.SQL(_key_type(conn, job))
+    )
+    return conn.execute(query, [job, keys]).fetchall()
+
+
+def pause(conn: psycopg.Connection, job: str) -> dt.datetime:
+    """``lockstep.pause(job)``: when the job was paused (the first pause's time if it already was)."""
+    return conn.execute("select lockstep.pause(%s)", [job]).fetchone()[0]
+
+
+def resume(conn: psycopg.Connection, job: str) -> bool:
+    """``lockstep.resume(job)``: whether the job was paused."""
+    return conn.execute("select lockstep.resume(%s)", [job]).fetchone()[0]
+
+
+def recompute(conn: psycopg.Connection, job: str) -> Result:
+    """``lockstep.recompute(job)`` in its own READ COMMITTED transaction (its first batch, the rest handed to
+    the queue)."""
+    with conn.transaction():
+        conn.execute("set transaction isolation level read committed")
+        row = conn.execute(
+            "select outcome, inserted, updated, deleted, skipped, compute_ms, write_ms, error, job, action,"
+            " more from lockstep.recompute(%s)",
+            [job],
+        ).fetchone()
+    return Result(*row)
+
+
+def progress(conn: psycopg.Connection, job: str) -> tuple[int | None, int | None, int, dt.datetime | None]:
+    """(recompute_done, recompute_total, queue_depth, paused_at) of the job, from lockstep.status."""
+    row = conn.execute(
+        "select recompute_done, recompute_total, queue_depth, paused_at from lockstep.status where job = %s",
+        [job],
+    ).fetchone()
+    if row is None:
+        raise psycopg.errors.UndefinedObject(f'lockstep: no job "{job}" visible in lockstep.status')
+    return row

@@ -25,6 +25,7 @@ TABLE_COLUMNS = (
     "needs_recompute",
     "last_error",
     "recompute_error",  # the last full recompute's error, until one succeeds (a good worker pass keeps it)
+    "paused_at",  # lockstep.pause: since when (by paused_by); its lag is shown, not alarmed
 )
 
 
@@ -51,6 +52,15 @@ def _lagging(r: dict, max_lag: float | None) -> bool:
     return bool(max_lag) and isinstance(lag, dt.timedelta) and lag.total_seconds() > max_lag
 
 
+def _paused(r: dict) -> bool:
+    """Paused by an operator (lockstep.pause): its queue waits on purpose, and resume flags its recompute."""
+    return r.get("paused_at") is not None
+
+
+def _flagged(r: dict) -> bool:
+    return r.get("needs_recompute") is not None and not _paused(r)
+
+
 def reasons(rows: list[dict], max_lag: float | None = MAX_LAG) -> list[str]:
     """Why each unhealthy job is (one line each, for ``lockstep status``'s stderr: an exit 1 with only the
     table left the reader to find the column that made it)."""
@@ -63,16 +73,16 @@ def reasons(rows: list[dict], max_lag: float | None = MAX_LAG) -> list[str]:
             why.append("its last call failed" if r.get("kind") == "job" else "its last full recompute failed")
         if (r.get("parked_keys") or 0) > 0:
             why.append(f"{r['parked_keys']} parked key(s) (lockstep.parked_keys; lockstep retry)")
-        if r.get("needs_recompute") is not None and r.get("recompute_held_since") is not None:
+        if _flagged(r) and r.get("recompute_held_since") is not None:
             why.append(
                 "flagged for a full recompute, held since a recompute met poison parents"
                 f" ({r['recompute_held_since']}; its error names one): once they are fixed,"
                 f" `lockstep retry {shlex.quote(str(r.get('job')))}`"
             )
-        elif r.get("needs_recompute") is not None:
+        elif _flagged(r):
             # the problem itself (a newly watched table is no trigger failure: the line said it was)
             why.append(f"flagged for a full recompute ({r.get('trigger_problem') or 'see trigger_problem'})")
-        if _lagging(r, max_lag):
+        if _lagging(r, max_lag) and not _paused(r):
             why.append(
                 f"oldest queued key waits {r['queue_lag'].total_seconds():.0f} s (--max-lag {max_lag:g})"
             )
@@ -85,13 +95,14 @@ def unhealthy(rows: list[dict], max_lag: float | None = MAX_LAG) -> bool:
     """Any job failing (consecutive_failures > 0, or its last full recompute: recompute_error), with parked
     keys, flagged for a full recompute
     (``needs_recompute`` set: a trigger could not enqueue), or whose oldest queued key waits longer than
-    ``max_lag`` seconds (nothing drains its queue; None or 0: not checked)."""
+    ``max_lag`` seconds (nothing drains its queue; None or 0: not checked). A paused job's lag and flags are
+    not alarmed (lockstep.pause): they wait on purpose."""
     return any(
         (r.get("consecutive_failures") or 0) > 0
         or r.get("recompute_error") is not None
         or (r.get("parked_keys") or 0) > 0
-        or r.get("needs_recompute") is not None
-        or _lagging(r, max_lag)
+        or _flagged(r)
+        or (_lagging(r, max_lag) and not _paused(r))
         for r in rows
     )
 

@@ -322,6 +322,13 @@ def _jobs_html(data: dict, now: dt.datetime) -> str:
                 f'<div class="flag">needs a full recompute (since {_when(j["needs_recompute"], now)})'
                 f"{': ' + esc(j['trigger_problem']) if j.get('trigger_problem') else ''}</div>"
             )
+        if j.get("paused_at") is not None:  # lockstep.pause: its queue waits on purpose
+            flags += (
+                f'<div class="flag paused">paused since {_when(j["paused_at"], now)}'
+                f" by {esc(j.get('paused_by'))}</div>"
+            )
+        if j.get("depends_on"):  # a chain: runs after the jobs whose targets it reads
+            flags += f'<div class="depends-on muted">after {esc(", ".join(j["depends_on"]))}</div>'
         failures = int(j.get("consecutive_failures") or 0)
         last = j.get("last_finished_at")
         rows.append(

@@ -114,3 +114,18 @@ drop function if exists lockstep.verify(text, anyarray);
 drop function if exists lockstep.verify(text);
 drop function if exists lockstep._verify(lockstep.job, text[]);
 drop function if exists lockstep._verify_pass(lockstep.job, text[]);
+
+-- operator controls (15_controls.sql): gone in 0001
+drop view if exists lockstep.status;
+drop function if exists lockstep.preview(text, anyarray);
+drop function if exists lockstep._preview(lockstep.job, text[]);
+drop function if exists lockstep._preview_diff(lockstep.job, text[]);
+drop function if exists lockstep.pause(text);
+drop function if exists lockstep.resume(text);
+drop function if exists lockstep._paused(lockstep.job, text);
+drop function if exists lockstep._check_controls(lockstep.job, text);
+drop function if exists lockstep._deps();
+drop function if exists lockstep._depths();
+drop function if exists lockstep._dep_path(text, text);
+drop function if exists lockstep._check_cycle(text, regclass, regclass);
+alter table lockstep.job drop column paused_at, drop column paused_by;

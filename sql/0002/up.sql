@@ -70,3 +70,8 @@ drop function if exists lockstep._write(lockstep.job, text[]);
 drop function if exists lockstep._apply(lockstep.job, text[]);
 drop function if exists lockstep._owner_run(lockstep.job, text[], boolean);
 drop function if exists lockstep._as_owner(lockstep.job, text[]);
+
+-- pause / resume (15_controls.sql): the job's pause, kept with its definition
+alter table lockstep.job add column paused_at timestamptz, add column paused_by name;
+-- lockstep.status gains paused_at, paused_by and depends_on (11_status.sql makes it again)
+drop view if exists lockstep.status;

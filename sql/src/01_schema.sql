@@ -19,6 +19,7 @@
 --   LSD06  a foreign key lockstep cannot write through without waiting
 --   LSD07  the target is already written by another job
 --   LSD08  a job's query calls a volatile function
+--   LSD09  a chain of derived jobs would form a cycle (a job would read its own target)
 --   LSQ01  keys of the wrong type for the job's parent key
 --   LSQ02  a watched key column that does not lead to the parent (a foreign key to another table; with
 --          through, no foreign key to the through table)
@@ -34,7 +35,7 @@ comment on schema lockstep is
 
 -- types ---------------------------------------------------------------------------------------------------
 
--- what every public entry point returns. outcome: done | idle | busy | not_due | backoff | failed;
+-- what every public entry point returns. outcome: done | idle | busy | not_due | backoff | failed | paused;
 -- skipped: parent keys left for later; write_ms: the phase that holds row locks; more: keys left ready.
 create type lockstep.result as (
     outcome     text,
@@ -90,7 +91,7 @@ create type lockstep._diff_counts as (
 
 -- tables --------------------------------------------------------------------------------------------------
 
--- the registry: one row per job, written only by define_* and drop_job. Functions are stored as
+-- the registry: one row per job, written only by define_*, drop_job, pause and resume. Functions are stored as
 -- regprocedure text: pg_upgrade refuses user tables with regprocedure columns.
 create table lockstep.job (
     job             text primary key,
@@ -115,6 +116,10 @@ create table lockstep.job (
     owner           name not null default current_user,
     created_at      timestamptz not null default now(),
     updated_at      timestamptz not null default now(),
+    -- lockstep.pause / lockstep.resume: while paused_at is set, run(), work() and recompute() write nothing
+    -- and return outcome paused; triggers keep queueing (15_controls.sql)
+    paused_at       timestamptz,
+    paused_by       name,
     check (job <> ''),
     check (lock_group <> ''),
     check ((kind = 'job') = (call is not null)),

@@ -225,6 +225,7 @@ comment on function lockstep._restore_state(lockstep.job) is
 
 -- lockstep.run(job): what the runner calls. Runs whatever part of the job is due: a generic job's
 -- function; a derived job's recompute if due or flagged, else a worker pass over up to batch_parents keys.
+-- A paused job (lockstep.pause): outcome paused, nothing written, its status row untouched.
 -- locks: nothing while looking for work (but the group lock, try, when its status row is gone); then as
 -- lockstep._call, lockstep.recompute or lockstep.work.
 create or replace function lockstep.run(job text) returns lockstep.result
@@ -241,6 +242,9 @@ declare
     r lockstep.result;
 begin
     perform lockstep._check_isolation('lockstep.run()');
+    if j.paused_at is not null then  -- lockstep.pause (15_controls.sql): nothing written
+        return lockstep._paused(j, case when j.kind = 'job' then 'call' else 'recompute' end);
+    end if;
     select * into s from lockstep.job_state st where st.job = j.job;
     if not found then
         s := lockstep._restore_state(j);

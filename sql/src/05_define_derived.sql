@@ -527,7 +527,8 @@ comment on function lockstep._dry_run(regprocedure, regtype) is
 
 -- lockstep.define_derived(...): register or update a derived table: compute(keys) returns the rows of the
 -- parents in keys (NULL: all) in the target's shape; without a parent, only whole-table recomputes.
--- locks: the job's registry row (insert or update).
+-- locks: the advisory lock (lockstep, define), until the transaction ends (lockstep._check_target_free);
+-- then the job's registry row (insert or update).
 create or replace function lockstep.define_derived(job text, target regclass, compute regprocedure default null,
                                         parent regclass default null, parent_column name default null,
                                         lock_group text default null, every interval default '1 minute',
@@ -562,6 +563,7 @@ begin
     perform lockstep._callable(compute, 1);
     perform lockstep._dry_run(compute, v_par.key_type);
     perform lockstep._check_watchers(job, parent, v_par.key_type);
+    perform lockstep._check_cycle(job, target, null);  -- LSD09 (10_graph.sql)
     perform lockstep._check_parent_delete(target, parent);  -- LSD04 refusals, then warnings
     perform lockstep._warn_index(target, v_par.parent_column);
     perform lockstep._warn_unique(target, parent);

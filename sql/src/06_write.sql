@@ -991,6 +991,8 @@ begin
         d := lockstep._load_rest(j, j.batch_parents);
         p := lockstep._write_steps(j, d, true);
         p.handed_off := d.rest;  -- rows still in the rest table (-1: none)
+    elsif j.kind = 'preview' then  -- lockstep.preview: the difference only, nothing written (15_controls.sql)
+        return lockstep._preview_diff(j, keys);
     else
         p := lockstep._write(j, keys, queued_from);  -- it leaves the work tables empty (a failed call: rolled back)
     end if;

@@ -542,7 +542,8 @@ comment on function lockstep._cure(lockstep.job, boolean) is
     ' still queued keep their attempts, due at once). Locks: the job''s key_failure rows (updated, '
     'deleted), then the queue entries of keys that do not read back.';
 
--- lockstep.recompute(job): full recompute now, even if not due (and even during a failure backoff).
+-- lockstep.recompute(job): full recompute now, even if not due (and even during a failure backoff); a paused
+-- job (lockstep.pause): outcome paused, nothing written.
 -- locks: as lockstep._recompute.
 create or replace function lockstep.recompute(job text) returns lockstep.result
 language plpgsql
@@ -552,9 +553,15 @@ set datestyle = 'ISO, YMD'
 set intervalstyle = 'postgres'
 set extra_float_digits = 1
 as $$
+declare
+    j lockstep.job;
 begin
     perform lockstep._check_isolation('lockstep.recompute()');
-    return lockstep._recompute(lockstep._job(job, 'derived'), false);
+    j := lockstep._job(job, 'derived');
+    if j.paused_at is not null then  -- lockstep.pause (15_controls.sql): nothing written
+        return lockstep._paused(j, 'recompute');
+    end if;
+    return lockstep._recompute(j, false);
 end;
 $$;
 comment on function lockstep.recompute(text) is

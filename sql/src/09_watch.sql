@@ -615,7 +615,8 @@ $$;
 -- lockstep.watch(job, source, key_column, through, through_column, via): create the triggers that enqueue
 -- source.key_column for job (and flag it on truncate) on source and every table below it; re-running
 -- replaces them. With through, source is one hop below the parent (lockstep._watch_through).
--- locks: source and the tables below it (DROP / CREATE TRIGGER) through lockstep._ddl, never more than
+-- locks: the advisory lock (lockstep, define), until the transaction ends (lockstep._check_cycle); then
+-- source and the tables below it (DROP / CREATE TRIGGER) through lockstep._ddl, never more than
 -- 100 ms at a time (55P03 after ~10 s); then, if source was not watched for job on that column, appends a
 -- lockstep.recompute_flag row.
 create or replace function lockstep.watch(job text, source regclass, key_column name,
@@ -654,6 +655,7 @@ begin
                   hint = 'The job writes this table: its own writes would queue its parents again, for ever. '
                          'watch the tables compute reads.';
     end if;
+    perform lockstep._check_cycle(j.job, null, source);  -- LSD09 (10_graph.sql)
     select a.atttypid into v_type from pg_catalog.pg_attribute a
     where a.attrelid = source and a.attname = key_column and a.attnum > 0 and not a.attisdropped;
     if v_type is null then

@@ -696,7 +696,8 @@ end;
 $$;
 
 -- lockstep.work(job, batch): one incremental pass over up to batch queued parents (NULL, the default: the
--- job's batch_parents, as lockstep.run(); a larger batch is the caller's explicit choice).
+-- job's batch_parents, as lockstep.run(); a larger batch is the caller's explicit choice). A paused job
+-- (lockstep.pause): outcome paused, nothing written.
 -- locks: as lockstep._work.
 create or replace function lockstep.work(job text, batch integer default null) returns lockstep.result
 language plpgsql
@@ -715,6 +716,9 @@ begin
             using errcode = '22023';
     end if;
     j := lockstep._queue_job(job);
+    if j.paused_at is not null then  -- lockstep.pause (15_controls.sql): nothing written
+        return lockstep._paused(j, 'work');
+    end if;
     -- its status row deleted by hand: made again, as run() does
     if not exists (select from lockstep.job_state s where s.job = j.job)
        and (lockstep._restore_state(j)).job is null then

@@ -99,7 +99,11 @@ select j.job,
            as trigger_problem,
        lockstep._queue_lag(j.job) as queue_lag,
        -- its flags held since a recompute met poison parents, until cured, the next periodic recompute or retry
-       s.recompute_poisoned_at as recompute_held_since
+       s.recompute_poisoned_at as recompute_held_since,
+       -- lockstep.pause: when and by whom (NULL: not paused); depends_on: the jobs whose targets it reads
+       j.paused_at,
+       j.paused_by,
+       array(select d.depends_on from lockstep._deps() d where d.job = j.job order by 1) as depends_on
 from lockstep.job j
 -- a status row deleted by hand: the job is shown (and due) to the roles that manage it
 left join lockstep.job_state s on s.job = j.job
@@ -127,6 +131,8 @@ from lockstep.key_failure f;
 
 -- lockstep.due(jobs, gather): when each job next has something to do (the runner's one query per tick);
 -- jobs: these names (NULL: all); gather: ready keys wait that long after a pass that left no backlog.
+-- Paused jobs (lockstep.pause) are never due ('infinity'). Ordered by depth in the graph of derived jobs
+-- (lockstep._depths, 10_graph.sql), then by due time: a tick runs a job after the jobs whose targets it reads.
 create or replace function lockstep.due(jobs text[] default null, gather interval default null)
 returns table (job text, lock_group text, due_at timestamptz)
 language sql stable
@@ -134,6 +140,7 @@ set search_path = pg_catalog, pg_temp
 set jit = off  -- lockstep._no_jit_note (03_helpers.sql)
 as $$
     select j.job, j.lock_group,
+           case when j.paused_at is not null then 'infinity'::timestamptz else  -- lockstep.pause: never due
            least(s.next_run_at,
                  case when s.job is null then now() end,  -- its status row deleted by hand: run() makes it again
                  case when j.kind = 'derived' and lockstep._flag_due(s) then now() end,
@@ -151,11 +158,12 @@ as $$
                          and exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true
                                      and (not f.parked or q.id > f.failed_upto))) end,  -- as lockstep._claim
                  case when j.parent is not null then
-                      case when s.deferred_until > now() then s.deferred_until end end)
+                      case when s.deferred_until > now() then s.deferred_until end end) end
     from lockstep.job j
     left join lockstep.job_state s on s.job = j.job  -- a row deleted by hand, as in lockstep.status
+    left join lockstep._depths() d on d.job = j.job  -- 10_graph.sql
     where (jobs is null or j.job = any(jobs)) and (s.job is not null or lockstep._state_gone(j.owner))
-    order by 3, 1;
+    order by coalesce(d.depth, 0), 3, 1;
 $$;
 comment on function lockstep.due(text[], interval) is
     'When each job next has something to do (the runner''s one query per tick); jobs: these names (NULL: '

@@ -306,3 +306,22 @@ def test_the_documented_viewer_role_reads_every_section(ex, example_dsn, make_ro
             else:
                 raise AssertionError(f"the viewer could run {stmt!r}")
     assert ex.execute("select count(*) from lockstep.queue").fetchone()[0] > 0
+
+
+def test_a_paused_job_and_a_chain_show_on_the_page(ex):
+    """lockstep.pause: paused since, by whom (its due_at is infinity); a job that watches another job's
+    target: the jobs it runs after."""
+    ex.execute(
+        "create table public.exam_count (n bigint not null,"
+        " exam_id bigint primary key references example.exam on delete cascade);"
+        " create function public.exam_counts(ids bigint[]) returns table (exam_id bigint, n bigint)"
+        " language sql as $$ select k.exam_id, count(*) from example.exam_key k"
+        " where ids is null or k.exam_id = any(ids) group by 1 $$;"
+        " select lockstep.define_derived('counts', 'public.exam_count', 'public.exam_counts(bigint[])',"
+        " 'example.exam', every => '1 day');"
+        " select lockstep.watch('counts', 'example.exam_key', 'exam_id');"
+        " select lockstep.pause('exam_keys');"
+    )
+    html = web.render(web.collect(ex, web.Sampler()), 5)
+    assert html.count('class="flag paused"') == 1 and "paused since" in html
+    assert '<div class="depends-on muted">after exam_keys</div>' in html
