@@ -125,6 +125,8 @@ drop function if exists lockstep.resume(text);
 drop function if exists lockstep._paused(lockstep.job, text);
 drop function if exists lockstep._check_controls(lockstep.job, text);
 drop function if exists lockstep._deps();
+drop function if exists lockstep._watch_rels();
+drop function if exists lockstep._wal_watches();
 drop function if exists lockstep._depths();
 drop function if exists lockstep._dep_path(text, text);
 drop function if exists lockstep._check_cycle(text, regclass, regclass);

@@ -280,7 +280,8 @@ end;
 $$;
 comment on function lockstep.run(text) is
     'What the runner calls. Runs whatever part of the job is due: a generic job''s function; a derived '
-    'job''s recompute if due or flagged, else a worker pass over up to batch_parents keys. Locks: nothing'
+    'job''s recompute if due or flagged, else a worker pass over up to batch_parents keys; a paused job: '
+    'outcome paused, nothing written. Locks: nothing'
     ' while looking for work (but the group lock, try, when its status row is gone); then as '
     'lockstep._call, lockstep.recompute or lockstep.work.';
 

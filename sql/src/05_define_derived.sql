@@ -575,7 +575,8 @@ comment on function lockstep.define_derived(text, regclass, regprocedure, regcla
                                            text, text) is
     'Register or update a derived table: compute(keys) returns the rows of the parents in keys (NULL: '
     'all) in the target''s shape, or query returns them and lockstep writes that function; without a parent, '
-    'only whole-table recomputes. Locks: the job''s registry row (insert or update).';
+    'only whole-table recomputes; LSD09 if it would close a cycle of derived jobs. Locks: the advisory '
+    'lock (lockstep, define) until the transaction ends, then the job''s registry row (insert or update).';
 
 -- lockstep._drift(j): for a failed run of a derived job, what no longer holds of its definition; NULL if
 -- all holds or the caller may not look.

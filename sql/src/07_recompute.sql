@@ -565,7 +565,8 @@ begin
 end;
 $$;
 comment on function lockstep.recompute(text) is
-    'Full recompute now, even if not due (and even during a failure backoff). Locks: as '
+    'Full recompute now, even if not due (and even during a failure backoff); a paused job: outcome '
+    'paused, nothing written. Locks: as '
     'lockstep._recompute.';
 
 -- lockstep.set_batch_parents(job, batch_parents): parents written per transaction (default 500) by a

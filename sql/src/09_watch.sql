@@ -738,7 +738,8 @@ $$;
 comment on function lockstep.watch(text, regclass, name, regclass, name, text) is
     'Create the triggers that enqueue source.key_column for job (and flag it on truncate) on source and '
     'every table below it; re-running replaces them. With through, source is one hop below the parent '
-    '(lockstep._watch_through). Locks: source and the tables below it (DROP / CREATE TRIGGER) through '
+    '(lockstep._watch_through); LSD09 if it would close a cycle of derived jobs. Locks: the advisory lock '
+    '(lockstep, define) until the transaction ends; then source and the tables below it (DROP / CREATE TRIGGER) through '
     'lockstep._ddl, never more than 100 ms at a time (55P03 after ~10 s); then, if source was not watched'
     ' for job on that column, appends a lockstep.recompute_flag row.';
 

@@ -729,7 +729,8 @@ end;
 $$;
 comment on function lockstep.work(text, integer) is
     'One incremental pass over up to batch queued parents (NULL, the default: the job''s batch_parents, '
-    'as lockstep.run(); a larger batch is the caller''s explicit choice). Locks: as lockstep._work.';
+    'as lockstep.run(); a larger batch is the caller''s explicit choice); a paused job: outcome paused, '
+    'nothing written. Locks: as lockstep._work.';
 
 -- lockstep._end_backoff(j, whole): end the job's failure backoff, if it is in one; for a retry of the whole
 -- job (whole), the recompute flags held since a poisoned recompute count again.

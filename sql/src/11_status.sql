@@ -167,4 +167,5 @@ as $$
 $$;
 comment on function lockstep.due(text[], interval) is
     'When each job next has something to do (the runner''s one query per tick); jobs: these names (NULL: '
-    'all); gather: ready keys wait that long after a pass that left no backlog. Locks: nothing.';
+    'all); gather: ready keys wait that long after a pass that left no backlog. A paused job is never due '
+    '(infinity); a job comes after the jobs whose targets it reads (lockstep._depths). Locks: nothing.';

@@ -18,6 +18,9 @@ begin
 end;
 $$;
 
+comment on function lockstep._check_controls(lockstep.job, text) is
+    'The current role may pause or resume j (lockstep._may_manage), else 42501. Locks: none.';
+
 -- lockstep._paused(j, action): the result of a call of a paused job (outcome paused, nothing written), or
 -- NULL when j is not paused. run(), work() and recompute() return it before anything else.
 -- locks: nothing.
@@ -32,6 +35,10 @@ begin
     return lockstep._result('paused', j.job, action);
 end;
 $$;
+
+comment on function lockstep._paused(lockstep.job, text) is
+    'The result of a call of a paused job (outcome paused), or NULL when j is not paused. Locks: '
+    'none.';
 
 -- lockstep.pause(job): stop lockstep from writing for job until lockstep.resume(job). run(), work() and
 -- recompute() then return outcome paused and write nothing; lockstep.due() never calls the job due, so
@@ -55,6 +62,11 @@ begin
     return v;
 end;
 $$;
+
+comment on function lockstep.pause(text) is
+    'Stop lockstep from writing for job until lockstep.resume: run, work and recompute return paused, '
+    'due() never calls it due, triggers keep queueing. Returns paused_at. Locks: the job''s registry '
+    'row.';
 
 -- lockstep.resume(job): undo lockstep.pause(job). A derived job is also flagged for its full recompute
 -- (lockstep.recompute_flag): the keys queued meanwhile are worked as usual, and the recompute catches what
@@ -82,6 +94,10 @@ begin
     return true;
 end;
 $$;
+
+comment on function lockstep.resume(text) is
+    'Undo lockstep.pause: a derived job is flagged for its full recompute. Returns whether it was '
+    'paused. Locks: the job''s registry row, then an append to lockstep.recompute_flag.';
 
 -- lockstep._preview_diff(j, keys): the owner's part of lockstep.preview (lockstep._apply, j.kind =
 -- 'preview'): the difference lockstep._diff computes for keys (NULL: the whole table), summed up per parent
@@ -114,6 +130,10 @@ begin
 end;
 $$;
 
+comment on function lockstep._preview_diff(lockstep.job, text[]) is
+    'As j''s owner (lockstep._apply, kind preview): lockstep._diff for keys, summed per parent and '
+    'action, as JSON rows in p.errors. Locks: no row locks; writes only pg_temp work tables.';
+
 -- lockstep._preview(j, keys): lockstep.preview for keys in canonical text (NULL: the whole table). The
 -- difference is computed as the job's owner (lockstep._apply, as a run computes it), in a subtransaction
 -- rolled back before this returns: the work tables, the temporary objects and the role are as before.
@@ -144,6 +164,10 @@ begin
 end;
 $$;
 
+comment on function lockstep._preview(lockstep.job, text[]) is
+    'lockstep.preview for keys as text (NULL: all), in a subtransaction rolled back before it '
+    'returns. Locks: no row locks, and none left.';
+
 -- lockstep.preview(job, keys): what a recompute of job (keys NULL) or a worker pass over keys would change,
 -- without changing it: one row per changed parent and action (insert, update, delete) with its count of
 -- target rows, in key order. For a job without a parent (no keys then), key is the row's primary key. The
@@ -160,3 +184,8 @@ as $$
     select * from lockstep._preview(lockstep._job(job, 'derived'),
                                     case when keys is not null then lockstep._keys_text(lockstep._queue_job(job), keys) end);
 $$;
+
+comment on function lockstep.preview(text, anyarray) is
+    'What a recompute (keys NULL) or a pass over keys would write: one row per changed parent and '
+    'action with its rows, computed as the job''s owner; nothing written. Locks: no row locks, and '
+    'none left.';

@@ -215,7 +215,7 @@ def test_a_chain_of_two_jobs_converges_under_application_writes_with_two_runners
             )
     app.execute("delete from example.exam where id in (190, 191)")
     wait_for(
-        lambda: divergence(ex) == (0, 0) and chain_wrong(ex) == 0, timeout=60, what="the chain converged"
+        lambda: divergence(ex) == (0, 0) and chain_wrong(ex) == 0, timeout=120, what="the chain converged"
     )
     for r in (a, b):
         r.signal(signal.SIGTERM)
