@@ -767,7 +767,12 @@ def _verify_text(r) -> str:  # lockstep.db.Verified
 @main.command()
 @click.argument("job")
 @dsn_option
-@option("--keys", "keys", multiple=True, metavar="KEY", help="Only these parents (repeatable); default: all.")
+@option(
+    "--keys",
+    multiple=True,
+    metavar="K1,K2,...",
+    help="Only these parents (comma-separated, repeatable; cast to the job's key type) [default: all].",
+)
 @option(
     "--limit", type=click.IntRange(min=0), default=5, show_default=True, help="Example parents per action."
 )
@@ -783,7 +788,7 @@ def diff(job: str, dsn: str | None, keys: tuple[str, ...], limit: int, json: boo
 
     _setup_logging(level=log_level(logging.WARNING))
     with _connect(dsn, "lockstep-diff") as conn:
-        rows = db.preview(conn, job, list(keys) or None)
+        rows = db.preview(conn, job, _split_keys(keys))
     s = controls.summary(rows, limit)
     if json:
         _echo_json({"job": job, **s})

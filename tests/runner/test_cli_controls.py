@@ -43,7 +43,7 @@ def test_diff_shows_the_changed_parents_with_totals_and_writes_nothing(ex, examp
     text = cli(example_dsn, "diff", JOB)
     assert text.returncode == 0, text.stderr
     assert "50 parent(s) would change" in text.stdout and "insert:" in text.stdout
-    keys = cli(example_dsn, "diff", JOB, "--keys", "3", "--keys", "60", "--json")
+    keys = cli(example_dsn, "diff", JOB, "--keys", "3,60", "--keys", "61", "--json")
     assert json.loads(keys.stdout)["parents"] == 1, keys.stderr
     bad = cli(example_dsn, "diff", "nope")
     assert bad.returncode != 0 and "LSJ01" in bad.stderr + bad.stdout
