@@ -331,3 +331,30 @@ def test_a_cycle_is_refused_at_define_time_with_its_path(conn):
     with raises_sqlstate("LSD09", match=r"a -> b -> a"):  # a writing q, which b reads
         conn.execute("select lockstep.define_derived('a', 'q', 'a_c(int[])', 'p', every => '1 day')")
     assert snapshot(conn) == before
+
+
+def test_a_redefinition_keeps_the_pause_so_a_new_compute_can_be_previewed_first(ex):
+    """Pause, deploy a new compute, preview what it would change, then resume: nothing is written before."""
+    ex.execute("select lockstep.pause(%s)", [JOB])
+    ex.execute(
+        "create function example.upper_keys(ids bigint[])"
+        " returns table (exam_id bigint, key text, weight integer) language sql"
+        " as $$ select k.exam_id, upper(k.key), k.weight from example.exam_key_compute(ids) k $$"
+    )
+    ex.execute(
+        "select lockstep.define_derived(%s, 'example.exam_key', 'example.upper_keys(bigint[])',"
+        " parent => 'example.exam', parent_column => 'exam_id', every => '1 day')",
+        [JOB],
+    )
+    assert ex.execute("select paused_at is not null from lockstep.status where job = %s", [JOB]).fetchone()[0]
+    actions = dict(
+        ex.execute("select action, count(*) from lockstep.preview(%s) group by 1", [JOB]).fetchall()
+    )
+    assert actions["insert"] == actions["delete"] == 200  # every key changes case: new rows, old ones go
+    assert result(ex, f"lockstep.run('{JOB}')")["outcome"] == "paused"
+    assert ex.execute("select count(*) from example.exam_key where key <> lower(key)").fetchone()[0] == 0
+    ex.execute("select lockstep.resume(%s)", [JOB])
+    ex.execute("select lockstep.set_batch_parents(%s, 1000)", [JOB])
+    r = result(ex, f"lockstep.run('{JOB}')")
+    assert (r["outcome"], r["action"]) == ("done", "recompute")
+    assert ex.execute("select count(*) from lockstep.preview(%s)", [JOB]).fetchone()[0] == 0
