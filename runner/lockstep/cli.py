@@ -24,6 +24,7 @@ import importlib
 import json as jsonlib
 import logging
 import shlex
+import sys
 from datetime import UTC, datetime
 from typing import Any
 
@@ -835,7 +836,7 @@ def resume(job: str, dsn: str | None, json: bool) -> None:
 @main.command()
 @click.argument("job")
 @dsn_option
-@option("--json", is_flag=True, help="Print the end result as JSON (progress still goes to stderr).")
+@option("--json", is_flag=True, help="Print the end result as JSON (the progress goes to stderr then).")
 @log_options
 def backfill(job: str, dsn: str | None, json: bool) -> None:
     """Recompute JOB now and work its hand-off to the end, showing progress (a bar on a terminal, else a
@@ -845,7 +846,7 @@ def backfill(job: str, dsn: str | None, json: bool) -> None:
 
     _setup_logging(level=log_level(logging.WARNING))
     with _connect(dsn, "lockstep-backfill") as conn:
-        out = controls.run_backfill(conn, job)
+        out = controls.run_backfill(conn, job, sys.stderr if json else sys.stdout)
     p = out.progress
     if json:
         _echo_json({"job": job, "state": out.state, "done": p.done, "total": p.total, "passes": p.passes,

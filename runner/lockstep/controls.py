@@ -201,7 +201,7 @@ def reporter(stream: TextIO, job: str) -> tuple[Callable[[Progress], None], Call
     return report_line, lambda: None
 
 
-def run_backfill(conn: psycopg.Connection, job: str, stream: TextIO = sys.stderr) -> Outcome:
+def run_backfill(conn: psycopg.Connection, job: str, stream: TextIO = sys.stdout) -> Outcome:
     """``lockstep backfill``: the backfill with its progress on ``stream``, stopping cleanly on Ctrl-C."""
     report, close = reporter(stream, job)
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pty
+import re
 import signal
 import subprocess
 import sys
@@ -85,12 +86,14 @@ def test_backfill_shows_progress_lines_and_converges(ex, example_dsn):
     ex.execute("delete from lockstep.queue")
     p = cli(example_dsn, "backfill", JOB)
     assert p.returncode == 0, p.stderr
-    lines = [x for x in p.stderr.splitlines() if x.startswith(f"backfill {JOB}:")]
+    lines = [x for x in p.stdout.splitlines() if x.startswith(f"backfill {JOB}:")]
     assert lines and "parents done" in lines[-1] and "to do" in lines[-1] and "ETA" in lines[-1]
     assert lines[-1].startswith(f"backfill {JOB}: 200/200 parents done, 0 to do")
-    assert "backfill done: 200 parents" in p.stdout
+    assert re.fullmatch(rf"{JOB}: backfill done: 200 parents in \d+ passes", p.stdout.splitlines()[-1])
     assert divergence(ex) == (0, 0)
     assert ex.execute("select count(*) from lockstep.queue").fetchone()[0] == 0
+    j = cli(example_dsn, "backfill", JOB, "--json")  # the progress goes to stderr then
+    assert j.returncode == 0 and json.loads(j.stdout)["state"] == "done", j.stderr
 
 
 def test_backfill_stops_cleanly_between_batches_on_sigint(ex, example_dsn):
@@ -110,8 +113,8 @@ def test_backfill_stops_cleanly_between_batches_on_sigint(ex, example_dsn):
         stderr=subprocess.PIPE,
         text=True,
     )
-    assert proc.stderr is not None
-    first = proc.stderr.readline()
+    assert proc.stdout is not None
+    first = proc.stdout.readline()
     assert first.startswith(f"backfill {JOB}:"), first
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
@@ -152,20 +155,20 @@ def test_backfill_on_a_terminal_draws_a_progress_bar(ex, example_dsn):
     try:
         proc = subprocess.Popen(
             [sys.executable, "-m", "lockstep", "backfill", JOB, "--dsn", example_dsn],
-            stdout=subprocess.PIPE,
-            stderr=slave,
+            stdout=slave,
+            stderr=subprocess.PIPE,
             text=True,
         )
         os.close(slave)
-        out, _ = proc.communicate(timeout=120)
+        _, err = proc.communicate(timeout=120)
         reader.join(timeout=30)
     finally:
         os.close(master)
     text = b"".join(chunks).decode("utf-8", "replace")
-    assert proc.returncode == 0, text
+    assert proc.returncode == 0, text + err
     assert "backfill exam_keys" in text and "200/200" in text and "\u2501" in text  # rich's bar
     assert "parents done" not in text  # the plain lines are for non-terminals
-    assert "backfill done: 200 parents" in out
+    assert "backfill done: 200 parents" in text
     assert divergence(ex) == (0, 0)
 
 
