@@ -67,6 +67,7 @@ class Progress:
     done: int = 0
     total: int = 0
     passes: int = 0
+    rows: int = 0  # target rows written (inserted, updated, deleted)
     started: float = field(default_factory=time.monotonic)
 
     @property
@@ -81,11 +82,19 @@ class Progress:
         rate = self.rate()
         return self.todo / rate if rate > 0 else None
 
+    def add(self, r: db.Result) -> None:
+        """Count a run that did something."""
+        if r.outcome == "done":
+            self.passes += 1
+            self.rows += (r.inserted or 0) + (r.updated or 0) + (r.deleted or 0)
+
     def line(self) -> str:
+        if self.total == 0:  # nothing handed off: the whole difference was one batch
+            return f"the whole difference in one pass: {self.rows} rows written ({self.passes} passes)"
         eta = self.eta()
         return (
             f"{self.done}/{self.total} parents done, {self.todo} to do, {self.rate():.0f} parents/s,"
-            f" ETA {'-' if eta is None else f'{eta:.0f} s'} ({self.passes} passes)"
+            f" ETA {'-' if eta is None else f'{eta:.0f} s'} ({self.rows} rows, {self.passes} passes)"
         )
 
 
@@ -137,10 +146,15 @@ def backfill(
     is left to do. ``report`` is called after every pass."""
     p = Progress()
     r = db.recompute(conn, job)
+    while r.outcome == "busy":  # another run of its lock group: the recompute waits its turn
+        if stopper.stopping:
+            return Outcome("interrupted", p)
+        time.sleep(BUSY_WAIT)
+        r = db.recompute(conn, job)
     if r.outcome in ("paused", "failed"):
         return Outcome(r.outcome, p, r.error)
-    p.passes += r.outcome == "done"
-    _refresh(conn, job, p)  # a difference that fit in one batch hands nothing off: 0/0, done
+    p.add(r)
+    _refresh(conn, job, p)
     report(p)
     while not stopper.stopping:
         if r.outcome == "busy":
@@ -148,8 +162,7 @@ def backfill(
         r = db.run_job(conn, job)
         if r.outcome in ("paused", "failed"):
             return Outcome(r.outcome, p, r.error)
-        if r.outcome == "done":
-            p.passes += 1
+        p.add(r)
         _refresh(conn, job, p)
         report(p)
         if r.outcome in ("idle", "not_due", "backoff") and p.todo == 0:

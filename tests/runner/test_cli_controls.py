@@ -224,3 +224,11 @@ def test_a_chain_of_two_jobs_converges_under_application_writes_with_two_runners
         r.signal(signal.SIGTERM)
         assert r.wait() == 0
         assert "Traceback" not in r.stderr and "40P01" not in r.stderr and " ERROR " not in r.stderr, r.stderr
+
+
+def test_backfill_of_a_difference_that_fits_in_one_batch_says_so(ex, example_dsn):
+    change_exams(ex, range(1, 4))
+    p = cli(example_dsn, "backfill", JOB)
+    assert p.returncode == 0, p.stderr
+    assert f"backfill {JOB}: the whole difference in one pass:" in p.stdout
+    assert divergence(ex) == (0, 0)
