@@ -217,9 +217,16 @@ def test_a_chain_of_two_jobs_converges_under_application_writes_with_two_runners
                 "insert into example.exam_item (exam_id, body) values (%s, 'extra words here')", [i + 1]
             )
     app.execute("delete from example.exam where id in (190, 191)")
-    wait_for(
-        lambda: divergence(ex) == (0, 0) and chain_wrong(ex) == 0, timeout=120, what="the chain converged"
-    )
+    try:
+        wait_for(lambda: divergence(ex) == (0, 0) and chain_wrong(ex) == 0, timeout=120, what="convergence")
+    except AssertionError as exc:  # say where it stands, and what the runners said
+        state = ex.execute(
+            "select job, queue_depth, last_outcome, last_error from lockstep.status"
+        ).fetchall()
+        raise AssertionError(
+            f"{exc}: divergence {divergence(ex)}, chain {chain_wrong(ex)}, status {state}\n"
+            + "\n".join(r.stderr[-3000:] for r in (a, b))
+        ) from exc
     for r in (a, b):
         r.signal(signal.SIGTERM)
         assert r.wait() == 0
