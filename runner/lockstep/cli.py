@@ -610,7 +610,8 @@ def status(
     """Show lockstep.status, one line per job within 100 columns (--wide, --json: every column).
 
     Exit 0 healthy; 1 when a job is failing, has parked keys, is flagged for a full recompute or has a
-    key queued longer than --max-lag; 3 no server answered; 4 no lockstep schema (or database, role).
+    key queued longer than --max-lag, or the WAL capture's slot holds more WAL than its bound
+    (lockstep.capture_status); 3 no server answered; 4 no lockstep schema (or database, role).
     --history: the newest runs of lockstep.run_log, oldest first (exit 0)."""
     from lockstep import db
     from lockstep import status as st
@@ -623,6 +624,7 @@ def status(
         raise click.UsageError("--job goes with --history")
     with _connect(dsn, "lockstep-status") as conn:
         rows = db.status(conn)
+        capture = db.capture_problem(conn)
         # none at all is not a visibility problem (that message sent a user after grants)
         hidden = not rows and db.job_count(conn) > 0
         empty = st.no_jobs(conn.info.user) if hidden else "no jobs defined"
@@ -635,9 +637,9 @@ def status(
         # grant, SELECT on lockstep.viewer, saw none and exited 0 while a job was failing)
         click.echo(f"Error: {empty}: nothing to check", err=True)
         raise SystemExit(codes.EXIT_SETUP)
-    for line in st.reasons(rows, max_lag):
+    for line in st.reasons(rows, max_lag) + ([capture] if capture else []):
         click.echo(line, err=True)
-    raise SystemExit(st.exit_code(rows, max_lag))
+    raise SystemExit(max(st.exit_code(rows, max_lag), 1 if capture else 0))
 
 
 @main.command()

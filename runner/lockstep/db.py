@@ -267,6 +267,26 @@ def status(conn: psycopg.Connection) -> list[dict]:
         return cur.execute("select * from lockstep.status order by job").fetchall()
 
 
+def capture_problem(conn: psycopg.Connection) -> str | None:
+    """Why the WAL capture is unhealthy (lockstep.capture_status.healthy false), or None: healthy, nothing
+    watched through the WAL, or a schema or role that cannot see it."""
+    try:
+        with conn.transaction():
+            row = conn.execute(
+                "select healthy, slot, wal_status, retained_bytes, capture_unhealthy_bytes"
+                " from lockstep.capture_status"
+            ).fetchone()
+    except (psycopg.errors.UndefinedTable, psycopg.errors.InsufficientPrivilege):
+        return None
+    if row is None or row[0]:
+        return None
+    healthy, slot, wal_status, held, bound = row
+    return (
+        f"capture: slot {slot} ({wal_status or 'missing'}) holds {held} bytes of WAL, bound {bound}"
+        " (lockstep.capture_status; is a runner capturing?)"
+    )
+
+
 def queue_depths(conn: psycopg.Connection) -> dict[str, tuple[int, int]]:
     """job -> (queue depth, parked keys)."""
     rows = conn.execute("select job, queue_depth, parked_keys from lockstep.status").fetchall()

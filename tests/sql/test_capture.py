@@ -5,6 +5,8 @@ refusals, and nothing retained for ever."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pg_cluster
@@ -276,7 +278,7 @@ def test_unwatch_and_drop_job_remove_the_publication_and_the_slot_when_nothing_u
     assert capture(c)["outcome"] == "idle"
 
 
-def test_past_its_bounds_the_slot_is_unhealthy_then_recreated_and_the_jobs_flagged(c):
+def test_past_its_bounds_the_slot_is_unhealthy_then_recreated_and_the_jobs_flagged(c, wdsn):
     with raises_sqlstate("22023"):
         c.execute("select lockstep.set_capture_bounds(10, 5)")
     c.execute("select lockstep.set_capture_bounds(1, 1024 * 1024 * 1024)")
@@ -287,6 +289,14 @@ def test_past_its_bounds_the_slot_is_unhealthy_then_recreated_and_the_jobs_flagg
     assert r["flagged"] == 1
     assert c.execute("select recreated from lockstep.capture_status").fetchone()[0] == 1
     assert "it was recreated" in flags(c)[0]
+    # lockstep status says so, and exits 1
+    p = subprocess.run(
+        [sys.executable, "-m", "lockstep", "status", "--dsn", wdsn],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert p.returncode == 1 and "capture: slot" in p.stderr, p.stderr
     c.execute("select lockstep.set_capture_bounds(256 * 1024 * 1024, 1024 * 1024 * 1024)")
     assert c.execute("select healthy from lockstep.capture_status").fetchone()[0] is True
     converge(c)
