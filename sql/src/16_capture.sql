@@ -478,7 +478,8 @@ $$;
 -- further: a capture that rolled back recorded nothing, so its changes are read again); the slot created,
 -- or recreated when it holds more WAL than lockstep.setting.capture_max_bytes (the jobs flagged for their
 -- full recompute); the changes read without consuming them (lockstep._capture_read); the LSN read up to
--- recorded in lockstep.capture_state, in this transaction. outcome: done (read or flagged something), idle
+-- recorded in lockstep.capture_state, in this transaction (with no watched change read, the slot is
+-- advanced at once instead, and nothing written: an idle capture writes no WAL). outcome: done (read or flagged something), idle
 -- (nothing new, or no table watched through the WAL: then the slot and the publication are removed), busy
 -- (another capture is running). Call it in a transaction that has written nothing yet (a slot is created
 -- only there), as the runner does.
@@ -521,7 +522,20 @@ begin
         perform pg_catalog.pg_replication_slot_advance(v_slot, queued_lsn);
     end if;
     v_upto := pg_catalog.pg_current_wal_flush_lsn();  -- decoding reads no further than the WAL flushed
+    retained_bytes := (select pg_catalog.pg_current_wal_lsn() - s.restart_lsn
+                       from pg_catalog.pg_replication_slots s where s.slot_name = v_slot);
+    if v_upto <= greatest(v_confirmed, queued_lsn) then  -- no WAL since: nothing to decode
+        outcome := case when flagged > 0 then 'done' else 'idle' end;
+        return;
+    end if;
     r := lockstep._capture_read(v_slot, v_upto, max_rows);
+    if r.messages = 0 and flagged = 0 then
+        -- no change of a watched table up to v_upto: the slot moves there now, and no row is written (a
+        -- write would be new WAL for the next capture to decode)
+        perform pg_catalog.pg_replication_slot_advance(v_slot, v_upto);
+        outcome := 'idle';
+        return;
+    end if;
     -- fewer messages than asked: every transaction that ended before v_upto was read
     queued_lsn := greatest(v_confirmed, queued_lsn, case when r.messages < max_rows then v_upto else r.last_commit end);
     update lockstep.capture_state s
@@ -533,8 +547,6 @@ begin
         raise warning 'lockstep: the capture flagged % job(s) for a full recompute', r.flagged
             using hint = 'See trigger_problem in lockstep.status.';
     end if;
-    retained_bytes := (select pg_catalog.pg_current_wal_lsn() - s.restart_lsn
-                       from pg_catalog.pg_replication_slots s where s.slot_name = v_slot);
     outcome := case when r.changes > 0 or flagged > 0 then 'done' else 'idle' end;
 end;
 $$;

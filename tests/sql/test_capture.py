@@ -106,15 +106,18 @@ def test_changes_committed_in_any_order_all_arrive(c, wdsn):
 def test_a_capture_that_rolls_back_is_read_again_and_the_slot_does_not_move_past_it(c):
     c.execute("update example.exam_item set body = body || ' x' where exam_id in (2, 9)")
     slot = c.execute("select slot from lockstep.capture_state").fetchone()[0]
-    recorded = c.execute("select queued_lsn from lockstep.capture_state").fetchone()[0]
+    # how far the slot may go: what it has confirmed, or what the last committed capture recorded
+    bound = c.execute(
+        "select greatest(s.confirmed_flush_lsn, c.queued_lsn)"
+        " from pg_replication_slots s, lockstep.capture_state c where s.slot_name = c.slot"
+    ).fetchone()[0]
     c.execute("begin")
     assert capture(c)["keys"] == 2
     c.execute("rollback")  # a capture that failed after its read: nothing of it stays
     assert queued(c) == []
-    # the slot went no further than what the last committed capture recorded
     moved = c.execute(
         "select confirmed_flush_lsn > %s::pg_lsn from pg_replication_slots where slot_name = %s",
-        [recorded, slot],
+        [bound, slot],
     ).fetchone()[0]
     assert moved is False
     # the next capture reads the same changes again
@@ -127,9 +130,10 @@ def test_a_capture_failing_midway_changes_nothing(c):
     c.execute("update example.exam_item set body = body || ' x' where exam_id = 2")
     # a queue insert that fails: the capture's statement is one, so it rolls back whole
     c.execute("alter table lockstep.queue add constraint no_two check (key <> '2')")
+    before = c.execute("select queued_lsn from lockstep.capture_state").fetchone()[0]
     with pytest.raises(psycopg.errors.CheckViolation):
         capture(c)
-    assert c.execute("select queued_lsn from lockstep.capture_state").fetchone()[0] is not None
+    assert c.execute("select queued_lsn from lockstep.capture_state").fetchone()[0] == before
     c.execute("alter table lockstep.queue drop constraint no_two")
     assert capture(c)["keys"] == 1
     assert queued(c) == ["2"]
@@ -309,3 +313,20 @@ def test_the_downgrade_removes_the_slot_and_the_publication(c, wdsn):
         c.execute("select count(*) from pg_replication_slots where slot_name = %s", [slot]).fetchone()[0] == 0
     )
     assert c.execute("select count(*) from pg_publication").fetchone()[0] == 0
+
+
+def test_a_capture_that_finds_no_watched_change_moves_the_slot_and_writes_nothing(c):
+    c.execute("create table public.other (id int)")
+    c.execute("insert into public.other select generate_series(1, 100)")  # not watched
+    lsn = c.execute("select pg_current_wal_flush_lsn()").fetchone()[0]
+    row = c.execute("select xmin::text from lockstep.capture_state").fetchone()[0]
+    assert capture(c)["outcome"] == "idle"
+    assert c.execute("select xmin::text from lockstep.capture_state").fetchone()[0] == row
+    moved = c.execute(
+        "select s.confirmed_flush_lsn >= %s::pg_lsn from pg_replication_slots s, lockstep.capture_state c"
+        " where s.slot_name = c.slot",
+        [lsn],
+    ).fetchone()[0]
+    assert moved is True
+    c.execute("update example.exam_item set body = body || ' x' where exam_id = 2")  # then one watched
+    assert capture(c)["keys"] == 1
