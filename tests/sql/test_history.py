@@ -196,7 +196,7 @@ def test_expired_runs_are_pruned_a_bounded_number_per_run(ex):
 
 def test_retention_settings_refuse_bad_values_and_change_nothing(ex):
     before = ex.execute("select * from lockstep.setting").fetchall()
-    assert before == [(True, dt.timedelta(days=14), 1000)]
+    assert before[0][:3] == (True, dt.timedelta(days=14), 1000)  # the run log's (the capture's follow)
     with raises_sqlstate("22023", match="run_log_keep must be a positive interval") as info:
         ex.execute("select lockstep.set_run_log_retention(keep => '-1 day')")
     assert info.value.diag.message_hint
