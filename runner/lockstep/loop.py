@@ -443,8 +443,10 @@ class Runner:
         try:
             c = db.capture(self.conn)
         except psycopg.Error as exc:
-            if is_transient(exc):
-                raise
+            if is_transient(exc) or (
+                not self.started and getattr(exc, "sqlstate", None) in ("3F000", "42P01")
+            ):
+                raise  # at start-up, no lockstep schema is the runner's own error: exit 4, in one line
             self.any_failed = True
             if held is None:
                 held = self._capture_error = _JobError(until=0.0)
