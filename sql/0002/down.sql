@@ -131,3 +131,12 @@ drop function if exists lockstep._depths();
 drop function if exists lockstep._dep_path(text, text);
 drop function if exists lockstep._check_cycle(text, regclass, regclass);
 alter table lockstep.job drop column paused_at, drop column paused_by;
+alter table lockstep.queue drop constraint if exists queue_finite_times;
+alter table lockstep.recompute_flag alter column flagged_at set default now(),
+    drop constraint if exists recompute_flag_finite_time;
+-- functions new in 0002 (0001's _safe_key_type, installed again, reads the catalogs itself)
+drop function if exists lockstep._check_key_type_safe(text, regtype);
+drop function if exists lockstep._key_type_refused(text, regtype);
+drop function if exists lockstep._key_type_problem(regtype);
+drop function if exists lockstep._trusted_fn(oid);
+drop function if exists lockstep._has_equality(regtype);

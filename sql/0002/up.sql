@@ -75,3 +75,13 @@ drop function if exists lockstep._as_owner(lockstep.job, text[]);
 alter table lockstep.job add column paused_at timestamptz, add column paused_by name;
 -- lockstep.status gains paused_at, paused_by and depends_on (11_status.sql makes it again)
 drop view if exists lockstep.status;
+-- lockstep's timestamps are finite (an entry at -infinity failed lockstep.status for every reader, one at
+-- infinity was never taken): such rows are made current first
+update lockstep.queue set enqueued_at = now() where not pg_catalog.isfinite(enqueued_at);
+update lockstep.queue set ready_at = now() where not pg_catalog.isfinite(ready_at);
+update lockstep.recompute_flag set flagged_at = now() where not pg_catalog.isfinite(flagged_at);
+alter table lockstep.queue
+    add constraint queue_finite_times check (pg_catalog.isfinite(enqueued_at) and pg_catalog.isfinite(ready_at));
+-- flags are inserted naming (job, problem) only: application roles get that column grant
+alter table lockstep.recompute_flag alter column flagged_at set default pg_catalog.clock_timestamp(),
+    add constraint recompute_flag_finite_time check (pg_catalog.isfinite(flagged_at));

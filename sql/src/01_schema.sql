@@ -14,7 +14,9 @@
 --   LSD02  compute function signature does not match (argument count or type, return type)
 --   LSD03  compute columns do not match the target's
 --   LSD04  parent / parent_column invalid, the parent FK's ON DELETE action would fail the app's deletes,
---          or the parent's key is of a domain or composite type
+--          or the parent's key is of a type lockstep refuses for keys (a domain, a composite, an array, a
+--          type with a cast or text I/O function that is not a superuser's), at define_* and before
+--          keys are converted
 --   LSD05  compute returned invalid rows (duplicate or NULL primary key)
 --   LSD06  a foreign key lockstep cannot write through without waiting
 --   LSD07  the target is already written by another job
@@ -170,7 +172,9 @@ create table lockstep.queue (
     key         text not null,
     enqueued_at timestamptz not null default now(),
     ready_at    timestamptz not null default now(),   -- later for a key whose parent was locked (skipped)
-    primary key (job, id)
+    primary key (job, id),
+    -- an entry at -infinity failed every reader of queue_lag, one at infinity was never taken
+    constraint queue_finite_times check (pg_catalog.isfinite(enqueued_at) and pg_catalog.isfinite(ready_at))
 );
 
 -- by key first: one probe per claimed key, whatever the queue's (often stale) statistics say
@@ -190,9 +194,10 @@ alter table lockstep.queue set (
 -- cleared by lockstep._clear_flag. No FK and no unique constraint: a flag never waits and never fails.
 create table lockstep.recompute_flag (
     job         text not null,
-    flagged_at  timestamptz not null default now(),
+    flagged_at  timestamptz not null default pg_catalog.clock_timestamp(),  -- clock time: lockstep._clear_flag
     problem     text not null,
-    xid         xid8 not null default pg_catalog.pg_current_xact_id()
+    xid         xid8 not null default pg_catalog.pg_current_xact_id(),
+    constraint recompute_flag_finite_time check (pg_catalog.isfinite(flagged_at))
 );
 
 create index recompute_flag_job_idx on lockstep.recompute_flag (job, flagged_at);

@@ -346,5 +346,79 @@ set search_path = pg_catalog, pg_temp
 as $$
 begin
     perform pg_catalog.set_config(pg_catalog.concat('lockstep.', setting), coalesce(value, ''), true);
+-- key types ---------------------------------------------------------------------------------------------
+
+-- lockstep._trusted_fn(f): function f is a superuser's (PostgreSQL's own, or an extension's a superuser
+-- installed, as citext's): code no job owner wrote.
+create or replace function lockstep._trusted_fn(f oid) returns boolean
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select exists (select from pg_catalog.pg_proc p join pg_catalog.pg_roles r on r.oid = p.proowner
+                   where p.oid = f and r.rolsuper);
+$$;
+
+-- lockstep._key_type_problem(t): why t may not be a parent key type (NULL: it may). A base type that is
+-- not an array, or an enum, whose text input and output functions and every cast from or to it are a
+-- superuser's (lockstep._trusted_fn): lockstep converts, compares and sorts queued keys as the runner, the
+-- admin and the application, outside the owner's sandbox, and a domain's CHECK, a composite's column
+-- types, an array's element type or a cast the owner of an enum made (CREATE CAST ... WITH FUNCTION)
+-- would run code of the owner's there, with their rights. Decided from the catalogs alone.
+create or replace function lockstep._key_type_problem(t regtype) returns text
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select case
+        when ty.oid is null then 'does not exist'
+        when ty.typtype = 'd' then 'a domain'
+        when ty.typtype not in ('b', 'e') or ty.typcategory = 'A' then 'not a base type or an enum'
+        when not (lockstep._trusted_fn(ty.typinput) and lockstep._trusted_fn(ty.typoutput))
+            then 'its text input or output function is not a superuser''s'
+        when exists (select from pg_catalog.pg_cast c
+                     where (c.castsource = t or c.casttarget = t) and c.castfunc <> 0
+                       and not lockstep._trusted_fn(c.castfunc))
+            then 'a cast from or to it runs a function that is not a superuser''s (CREATE CAST ... WITH FUNCTION)'
+        end
+    from (values (1)) one(x) left join pg_catalog.pg_type ty on ty.oid = t
+    where t is not null;
+$$;
+
+-- lockstep._safe_key_type(t): t may be a parent key type (lockstep._key_type_problem); NULL may (no parent).
+create or replace function lockstep._safe_key_type(t regtype) returns boolean
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select lockstep._key_type_problem(t) is null;
+$$;
+
+-- lockstep._key_type_refused(job, t): why lockstep may not convert keys of type t for job now, as the
+-- error's text (lockstep._key_type_problem; NULL: it may). Checked again before lockstep converts queued
+-- keys: a cast can be created after define_derived. PostgreSQL's own types (below FirstNormalObjectId)
+-- cannot get a cast from a role that is not a superuser: no look-up for them.
+create or replace function lockstep._key_type_refused(job text, t regtype) returns text
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select pg_catalog.format('lockstep: the parent key type %s%s is refused: ', t,
+                             coalesce(pg_catalog.format(' of job "%s"', job), ''))
+           || lockstep._key_type_problem(t)
+    where t >= 16384;
+$$;
+
+-- lockstep._check_key_type_safe(job, t): raise LSD04 if lockstep may not convert keys of type t for job
+-- now (lockstep._key_type_refused).
+create or replace function lockstep._check_key_type_safe(job text, t regtype) returns void
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v text := lockstep._key_type_refused(job, t);
+begin
+    if v is not null then
+        raise exception '%', v
+            using errcode = 'LSD04',
+                  hint = 'lockstep converts queued keys outside the job owner''s rights: drop the cast, or '
+                         'key the parent by a base type (bigint, text, uuid, ...).';
+    end if;
 end;
 $$;

@@ -286,6 +286,41 @@ begin
 end;
 $$;
 
+-- lockstep._has_equality(t): IS DISTINCT FROM between two values of type t resolves under lockstep's
+-- search_path: pg_catalog has an = for t's base type (a domain's), for a type it casts to implicitly
+-- (citext -> text), or for its family (arrays, enums, ranges, multiranges, composites). Read from the
+-- catalogs, never by evaluating an expression of type t: a cast to a domain runs its CHECK, the owner's
+-- code, with the caller's rights (lockstep._drift runs this as a runner or an admin).
+create or replace function lockstep._has_equality(t regtype) returns boolean
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    with recursive d(oid) as (
+        select t::oid
+        union
+        select y.typbasetype from d join pg_catalog.pg_type y on y.oid = d.oid where y.typtype = 'd'),
+    base as (select y.oid, y.typtype, y.typsubscript from d join pg_catalog.pg_type y on y.oid = d.oid
+             where y.typtype <> 'd'),
+    cand(oid) as (
+        select base.oid from base
+        union all
+        select c.casttarget from base join pg_catalog.pg_cast c on c.castsource = base.oid and c.castcontext = 'i'
+        union all
+        select 'pg_catalog.anyarray'::pg_catalog.regtype from base
+        where base.typsubscript = 'pg_catalog.array_subscript_handler'::pg_catalog.regproc
+        union all
+        select 'pg_catalog.anyenum'::pg_catalog.regtype from base where base.typtype = 'e'
+        union all
+        select 'pg_catalog.anyrange'::pg_catalog.regtype from base where base.typtype = 'r'
+        union all
+        select 'pg_catalog.anymultirange'::pg_catalog.regtype from base where base.typtype = 'm'
+        union all
+        select 'pg_catalog.record'::pg_catalog.regtype from base where base.typtype = 'c')
+    select exists (select from cand join pg_catalog.pg_operator o
+                   on o.oprname = '=' and o.oprnamespace = 'pg_catalog'::pg_catalog.regnamespace
+                  and o.oprleft = cand.oid and o.oprright = cand.oid);
+$$;
+
 -- lockstep._check_columns(target, compute, key, cols): every column compute returns exists in the target
 -- with the same type, once, is writable and comparable; the primary key and every NOT NULL column without
 -- a default are among them.
@@ -324,14 +359,12 @@ begin
         elsif v_col.name like 'lockstep\_%' then
             raise exception 'lockstep: column names starting with lockstep_ are reserved (%)', v_col.name using errcode = 'LSD03';
         end if;
-        begin
-            execute pg_catalog.format('select null::%s is distinct from null::%s', v_col.type::regtype, v_col.type::regtype);
-        exception when undefined_function then
+        if not lockstep._has_equality(v_col.type) then
             raise exception 'lockstep: column % has type %, which has no equality operator', v_col.name, v_col.type::regtype
                 using errcode = 'LSD03',
                       hint = 'lockstep compares each column with its type''s equality; use a type that has one '
                              '(jsonb rather than json, text rather than xml).';
-        end;
+        end if;
     end loop;
     select array_agg(k) into v_err from pg_catalog.unnest(key) k where not k = any(cols);
     if v_err is not null then

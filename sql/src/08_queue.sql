@@ -12,6 +12,8 @@ set intervalstyle = 'postgres'
 set extra_float_digits = 1
 set timezone = 'UTC'
 as $$
+    select lockstep._check_key_type_safe(null, (select y.typelem from pg_catalog.pg_type y
+                                                where y.oid = pg_catalog.pg_typeof(keys)));
     select coalesce(pg_catalog.array_agg(k::text order by k), '{}')
     from (select distinct k from pg_catalog.unnest(keys) k where k is not null) s;
 $$;
@@ -79,6 +81,7 @@ begin
     if keys is null or cardinality(keys) = 0 then
         return 0;
     end if;
+    perform lockstep._check_key_type_safe(j.job, j.key_type);  -- before the cast from text
     execute pg_catalog.format('select lockstep._canon($1::%s)', lockstep._array_type(j.key_type)) into v using keys;
     v := lockstep._queueable(j.job, v);  -- a key too long for the queue flags the job instead
     insert into lockstep.queue (job, key) select j.job, k from pg_catalog.unnest(v) with ordinality u(k, o) order by o;
@@ -185,6 +188,10 @@ begin
     end if;
     perform lockstep._check_key_type(j, (select typelem from pg_catalog.pg_type where oid = pg_catalog.pg_typeof(keys)),
                                      'keys');
+    -- the cast below and _canon run no code of a key type's owner (lockstep._key_type_problem)
+    perform lockstep._check_key_type_safe(j.job, j.key_type);
+    perform lockstep._check_key_type_safe(j.job, (select typelem from pg_catalog.pg_type
+                                                  where oid = pg_catalog.pg_typeof(keys)));
     if pg_catalog.array_position(keys, null) is not null then
         raise exception 'lockstep: keys must not contain NULL (job "%")', j.job using errcode = '22004';
     end if;
@@ -242,8 +249,8 @@ set search_path = pg_catalog, pg_temp
 set row_security = on  -- under off, the policies of lockstep.recompute_flag refuse the insert (see _append)
 as $$
 begin
-    insert into lockstep.recompute_flag (job, flagged_at, problem)
-    values (coalesce(job, ''), pg_catalog.clock_timestamp(), problem);
+    insert into lockstep.recompute_flag (job, problem)  -- (job, problem): the application's column grant
+    values (coalesce(job, ''), problem);
     raise warning 'lockstep: could not enqueue for job "%": %; job flagged for a full recompute', job, problem
         using hint = 'See trigger_problem in lockstep.status; lockstep.recompute(job) clears the flag.';
 end;
@@ -262,8 +269,10 @@ as $$
 begin
     delete from lockstep.recompute_flag f
     where f.job = j.job
-      and case when f.xid = pg_catalog.pg_current_xact_id_if_assigned() then f.flagged_at < started
-               else pg_catalog.pg_visible_in_snapshot(f.xid, snap) end;
+      and (case when f.xid = pg_catalog.pg_current_xact_id_if_assigned() then f.flagged_at < started
+                else pg_catalog.pg_visible_in_snapshot(f.xid, snap) end
+           -- an xid not assigned yet (written by hand): no snapshot would see it before it wraps
+           or f.xid >= pg_catalog.pg_snapshot_xmax(pg_catalog.pg_current_snapshot()));
 end;
 $$;
 comment on function lockstep._clear_flag(lockstep.job, pg_snapshot, timestamp with time zone) is

@@ -23,7 +23,7 @@ begin
            a.atttypid = j.key_type or t.typbasetype = j.key_type
            or exists (select from pg_catalog.pg_cast c
                       where c.castsource in (a.atttypid, t.typbasetype) and c.casttarget = j.key_type
-                        and c.castcontext = 'i')
+                        and c.castcontext = 'i' and (c.castfunc = 0 or lockstep._trusted_fn(c.castfunc)))
     into key_type, v_queue, v_type, v_conv
     from (values (1)) one(x)
     left join lockstep.job j on j.job = _trigger_problem.job
@@ -35,6 +35,9 @@ begin
                     when v_type is null then pg_catalog.format('table %s has no column %I', rel::regclass, key_column)
                     when not v_conv then pg_catalog.format('column %s.%I is %s, which does not always convert to the key type %s',
                                                            rel::regclass, key_column, v_type, key_type) end;
+    if problem is null and key_type >= 16384 then  -- converted by no code of the key type's owner
+        problem := pg_catalog.format('the key type %s is refused: ', key_type) || lockstep._key_type_problem(key_type);
+    end if;
 end;
 $$;
 
@@ -522,7 +525,8 @@ begin
                    case when not (pg_catalog.has_column_privilege(n.name, 'lockstep.queue', 'job', 'INSERT')
                                   and pg_catalog.has_column_privilege(n.name, 'lockstep.queue', 'key', 'INSERT'))
                         then 'INSERT on lockstep.queue' end,
-                   case when not pg_catalog.has_table_privilege(n.name, 'lockstep.recompute_flag', 'INSERT')
+                   case when not (pg_catalog.has_column_privilege(n.name, 'lockstep.recompute_flag', 'job', 'INSERT')
+                                  and pg_catalog.has_column_privilege(n.name, 'lockstep.recompute_flag', 'problem', 'INSERT'))
                         then 'INSERT on lockstep.recompute_flag' end) as lacks
         from n
     )
@@ -722,8 +726,8 @@ begin
     end loop;
     perform lockstep._ddl(v_tables, v_ddl, pg_catalog.format('watch(%L, %L)', j.job, source));
     if v_new or v_moved then
-        insert into lockstep.recompute_flag (job, flagged_at, problem)  -- clock time, as _flag (_clear_flag)
-        values (j.job, pg_catalog.clock_timestamp(),
+        insert into lockstep.recompute_flag (job, problem)  -- flagged_at: clock time, as _flag (_clear_flag)
+        values (j.job,
                 case when v_new
                      then pg_catalog.format('%s newly watched: its earlier changes wait for the full recompute', source)
                      else pg_catalog.format('%s watched on column %s now: its earlier changes wait for the full '

@@ -298,6 +298,7 @@ as $$
 declare
     v text[];
 begin
+    perform lockstep._check_key_type_safe(j.job, j.key_type);
     execute pg_catalog.format('select array_agg(v::text order by v) from (select distinct r::%s as v '
                               'from pg_catalog.unnest($1::text[]) r) s', lockstep._type_sql(j.key_type)) into v using keys;
     return v;
@@ -332,6 +333,7 @@ begin
         select array_agg(v order by v) into canon from (select distinct r as v from pg_catalog.unnest(keys) r) s;
         return;
     end if;
+    perform lockstep._check_key_type_safe(j.job, j.key_type);  -- raises: no key is converted
     begin
         canon := lockstep._sorted_keys(j, keys);
         raw := keys;
@@ -514,6 +516,7 @@ begin
     end if;
     v_leave := p.failed || v_skip || v_susp || coalesce(p.untried, '{}');
     if cardinality(v_leave) > 0 then  -- the queued (raw) text of those keys
+        perform lockstep._check_key_type_safe(j.job, j.key_type);
         execute pg_catalog.format('select coalesce(array_agg(r), ''{}'') from pg_catalog.unnest($1) r '
                                   'where r::%s::text = any($2)', lockstep._type_sql(j.key_type)) into v_leave using raw, v_leave;
         execute pg_catalog.format('select coalesce(array_agg(r), ''{}'') from pg_catalog.unnest($1) r '
@@ -674,6 +677,10 @@ begin
     select * into e from lockstep._entries(j, c.keys);
     if e.ids is null then
         return lockstep._result('idle', j.job, 'work');
+    end if;
+    v_err := lockstep._key_type_refused(j.job, j.key_type);  -- no key converted: a failed run, with backoff
+    if v_err is not null then
+        return lockstep._failed(j, 'work', v_started, v_err);
     end if;
     select * into r from lockstep._readable(j, c.keys);
     -- a lock timeout, deadlock or serialization failure fails the job's first 3 failed passes in a row as a

@@ -44,7 +44,7 @@ language sql stable
 set search_path = pg_catalog, pg_temp
 set jit = off
 as $$
-    select now() - q.enqueued_at from lockstep.queue q
+    select now() - least(q.enqueued_at, now()) from lockstep.queue q  -- never negative
     where q.job = _queue_lag.job
       and not exists (select from lockstep.key_failure f where f.job = q.job and f.key = q.key and f.parked)
     order by q.id limit 1;

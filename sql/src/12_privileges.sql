@@ -69,16 +69,6 @@ as $$
        and (pg_catalog.pg_has_role(current_user, owner, 'MEMBER') or lockstep._is_admin());
 $$;
 
--- lockstep._safe_key_type(t): t may be a parent key type: a base type that is not an array, or an enum.
--- Casting a key to it runs no user code: lockstep casts keys as the runner and the application.
-create or replace function lockstep._safe_key_type(t regtype) returns boolean
-language sql stable
-set search_path = pg_catalog, pg_temp
-as $$
-    select t is null or exists (select from pg_catalog.pg_type ty
-                                where ty.oid = t and (ty.typtype = 'e' or (ty.typtype = 'b' and ty.typcategory <> 'A')));
-$$;
-
 -- lockstep._group_holder(lock_group, job): the first job but job in lock_group (and its owner) owned by a
 -- role the current role may not manage; NULLs if none. A lock group belongs to its jobs' owners.
 create or replace function lockstep._group_holder(lock_group text, job text, out holder text, out holder_owner name)
@@ -158,6 +148,7 @@ set search_path = pg_catalog, pg_temp
 as $$
 declare
     p text;
+    v_problem text;
 begin
     if fn is not null and not pg_catalog.has_function_privilege(fn, 'EXECUTE') then
         raise exception 'lockstep: role "%" may not execute %', current_user, fn using errcode = '42501';
@@ -180,13 +171,17 @@ begin
                   hint = pg_catalog.format('The write phase pins parents with FOR KEY SHARE, which needs UPDATE on one '
                                            'column: grant update (<its key column>) on %s to %I.', parent, current_user);
     end if;
-    if parent is not null and not lockstep._safe_key_type(
+    if parent is not null then
+        v_problem := lockstep._key_type_problem(
             (select a.atttypid from pg_catalog.pg_constraint con
              join pg_catalog.pg_attribute a on a.attrelid = con.conrelid and a.attnum = con.conkey[1]
-             where con.conrelid = parent and con.contype = 'p')) then
-        raise exception 'lockstep: the primary key of parent % is of a domain or composite type', parent
+             where con.conrelid = parent and con.contype = 'p'));
+    end if;
+    if v_problem is not null then
+        raise exception 'lockstep: the primary key of parent % is of a type lockstep refuses for keys: %', parent, v_problem
             using errcode = 'LSD04',
-                  hint = 'lockstep casts queued keys outside the job owner''s rights; use a base type (bigint, text, uuid, ...).';
+                  hint = 'lockstep converts queued keys outside the job owner''s rights; use a base type (bigint, '
+                         'text, uuid, ...) or an enum with no cast of its own.';
     end if;
 end;
 $$;

@@ -41,13 +41,14 @@ OWNER_GRANTS = [
     "grant insert on lockstep.job_state to {role}",  # define_* creates the status row
     "grant update on lockstep.job_state to {role}",  # retry ends the job's failure backoff
     "grant select on lockstep.queue to {role}",
-    "grant insert on lockstep.queue to {role}",  # enqueue, retry
+    "grant insert (job, key) on lockstep.queue to {role}",  # enqueue, retry
     "grant delete on lockstep.queue to {role}",  # drop_job
     "grant select on lockstep.key_failure to {role}",
     "grant delete on lockstep.key_failure to {role}",  # retry
     "grant select on lockstep.recompute_flag to {role}",  # lockstep.status shows the flags
     "grant delete on lockstep.recompute_flag to {role}",  # drop_job
-    "grant insert on lockstep.recompute_flag to {role}",  # its own TRUNCATE of a watched table flags the job
+    # its own TRUNCATE of a watched table flags the job
+    "grant insert (job, problem) on lockstep.recompute_flag to {role}",
     "grant select on lockstep.status to {role}",
     "grant select on lockstep.failing_keys to {role}",
     "grant temp on database {db} to {role}",  # the compute/write work tables and its trampoline
@@ -70,7 +71,7 @@ RUNNER_GRANTS = [
     "grant insert on lockstep.job_state to {role}",  # run() makes a status row deleted by hand again
     "grant update on lockstep.job_state to {role}",
     "grant select on lockstep.queue to {role}",
-    "grant insert on lockstep.queue to {role}",  # a recompute re-queues the parents it had to skip
+    "grant insert (job, key) on lockstep.queue to {role}",  # a recompute re-queues the parents it had to skip
     "grant update on lockstep.queue to {role}",  # a skipped key is retried a second later
     "grant delete on lockstep.queue to {role}",
     "grant select on lockstep.key_failure to {role}",
@@ -85,7 +86,7 @@ RUNNER_GRANTS = [
 # an application role that writes the watched tables: its statement triggers enqueue as that role.
 APP_GRANTS = [
     "grant usage on schema lockstep to {role}",
-    "grant insert on lockstep.queue to {role}",
+    "grant insert (job, key) on lockstep.queue to {role}",
 ]
 EXAMPLE_APP_GRANTS = [
     "grant usage on schema example to {role}",

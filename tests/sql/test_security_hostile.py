@@ -1,0 +1,224 @@
+"""A hostile job owner (mallory) against lockstep's own context, other owners and the application.
+
+Each test is an attack: what it tries, and what must hold. The attacks that held before are in
+tests/sql/test_security.py (named in docs/security.md's table); the ones here each succeeded on an earlier
+revision. Fixtures (roles, mallory: an owner holding every DML privilege on lockstep's tables) come from there.
+"""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+
+from tests.sql.test_security import (  # noqa: F401 (fixtures)
+    APP_GRANTS,
+    EXAMPLE_APP_GRANTS,
+    _as,
+    mallory,
+    roles,
+)
+from tests.util import raises_sqlstate, result
+
+LOOT = "select count(*) from mal.loot where v = 's3cr3t'"
+
+
+def _plant_steal(m: psycopg.Connection) -> None:
+    """mal.steal(): copies public.secret into mal.loot when the current role can read it (mallory cannot)."""
+    m.execute(
+        "create function mal.steal() returns boolean language plpgsql as $$ begin"
+        " if has_table_privilege('public.secret', 'select') then"
+        "   insert into mal.loot select v from public.secret; end if;"
+        " return true; end $$"
+    )
+    m.execute("grant usage on schema mal to public")
+    m.execute("grant insert on mal.loot to public")
+
+
+def _enum_job(m: psycopg.Connection) -> None:
+    """mallory's derived job keyed by an enum of hers (accepted: an enum's I/O is built in)."""
+    m.execute("create type mal.e as enum ('a', 'b')")
+    m.execute("create table mal.p (id mal.e primary key)")
+    m.execute("insert into mal.p values ('a'), ('b')")
+    m.execute("create table mal.c (pid mal.e primary key references mal.p on delete cascade)")
+    m.execute(
+        "create function mal.fc(ids mal.e[]) returns table (pid mal.e) language sql"
+        " as 'select id from mal.p where ids is null or id = any(ids)'"
+    )
+    m.execute("select lockstep.define_derived('ejob', 'mal.c', 'mal.fc(mal.e[])', parent => 'mal.p')")
+
+
+def _plant_enum_casts(m: psycopg.Connection) -> None:
+    """Casts of mallory's enum from and to text, each through mal.steal()."""
+    m.execute(
+        "create function mal.to_e(t text) returns mal.e language plpgsql as $$ begin"
+        " perform mal.steal(); return 'a'::mal.e; end $$"
+    )
+    m.execute(
+        "create function mal.from_e(e mal.e) returns text language plpgsql as $$ begin"
+        " perform mal.steal(); return 'a'; end $$"
+    )
+    m.execute("create cast (text as mal.e) with function mal.to_e(text)")
+    m.execute("create cast (mal.e as text) with function mal.from_e(mal.e)")
+
+
+# 1. an enum key's cast ---------------------------------------------------------------------------------
+
+
+def test_an_enum_key_whose_owner_added_a_cast_is_refused_not_cast(ex, example_dsn, mallory):
+    """mallory defines a job keyed by her enum, then adds casts text <-> enum through her function: the
+    superuser runner's worker pass, an admin's retry and enqueue() would run it with their rights."""
+    with _as(example_dsn, mallory) as m:
+        _plant_steal(m)
+        _enum_job(m)
+        _plant_enum_casts(m)
+        m.execute("insert into lockstep.queue (job, key) values ('ejob', 'a'), ('ejob', 'b')")
+    ex.execute("update lockstep.job_state set next_run_at = now() + interval '1 day' where job = 'ejob'")
+    res = result(ex, "lockstep.work(%s)", "ejob")
+    assert res["outcome"] == "failed" and "cast" in res["error"], res
+    with raises_sqlstate("LSD04", match="cast"):
+        ex.execute("select lockstep.retry('ejob', array['a']::mal.e[])")
+    with raises_sqlstate("LSD04", match="cast"):
+        ex.execute("select lockstep.enqueue('ejob', array['a']::mal.e[])")
+    assert ex.execute(LOOT).fetchone()[0] == 0
+    # and a job of that key type is refused when it is defined, by define_derived and by the registry's policy
+    with _as(example_dsn, mallory) as m:
+        with raises_sqlstate("LSD04", match="cast"):
+            m.execute("select lockstep.define_derived('ejob2', 'mal.c', 'mal.fc(mal.e[])', parent => 'mal.p')")
+        with raises_sqlstate("42501", match="row-level security"):
+            m.execute("update lockstep.job set key_type = 'mal.e'::regtype where job = 'mine'")
+
+
+def test_the_application_never_casts_an_unsafe_key_it_flags_the_job(ex, example_dsn, mallory):
+    """The trigger on mallory's table runs as the writer: it flags the job instead of casting the key."""
+    with _as(example_dsn, mallory) as m:
+        _plant_steal(m)
+        _enum_job(m)
+        m.execute("select lockstep.watch('ejob', 'mal.p', 'id')")
+        _plant_enum_casts(m)
+    ex.execute("delete from lockstep.recompute_flag")
+    ex.execute("insert into mal.p values ('b') on conflict do nothing")
+    ex.execute("delete from mal.p where id = 'b'")
+    assert ex.execute(LOOT).fetchone()[0] == 0
+    flags = ex.execute("select problem from lockstep.recompute_flag where job = 'ejob'").fetchall()
+    assert flags and all("cast" in p for (p,) in flags), flags
+
+
+# 2. a domain's CHECK in _drift ---------------------------------------------------------------------------
+
+
+def test_a_failed_run_never_evaluates_a_domain_check_of_the_target(ex, example_dsn, mallory):
+    """A failed run looks for drift of the definition; it read each column's type by casting NULL to it,
+    which evaluates a domain's CHECK: mallory's function, with the runner's rights."""
+    with _as(example_dsn, mallory) as m:
+        _plant_steal(m)
+        m.execute("create domain mal.d as text check (mal.steal())")
+        m.execute("create table mal.dt (id bigint primary key, v mal.d)")
+        m.execute(
+            "create function mal.df(ids bigint[]) returns table (id bigint, v mal.d) language plpgsql as $$"
+            " begin if ids is null or cardinality(ids) > 0 then raise exception 'boom'; end if; end $$"
+        )
+        m.execute("select lockstep.define_derived('dj', 'mal.dt', 'mal.df(bigint[])')")
+    res = result(ex, "lockstep.recompute(%s)", "dj")
+    assert res["outcome"] == "failed" and "boom" in res["error"], res
+    assert ex.execute(LOOT).fetchone()[0] == 0
+
+
+# 3. a forged recompute flag ------------------------------------------------------------------------------
+
+
+def test_a_flag_no_snapshot_will_see_is_cleared_by_the_recompute(ex):
+    """A flag with an xid not yet assigned stayed for ever: every run recomputed in full, no worker pass."""
+    ex.execute(
+        "insert into lockstep.recompute_flag (job, problem, xid) values ('exam_keys', 'forged', '999999999999')"
+    )
+    assert result(ex, "lockstep.recompute(%s)", "exam_keys")["outcome"] == "done"
+    assert ex.execute("select count(*) from lockstep.recompute_flag where job = 'exam_keys'").fetchone()[0] == 0
+    res = result(ex, "lockstep.run(%s)", "exam_keys")
+    assert res["action"] != "recompute", res
+
+
+def test_the_app_recipe_adds_flags_and_queue_entries_but_sets_none_of_lockstep_columns(ex, example_dsn, roles):
+    app = roles(
+        "lockstep_app",
+        APP_GRANTS,
+        ["grant insert (job, problem) on lockstep.recompute_flag to {role}"],
+        EXAMPLE_APP_GRANTS,
+    )
+    with _as(example_dsn, app) as a:
+        a.execute("insert into lockstep.recompute_flag (job, problem) values ('exam_keys', 'a flag')")
+        a.execute("insert into lockstep.queue (job, key) values ('exam_keys', '1')")
+        forged = [
+            "insert into lockstep.recompute_flag (job, problem, xid) values ('exam_keys', 'x', '999999999999')",
+            "insert into lockstep.recompute_flag (job, problem, flagged_at) values ('exam_keys', 'x', 'infinity')",
+            "insert into lockstep.queue (job, key, ready_at) values ('exam_keys', '1', 'infinity')",
+            "insert into lockstep.queue (job, key, enqueued_at) values ('exam_keys', '1', '-infinity')",
+        ]
+        for stmt in forged:
+            with raises_sqlstate("42501"):
+                a.execute(stmt)
+
+
+# 4. a queue entry at -infinity ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "stmt",
+    [
+        "insert into lockstep.queue (job, key, enqueued_at) values ('exam_keys', '1', '-infinity')",
+        "insert into lockstep.queue (job, key, ready_at) values ('exam_keys', '1', 'infinity')",
+        "insert into lockstep.recompute_flag (job, problem, flagged_at) values ('exam_keys', 'x', '-infinity')",
+    ],
+    ids=["enqueued-minus-infinity", "ready-infinity", "flagged-minus-infinity"],
+)
+def test_lockstep_timestamps_are_finite(ex, stmt):
+    with raises_sqlstate("23514"):
+        ex.execute(stmt)
+    assert ex.execute("select count(*) from lockstep.status").fetchone()[0] >= 1
+
+
+# 5. a per-job time limit -------------------------------------------------------------------------------
+
+
+def test_a_job_over_its_time_limit_fails_with_backoff_and_the_runner_goes_on(ex):
+    ex.execute("create function public.lockstep_noop() returns void language sql as 'select'")
+    ex.execute("create function public.slow() returns void language sql as 'select pg_sleep(30)'")
+    ex.execute("select lockstep.define_job('slow', 'public.slow()', timeout => '50 milliseconds')")
+    assert ex.execute("select timeout from lockstep.job where job = 'slow'").fetchone()[0].total_seconds() == 0.05
+    res = result(ex, "lockstep.run(%s)", "slow")
+    assert res["outcome"] == "failed" and "statement timeout" in res["error"], res
+    state = ex.execute(
+        "select consecutive_failures, next_run_at > now() + interval '30 minutes' from lockstep.job_state"
+        " where job = 'slow'"
+    ).fetchone()
+    assert state == (1, True)  # the job's backoff (1 hour by default)
+    assert ex.execute("show statement_timeout").fetchone()[0] == "0"
+    assert result(ex, "lockstep.run(%s)", "exam_keys")["outcome"] == "done"
+
+
+def test_a_derived_job_over_its_time_limit_fails(ex):
+    ex.execute("select lockstep.define_derived('exam_keys', 'example.exam_key', 'example.exam_key_compute(bigint[])',"
+               " parent => 'example.exam', parent_column => 'exam_id', timeout => '50 milliseconds')")
+    ex.execute(
+        "create or replace function example.exam_key_compute(ids bigint[]) returns setof example.exam_key"
+        " language plpgsql as $$ begin perform pg_sleep(30); end $$"
+    )
+    res = result(ex, "lockstep.recompute(%s)", "exam_keys")
+    assert res["outcome"] == "failed" and "statement timeout" in res["error"], res
+
+
+def test_the_time_limit_defaults_to_five_minutes_and_must_be_positive(ex):
+    assert ex.execute("select timeout from lockstep.job where job = 'exam_keys'").fetchone()[0].total_seconds() == 300
+    with raises_sqlstate("22023"):
+        ex.execute("select lockstep.define_job('x', 'public.lockstep_noop()', timeout => '0')")
+
+
+# 6. the caller's session settings -----------------------------------------------------------------------
+
+
+def test_running_another_owners_job_leaves_the_callers_search_path(ex, mallory):
+    ex.execute("set search_path = example, public")
+    assert result(ex, "lockstep.run(%s)", "mine")["outcome"] == "done"
+    assert ex.execute("show search_path").fetchone()[0] == "example, public"
+    assert result(ex, "lockstep.recompute(%s)", "mine")["outcome"] == "done"
+    assert ex.execute("show search_path").fetchone()[0] == "example, public"
+    ex.execute("select count(*) from exam")  # the caller's own names still resolve
