@@ -211,6 +211,9 @@ def due(conn: psycopg.Connection, jobs: list[str] | None = None, gather: float =
 
 RUN_SQL = (
     "set transaction isolation level read committed;"
+    # the job's time limit (its statement_timeout, armed when the next statement starts): a run over it is
+    # cancelled and recorded as failed, with its backoff; RESET ALL below ends it
+    " select lockstep.set_time_limit({job});"
     " select outcome, inserted, updated, deleted, skipped, compute_ms, write_ms, error, job, action, more"
     " from lockstep.run({job});"
     # a plain SET in a job's code outlived its call: a generic job's `set statement_timeout = '100ms'` made
@@ -247,6 +250,7 @@ def run_job(conn: psycopg.Connection, job: str, synchronous_commit: str = "off")
         cur.execute(
             sql.SQL(RUN_SQL).format(job=sql.Literal(job), sc=sql.Literal(synchronous_commit), **before)
         )
+        cur.nextset()
         cur.nextset()
         try:
             row = cur.fetchone()

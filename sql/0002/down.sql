@@ -140,3 +140,9 @@ drop function if exists lockstep._key_type_refused(text, regtype);
 drop function if exists lockstep._key_type_problem(regtype);
 drop function if exists lockstep._trusted_fn(oid);
 drop function if exists lockstep._has_equality(regtype);
+drop function if exists lockstep.set_time_limit(text);
+drop function if exists lockstep._check_timeout(interval);
+drop function if exists lockstep.define_job(text, regprocedure, text, interval, interval, interval);
+drop function if exists lockstep.define_derived(text, regclass, regprocedure, regclass, name, text, interval, interval,
+                                                text, text, interval);
+alter table lockstep.job drop column timeout;

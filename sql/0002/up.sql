@@ -85,3 +85,8 @@ alter table lockstep.queue
 -- flags are inserted naming (job, problem) only: application roles get that column grant
 alter table lockstep.recompute_flag alter column flagged_at set default pg_catalog.clock_timestamp(),
     add constraint recompute_flag_finite_time check (pg_catalog.isfinite(flagged_at));
+-- a time limit per job (lockstep.set_time_limit); define_* take it, so their old signatures go
+alter table lockstep.job add column timeout interval not null default '5 minutes' check (timeout > interval '0');
+drop function if exists lockstep.define_job(text, regprocedure, text, interval, interval);
+drop function if exists lockstep.define_derived(text, regclass, regprocedure, regclass, name, text, interval, interval,
+                                                text, text);

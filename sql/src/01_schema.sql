@@ -122,6 +122,8 @@ create table lockstep.job (
     -- and return outcome paused; triggers keep queueing (15_controls.sql)
     paused_at       timestamptz,
     paused_by       name,
+    -- the longest a run of the job may take: the runner's statement_timeout for it (lockstep.set_time_limit)
+    timeout         interval not null default '5 minutes' check (timeout > interval '0'),
     check (job <> ''),
     check (lock_group <> ''),
     check ((kind = 'job') = (call is not null)),

@@ -104,11 +104,55 @@ begin
 end;
 $$;
 
+-- lockstep._check_timeout(timeout): a job's time limit is a positive interval statement_timeout can hold
+-- (it takes milliseconds below 2^31: under 24 days); else 22023 (22004 for NULL).
+create or replace function lockstep._check_timeout(timeout interval) returns void
+language plpgsql immutable
+set search_path = pg_catalog, pg_temp
+set intervalstyle = 'postgres'
+as $$
+begin
+    if timeout is null then
+        raise exception 'lockstep: timeout must not be NULL' using errcode = '22004';
+    end if;
+    if timeout < interval '1 millisecond' or timeout >= interval '24 days' or timeout::text like '%-%' then
+        raise exception 'lockstep: timeout must be at least 1 millisecond and under 24 days, with no negative part (got %)',
+            timeout using errcode = '22023', hint = 'It is the statement_timeout a run of the job gets: e.g. ''5 minutes''.';
+    end if;
+end;
+$$;
+
+-- lockstep.set_time_limit(job): SET LOCAL statement_timeout to job's timeout, unless the session's own is
+-- shorter. For the statement after it (PostgreSQL arms statement_timeout when a statement starts): the
+-- runner sends it before lockstep.run(job), in the same transaction. A run over its limit is cancelled
+-- and recorded as failed, with its backoff (lockstep._is_statement_timeout).
+-- locks: nothing.
+create or replace function lockstep.set_time_limit(job text) returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_ms bigint := (select pg_catalog.ceil(extract(epoch from x.timeout) * 1000) from lockstep.job x
+                    where x.job = set_time_limit.job);
+    v_cur numeric := extract(epoch from pg_catalog.current_setting('statement_timeout')::interval) * 1000;
+begin
+    if v_ms is not null and (v_cur = 0 or v_ms < v_cur) then
+        perform pg_catalog.set_config('statement_timeout', v_ms::text, true);
+    end if;
+end;
+$$;
+
+comment on function lockstep.set_time_limit(text) is
+    'SET LOCAL statement_timeout to the job''s timeout, unless the session''s own is shorter, for the '
+    'statement after this one (PostgreSQL arms statement_timeout when a statement starts): the runner sends '
+    'it before lockstep.run(job). Locks: nothing.';
+
 -- lockstep.define_job(job, call, lock_group, every, backoff): register or update a generic job: call, a
 -- function callable with no argument, runs on schedule under the lock-group rules. Another call is due at once.
 -- locks: the job's registry row (insert or update), then, on a redefinition, its status row.
 create or replace function lockstep.define_job(job text, call regprocedure, lock_group text default null,
-                                    every interval default '1 minute', backoff interval default '1 hour')
+                                    every interval default '1 minute', backoff interval default '1 hour',
+                                    timeout interval default '5 minutes')
 returns void
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -118,6 +162,7 @@ declare
     old lockstep.job;
 begin
     perform lockstep._check_schedule(job, lock_group, every, backoff);
+    perform lockstep._check_timeout(timeout);
     if call is null then
         raise exception 'lockstep: call must not be NULL' using errcode = '22004';
     end if;
@@ -140,11 +185,11 @@ begin
                 using errcode = 'LSJ02';
         end if;
     end if;
-    insert into lockstep.job as j (job, kind, lock_group, call, every, backoff)
-    values (job, 'job', coalesce(lock_group, job), call::text, every, backoff)
+    insert into lockstep.job as j (job, kind, lock_group, call, every, backoff, timeout)
+    values (job, 'job', coalesce(lock_group, job), call::text, every, backoff, timeout)
     on conflict on constraint job_pkey do update
         set lock_group = excluded.lock_group, call = excluded.call, every = excluded.every,
-            backoff = excluded.backoff, updated_at = now();
+            backoff = excluded.backoff, timeout = excluded.timeout, updated_at = now();
     insert into lockstep.job_state (job) values (job) on conflict do nothing;
     -- another call is due now; a new every counts from the last run; the same every keeps next_run_at
     if old.job is not null then
@@ -156,9 +201,10 @@ begin
     end if;
 end;
 $$;
-comment on function lockstep.define_job(text, regprocedure, text, interval, interval) is
+comment on function lockstep.define_job(text, regprocedure, text, interval, interval, interval) is
     'Register or update a generic job: call, a function callable with no argument, runs on schedule under'
-    ' the lock-group rules. Another call is due at once. Locks: the job''s registry row (insert or '
+    ' the lock-group rules. Another call is due at once. timeout: the longest a run may take (the runner''s'
+    ' statement_timeout for it, lockstep.set_time_limit). Locks: the job''s registry row (insert or '
     'update), then, on a redefinition, its status row.';
 
 -- lockstep._call(job): run a generic job's function once, as its owner (lockstep._as_owner), under the

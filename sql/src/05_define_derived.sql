@@ -566,7 +566,8 @@ create or replace function lockstep.define_derived(job text, target regclass, co
                                         parent regclass default null, parent_column name default null,
                                         lock_group text default null, every interval default '1 minute',
                                         backoff interval default '1 hour', query text default null,
-                                        query_search_path text default pg_catalog.current_setting('search_path'))
+                                        query_search_path text default pg_catalog.current_setting('search_path'),
+                                        timeout interval default '5 minutes')
 returns void
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -584,6 +585,7 @@ begin
                                            parent_column, query_search_path);
     end if;
     perform lockstep._check_schedule(job, lock_group, every, backoff);
+    perform lockstep._check_timeout(timeout);
     v_key := lockstep._check_target(target, compute, parent);
     perform lockstep._check_target_rls(target);
     v_cols := lockstep._check_compute(compute);
@@ -602,13 +604,16 @@ begin
     perform lockstep._warn_unique(target, parent);
     perform lockstep._save_derived(job, target, compute, parent, v_par.parent_column, v_par.parent_key,
                                    v_par.key_type, v_key, v_cols, lock_group, every, backoff);
+    update lockstep.job x set timeout = define_derived.timeout
+    where x.job = define_derived.job and x.timeout <> define_derived.timeout;
 end;
 $$;
 comment on function lockstep.define_derived(text, regclass, regprocedure, regclass, name, text, interval, interval,
-                                           text, text) is
+                                           text, text, interval) is
     'Register or update a derived table: compute(keys) returns the rows of the parents in keys (NULL: '
     'all) in the target''s shape, or query returns them and lockstep writes that function; without a parent, '
-    'only whole-table recomputes; LSD09 if it would close a cycle of derived jobs. Locks: the advisory '
+    'only whole-table recomputes; LSD09 if it would close a cycle of derived jobs. timeout: the longest a run '
+    'may take (the runner''s statement_timeout for it, lockstep.set_time_limit). Locks: the advisory '
     'lock (lockstep, define) until the transaction ends, then the job''s registry row (insert or update).';
 
 -- lockstep._drift(j): for a failed run of a derived job, what no longer holds of its definition; NULL if

@@ -17,6 +17,7 @@ from tests.sql.test_security import (  # noqa: F401 (fixtures)
     mallory,
     roles,
 )
+from lockstep import db
 from tests.util import raises_sqlstate, result
 
 LOOT = "select count(*) from mal.loot where v = 's3cr3t'"
@@ -180,36 +181,46 @@ def test_lockstep_timestamps_are_finite(ex, stmt):
 
 
 def test_a_job_over_its_time_limit_fails_with_backoff_and_the_runner_goes_on(ex):
-    ex.execute("create function public.lockstep_noop() returns void language sql as 'select'")
+    """A generic job sleeping 30 s held a shared runner (and its SIGTERM) for 30 s."""
     ex.execute("create function public.slow() returns void language sql as 'select pg_sleep(30)'")
     ex.execute("select lockstep.define_job('slow', 'public.slow()', timeout => '50 milliseconds')")
     assert ex.execute("select timeout from lockstep.job where job = 'slow'").fetchone()[0].total_seconds() == 0.05
-    res = result(ex, "lockstep.run(%s)", "slow")
-    assert res["outcome"] == "failed" and "statement timeout" in res["error"], res
+    res = db.run_job(ex, "slow")
+    assert res.outcome == "failed" and "statement timeout" in res.error, res
     state = ex.execute(
         "select consecutive_failures, next_run_at > now() + interval '30 minutes' from lockstep.job_state"
         " where job = 'slow'"
     ).fetchone()
     assert state == (1, True)  # the job's backoff (1 hour by default)
     assert ex.execute("show statement_timeout").fetchone()[0] == "0"
-    assert result(ex, "lockstep.run(%s)", "exam_keys")["outcome"] == "done"
+    ex.execute("update example.exam set title = 'x y' where id = 1")  # the runner's connection goes on
+    assert db.run_job(ex, "exam_keys").outcome == "done"
 
 
 def test_a_derived_job_over_its_time_limit_fails(ex):
-    ex.execute("select lockstep.define_derived('exam_keys', 'example.exam_key', 'example.exam_key_compute(bigint[])',"
-               " parent => 'example.exam', parent_column => 'exam_id', timeout => '50 milliseconds')")
     ex.execute(
-        "create or replace function example.exam_key_compute(ids bigint[]) returns setof example.exam_key"
+        "select lockstep.define_derived('exam_keys', 'example.exam_key', 'example.exam_key_compute(bigint[])',"
+        " parent => 'example.exam', parent_column => 'exam_id', every => '1 day', timeout => '50 milliseconds')"
+    )
+    ex.execute(
+        "create or replace function example.exam_key_compute(ids bigint[])"
+        " returns table (exam_id bigint, key text, weight integer)"
         " language plpgsql as $$ begin perform pg_sleep(30); end $$"
     )
-    res = result(ex, "lockstep.recompute(%s)", "exam_keys")
-    assert res["outcome"] == "failed" and "statement timeout" in res["error"], res
+    ex.execute("update lockstep.job_state set next_run_at = now() where job = 'exam_keys'")
+    res = db.run_job(ex, "exam_keys")
+    assert (res.action, res.outcome) == ("recompute", "failed") and "statement timeout" in res.error, res
 
 
 def test_the_time_limit_defaults_to_five_minutes_and_must_be_positive(ex):
+    ex.execute("create function public.lockstep_noop() returns void language sql as 'select'")
     assert ex.execute("select timeout from lockstep.job where job = 'exam_keys'").fetchone()[0].total_seconds() == 300
-    with raises_sqlstate("22023"):
-        ex.execute("select lockstep.define_job('x', 'public.lockstep_noop()', timeout => '0')")
+    for bad in ("0", "-1 second", "30 days"):
+        with raises_sqlstate("22023"):
+            ex.execute("select lockstep.define_job('x', 'public.lockstep_noop()', timeout => %s)", [bad])
+    ex.execute("set statement_timeout = '10ms'")  # a shorter limit of the session's own is kept
+    ex.execute("select lockstep.set_time_limit('exam_keys')")
+    assert ex.execute("show statement_timeout").fetchone()[0] == "10ms"
 
 
 # 6. the caller's session settings -----------------------------------------------------------------------
