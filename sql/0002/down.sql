@@ -146,3 +146,8 @@ drop function if exists lockstep.define_job(text, regprocedure, text, interval, 
 drop function if exists lockstep.define_derived(text, regclass, regprocedure, regclass, name, text, interval, interval,
                                                 text, text, interval);
 alter table lockstep.job drop column timeout;
+drop function if exists lockstep._run_job(text);
+drop function if exists lockstep._recompute_job(text);
+drop function if exists lockstep._work_job(text, integer);
+drop function if exists lockstep._settings();
+drop function if exists lockstep._restore_settings(text[], text[]);

@@ -422,3 +422,37 @@ begin
     end if;
 end;
 $$;
+
+-- the caller's settings ----------------------------------------------------------------------------------
+-- A job's code may SET a setting for the session (a plain SET outlives the SET clauses of the functions it
+-- runs in). lockstep.run, recompute and work read the caller's values first and put back those changed.
+
+-- lockstep._settings(): the values of the settings lockstep's entry points pin or a job's code most likely
+-- sets, in the order of lockstep._restore_settings. No SET clause: it reads the caller's values (a SET
+-- search_path would show its own); every name is qualified.
+create or replace function lockstep._settings() returns text[]
+language sql stable
+as $$
+    select array[pg_catalog.current_setting('search_path'), pg_catalog.current_setting('DateStyle'),
+                 pg_catalog.current_setting('IntervalStyle'), pg_catalog.current_setting('extra_float_digits'),
+                 pg_catalog.current_setting('TimeZone'), pg_catalog.current_setting('jit'),
+                 pg_catalog.current_setting('statement_timeout'), pg_catalog.current_setting('lock_timeout')];
+$$;
+
+-- lockstep._restore_settings(was, now): set back, for the session, each setting of lockstep._settings()
+-- whose value now differs from was.
+create or replace function lockstep._restore_settings(was text[], now text[]) returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_names constant text[] := array['search_path', 'DateStyle', 'IntervalStyle', 'extra_float_digits', 'TimeZone',
+                                     'jit', 'statement_timeout', 'lock_timeout'];
+begin
+    for i in 1 .. pg_catalog.cardinality(v_names) loop
+        if was[i] is distinct from now[i] then
+            perform pg_catalog.set_config(v_names[i], was[i], false);
+        end if;
+    end loop;
+end;
+$$;

@@ -274,7 +274,7 @@ comment on function lockstep._restore_state(lockstep.job) is
 -- A paused job (lockstep.pause): outcome paused, nothing written, its status row untouched.
 -- locks: nothing while looking for work (but the group lock, try, when its status row is gone); then as
 -- lockstep._call, lockstep.recompute or lockstep.work.
-create or replace function lockstep.run(job text) returns lockstep.result
+create or replace function lockstep._run_job(job text) returns lockstep.result
 language plpgsql
 set search_path = pg_catalog, pg_temp
 set jit = off  -- lockstep._no_jit_note (03_helpers.sql)
@@ -330,6 +330,26 @@ comment on function lockstep.run(text) is
     'outcome paused, nothing written. Locks: nothing'
     ' while looking for work (but the group lock, try, when its status row is gone); then as '
     'lockstep._call, lockstep.recompute or lockstep.work.';
+
+-- lockstep.run(job): what the runner calls (lockstep._run_job).
+-- Runs as the caller, with no SET clause: it reads the caller's settings (lockstep._settings) and puts
+-- back any the job's code changed for the session; every name is qualified.
+create or replace function lockstep.run(job text) returns lockstep.result
+language plpgsql
+as $$
+declare
+    v_was pg_catalog.text[] := lockstep._settings();
+    v_now pg_catalog.text[];
+    r lockstep.result;
+begin
+    r := lockstep._run_job(job);
+    v_now := lockstep._settings();
+    if v_now operator(pg_catalog.<>) v_was then
+        perform lockstep._restore_settings(v_was, v_now);
+    end if;
+    return r;
+end;
+$$;
 
 -- lockstep._own_enqueuers(job): the application's own triggers whose function calls lockstep.enqueue
 -- for job (NULL: any), read from their source: drop_job and the downgrade warn about them.

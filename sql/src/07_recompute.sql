@@ -545,7 +545,7 @@ comment on function lockstep._cure(lockstep.job, boolean) is
 -- lockstep.recompute(job): full recompute now, even if not due (and even during a failure backoff); a paused
 -- job (lockstep.pause): outcome paused, nothing written.
 -- locks: as lockstep._recompute.
-create or replace function lockstep.recompute(job text) returns lockstep.result
+create or replace function lockstep._recompute_job(job text) returns lockstep.result
 language plpgsql
 set search_path = pg_catalog, pg_temp
 set jit = off  -- lockstep._no_jit_note (03_helpers.sql)
@@ -568,6 +568,26 @@ comment on function lockstep.recompute(text) is
     'Full recompute now, even if not due (and even during a failure backoff); a paused job: outcome '
     'paused, nothing written. Locks: as '
     'lockstep._recompute.';
+
+-- lockstep.recompute(job): a full recompute now (lockstep._recompute_job).
+-- Runs as the caller, with no SET clause: it reads the caller's settings (lockstep._settings) and puts
+-- back any the job's code changed for the session; every name is qualified.
+create or replace function lockstep.recompute(job text) returns lockstep.result
+language plpgsql
+as $$
+declare
+    v_was pg_catalog.text[] := lockstep._settings();
+    v_now pg_catalog.text[];
+    r lockstep.result;
+begin
+    r := lockstep._recompute_job(job);
+    v_now := lockstep._settings();
+    if v_now operator(pg_catalog.<>) v_was then
+        perform lockstep._restore_settings(v_was, v_now);
+    end if;
+    return r;
+end;
+$$;
 
 -- lockstep.set_batch_parents(job, batch_parents): parents written per transaction (default 500) by a
 -- recompute batch and a worker pass. Smaller: shorter row locks, more transactions.

@@ -706,7 +706,7 @@ $$;
 -- job's batch_parents, as lockstep.run(); a larger batch is the caller's explicit choice). A paused job
 -- (lockstep.pause): outcome paused, nothing written.
 -- locks: as lockstep._work.
-create or replace function lockstep.work(job text, batch integer default null) returns lockstep.result
+create or replace function lockstep._work_job(job text, batch integer) returns lockstep.result
 language plpgsql
 set search_path = pg_catalog, pg_temp
 set jit = off  -- lockstep._no_jit_note (03_helpers.sql)
@@ -738,6 +738,26 @@ comment on function lockstep.work(text, integer) is
     'One incremental pass over up to batch queued parents (NULL, the default: the job''s batch_parents, '
     'as lockstep.run(); a larger batch is the caller''s explicit choice); a paused job: outcome paused, '
     'nothing written. Locks: as lockstep._work.';
+
+-- lockstep.work(job, batch): one worker pass (lockstep._work_job).
+-- Runs as the caller, with no SET clause: it reads the caller's settings (lockstep._settings) and puts
+-- back any the job's code changed for the session; every name is qualified.
+create or replace function lockstep.work(job text, batch integer default null) returns lockstep.result
+language plpgsql
+as $$
+declare
+    v_was pg_catalog.text[] := lockstep._settings();
+    v_now pg_catalog.text[];
+    r lockstep.result;
+begin
+    r := lockstep._work_job(job, batch);
+    v_now := lockstep._settings();
+    if v_now operator(pg_catalog.<>) v_was then
+        perform lockstep._restore_settings(v_was, v_now);
+    end if;
+    return r;
+end;
+$$;
 
 -- lockstep._end_backoff(j, whole): end the job's failure backoff, if it is in one; for a retry of the whole
 -- job (whole), the recompute flags held since a poisoned recompute count again.

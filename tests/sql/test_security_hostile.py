@@ -2,7 +2,8 @@
 
 Each test is an attack: what it tries, and what must hold. The attacks that held before are in
 tests/sql/test_security.py (named in docs/security.md's table); the ones here each succeeded on an earlier
-revision. Fixtures (roles, mallory: an owner holding every DML privilege on lockstep's tables) come from there.
+revision. Fixtures (roles; mallory, an owner holding every DML privilege on lockstep's tables) come
+from there.
 """
 
 from __future__ import annotations
@@ -10,14 +11,15 @@ from __future__ import annotations
 import psycopg
 import pytest
 
-from tests.sql.test_security import (  # noqa: F401 (fixtures)
+from lockstep import db
+from tests.sql.test_security import (
     APP_GRANTS,
     EXAMPLE_APP_GRANTS,
+    HOSTILE_PATH_SQL,
     _as,
-    mallory,
-    roles,
 )
-from lockstep import db
+from tests.sql.test_security import mallory as _mallory_fixture  # noqa: F401 (the fixture mallory)
+from tests.sql.test_security import roles as _roles_fixture  # noqa: F401 (the fixture roles)
 from tests.util import raises_sqlstate, result
 
 LOOT = "select count(*) from mal.loot where v = 's3cr3t'"
@@ -84,7 +86,9 @@ def test_an_enum_key_whose_owner_added_a_cast_is_refused_not_cast(ex, example_ds
     # and a job of that key type is refused when it is defined, by define_derived and by the registry's policy
     with _as(example_dsn, mallory) as m:
         with raises_sqlstate("LSD04", match="cast"):
-            m.execute("select lockstep.define_derived('ejob2', 'mal.c', 'mal.fc(mal.e[])', parent => 'mal.p')")
+            m.execute(
+                "select lockstep.define_derived('ejob2', 'mal.c', 'mal.fc(mal.e[])', parent => 'mal.p')"
+            )
         with raises_sqlstate("42501", match="row-level security"):
             m.execute("update lockstep.job set key_type = 'mal.e'::regtype where job = 'mine'")
 
@@ -130,15 +134,20 @@ def test_a_failed_run_never_evaluates_a_domain_check_of_the_target(ex, example_d
 def test_a_flag_no_snapshot_will_see_is_cleared_by_the_recompute(ex):
     """A flag with an xid not yet assigned stayed for ever: every run recomputed in full, no worker pass."""
     ex.execute(
-        "insert into lockstep.recompute_flag (job, problem, xid) values ('exam_keys', 'forged', '999999999999')"
+        "insert into lockstep.recompute_flag (job, problem, xid)"
+        " values ('exam_keys', 'forged', '999999999999')"
     )
     assert result(ex, "lockstep.recompute(%s)", "exam_keys")["outcome"] == "done"
-    assert ex.execute("select count(*) from lockstep.recompute_flag where job = 'exam_keys'").fetchone()[0] == 0
+    assert (
+        ex.execute("select count(*) from lockstep.recompute_flag where job = 'exam_keys'").fetchone()[0] == 0
+    )
     res = result(ex, "lockstep.run(%s)", "exam_keys")
     assert res["action"] != "recompute", res
 
 
-def test_the_app_recipe_adds_flags_and_queue_entries_but_sets_none_of_lockstep_columns(ex, example_dsn, roles):
+def test_the_app_recipe_adds_flags_and_queue_entries_but_sets_none_of_lockstep_columns(
+    ex, example_dsn, roles
+):
     app = roles(
         "lockstep_app",
         APP_GRANTS,
@@ -149,8 +158,10 @@ def test_the_app_recipe_adds_flags_and_queue_entries_but_sets_none_of_lockstep_c
         a.execute("insert into lockstep.recompute_flag (job, problem) values ('exam_keys', 'a flag')")
         a.execute("insert into lockstep.queue (job, key) values ('exam_keys', '1')")
         forged = [
-            "insert into lockstep.recompute_flag (job, problem, xid) values ('exam_keys', 'x', '999999999999')",
-            "insert into lockstep.recompute_flag (job, problem, flagged_at) values ('exam_keys', 'x', 'infinity')",
+            "insert into lockstep.recompute_flag (job, problem, xid)"
+            " values ('exam_keys', 'x', '999999999999')",
+            "insert into lockstep.recompute_flag (job, problem, flagged_at)"
+            " values ('exam_keys', 'x', 'infinity')",
             "insert into lockstep.queue (job, key, ready_at) values ('exam_keys', '1', 'infinity')",
             "insert into lockstep.queue (job, key, enqueued_at) values ('exam_keys', '1', '-infinity')",
         ]
@@ -167,7 +178,8 @@ def test_the_app_recipe_adds_flags_and_queue_entries_but_sets_none_of_lockstep_c
     [
         "insert into lockstep.queue (job, key, enqueued_at) values ('exam_keys', '1', '-infinity')",
         "insert into lockstep.queue (job, key, ready_at) values ('exam_keys', '1', 'infinity')",
-        "insert into lockstep.recompute_flag (job, problem, flagged_at) values ('exam_keys', 'x', '-infinity')",
+        "insert into lockstep.recompute_flag (job, problem, flagged_at)"
+        " values ('exam_keys', 'x', '-infinity')",
     ],
     ids=["enqueued-minus-infinity", "ready-infinity", "flagged-minus-infinity"],
 )
@@ -184,7 +196,10 @@ def test_a_job_over_its_time_limit_fails_with_backoff_and_the_runner_goes_on(ex)
     """A generic job sleeping 30 s held a shared runner (and its SIGTERM) for 30 s."""
     ex.execute("create function public.slow() returns void language sql as 'select pg_sleep(30)'")
     ex.execute("select lockstep.define_job('slow', 'public.slow()', timeout => '50 milliseconds')")
-    assert ex.execute("select timeout from lockstep.job where job = 'slow'").fetchone()[0].total_seconds() == 0.05
+    assert (
+        ex.execute("select timeout from lockstep.job where job = 'slow'").fetchone()[0].total_seconds()
+        == 0.05
+    )
     res = db.run_job(ex, "slow")
     assert res.outcome == "failed" and "statement timeout" in res.error, res
     state = ex.execute(
@@ -199,8 +214,9 @@ def test_a_job_over_its_time_limit_fails_with_backoff_and_the_runner_goes_on(ex)
 
 def test_a_derived_job_over_its_time_limit_fails(ex):
     ex.execute(
-        "select lockstep.define_derived('exam_keys', 'example.exam_key', 'example.exam_key_compute(bigint[])',"
-        " parent => 'example.exam', parent_column => 'exam_id', every => '1 day', timeout => '50 milliseconds')"
+        "select lockstep.define_derived('exam_keys', 'example.exam_key',"
+        " 'example.exam_key_compute(bigint[])', parent => 'example.exam', parent_column => 'exam_id',"
+        " every => '1 day', timeout => '50 milliseconds')"
     )
     ex.execute(
         "create or replace function example.exam_key_compute(ids bigint[])"
@@ -214,7 +230,10 @@ def test_a_derived_job_over_its_time_limit_fails(ex):
 
 def test_the_time_limit_defaults_to_five_minutes_and_must_be_positive(ex):
     ex.execute("create function public.lockstep_noop() returns void language sql as 'select'")
-    assert ex.execute("select timeout from lockstep.job where job = 'exam_keys'").fetchone()[0].total_seconds() == 300
+    assert (
+        ex.execute("select timeout from lockstep.job where job = 'exam_keys'").fetchone()[0].total_seconds()
+        == 300
+    )
     for bad in ("0", "-1 second", "30 days"):
         with raises_sqlstate("22023"):
             ex.execute("select lockstep.define_job('x', 'public.lockstep_noop()', timeout => %s)", [bad])
@@ -233,3 +252,35 @@ def test_running_another_owners_job_leaves_the_callers_search_path(ex, mallory):
     assert result(ex, "lockstep.recompute(%s)", "mine")["outcome"] == "done"
     assert ex.execute("show search_path").fetchone()[0] == "example, public"
     ex.execute("select count(*) from exam")  # the caller's own names still resolve
+
+
+def test_a_job_that_sets_the_sessions_settings_leaves_the_caller_its_own(ex, example_dsn, mallory):
+    """A plain SET in a job's code outlives the SET clauses it runs under; run/recompute/work put back what
+    the caller had."""
+    with _as(example_dsn, mallory) as m:
+        m.execute(
+            "create or replace function mal.f(ids bigint[]) returns table (id bigint, v text)"
+            " language plpgsql"
+            " as $$ begin set search_path = mal; set datestyle = 'SQL, DMY'; set lock_timeout = '1ms';"
+            " return query select 1::bigint, 'x'::text; end $$"
+        )
+    ex.execute("set search_path = example, public")
+    before = ex.execute("select current_setting('DateStyle'), current_setting('lock_timeout')").fetchone()
+    assert result(ex, "lockstep.recompute(%s)", "mine")["outcome"] == "done"
+    assert ex.execute("show search_path").fetchone()[0] == "example, public"
+    assert (
+        ex.execute("select current_setting('DateStyle'), current_setting('lock_timeout')").fetchone()
+        == before
+    )
+
+
+def test_the_entry_points_are_safe_under_a_hostile_search_path(ex):
+    """run, recompute and work have no SET search_path (they read the caller's settings): every name in
+    them is qualified."""
+    ex.execute(HOSTILE_PATH_SQL)
+    ex.execute("update example.exam set title = 'x y' where id = 1")
+    ex.execute("set search_path = hostile, pg_catalog, public")
+    assert result(ex, "lockstep.work(%s)", "exam_keys")["outcome"] == "done"
+    assert result(ex, "lockstep.recompute(%s)", "exam_keys")["outcome"] == "done"
+    assert result(ex, "lockstep.run(%s)", "exam_keys")["outcome"] in ("idle", "not_due")
+    assert ex.execute("show search_path").fetchone()[0] == "hostile, pg_catalog, public"
