@@ -7,6 +7,7 @@ import importlib.resources
 import logging
 import os
 import re
+import weakref
 from dataclasses import dataclass, field
 
 import psycopg
@@ -14,6 +15,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import dict_row
 from psycopg.types.datetime import DateLoader, TimestampLoader, TimestamptzLoader
+from psycopg_pool import ConnectionPool
 
 from lockstep import dsn as dsns
 
@@ -103,6 +105,28 @@ _LOADERS = {
 }
 
 
+def _connect_args(
+    dsn: str | None, prepare: bool | None, app_name: str, connect_timeout: int, check_interval: str | None
+) -> tuple[str, dict]:
+    """The conninfo and keyword arguments of :func:`connect` (and of :func:`pool`'s connections)."""
+    conninfo = dsns.normalize(dsn)
+    if prepare is None:
+        prepare = not looks_like_pooler(conninfo)
+    kwargs: dict = {"autocommit": True, "connect_timeout": connect_timeout}
+    if not conninfo_to_dict(conninfo).get("application_name") and not os.environ.get("PGAPPNAME"):
+        kwargs["application_name"] = app_name
+    if not prepare:
+        kwargs["prepare_threshold"] = None
+    if check_interval is not None:
+        kwargs["options"] = _options(conninfo, check_interval)
+    return conninfo, kwargs
+
+
+def _register_loaders(conn: psycopg.Connection) -> None:
+    for name, loader in _LOADERS.items():
+        conn.adapters.register_loader(name, loader)
+
+
 def connect(
     dsn: str | None,
     *,
@@ -119,20 +143,27 @@ def connect(
     ``client_connection_check_interval`` for the session through the startup packet's ``options``
     (added to those of the DSN or $PGOPTIONS), so no shell or unit file has to quote ``-c ...``.
     """
-    conninfo = dsns.normalize(dsn)
-    if prepare is None:
-        prepare = not looks_like_pooler(conninfo)
-    kwargs: dict = {"autocommit": True, "connect_timeout": connect_timeout}
-    if not conninfo_to_dict(conninfo).get("application_name") and not os.environ.get("PGAPPNAME"):
-        kwargs["application_name"] = app_name
-    if not prepare:
-        kwargs["prepare_threshold"] = None
-    if check_interval is not None:
-        kwargs["options"] = _options(conninfo, check_interval)
+    conninfo, kwargs = _connect_args(dsn, prepare, app_name, connect_timeout, check_interval)
     conn = psycopg.connect(conninfo, **kwargs)
-    for name, loader in _LOADERS.items():
-        conn.adapters.register_loader(name, loader)
+    _register_loaders(conn)
     return conn
+
+
+def pool(
+    dsn: str | None, *, size: int, app_name: str = APP_NAME, connect_timeout: int = 10
+) -> ConnectionPool:
+    """At most ``size`` connections, each as :func:`connect` makes it, opened in the background (one at
+    start). ``pool.connection(timeout=...)`` raises :class:`PoolTimeout` when all are in use that long."""
+    conninfo, kwargs = _connect_args(dsn, None, app_name, connect_timeout, None)
+    return ConnectionPool(
+        conninfo,
+        min_size=1,
+        max_size=size,
+        kwargs=kwargs,
+        configure=_register_loaders,
+        name=app_name,
+        open=True,
+    )
 
 
 def job_count(conn: psycopg.Connection) -> int:
@@ -212,8 +243,9 @@ def due(conn: psycopg.Connection, jobs: list[str] | None = None, gather: float =
 RUN_SQL = (
     "set transaction isolation level read committed;"
     # the job's time limit (its statement_timeout, armed when the next statement starts): a run over it is
-    # cancelled and recorded as failed, with its backoff; RESET ALL below ends it
-    " select lockstep.set_time_limit({job});"
+    # cancelled and recorded as failed, with its backoff; RESET ALL below ends it ("select;" before
+    # lockstep 0002, which has no time limits: see _has_time_limits)
+    " {limit}"
     " select outcome, inserted, updated, deleted, skipped, compute_ms, write_ms, error, job, action, more"
     " from lockstep.run({job});"
     # a plain SET in a job's code outlived its call: a generic job's `set statement_timeout = '100ms'` made
@@ -239,6 +271,18 @@ REPORTED = {"app": ("application_name", ""), "tz": ("TimeZone", "UTC"), "ds": ("
             "scs": ("standard_conforming_strings", "on")}  # fmt: skip
 
 
+# per connection: whether its database has lockstep.set_time_limit (revision 0002 on)
+_TIME_LIMITS: weakref.WeakKeyDictionary[psycopg.Connection, bool] = weakref.WeakKeyDictionary()
+
+
+def _has_time_limits(conn: psycopg.Connection) -> bool:
+    known = _TIME_LIMITS.get(conn)
+    if known is None:
+        row = conn.execute("select to_regprocedure('lockstep.set_time_limit(text)') is not null").fetchone()
+        known = _TIME_LIMITS[conn] = bool(row and row[0])
+    return known
+
+
 def run_job(conn: psycopg.Connection, job: str, synchronous_commit: str = "off") -> Result:
     # One simple-query message, so one implicit transaction: READ COMMITTED whatever
     # default_transaction_isolation says (lockstep.run refuses any other level), and, as for a single
@@ -248,7 +292,14 @@ def run_job(conn: psycopg.Connection, job: str, synchronous_commit: str = "off")
     }
     with conn.cursor() as cur:
         cur.execute(
-            sql.SQL(RUN_SQL).format(job=sql.Literal(job), sc=sql.Literal(synchronous_commit), **before)
+            sql.SQL(RUN_SQL).format(
+                job=sql.Literal(job),
+                sc=sql.Literal(synchronous_commit),
+                limit=sql.SQL("select lockstep.set_time_limit({});").format(sql.Literal(job))
+                if _has_time_limits(conn)
+                else sql.SQL("select;"),
+                **before,
+            )
         )
         cur.nextset()
         cur.nextset()

@@ -32,6 +32,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import psycopg
+from psycopg_pool import ConnectionPool, PoolTimeout
 
 from lockstep import db
 from lockstep.status import jsonable
@@ -53,6 +54,8 @@ class Options:
     refresh: int = 5  # seconds between the page's own reloads
     runs: int = 200  # recent runs read for the charts (the table shows the newest RUNS_SHOWN)
     keys: int = 50  # failing keys listed
+    connections: int = 3  # the pool's bound: requests beyond it wait pool_wait seconds, then get a 503
+    pool_wait: float = 2.0
 
 
 RUNS_SHOWN = 25
@@ -559,6 +562,8 @@ class _Handler(BaseHTTPRequestHandler):
     sys_version = ""
     options: Options
     sampler: Sampler
+    pool: ConnectionPool
+    probing: threading.Lock
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
         self._serve(send_body=True)
@@ -599,8 +604,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(HTTPStatus.NOT_FOUND, "text/plain", b"not found: try / or /data.json\n", send_body)
             return
         try:
-            with db.connect(opts.dsn, app_name="lockstep-web", connect_timeout=5) as conn:
-                data = collect(conn, self.sampler, runs=opts.runs, keys=opts.keys)
+            data = self._collect()
         except psycopg.Error as exc:
             log.warning("lockstep web: %s", str(exc).strip())
             message = str(exc).strip() or type(exc).__name__
@@ -616,18 +620,53 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._send(HTTPStatus.OK, "text/html", render(data, opts.refresh).encode(), send_body)
 
+    def _collect(self) -> dict:
+        """The page's data, read on a pooled connection. None within pool_wait: a PoolTimeout (a 503) saying
+        the connections are busy, or, where one connection attempt of its own (one at a time) fails, that
+        attempt's error (the database unreachable), for the page to show."""
+        opts = self.options
+        try:
+            with self.pool.connection(timeout=opts.pool_wait) as conn:
+                return collect(conn, self.sampler, runs=opts.runs, keys=opts.keys)
+        except PoolTimeout:
+            if self.probing.acquire(blocking=False):
+                try:
+                    with db.connect(opts.dsn, app_name="lockstep-web", connect_timeout=5):
+                        pass
+                finally:
+                    self.probing.release()
+            raise PoolTimeout(
+                f"all {opts.connections} database connections of lockstep web are busy"
+            ) from None
+
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (http.server's signature)
         log.debug("web: %s " + format, self.address_string(), *args)
 
 
-def make_server(opts: Options, sampler: Sampler | None = None) -> ThreadingHTTPServer:
-    """A server bound to (opts.host, opts.port), not yet serving."""
-    handler = type("Handler", (_Handler,), {"options": opts, "sampler": sampler or Sampler()})
-    server_cls = ThreadingHTTPServer
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    pool: ConnectionPool
+
+    def server_close(self) -> None:
+        super().server_close()
+        self.pool.close()
+
+
+def make_server(opts: Options, sampler: Sampler | None = None) -> _Server:
+    """A server bound to (opts.host, opts.port), not yet serving, with its pool of at most opts.connections
+    database connections (closed by server_close)."""
+    conn_pool = db.pool(opts.dsn, size=opts.connections, app_name="lockstep-web", connect_timeout=5)
+    attrs = {"options": opts, "sampler": sampler or Sampler(), "pool": conn_pool, "probing": threading.Lock()}
+    handler = type("Handler", (_Handler,), attrs)
+    server_cls = _Server
     if ":" in opts.host:  # an IPv6 address such as ::1
-        server_cls = type("Server6", (ThreadingHTTPServer,), {"address_family": socket.AF_INET6})
-    server = server_cls((opts.host.strip("[]"), opts.port), handler)
-    server.daemon_threads = True
+        server_cls = type("Server6", (_Server,), {"address_family": socket.AF_INET6})
+    try:
+        server = server_cls((opts.host.strip("[]"), opts.port), handler)
+    except BaseException:
+        conn_pool.close()
+        raise
+    server.pool = conn_pool
     return server
 
 

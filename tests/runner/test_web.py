@@ -218,6 +218,31 @@ def test_an_unreachable_database_gives_a_503_page_that_keeps_refreshing(server, 
     assert status == 503 and "does not exist" in json.loads(body)["error"]
 
 
+def test_a_pool_of_bounded_size_answers_503_when_every_connection_is_busy(example_dsn):
+    """Each request opened a connection of its own: 25 concurrent requests opened 18 backends."""
+    srv = web.make_server(
+        web.Options(dsn=example_dsn, port=0, connections=2, pool_wait=0.2), web.Sampler(min_gap=0)
+    )
+    t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    t.start()
+    addr = "{}:{}".format(*srv.server_address[:2])
+    try:
+        assert request(addr, path="/data.json")[0] == 200
+        held = [srv.pool.getconn(timeout=30) for _ in range(2)]  # every connection the pool may open
+        status, _, body = request(addr, path="/data.json")
+        assert status == 503 and "busy" in json.loads(body)["error"]
+        status, _, body = request(addr)
+        assert status == 503 and 'id="error"' in body
+        assert srv.pool.get_stats()["pool_size"] == 2
+        for c in held:
+            srv.pool.putconn(c)
+        assert request(addr, path="/data.json")[0] == 200
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        t.join()
+
+
 def test_user_data_is_escaped(ex):
     ex.execute(
         "create function public.x() returns void language plpgsql"

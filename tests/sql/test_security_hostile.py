@@ -1,3 +1,4 @@
+# ruff: noqa: F811 (the fixtures imported from test_security are the tests' arguments)
 """A hostile job owner (mallory) against lockstep's own context, other owners and the application.
 
 Each test is an attack: what it tries, and what must hold. The attacks that held before are in
@@ -12,14 +13,14 @@ import psycopg
 import pytest
 
 from lockstep import db
-from tests.sql.test_security import (
+from tests.sql.test_security import (  # noqa: F401 (fixtures)
     APP_GRANTS,
     EXAMPLE_APP_GRANTS,
     HOSTILE_PATH_SQL,
     _as,
+    mallory,
+    roles,
 )
-from tests.sql.test_security import mallory as _mallory_fixture  # noqa: F401 (the fixture mallory)
-from tests.sql.test_security import roles as _roles_fixture  # noqa: F401 (the fixture roles)
 from tests.util import raises_sqlstate, result
 
 LOOT = "select count(*) from mal.loot where v = 's3cr3t'"
