@@ -324,12 +324,10 @@ begin
     return r;
 end;
 $$;
-comment on function lockstep.run(text) is
-    'What the runner calls. Runs whatever part of the job is due: a generic job''s function; a derived '
-    'job''s recompute if due or flagged, else a worker pass over up to batch_parents keys; a paused job: '
-    'outcome paused, nothing written. Locks: nothing'
-    ' while looking for work (but the group lock, try, when its status row is gone); then as '
-    'lockstep._call, lockstep.recompute or lockstep.work.';
+
+comment on function lockstep._run_job(text) is
+    'The body of lockstep.run, under lockstep''s pinned settings (lockstep.run puts back the caller''s '
+    'settings after it). Locks: as lockstep.run.';
 
 -- lockstep.run(job): what the runner calls (lockstep._run_job).
 -- Runs as the caller, with no SET clause: it reads the caller's settings (lockstep._settings) and puts
@@ -350,6 +348,13 @@ begin
     return r;
 end;
 $$;
+
+comment on function lockstep.run(text) is
+    'What the runner calls. Runs whatever part of the job is due: a generic job''s function; a derived '
+    'job''s recompute if due or flagged, else a worker pass over up to batch_parents keys; a paused job: '
+    'outcome paused, nothing written. Locks: nothing'
+    ' while looking for work (but the group lock, try, when its status row is gone); then as '
+    'lockstep._call, lockstep.recompute or lockstep.work.';
 
 -- lockstep._own_enqueuers(job): the application's own triggers whose function calls lockstep.enqueue
 -- for job (NULL: any), read from their source: drop_job and the downgrade warn about them.

@@ -134,7 +134,6 @@ comment on function lockstep._hand_off_rest(lockstep.job, bigint) is
     'row locks held. queued_from NULL: nothing counted. Locks: appends to lockstep.queue (as '
     'lockstep._enqueue_missing).';
 
-
 -- lockstep._limit_rows(j, budget): write step 0 without a parent: keep budget rows, move the rest to
 -- this session's rest table (lockstep._continue writes it). Not where a deferrable unique constraint is.
 -- locks: nothing outside pg_temp.
@@ -564,10 +563,10 @@ begin
     return lockstep._recompute(j, false);
 end;
 $$;
-comment on function lockstep.recompute(text) is
-    'Full recompute now, even if not due (and even during a failure backoff); a paused job: outcome '
-    'paused, nothing written. Locks: as '
-    'lockstep._recompute.';
+
+comment on function lockstep._recompute_job(text) is
+    'The body of lockstep.recompute, under lockstep''s pinned settings (lockstep.recompute puts back the caller''s '
+    'settings after it). Locks: as lockstep.recompute.';
 
 -- lockstep.recompute(job): a full recompute now (lockstep._recompute_job).
 -- Runs as the caller, with no SET clause: it reads the caller's settings (lockstep._settings) and puts
@@ -588,6 +587,11 @@ begin
     return r;
 end;
 $$;
+
+comment on function lockstep.recompute(text) is
+    'Full recompute now, even if not due (and even during a failure backoff); a paused job: outcome '
+    'paused, nothing written. Locks: as '
+    'lockstep._recompute.';
 
 -- lockstep.set_batch_parents(job, batch_parents): parents written per transaction (default 500) by a
 -- recompute batch and a worker pass. Smaller: shorter row locks, more transactions.

@@ -245,7 +245,6 @@ comment on function lockstep._settle_entries(lockstep.job, bigint[], tid[], text
     'row id, checked again by id. Locks: those queue entries (deleted or updated; disjoint rows, skip '
     'being part of leave).';
 
-
 -- lockstep._claim(j, batch): the keys of this pass and how to apply them (kind), first of: probe (half of
 -- the ready suspects), retry (ready failing keys, and parked keys queued again; each alone), batch. Generic
 -- plans: it runs no user code.
@@ -734,10 +733,10 @@ begin
     return lockstep._work(j, coalesce(batch, j.batch_parents));
 end;
 $$;
-comment on function lockstep.work(text, integer) is
-    'One incremental pass over up to batch queued parents (NULL, the default: the job''s batch_parents, '
-    'as lockstep.run(); a larger batch is the caller''s explicit choice); a paused job: outcome paused, '
-    'nothing written. Locks: as lockstep._work.';
+
+comment on function lockstep._work_job(text, integer) is
+    'The body of lockstep.work, under lockstep''s pinned settings (lockstep.work puts back the caller''s '
+    'settings after it). Locks: as lockstep.work.';
 
 -- lockstep.work(job, batch): one worker pass (lockstep._work_job).
 -- Runs as the caller, with no SET clause: it reads the caller's settings (lockstep._settings) and puts
@@ -758,6 +757,11 @@ begin
     return r;
 end;
 $$;
+
+comment on function lockstep.work(text, integer) is
+    'One incremental pass over up to batch queued parents (NULL, the default: the job''s batch_parents, '
+    'as lockstep.run(); a larger batch is the caller''s explicit choice); a paused job: outcome paused, '
+    'nothing written. Locks: as lockstep._work.';
 
 -- lockstep._end_backoff(j, whole): end the job's failure backoff, if it is in one; for a retry of the whole
 -- job (whole), the recompute flags held since a poisoned recompute count again.

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import psycopg
 import pytest
-
-from lockstep import db
-from tests.sql.test_security import (  # noqa: F401 (fixtures)
+from test_security import (  # noqa: F401 (fixtures)
     APP_GRANTS,
     EXAMPLE_APP_GRANTS,
     HOSTILE_PATH_SQL,
@@ -21,7 +19,9 @@ from tests.sql.test_security import (  # noqa: F401 (fixtures)
     mallory,
     roles,
 )
-from tests.util import raises_sqlstate, result
+from util import raises_sqlstate, result
+
+from lockstep import db
 
 LOOT = "select count(*) from mal.loot where v = 's3cr3t'"
 
