@@ -976,6 +976,8 @@ def test_another_owners_job_cannot_be_stalled_emptied_or_forged(ex, example_dsn,
         "execute format('set role %I', session_user);"
         " return query select 1::bigint, s.v from public.secret s;",
         "set session authorization default; return query select 1::bigint, s.v from public.secret s;",
+        "perform set_config('role', session_user, false);"
+        " return query select 1::bigint, s.v from public.secret s;",
         # leaves something that runs later, in the runner's session: a deferred trigger, a search_path,
         # a prepared statement, a WITH HOLD cursor
         "insert into mal.later values (1); return query select 1::bigint, 'x'::text;",
@@ -995,6 +997,7 @@ def test_another_owners_job_cannot_be_stalled_emptied_or_forged(ex, example_dsn,
         "reset-role",
         "set-role",
         "session-authorization",
+        "set-config-role",
         "deferred-trigger",
         "search-path",
         "prepared-statement",

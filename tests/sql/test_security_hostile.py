@@ -14,12 +14,16 @@ import pytest
 from test_security import (  # noqa: F401 (fixtures)
     APP_GRANTS,
     EXAMPLE_APP_GRANTS,
+    EXAMPLE_OWNER_GRANTS,
     HOSTILE_PATH_SQL,
+    OWNER_GRANTS,
+    RUNNER_GRANTS,
     _as,
+    as_role,
     mallory,
     roles,
 )
-from util import raises_sqlstate, result
+from util import LOCKSTEP_TABLES, raises_sqlstate, result
 
 from lockstep import db
 
@@ -285,3 +289,47 @@ def test_the_entry_points_are_safe_under_a_hostile_search_path(ex):
     assert result(ex, "lockstep.recompute(%s)", "exam_keys")["outcome"] == "done"
     assert result(ex, "lockstep.run(%s)", "exam_keys")["outcome"] in ("idle", "not_due")
     assert ex.execute("show search_path").fetchone()[0] == "hostile, pg_catalog, public"
+
+
+# table locks ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        "app",
+        pytest.param(
+            "owner",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="the owner recipe still grants UPDATE/DELETE on lockstep's tables (define_*, retry, "
+                "drop_job write them as the owner); owners acting only through SECURITY DEFINER functions "
+                "is not built yet",
+            ),
+        ),
+        pytest.param(
+            "runner",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="the runner writes lockstep's bookkeeping as itself (it must SET ROLE to each owner, "
+                "which a SECURITY DEFINER function may not)",
+            ),
+        ),
+    ],
+)
+def test_no_recipe_role_can_lock_lockstep_tables(ex, example_dsn, roles, recipe):
+    """An owner of the recipe held ACCESS EXCLUSIVE on lockstep.queue and lockstep.job: every application
+    write of every watched table then waited. SHARE is the weakest mode that blocks an application's
+    INSERT into the queue."""
+    grants = {
+        "app": (APP_GRANTS, ["grant insert (job, problem) on lockstep.recompute_flag to {role}"]),
+        "owner": (OWNER_GRANTS, EXAMPLE_OWNER_GRANTS),
+        "runner": (RUNNER_GRANTS,),
+    }[recipe]
+    names = {"owner": roles("exam_owner", login=False)} if recipe == "runner" else {}
+    role = roles(f"lockstep_{recipe}", *grants, **names)
+    with psycopg.connect(as_role(example_dsn, role)) as c:
+        for t in LOCKSTEP_TABLES + ("run_log", "setting", "viewer"):
+            with raises_sqlstate("42501"):
+                c.execute(f"lock table lockstep.{t} in share mode nowait")
+            c.rollback()
