@@ -519,7 +519,9 @@ declare
     v_bad text[];
     v_kept text[] := '{}';  -- readable keys still queued after a hand-off
 begin
-    if cardinality(v_keys) = 0 then
+    -- a key type lockstep may not convert (lockstep._key_type_refused): the failures stay, and the next
+    -- worker pass fails saying why
+    if cardinality(v_keys) = 0 or lockstep._key_type_refused(j.job, j.key_type) is not null then
         return;
     end if;
     v_bad := coalesce((lockstep._readable(j, v_keys)).bad, '{}');
