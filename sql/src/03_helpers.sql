@@ -346,6 +346,9 @@ set search_path = pg_catalog, pg_temp
 as $$
 begin
     perform pg_catalog.set_config(pg_catalog.concat('lockstep.', setting), coalesce(value, ''), true);
+end;
+$$;
+
 -- key types ---------------------------------------------------------------------------------------------
 
 -- lockstep._trusted_fn(f): function f is a superuser's (PostgreSQL's own, or an extension's a superuser
