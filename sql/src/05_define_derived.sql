@@ -578,7 +578,7 @@ declare
     v_par record;
 begin
     if (compute is null) = (query is null) then
-        raise exception 'lockstep: pass either compute or query' using errcode = '22004',
+        raise exception 'lockstep: compute and query must not be NULL together, nor given together: pass one' using errcode = '22004',
             hint = 'compute => a function of the parent keys, or query => ''select ...'' returning the target''s columns.';
     elsif query is not null then
         compute := lockstep._query_compute(job, target, pg_catalog.rtrim(pg_catalog.btrim(query), ';'), parent,

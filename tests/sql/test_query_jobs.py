@@ -126,7 +126,7 @@ def test_a_query_that_does_not_fit_is_refused_and_changes_nothing(shop, query, s
 
 
 def test_compute_and_query_are_one_or_the_other(shop: psycopg.Connection) -> None:
-    with raises_sqlstate("22004", "either compute or query"):
+    with raises_sqlstate("22004", "must not be NULL together"):
         shop.execute(
             "select lockstep.define_derived('totals', 'shop.customer_total', parent => 'shop.customer')"
         )
