@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 from pathlib import Path
+
+import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "sql" / "src"
 START = re.compile(r"^create or replace function lockstep\.(\w+)\(", re.M)
@@ -43,3 +47,17 @@ def test_public_and_lock_taking_functions_carry_their_contract(conn):
     assert missing == [], f"functions without comment on function: {missing}"
     locks = sorted(sig for name, sig, text in rows if name in wanted and "locks:" not in (text or "").lower())
     assert locks == [], f"lock-taking functions whose comment names no locks: {locks}"
+
+
+def test_the_project_speaks_of_itself_only():
+    """No session or issue numbers and no provenance notes in any file but the frozen first release (its
+    files must stay as tagged): the history is in git."""
+    root = SRC.parents[1]
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    pattern = "|".join(["session [0-9]+", "issue [0-9]+", "found by (a|the) (probe|review)"])
+    done = subprocess.run(
+        ["git", "grep", "-niE", pattern, "--", ".", ":!sql/0001"], cwd=root, capture_output=True, text=True
+    )
+    assert done.returncode in (0, 1), done.stderr
+    assert done.stdout == "", f"history belongs in git, not in the files:\n{done.stdout}"

@@ -68,6 +68,16 @@ select lockstep.watch('totals', 'shop.orders', 'ref');
 create table shop.other (id bigint primary key);
 create table shop.misc (id bigint primary key, other_id bigint references shop.other);
 select lockstep.watch('totals', 'shop.misc', 'other_id');
+-- 55000: a watch through the WAL the capture could not follow (wal_level not logical, or a replica identity
+-- without the key column): which of the two depends on the server, so only the SQLSTATE is shown
+create table shop.line (id bigint primary key, customer_id bigint not null references shop.customer on delete cascade);
+do $$
+begin
+    perform lockstep.watch('totals', 'shop.line', 'customer_id', via => 'wal');
+exception when others then
+    raise warning 'refused with SQLSTATE %', sqlstate;
+end
+$$;
 -- a column that does not exist
 select lockstep.watch('totals', 'shop.orders', 'nope');
 -- LSJ02: a job without a parent has no queue
