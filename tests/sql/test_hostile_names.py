@@ -108,8 +108,15 @@ def test_hostile_names_define_watch_work_recompute_drop(hostile):
     queued = {k for (k,) in c.execute("select key from lockstep.queue where job = %s", [JOB])}
     assert queued == {str(i) for i in [*range(1, 16), 100, 101]}
     assert divergence(c) != (0, 0)
+    # lockstep.verify sees the same difference, through every quoted name
+    missing, extra, different, examples = c.execute("select * from lockstep.verify(%s)", [JOB]).fetchone()
+    assert missing + extra + different > 0 and examples
+    assert c.execute("select (lockstep.verify(%s, array[20, 21]::bigint[])).missing", [JOB]).fetchone() == (
+        0,
+    )
     assert outcome(c, "lockstep.work(%s)") == ("done", None)
     assert divergence(c) == (0, 0)
+    assert c.execute("select * from lockstep.verify(%s)", [JOB]).fetchone() == (0, 0, 0, [])
     assert outcome(c, "lockstep.work(%s)")[0] == "idle"
 
     # enqueue by hand, retry, run, status
