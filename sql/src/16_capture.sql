@@ -1,15 +1,8 @@
--- lockstep: watching a table through the WAL (watch(..., via => 'wal')) and the capture that reads it.
---
--- No trigger on the table: the application's transaction does no work for lockstep. The database has one
--- publication (lockstep_capture) of the tables jobs watch this way, and one logical replication slot
--- (lockstep_<database oid>, plugin pgoutput) that lockstep.capture() reads with
--- pg_logical_slot_peek_binary_changes. A capture queues the changed keys and records the LSN it read up to
--- in one transaction; the next capture advances the slot to that LSN first. So a capture that fails, or a
--- runner killed during one, reads the same changes again (the queue folds the duplicates), and the slot
--- never moves past a change whose keys are not queued.
+-- lockstep: watching a table through the WAL (watch(..., via => 'wal')) and the capture that reads it. No
+-- trigger on the table: one publication and one pgoutput slot per database; a capture queues the changed keys
+-- and records the LSN read up to in one transaction, and the next capture advances the slot to it first.
 
 -- lockstep._capture_slot(): the name of this database's capture slot (slot names are cluster-wide).
--- locks: nothing.
 create or replace function lockstep._capture_slot() returns name
 language sql stable
 set search_path = pg_catalog, pg_temp
@@ -19,7 +12,6 @@ as $$
 $$;
 
 -- lockstep._capture_publication(): the name of this database's capture publication.
--- locks: nothing.
 create or replace function lockstep._capture_publication() returns name
 language sql immutable
 set search_path = pg_catalog, pg_temp
@@ -27,10 +19,8 @@ as $$
     select 'lockstep_capture'::name;
 $$;
 
--- lockstep._capture_in_use(): the database has the capture's publication or slot. Reads only catalogs
--- every role may read, so a role never granted lockstep.wal_watch (the trigger-only recipes of
--- docs/security.md) can unwatch and drop jobs as before.
--- locks: nothing.
+-- lockstep._capture_in_use(): the database has the capture's publication or slot (read from catalogs every
+-- role may read).
 create or replace function lockstep._capture_in_use() returns boolean
 language sql stable
 set search_path = pg_catalog, pg_temp
@@ -42,7 +32,6 @@ $$;
 -- lockstep._identity_covers(rel, key_column): the WAL record of an UPDATE or DELETE of rel holds the old
 -- value of key_column (rel's replica identity is FULL, or its primary key or replica identity index holds
 -- the column). Else an update that moves a row to another key would queue the new key only.
--- locks: nothing.
 create or replace function lockstep._identity_covers(rel regclass, key_column name) returns boolean
 language sql stable
 set search_path = pg_catalog, pg_temp
@@ -55,13 +44,8 @@ as $$
     from pg_catalog.pg_class c where c.oid = rel;
 $$;
 
--- lockstep._check_wal(source, key_column): refuse watch(..., via => 'wal') where the capture could not see
--- every change of source: the server's wal_level is not logical (55000), the session's role may not use
--- replication slots (42501: lockstep.capture() runs as the runner, which needs the same), or a table of
--- source's family has a replica identity that does not hold key_column (55000). A table in a publication
--- that publishes updates needs a replica identity, or the application's UPDATE and DELETE fail: checked
--- here, so watch() never puts the application in that state.
--- locks: nothing.
+-- lockstep._check_wal(source, key_column): refuse a WAL watch the capture could not follow: wal_level not
+-- logical (55000), no right to use replication slots (42501), a replica identity without key_column (55000).
 create or replace function lockstep._check_wal(source regclass, key_column name) returns void
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -97,7 +81,6 @@ $$;
 
 -- lockstep._publication_ddl(): the ALTER PUBLICATION statements that make the capture publication hold
 -- exactly the tables of lockstep.wal_watch (CREATE PUBLICATION when there is none and a table to hold).
--- locks: nothing.
 create or replace function lockstep._publication_ddl() returns text[]
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -244,7 +227,6 @@ comment on function lockstep._capture_cleanup() is
 -- lockstep._pgo_int(d, at, bytes): the big-endian unsigned integer of 2 or 4 bytes at offset at (from 0) of
 -- a pgoutput message. No SET clause and not strict, so the planner inlines it into lockstep._capture_read's
 -- statement (it runs once per change); every operator is schema-qualified instead.
--- locks: nothing.
 create or replace function lockstep._pgo_int(d bytea, at integer, bytes integer) returns bigint
 language sql immutable parallel safe
 as $$
@@ -259,7 +241,6 @@ $$;
 -- lockstep._pgo_relation(d): a pgoutput Relation message ('R'): the relation's oid, its columns' names and
 -- type oids in the order the change messages that follow send them (dropped and generated columns left
 -- out, as of when the change was made, not now: a column renamed since is under its name of then).
--- locks: nothing.
 create or replace function lockstep._pgo_relation(d bytea, out relid oid, out cols name[], out types oid[])
 language plpgsql immutable strict
 set search_path = pg_catalog, pg_temp
@@ -291,7 +272,6 @@ $$;
 -- or Delete message: the old row's ('K': its replica identity, 'O': all of it) and the new row's ('N'),
 -- NULLs left out. NULL when the value cannot be told: the new row's column is an unchanged TOAST value ('u')
 -- and no old row came with it.
--- locks: nothing.
 create or replace function lockstep._pgo_keys(d bytea, idx integer) returns text[]
 language plpgsql immutable strict
 set search_path = pg_catalog, pg_temp
@@ -337,7 +317,6 @@ end;
 $$;
 
 -- lockstep._pgo_truncated(d): the relation oids of a pgoutput Truncate message ('T').
--- locks: nothing.
 create or replace function lockstep._pgo_truncated(d bytea) returns oid[]
 language sql immutable strict
 set search_path = pg_catalog, pg_temp
@@ -346,13 +325,9 @@ as $$
                  from pg_catalog.generate_series(0, lockstep._pgo_int(d, 1, 4)::integer - 1) i);
 $$;
 
--- lockstep._capture_slot_ready(slot): make sure the capture slot exists and is not too far behind: create
--- it when there is none; drop and create it again when the WAL it holds passed lockstep.setting's
--- capture_max_bytes, or the server invalidated it (max_slot_wal_keep_size). Either way the changes before
--- the new slot are not read, so every job watching through the WAL is flagged for its full recompute.
--- Returns how many jobs it flagged. Must run before the transaction writes anything (PostgreSQL creates a
--- logical slot only in a transaction without a transaction id); the creation waits for the transactions
--- running at that moment to end, at most lock_timeout.
+-- lockstep._capture_slot_ready(slot): create the capture slot, or drop and create it again when it holds
+-- more WAL than capture_max_bytes or was invalidated, flagging every WAL-watching job; returns how many. Runs
+-- before the transaction writes anything (PostgreSQL creates a logical slot only then).
 -- locks: nothing lockstep or an application holds (the slot's creation waits on running transaction ids).
 create or replace function lockstep._capture_slot_ready(slot name) returns bigint
 language plpgsql
@@ -392,13 +367,9 @@ begin
 end;
 $$;
 
--- lockstep._capture_read(slot, upto, max_rows): read the slot's changes up to the LSN upto (at most about
--- max_rows messages: whole transactions), queue the keys of the watched tables' changes (old and new), and
--- flag the jobs whose changes say nothing of their keys: a TRUNCATE, a key column renamed, dropped or of
--- another type now, a replica identity that no longer holds it, a key too long for the queue. Reads with
--- pg_logical_slot_peek_binary_changes: the slot does not move (lockstep.capture advances it after commit).
--- Returns the messages read, the watched changes among them, the queue rows and flags written, and the
--- LSN of the last transaction read.
+-- lockstep._capture_read(slot, upto, max_rows): peek the slot's changes up to upto (about max_rows
+-- messages, whole transactions), queue the watched tables' old and new keys, flag the jobs whose changes say
+-- nothing of their keys (TRUNCATE, key column changed, a key too long); the slot does not move.
 -- locks: nothing (inserts into lockstep.queue and lockstep.recompute_flag).
 create or replace function lockstep._capture_read(slot name, upto pg_lsn, max_rows integer,
                                                   out messages bigint, out changes bigint, out keys bigint,
@@ -471,18 +442,10 @@ begin
 end;
 $$;
 
--- lockstep.capture(max_rows): queue the keys of the changes made to tables watched through the WAL
--- (watch(..., via => 'wal')) since the last capture, at most about max_rows WAL messages (whole
--- transactions). The runner calls it on its own, in a transaction of its own, every tick while any table is
--- watched this way. In order: the slot advanced to the LSN the last committed capture recorded (never
--- further: a capture that rolled back recorded nothing, so its changes are read again); the slot created,
--- or recreated when it holds more WAL than lockstep.setting.capture_max_bytes (the jobs flagged for their
--- full recompute); the changes read without consuming them (lockstep._capture_read); the LSN read up to
--- recorded in lockstep.capture_state, in this transaction (with no watched change read, the slot is
--- advanced at once instead, and nothing written: an idle capture writes no WAL). outcome: done (read or flagged something), idle
--- (nothing new, or no table watched through the WAL: then the slot and the publication are removed), busy
--- (another capture is running). Call it in a transaction that has written nothing yet (a slot is created
--- only there), as the runner does.
+-- lockstep.capture(max_rows): queue the keys of the changes made to tables watched through the WAL since
+-- the last capture: advance the slot to the LSN the last committed capture recorded, make the slot ready,
+-- read (lockstep._capture_read), record the LSN read up to. outcome: done, idle (nothing new; no table
+-- watched: slot and publication removed) or busy. Call it in a transaction that has written nothing yet.
 -- locks: the advisory lock 'lockstep:capture' (try, transaction-level); the slot while it reads.
 create or replace function lockstep.capture(max_rows integer default 20000, out outcome text, out changes bigint,
                                             out keys bigint, out flagged bigint, out queued_lsn pg_lsn,
