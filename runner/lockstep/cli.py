@@ -865,9 +865,23 @@ def backfill(job: str, dsn: str | None, json: bool) -> None:
 
 @main.command()
 @dsn_option
-@option("--parents", default=50000, show_default=True, help="Exams in the example.")
-@option("--seconds", default=60.0, show_default=True, help="Length of the lockstep phase.")
-@option("--naive-seconds", default=15.0, show_default=True, help="Length of the naive phase (0: skip).")
+@option(
+    "--parents", type=click.IntRange(min=1), default=50000, show_default=True, help="Exams in the example."
+)
+@option(
+    "--seconds",
+    type=click.FloatRange(min=0),
+    default=60.0,
+    show_default=True,
+    help="Length of the lockstep phase.",
+)
+@option(
+    "--naive-seconds",
+    type=click.FloatRange(min=0),
+    default=15.0,
+    show_default=True,
+    help="Length of the naive phase (0: skip).",
+)
 @option(
     "--embedded",
     is_flag=True,
@@ -880,7 +894,9 @@ def backfill(job: str, dsn: str | None, json: bool) -> None:
     help="Database of its own to create (and drop at the end); an existing one is dropped only if lockstep "
     "made it, else the demo stops.",
 )
-@option("--clients", default=4, show_default=True, help="Application client threads.")
+@option(
+    "--clients", type=click.IntRange(min=0), default=4, show_default=True, help="Application client threads."
+)
 @option("--keep", is_flag=True, help="Keep the demo database at the end.")
 @option("--json", is_flag=True, help="Print the result as JSON instead of the report.")
 @option("--json-file", metavar="FILE", default=None, help="Also write the result as JSON to FILE.")
@@ -934,7 +950,13 @@ def demo(
 
 @main.command()
 @dsn_option
-@option("--parents", default=50000, show_default=True, help="Parents (exams) in the example.")
+@option(
+    "--parents",
+    type=click.IntRange(min=1),
+    default=50000,
+    show_default=True,
+    help="Parents (exams) in the example.",
+)
 @option(
     "--sections",
     type=SectionsType(BENCH_SECTIONS),

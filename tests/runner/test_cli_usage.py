@@ -156,3 +156,14 @@ def test_the_start_up_names_the_server_it_reached(dsn):
     assert p.returncode == 0, p.stderr
     wanted = f"connected to host {info['host']} port {port} database {info['dbname']} as user {pg['PGUSER']}"
     assert wanted in p.stderr, p.stderr
+
+
+def test_demo_and_bench_sizes_are_checked():
+    for args in (
+        ["demo", "--parents", "-5"],
+        ["demo", "--clients", "-1"],
+        ["demo", "--seconds", "-1"],
+        ["bench", "--parents", "0"],
+    ):
+        line = one_error(lockstep(*args), EXIT_USAGE)
+        assert "Invalid value for" in line and args[1] in line, line
