@@ -649,7 +649,9 @@ class _Server(ThreadingHTTPServer):
 
     def server_close(self) -> None:
         super().server_close()
-        self.pool.close()
+        pool = getattr(self, "pool", None)  # absent when binding failed (make_server closes it then)
+        if pool is not None:
+            pool.close()
 
 
 def make_server(opts: Options, sampler: Sampler | None = None) -> _Server:
