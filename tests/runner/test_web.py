@@ -155,7 +155,7 @@ def test_recompute_progress_shows_while_a_recompute_is_spread_over_batches(ex):
     )
     data = web.collect(ex, web.Sampler())
     assert {j["job"]: j["recompute_progress"] for j in data["jobs"]} == {
-        "bands": {"done": 10, "total": 50},
+        "bands": {"done": 10, "total": 50, "rate": None, "eta_s": None},  # one sample: no rate yet
         "boom": None,
         "exam_keys": None,
         "ok": None,
@@ -163,6 +163,14 @@ def test_recompute_progress_shows_while_a_recompute_is_spread_over_batches(ex):
     html = web.render(data, 5)
     assert html.count('class="recompute-progress"') == 1
     assert '<progress max="50" value="10"></progress> <span class="recompute-progress">10 / 50' in html
+    # a later page, after a worker pass of the hand-off: the rate and the time left, from the two samples
+    sampler = web.Sampler()
+    web.collect(ex, sampler)
+    ex.execute("select lockstep.work('bands')")
+    later = web.collect(ex, sampler)
+    prog = next(j["recompute_progress"] for j in later["jobs"] if j["job"] == "bands")
+    assert prog["done"] == 20 and prog["rate"] > 0 and prog["eta_s"] > 0
+    assert 'class="recompute-rate"' in web.render(later, 5)
 
 
 @pytest.mark.parametrize("method", ["POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "BREW"])
