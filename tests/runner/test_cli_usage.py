@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import RUN_TAG
 from psycopg.conninfo import conninfo_to_dict
 
 from lockstep.errors import EXIT_SETUP, EXIT_USAGE
@@ -165,5 +166,9 @@ def test_demo_and_bench_sizes_are_checked():
         ["demo", "--seconds", "-1"],
         ["bench", "--parents", "0"],
     ):
-        line = one_error(lockstep(*args), EXIT_USAGE)
+        # were the check gone, nothing would run: no server answers there, and the database is this run's
+        extra = ["--dsn", "postgresql://nobody@127.0.0.1:1/x"]
+        if args[0] == "demo":
+            extra += ["--database", f"{RUN_TAG}_sizes", "--naive-seconds", "0"]
+        line = one_error(lockstep(*args, *extra), EXIT_USAGE)
         assert "Invalid value for" in line and args[1] in line, line
