@@ -603,14 +603,39 @@ def _connect(dsn: str | None, app_name: str):
     metavar="SECONDS",
     help="Unhealthy when a job's oldest queued key (parked ones aside) waits longer (0: not checked).",
 )
+@option(
+    "--max-stall",
+    type=click.FloatRange(min=0),
+    default=120.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="Unhealthy when a key a worker pass should take now has been ready longer (0: not checked).",
+)
+@option(
+    "--max-stall-passes",
+    type=click.IntRange(min=0),
+    default=10,
+    show_default=True,
+    metavar="N",
+    help="Unhealthy when such a key was left by N worker passes (0: not checked).",
+)
 @log_options
 def status(
-    dsn: str | None, json: bool, wide: bool, history: bool, job: str | None, limit: int, max_lag: float
+    dsn: str | None,
+    json: bool,
+    wide: bool,
+    history: bool,
+    job: str | None,
+    limit: int,
+    max_lag: float,
+    max_stall: float,
+    max_stall_passes: int,
 ) -> None:
     """Show lockstep.status, one line per job within 100 columns (--wide, --json: every column).
 
-    Exit 0 healthy; 1 when a job is failing, has parked keys, is flagged for a full recompute or has a
-    key queued longer than --max-lag, or the WAL capture's slot holds more WAL than its bound
+    Exit 0 healthy; 1 when a job is failing, has parked keys, is flagged for a full recompute, has a key
+    queued longer than --max-lag, or a key a worker pass should take stays ready past --max-stall or
+    --max-stall-passes, or the WAL capture's slot holds more WAL than its bound
     (lockstep.capture_status); 3 no server answered; 4 no lockstep schema (or database, role).
     --history: the newest runs of lockstep.run_log, oldest first (exit 0)."""
     from lockstep import db
@@ -637,9 +662,9 @@ def status(
         # grant, SELECT on lockstep.viewer, saw none and exited 0 while a job was failing)
         click.echo(f"Error: {empty}: nothing to check", err=True)
         raise SystemExit(codes.EXIT_SETUP)
-    for line in st.reasons(rows, max_lag) + ([capture] if capture else []):
+    for line in st.reasons(rows, max_lag, max_stall, max_stall_passes) + ([capture] if capture else []):
         click.echo(line, err=True)
-    raise SystemExit(max(st.exit_code(rows, max_lag), 1 if capture else 0))
+    raise SystemExit(max(st.exit_code(rows, max_lag, max_stall, max_stall_passes), 1 if capture else 0))
 
 
 @main.command()

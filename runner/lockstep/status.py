@@ -45,6 +45,10 @@ def to_json(rows: list[dict]) -> str:
 
 
 MAX_LAG = 900.0  # seconds: a queued key older than this makes ``lockstep status`` unhealthy (--max-lag)
+MAX_STALL = (
+    120.0  # seconds: a key a worker pass should take, ready longer than this, is stalled (--max-stall)
+)
+MAX_STALL_PASSES = 10  # worker passes that left such a key in the queue (--max-stall-passes)
 
 
 def _lagging(r: dict, max_lag: float | None) -> bool:
@@ -61,7 +65,29 @@ def _flagged(r: dict) -> bool:
     return r.get("needs_recompute") is not None and not _paused(r)
 
 
-def reasons(rows: list[dict], max_lag: float | None = MAX_LAG) -> list[str]:
+def stalled(r: dict, max_stall: float | None, max_passes: int | None) -> str | None:
+    """Why the job's oldest key a worker pass should take counts as stalled (lockstep.status stalled_for,
+    stalled_passes), or None; a paused job's queue waits on purpose."""
+    waited = r.get("stalled_for")
+    passes = r.get("stalled_passes") or 0
+    if _paused(r):
+        return None
+    if max_passes and passes >= max_passes:
+        return f"a ready queued key was left by {passes} worker passes (--max-stall-passes {max_passes})"
+    if max_stall and isinstance(waited, dt.timedelta) and waited.total_seconds() > max_stall:
+        return (
+            f"a ready queued key no worker pass took waits {waited.total_seconds():.0f} s"
+            f" (--max-stall {max_stall:g})"
+        )
+    return None
+
+
+def reasons(
+    rows: list[dict],
+    max_lag: float | None = MAX_LAG,
+    max_stall: float | None = MAX_STALL,
+    max_stall_passes: int | None = MAX_STALL_PASSES,
+) -> list[str]:
     """Why each unhealthy job is (one line each, for ``lockstep status``'s stderr: an exit 1 with only the
     table left the reader to find the column that made it)."""
     out = []
@@ -86,28 +112,44 @@ def reasons(rows: list[dict], max_lag: float | None = MAX_LAG) -> list[str]:
             why.append(
                 f"oldest queued key waits {r['queue_lag'].total_seconds():.0f} s (--max-lag {max_lag:g})"
             )
+        stall = stalled(r, max_stall, max_stall_passes)
+        if stall:
+            why.append(stall)
         if why:
             out.append(f"unhealthy: job {r.get('job')}: " + "; ".join(why))
     return out
 
 
-def unhealthy(rows: list[dict], max_lag: float | None = MAX_LAG) -> bool:
+def unhealthy(
+    rows: list[dict],
+    max_lag: float | None = MAX_LAG,
+    max_stall: float | None = MAX_STALL,
+    max_stall_passes: int | None = MAX_STALL_PASSES,
+) -> bool:
     """Any job failing (consecutive_failures > 0, or its last full recompute: recompute_error), with parked
     keys, flagged for a full recompute
     (``needs_recompute`` set: a trigger could not enqueue), or whose oldest queued key waits longer than
-    ``max_lag`` seconds (nothing drains its queue; None or 0: not checked). A paused job's lag and flags are
-    not alarmed (lockstep.pause): they wait on purpose."""
+    ``max_lag`` seconds (nothing drains its queue; None or 0: not checked), or whose oldest key a worker
+    pass should take has stayed ready longer than ``max_stall`` seconds or through ``max_stall_passes``
+    worker passes (a stall: lockstep.status stalled_for, stalled_passes; None or 0: not checked). A paused
+    job's lag, flags and stalls are not alarmed (lockstep.pause): they wait on purpose."""
     return any(
         (r.get("consecutive_failures") or 0) > 0
         or r.get("recompute_error") is not None
         or (r.get("parked_keys") or 0) > 0
         or _flagged(r)
         or (_lagging(r, max_lag) and not _paused(r))
+        or stalled(r, max_stall, max_stall_passes) is not None
         for r in rows
     )
 
 
-def exit_code(rows: list[dict], max_lag: float | None = MAX_LAG) -> int:
+def exit_code(
+    rows: list[dict],
+    max_lag: float | None = MAX_LAG,
+    max_stall: float | None = MAX_STALL,
+    max_stall_passes: int | None = MAX_STALL_PASSES,
+) -> int:
     """``lockstep status``'s exit code for these rows: 0 healthy, 1 unhealthy (lockstep.errors.EXIT_*).
 
     The other codes come before any row is read: 2 usage error, 3 no server answered, 4 permanent
@@ -115,7 +157,7 @@ def exit_code(rows: list[dict], max_lag: float | None = MAX_LAG) -> int:
     """
     from lockstep.errors import EXIT_OK, EXIT_UNHEALTHY
 
-    return EXIT_UNHEALTHY if unhealthy(rows, max_lag) else EXIT_OK
+    return EXIT_UNHEALTHY if unhealthy(rows, max_lag, max_stall, max_stall_passes) else EXIT_OK
 
 
 def _cell(value) -> str:

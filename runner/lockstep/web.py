@@ -35,7 +35,7 @@ import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from lockstep import db
-from lockstep.status import jsonable
+from lockstep.status import MAX_STALL, MAX_STALL_PASSES, jsonable, stalled
 
 log = logging.getLogger("lockstep.web")
 
@@ -361,6 +361,9 @@ def _jobs_html(data: dict, now: dt.datetime) -> str:
             )
         if j.get("depends_on"):  # a chain: runs after the jobs whose targets it reads
             flags += f'<div class="depends-on muted">after {esc(", ".join(j["depends_on"]))}</div>'
+        stall = stalled(j, MAX_STALL, MAX_STALL_PASSES)
+        if stall:
+            flags += f'<div class="flag stalled">stalled: {esc(stall)}</div>'
         failures = int(j.get("consecutive_failures") or 0)
         last = j.get("last_finished_at")
         rows.append(

@@ -20,7 +20,7 @@ drop function if exists lockstep._write_good(lockstep.job, text[], lockstep._pas
 drop function if exists lockstep._retry_each(lockstep.job, text[], boolean);
 drop function if exists lockstep._attempt(lockstep.job, text[], text, boolean);
 drop function if exists lockstep._settle(lockstep.job, text, text[], bigint[], tid[], text[], lockstep._pass, text[], text[]);
-drop function if exists lockstep._record_failures(lockstep.job, bigint[], lockstep._pass, text[], text[], text[]);
+drop function if exists lockstep._record_failures(lockstep.job, text[], bigint[], lockstep._pass, text[], text[], text[]);
 drop function if exists lockstep._settle_message(lockstep.job, lockstep._pass, text[], text[], text[]);
 drop function if exists lockstep._limit_batch(lockstep.job, integer, bigint);
 drop function if exists lockstep._keep_batch(lockstep.job);
@@ -151,3 +151,25 @@ drop function if exists lockstep._recompute_job(text);
 drop function if exists lockstep._work_job(text, integer);
 drop function if exists lockstep._settings();
 drop function if exists lockstep._restore_settings(text[], text[]);
+drop function if exists lockstep._settle_entries(lockstep.job, bigint[], tid[], text[], text[], text[], text[]);
+drop function if exists lockstep._canon_each(lockstep.job, text[]);
+drop function if exists lockstep._trims_scale(regtype);
+drop function if exists lockstep._handoff_pending(lockstep.job_state);
+drop function if exists lockstep._wait_lock(text);
+drop view if exists lockstep.status;
+drop function if exists lockstep._stall(text);
+-- watches of a replica (0002): their row triggers go with their function
+do $$
+declare
+    t record;
+begin
+    for t in select tg.tgname, tg.tgrelid::regclass rel from pg_catalog.pg_trigger tg
+             where tg.tgfoid = pg_catalog.to_regprocedure('lockstep.enqueue_replica()')
+    loop
+        execute pg_catalog.format('drop trigger %I on %s', t.tgname, t.rel);
+    end loop;
+end;
+$$;
+drop function if exists lockstep.watch_replica(text, regclass, name);
+drop function if exists lockstep.enqueue_replica();
+drop function if exists lockstep._stall_passes(text, timestamptz);

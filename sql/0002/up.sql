@@ -74,6 +74,9 @@ drop function if exists lockstep._as_owner(lockstep.job, text[]);
 -- pause / resume (15_controls.sql): the job's pause, kept with its definition
 alter table lockstep.job add column paused_at timestamptz, add column paused_by name;
 -- lockstep.status gains paused_at, paused_by and depends_on (11_status.sql makes it again)
+-- lockstep._settle_entries returns the entries it folded (a failing key's entries folded into one)
+drop function if exists lockstep._settle_entries(lockstep.job, bigint[], tid[], text[], text[], text[]);
+-- lockstep.status gains stalled_for and stalled_passes
 drop view if exists lockstep.status;
 -- lockstep's timestamps are finite (an entry at -infinity failed lockstep.status for every reader, one at
 -- infinity was never taken): such rows are made current first

@@ -214,7 +214,8 @@ create table lockstep.key_failure (
     last_failed_at  timestamptz not null default now(),
     retry_at        timestamptz not null,
     parked          boolean not null default false,
-    -- the highest queue id the failing pass had claimed: a later entry of the key is a change it did not see
+    -- the queue entry the last failing pass folded the key's entries it saw into: any other entry of the
+    -- key is a change that pass did not see, whatever order ids were taken in (docs/design.md)
     failed_upto     bigint not null default 0,
     primary key (job, key)
 );

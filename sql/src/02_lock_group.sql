@@ -10,6 +10,23 @@ begin
     return pg_catalog.pg_try_advisory_xact_lock(pg_catalog.hashtextextended('lockstep:' || lock_group, 0));
 end;
 $$;
+
+-- lockstep._wait_lock(lock_group): the one lock of a lock group, waiting for the pass or batch that holds
+-- it (the session's lock_timeout applies). Only for lockstep.retry, an operator's call: holding the lock
+-- first, it never holds a key_failure row a worker pass waits for while it waits for one the pass holds.
+-- locks: the group's transaction-level advisory lock (released at commit, rollback or disconnect).
+create or replace function lockstep._wait_lock(lock_group text) returns void
+language plpgsql volatile strict
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    perform pg_catalog.pg_advisory_xact_lock(pg_catalog.hashtextextended('lockstep:' || lock_group, 0));
+end;
+$$;
+
+comment on function lockstep._wait_lock(text) is
+    'The one lock of a lock group, waiting for the pass or batch that holds it; only for lockstep.retry. '
+    'Locks: the group''s transaction-level advisory lock.';
 comment on function lockstep._try_lock(text) is
     'The one lock of a lock group, without waiting. Locks: the group''s transaction-level advisory lock '
     '(released at commit, rollback or disconnect).';

@@ -307,8 +307,9 @@ begin
     if s.next_run_at <= now() then
         return lockstep._recompute(j, true);
     end if;
-    -- a trigger fell back on flagging the job: its recompute is due now (lockstep._flag_due)
-    if lockstep._flag_due(s) then
+    -- a trigger fell back on flagging the job: its recompute is due now (lockstep._flag_due), once the
+    -- worker has taken the last recompute's hand-off (lockstep._handoff_pending)
+    if lockstep._flag_due(s) and not lockstep._handoff_pending(s) then
         return lockstep._recompute(j, false);
     end if;
     if j.parent is null then

@@ -340,8 +340,17 @@ begin
         v_from := s.recompute_queue_from;
         v_to := coalesce(v_to, s.recompute_queue_to);
     end if;
-    -- from the first entry of a changed parent queued before this recompute
-    v_from := least(v_from, queued_from);
+    -- from the first entry of a changed parent queued before this recompute, or of a handed-off parent
+    -- queued already (every parent, after a poisoned whole-table pass)
+    v_from := least(v_from, queued_from,
+                    (select min(e.id) from pg_catalog.unnest(keys) k(key),
+                         lateral (select min(q.id) as id from lockstep.queue q
+                                  where q.key = k.key and (q.job = j.job) is true and q.id <= before) e));
+    -- to at least the queue's end when the recompute began, if the range starts before it (parents all
+    -- queued already leave no new entry)
+    if v_from <= before then
+        v_to := greatest(v_to, before);
+    end if;
     -- to do: as counted before the write, plus the skipped parents queued since
     v_total := written + coalesce(todo + v_queued, lockstep._handoff_todo(j.job, v_from, v_to));
     update lockstep.job_state x set

@@ -1,9 +1,24 @@
 -- lockstep: the queue of changed parents: enqueue, canonical keys, and the recompute flag.
 -- Keys are stored as canonical text (lockstep._canon: DateStyle ISO, IntervalStyle postgres,
--- extra_float_digits 1, TimeZone UTC), which reads back to the same value under any setting.
+-- extra_float_digits 1, TimeZone UTC, bytea_output hex, lc_monetary C, numeric without trailing zeros),
+-- which reads back to the same value under any setting: one text per parent.
 
 
--- lockstep._canon(keys): the distinct non-NULL keys in canonical text, sorted by key (not as text).
+-- lockstep._trims_scale(t): t (an array type) holds numerics, whose text keeps trailing zeros (1.00 and 1
+-- name one parent): lockstep._canon trims them.
+create or replace function lockstep._trims_scale(t regtype) returns boolean
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    with recursive base(t) as (
+        select e.typelem from pg_catalog.pg_type e where e.oid = t
+        union
+        select ty.typbasetype from base join pg_catalog.pg_type ty on ty.oid = base.t where ty.typtype = 'd')
+    select exists (select from base where base.t = 'pg_catalog.numeric'::pg_catalog.regtype);
+$$;
+
+-- lockstep._canon(keys): the distinct non-NULL keys in canonical text, sorted by key (not as text): the one
+-- place a key value becomes text (queue, key_failure, retry, the worker's keys).
 create or replace function lockstep._canon(keys anyarray) returns text[]
 language sql stable
 set search_path = pg_catalog, pg_temp
@@ -11,11 +26,15 @@ set datestyle = 'ISO, YMD'
 set intervalstyle = 'postgres'
 set extra_float_digits = 1
 set timezone = 'UTC'
+set bytea_output = 'hex'
+set lc_monetary = 'C'
 as $$
     select lockstep._check_key_type_safe(null, (select y.typelem from pg_catalog.pg_type y
                                                 where y.oid = pg_catalog.pg_typeof(keys)));
-    select coalesce(pg_catalog.array_agg(k::text order by k), '{}')
-    from (select distinct k from pg_catalog.unnest(keys) k where k is not null) s;
+    select coalesce(pg_catalog.array_agg(case when t.trim then pg_catalog.trim_scale(k::text::numeric)::text
+                                              else k::text end order by k), '{}')
+    from (select distinct k from pg_catalog.unnest(keys) k where k is not null) s,
+         (select lockstep._trims_scale(pg_catalog.pg_typeof(keys)) as trim) t;
 $$;
 
 -- lockstep._fast_types(): key types whose JSON text (to_jsonb) is their canonical text under every setting;
@@ -74,6 +93,7 @@ set datestyle = 'ISO, YMD'
 set intervalstyle = 'postgres'
 set extra_float_digits = 1
 set timezone = 'UTC'
+set lc_monetary = 'C'
 as $$
 declare
     v text[];

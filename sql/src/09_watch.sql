@@ -167,7 +167,7 @@ set search_path = pg_catalog, pg_temp
 as $$
     select p.oid from pg_catalog.pg_proc p
     where p.pronamespace = 'lockstep'::regnamespace and p.prorettype = 'trigger'::regtype
-      and (p.proname in ('enqueue_trigger', 'enqueue_through') or p.proname like 'enqueue\_w\_%');
+      and (p.proname in ('enqueue_trigger', 'enqueue_through', 'enqueue_replica') or p.proname like 'enqueue\_w\_%');
 $$;
 
 -- lockstep._gen_trigger(j, source, key_column): generate lockstep.enqueue_w_<hash>(), a trigger function
@@ -485,14 +485,16 @@ as $$
 $$;
 
 -- lockstep._drop_watch_ddl(job, tables): the DROP TRIGGER IF EXISTS statements for the four triggers
--- lockstep.watch() creates for job on each of tables (run through lockstep._ddl by watch and unwatch).
+-- lockstep.watch() creates for job on each of tables, and lockstep.watch_replica's row trigger (run
+-- through lockstep._ddl by watch and unwatch).
 -- locks: nothing (returns text).
 create or replace function lockstep._drop_watch_ddl(job text, tables regclass[]) returns text[]
 language sql stable
 set search_path = pg_catalog, pg_temp
 as $$
     select array(select pg_catalog.format('drop trigger if exists %I on %s', lockstep._trigger_name(job, o), x)
-                 from pg_catalog.unnest(tables) x, pg_catalog.unnest(array['insert', 'update', 'delete', 'truncate']) o);
+                 from pg_catalog.unnest(tables) x,
+                      pg_catalog.unnest(array['insert', 'update', 'delete', 'truncate', 'replica']) o);
 $$;
 
 -- lockstep._warn_writers(tables): after watch(): a WARNING for each role that may write one of tables but

@@ -167,7 +167,7 @@ begin
         where q.job = j.job and q.ready_at <= now()
           and not exists (select from lockstep.key_failure f
                           where f.job = q.job and f.key = q.key
-                            and (f.retry_at > now() or (f.parked and q.id <= f.failed_upto))));  -- see _claim
+                            and (f.retry_at > now() or (f.parked and q.id = f.failed_upto))));  -- see _claim
 end;
 $$;
 
@@ -198,18 +198,19 @@ set enable_bitmapscan = off
 as $$
 begin
     select array_agg(e.id), array_agg(e.ctid), array_agg(e.key) into ids, ctids, entry_keys
-    from pg_catalog.unnest(keys) k(key),
+    from (select distinct x from pg_catalog.unnest(keys) x) k(key),
          lateral (select q.id, q.ctid, q.key from lockstep.queue q
                   where q.key = k.key and (q.job = j.job) is true offset 0) e;
 end;
 $$;
 
--- lockstep._settle_entries(j, ids, ctids, entry_keys, leave, skip): delete the entries done (not of a key
--- in leave) and defer those of keys in skip a second, each by row id, checked again by id.
--- locks: those queue entries (deleted or updated; disjoint rows, skip being part of leave).
-create or replace function lockstep._settle_entries(j lockstep.job, ids bigint[], ctids tid[], entry_keys text[], leave text[],
-                                         skip text[])
-returns void
+-- lockstep._settle_entries(j, ids, ctids, entry_canon, leave, skip, fold): delete the entries done (not of a
+-- key in leave), defer those of keys in skip a second, and fold those of a key in fold into its oldest
+-- entry, its key rewritten in canonical text (returned: held_keys, held_ids); each by row id, checked again
+-- by id.
+-- locks: those queue entries (deleted or updated; disjoint rows: skip and fold are part of leave, fold wins).
+create or replace function lockstep._settle_entries(j lockstep.job, ids bigint[], ctids tid[], entry_canon text[], leave text[],
+                                         skip text[], fold text[], out held_keys text[], out held_ids bigint[])
 language plpgsql
 set search_path = pg_catalog, pg_temp
 set plan_cache_mode = force_generic_plan
@@ -221,29 +222,40 @@ declare
     v_done_ids bigint[] := ids;
     v_skipped tid[] := '{}';
     v_skipped_ids bigint[] := '{}';
+    v_held tid[] := '{}';
 begin
+    held_keys := '{}';
+    held_ids := '{}';
     if cardinality(leave) > 0 then
-        select coalesce(array_agg(e.c) filter (where l.k is null), '{}'),
-               coalesce(array_agg(e.i) filter (where l.k is null), '{}'),
-               coalesce(array_agg(e.c) filter (where s.k is not null), '{}'),
-               coalesce(array_agg(e.i) filter (where s.k is not null), '{}')
-        into v_done, v_done_ids, v_skipped, v_skipped_ids
-        from unnest(ctids, ids, entry_keys) e(c, i, k)  -- ROWS FROM syntax: not schema-qualified
+        select coalesce(array_agg(e.c) filter (where l.k is null or (f.k is not null and e.i <> e.first)), '{}'),
+               coalesce(array_agg(e.i) filter (where l.k is null or (f.k is not null and e.i <> e.first)), '{}'),
+               coalesce(array_agg(e.c) filter (where s.k is not null and f.k is null), '{}'),
+               coalesce(array_agg(e.i) filter (where s.k is not null and f.k is null), '{}'),
+               coalesce(array_agg(e.c) filter (where f.k is not null and e.i = e.first), '{}'),
+               coalesce(array_agg(e.k) filter (where f.k is not null and e.i = e.first), '{}'),
+               coalesce(array_agg(e.i) filter (where f.k is not null and e.i = e.first), '{}')
+        into v_done, v_done_ids, v_skipped, v_skipped_ids, v_held, held_keys, held_ids
+        from (select u.*, min(u.i) over (partition by u.k) as first
+              from unnest(ctids, ids, entry_canon) u(c, i, k)) e  -- ROWS FROM syntax: not schema-qualified
         left join (select distinct x from pg_catalog.unnest(leave) x) l(k) on l.k = e.k
-        left join (select distinct x from pg_catalog.unnest(skip) x) s(k) on s.k = e.k;
+        left join (select distinct x from pg_catalog.unnest(skip) x) s(k) on s.k = e.k
+        left join (select distinct x from pg_catalog.unnest(fold) x) f(k) on f.k = e.k;
     end if;
     -- one statement for both, run even with no row: a missing privilege fails every pass at once
     with d as (delete from lockstep.queue q using unnest(v_done, v_done_ids) u(c, i)
-               where q.ctid = u.c and (q.id = u.i) is true)
+               where q.ctid = u.c and (q.id = u.i) is true),
+         h as (update lockstep.queue q set key = u.k
+               from unnest(v_held, held_ids, held_keys) u(c, i, k)
+               where q.ctid = u.c and (q.id = u.i) is true and q.key <> u.k)
     update lockstep.queue q set ready_at = lockstep._defer_until()
     from unnest(v_skipped, v_skipped_ids) u(c, i)
     where q.ctid = u.c and (q.id = u.i) is true;
 end;
 $$;
-comment on function lockstep._settle_entries(lockstep.job, bigint[], tid[], text[], text[], text[]) is
-    'Delete the entries done (not of a key in leave) and defer those of keys in skip a second, each by '
-    'row id, checked again by id. Locks: those queue entries (deleted or updated; disjoint rows, skip '
-    'being part of leave).';
+comment on function lockstep._settle_entries(lockstep.job, bigint[], tid[], text[], text[], text[], text[]) is
+    'Delete the entries done (not of a key in leave), defer those of keys in skip a second, and fold those '
+    'of a key in fold into its oldest entry, its key in canonical text; each by row id, checked again by id. '
+    'Locks: those queue entries (deleted or updated; disjoint rows: skip and fold are part of leave).';
 
 -- lockstep._claim(j, batch): the keys of this pass and how to apply them (kind), first of: probe (half of
 -- the ready suspects), retry (ready failing keys, and parked keys queued again; each alone), batch. Generic
@@ -259,7 +271,7 @@ begin
        and not exists (select from lockstep.key_failure f
                        where f.job = j.job and f.parked and f.retry_at <= now()
                          and exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true
-                                     and q.id > f.failed_upto)) then
+                                     and q.id <> f.failed_upto)) then
         select b.keys, b.full, 'batch' into keys, full, kind from lockstep._batch(j, batch) b;
         return;
     end if;
@@ -278,7 +290,7 @@ begin
     from (select f.key from lockstep.key_failure f
           where f.job = j.job and f.attempts > 0 and f.retry_at <= now()
             and exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true
-                        and (not f.parked or q.id > f.failed_upto) and q.ready_at <= now())
+                        and (not f.parked or q.id <> f.failed_upto) and q.ready_at <= now())
           order by f.retry_at, f.key limit batch) f;
     if keys is not null then
         kind := 'retry';
@@ -289,17 +301,45 @@ end;
 $$;
 
 -- lockstep._sorted_keys(j, keys): keys read back as j's parent key type, distinct, sorted as the type
--- sorts, as canonical text; raises if one does not read back.
+-- sorts, as canonical text (lockstep._canon, under its settings); raises if one does not read back.
 create or replace function lockstep._sorted_keys(j lockstep.job, keys text[]) returns text[]
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
+set datestyle = 'ISO, YMD'
+set intervalstyle = 'postgres'
+set extra_float_digits = 1
+set timezone = 'UTC'
+set bytea_output = 'hex'
+set lc_monetary = 'C'
 as $$
 declare
     v text[];
 begin
     perform lockstep._check_key_type_safe(j.job, j.key_type);
-    execute pg_catalog.format('select array_agg(v::text order by v) from (select distinct r::%s as v '
-                              'from pg_catalog.unnest($1::text[]) r) s', lockstep._type_sql(j.key_type)) into v using keys;
+    execute pg_catalog.format('select lockstep._canon($1::%s)', lockstep._array_type(j.key_type)) into v using keys;
+    return v;
+end;
+$$;
+
+-- lockstep._canon_each(j, keys): the canonical text of each queued key, in the order given; NULL for a key
+-- that does not read back as j's parent key type. Maps the queued text of a pass's entries to the keys
+-- its failures are recorded under ('04' and '4' name one parent).
+create or replace function lockstep._canon_each(j lockstep.job, keys text[]) returns text[]
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    k text;
+    v text[] := '{}';
+begin
+    if j.key_type = 'text'::pg_catalog.regtype
+       or (j.key_type = any(array['bigint', 'integer']::pg_catalog.regtype[])
+           and pg_catalog.array_to_string(keys, ',') ~ '^(0|-?[1-9][0-9]{0,8})(,(0|-?[1-9][0-9]{0,8}))*$') then
+        return keys;  -- canonical already (the common case)
+    end if;
+    foreach k in array keys loop
+        v := v || (lockstep._readable(j, array[k])).canon[1];
+    end loop;
     return v;
 end;
 $$;
@@ -310,6 +350,12 @@ create or replace function lockstep._readable(j lockstep.job, keys text[], out c
                                    out bad text[], out errors text[])
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
+set datestyle = 'ISO, YMD'
+set intervalstyle = 'postgres'
+set extra_float_digits = 1
+set timezone = 'UTC'
+set bytea_output = 'hex'
+set lc_monetary = 'C'
 as $$
 declare
     k text;
@@ -344,7 +390,8 @@ begin
     canon := '{}';
     foreach k in array keys loop
         begin
-            execute pg_catalog.format('select $1::%s::text', lockstep._type_sql(j.key_type)) into v_one using k;
+            execute pg_catalog.format('select (lockstep._canon(array[$1::%s]))[1]', lockstep._type_sql(j.key_type))
+                into v_one using k;
             raw := raw || k;
             canon := canon || v_one;
         exception when others then
@@ -505,54 +552,52 @@ set plan_cache_mode = force_generic_plan
 as $$
 declare
     v_susp text[] := coalesce(p.timed_out, '{}');
+    v_ecanon text[];  -- the key of each entry, in canonical text
     v_leave text[];
-    v_skip text[] := p.skipped;
+    h record;
 begin
     if cardinality(v_susp) = 1 then  -- a key that is slow alone fails like a poison key
         p.failed := p.failed || v_susp;
         p.errors := p.errors || p.timed_out_error;
         v_susp := '{}';
     end if;
-    v_leave := p.failed || v_skip || v_susp || coalesce(p.untried, '{}');
-    if cardinality(v_leave) > 0 then  -- the queued (raw) text of those keys
-        perform lockstep._check_key_type_safe(j.job, j.key_type);
-        execute pg_catalog.format('select coalesce(array_agg(r), ''{}'') from pg_catalog.unnest($1) r '
-                                  'where r::%s::text = any($2)', lockstep._type_sql(j.key_type)) into v_leave using raw, v_leave;
-        execute pg_catalog.format('select coalesce(array_agg(r), ''{}'') from pg_catalog.unnest($1) r '
-                                  'where r::%s::text = any($2)', lockstep._type_sql(j.key_type)) into v_skip using raw, v_skip;
-    end if;
-    v_leave := v_leave || bad;  -- their entries stay, shown as parked
+    select array_agg(coalesce(m.c, e.k) order by e.o) into v_ecanon
+    from unnest(entry_keys) with ordinality e(k, o)
+    left join unnest(raw, lockstep._canon_each(j, raw)) m(r, c) on m.r = e.k;
+    v_leave := p.failed || p.skipped || v_susp || bad || coalesce(p.untried, '{}');  -- untried: a retry pass's
+    -- cured: an entry other than the one its failure folded its entries into
     select pg_catalog.count(*) > 0 into cured
     from lockstep.key_failure f
-    where f.job = j.job and f.attempts > 0 and f.key = any(raw) and f.key <> all(v_leave)
-      and exists (select from lockstep.queue q
-                  where q.job = j.job and q.id = any(ids) and q.key = f.key and q.id > f.failed_upto);
-    -- the entries done go; a parent an application holds is retried a second later
-    perform lockstep._settle_entries(j, ids, ctids, entry_keys, v_leave, v_skip);
+    where f.job = j.job and f.attempts > 0 and f.key = any(v_ecanon) and f.key <> all(v_leave)
+      and exists (select from unnest(ids, v_ecanon) e(i, k) where e.k = f.key and e.i <> f.failed_upto);
+    -- entries done go, skipped ones wait a second, a failing key's fold into one
+    select * into h from lockstep._settle_entries(j, ids, ctids, v_ecanon, v_leave, p.skipped, p.failed || bad);
     delete from lockstep.key_failure f
-    where f.job = j.job and ((f.key = any(raw) and f.key <> all(v_leave))
+    where f.job = j.job and ((f.key = any(v_ecanon) and f.key <> all(v_leave))
                              -- a probe timed out: the other suspects are cleared, its keys stay suspects
                              or (kind = 'probe' and cardinality(v_susp) > 0 and f.attempts = 0 and not f.parked
                                  and f.retry_at <= now() and f.key <> all(v_susp)));
-    perform lockstep._record_failures(j, ids, p, v_susp, bad, bad_errors);
+    perform lockstep._record_failures(j, h.held_keys, h.held_ids, p, v_susp, bad, bad_errors);
     message := lockstep._settle_message(j, p, v_susp, bad, bad_errors);
 end;
 $$;
 comment on function lockstep._settle(lockstep.job, text, text[], bigint[], tid[], text[], lockstep._pass, text[], text[]) is
-    'Lockstep''s own rows for a pass: entries done deleted, skipped deferred, failing keys, suspects and '
-    'unreadable keys recorded (lockstep._record_failures); message for the result '
-    '(lockstep._settle_message); cured: a failed key written now, changed since it failed '
+    'Lockstep''s own rows for a pass: entries done deleted, skipped deferred, a failing key''s folded into '
+    'one, failing keys, suspects and unreadable keys recorded (lockstep._record_failures); message for the '
+    'result (lockstep._settle_message); cured: a failed key written now, changed since it failed '
     '(lockstep._finish may end a poison hold). Locks: the processed queue entries (deleted or updated), '
     'then the job''s key_failure rows, key order; then, if a key does not read back, the job''s status '
     'row.';
 
--- lockstep._record_failures(j, ids, p, susp, bad, bad_errors): the key_failure rows of a pass that claimed
--- the queue entries ids: its failing keys (p.failed: backoff, parked after max_attempts), its suspects
--- (susp: the keys of a part a statement timeout ended, bisected by the next passes) and its keys that
--- cannot be read back (bad: parked at once).
+-- lockstep._record_failures(j, held_keys, held_ids, p, susp, bad, bad_errors): the key_failure rows of a
+-- pass: its failing keys (p.failed: backoff, parked after max_attempts), its suspects (susp: the keys of a
+-- part a statement timeout ended, bisected by the next passes) and its keys that cannot be read back (bad:
+-- parked at once). failed_upto: the entry a failing key's entries folded into (held_ids of held_keys; 0:
+-- none), so any other entry of the key is a change the pass did not see (docs/design.md, "What a failing
+-- pass saw").
 -- locks: the job's key_failure rows of those keys, key order.
-create or replace function lockstep._record_failures(j lockstep.job, ids bigint[], p lockstep._pass, susp text[],
-                                          bad text[], bad_errors text[])
+create or replace function lockstep._record_failures(j lockstep.job, held_keys text[], held_ids bigint[],
+                                          p lockstep._pass, susp text[], bad text[], bad_errors text[])
 returns void
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -560,7 +605,8 @@ set plan_cache_mode = force_generic_plan
 as $$
 begin
     insert into lockstep.key_failure as f (job, key, attempts, last_error, retry_at, parked, failed_upto)
-    select j.job, x.k, x.a, x.e, x.r, x.p, coalesce((select max(i) from pg_catalog.unnest(ids) i), 0)
+    select j.job, x.k, x.a, x.e, x.r, x.p,
+           coalesce((select u.i from unnest(held_keys, held_ids) u(k, i) where u.k = x.k), 0)
     from (select k, 1 as a, e, now() + least(j.backoff, interval '2 seconds') as r, j.max_attempts <= 1 as p
           from unnest(p.failed, p.errors) as u(k, e)
           union all
@@ -576,17 +622,17 @@ begin
         set attempts = case when excluded.attempts = 0 then f.attempts
                             else greatest(f.attempts + 1, excluded.attempts) end,
             last_error = excluded.last_error, last_failed_at = now(),
-            failed_upto = greatest(f.failed_upto, excluded.failed_upto),
+            failed_upto = case when excluded.attempts = 0 then f.failed_upto else excluded.failed_upto end,
             retry_at = case when excluded.attempts = 0 then excluded.retry_at
                             else now() + least(j.backoff, interval '1 second' * power(2, least(f.attempts + 1, 20))) end,
             parked = excluded.parked or (excluded.attempts > 0 and f.attempts + 1 >= j.max_attempts);
 end;
 $$;
-comment on function lockstep._record_failures(lockstep.job, bigint[], lockstep._pass, text[], text[], text[]) is
-    'The key_failure rows of a pass that claimed the queue entries ids: its failing keys (p.failed: '
-    'backoff, parked after max_attempts), its suspects (susp: the keys of a part a statement timeout '
-    'ended, bisected by the next passes) and its keys that cannot be read back (bad: parked at once). '
-    'Locks: the job''s key_failure rows of those keys, key order.';
+comment on function lockstep._record_failures(lockstep.job, text[], bigint[], lockstep._pass, text[], text[], text[]) is
+    'The key_failure rows of a pass: its failing keys (p.failed: backoff, parked after max_attempts), its '
+    'suspects (susp: bisected by the next passes) and its keys that cannot be read back (bad: parked at '
+    'once); failed_upto: the entry a failing key''s entries folded into (held_ids). Locks: the job''s '
+    'key_failure rows of those keys, key order.';
 
 -- lockstep._settle_message(j, p, susp, bad, bad_errors): the result's message for a pass whose keys failed
 -- (p.failed), timed out together (susp) or cannot be read back (bad); NULL if none did. A key that cannot
@@ -672,16 +718,17 @@ begin
         end if;
         select * into c from lockstep._claim(j, batch);
     end if;
-    -- every visible entry of those keys goes with them, read under the group lock
-    select * into e from lockstep._entries(j, c.keys);
-    if e.ids is null then
-        return lockstep._result('idle', j.job, 'work');
-    end if;
     v_err := lockstep._key_type_refused(j.job, j.key_type);  -- no key converted: a failed run, with backoff
     if v_err is not null then
         return lockstep._failed(j, 'work', v_started, v_err);
     end if;
     select * into r from lockstep._readable(j, c.keys);
+    -- every visible entry of those keys goes with them, read under the group lock, those queued in
+    -- canonical text too ('4' with '04': one parent)
+    select * into e from lockstep._entries(j, c.keys || coalesce(r.canon, '{}'));
+    if e.ids is null then
+        return lockstep._result('idle', j.job, 'work');
+    end if;
     -- a lock timeout, deadlock or serialization failure fails the job's first 3 failed passes in a row as a
     -- whole (lockstep._whole_pass_error)
     select * into a from lockstep._attempt(j, coalesce(r.canon, '{}'), c.kind, s.consecutive_failures < 3);
@@ -784,7 +831,8 @@ comment on function lockstep._end_backoff(lockstep.job, boolean) is
 
 -- lockstep._retry(j, keys): forget the failures of keys (NULL: all of j's), queue them again, and end the
 -- job's failure backoff. A key that does not read back as the parent key type is deleted with a WARNING.
--- locks: the job's key_failure rows of those keys (deleted); the queue entries of unreadable keys (deleted);
+-- locks: the group lock (waiting for a pass that holds it: without it, a retry's transaction and a pass
+-- locked key_failure rows in different orders, 40P01); the job's key_failure rows of those keys (deleted); the queue entries of unreadable keys (deleted);
 -- appends to the queue; then, if its last run failed or it dropped unreadable keys, the job's
 -- lockstep.job_state row (FOR NO KEY UPDATE, by the update).
 create or replace function lockstep._retry(j lockstep.job, keys text[]) returns bigint
@@ -797,6 +845,7 @@ declare
 begin
     -- the owner's (or a member's, or the admin's): row-level security would hide another owner's failures
     perform lockstep._check_owner(j);
+    perform lockstep._wait_lock(j.lock_group);
     with d as (delete from lockstep.key_failure f
                where f.job = j.job and (keys is null or f.key = any(keys)) returning f.key)
     select array_agg(d.key) into v_keys from d;
@@ -822,7 +871,7 @@ $$;
 comment on function lockstep._retry(lockstep.job, text[]) is
     'Forget the failures of keys (NULL: all of j''s), queue them again, and end the job''s failure '
     'backoff. A key that does not read back as the parent key type is deleted with a WARNING. Locks: the '
-    'job''s key_failure rows of those keys (deleted); the queue entries of unreadable keys (deleted); '
+    'group lock (waiting for a pass that holds it); the job''s key_failure rows of those keys (deleted); the queue entries of unreadable keys (deleted); '
     'appends to the queue; then, if its last run failed or it dropped unreadable keys, the job''s '
     'lockstep.job_state row (FOR NO KEY UPDATE, by the update).';
 

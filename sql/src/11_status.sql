@@ -1,15 +1,14 @@
 -- lockstep: what operators and the runner read. Views and the runner's due query; nothing here locks.
 
--- lockstep._queue_depth(job): the job's queue entries, those of parked keys aside. A function with JIT
--- off: as a subquery of lockstep.status, stale statistics made every read of the view compile.
+-- lockstep._queue_depth(job): the job's queue entries, a failing key's among them (its failing pass folded
+-- the entries it saw into one). A function with JIT off: as a subquery of lockstep.status, stale
+-- statistics made every read of the view compile.
 create or replace function lockstep._queue_depth(job text) returns bigint
 language sql stable
 set search_path = pg_catalog, pg_temp
 set jit = off
 as $$
-    select count(*) from lockstep.queue q
-    where q.job = _queue_depth.job
-      and not exists (select from lockstep.key_failure f where f.job = q.job and f.key = q.key and f.parked);
+    select count(*) from lockstep.queue q where q.job = _queue_depth.job;
 $$;
 
 -- lockstep._handoff_todo(job, from_id, to_id): distinct keys of a recompute's hand-off (queue ids from_id
@@ -37,8 +36,52 @@ as $$
                                      where f.job = q.job and f.key = q.key and f.parked));
 $$;
 
--- lockstep._queue_lag(job): how long ago the job's oldest queue entry (parked keys' aside) was enqueued;
--- NULL: none. An alert on it catches a queue nothing drains. JIT off.
+-- lockstep._handoff_pending(s): some parents the job's last recompute handed to the worker are still queued
+-- (parked keys aside): its recompute flags wait meanwhile (lockstep.run, lockstep.due), so flags at every
+-- call cannot starve the hand-off.
+create or replace function lockstep._handoff_pending(s lockstep.job_state) returns boolean
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select s.recompute_total is not null
+           and lockstep._handoff_any(s.job, s.recompute_queue_from, s.recompute_queue_to);
+$$;
+
+-- lockstep._stall_passes(job, since): the job's worker passes done that started after since (lockstep.run_log,
+-- up to 100): a function of its own, called only by a role that may read run_log.
+create or replace function lockstep._stall_passes(job text, since timestamptz) returns bigint
+language sql stable
+set search_path = pg_catalog, pg_temp
+set jit = off
+as $$
+    select count(*) from (select from lockstep.run_log r
+                          where r.job = _stall_passes.job and r.action = 'work' and r.outcome = 'done'
+                            and r.started_at > since
+                          order by r.run_no desc limit 100) x;
+$$;
+
+-- lockstep._stall(job): the job's oldest queue entry a worker pass should take now (ready; its key not
+-- failing, or failing and due, and not the entry a failing pass folded the ones it saw into): since when
+-- it has been ready, and how many of the job's worker passes started since (NULL for a role that may not
+-- read lockstep.run_log). Each pass takes the oldest such entries first, so passes, or time, going by
+-- while it stays is a stall.
+create or replace function lockstep._stall(job text, out since timestamptz, out passes bigint)
+language sql stable
+set search_path = pg_catalog, pg_temp
+set jit = off
+as $$
+    select w.since, case when pg_catalog.has_table_privilege('lockstep.run_log', 'select')
+                         then lockstep._stall_passes(_stall.job, w.since) end
+    from (select greatest(q.ready_at, f.retry_at) as since
+          from lockstep.queue q
+          left join lockstep.key_failure f on f.job = q.job and f.key = q.key
+          where q.job = _stall.job and q.ready_at <= now()
+            and (f.key is null or (f.retry_at <= now() and not (f.parked and q.id = f.failed_upto)))
+          order by q.id limit 1) w;
+$$;
+
+-- lockstep._queue_lag(job): how long ago the job's oldest queue entry was enqueued, a failing key's among
+-- them (its change waits too); NULL: none. An alert on it catches a queue nothing drains. JIT off.
 create or replace function lockstep._queue_lag(job text) returns interval
 language sql stable
 set search_path = pg_catalog, pg_temp
@@ -46,7 +89,6 @@ set jit = off
 as $$
     select now() - least(q.enqueued_at, now()) from lockstep.queue q  -- never negative
     where q.job = _queue_lag.job
-      and not exists (select from lockstep.key_failure f where f.job = q.job and f.key = q.key and f.parked)
     order by q.id limit 1;
 $$;
 
@@ -103,10 +145,15 @@ select j.job,
        -- lockstep.pause: when and by whom (NULL: not paused); depends_on: the jobs whose targets it reads
        j.paused_at,
        j.paused_by,
-       array(select d.depends_on from lockstep._deps() d where d.job = j.job order by 1) as depends_on
+       array(select d.depends_on from lockstep._deps() d where d.job = j.job order by 1) as depends_on,
+       -- the oldest entry a worker pass should take now: how long it has been ready, and how many worker
+       -- passes started since (lockstep._stall; lockstep status bounds both)
+       now() - w.since as stalled_for,
+       w.passes as stalled_passes
 from lockstep.job j
 -- a status row deleted by hand: the job is shown (and due) to the roles that manage it
 left join lockstep.job_state s on s.job = j.job
+left join lateral (select * from lockstep._stall(j.job) st where j.parent is not null) w on true
 cross join lateral (
     select case when s.recompute_total is not null
                 then lockstep._handoff_todo(j.job, s.recompute_queue_from, s.recompute_queue_to) end as todo
@@ -125,7 +172,7 @@ create or replace view lockstep.failing_keys with (security_invoker = true) as
 select f.job, f.key, f.attempts, f.last_error, f.first_failed_at, f.last_failed_at,
        case when not f.parked
                  or exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true
-                            and q.id > f.failed_upto)
+                            and q.id <> f.failed_upto)
             then f.retry_at end as retry_at, f.parked
 from lockstep.key_failure f;
 
@@ -143,7 +190,8 @@ as $$
            case when j.paused_at is not null then 'infinity'::timestamptz else  -- lockstep.pause: never due
            least(s.next_run_at,
                  case when s.job is null then now() end,  -- its status row deleted by hand: run() makes it again
-                 case when j.kind = 'derived' and lockstep._flag_due(s) then now() end,
+                 case when j.kind = 'derived' and lockstep._flag_due(s) and not lockstep._handoff_pending(s)
+                      then now() end,
                  case when j.parent is null and s.recompute_rest > 0 then now() end,
                  case when j.parent is not null and lockstep._has_ready(j)
                       then greatest(now(), coalesce(s.retry_at, now()),
@@ -156,7 +204,7 @@ as $$
                        from lockstep.key_failure f
                        where f.job = j.job
                          and exists (select from lockstep.queue q where q.key = f.key and (q.job = f.job) is true
-                                     and (not f.parked or q.id > f.failed_upto))) end,  -- as lockstep._claim
+                                     and (not f.parked or q.id <> f.failed_upto))) end,  -- as lockstep._claim
                  case when j.parent is not null then
                       case when s.deferred_until > now() then s.deferred_until end end) end
     from lockstep.job j

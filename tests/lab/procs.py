@@ -14,9 +14,20 @@ class Runners:
     """``n`` runner processes with the same arguments, logs ``log_dir/runner-<i>.log``."""
 
     def __init__(
-        self, dsn: str, n: int, log_dir: Path, args: Sequence[str] = ("--tick", "0.2", "--log-format", "json")
+        self,
+        dsn: str,
+        n: int,
+        log_dir: Path,
+        args: Sequence[str] = ("--tick", "0.2", "--log-format", "json"),
+        envs: Sequence[dict[str, str] | None] = (),
     ) -> None:
-        self.procs = [RunnerProcess(dsn, list(args), Path(log_dir) / f"runner-{i}.log") for i in range(n)]
+        """``envs``: extra environment of the first runners, one each (a runner in another TimeZone)."""
+        self.procs = [
+            RunnerProcess(
+                dsn, list(args), Path(log_dir) / f"runner-{i}.log", envs[i] if i < len(envs) else None
+            )
+            for i in range(n)
+        ]
 
     def alive(self) -> bool:
         return all(p.alive() for p in self.procs)

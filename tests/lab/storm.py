@@ -17,6 +17,11 @@ no deadlocks (``pg_stat_database.deadlocks`` delta, and no 40P01 anywhere), no F
 failed run (runner JSON logs), no application error, no failing key, divergence (0, 0, 0): rows missing,
 extra and different by ``lockstep.verify``.
 
+Hostile options (``python -m lab.storm --poison --flag-every 1 --runner-tz Asia/Kolkata``): a parent whose
+compute raises from the start, fixed halfway (``example.storm_poison``, read by ``example.storm_compute``);
+a watched side table truncated every ``flag_every`` seconds, each TRUNCATE a recompute flag; the last
+runner in another TimeZone (``PGTZ``). The storm must still end converged, with ``lockstep status`` healthy.
+
 Connection errors (a server restart: class 08, 57P01-57P03) are not application errors: clients count them
 apart and reconnect; ``allow_disconnects`` lets the fault tests accept them (and the runners' retries).
 """
@@ -30,6 +35,7 @@ import os
 import random
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -42,9 +48,11 @@ from psycopg import sql
 
 from lab.procs import Runners
 from lockstep.cli import dsn_option
+from lockstep.db import status as db_status
 from lockstep.lab import example, scratch
 from lockstep.lab.app import STORM, AppClient, Stats, is_disconnect, partition
 from lockstep.lab.scratch import percentile
+from lockstep.status import reasons as status_reasons
 
 JOB = example.JOB
 DEADLOCKS_SQL = "select coalesce(sum(deadlocks), 0)::bigint from pg_stat_database where datname = %s"
@@ -55,6 +63,19 @@ FAILING_SQL = "select count(*) from lockstep.key_failure where job = %s"
 DEADLOCK_TIMEOUT_SQL = "alter database {} set deadlock_timeout = '100ms'"
 
 Progress = Callable[[str], None]
+
+# the hostile options' schema: a poison list the job's compute reads, and a side table a flagger truncates
+POISON_SQL = """
+create table example.storm_poison (exam_id bigint primary key);
+create table example.storm_side (exam_id bigint);
+create function example.storm_compute(ids bigint[]) returns table (exam_id bigint, key text, weight integer)
+language plpgsql stable as $$ begin
+    if exists (select from example.storm_poison p where ids is null or p.exam_id = any(ids)) then
+        raise exception 'storm: poison parent';
+    end if;
+    return query select * from example.exam_key_compute(ids);
+end $$;
+"""
 
 
 def _stderr_progress(msg: str) -> None:
@@ -118,7 +139,7 @@ class Storm:
             row = a.execute(DEADLOCKS_SQL, [self.dbname]).fetchone()
             return int(row[0]) if row else 0
 
-    def setup(self, parents: int, every: str) -> None:
+    def setup(self, parents: int, every: str, hostile: bool = False) -> None:
         from lockstep.migrate import migrate
 
         self.progress("migrate")
@@ -126,6 +147,15 @@ class Storm:
         self.progress(f"install example: {parents} parents, recompute every {every}")
         with psycopg.connect(self.dsn, autocommit=True) as conn:
             example.install(conn, parents=parents, every=every)
+            if hostile:  # the poison list and the flagged side table (they change nothing while empty)
+                conn.execute(POISON_SQL)
+                conn.execute(
+                    "select lockstep.define_derived(%s, 'example.exam_key',"
+                    " 'example.storm_compute(bigint[])', 'example.exam', every => %s::interval)",
+                    [JOB, every],
+                )
+                conn.execute("select lockstep.watch(%s, 'example.storm_side', 'exam_id')", [JOB])
+                conn.execute("delete from lockstep.recompute_flag")
             r = _one_result(conn, RECOMPUTE_SQL)
             if r["outcome"] != "done":
                 raise RuntimeError(f"initial recompute: {r}")
@@ -142,8 +172,13 @@ class Storm:
         drain_timeout: float = 120.0,
         pause: float = 0.002,
         seed: int | None = None,
+        poison: int | None = None,
+        flag_every: float | None = None,
+        runner_tz: str | None = None,
     ) -> dict[str, Any]:
-        """Run the storm on an installed database; ``during`` is called once, halfway through."""
+        """Run the storm on an installed database; ``during`` is called once, halfway through. ``poison``: a
+        parent poisoned from the start and fixed halfway; ``flag_every``: seconds between recompute flags;
+        ``runner_tz``: the last runner's TimeZone (all three need ``setup(..., hostile=True)``)."""
         seed = random.randrange(1 << 30) if seed is None else seed
         tmp = None
         if log_dir is None:
@@ -151,7 +186,15 @@ class Storm:
             log_dir = Path(tmp.name)
         deadlocks0 = self.deadlocks()
         self.progress(f"storm: {seconds:g} s, {clients} clients, {runners} runners (seed {seed})")
-        rs = Runners(self.dsn, runners, log_dir)
+        envs: list[dict[str, str] | None] = [None] * runners
+        if runner_tz and runners:
+            envs[-1] = {"PGTZ": runner_tz}
+        rs = Runners(self.dsn, runners, log_dir, envs=envs)
+        flagger = _Flagger(self.dsn, flag_every) if flag_every else None
+        if poison is not None:
+            with psycopg.connect(self.dsn, autocommit=True) as conn:
+                conn.execute("insert into example.storm_poison values (%s)", [poison])
+                conn.execute("update example.exam set body = body where id = %s", [poison])
         workload = dataclasses.replace(STORM, pause=pause)
         owned = partition(list(range(1, parents + 1)), parents + 1, clients)
         cs = [
@@ -165,18 +208,25 @@ class Storm:
             started = time.monotonic()
             for c in cs:
                 c.start()
+            if flagger is not None:
+                flagger.start()
             end = started + seconds
             half = started + seconds / 2
-            did_during = during is None
+            did_during = during is None and poison is None
             while time.monotonic() < end:
                 if not did_during and time.monotonic() >= half:
                     self.progress("halfway: fault injection")
-                    assert during is not None
-                    during()
+                    if during is not None:
+                        during()
+                    if poison is not None:
+                        self._cure(poison)
                     did_during = True
                 time.sleep(0.1)
             for c in cs:
                 c.stop.set()
+            if flagger is not None:
+                flagger.stop.set()
+                flagger.join(30)
             for c in cs:
                 c.join(30)
             app_s = time.monotonic() - started
@@ -206,6 +256,7 @@ class Storm:
             divergence = list(example.verify(conn))
             exams = conn.execute("select count(*) from example.exam").fetchone()[0]
             keys = conn.execute("select count(*) from example.exam_key").fetchone()[0]
+            unhealthy = status_reasons(db_status(conn))
         deadlocks = self.deadlocks() - deadlocks0
         if tmp is not None:
             tmp.cleanup()
@@ -229,7 +280,15 @@ class Storm:
             deadlocks=deadlocks,
             exams=exams,
             keys=keys,
+            unhealthy=unhealthy,
+            flags=flagger.flags if flagger is not None else 0,
         )
+
+    def _cure(self, poison: int) -> None:
+        """The poison parent fixed by the application: its poison gone, the parent changed (queued)."""
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            conn.execute("delete from example.storm_poison")
+            conn.execute("update example.exam set body = body where id = %s", [poison])
 
     @staticmethod
     def _result(clients: list[AppClient], **kw: Any) -> dict[str, Any]:
@@ -279,6 +338,8 @@ class Storm:
             "divergence": kw["divergence"],
             "exams": kw["exams"],
             "exam_keys": kw["keys"],
+            "flags": kw["flags"],
+            "status_unhealthy": kw["unhealthy"],
         }
         fk = errors.get("23503", 0) + sum("23503" in e for e in logs["failed_errors"])
         r["checks"] = {
@@ -296,9 +357,26 @@ class Storm:
             and fr["inserted"] == fr["updated"] == fr["deleted"] == 0,
             "no failing keys": kw["failing_keys"] == 0,
             "divergence == (0, 0, 0)": list(kw["divergence"]) == [0, 0, 0],
+            "status healthy": not kw["unhealthy"],
         }
         r["ok"] = all(r["checks"].values())
         return r
+
+
+class _Flagger(threading.Thread):
+    """Truncates the watched side table every ``every`` seconds: each TRUNCATE flags the job for its full
+    recompute (a trigger's fallback), as an application that truncates a watched table would."""
+
+    def __init__(self, dsn: str, every: float) -> None:
+        super().__init__(name="storm-flagger", daemon=True)
+        self.dsn, self.every, self.flags = dsn, every, 0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            while not self.stop.wait(self.every):
+                conn.execute("truncate example.storm_side")
+                self.flags += 1
 
 
 def _round(v: float | None, nd: int = 1) -> float | None:
@@ -326,16 +404,31 @@ def run(
     progress: Progress = _stderr_progress,
     during: Callable[[], None] | None = None,
     log_dir: Path | None = None,
+    poison: bool = False,
+    flag_every: float | None = None,
+    runner_tz: str | None = None,
 ) -> dict[str, Any]:
-    """Run a storm in a database of its own and return the result dict (``ok`` False if a check failed)."""
+    """Run a storm in a database of its own and return the result dict (``ok`` False if a check failed).
+    ``poison``, ``flag_every``, ``runner_tz``: the hostile options (module docstring)."""
     admin_dsn = admin_dsn or ""
     name = f"lockstep_storm_{os.getpid()}"
     progress(f"create database {name}")
     dsn = create_db(admin_dsn, name)
     try:
         s = Storm(dsn, admin_dsn, name, progress)
-        s.setup(parents, every)
-        result = s.storm(seconds, parents, clients, runners, log_dir=log_dir, during=during)
+        hostile = poison or bool(flag_every) or bool(runner_tz)
+        s.setup(parents, every, hostile=hostile)
+        result = s.storm(
+            seconds,
+            parents,
+            clients,
+            runners,
+            log_dir=log_dir,
+            during=during,
+            poison=parents // 2 if poison else None,
+            flag_every=flag_every,
+            runner_tz=runner_tz,
+        )
         result["database"] = name if keep else None
         result["every"] = every
         return result
@@ -373,6 +466,10 @@ def render(r: dict[str, Any]) -> str:
         f"deadlocks          {r['deadlocks']}",
         f"divergence         {tuple(r['divergence'])}",
     ]
+    if r.get("flags"):
+        lines.append(f"recompute flags    {r['flags']} (a watched table truncated)")
+    for s in r.get("status_unhealthy") or []:
+        lines.append(f"  status: {s}")
     for s in app["error_samples"]:
         lines.append(f"  app error: {s}")
     for s in rn["failed_errors"]:
@@ -397,6 +494,15 @@ def render(r: dict[str, Any]) -> str:
 @click.option("--runners", default=2, show_default=True, help="`lockstep run` processes.")
 @click.option("--every", default="3 seconds", show_default=True, help="Full recompute interval.")
 @click.option("--keep", is_flag=True, help="Keep the storm database (lockstep_storm_<pid>).")
+@click.option("--poison", is_flag=True, help="A parent whose compute raises from the start, fixed halfway.")
+@click.option(
+    "--flag-every",
+    type=click.FloatRange(min=0),
+    default=None,
+    metavar="SECONDS",
+    help="Truncate a watched side table this often: a recompute flag each time.",
+)
+@click.option("--runner-tz", default=None, metavar="ZONE", help="The last runner's TimeZone (PGTZ).")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON instead of the report.")
 def main(
     dsn: str | None,
@@ -406,11 +512,25 @@ def main(
     runners: int,
     every: str,
     keep: bool,
+    poison: bool,
+    flag_every: float | None,
+    runner_tz: str | None,
     as_json: bool,
 ) -> None:
     """App transactions and runners at once in a database of its own; exit 1 if an invariant fails."""
     logging.basicConfig(level=logging.WARNING)
-    result = run(dsn, seconds, parents, clients, runners, every, keep)
+    result = run(
+        dsn,
+        seconds,
+        parents,
+        clients,
+        runners,
+        every,
+        keep,
+        poison=poison,
+        flag_every=flag_every,
+        runner_tz=runner_tz,
+    )
     click.echo(to_json(result) if as_json else render(result))
     raise SystemExit(0 if result["ok"] else 1)
 

@@ -88,18 +88,24 @@ def test_a_queue_nothing_drains_makes_status_unhealthy(conn, dsn):
     )
     assert status(dsn, "--max-lag", "3600").returncode == 0
     assert status(dsn, "--max-lag", "0").returncode == 0
-    # a parked key's entries are set aside: they do not count as lag (parked keys are reported already)
-    conn.execute(  # parked after its entries were queued (failed_upto: the highest queue id it had seen)
+    # a parked key's change waits too: its entry counts as lag, beside the parked key
+    conn.execute(  # parked after its entries were queued (failed_upto: the entry it folded them into)
         "insert into lockstep.key_failure (job, key, attempts, parked, last_error, retry_at, failed_upto)"
-        " values ('d', '1', 5, true, 'x', now(), (select max(id) from lockstep.queue))"
+        " values ('d', '1', 5, true, 'x', now(), (select id from lockstep.queue where key = '1'))"
     )
-    assert conn.execute("select queue_lag < interval '1 minute' from lockstep.status").fetchone()[0]
     p = status(dsn)
-    assert p.returncode == 1 and p.stderr.strip().splitlines() == [
-        "unhealthy: job d: 1 parked key(s) (lockstep.parked_keys; lockstep retry)"
-    ], p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 1 and len(lines) == 1, p.stderr
+    assert lines[0].startswith(
+        "unhealthy: job d: 1 parked key(s) (lockstep.parked_keys; lockstep retry); oldest queued key waits 12"
+    ), p.stderr
     conn.execute("select lockstep.work('d')")  # key 2 written; key 1 stays queued (parked)
-    assert conn.execute("select queue_lag from lockstep.status").fetchone()[0] is None
+    assert conn.execute(
+        "select queue_depth, queue_lag > interval '19 minutes' from lockstep.status"
+    ).fetchone() == (
+        1,
+        True,
+    )
 
 
 def test_an_infinite_next_run_does_not_break_status(conn, dsn):

@@ -66,11 +66,9 @@ def test_page_data_matches_the_database(ex):
     )
     assert ek["schedule"] == "recompute every 1 day; worker on the queue"
     assert (ek["last_outcome"], ek["last_action"]) == ("done", "work")
-    queued = ex.execute(
-        "select count(*) from lockstep.queue q where not exists (select from lockstep.key_failure f"
-        " where f.job = q.job and f.key = q.key and f.parked)"
-    ).fetchone()[0]
-    assert ek["queue_depth"] == queued == 31  # 30 new keys + key 13 waiting for its retry
+    queued = ex.execute("select count(*) from lockstep.queue").fetchone()[0]
+    # 30 new keys, key 13 waiting for its retry, parked key 42's entry
+    assert ek["queue_depth"] == queued == 32
     assert (ek["parked_keys"], ek["failing_keys"]) == (1, 1)
     # next run: what lockstep.due() says (the worker has ready keys: now), else next_run_at
     due = dict(ex.execute("select job, due_at from lockstep.due()").fetchall())
@@ -80,7 +78,7 @@ def test_page_data_matches_the_database(ex):
     assert data["totals"] == {
         "jobs": 3,
         "failing_jobs": 1,
-        "queue_depth": 31,
+        "queue_depth": 32,
         "parked_keys": 1,
         "failing_keys": 1,
     }
@@ -104,16 +102,16 @@ def test_page_serves_it_and_changes_nothing(ex, example_dsn, server):
     assert '<meta http-equiv="refresh" content="7">' in body
     for job in ("boom", "exam_keys", "ok"):
         assert f'<tr data-job="{job}"' in body
-    assert '<td class="num queue-depth">31</td>' in body
+    assert '<td class="num queue-depth">32</td>' in body
     assert '<td class="last-error">boom: the disk is on fire</td>' in body
     assert 'data-key="42"' in body and 'data-key="13"' in body
     assert body.count('<svg class="chart"') == 2  # run durations, rows written
     assert "collecting samples" in body  # the queue trend needs a second sample
     body = request(addr)[2]
     assert body.count('<svg class="chart"') == 3 and "collecting samples" not in body
-    assert 'id="queue-total">31<' in body
+    assert 'id="queue-total">32<' in body
     status, headers, body = request(addr, path="/data.json")
-    assert status == 200 and json.loads(body)["totals"]["queue_depth"] == 31
+    assert status == 200 and json.loads(body)["totals"]["queue_depth"] == 32
     assert snapshot(ex, "lockstep.run_log") == before
 
 
@@ -123,8 +121,8 @@ def test_queue_depth_trend_is_sampled_at_each_request(ex):
     web.collect(ex, sampler)
     ex.execute("select lockstep.enqueue('exam_keys', array[200, 201, 202]::bigint[])")
     data = web.collect(ex, sampler)
-    assert [s["total"] for s in data["queue_trend"]] == [31, 34]
-    assert [s["jobs"]["exam_keys"] for s in data["queue_trend"]] == [31, 34]
+    assert [s["total"] for s in data["queue_trend"]] == [32, 35]
+    assert [s["jobs"]["exam_keys"] for s in data["queue_trend"]] == [32, 35]
     html = web.render(data, 5)
     assert 'aria-label="queue depth over time"' in html and 'aria-label="queue depth trend"' in html
 
@@ -320,7 +318,7 @@ def test_the_documented_viewer_role_reads_every_section(ex, example_dsn, make_ro
     ex.execute("update lockstep.run_log set owner = %s where job = 'boom'", [owner])  # one job's runs
     data = json.loads(request(server(as_role(example_dsn, viewer)), path="/data.json")[2])
     assert data["errors"] == {}
-    assert data["totals"]["queue_depth"] == 31 and data["keys_total"] == 2
+    assert data["totals"]["queue_depth"] == 32 and data["keys_total"] == 2
     assert [r["job"] for r in data["runs"]] == ["boom"]  # row security: its owner role's runs only
     # and it reads only: the recipe granted the owner role before, which is the owner's rights and
     # SET ROLE to it (the "viewer" deleted derived rows and dropped tables)

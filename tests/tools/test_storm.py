@@ -49,8 +49,8 @@ def test_storm_command_prints_json_and_fails_with_exit_1(admin_dsn, monkeypatch)
 
     calls = []
 
-    def fake_run(*args):
-        calls.append(args)
+    def fake_run(*args, **kw):
+        calls.append((args, kw))
         return {"ok": False, "checks": {"deadlocks == 0": False}}
 
     monkeypatch.setattr(storm, "run", fake_run)
@@ -74,4 +74,33 @@ def test_storm_command_prints_json_and_fails_with_exit_1(admin_dsn, monkeypatch)
     )
     assert out.exit_code == 1, out.output
     assert json.loads(out.output) == {"ok": False, "checks": {"deadlocks == 0": False}}
-    assert calls == [(admin_dsn, 2.0, 60, 3, 1, "1 second", False)]
+    assert calls == [
+        (
+            (admin_dsn, 2.0, 60, 3, 1, "1 second", False),
+            {"poison": False, "flag_every": None, "runner_tz": None},
+        )
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_hostile_storm_ends_converged_and_healthy(admin_dsn, tmp_path):
+    """A poison parent fixed halfway, a recompute flag every second and a runner in another TimeZone: the
+    storm still converges with no deadlock, and lockstep status is healthy at the end."""
+    r = storm.run(
+        admin_dsn,
+        seconds=30,
+        parents=300,
+        clients=3,
+        runners=2,
+        every="3 seconds",
+        progress=lambda msg: None,
+        log_dir=tmp_path,
+        poison=True,
+        flag_every=1.0,
+        runner_tz="Asia/Kolkata",
+    )
+    report = storm.render(r)
+    assert r["flags"] >= 20, report
+    assert r["runner"]["runs"].get("recompute:done", 0) > 0, report
+    assert r["ok"], report
