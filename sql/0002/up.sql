@@ -93,3 +93,12 @@ alter table lockstep.job add column timeout interval not null default '5 minutes
 drop function if exists lockstep.define_job(text, regprocedure, text, interval, interval);
 drop function if exists lockstep.define_derived(text, regclass, regprocedure, regclass, name, text, interval, interval,
                                                 text, text);
+
+-- keys of through tables, mapped to parent keys by the worker after they commit (17_through.sql)
+create table lockstep.through_entry (
+    id      bigint generated always as identity primary key,
+    job     text not null,
+    through oid not null,
+    key     text not null
+);
+create index through_entry_job_idx on lockstep.through_entry (job, id);

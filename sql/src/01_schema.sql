@@ -182,6 +182,17 @@ create table lockstep.queue (
 -- by key first: one probe per claimed key, whatever the queue's (often stale) statistics say
 create index queue_key_job_idx on lockstep.queue (key, job);
 
+-- keys of a through table (an order's id) whose rows changed in a source watched through it: a worker maps
+-- them to parent keys after they commit (lockstep._resolve_through), since the mapping row may change in a
+-- transaction the trigger could not see. Written and read only through lockstep's definer functions.
+create table lockstep.through_entry (
+    id      bigint generated always as identity primary key,
+    job     text not null,
+    through oid not null,
+    key     text not null
+);
+create index through_entry_job_idx on lockstep.through_entry (job, id);
+
 
 -- the queue churns: vacuum it often, without cost delay; vacuum_truncate = false, so no vacuum takes
 -- the ACCESS EXCLUSIVE lock an enqueuing application would wait for.

@@ -404,6 +404,7 @@ begin
     perform lockstep._drop_unused_triggers();  -- 08_enqueue.sql
     delete from lockstep.queue q where q.job = j.job;
     delete from lockstep.recompute_flag f where f.job = j.job;
+    perform lockstep._take_through(j.job);  -- its through keys (17_through.sql), while the job still exists
     delete from lockstep.job x where x.job = j.job;
     perform lockstep._capture_cleanup();  -- its lockstep.wal_watch rows went with it (16_capture.sql)
     if pg_catalog.obj_description(pg_catalog.to_regprocedure(j.compute), 'pg_proc')

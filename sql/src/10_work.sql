@@ -703,6 +703,7 @@ begin
     if lockstep._group_due(j.lock_group) then
         return lockstep._result('busy', j.job, 'work', null, 'a periodic job of the lock group is due');
     end if;
+    perform lockstep._resolve_through(j);  -- 17_through.sql: through keys committed since, mapped now
     select * into c from lockstep._claim(j, batch);  -- takes no lock: idle costs one look
     if c.keys is null then
         return lockstep._result('idle', j.job, 'work');

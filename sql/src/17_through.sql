@@ -103,8 +103,9 @@ comment on function lockstep._watch_through(lockstep.job, regclass, name, regcla
 
 -- lockstep.enqueue_through(): trigger function of the watches through a join. Arguments: job, source key
 -- column, parent key type, through table (oid), its key column, its column that holds the parent key.
--- Reads the through table without locking it, in a block that only reads (its subtransaction takes no
--- transaction id); any error there, or a TRUNCATE, flags the job instead (lockstep._flag). Never raises.
+-- Queues the parent keys the changed rows map to now, read without locks in a block that only reads, and
+-- records their through keys (lockstep.through_entry) for a worker to map again after the commit. Any
+-- error there, or a TRUNCATE, flags the job instead (lockstep._flag). Never raises.
 -- locks: the insert into lockstep.queue (or lockstep.recompute_flag); no lock on the through table beyond
 -- the ACCESS SHARE of a plain read.
 create or replace function lockstep.enqueue_through() returns trigger
@@ -113,6 +114,7 @@ set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_keys text[];
+    v_src text[];
     v_from text;
     v_problem text;
 begin
@@ -125,12 +127,15 @@ begin
         case when tg_op <> 'DELETE' then format('select %I k from lockstep_new', tg_argv[1]) end,
         case when tg_op <> 'INSERT' then format('select %I k from lockstep_old', tg_argv[1]) end);
     begin
+        execute format('select array(select s.k::text from (%s) s where s.k is not null)', v_from) into v_src;
         execute format('select lockstep._canon(array_agg(m.%I::%s)) from %s m where m.%I in (%s)',
                        tg_argv[5], tg_argv[2]::regtype, tg_argv[3]::oid::regclass, tg_argv[4], v_from)
             into v_keys;
     exception when others then
         get stacked diagnostics v_problem = message_text;
     end;
+    -- mapped again by a worker once this commits: a mapping row changed meanwhile maps them elsewhere
+    perform lockstep._append_through(tg_argv[0], tg_argv[3]::oid, v_src);
     if v_problem is not null then
         perform lockstep._flag(tg_argv[0], format('watch of %s through %s: %s', tg_relid::regclass,
                                                   tg_argv[3]::oid::regclass, v_problem));
@@ -145,3 +150,79 @@ comment on function lockstep.enqueue_through() is
     'Statement trigger of a watch through a join: queues the parent keys the changed rows map to, old and new. '
     'Never raises: flags the job where it cannot map. Locks: the queue insert only; reads the through table '
     'without row locks.';
+
+-- lockstep._append_through(job, through, keys): record through keys for job (lockstep.through_entry).
+-- Security definer: application roles need no grant; a forged row is only read back for a through table
+-- the job really watches through (lockstep._resolve_through).
+-- locks: none beyond the insert into lockstep.through_entry.
+create or replace function lockstep._append_through(job text, through oid, keys text[]) returns void
+language sql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+    insert into lockstep.through_entry (job, through, key)
+    select _append_through.job, _append_through.through, k from pg_catalog.unnest(keys) k;
+$$;
+
+comment on function lockstep._append_through(text, oid, text[]) is
+    'Record through keys of a job for a worker to map after the commit. Locks: the insert into '
+    'lockstep.through_entry only.';
+
+-- lockstep._take_through(job): delete and return the job's committed through keys, by through table, for a
+-- role that may manage the job (nothing otherwise).
+-- locks: the job's lockstep.through_entry rows (deleted).
+create or replace function lockstep._take_through(job text) returns table (through oid, keys text[])
+language sql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+    with taken as (
+        delete from lockstep.through_entry t
+        where t.job = _take_through.job
+          and exists (select from lockstep.job x where x.job = _take_through.job and lockstep._may_manage(x.owner))
+        returning t.through, t.key)
+    select taken.through, array_agg(distinct taken.key) from taken group by taken.through;
+$$;
+
+comment on function lockstep._take_through(text) is
+    'Delete and return the committed through keys of a job its caller may manage. Locks: those '
+    'lockstep.through_entry rows (deleted).';
+
+-- lockstep._resolve_through(j): map j's committed through keys to parent keys as j's owner, with the
+-- mapping as committed now, and queue them; keys of a table j no longer watches through are dropped; a
+-- mapping that fails flags j for its full recompute.
+-- locks: the job's lockstep.through_entry rows (deleted); appends to lockstep.queue.
+create or replace function lockstep._resolve_through(j lockstep.job) returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    e record;
+    v lockstep.job;
+begin
+    for e in select x.through, x.keys, tg.key_column, tg.parent_column
+             from lockstep._take_through(j.job) x
+             cross join lateral (select lockstep._tgarg(t.tgargs, 4) key_column, lockstep._tgarg(t.tgargs, 5) parent_column
+                                 from pg_catalog.pg_trigger t
+                                 where t.tgfoid = 'lockstep.enqueue_through()'::regprocedure and t.tgnargs = 6
+                                   and lockstep._tgarg(t.tgargs, 0) = j.job
+                                   and lockstep._tgarg(t.tgargs, 3) = x.through::text
+                                 limit 1) tg
+    loop
+        v := j;
+        v.kind := 'through_map';  -- lockstep._owner_run maps the keys instead of running a pass
+        v.parent := e.through::regclass;
+        v.parent_column := e.key_column;
+        v.parent_key := e.parent_column;
+        begin
+            perform lockstep._append(j.job, lockstep._queueable(j.job, (lockstep._as_owner(v, e.keys)).skipped));
+        exception when others then
+            perform lockstep._flag(j.job, pg_catalog.format('watch through %s: %s', e.through::regclass, sqlerrm));
+        end;
+    end loop;
+end;
+$$;
+
+comment on function lockstep._resolve_through(lockstep.job) is
+    'Map a job''s committed through keys to parent keys as its owner and queue them. Locks: those '
+    'lockstep.through_entry rows (deleted); appends to lockstep.queue.';

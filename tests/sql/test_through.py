@@ -142,3 +142,32 @@ def test_unwatch_removes_the_through_triggers(shop: psycopg.Connection) -> None:
     shop.execute("select lockstep.unwatch('totals', 'shop.order_line')")
     shop.execute("update shop.order_line set amount = 1 where id = 1")
     assert queued(shop) == []
+
+
+def test_a_line_committed_after_its_order_moved_reaches_the_new_customer(shop, connect) -> None:
+    """The trigger maps with its own snapshot: a move of the order committed meanwhile is not in it. The
+    through keys are mapped again by the worker once the line commits."""
+    app = connect()
+    customer = shop.execute("select customer_id from shop.orders where id = 7").fetchone()[0]
+    app.execute("begin")
+    app.execute("insert into shop.order_line values (9001, 7, 1000)")  # maps order 7 to its customer now
+    shop.execute("update shop.orders set customer_id = %s where id = 7", [customer % 5 + 1])  # moves it
+    drain(shop, "totals")  # the line is not visible yet
+    app.execute("commit")
+    drain(shop, "totals")
+    assert shop.execute(DIVERGENCE).fetchone()[0] == 0
+
+
+def test_a_line_written_while_its_order_moves_reaches_the_new_customer(shop, connect) -> None:
+    mover, app = connect(), connect()
+    customer = shop.execute("select customer_id from shop.orders where id = 8").fetchone()[0]
+    mover.execute("begin")
+    mover.execute("update shop.orders set customer_id = %s where id = 8", [customer % 5 + 1])
+    app.execute("begin")
+    app.execute("insert into shop.order_line values (9002, 8, 1000)")  # sees the old customer
+    mover.execute("commit")
+    drain(shop, "totals")
+    app.execute("commit")
+    drain(shop, "totals")
+    assert shop.execute(DIVERGENCE).fetchone()[0] == 0
+    assert shop.execute("select count(*) from lockstep.through_entry").fetchone()[0] == 0
