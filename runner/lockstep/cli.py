@@ -110,6 +110,14 @@ def _failure(exc: BaseException, command: str | None = None) -> Failure:
 
 
 class _Group(click.Group):
+    def resolve_command(self, ctx: click.Context, args: list[str]):
+        """An unknown command is a usage error that lists the commands (exit 2)."""
+        if args and not args[0].startswith("-") and self.get_command(ctx, args[0]) is None:
+            raise click.UsageError(
+                f"No such command {args[0]!r}. Commands: {', '.join(self.list_commands(ctx))}.", ctx
+            )
+        return super().resolve_command(ctx, args)
+
     def invoke(self, ctx: click.Context):
         try:
             try:

@@ -207,6 +207,8 @@ def _compact(r: dict, now: dt.datetime) -> list[str]:
     lag = r.get("queue_lag")
     finished = r.get("last_finished_at")
     last = " ".join(str(r[c]) for c in ("last_outcome", "last_action") if r.get(c) is not None) or "-"
+    if _paused(r):
+        last = f"paused, {last}"
     progress = _progress(r)
     return [
         job if len(job) <= JOB_WIDTH else job[: JOB_WIDTH - 1] + "~",

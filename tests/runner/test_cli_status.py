@@ -186,3 +186,23 @@ def test_status_fits_100_columns_and_wide_shows_every_column(conn, dsn):
     assert wide.stdout.splitlines()[0].split() == list(TABLE_COLUMNS), wide.stdout
     assert long[:57] in wide.stdout and "a long error" in wide.stdout
     assert max(map(len, wide.stdout.splitlines())) > 100
+
+
+def test_a_paused_job_says_so_in_the_default_table(conn, dsn):
+    conn.execute(
+        "create function public.ok() returns void language sql as 'select'; "
+        "select lockstep.define_job('napping', 'public.ok()', every => '1 minute'); "
+        "select lockstep.pause('napping')"
+    )
+    p = status(dsn)
+    assert p.returncode == 0, p.stderr  # paused on purpose: not unhealthy
+    row = next(ln for ln in p.stdout.splitlines() if ln.startswith("napping"))
+    assert "paused" in row, p.stdout
+
+
+def test_an_unknown_command_lists_the_commands():
+    p = subprocess.run([sys.executable, "-m", "lockstep", "frobnicate"], capture_output=True, text=True)
+    assert p.returncode == 2
+    assert "No such command 'frobnicate'" in p.stderr and "status" in p.stderr and "verify" in p.stderr, (
+        p.stderr
+    )
