@@ -177,3 +177,5 @@ $$;
 drop function if exists lockstep.watch_replica(text, regclass, name);
 drop function if exists lockstep.enqueue_replica();
 drop function if exists lockstep._stall_passes(text, timestamptz);
+drop function if exists lockstep._verify_keys(text, anyarray);
+drop function if exists lockstep._verify_all(text);

@@ -65,7 +65,7 @@ comment on function lockstep._verify(lockstep.job, text[]) is
 -- target, not computed) and different (same primary key, other values), with up to 3 examples of each
 -- as {"kind", "computed", "target"}. Keys still queued may differ until the worker has run.
 -- locks: none (no row lock, no lock group); reads the target, the parent and what compute reads.
-create or replace function lockstep.verify(job text, keys anyarray)
+create or replace function lockstep._verify_keys(job text, keys anyarray)
 returns table (missing bigint, extra bigint, different bigint, examples jsonb)
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -84,13 +84,35 @@ begin
     return query select * from lockstep._verify(j, lockstep._keys_text(j, keys));
 end;
 $$;
+comment on function lockstep._verify_keys(text, anyarray) is
+    'The body of lockstep.verify(job, keys), under lockstep''s pinned settings (it puts back the '
+    'caller''s settings after it). Locks: none.';
+
+-- lockstep.verify(job, keys): as its body (lockstep._verify_keys), run as the caller with no SET clause: it reads the caller's
+-- settings (lockstep._settings) and puts back any the job's code changed for the session; every name is
+-- qualified.
+create or replace function lockstep.verify(job text, keys anyarray)
+returns table (missing bigint, extra bigint, different bigint, examples jsonb)
+language plpgsql
+as $$
+declare
+    v_was pg_catalog.text[] := lockstep._settings();
+    v_now pg_catalog.text[];
+begin
+    return query select * from lockstep._verify_keys(job, keys);
+    v_now := lockstep._settings();
+    if v_now operator(pg_catalog.<>) v_was then
+        perform lockstep._restore_settings(v_was, v_now);
+    end if;
+end;
+$$;
 comment on function lockstep.verify(text, anyarray) is
     'Compare job''s target with what its compute returns now for these parents, as the job''s owner, '
     'writing nothing: rows missing, extra and different, with up to 3 examples of each. Locks: none.';
 
 -- lockstep.verify(job): lockstep.verify for every parent (the whole target).
 -- locks: none (no row lock, no lock group); reads the target, the parent and what compute reads.
-create or replace function lockstep.verify(job text)
+create or replace function lockstep._verify_all(job text)
 returns table (missing bigint, extra bigint, different bigint, examples jsonb)
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -101,6 +123,28 @@ set extra_float_digits = 1
 as $$
 begin
     return query select * from lockstep._verify(lockstep._job(job, 'derived'), null);
+end;
+$$;
+comment on function lockstep._verify_all(text) is
+    'The body of lockstep.verify(job), under lockstep''s pinned settings (it puts back the caller''s '
+    'settings after it). Locks: none.';
+
+-- lockstep.verify(job): as its body (lockstep._verify_all), run as the caller with no SET clause: it reads the caller's
+-- settings (lockstep._settings) and puts back any the job's code changed for the session; every name is
+-- qualified.
+create or replace function lockstep.verify(job text)
+returns table (missing bigint, extra bigint, different bigint, examples jsonb)
+language plpgsql
+as $$
+declare
+    v_was pg_catalog.text[] := lockstep._settings();
+    v_now pg_catalog.text[];
+begin
+    return query select * from lockstep._verify_all(job);
+    v_now := lockstep._settings();
+    if v_now operator(pg_catalog.<>) v_was then
+        perform lockstep._restore_settings(v_was, v_now);
+    end if;
 end;
 $$;
 comment on function lockstep.verify(text) is

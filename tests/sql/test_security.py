@@ -188,6 +188,8 @@ def test_every_function_is_security_invoker_with_a_pinned_search_path(conn):
         "lockstep.enqueue_trigger()",
         "lockstep.recompute(text)",
         "lockstep.run(text)",
+        "lockstep.verify(text)",
+        "lockstep.verify(text,anyarray)",
         "lockstep.work(text,integer)",
     ], f"no SET search_path = pg_catalog, pg_temp: {unpinned}"
 

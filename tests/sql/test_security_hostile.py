@@ -333,3 +333,22 @@ def test_no_recipe_role_can_lock_lockstep_tables(ex, example_dsn, roles, recipe)
             with raises_sqlstate("42501"):
                 c.execute(f"lock table lockstep.{t} in share mode nowait")
             c.rollback()
+
+
+@pytest.mark.parametrize(
+    "call",
+    ["select * from lockstep.verify('mine')", "select * from lockstep.preview('mine')"],
+    ids=["verify", "preview"],
+)
+def test_verify_and_preview_leave_the_callers_search_path(ex, example_dsn, mallory, call):
+    with _as(example_dsn, mallory) as m:
+        m.execute(
+            "create or replace function mal.f(ids bigint[]) returns table (id bigint, v text)"
+            " language plpgsql as $$ begin set search_path = mal; set datestyle = 'SQL, DMY';"
+            " return query select 1::bigint, 'x'::text; end $$"
+        )
+    ex.execute("set search_path = example, public")
+    before = ex.execute("select current_setting('DateStyle')").fetchone()[0]
+    ex.execute(call).fetchall()
+    assert ex.execute("show search_path").fetchone()[0] == "example, public"
+    assert ex.execute("select current_setting('DateStyle')").fetchone()[0] == before
