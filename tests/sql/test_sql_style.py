@@ -20,7 +20,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[2] / "sql" / "src"
 MAX_LINES = 80
 # the only functions that may touch a lockstep.* session setting (01_schema.sql says which and why)
-SETTING_HELPERS = {"lockstep._setting", "lockstep._set_setting"}
+SETTING_HELPERS = {"lockstep._session_get", "lockstep._session_set"}
 
 CREATE = re.compile(r"^create\s+(?:or\s+replace\s+)?function\s+([\w.]+)\s*\(", re.I)
 DOLLAR = re.compile(r"\$([A-Za-z_]\w*)?\$")
