@@ -35,6 +35,15 @@ drop function if exists lockstep._owner_pass(lockstep.job, text[], bigint, boole
 drop function if exists lockstep._take(lockstep.job, text, boolean);
 drop function if exists lockstep._session_get(text);
 drop function if exists lockstep._session_set(text, text);
+drop function if exists lockstep._diff_run(lockstep.job, text[], text, text, text, text, text, text);
+drop function if exists lockstep._compute_sql(lockstep.job);
+drop function if exists lockstep._trigger_general(oid, name, text, text, text, integer, text[]);
+drop function if exists lockstep._trigger_template_check();
+drop function if exists lockstep._trigger_template_enqueue();
+drop function if exists lockstep._check_watch(lockstep.job, regclass, name);
+drop function if exists lockstep._watch_news(lockstep.job, regclass, name, regclass[]);
+drop function if exists lockstep._watch_ddl(lockstep.job, regclass[], name, text, boolean);
+drop function if exists lockstep._check_parent_column(regclass, regclass, name, name);
 alter type lockstep._pass
     drop attribute timed_out, drop attribute timed_out_error, drop attribute transient, drop attribute untried,
     drop attribute cured, drop attribute handed_off, drop attribute handoff_from, drop attribute handoff_todo;

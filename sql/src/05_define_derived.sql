@@ -149,6 +149,57 @@ begin
 end;
 $$;
 
+-- lockstep._check_parent_column(target, parent, parent_key, parent_column): the column of target that
+-- references parent(parent_key) through a single-column foreign key: parent_column, checked, or (NULL)
+-- inferred where only one does; LSD04 otherwise, with a hint.
+create or replace function lockstep._check_parent_column(target regclass, parent regclass, parent_key name,
+                                              parent_column name)
+returns name
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_fks name[];
+    v_other text;
+begin
+    select array_agg(a.attname order by a.attname) into v_fks
+    from pg_catalog.pg_constraint con
+    join pg_catalog.pg_attribute a on a.attrelid = con.conrelid and a.attnum = con.conkey[1]
+    join pg_catalog.pg_attribute pa on pa.attrelid = con.confrelid and pa.attnum = con.confkey[1]
+    where con.conrelid = target and con.confrelid = parent and con.contype = 'f'
+      and cardinality(con.conkey) = 1 and pa.attname = parent_key;
+    if parent_column is null then
+        if cardinality(v_fks) is distinct from 1 then
+            raise exception 'lockstep: cannot infer parent_column: % has % single-column foreign keys to %(%)',
+                target, coalesce(cardinality(v_fks), 0), parent, parent_key
+                using errcode = 'LSD04', hint = 'Pass parent_column => ''...'' naming a column with a foreign key to the parent.';
+        end if;
+        return v_fks[1];
+    elsif not exists (select from pg_catalog.pg_attribute a
+                      where a.attrelid = target and a.attname = parent_column and a.attnum > 0 and not a.attisdropped) then
+        raise exception 'lockstep: target % has no column %', target, parent_column using errcode = 'LSD04';
+    elsif not parent_column = any(coalesce(v_fks, '{}')) then
+        select pg_catalog.string_agg(pa.attname, ', ') into v_other  -- a key to another (unique) column
+        from pg_catalog.pg_constraint con
+        join pg_catalog.pg_attribute a on a.attrelid = con.conrelid and a.attnum = con.conkey[1]
+        join pg_catalog.pg_attribute pa on pa.attrelid = con.confrelid and pa.attnum = con.confkey[1]
+        where con.conrelid = target and con.confrelid = parent and con.contype = 'f'
+          and cardinality(con.conkey) = 1 and a.attname = parent_column;
+        if v_other is not null then
+            raise exception 'lockstep: %.% references %(%), not the primary key %(%)', target, parent_column,
+                parent, v_other, parent, parent_key
+                using errcode = 'LSD04',
+                      hint = pg_catalog.format('The parent key must be the parent''s primary key: reference %s(%I), '
+                                               'or make %s the primary key.', parent, parent_key, v_other);
+        end if;
+        raise exception 'lockstep: %.% does not reference %(%) through a foreign key', target, parent_column, parent, parent_key
+            using errcode = 'LSD04',
+                  hint = 'lockstep pins parents with the lock an FK check takes; add the foreign key.';
+    end if;
+    return parent_column;
+end;
+$$;
+
 -- lockstep._check_parent(target, compute, cols, parent, parent_column): parent has a one-column primary key
 -- that parent_column (inferred if unique) references; compute returns it and takes the key type's array.
 create or replace function lockstep._check_parent(target regclass, compute regprocedure, cols name[], parent regclass,
@@ -157,8 +208,6 @@ language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_fks name[];
-    v_other text;
     v_arg oid := (select p.proargtypes[0] from pg_catalog.pg_proc p where p.oid = compute);
 begin
     if parent is null and parent_column is not null then
@@ -182,40 +231,7 @@ begin
         raise exception 'lockstep: parent % needs a single-column primary key', parent
             using errcode = 'LSD04', hint = 'Multi-column parent keys are not supported; use the parent''s surrogate key.';
     end if;
-    select array_agg(a.attname order by a.attname) into v_fks
-    from pg_catalog.pg_constraint con
-    join pg_catalog.pg_attribute a on a.attrelid = con.conrelid and a.attnum = con.conkey[1]
-    join pg_catalog.pg_attribute pa on pa.attrelid = con.confrelid and pa.attnum = con.confkey[1]
-    where con.conrelid = target and con.confrelid = parent and con.contype = 'f'
-      and cardinality(con.conkey) = 1 and pa.attname = parent_key;
-    if parent_column is null then
-        if cardinality(v_fks) is distinct from 1 then
-            raise exception 'lockstep: cannot infer parent_column: % has % single-column foreign keys to %(%)',
-                target, coalesce(cardinality(v_fks), 0), parent, parent_key
-                using errcode = 'LSD04', hint = 'Pass parent_column => ''...'' naming a column with a foreign key to the parent.';
-        end if;
-        parent_column := v_fks[1];
-    elsif not exists (select from pg_catalog.pg_attribute a
-                      where a.attrelid = target and a.attname = parent_column and a.attnum > 0 and not a.attisdropped) then
-        raise exception 'lockstep: target % has no column %', target, parent_column using errcode = 'LSD04';
-    elsif not parent_column = any(coalesce(v_fks, '{}')) then
-        select pg_catalog.string_agg(pa.attname, ', ') into v_other  -- a key to another (unique) column
-        from pg_catalog.pg_constraint con
-        join pg_catalog.pg_attribute a on a.attrelid = con.conrelid and a.attnum = con.conkey[1]
-        join pg_catalog.pg_attribute pa on pa.attrelid = con.confrelid and pa.attnum = con.confkey[1]
-        where con.conrelid = target and con.confrelid = parent and con.contype = 'f'
-          and cardinality(con.conkey) = 1 and a.attname = parent_column;
-        if v_other is not null then
-            raise exception 'lockstep: %.% references %(%), not the primary key %(%)', target, parent_column,
-                parent, v_other, parent, parent_key
-                using errcode = 'LSD04',
-                      hint = pg_catalog.format('The parent key must be the parent''s primary key: reference %s(%I), '
-                                               'or make %s the primary key.', parent, parent_key, v_other);
-        end if;
-        raise exception 'lockstep: %.% does not reference %(%) through a foreign key', target, parent_column, parent, parent_key
-            using errcode = 'LSD04',
-                  hint = 'lockstep pins parents with the lock an FK check takes; add the foreign key.';
-    end if;
+    parent_column := lockstep._check_parent_column(target, parent, parent_key, parent_column);
     if not parent_column = any(cols) then
         raise exception 'lockstep: compute function % does not return the parent column %', compute, parent_column
             using errcode = 'LSD03';

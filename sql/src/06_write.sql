@@ -167,8 +167,71 @@ begin
 end;
 $$;
 
--- lockstep._diff_all(j, keys): lockstep._diff of the whole table: one hash full join of compute's rows and
--- the target's on the primary key, keeping the rows that differ; no sort of every computed row.
+-- lockstep._diff_run(j, keys, d, c, dup, g, p, once): the diff pipeline shared by lockstep._diff and
+-- lockstep._diff_all, one statement over compute(keys) ($1 = keys): empty j's work tables, then the CTEs
+-- d (compute's rows), c (the current rows, or the join), the first duplicate or NULL primary key among the
+-- rows of dup (a FROM clause, alias d), g (the rows for the gone table: j's columns, parent, ctid) and p
+-- (the rows for the put table: j's columns, parent, old parent, new, ctid). Returns the work tables'
+-- counts, that key (bad, is_null: it is NULL) and once (an expression over the CTEs, true where no
+-- current row matched two computed rows).
+-- locks: no row locks (compute reads and the target is read under MVCC); writes only pg_temp work tables.
+create or replace function lockstep._diff_run(j lockstep.job, keys text[], d text, c text, dup text, g text, p text,
+                                   once text, out n lockstep._diff_counts, out bad text, out is_null boolean,
+                                   out once_ok boolean)
+language plpgsql
+set search_path = pg_catalog, pg_temp
+set client_min_messages = warning
+set jit = off
+as $$
+declare
+    v_pk text := lockstep._cols(j.target_key);
+    v_pknull text := (select pg_catalog.string_agg(pg_catalog.format('%I is null', k), ' or ')
+                      from pg_catalog.unnest(j.target_key) k);
+    v_cols text := lockstep._cols(j.columns);
+begin
+    execute pg_catalog.format('with e1 as (delete from pg_temp.%I), e2 as (delete from pg_temp.%I), ',
+                              lockstep._tmp(j, 'gone'), lockstep._tmp(j, 'put'))
+         || pg_catalog.format('d as materialized (%s), c as materialized (%s), ', d, c)
+         || pg_catalog.format('x as (select row(%1$s)::text as k, bool_or(%2$s) as n from %3$s group by %1$s '
+                              '      having count(*) > 1 or bool_or(%2$s) order by 2 desc limit 1), ', v_pk, v_pknull, dup)
+         || pg_catalog.format('g as (insert into pg_temp.%I (%s, lockstep_parent, lockstep_ctid) %s returning 1), ',
+                              lockstep._tmp(j, 'gone'), v_cols, g)
+         || pg_catalog.format('p as (insert into pg_temp.%I (%s, lockstep_parent, lockstep_old_parent, lockstep_new, '
+                              '                             lockstep_ctid) %s '
+                              '      returning lockstep_new, lockstep_new or lockstep_parent is distinct from '
+                              '                lockstep_old_parent as lockstep_pin) ', lockstep._tmp(j, 'put'), v_cols, p)
+         || pg_catalog.format('select (select count(*) from g), pc.n, pc.pin, pc.kept, (select k from x), '
+                              '       (select n from x), %s '
+                              'from (select count(*) filter (where p.lockstep_new) as n, '
+                              '             count(*) filter (where p.lockstep_pin) as pin, '
+                              '             count(*) filter (where not p.lockstep_new) as kept from p) pc', once)
+        into n.gone, n.fresh, n.pin, n.kept, bad, is_null, once_ok using keys;
+end;
+$$;
+comment on function lockstep._diff_run(lockstep.job, text[], text, text, text, text, text, text) is
+    'The diff pipeline shared by lockstep._diff and lockstep._diff_all, one statement over compute(keys) '
+    '($1 = keys): empty j''s work tables, then the CTEs d (compute''s rows), c (the current rows, or the '
+    'join), the first duplicate or NULL primary key among the rows of dup (a FROM clause, alias d), g '
+    '(the rows for the gone table: j''s columns, parent, ctid) and p (the rows for the put table: j''s '
+    'columns, parent, old parent, new, ctid). Returns the work tables'' counts, that key (bad, is_null: '
+    'it is NULL) and once (an expression over the CTEs, true where no current row matched two computed '
+    'rows). Locks: no row locks (compute reads and the target is read under MVCC); writes only pg_temp '
+    'work tables.';
+
+-- lockstep._compute_sql(j): compute called with $1, as a FROM item kept from seeing filters around it
+-- (offset 0: a filter pushed into compute spoiled its plan).
+create or replace function lockstep._compute_sql(j lockstep.job) returns text
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select pg_catalog.format('(select * from %s($1::%s) offset 0)', lockstep._callable(p.oid, 1),
+                             pg_catalog.format_type(p.proargtypes[0], -1))
+    from pg_catalog.pg_proc p where p.oid = j.compute::regprocedure;
+$$;
+
+-- lockstep._diff_all(j, keys): lockstep._diff of the whole table (lockstep._diff_run): one hash full join of
+-- compute's rows and the target's on the primary key, keeping the rows that differ; no sort of every
+-- computed row. A primary key computed twice is looked for only when the counts show one (error path).
 -- locks: no row locks; writes only pg_temp work tables.
 create or replace function lockstep._diff_all(j lockstep.job, keys text[]) returns lockstep._diff_counts
 language plpgsql
@@ -177,18 +240,11 @@ set client_min_messages = warning
 set jit = off
 as $$
 declare
-    v_fn text := (select lockstep._callable(p.oid, 1) from pg_catalog.pg_proc p where p.oid = j.compute::regprocedure);
-    v_arg text := (select pg_catalog.format_type(p.proargtypes[0], -1) from pg_catalog.pg_proc p
-                   where p.oid = j.compute::regprocedure);
     v_t name[] := array(select ('lockstep_t' || o)::name from pg_catalog.generate_series(1, cardinality(j.columns)) o);
-    v_pknull text := (select pg_catalog.string_agg(pg_catalog.format('%I is null', k), ' or ')
-                      from pg_catalog.unnest(j.target_key) k);
     v_par text;
     v_tpar text;
-    n lockstep._diff_counts;
     v_bad text;
-    v_null boolean;
-    v_once boolean;
+    r record;
 begin
     if j.parent_column is not null then
         v_par := pg_catalog.format('d.%I::text', j.parent_column);
@@ -197,49 +253,45 @@ begin
         v_par := pg_catalog.format('row(%s)::text', lockstep._cols(j.target_key, 'd'));
         v_tpar := pg_catalog.format('row(%s)::text', lockstep._cols(j.target_key, 't'));
     end if;
-    execute pg_catalog.format(
-        'with e1 as (delete from pg_temp.%1$I), e2 as (delete from pg_temp.%2$I), '
-        'd as materialized (select %3$s, true as lockstep_d from (select * from %4$s($1::%5$s) offset 0) d), '
-        'c as materialized (select %6$s, d.lockstep_d, t.ctid as lockstep_ctid, %7$s as lockstep_tpar, %8$s '
-        '  from d full join %9$s t on %10$s '
-        '  where d.lockstep_d is null or t.ctid is null or %16$s), '
-        'x as (select row(%12$s)::text as k, bool_or(%13$s) as n from c d where d.lockstep_d and d.lockstep_ctid is null '
-        '      group by %12$s having count(*) > 1 or bool_or(%13$s) order by 2 desc limit 1), '
-        'g as (insert into pg_temp.%1$I (%3$s, lockstep_parent, lockstep_ctid) '
-        '      select %14$s, c.lockstep_tpar, c.lockstep_ctid from c where c.lockstep_d is null returning 1), '
-        'p as (insert into pg_temp.%2$I (%3$s, lockstep_parent, lockstep_old_parent, lockstep_new, lockstep_ctid) '
-        '      select %6$s, %15$s, d.lockstep_tpar, d.lockstep_ctid is null, d.lockstep_ctid from c d '
-        '      where d.lockstep_d '
-        '      returning lockstep_new, lockstep_new or lockstep_parent is distinct from lockstep_old_parent as lockstep_pin) '
-        'select (select count(*) from g), pc.n, pc.pin, pc.kept, (select k from x), (select n from x), '
-        '  (select count(*) from d) - (select count(*) from c where c.lockstep_d and c.lockstep_ctid is null) '
-        '  <= (select count(*) from %9$s) - (select count(*) from c where c.lockstep_d is null) '
-        'from (select count(*) filter (where lockstep_new) as n, count(*) filter (where lockstep_pin) as pin, '
-        '      count(*) filter (where not lockstep_new) as kept from p) pc',
-        lockstep._tmp(j, 'gone'), lockstep._tmp(j, 'put'), lockstep._cols(j.columns), v_fn, v_arg,
-        lockstep._cols(j.columns, 'd'), v_tpar,
-        (select pg_catalog.string_agg(pg_catalog.format('t.%I as %I', c, v_t[o]), ', ' order by o)
-         from pg_catalog.unnest(j.columns) with ordinality u(c, o)),
-        j.target, lockstep._eq(j.target_key, 't', 'd', j.target), lockstep._cols(j.columns, 't'),
-        lockstep._cols(j.target_key), v_pknull, lockstep._cols(v_t, 'c'), v_par, lockstep._differs(j, 'd', 't'))
-        into n.gone, n.fresh, n.pin, n.kept, v_bad, v_null, v_once using keys;
-    if not v_once and v_bad is null then  -- a current row matched twice: name its key (error path only)
-        execute pg_catalog.format('select row(%1$s)::text from (select * from %2$s($1::%3$s) offset 0) d '
-                                  'group by %1$s having count(*) > 1 limit 1', lockstep._cols(j.target_key), v_fn, v_arg)
+    select * into r from lockstep._diff_run(j, keys,
+        d => pg_catalog.format('select %s, true as lockstep_d from %s d', lockstep._cols(j.columns),
+                               lockstep._compute_sql(j)),
+        c => pg_catalog.format('select %s, d.lockstep_d, t.ctid as lockstep_ctid, %s as lockstep_tpar, %s '
+                               'from d full join %s t on %s '
+                               'where d.lockstep_d is null or t.ctid is null or %s',
+                               lockstep._cols(j.columns, 'd'), v_tpar,
+                               (select pg_catalog.string_agg(pg_catalog.format('t.%I as %I', c, v_t[o]), ', ' order by o)
+                                from pg_catalog.unnest(j.columns) with ordinality u(c, o)),
+                               j.target, lockstep._eq(j.target_key, 't', 'd', j.target), lockstep._differs(j, 'd', 't')),
+        dup => 'c d where d.lockstep_d and d.lockstep_ctid is null',
+        g => pg_catalog.format('select %s, c.lockstep_tpar, c.lockstep_ctid from c where c.lockstep_d is null',
+                               lockstep._cols(v_t, 'c')),
+        p => pg_catalog.format('select %s, %s, d.lockstep_tpar, d.lockstep_ctid is null, d.lockstep_ctid from c d '
+                               'where d.lockstep_d', lockstep._cols(j.columns, 'd'), v_par),
+        once => pg_catalog.format('(select count(*) from d) - (select count(*) from c where c.lockstep_d and '
+                                  'c.lockstep_ctid is null) <= (select count(*) from %s) - '
+                                  '(select count(*) from c where c.lockstep_d is null)', j.target));
+    v_bad := r.bad;
+    if not r.once_ok and v_bad is null then  -- a current row matched twice: name its key (error path only)
+        execute pg_catalog.format('select row(%1$s)::text from %2$s d group by %1$s having count(*) > 1 limit 1',
+                                  lockstep._cols(j.target_key), lockstep._compute_sql(j))
             into v_bad using keys;
         v_bad := coalesce(v_bad, '(unknown: the second look found none)');
     end if;
-    perform lockstep._check_computed_key(j, v_bad, v_null);
-    return n;
+    perform lockstep._check_computed_key(j, v_bad, r.is_null);
+    return r.n;
 end;
 $$;
 comment on function lockstep._diff_all(lockstep.job, text[]) is
-    'Lockstep._diff of the whole table: one hash full join of compute''s rows and the target''s on the '
-    'primary key, keeping the rows that differ; no sort of every computed row. Locks: no row locks; '
-    'writes only pg_temp work tables.';
+    'Lockstep._diff of the whole table (lockstep._diff_run): one hash full join of compute''s rows and '
+    'the target''s on the primary key, keeping the rows that differ; no sort of every computed row. A '
+    'primary key computed twice is looked for only when the counts show one (error path). Locks: no row '
+    'locks; writes only pg_temp work tables.';
 
 -- lockstep._diff(j, keys): compute(keys) and its difference with the target, for the parents in keys, in
--- one statement: fills j's gone and put work tables and returns their counts; LSD05 for a bad primary key.
+-- one statement (lockstep._diff_run; the whole table: lockstep._diff_all): fills j's gone and put work
+-- tables and returns their counts; LSD05 for a bad primary key. The current rows of those parents are read
+-- by one index probe per parent key; a computed row none of them has may exist under another parent (m).
 -- locks: no row locks; writes only pg_temp work tables.
 create or replace function lockstep._diff(j lockstep.job, keys text[]) returns lockstep._diff_counts
 language plpgsql
@@ -248,80 +300,52 @@ set client_min_messages = warning
 set jit = off
 as $$
 declare
-    f record;
-    v_subset boolean := keys is not null and j.parent_column is not null;
-    v_cur text;
-    v_moved text;
     v_cpar text;
-    v_dpar text;
+    v_moved text := '';
+    v_old text := 'c.lockstep_ctid';
+    v_new text := 'c.lockstep_ctid is null';
     v_oldpar text;
-    v_new text;
-    v_old text;
-    n lockstep._diff_counts;
-    v_bad text;
-    v_null boolean;
+    r record;
 begin
     perform lockstep._tmp_setup(j);
-    if not v_subset then
+    if keys is null or j.parent_column is null then
         return lockstep._diff_all(j, keys);
     end if;
-    select lockstep._cols(j.columns) as cols, lockstep._cols(j.columns, 'd') as dcols,
-           lockstep._cols(j.columns, 'c') as ccols, lockstep._cols(j.columns, 't') as tcols,
-           lockstep._cols(j.target_key) as pk,
-           (select pg_catalog.string_agg(pg_catalog.format('%I is null', k), ' or ')
-            from pg_catalog.unnest(j.target_key) k) as pknull,
-           lockstep._eq(j.target_key, 'd', 'c', j.target) as dc, lockstep._eq(j.target_key, 't', 'd', j.target) as td,
-           (select lockstep._callable(p.oid, 1) from pg_catalog.pg_proc p where p.oid = j.compute::regprocedure) as fn,
-           (select pg_catalog.format_type(p.proargtypes[0], -1) from pg_catalog.pg_proc p where p.oid = j.compute::regprocedure) as arg,
-           lockstep._array_type(j.key_type) as arr,
-           lockstep._tmp(j, 'gone') as gone, lockstep._tmp(j, 'put') as put, lockstep._key_eq(j) as op
-    into f;
     v_cpar := pg_catalog.format('c.%I::text', j.parent_column);
-    v_dpar := pg_catalog.format('d.%I::text', j.parent_column);
-    v_cur := pg_catalog.format('select t.* from pg_catalog.unnest($1::%s) k(v), lateral (select %s, t.ctid as lockstep_ctid '
-                               'from %s t where t.%I %s k.v offset 0) t', f.arr, f.tcols, j.target, j.parent_column, f.op);
-    if j.parent_column = any(j.target_key) then
-        -- the primary key holds the parent: a row of that key cannot move, so no probe per new row
-        v_moved := '';
-        v_old := 'c.lockstep_ctid';
-        v_new := 'c.lockstep_ctid is null';
-        v_oldpar := v_cpar;
-    else  -- a computed row no current row of these parents has may exist under another parent (m)
+    v_oldpar := v_cpar;
+    if not j.parent_column = any(j.target_key) then  -- else a row of that key cannot move: no probe per new row
         v_moved := pg_catalog.format('left join lateral (select t.%I::text as p, t.ctid from %s t '
                                      'where c.lockstep_ctid is null and %s offset 0) m on true',
-                                     j.parent_column, j.target, f.td);
+                                     j.parent_column, j.target, lockstep._eq(j.target_key, 't', 'd', j.target));
         v_old := 'coalesce(c.lockstep_ctid, m.ctid)';
         v_new := 'c.lockstep_ctid is null and m.ctid is null';
         v_oldpar := pg_catalog.format('coalesce(%s, m.p)', v_cpar);
     end if;
-    execute pg_catalog.format(
-        'with e1 as (delete from pg_temp.%1$I), e2 as (delete from pg_temp.%2$I), '
-        'd as materialized (select %3$s from (select * from %4$s($1::%5$s) offset 0) d %6$s), '
-        'x as (select row(%7$s)::text as k, bool_or(%8$s) as n from d group by %7$s '
-        '      having count(*) > 1 or bool_or(%8$s) order by 2 desc limit 1), '
-        'c as %9$s (%10$s), '
-        'g as (insert into pg_temp.%1$I (%3$s, lockstep_parent, lockstep_ctid) '
-        '      select %11$s, %12$s, c.lockstep_ctid from c where not exists (select from d where %13$s) returning 1), '
-        'p as (insert into pg_temp.%2$I (%3$s, lockstep_parent, lockstep_old_parent, lockstep_new, lockstep_ctid) '
-        '      select %14$s, %15$s, %16$s, %17$s, %18$s from d left join c on %13$s %19$s '
-        '      where c.lockstep_ctid is null or %20$s '
-        '      returning lockstep_new, lockstep_new or lockstep_parent is distinct from lockstep_old_parent as pin) '
-        'select (select count(*) from g), pc.n, pc.pin, pc.kept, (select k from x), (select n from x) '
-        'from (select count(*) filter (where p.lockstep_new) as n, count(*) filter (where p.pin) as pin, '
-        '      count(*) filter (where not p.lockstep_new) as kept from p) pc',
-        f.gone, f.put, f.cols, f.fn, f.arg,
-        pg_catalog.format('where d.%I %s any($1::%s)', j.parent_column, f.op, f.arr),
-        f.pk, f.pknull, 'materialized', v_cur,
-        f.ccols, v_cpar, f.dc, f.dcols, v_dpar, v_oldpar, v_new, v_old, v_moved, lockstep._differs(j, 'd', 'c'))
-        into n.gone, n.fresh, n.pin, n.kept, v_bad, v_null using keys;
-    perform lockstep._check_computed_key(j, v_bad, v_null);
-    return n;
+    select * into r from lockstep._diff_run(j, keys,
+        d => pg_catalog.format('select %s from %s d where d.%I %s any($1::%s)', lockstep._cols(j.columns),
+                               lockstep._compute_sql(j), j.parent_column, lockstep._key_eq(j),
+                               lockstep._array_type(j.key_type)),
+        c => pg_catalog.format('select t.* from pg_catalog.unnest($1::%s) k(v), lateral (select %s, t.ctid as '
+                               'lockstep_ctid from %s t where t.%I %s k.v offset 0) t', lockstep._array_type(j.key_type),
+                               lockstep._cols(j.columns, 't'), j.target, j.parent_column, lockstep._key_eq(j)),
+        dup => 'd',
+        g => pg_catalog.format('select %s, %s, c.lockstep_ctid from c where not exists (select from d where %s)',
+                               lockstep._cols(j.columns, 'c'), v_cpar, lockstep._eq(j.target_key, 'd', 'c', j.target)),
+        p => pg_catalog.format('select %s, %s, %s, %s, %s from d left join c on %s %s where c.lockstep_ctid is null or %s',
+                               lockstep._cols(j.columns, 'd'), pg_catalog.format('d.%I::text', j.parent_column),
+                               v_oldpar, v_new, v_old, lockstep._eq(j.target_key, 'd', 'c', j.target), v_moved,
+                               lockstep._differs(j, 'd', 'c')),
+        once => 'true');
+    perform lockstep._check_computed_key(j, r.bad, r.is_null);
+    return r.n;
 end;
 $$;
 comment on function lockstep._diff(lockstep.job, text[]) is
-    'Compute(keys) and its difference with the target, for the parents in keys, in one statement: fills '
-    'j''s gone and put work tables and returns their counts; LSD05 for a bad primary key. Locks: no row '
-    'locks; writes only pg_temp work tables.';
+    'Compute(keys) and its difference with the target, for the parents in keys, in one statement '
+    '(lockstep._diff_run; the whole table: lockstep._diff_all): fills j''s gone and put work tables and '
+    'returns their counts; LSD05 for a bad primary key. The current rows of those parents are read by one '
+    'index probe per parent key; a computed row none of them has may exist under another parent (m). '
+    'Locks: no row locks; writes only pg_temp work tables.';
 
 -- lockstep._pin_timeout(): lock_timeout of a pin: 10ms, or the session's if shorter. SKIP LOCKED still
 -- waits on a row an application updated and then deleted or locked: that wait is cut short.

@@ -43,16 +43,14 @@ $$;
 
 -- lockstep.enqueue_trigger(): AFTER ... FOR EACH STATEMENT trigger function with transition tables.
 -- Arguments: job, key column, optionally the key type. Never raises: where it cannot enqueue it flags the
--- job. No SET search_path: every name is qualified. Over 80 lines: only it can read the transition tables.
+-- job. No SET search_path: every name is qualified. Only it can read the transition tables: the general
+-- path's checks and query text come from lockstep._trigger_general.
 -- locks: the insert into lockstep.queue (or lockstep.recompute_flag): nothing a worker or a recompute holds.
 create or replace function lockstep.enqueue_trigger() returns trigger
 language plpgsql
 as $$
 declare
     v_keys pg_catalog.text[];
-    v_new pg_catalog.name;
-    v_old pg_catalog.name;
-    v_type pg_catalog.regtype;
     v_sql pg_catalog.text;
     v_problem pg_catalog.text;
 begin
@@ -113,41 +111,15 @@ begin
             return null;
         end if;
     end if;
-    -- the general path: any transition-table names, any key type (EXECUTE)
-    select t.tgnewtable, t.tgoldtable into v_new, v_old
-    from pg_catalog.pg_trigger t
-    where t.tgrelid operator(pg_catalog.=) tg_relid and t.tgname operator(pg_catalog.=) tg_name;
-    if tg_level operator(pg_catalog.<>) 'STATEMENT' or tg_when operator(pg_catalog.<>) 'AFTER'
-       or not tg_nargs operator(pg_catalog.=) any ('{2,3}'::pg_catalog.int4[]) then
-        v_problem := 'lockstep.enqueue_trigger() must be used in AFTER ... FOR EACH STATEMENT triggers with '
-                     'arguments (job, key column)';
-    elsif tg_op operator(pg_catalog.=) 'TRUNCATE' then
-        v_problem := pg_catalog.format('TRUNCATE of %s (no transition table names its rows)', tg_relid::pg_catalog.regclass);
-    else
-        v_new := case when tg_op operator(pg_catalog.<>) 'DELETE' then v_new end;
-        v_old := case when tg_op operator(pg_catalog.<>) 'INSERT' then v_old end;
-        begin  -- reads only: the subtransaction gets no transaction id
-            select x.problem, x.key_type into v_problem, v_type
-            from lockstep._trigger_problem(tg_argv[0], tg_argv[1], tg_relid, tg_op, v_new, v_old) x;
-        exception when others then
-            get stacked diagnostics v_problem = message_text;
-        end;
-    end if;
+    -- the general path: any transition-table names, any key type (EXECUTE, here: only this function sees
+    -- the transition tables)
+    select x.sql, x.problem into v_sql, v_problem
+    from lockstep._trigger_general(tg_relid, tg_name, tg_level, tg_when, tg_op, tg_nargs, tg_argv) x;
     if v_problem is not null then
         perform lockstep._flag(case when tg_nargs operator(pg_catalog.>) 0 then tg_argv[0] end, v_problem);
         return null;
     end if;
-    -- checked above: the column exists and converts without loss, so no subtransaction
-    v_sql := pg_catalog.concat_ws(' union all ',
-        case when v_new is not null then pg_catalog.format('select %I::%s k from %I', tg_argv[1], lockstep._type_sql(v_type), v_new) end,
-        case when v_old is not null then pg_catalog.format('select %I::%s k from %I', tg_argv[1], lockstep._type_sql(v_type), v_old) end);
-    if v_type::pg_catalog.text operator(pg_catalog.=) any (lockstep._fast_types()) then  -- the same text under every setting
-        execute pg_catalog.format('select array(select k::pg_catalog.text '
-                                  'from (select distinct k from (%s) s where k is not null) d order by k)', v_sql)
-            into v_keys;
-    else
-        execute pg_catalog.format('select lockstep._canon(pg_catalog.array_agg(k)) from (%s) s', v_sql) into v_keys;
-    end if;
+    execute v_sql into v_keys;  -- checked: the column exists and converts without loss, so no subtransaction
     v_keys := lockstep._queueable(tg_argv[0], v_keys);  -- a key too long for the queue flags the job
     perform lockstep._append(tg_argv[0], v_keys);
     return null;
@@ -155,9 +127,56 @@ end;
 $$;
 comment on function lockstep.enqueue_trigger() is
     'AFTER ... FOR EACH STATEMENT trigger function with transition tables. Arguments: job, key column, '
-    'optionally the key type. Never raises: where it cannot enqueue it flags the job. No SET search_path:'
-    ' every name is qualified. Over 80 lines: only it can read the transition tables. Locks: the insert '
-    'into lockstep.queue (or lockstep.recompute_flag): nothing a worker or a recompute holds.';
+    'optionally the key type. Never raises: where it cannot enqueue it flags the job. No SET search_path: '
+    'every name is qualified. Only it can read the transition tables: the general path''s checks and '
+    'query text come from lockstep._trigger_general. Locks: the insert into lockstep.queue (or '
+    'lockstep.recompute_flag): nothing a worker or a recompute holds.';
+
+-- lockstep._trigger_general(relid, trigger_name, level, tg_when, op, nargs, argv): the general path of
+-- lockstep.enqueue_trigger for trigger_name on relid: why it cannot enqueue (problem; NULL: it can),
+-- or the query (sql) that reads the distinct keys of its transition tables as canonical text.
+create or replace function lockstep._trigger_general(relid oid, trigger_name name, level text, tg_when text, op text,
+                                          nargs integer, argv text[], out sql text, out problem text)
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_new name;
+    v_old name;
+    v_type regtype;
+begin
+    select t.tgnewtable, t.tgoldtable into v_new, v_old
+    from pg_catalog.pg_trigger t where t.tgrelid = relid and t.tgname = trigger_name;
+    if level <> 'STATEMENT' or tg_when <> 'AFTER' or not nargs = any ('{2,3}'::int4[]) then
+        problem := 'lockstep.enqueue_trigger() must be used in AFTER ... FOR EACH STATEMENT triggers with '
+                   'arguments (job, key column)';
+        return;
+    elsif op = 'TRUNCATE' then
+        problem := pg_catalog.format('TRUNCATE of %s (no transition table names its rows)', relid::regclass);
+        return;
+    end if;
+    v_new := case when op <> 'DELETE' then v_new end;
+    v_old := case when op <> 'INSERT' then v_old end;
+    begin  -- reads only: the subtransaction gets no transaction id
+        select x.problem, x.key_type into problem, v_type
+        from lockstep._trigger_problem(argv[0], argv[1], relid, op, v_new, v_old) x;
+    exception when others then
+        get stacked diagnostics problem = message_text;
+    end;
+    if problem is not null then
+        return;
+    end if;
+    sql := pg_catalog.concat_ws(' union all ',
+        case when v_new is not null then pg_catalog.format('select %I::%s k from %I', argv[1], lockstep._type_sql(v_type), v_new) end,
+        case when v_old is not null then pg_catalog.format('select %I::%s k from %I', argv[1], lockstep._type_sql(v_type), v_old) end);
+    if v_type::text = any (lockstep._fast_types()) then  -- the same text under every setting
+        sql := pg_catalog.format('select array(select k::pg_catalog.text '
+                                 'from (select distinct k from (%s) s where k is not null) d order by k)', sql);
+    else
+        sql := pg_catalog.format('select lockstep._canon(pg_catalog.array_agg(k)) from (%s) s', sql);
+    end if;
+end;
+$$;
 
 -- lockstep._trigger_fns(): every trigger function that enqueues for lockstep: lockstep.enqueue_trigger()
 -- and the ones lockstep.watch() generated (lockstep._gen_trigger).
@@ -170,47 +189,13 @@ as $$
       and (p.proname in ('enqueue_trigger', 'enqueue_through', 'enqueue_replica') or p.proname like 'enqueue\_w\_%');
 $$;
 
--- lockstep._gen_trigger(j, source, key_column): generate lockstep.enqueue_w_<hash>(), a trigger function
--- that reads only the key column; NULL where the session may not create it (watch() then uses
--- lockstep.enqueue_trigger()). Never raises; no SET clause: every name and operator qualified.
--- locks: nothing (creates or replaces the function).
-create or replace function lockstep._gen_trigger(j lockstep.job, source regclass, key_column name) returns text
-language plpgsql
+-- lockstep._trigger_template_check(): the first part of the text of a trigger function lockstep._gen_trigger
+-- writes (a format() string): reads the key column when it is still as watch() found it, else finds why not.
+create or replace function lockstep._trigger_template_check() returns text
+language sql immutable
 set search_path = pg_catalog, pg_temp
 as $$
-declare
-    v_name name := ('enqueue_w_' || pg_catalog.left(pg_catalog.md5(
-                        pg_catalog.concat_ws(pg_catalog.chr(1), j.job, source::oid, key_column)), 24))::name;
-    v_read text := 'v_keys := array(select s.k::pg_catalog.text from (%s) s where s.k is not null order by s.k);';
-    -- a key type whose text always fits the queue: one statement
-    v_long boolean := j.key_type in ('text'::regtype, 'character varying'::regtype, 'numeric'::regtype);
-    v_fast text := case when v_long then v_read
-                        else 'insert into lockstep.queue (job, key) select tg_argv[0], s.k::pg_catalog.text '
-                             'from (%s) s where s.k is not null order by s.k;' end;
-    v_upd text := pg_catalog.format('select x.%1$I as k from lockstep_new x union select x.%1$I from lockstep_old x',
-                                    key_column);
-    v_ins text := pg_catalog.format('select distinct x.%I as k from lockstep_new x', key_column);
-    v_del text := pg_catalog.format('select distinct x.%I as k from lockstep_old x', key_column);
-    -- the branch on tg_op: %1$s, %3$s, %4$s the UPDATE, INSERT, DELETE statements, %2$s the indent
-    v_ops text := E'if tg_op operator(pg_catalog.=) ''UPDATE'' then\n%2$s    %1$s\n'
-                  || E'%2$selsif tg_op operator(pg_catalog.=) ''INSERT'' then\n%2$s    %3$s\n'
-                  || E'%2$selse\n%2$s    %4$s\n%2$send if;';
-    v_attnum text;
-    v_type oid := (select a.atttypid from pg_catalog.pg_attribute a
-                   where a.attrelid = source and a.attname = key_column and a.attnum > 0 and not a.attisdropped);
-begin
-    if not pg_catalog.has_schema_privilege('lockstep', 'CREATE') then
-        return null;
-    end if;
-    -- the key column's attribute number in each table (a partition may number its columns otherwise)
-    select pg_catalog.concat('case ', pg_catalog.string_agg(
-               pg_catalog.format('when tg_relid operator(pg_catalog.=) %s::pg_catalog.oid then %s', t.rel::oid, a.attnum),
-               ' ' order by t.o), ' end')
-    into v_attnum
-    from pg_catalog.unnest(lockstep._family(source)) with ordinality t(rel, o)
-    join pg_catalog.pg_attribute a on a.attrelid = t.rel and a.attname = key_column and a.attnum > 0
-                                      and not a.attisdropped;
-    execute pg_catalog.format($gen$
+    select $t$
 create or replace function lockstep.%1$I() returns trigger
 language plpgsql
 as $body$
@@ -260,7 +245,16 @@ begin
             end;
         end if;
     end if;
-    if v_problem is not null then
+$t$;
+$$;
+
+-- lockstep._trigger_template_enqueue(): the rest of that text: flag the job with the problem found, or
+-- enqueue the keys read.
+create or replace function lockstep._trigger_template_enqueue() returns text
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select $t$    if v_problem is not null then
         begin  -- the same words as lockstep.enqueue_trigger's general path where it can tell
             select coalesce(x.problem, v_problem) into v_problem
             from lockstep._trigger_problem(tg_argv[0], tg_argv[1], tg_relid, tg_op,
@@ -283,7 +277,51 @@ begin
     return null;
 end;
 $body$
-$gen$, v_name, key_column, coalesce(v_attnum, 'null::pg_catalog.int4'), key_column,
+$t$;
+$$;
+
+-- lockstep._gen_trigger(j, source, key_column): generate lockstep.enqueue_w_<hash>(), a trigger function
+-- that reads only the key column; NULL where the session may not create it (watch() then uses
+-- lockstep.enqueue_trigger()). Never raises; no SET clause: every name and operator qualified.
+-- locks: nothing (creates or replaces the function).
+create or replace function lockstep._gen_trigger(j lockstep.job, source regclass, key_column name) returns text
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_name name := ('enqueue_w_' || pg_catalog.left(pg_catalog.md5(
+                        pg_catalog.concat_ws(pg_catalog.chr(1), j.job, source::oid, key_column)), 24))::name;
+    v_read text := 'v_keys := array(select s.k::pg_catalog.text from (%s) s where s.k is not null order by s.k);';
+    -- a key type whose text always fits the queue: one statement
+    v_long boolean := j.key_type in ('text'::regtype, 'character varying'::regtype, 'numeric'::regtype);
+    v_fast text := case when v_long then v_read
+                        else 'insert into lockstep.queue (job, key) select tg_argv[0], s.k::pg_catalog.text '
+                             'from (%s) s where s.k is not null order by s.k;' end;
+    v_upd text := pg_catalog.format('select x.%1$I as k from lockstep_new x union select x.%1$I from lockstep_old x',
+                                    key_column);
+    v_ins text := pg_catalog.format('select distinct x.%I as k from lockstep_new x', key_column);
+    v_del text := pg_catalog.format('select distinct x.%I as k from lockstep_old x', key_column);
+    -- the branch on tg_op: %1$s, %3$s, %4$s the UPDATE, INSERT, DELETE statements, %2$s the indent
+    v_ops text := E'if tg_op operator(pg_catalog.=) ''UPDATE'' then\n%2$s    %1$s\n'
+                  || E'%2$selsif tg_op operator(pg_catalog.=) ''INSERT'' then\n%2$s    %3$s\n'
+                  || E'%2$selse\n%2$s    %4$s\n%2$send if;';
+    v_attnum text;
+    v_type oid := (select a.atttypid from pg_catalog.pg_attribute a
+                   where a.attrelid = source and a.attname = key_column and a.attnum > 0 and not a.attisdropped);
+begin
+    if not pg_catalog.has_schema_privilege('lockstep', 'CREATE') then
+        return null;
+    end if;
+    -- the key column's attribute number in each table (a partition may number its columns otherwise)
+    select pg_catalog.concat('case ', pg_catalog.string_agg(
+               pg_catalog.format('when tg_relid operator(pg_catalog.=) %s::pg_catalog.oid then %s', t.rel::oid, a.attnum),
+               ' ' order by t.o), ' end')
+    into v_attnum
+    from pg_catalog.unnest(lockstep._family(source)) with ordinality t(rel, o)
+    join pg_catalog.pg_attribute a on a.attrelid = t.rel and a.attname = key_column and a.attnum > 0
+                                      and not a.attisdropped;
+    execute pg_catalog.format(lockstep._trigger_template_check() || lockstep._trigger_template_enqueue(),
+        v_name, key_column, coalesce(v_attnum, 'null::pg_catalog.int4'), key_column,
         pg_catalog.format(v_ops, pg_catalog.format(v_fast, v_upd), '        ', pg_catalog.format(v_fast, v_ins),
                           pg_catalog.format(v_fast, v_del)),
         case when v_long then '' else '        return null;  -- queued' end,
@@ -618,6 +656,100 @@ begin
 end;
 $$;
 
+-- lockstep._check_watch(j, source, key_column): watch()'s first checks of its arguments, in order, before
+-- anything changes; returns the type of source.key_column.
+create or replace function lockstep._check_watch(j lockstep.job, source regclass, key_column name)
+returns regtype
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_type regtype;
+begin
+    if source is null or key_column is null then
+        raise exception 'lockstep: source and key_column must not be NULL' using errcode = '22004';
+    end if;
+    -- only who manages the job feeds it
+    perform lockstep._check_owner(j);
+    if not exists (select from pg_catalog.pg_class c where c.oid = source and c.relkind in ('r', 'p')) then
+        raise exception 'lockstep: source % is not a table', source using errcode = '42809';
+    end if;
+    -- lockstep's own tables: a watched queue would feed itself
+    perform lockstep._check_not_ours(source, 'a watched table');
+    if j.target = any(lockstep._family(source)) or source = any(lockstep._family(j.target)) then
+        raise exception 'lockstep: % is the target of job "%" (or a partition of it)', source, j.job
+            using errcode = '22023',
+                  hint = 'The job writes this table: its own writes would queue its parents again, for ever. '
+                         'watch the tables compute reads.';
+    end if;
+    perform lockstep._check_cycle(j.job, null, source);  -- LSD09 (10_graph.sql)
+    select a.atttypid into v_type from pg_catalog.pg_attribute a
+    where a.attrelid = source and a.attname = key_column and a.attnum > 0 and not a.attisdropped;
+    if v_type is null then
+        raise exception 'lockstep: table % has no column %', source, key_column using errcode = '42703';
+    end if;
+    return v_type;
+end;
+$$;
+
+-- lockstep._watch_news(j, source, key_column, tables): the recompute flag's problem when watch() starts
+-- feeding job j from tables (source and those below it) that it did not watch on key_column until now (their
+-- earlier changes reached no queue); NULL otherwise. Trigger arguments compared as bytes, NUL-terminated.
+create or replace function lockstep._watch_news(j lockstep.job, source regclass, key_column name, tables regclass[])
+returns text
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_args bytea := pg_catalog.convert_to(j.job, pg_catalog.getdatabaseencoding()) || '\x00'::bytea
+                    || pg_catalog.convert_to(key_column, pg_catalog.getdatabaseencoding()) || '\x00'::bytea;
+begin
+    if exists (select from pg_catalog.unnest(tables) t(rel)
+               where not exists (select from pg_catalog.pg_trigger tg
+                                 where tg.tgrelid = t.rel and tg.tgname = lockstep._trigger_name(j.job, 'insert'))) then
+        return pg_catalog.format('%s newly watched: its earlier changes wait for the full recompute', source);
+    elsif exists (select from pg_catalog.unnest(tables) t(rel)
+                  join pg_catalog.pg_trigger tg on tg.tgrelid = t.rel and tg.tgname = lockstep._trigger_name(j.job, 'insert')
+                  where pg_catalog.substring(tg.tgargs, 1, pg_catalog.length(v_args)) <> v_args) then
+        return pg_catalog.format('%s watched on column %s now: its earlier changes wait for the full recompute',
+                                 source, key_column);
+    end if;
+    return null;
+end;
+$$;
+
+-- lockstep._watch_ddl(j, tables, key_column, fn, fast): the CREATE TRIGGER statements of watch(): on each
+-- table, insert, update and delete triggers calling fn (with the key type as third argument where fast) and a
+-- truncate trigger calling the shared lockstep.enqueue_trigger, which flags the job.
+create or replace function lockstep._watch_ddl(j lockstep.job, tables regclass[], key_column name, fn text, fast boolean)
+returns text[]
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_ddl text[] := '{}';
+    op text;
+    t regclass;
+begin
+    foreach t in array tables loop  -- one function for all: it names only the column, which they share
+        foreach op in array array['insert', 'update', 'delete'] loop
+            v_ddl := v_ddl || pg_catalog.format(
+                'create trigger %I after %s on %s referencing %s for each statement '
+                'execute function %s(%L, %L%s)',
+                lockstep._trigger_name(j.job, op), op, t,
+                case op when 'insert' then 'new table as lockstep_new'
+                        when 'update' then 'old table as lockstep_old new table as lockstep_new'
+                        else 'old table as lockstep_old' end,
+                fn, j.job, key_column, case when fast then pg_catalog.format(', %L', j.key_type) else '' end);
+        end loop;
+        v_ddl := v_ddl || pg_catalog.format('create trigger %I after truncate on %s for each statement '
+                                            'execute function lockstep.enqueue_trigger(%L, %L)',
+                                            lockstep._trigger_name(j.job, 'truncate'), t, j.job, key_column);
+    end loop;
+    return v_ddl;
+end;
+$$;
+
 -- lockstep.watch(job, source, key_column, through, through_column, via): create the triggers that enqueue
 -- source.key_column for job (and flag it on truncate) on source and every table below it; re-running
 -- replaces them. With through, source is one hop below the parent (lockstep._watch_through).
@@ -634,39 +766,13 @@ set client_min_messages = warning
 as $$
 declare
     j lockstep.job := lockstep._queue_job(job);
-    v_type regtype;
+    v_type regtype := lockstep._check_watch(j, source, key_column);
     v_fast boolean;
     v_fn text := 'lockstep.enqueue_trigger';
-    v_ddl text[] := '{}';
+    v_ddl text[];
     v_tables regclass[] := lockstep._family(source);
-    v_new boolean;
-    v_moved boolean;
-    v_args bytea;
-    op text;
-    t regclass;
+    v_flag text;
 begin
-    if source is null or key_column is null then
-        raise exception 'lockstep: source and key_column must not be NULL' using errcode = '22004';
-    end if;
-    -- only who manages the job feeds it
-    perform lockstep._check_owner(j);
-    if not exists (select from pg_catalog.pg_class c where c.oid = source and c.relkind in ('r', 'p')) then
-        raise exception 'lockstep: source % is not a table', source using errcode = '42809';
-    end if;
-    -- lockstep's own tables: a watched queue would feed itself
-    perform lockstep._check_not_ours(source, 'a watched table');
-    if j.target = any(v_tables) or source = any(lockstep._family(j.target)) then
-        raise exception 'lockstep: % is the target of job "%" (or a partition of it)', source, j.job
-            using errcode = '22023',
-                  hint = 'The job writes this table: its own writes would queue its parents again, for ever. '
-                         'watch the tables compute reads.';
-    end if;
-    perform lockstep._check_cycle(j.job, null, source);  -- LSD09 (10_graph.sql)
-    select a.atttypid into v_type from pg_catalog.pg_attribute a
-    where a.attrelid = source and a.attname = key_column and a.attnum > 0 and not a.attisdropped;
-    if v_type is null then
-        raise exception 'lockstep: table % has no column %', source, key_column using errcode = '42703';
-    end if;
     if via = 'wal' and through is null then  -- no trigger: lockstep.capture() reads the WAL (16_capture.sql)
         perform lockstep._watch_wal(j, source, key_column);
         perform lockstep._warn_source(j, source, key_column, cardinality(v_tables) - 1);
@@ -695,45 +801,15 @@ begin
     end if;
     -- the fast path (a third argument) where the column's JSON text is the key's canonical text
     v_fast := v_type::text = any(lockstep._fast_types()) and j.key_type::text = any(lockstep._fast_types());
-    -- a table (or partition) this job did not watch until now: its earlier changes reached no queue: flag
-    v_new := exists (select from pg_catalog.unnest(v_tables) t(rel)
-                     where not exists (select from pg_catalog.pg_trigger tg
-                                       where tg.tgrelid = t.rel and tg.tgname = lockstep._trigger_name(j.job, 'insert')));
-    -- a table watched on another column until now: flag too. Arguments compared as bytes, NUL-terminated.
-    v_args := pg_catalog.convert_to(j.job, pg_catalog.getdatabaseencoding()) || '\x00'::bytea
-              || pg_catalog.convert_to(key_column, pg_catalog.getdatabaseencoding()) || '\x00'::bytea;
-    v_moved := not v_new and exists (
-        select from pg_catalog.unnest(v_tables) t(rel)
-        join pg_catalog.pg_trigger tg on tg.tgrelid = t.rel and tg.tgname = lockstep._trigger_name(j.job, 'insert')
-        where pg_catalog.substring(tg.tgargs, 1, pg_catalog.length(v_args)) <> v_args);
-    v_ddl := lockstep._drop_watch_ddl(j.job, v_tables);
+    v_flag := lockstep._watch_news(j, source, key_column, v_tables);  -- before the triggers change
     if v_fast then  -- a function that reads only the key column, where the session may create one
         v_fn := coalesce(lockstep._gen_trigger(j, source, key_column), v_fn);
     end if;
-    foreach t in array v_tables loop  -- one function for all: it names only the column, which they share
-        foreach op in array array['insert', 'update', 'delete'] loop
-            v_ddl := v_ddl || pg_catalog.format(
-                'create trigger %I after %s on %s referencing %s for each statement '
-                'execute function %s(%L, %L%s)',
-                lockstep._trigger_name(j.job, op), op, t,
-                case op when 'insert' then 'new table as lockstep_new'
-                        when 'update' then 'old table as lockstep_old new table as lockstep_new'
-                        else 'old table as lockstep_old' end,
-                v_fn, j.job, key_column, case when v_fast then pg_catalog.format(', %L', j.key_type) else '' end);
-        end loop;
-        -- a TRUNCATE has no transition table: the shared function flags the job
-        v_ddl := v_ddl || pg_catalog.format('create trigger %I after truncate on %s for each statement '
-                                            'execute function lockstep.enqueue_trigger(%L, %L)',
-                                            lockstep._trigger_name(j.job, 'truncate'), t, j.job, key_column);
-    end loop;
+    v_ddl := lockstep._drop_watch_ddl(j.job, v_tables) || lockstep._watch_ddl(j, v_tables, key_column, v_fn, v_fast);
     perform lockstep._ddl(v_tables, v_ddl, pg_catalog.format('watch(%L, %L)', j.job, source));
-    if v_new or v_moved then
+    if v_flag is not null then
         insert into lockstep.recompute_flag (job, problem)  -- flagged_at: clock time, as _flag (_clear_flag)
-        values (j.job,
-                case when v_new
-                     then pg_catalog.format('%s newly watched: its earlier changes wait for the full recompute', source)
-                     else pg_catalog.format('%s watched on column %s now: its earlier changes wait for the full '
-                                            'recompute', source, key_column) end);
+        values (j.job, v_flag);
     end if;
     perform lockstep._warn_writers(v_tables);
     perform lockstep._warn_source(j, source, key_column, cardinality(v_tables) - 1);
