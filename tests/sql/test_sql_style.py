@@ -2,8 +2,9 @@
 
 - A function fits on one screen: at most 80 lines from ``create or replace function`` to its closing ``$$;``.
 - Every function that takes locks names them in its header (``-- locks: ...``). A function takes locks if
-  its code (dynamic SQL strings included, messages of ``raise`` left out; lower-case, as the project writes
-  SQL) locks rows or tables, writes a table, or runs DDL, or if it calls a lockstep function that does.
+  its code (with its string literals where it EXECUTEs them, messages of ``raise`` left out; lower-case, as
+  the project writes SQL) locks rows or tables, writes a table, or runs DDL, or if it calls a lockstep
+  function that does.
 - State passes through arguments and results: no ``lockstep.*`` session setting is read or written
   (``set_config('lockstep.``, ``current_setting('lockstep.``, ``set lockstep.``) outside the two helpers
   named in SETTING_HELPERS (01_schema.sql documents what they keep, and why).
@@ -36,7 +37,8 @@ TAKES_LOCKS = re.compile(
     r"(?:table|function|trigger|index|type|policy|view)\b"
 )
 RAISE = re.compile(r"\braise\b[^;]*;")
-LITERAL = re.compile(r"'(?:[^']|'')*'")
+LITERAL = re.compile(r"'(?:[^']|'')*'|\$(\w*)\$.*?\$\1\$", re.S)
+EXECUTE = re.compile(r"\bexecute\b")
 CALL = re.compile(r"lockstep\.(\w+)\s*\(")
 
 
@@ -92,13 +94,23 @@ def too_long(src: Path = SRC) -> list[str]:
 
 
 def code(f: Function) -> str:
-    """The function's text after its first line, comments left out."""
-    return "\n".join(line.split("--", 1)[0] for line in f.lines[1:])
+    """The function's body (inside its dollar quotes), comments left out."""
+    text = "\n".join(f.lines)
+    tag = DOLLAR.search(text)
+    body = text[tag.end() : text.rindex(tag.group(0))]
+    return "\n".join(line.split("--", 1)[0] for line in body.split("\n"))
+
+
+def run_text(f: Function) -> str:
+    """What the function runs: its code, and its string literals too where it EXECUTEs them."""
+    text = code(f)
+    bare = LITERAL.sub("''", text)
+    return text if EXECUTE.search(bare) else bare
 
 
 def lock_takers(fns: list[Function]) -> set[str]:
     """Functions that lock something themselves, or call a lockstep function that does."""
-    taking = {f.name for f in fns if TAKES_LOCKS.search(RAISE.sub("", code(f)))}
+    taking = {f.name for f in fns if TAKES_LOCKS.search(RAISE.sub("", run_text(f)))}
     calls = {f.name: {"lockstep." + c.lower() for c in CALL.findall(LITERAL.sub("''", code(f)))} for f in fns}
     grown = True
     while grown:
