@@ -333,6 +333,7 @@ comment on function lockstep._run_job(text) is
 -- lockstep.run(job): what the runner calls (lockstep._run_job).
 -- Runs as the caller, with no SET clause: it reads the caller's settings (lockstep._settings) and puts
 -- back any the job's code changed for the session; every name is qualified.
+-- locks: as lockstep._run_job.
 create or replace function lockstep.run(job text) returns lockstep.result
 language plpgsql
 as $$

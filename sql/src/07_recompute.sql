@@ -582,6 +582,7 @@ comment on function lockstep._recompute_job(text) is
 -- lockstep.recompute(job): a full recompute now (lockstep._recompute_job).
 -- Runs as the caller, with no SET clause: it reads the caller's settings (lockstep._settings) and puts
 -- back any the job's code changed for the session; every name is qualified.
+-- locks: as lockstep._recompute_job.
 create or replace function lockstep.recompute(job text) returns lockstep.result
 language plpgsql
 as $$

@@ -658,6 +658,7 @@ $$;
 
 -- lockstep._check_watch(j, source, key_column): watch()'s first checks of its arguments, in order, before
 -- anything changes; returns the type of source.key_column.
+-- locks: as lockstep._check_cycle (the advisory lock (lockstep, define), until the transaction ends).
 create or replace function lockstep._check_watch(j lockstep.job, source regclass, key_column name)
 returns regtype
 language plpgsql stable
@@ -691,6 +692,10 @@ begin
     return v_type;
 end;
 $$;
+comment on function lockstep._check_watch(lockstep.job, regclass, name) is
+    'Watch()''s first checks of its arguments, in order, before anything changes; returns the type of '
+    'source.key_column. Locks: as lockstep._check_cycle (the advisory lock (lockstep, define), until the '
+    'transaction ends).';
 
 -- lockstep._watch_news(j, source, key_column, tables): the recompute flag's problem when watch() starts
 -- feeding job j from tables (source and those below it) that it did not watch on key_column until now (their

@@ -789,6 +789,7 @@ comment on function lockstep._work_job(text, integer) is
 -- lockstep.work(job, batch): one worker pass (lockstep._work_job).
 -- Runs as the caller, with no SET clause: it reads the caller's settings (lockstep._settings) and puts
 -- back any the job's code changed for the session; every name is qualified.
+-- locks: as lockstep._work_job.
 create or replace function lockstep.work(job text, batch integer default null) returns lockstep.result
 language plpgsql
 as $$
