@@ -333,10 +333,12 @@ comment on function lockstep._failed(lockstep.job, text, timestamp with time zon
 -- lockstep._session_get(setting): the transaction's value of lockstep.<setting> (01_schema.sql lists them), NULL if
 -- unset or empty. With lockstep._session_set, the only reader and writer of lockstep's session settings.
 create or replace function lockstep._session_get(setting text) returns text
-language sql stable
+language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
-    select nullif(pg_catalog.current_setting(pg_catalog.concat('lockstep.', setting), true), '');
+begin
+    return nullif(pg_catalog.current_setting(pg_catalog.concat('lockstep.', setting), true), '');
+end;
 $$;
 
 -- lockstep._session_set(setting, value): set lockstep.<setting> to value (NULL: empty) until the transaction ends.

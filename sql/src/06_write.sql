@@ -221,12 +221,14 @@ comment on function lockstep._diff_run(lockstep.job, text[], text, text, text, t
 -- lockstep._compute_sql(j): compute called with $1, as a FROM item kept from seeing filters around it
 -- (offset 0: a filter pushed into compute spoiled its plan).
 create or replace function lockstep._compute_sql(j lockstep.job) returns text
-language sql stable
+language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
-    select pg_catalog.format('(select * from %s($1::%s) offset 0)', lockstep._callable(p.oid, 1),
-                             pg_catalog.format_type(p.proargtypes[0], -1))
-    from pg_catalog.pg_proc p where p.oid = j.compute::regprocedure;
+begin
+    return (select pg_catalog.format('(select * from %s($1::%s) offset 0)', lockstep._callable(p.oid, 1),
+                                     pg_catalog.format_type(p.proargtypes[0], -1))
+            from pg_catalog.pg_proc p where p.oid = j.compute::regprocedure);
+end;
 $$;
 
 -- lockstep._diff_all(j, keys): lockstep._diff of the whole table (lockstep._diff_run): one hash full join of
