@@ -91,6 +91,7 @@ comment on function lockstep._verify_keys(text, anyarray) is
 -- lockstep.verify(job, keys): as its body (lockstep._verify_keys), run as the caller with no SET clause: it reads the caller's
 -- settings (lockstep._settings) and puts back any the job's code changed for the session; every name is
 -- qualified.
+-- locks: none, as lockstep._verify_keys.
 create or replace function lockstep.verify(job text, keys anyarray)
 returns table (missing bigint, extra bigint, different bigint, examples jsonb)
 language plpgsql
@@ -132,6 +133,7 @@ comment on function lockstep._verify_all(text) is
 -- lockstep.verify(job): as its body (lockstep._verify_all), run as the caller with no SET clause: it reads the caller's
 -- settings (lockstep._settings) and puts back any the job's code changed for the session; every name is
 -- qualified.
+-- locks: none, as lockstep._verify_all.
 create or replace function lockstep.verify(job text)
 returns table (missing bigint, extra bigint, different bigint, examples jsonb)
 language plpgsql

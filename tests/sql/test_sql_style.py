@@ -3,8 +3,8 @@
 - A function fits on one screen: at most 80 lines from ``create or replace function`` to its closing ``$$;``.
 - Every function that takes locks names them in its header (``-- locks: ...``). A function takes locks if
   its code (with its string literals where it EXECUTEs them, messages of ``raise`` left out; lower-case, as
-  the project writes SQL) locks rows or tables, writes a table, or runs DDL, or if it calls a lockstep
-  function that does.
+  the project writes SQL) locks rows or tables, writes a table, or runs DDL, other than on the session's own
+  temporary tables, or if it calls a lockstep function that does.
 - State passes through arguments and results: no ``lockstep.*`` session setting is read or written
   (``set_config('lockstep.``, ``current_setting('lockstep.``, ``set lockstep.``) outside the two helpers
   named in SETTING_HELPERS (01_schema.sql documents what they keep, and why).
@@ -30,11 +30,13 @@ SETTING = re.compile(
     re.I,
 )
 LOCKS = re.compile(r"^--\s*locks\b", re.I)
+# a write of the session's own temporary tables (pg_temp, temp table) locks nothing another session uses
 TAKES_LOCKS = re.compile(
     r"\bfor\s+(?:no\s+key\s+)?update\b|\bfor\s+(?:key\s+)?share\b|\block\s+table\b|pg_(?:try_)?advisory_\w*lock"
-    r"|\binsert\s+into\b|\bupdate\s+[\w.%$]+(?:\s+(?:as\s+)?\w+)?\s+set\b|\bdelete\s+from\b|\btruncate\b"
-    r"|\bmerge\s+into\b|\b(?:create|drop|alter)\s+(?:or\s+replace\s+)?(?:temp\s+|temporary\s+)?"
-    r"(?:table|function|trigger|index|type|policy|view)\b"
+    r"|\binsert\s+into\s+(?!pg_temp\.)|\bupdate\s+(?!pg_temp\.)[\w.%$]+(?:\s+(?:as\s+)?\w+)?\s+set\b"
+    r"|\bdelete\s+from\s+(?!pg_temp\.)|\btruncate\s+(?!pg_temp\.)|\bmerge\s+into\b"
+    r"|\b(?:create|drop|alter)\s+(?:or\s+replace\s+)?(?:table|function|trigger|index|type|policy|view)\s+"
+    r"(?:if\s+(?:not\s+)?exists\s+)?(?!pg_temp\.)"
 )
 RAISE = re.compile(r"\braise\b[^;]*;")
 LITERAL = re.compile(r"'(?:[^']|'')*'|\$(\w*)\$.*?\$\1\$", re.S)
