@@ -296,9 +296,6 @@ class Runner:
                     self._connect()
                 self._tick(sleep=True)
                 self.started = True
-            except UnknownJobs:
-                self._close()
-                return EXIT_SETUP
                 if trouble is not None:
                     log.info(
                         "recovered after %s retr%s; backend pid %s",
@@ -308,6 +305,9 @@ class Runner:
                     )
                     trouble = None
                     backoff.reset()
+            except UnknownJobs:
+                self._close()
+                return EXIT_SETUP
             except psycopg.Error as exc:
                 if self._refuse_to_start(exc):
                     self._close()

@@ -110,6 +110,7 @@ WHEEL_FILES = (
     "lockstep/lab/bench_oltp.py",
     "lockstep/lab/demo.py",
     "lockstep/lab/example.py",
+    "lockstep/lab/plot.py",  # lockstep bench --plot
     "lockstep/lab/procs.py",
     "lockstep/lab/scratch.py",
     "lockstep/_alembic/env.py",

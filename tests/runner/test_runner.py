@@ -376,14 +376,14 @@ def test_backoff_is_full_jitter_exponential_capped():
     assert b.next() <= 0.1
 
 
-def test_once_with_an_unknown_job_exits_1(conn, dsn):
+def test_once_with_an_unknown_job_exits_4_before_running_any(conn, dsn):
+    """A typo in --job is permanent: exit 4 at start, naming it and the jobs there are; nothing runs."""
     conn.execute(TICK_FN)
     p = once(dsn, "--job", "nope", "--job", "t")
-    assert p.returncode == 1
-    assert [ln for ln in p.stderr.splitlines() if " ERROR " in ln] == [
-        ln for ln in p.stderr.splitlines() if "job nope does not exist" in ln
-    ]
-    assert "t call done" in p.stderr and ticks(conn) == 1
+    assert p.returncode == 4
+    errors = [ln for ln in p.stderr.splitlines() if " ERROR " in ln]
+    assert len(errors) == 1 and "no job nope" in errors[0], p.stderr
+    assert "t call done" not in p.stderr and ticks(conn) == 0
 
 
 def test_connect_options(dsn):
