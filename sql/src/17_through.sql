@@ -161,7 +161,8 @@ security definer
 set search_path = pg_catalog, pg_temp
 as $$
     insert into lockstep.through_entry (job, through, key)
-    select _append_through.job, _append_through.through, k from pg_catalog.unnest(keys) k;
+    select _append_through.job, _append_through.through, k from pg_catalog.unnest(keys) k
+    where exists (select from lockstep.job x where x.job = _append_through.job);  -- else never taken back
 $$;
 
 comment on function lockstep._append_through(text, oid, text[]) is

@@ -171,3 +171,14 @@ def test_a_line_written_while_its_order_moves_reaches_the_new_customer(shop, con
     drain(shop, "totals")
     assert shop.execute(DIVERGENCE).fetchone()[0] == 0
     assert shop.execute("select count(*) from lockstep.through_entry").fetchone()[0] == 0
+
+
+def test_through_keys_of_no_job_are_not_kept(shop: psycopg.Connection) -> None:
+    shop.execute(
+        "select lockstep._append_through('no_such_job', 'shop.orders'::regclass::oid, array['1', '2'])"
+    )
+    assert shop.execute("select count(*) from lockstep.through_entry").fetchone()[0] == 0
+    shop.execute("update shop.order_line set amount = amount where id = 1")
+    assert shop.execute("select count(*) from lockstep.through_entry").fetchone()[0] == 1
+    shop.execute("select lockstep.drop_job('totals')")  # takes its through keys with it
+    assert shop.execute("select count(*) from lockstep.through_entry").fetchone()[0] == 0
