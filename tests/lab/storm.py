@@ -75,7 +75,18 @@ language plpgsql stable as $$ begin
     end if;
     return query select * from example.exam_key_compute(ids);
 end $$;
+-- the poison parent outlives the clients' deletes while it is poisoned, so the worker meets it
+create function example.storm_keep_poison() returns trigger language plpgsql as $$ begin
+    return case when exists (select from example.storm_poison p where p.exam_id = old.id)
+                then null else old end;
+end $$;
+create trigger storm_keep_poison before delete on example.exam
+    for each row execute function example.storm_keep_poison();
 """
+# worker passes that met a failing key (the poison parent, while it was poisoned)
+POISON_PASSES_SQL = (
+    "select count(*) from lockstep.run_log where job = %s and action = 'work' and failed_keys > 0"
+)
 
 
 def _stderr_progress(msg: str) -> None:
@@ -253,6 +264,9 @@ class Storm:
             final_recompute = _one_result(conn, RECOMPUTE_SQL)
             final_work = _one_result(conn, WORK_SQL)
             failing_keys = conn.execute(FAILING_SQL, [JOB]).fetchone()[0]
+            poison_passes = None
+            if poison is not None:
+                poison_passes = conn.execute(POISON_PASSES_SQL, [JOB]).fetchone()[0]
             divergence = list(example.verify(conn))
             exams = conn.execute("select count(*) from example.exam").fetchone()[0]
             keys = conn.execute("select count(*) from example.exam_key").fetchone()[0]
@@ -276,6 +290,7 @@ class Storm:
             final_work=final_work,
             final_recompute=final_recompute,
             failing_keys=failing_keys,
+            poison_passes=poison_passes,
             divergence=divergence,
             deadlocks=deadlocks,
             exams=exams,
@@ -334,6 +349,7 @@ class Storm:
             "final_work": kw["final_work"],
             "final_recompute": fr,
             "failing_keys": kw["failing_keys"],
+            "poison_passes": kw["poison_passes"],
             "deadlocks": kw["deadlocks"],
             "divergence": kw["divergence"],
             "exams": kw["exams"],
@@ -359,6 +375,8 @@ class Storm:
             "divergence == (0, 0, 0)": list(kw["divergence"]) == [0, 0, 0],
             "status healthy": not kw["unhealthy"],
         }
+        if kw["poison_passes"] is not None:
+            r["checks"]["the worker met the poison parent"] = kw["poison_passes"] > 0
         r["ok"] = all(r["checks"].values())
         return r
 
