@@ -83,10 +83,6 @@ end $$;
 create trigger storm_keep_poison before delete on example.exam
     for each row execute function example.storm_keep_poison();
 """
-# worker passes that met a failing key (the poison parent, while it was poisoned)
-POISON_PASSES_SQL = (
-    "select count(*) from lockstep.run_log where job = %s and action = 'work' and failed_keys > 0"
-)
 
 
 def _stderr_progress(msg: str) -> None:
@@ -99,9 +95,12 @@ def summarize_runner_logs(records: list[dict]) -> dict[str, Any]:
     failed_errors: list[str] = []
     problems: list[str] = []
     disconnects = 0
+    poison_passes = 0
     for r in records:
         if "outcome" in r:
             runs[f"{r.get('action')}:{r['outcome']}"] += 1
+            if r.get("action") == "work" and "storm: poison parent" in str(r.get("error") or ""):
+                poison_passes += 1
             for k in ("inserted", "updated", "deleted", "skipped"):
                 rows[k] += int(r.get(k) or 0)
             if r["outcome"] == "failed" and len(failed_errors) < 5:
@@ -119,6 +118,7 @@ def summarize_runner_logs(records: list[dict]) -> dict[str, Any]:
         "rows": dict(rows),
         "problems": problems,
         "disconnects": disconnects,
+        "poison_passes": poison_passes,  # worker passes that met the poison parent
     }
 
 
@@ -264,9 +264,6 @@ class Storm:
             final_recompute = _one_result(conn, RECOMPUTE_SQL)
             final_work = _one_result(conn, WORK_SQL)
             failing_keys = conn.execute(FAILING_SQL, [JOB]).fetchone()[0]
-            poison_passes = None
-            if poison is not None:
-                poison_passes = conn.execute(POISON_PASSES_SQL, [JOB]).fetchone()[0]
             divergence = list(example.verify(conn))
             exams = conn.execute("select count(*) from example.exam").fetchone()[0]
             keys = conn.execute("select count(*) from example.exam_key").fetchone()[0]
@@ -290,7 +287,7 @@ class Storm:
             final_work=final_work,
             final_recompute=final_recompute,
             failing_keys=failing_keys,
-            poison_passes=poison_passes,
+            poisoned=poison is not None,
             divergence=divergence,
             deadlocks=deadlocks,
             exams=exams,
@@ -349,7 +346,6 @@ class Storm:
             "final_work": kw["final_work"],
             "final_recompute": fr,
             "failing_keys": kw["failing_keys"],
-            "poison_passes": kw["poison_passes"],
             "deadlocks": kw["deadlocks"],
             "divergence": kw["divergence"],
             "exams": kw["exams"],
@@ -375,8 +371,8 @@ class Storm:
             "divergence == (0, 0, 0)": list(kw["divergence"]) == [0, 0, 0],
             "status healthy": not kw["unhealthy"],
         }
-        if kw["poison_passes"] is not None:
-            r["checks"]["the worker met the poison parent"] = kw["poison_passes"] > 0
+        if kw["poisoned"]:
+            r["checks"]["the worker met the poison parent"] = logs["poison_passes"] > 0
         r["ok"] = all(r["checks"].values())
         return r
 
