@@ -124,7 +124,7 @@ def test_the_page_in_chromium_while_a_runner_works(ex, example_dsn, runners, bro
             "update example.exam_item set body = body || ' x' where exam_id between 60 and %s", [n + 60]
         )
         ex.execute("select lockstep.work('exam_keys')")
-    setup_workload(ex)  # exam_keys: 31 queued keys, one parked, one failing; ok done; boom failed
+    setup_workload(ex)  # exam_keys: 32 queued keys, the parked one's counted; ok done; boom failed
     ex.execute(TICK)
     ex.execute("update lockstep.job_state set next_run_at = now() where job = 'boom'")
     # the runner works tick (every second) and boom (fails again); exam_keys is left alone, so its
@@ -156,8 +156,8 @@ def test_the_page_in_chromium_while_a_runner_works(ex, example_dsn, runners, bro
 
     wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, 'tr[data-job="tick"]'))
     assert attrs("#jobs tr[data-job]", "data-job") == ["boom", "exam_keys", "ok", "tick"]
-    assert shown('tr[data-job="exam_keys"] .queue-depth') == "31"
-    assert shown("#queue-total") == "31"
+    assert shown('tr[data-job="exam_keys"] .queue-depth') == "32"
+    assert shown("#queue-total") == "32"
     assert shown('tr[data-job="boom"] .last-error') == "boom: the disk is on fire"
     assert shown('tr[data-job="boom"] .consecutive-failures') == "2"
     assert shown('tr[data-job="tick"] .last-outcome').startswith("done")
@@ -167,7 +167,7 @@ def test_the_page_in_chromium_while_a_runner_works(ex, example_dsn, runners, bro
     # the page reloads itself: more queued keys show up without the test reloading it
     first = shown("#generated-at")
     ex.execute("select lockstep.enqueue('exam_keys', array[500, 501, 502, 503]::bigint[])")
-    wait.until(lambda d: text(d, 'tr[data-job="exam_keys"] .queue-depth') == "35")
+    wait.until(lambda d: text(d, 'tr[data-job="exam_keys"] .queue-depth') == "36")
     assert shown("#generated-at") != first
     wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, 'svg[aria-label="queue depth over time"]'))
     assert runner.proc.poll() is None, runner.stderr
