@@ -1,7 +1,8 @@
 """The runner and the WAL capture (watch(..., via => 'wal')) on a throw-away wal_level = logical cluster
 (tests/wal_cluster.py): the runner keeps the derived table current with no trigger; a capture whose
-client is killed (kill -9), and a server restart, lose nothing; a logical-replication subscriber's derived
-table follows its publisher's changes, which its apply worker writes and no trigger sees."""
+client is killed (kill -9), a `lockstep run` killed inside a capture, and a server restart, lose
+nothing; a logical-replication subscriber's derived table follows its publisher's changes, which its
+apply worker writes and no trigger sees."""
 
 from __future__ import annotations
 
@@ -103,6 +104,72 @@ def test_a_capture_whose_client_is_killed_before_its_commit_loses_nothing(wdsn):
         )
         assert c.execute("select count(*) from lockstep.queue").fetchone()[0] == 0
         drain(c)
+
+
+def capture_blocked_after_its_queue_insert(c: psycopg.Connection, holder: int) -> int | None:
+    """The pid of a runner's backend inside lockstep.capture() that has inserted its queue rows (it holds
+    the queue's ROW EXCLUSIVE lock) and waits for ``holder``'s lock on lockstep.capture_state, to record
+    the LSN it read up to."""
+    row = c.execute(
+        "select a.pid from pg_stat_activity a"
+        " where a.application_name = 'lockstep-runner' and a.datname = current_database()"
+        " and a.query like '%%lockstep.capture()%%' and %s = any(pg_blocking_pids(a.pid))"
+        " and exists (select from pg_locks l where l.pid = a.pid and l.granted"
+        " and l.relation = 'lockstep.queue'::regclass and l.mode = 'RowExclusiveLock')",
+        [holder],
+    ).fetchone()
+    return row[0] if row else None
+
+
+@pytest.mark.parametrize("its_transaction", ["rolled back", "committed"])
+def test_a_runner_killed_during_a_capture_loses_nothing(wdsn, runners, its_transaction):
+    """kill -9 of ``lockstep run`` held inside a capture, between its queue insert and the LSN it records:
+    its backend either rolls back (the server notices the lost client: client_connection_check_interval)
+    or commits once the test lets it go. Either way, a new runner converges from the queue alone: no full
+    recompute, the slot confirmed past the changes."""
+    with wal_cluster.connect(wdsn) as c, wal_cluster.connect(wdsn) as holder:
+        if its_transaction == "rolled back":
+            c.execute(f"alter database {c.info.dbname} set client_connection_check_interval = '50ms'")
+        before = c.execute("select queued_lsn from lockstep.capture_state").fetchone()[0]
+        recomputes = "select count(*) from lockstep.run_log where action = 'recompute'"
+        recomputed = c.execute(recomputes).fetchone()[0]
+        holder.execute("begin")
+        holder.execute("select from lockstep.capture_state for update")  # where the capture records its LSN
+        change(c)
+        changed_at = c.execute("select pg_current_wal_lsn()").fetchone()[0]
+        r = runners(wdsn, "--tick", "0.2", "--capture-every", "0.1")
+        pid = wait_for(
+            lambda: capture_blocked_after_its_queue_insert(c, holder.info.backend_pid),
+            timeout=30,
+            what="the runner's capture waiting to record its LSN",
+        )
+        r.signal(signal.SIGKILL)
+        r.reap()
+        gone = "select not exists (select from pg_stat_activity where pid = %s)"
+        if its_transaction == "rolled back":
+            wait_for(lambda: c.execute(gone, [pid]).fetchone()[0], what="the killed runner's backend to end")
+            holder.execute("rollback")
+            assert c.execute("select count(*) from lockstep.queue").fetchone()[0] == 0
+            assert c.execute("select queued_lsn from lockstep.capture_state").fetchone()[0] == before
+        else:
+            holder.execute("rollback")
+            wait_for(lambda: c.execute(gone, [pid]).fetchone()[0], what="the killed runner's backend to end")
+            assert c.execute("select count(*) from lockstep.queue").fetchone()[0] > 0
+            assert c.execute("select queued_lsn from lockstep.capture_state").fetchone()[0] != before
+        assert divergence(c) != (0, 0)
+        runners(wdsn, "--tick", "0.2", "--capture-every", "0.1")
+        wait_for(lambda: converged(c), timeout=30, what="converged after the restart")
+        wait_for(
+            lambda: c.execute(
+                "select s.confirmed_flush_lsn >= %s::pg_lsn"
+                " from pg_replication_slots s, lockstep.capture_state t where s.slot_name = t.slot",
+                [changed_at],
+            ).fetchone()[0],
+            timeout=30,
+            what="the slot confirmed past the changes",
+        )
+        assert c.execute("select count(*) from lockstep.recompute_flag").fetchone()[0] == 0
+        assert c.execute(recomputes).fetchone()[0] == recomputed  # converged from the queue alone
 
 
 def test_a_server_restart_loses_nothing(cluster, wdsn):
