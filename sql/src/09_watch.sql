@@ -723,33 +723,35 @@ begin
 end;
 $$;
 
--- lockstep._watch_ddl(j, tables, key_column, fn, fast): the CREATE TRIGGER statements of watch(): on each
--- table, insert, update and delete triggers calling fn (with the key type as third argument where fast) and a
--- truncate trigger calling the shared lockstep.enqueue_trigger, which flags the job.
-create or replace function lockstep._watch_ddl(j lockstep.job, tables regclass[], key_column name, fn text, fast boolean)
+-- lockstep._watch_ddl(j, tables, fn, args): the CREATE TRIGGER statements of watch(): on each table,
+-- insert, update and delete triggers calling fn(job, args...) with transition tables, and a truncate trigger
+-- calling the shared lockstep.enqueue_trigger(job, args[1]), which flags the job.
+create or replace function lockstep._watch_ddl(j lockstep.job, tables regclass[], fn text, args text[])
 returns text[]
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_ddl text[] := '{}';
+    v_args text := (select pg_catalog.string_agg(pg_catalog.format(', %L', a), '' order by o)
+                    from pg_catalog.unnest(args) with ordinality u(a, o));
     op text;
     t regclass;
 begin
-    foreach t in array tables loop  -- one function for all: it names only the column, which they share
+    foreach t in array tables loop  -- one function for all: its arguments name only columns, which they share
         foreach op in array array['insert', 'update', 'delete'] loop
             v_ddl := v_ddl || pg_catalog.format(
                 'create trigger %I after %s on %s referencing %s for each statement '
-                'execute function %s(%L, %L%s)',
+                'execute function %s(%L%s)',
                 lockstep._trigger_name(j.job, op), op, t,
                 case op when 'insert' then 'new table as lockstep_new'
                         when 'update' then 'old table as lockstep_old new table as lockstep_new'
                         else 'old table as lockstep_old' end,
-                fn, j.job, key_column, case when fast then pg_catalog.format(', %L', j.key_type) else '' end);
+                fn, j.job, v_args);
         end loop;
         v_ddl := v_ddl || pg_catalog.format('create trigger %I after truncate on %s for each statement '
                                             'execute function lockstep.enqueue_trigger(%L, %L)',
-                                            lockstep._trigger_name(j.job, 'truncate'), t, j.job, key_column);
+                                            lockstep._trigger_name(j.job, 'truncate'), t, j.job, args[1]);
     end loop;
     return v_ddl;
 end;
@@ -810,7 +812,9 @@ begin
     if v_fast then  -- a function that reads only the key column, where the session may create one
         v_fn := coalesce(lockstep._gen_trigger(j, source, key_column), v_fn);
     end if;
-    v_ddl := lockstep._drop_watch_ddl(j.job, v_tables) || lockstep._watch_ddl(j, v_tables, key_column, v_fn, v_fast);
+    v_ddl := lockstep._drop_watch_ddl(j.job, v_tables)
+             || lockstep._watch_ddl(j, v_tables, v_fn,
+                                    array[key_column::text] || case when v_fast then array[j.key_type::text] end);
     perform lockstep._ddl(v_tables, v_ddl, pg_catalog.format('watch(%L, %L)', j.job, source));
     if v_flag is not null then
         insert into lockstep.recompute_flag (job, problem)  -- flagged_at: clock time, as _flag (_clear_flag)

@@ -52,10 +52,7 @@ declare
                        where a.attrelid = through and a.attname = through_column and a.attnum > 0
                          and not a.attisdropped);
     v_tables regclass[] := lockstep._family(source);
-    v_ddl text[];
-    v_new boolean;
-    op text;
-    t regclass;
+    v_flag text;
 begin
     if v_type is null then
         raise exception 'lockstep: table % has no column %', through, through_column using errcode = '42703';
@@ -70,27 +67,15 @@ begin
         raise exception 'lockstep: a watch of % through itself', source
             using errcode = '22023', hint = 'Watch the column that holds the parent''s key directly.';
     end if;
-    v_new := exists (select from pg_catalog.unnest(v_tables) x(rel)
-                     where not exists (select from pg_catalog.pg_trigger tg
-                                       where tg.tgrelid = x.rel and tg.tgname = lockstep._trigger_name(j.job, 'insert')));
-    v_ddl := lockstep._drop_watch_ddl(j.job, v_tables);
-    foreach t in array v_tables loop
-        foreach op in array array['insert', 'update', 'delete', 'truncate'] loop
-            v_ddl := v_ddl || pg_catalog.format(
-                'create trigger %I after %s on %s %s for each statement '
-                'execute function lockstep.enqueue_through(%L, %L, %L, %L, %L, %L)',
-                lockstep._trigger_name(j.job, op), op, t,
-                case op when 'insert' then 'referencing new table as lockstep_new'
-                        when 'update' then 'referencing old table as lockstep_old new table as lockstep_new'
-                        when 'delete' then 'referencing old table as lockstep_old' else '' end,
-                j.job, key_column, j.key_type, through::oid, v_map, through_column);
-        end loop;
-    end loop;
-    perform lockstep._ddl(v_tables, v_ddl, pg_catalog.format('watch(%L, %L)', j.job, source));
-    if v_new then
-        insert into lockstep.recompute_flag (job, flagged_at, problem)
-        values (j.job, pg_catalog.clock_timestamp(),
-                pg_catalog.format('%s newly watched: its earlier changes wait for the full recompute', source));
+    v_flag := lockstep._watch_news(j, source, key_column, v_tables);  -- before the triggers change
+    perform lockstep._ddl(v_tables, lockstep._drop_watch_ddl(j.job, v_tables)
+                                    || lockstep._watch_ddl(j, v_tables, 'lockstep.enqueue_through',
+                                                           array[key_column::text, j.key_type::text, through::oid::text,
+                                                                 v_map, through_column]),
+                          pg_catalog.format('watch(%L, %L)', j.job, source));
+    if v_flag is not null then
+        insert into lockstep.recompute_flag (job, problem)  -- flagged_at: clock time, as _flag (_clear_flag)
+        values (j.job, v_flag);
     end if;
     perform lockstep._warn_writers(v_tables || through);
     perform lockstep.watch(j.job, through, through_column);
