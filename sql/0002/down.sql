@@ -42,8 +42,9 @@ drop function if exists lockstep._trigger_template_check();
 drop function if exists lockstep._trigger_template_enqueue();
 drop function if exists lockstep._check_watch(lockstep.job, regclass, name);
 drop function if exists lockstep._watch_news(lockstep.job, regclass, name, regclass[]);
-drop function if exists lockstep._watch_ddl(lockstep.job, regclass[], name, text, boolean);
+drop function if exists lockstep._watch_ddl(lockstep.job, regclass[], text, text[]);
 drop function if exists lockstep._check_parent_column(regclass, regclass, name, name);
+drop function if exists lockstep._parent_key(regclass);
 alter type lockstep._pass
     drop attribute timed_out, drop attribute timed_out_error, drop attribute transient, drop attribute untried,
     drop attribute cured, drop attribute handed_off, drop attribute handoff_from, drop attribute handoff_todo;

@@ -200,6 +200,27 @@ begin
 end;
 $$;
 
+-- lockstep._parent_key(parent): parent is a table with a one-column primary key; returns that column and
+-- its type (42809, LSD04 otherwise).
+create or replace function lockstep._parent_key(parent regclass, out parent_key name, out key_type regtype)
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if not exists (select from pg_catalog.pg_class c where c.oid = parent and c.relkind in ('r', 'p')) then
+        raise exception 'lockstep: parent % is not a table', parent using errcode = '42809';
+    end if;
+    select a.attname, a.atttypid into parent_key, key_type
+    from pg_catalog.pg_constraint con
+    join pg_catalog.pg_attribute a on a.attrelid = con.conrelid and a.attnum = con.conkey[1]
+    where con.conrelid = parent and con.contype = 'p' and cardinality(con.conkey) = 1;
+    if parent_key is null then
+        raise exception 'lockstep: parent % needs a single-column primary key', parent
+            using errcode = 'LSD04', hint = 'Multi-column parent keys are not supported; use the parent''s surrogate key.';
+    end if;
+end;
+$$;
+
 -- lockstep._check_parent(target, compute, cols, parent, parent_column): parent has a one-column primary key
 -- that parent_column (inferred if unique) references; compute returns it and takes the key type's array.
 create or replace function lockstep._check_parent(target regclass, compute regprocedure, cols name[], parent regclass,
@@ -220,17 +241,7 @@ begin
         end if;
         return;
     end if;
-    if not exists (select from pg_catalog.pg_class c where c.oid = parent and c.relkind in ('r', 'p')) then
-        raise exception 'lockstep: parent % is not a table', parent using errcode = '42809';
-    end if;
-    select a.attname, a.atttypid into parent_key, key_type
-    from pg_catalog.pg_constraint con
-    join pg_catalog.pg_attribute a on a.attrelid = con.conrelid and a.attnum = con.conkey[1]
-    where con.conrelid = parent and con.contype = 'p' and cardinality(con.conkey) = 1;
-    if parent_key is null then
-        raise exception 'lockstep: parent % needs a single-column primary key', parent
-            using errcode = 'LSD04', hint = 'Multi-column parent keys are not supported; use the parent''s surrogate key.';
-    end if;
+    select k.parent_key, k.key_type into parent_key, key_type from lockstep._parent_key(parent) k;
     parent_column := lockstep._check_parent_column(target, parent, parent_key, parent_column);
     if not parent_column = any(cols) then
         raise exception 'lockstep: compute function % does not return the parent column %', compute, parent_column

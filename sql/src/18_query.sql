@@ -83,34 +83,23 @@ $$;
 comment on function lockstep._query_scans(text, text, name, regtype) is
     'Tables that a job''s query, filtered on a few keys, still reads whole. Locks nothing.';
 
--- lockstep._query_parent(target, parent, parent_column): the parent column (inferred from the target's one
--- foreign key to the parent if not given) and the parent key's type, for the function's argument.
+-- lockstep._query_parent(target, parent, parent_column): the parent column, checked or inferred as
+-- define_derived does (lockstep._check_parent_column), and the parent key's type, for the function's argument.
 -- locks: nothing.
 create or replace function lockstep._query_parent(target regclass, parent regclass, inout parent_column name,
                                                   out key_type regtype)
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
+declare
+    v_key name;
 begin
     if parent is null then
         raise exception 'lockstep: a job defined by a query needs a parent' using errcode = 'LSD04',
             hint = 'Pass parent => the table whose key the query''s rows are grouped by.';
     end if;
-    select a.atttypid into key_type
-    from pg_catalog.pg_constraint con
-    join pg_catalog.pg_attribute a on a.attrelid = con.conrelid and a.attnum = con.conkey[1]
-    where con.conrelid = parent and con.contype = 'p' and cardinality(con.conkey) = 1;
-    if parent_column is null then
-        select pg_catalog.min(a.attname) into parent_column
-        from pg_catalog.pg_constraint con
-        join pg_catalog.pg_attribute a on a.attrelid = con.conrelid and a.attnum = con.conkey[1]
-        where con.conrelid = target and con.confrelid = parent and con.contype = 'f' and cardinality(con.conkey) = 1
-        having pg_catalog.count(*) = 1;
-    end if;
-    if key_type is null or parent_column is null then  -- define_derived's checks say which, with the fix
-        key_type := coalesce(key_type, 'text'::regtype);
-        parent_column := coalesce(parent_column, '?column?');
-    end if;
+    select k.parent_key, k.key_type into v_key, key_type from lockstep._parent_key(parent) k;
+    parent_column := lockstep._check_parent_column(target, parent, v_key, parent_column);
 end;
 $$;
 
