@@ -215,12 +215,30 @@ class DsnType(click.ParamType):
             self.fail(str(exc), param, ctx)
 
 
+def _remember_dsn(ctx: click.Context, param: click.Parameter, value):
+    """``lockstep --dsn X COMMAND``: the group's --dsn, kept for the command; the command's own wins."""
+    if value is not None:
+        ctx.find_root().meta["lockstep.dsn"] = value
+    return value
+
+
+def _dsn_or_group(ctx: click.Context, param: click.Parameter, value):
+    """The command's --dsn if given on its command line, else the one before the command name, else the
+    environment's (LOCKSTEP_DSN, DATABASE_URL), else libpq's defaults."""
+    source = ctx.get_parameter_source(param.name)
+    given = ctx.find_root().meta.get("lockstep.dsn")
+    if given is not None and source != click.core.ParameterSource.COMMANDLINE:
+        return given
+    return value
+
+
 dsn_option = option(
     "--dsn",
     envvar=["LOCKSTEP_DSN", "DATABASE_URL"],
     type=DsnType(),
     metavar="DSN",
     default=None,
+    callback=_dsn_or_group,
     help="PostgreSQL connection string: libpq key=value, postgresql:// URL or postgresql+driver:// "
     "[default: libpq's PGHOST, PGDATABASE, ...].",
 )
@@ -316,6 +334,18 @@ def _echo_json(value) -> None:
 
 @click.group(cls=_Group, context_settings=CONTEXT)
 @click.version_option(__version__, "-V", "--version", prog_name="lockstep")
+@option(
+    "--dsn",
+    type=DsnType(),
+    metavar="DSN",
+    default=None,
+    expose_value=False,
+    is_eager=True,
+    callback=_remember_dsn,
+    allow_from_autoenv=False,
+    show_envvar=False,
+    help="PostgreSQL connection string for the command; the command's own --dsn wins.",
+)
 @log_options
 def main() -> None:
     """lockstep: keep derived tables up to date from background jobs, without deadlocks.

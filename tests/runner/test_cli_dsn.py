@@ -83,3 +83,17 @@ def test_every_command_takes_every_spelling(dsn):
 def test_lockstep_dsn_wins_over_database_url(dsn):
     p = _lockstep("status", LOCKSTEP_DSN=dsn, DATABASE_URL="postgresql://nobody@127.0.0.1:1/x")
     assert p.returncode == 0, p.stderr
+
+
+def test_dsn_before_the_command_name(dsn):
+    """`lockstep --dsn X status`, as `--log-level` before the command: the command's own --dsn wins, and
+    either wins over LOCKSTEP_DSN. An unparseable one is a usage error (exit 2) there too."""
+    for cmd in (("status",), ("run", "--once"), ("migrate", "current")):
+        p = _lockstep("--dsn", dsn, *cmd)
+        assert p.returncode == 0, (cmd, p.stderr)
+    nowhere = "postgresql://root@127.0.0.1:1/nowhere?connect_timeout=2"
+    assert _lockstep("--dsn", dsn, "status", LOCKSTEP_DSN=nowhere).returncode == 0
+    p = _lockstep("--dsn", nowhere, "status", "--dsn", dsn)
+    assert p.returncode == 0, p.stderr
+    p = _lockstep("--dsn", "not a dsn", "status")
+    assert p.returncode == 2 and "--dsn" in p.stderr and "Traceback" not in p.stderr, p.stderr
