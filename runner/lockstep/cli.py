@@ -681,7 +681,7 @@ def status(
 
     _setup_logging(level=log_level(logging.WARNING))
     if history:
-        _status_history(dsn, json, job, limit)
+        _status_history(dsn, json, job, limit, wide)
         return
     if job is not None:
         raise click.UsageError("--job goes with --history")
@@ -1068,14 +1068,15 @@ def bench(
 # ---- run history and the web page -------------------------------------------------------------------
 
 
-def _status_history(dsn: str | None, as_json: bool, job: str | None, limit: int) -> None:
-    """`lockstep status --history`: the newest runs, oldest first (rows hidden by row security are absent)."""
+def _status_history(dsn: str | None, as_json: bool, job: str | None, limit: int, wide: bool) -> None:
+    """`lockstep status --history`: the newest runs, oldest first (rows hidden by row security are absent);
+    within 100 columns, or every column with --wide."""
     from lockstep import db
     from lockstep import status as st
 
     with _connect(dsn, "lockstep-status") as conn:
         rows = db.history(conn, job, limit)
-    click.echo(st.to_json(rows) if as_json else st.history_table(rows))
+    click.echo(st.to_json(rows) if as_json else st.history_table(rows, wide))
 
 
 @main.command()

@@ -263,5 +263,33 @@ HISTORY_COLUMNS = (
 )
 
 
-def history_table(rows: list[dict]) -> str:
-    return to_table(rows, HISTORY_COLUMNS, empty="no runs in lockstep.run_log")
+def _history_cells(r: dict) -> list[str]:
+    job = str(r.get("job"))
+    finished = r.get("finished_at")
+    duration = r.get("duration_ms")
+    written = [r.get(c) for c in ("inserted", "updated", "deleted")]
+    return [
+        finished.strftime("%m-%d %H:%M:%S") if isinstance(finished, dt.datetime) else "-",
+        job if len(job) <= JOB_WIDTH else job[: JOB_WIDTH - 1] + "~",
+        " ".join(str(r[c]) for c in ("outcome", "action") if r.get(c) is not None) or "-",
+        f"{duration:.0f}" if isinstance(duration, int | float) else "-",
+        "-" if None in written else "+{} ~{} -{}".format(*written),
+        _cell(r.get("skipped")),
+        _cell(r.get("failed_keys")),
+    ]
+
+
+def history_table(rows: list[dict], wide: bool = False) -> str:
+    """``lockstep status --history``: one line per run within WIDTH columns; a run's error goes on the
+    line below it, cut to WIDTH (``wide``: every column of HISTORY_COLUMNS, on one line)."""
+    if wide or not rows:
+        return to_table(rows, HISTORY_COLUMNS, empty="no runs in lockstep.run_log")
+    columns = ("finished", "job", "run", "ms", "rows", "skipped", "failed")
+    header, *lines = _render(columns, [_history_cells(r) for r in rows]).splitlines()
+    out = [header]
+    for r, line in zip(rows, lines, strict=True):
+        out.append(line)
+        if r.get("error"):
+            error = "  error: " + " ".join(str(r["error"]).split())
+            out.append(error if len(error) <= WIDTH else error[: WIDTH - 3] + "...")
+    return "\n".join(out)

@@ -361,12 +361,10 @@ def test_status_history_shows_the_newest_runs_oldest_first(ex, example_dsn):
     p = cli(example_dsn, "--history")
     assert p.returncode == 0, p.stderr  # a failed run in the history is not an unhealthy exit
     header, *lines = p.stdout.splitlines()
-    assert header.split() == [
-        "finished_at", "job", "action", "outcome", "duration_ms", "inserted", "updated", "deleted",
-        "skipped", "failed_keys", "error",
-    ]  # fmt: skip
-    assert [ln.split()[2:5] for ln in lines] == [["ok", "call", "done"]] * 3 + [["boom", "call", "failed"]]
-    assert lines[-1].endswith("boom: disk on fire")
+    assert header.split() == ["finished", "job", "run", "ms", "rows", "skipped", "failed"]
+    runs = [ln.split()[2:5] for ln in lines[:4]]
+    assert runs == [["ok", "done", "call"]] * 3 + [["boom", "failed", "call"]]
+    assert lines[-1] == "  error: boom: disk on fire"
 
     p = cli(example_dsn, "--history", "--json", "--job", "ok", "--limit", "2")
     assert p.returncode == 0, p.stderr
@@ -432,3 +430,39 @@ def test_passes_that_only_skip_a_held_parent_again_are_one_run(ex, exconnect):
         (1, runs0 + 2),
         (0, runs0 + 3),
     ]
+
+
+def test_status_history_fits_100_columns_and_wide_shows_every_column(ex, example_dsn):
+    """`lockstep status --history` printed up to 130 columns for short job names and short errors; it
+    keeps within 100 as `lockstep status` does, the error cut to fit. --wide: every column, in full."""
+    long_job = "nightly_customer_lifetime_value_rollup"
+    ex.execute(JOBS)
+    ex.execute(
+        "create function public.slow_boom() returns void language plpgsql as $$ begin"
+        " raise exception 'the warehouse feed returned an unexpected row count for region %',"
+        " repeat('x', 80);"
+        " end $$"
+    )
+    ex.execute(f"select lockstep.define_job('{long_job}', 'public.slow_boom()', every => '1 hour')")
+    run_due(ex, "ok")
+    run_due(ex, long_job)
+    ex.execute("update example.exam_item set body = body || ' more' where exam_id between 1 and 4")
+    assert result(ex, "lockstep.work('exam_keys')")["outcome"] == "done"
+
+    p = cli(example_dsn, "--history")
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert len(lines) == 5 and max(map(len, lines)) <= 100, p.stdout
+    assert lines[0].split() == ["finished", "job", "run", "ms", "rows", "skipped", "failed"]
+    assert lines[2].split()[2:5] == ["nightly_customer_lifeti~", "failed", "call"], lines[2]
+    assert lines[3].startswith("  error: the warehouse feed returned") and lines[3].endswith("..."), lines[3]
+    assert lines[4].split()[2:5] == ["exam_keys", "done", "work"], lines[4]
+
+    wide = cli(example_dsn, "--history", "--wide")
+    assert wide.returncode == 0, wide.stderr
+    header, *rows = wide.stdout.splitlines()
+    assert header.split() == [
+        "finished_at", "job", "action", "outcome", "duration_ms", "inserted", "updated", "deleted",
+        "skipped", "failed_keys", "error",
+    ]  # fmt: skip
+    assert long_job in rows[1] and max(map(len, wide.stdout.splitlines())) > 100
