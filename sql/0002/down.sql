@@ -101,6 +101,7 @@ drop function if exists lockstep.capture(integer);
 drop function if exists lockstep.set_capture_bounds(bigint, bigint);
 drop function if exists lockstep._capture_read(name, pg_lsn, integer);
 drop function if exists lockstep._capture_slot_ready(name);
+drop function if exists lockstep._capture_families();
 drop function if exists lockstep._pgo_truncated(bytea);
 drop function if exists lockstep._pgo_keys(bytea, integer);
 drop function if exists lockstep._pgo_relation(bytea);

@@ -42,7 +42,8 @@ create table lockstep.capture_state (
     last_capture_at timestamptz,
     last_changes    bigint not null default 0,
     changes         bigint not null default 0,
-    recreated       bigint not null default 0
+    recreated       bigint not null default 0,
+    families        text[]
 );
 alter table lockstep.capture_state enable row level security;
 

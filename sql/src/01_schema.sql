@@ -332,6 +332,7 @@ create table lockstep.capture_state (
     last_capture_at timestamptz,
     last_changes    bigint not null default 0,    -- changes of watched tables the last capture read
     changes         bigint not null default 0,    -- all of them since the slot was created
-    recreated       bigint not null default 0     -- times the slot fell too far behind and was recreated
+    recreated       bigint not null default 0,    -- times the slot fell too far behind and was recreated
+    families        text[]                        -- the watched tables' partitions as last seen (lockstep._capture_families)
 );
 alter table lockstep.capture_state enable row level security;

@@ -614,7 +614,8 @@ end;
 $$;
 
 -- lockstep._warn_source(j, source, key_column, below): watch()'s warnings about what its triggers will not
--- see, and about a key column that holds another table's keys.
+-- see, and about a key column that holds another table's keys. below: how many tables below source got
+-- triggers; NULL when watched through the WAL, which sees every partition's writes (no partition warning).
 create or replace function lockstep._warn_source(j lockstep.job, source regclass, key_column name, below integer) returns void
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -625,12 +626,12 @@ declare
     v_att smallint := (select a.attnum from pg_catalog.pg_attribute a
                        where a.attrelid = source and a.attname = key_column and a.attnum > 0 and not a.attisdropped);
 begin
-    if exists (select from pg_catalog.pg_class c where c.oid = source and c.relkind = 'p') then
+    if below is not null and exists (select from pg_catalog.pg_class c where c.oid = source and c.relkind = 'p') then
         raise warning 'lockstep: watch(%, %) covers its % partition(s) of today; run it again after attaching or creating one',
             j.job, source, below
             using hint = 'A write made directly to a partition that is not watched reaches the job only at its next recompute.';
     end if;
-    if v_up is not null then
+    if v_up is not null and below is not null then
         raise warning 'lockstep: % is a partition or child of %: a write made through % fires the triggers of %, not of %',
             source, v_up, v_up, v_up, source
             using hint = pg_catalog.format('Watch %s instead (watch() covers every table below it).', v_up);
@@ -782,7 +783,7 @@ declare
 begin
     if via = 'wal' and through is null then  -- no trigger: lockstep.capture() reads the WAL (16_capture.sql)
         perform lockstep._watch_wal(j, source, key_column);
-        perform lockstep._warn_source(j, source, key_column, cardinality(v_tables) - 1);
+        perform lockstep._warn_source(j, source, key_column, null);
         return;
     elsif via is distinct from 'trigger' then
         raise exception 'lockstep: via => % is not a way to watch%', pg_catalog.quote_nullable(via),

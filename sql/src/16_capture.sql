@@ -367,6 +367,51 @@ begin
 end;
 $$;
 
+-- lockstep._capture_families(): flag each job that watches through the WAL a table whose partitions (the
+-- tables below it) changed since the last capture: attached, detached or dropped, their rows joined or left
+-- the table with no change in the WAL to say so. Records what it saw in lockstep.capture_state.families
+-- ('source oid:table oid' pairs); returns how many jobs it flagged.
+-- locks: the lockstep.capture_state row, when the tables changed.
+create or replace function lockstep._capture_families() returns bigint
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_now text[] := array(select distinct pg_catalog.concat(w.source::oid, ':', f.rel::oid)
+                          from lockstep.wal_watch w cross join lateral pg_catalog.unnest(lockstep._family(w.source)) f(rel)
+                          order by 1);
+    v_was text[] := (select c.families from lockstep.capture_state c);
+    v_flagged bigint;
+begin
+    if v_was is not distinct from v_now then
+        return 0;
+    end if;
+    update lockstep.capture_state set families = v_now;
+    if v_was is null then  -- the first capture: the slot's creation flagged the jobs
+        return 0;
+    end if;
+    insert into lockstep.recompute_flag (job, flagged_at, problem)
+    select w.job, pg_catalog.clock_timestamp(),
+           pg_catalog.format('the tables below %s changed (attached, detached or dropped): their rows wait for the full '
+                             'recompute', min(w.source::text))
+    from lockstep.wal_watch w
+    cross join lateral (select pg_catalog.concat(w.source::oid, ':') p) s
+    where exists (select from pg_catalog.unnest(v_now) n  -- a table below a source watched before
+                  where n <> all(v_was) and pg_catalog.starts_with(n, s.p) and n <> s.p || w.source::oid
+                    and s.p || w.source::oid = any(v_was))
+       or exists (select from pg_catalog.unnest(v_was) o  -- a table below a source watched still, gone
+                  where o <> all(v_now) and pg_catalog.starts_with(o, s.p))
+    group by w.job;
+    get diagnostics v_flagged = row_count;
+    return v_flagged;
+end;
+$$;
+comment on function lockstep._capture_families() is
+    'Flag each job that watches through the WAL a table whose partitions (the tables below it) changed since '
+    'the last capture: attached, detached or dropped, their rows joined or left the table with no change in '
+    'the WAL to say so. Records what it saw in lockstep.capture_state.families; returns how many jobs it '
+    'flagged. Locks: the lockstep.capture_state row, when the tables changed.';
+
 -- lockstep._capture_read(slot, upto, max_rows): peek the slot's changes up to upto (about max_rows
 -- messages, whole transactions), queue the watched tables' old and new keys, flag the jobs whose changes say
 -- nothing of their keys (TRUNCATE, key column changed, a key too long); the slot does not move.
@@ -479,6 +524,7 @@ begin
         return;
     end if;
     flagged := lockstep._capture_slot_ready(v_slot);
+    flagged := flagged + lockstep._capture_families();
     select s.queued_lsn into queued_lsn from lockstep.capture_state s;
     select s.confirmed_flush_lsn into v_confirmed from pg_catalog.pg_replication_slots s where s.slot_name = v_slot;
     if queued_lsn > v_confirmed then  -- what the last committed capture queued
