@@ -725,10 +725,10 @@ def retry(job: str, keys: tuple[str, ...], dsn: str | None, json: bool) -> None:
         try:
             n = db.retry(conn, job, list(keys) or None)
         except psycopg.DataError as exc:  # a KEY not of the job's key type (22P02, 22003...)
-            first = (str(exc).strip().splitlines() or [""])[0]
-            raise Failure(
-                f"[{exc.sqlstate}] {first} (hint: a queued key not of the job's key type names no parent;"
-                f" `lockstep retry {shlex.quote(job)}` without KEYS drops such keys)"
+            raise _bad_keys(
+                exc,
+                "KEYS are parent keys of the job's key type; a queued key not of that type names no parent:"
+                f" `lockstep retry {shlex.quote(job)}` without KEYS drops such keys",
             ) from exc
     if json:
         _echo_json({"job": job, "requeued": n})
@@ -759,6 +759,16 @@ def drop(job: str, dsn: str | None, json: bool) -> None:
         _echo_json({"job": job, "dropped": True})
     else:
         click.echo(f"{job}: dropped")
+
+
+def _bad_keys(exc: BaseException, hint: str) -> Failure:
+    """A key the job's key type does not read (22P02, 22003...): a usage error (exit 2), written as every
+    other error (``SQLSTATE: message (hint: ...)``), the same for retry, verify and diff."""
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return Failure(f"{getattr(exc, 'sqlstate', None)}: {first} (hint: {hint})", codes.EXIT_USAGE)
+
+
+KEYS_HINT = "--keys takes parent keys of the job's key type, comma-separated"
 
 
 def _split_keys(values: tuple[str, ...]) -> list[str] | None:
@@ -793,11 +803,7 @@ def verify(job: str, keys: tuple[str, ...], dsn: str | None, json: bool) -> None
         try:
             result = db.verify(conn, job, _split_keys(keys))
         except psycopg.DataError as exc:  # a key not of the job's key type (22P02, 22003...)
-            first = (str(exc).strip().splitlines() or [""])[0]
-            raise Failure(
-                f"[{exc.sqlstate}] {first} (hint: --keys takes parent keys of the job's key type)",
-                codes.EXIT_USAGE,
-            ) from exc
+            raise _bad_keys(exc, KEYS_HINT) from exc
     if json:
         out = {
             "job": job,
@@ -850,11 +856,16 @@ def diff(job: str, dsn: str | None, keys: tuple[str, ...], limit: int, json: boo
     Totals per action (insert, update, delete) and a few example parents each. Writes nothing and takes
     no row lock. --keys: what a worker pass over those parents would change.
     """
+    import psycopg
+
     from lockstep import controls, db
 
     _setup_logging(level=log_level(logging.WARNING))
     with _connect(dsn, "lockstep-diff") as conn:
-        rows = db.preview(conn, job, _split_keys(keys))
+        try:
+            rows = db.preview(conn, job, _split_keys(keys))
+        except psycopg.DataError as exc:  # a key not of the job's key type (22P02, 22003...)
+            raise _bad_keys(exc, KEYS_HINT) from exc
     s = controls.summary(rows, limit)
     if json:
         _echo_json({"job": job, **s})

@@ -400,7 +400,7 @@ def test_retry_and_drop(ex, example_dsn):
     assert ex.execute("select key from lockstep.parked_keys").fetchall() == [("6",)]
 
     p = lockstep("retry", "exam_keys", "not-a-number", "--dsn", example_dsn)
-    assert p.returncode == 1 and p.stderr.startswith("Error: ") and "Traceback" not in p.stderr, p.stderr
+    assert p.returncode == 2 and p.stderr.startswith("Error: ") and "Traceback" not in p.stderr, p.stderr
     assert "without KEYS drops such keys" in p.stderr, p.stderr  # what to do about it (a probe)
 
     p = lockstep("retry", "exam_keys", "--dsn", example_dsn)
@@ -421,3 +421,22 @@ def test_retry_and_drop(ex, example_dsn):
     assert ex.execute(triggers).fetchone()[0] == 0
     assert ex.execute("select count(*) from example.exam_key").fetchone()[0] > 0  # the table's rows stay
     assert lockstep("drop", "exam_keys", "--dsn", example_dsn).returncode == 1
+
+
+def test_a_key_not_of_the_job_key_type_is_the_same_usage_error_for_retry_verify_and_diff(ex, example_dsn):
+    """`diff --keys x` exited 1 without a hint, `verify --keys x` 2 with `[22P02] ...`, `retry JOB x` 1: one
+    mistake, one answer. Exit 2, the SQLSTATE as every other error writes it, and a hint."""
+    retry, verify, diff = (
+        ["retry", "exam_keys", "x"],
+        ["verify", "exam_keys", "--keys", "x"],
+        ["diff", "exam_keys"],
+    )
+    for args in (retry, verify, [*diff, "--keys", "3,x"]):
+        p = lockstep(*args, "--dsn", example_dsn)
+        assert p.returncode == 2, (args, p.stderr)
+        assert p.stderr.startswith('Error: 22P02: invalid input syntax for type bigint: "x" (hint: '), (
+            p.stderr
+        )
+        assert "Traceback" not in p.stderr and "[22P02]" not in p.stderr
+        j = lockstep(*args, "--json", "--dsn", example_dsn)
+        assert j.returncode == 2 and json.loads(j.stdout)["exit_code"] == 2, j.stdout
