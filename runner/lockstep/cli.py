@@ -825,14 +825,18 @@ def _verify_text(r) -> str:  # lockstep.db.Verified
     if r.ok:
         return f"{r.job}: matches its compute ({scope})"
     lines = [f"{r.job}: {r.missing} missing, {r.extra} extra, {r.different} different ({scope})"]
+
+    def row(value) -> str:  # as the database holds it: "Zürich", not "Z\u00fcrich"
+        return jsonlib.dumps(value, default=str, ensure_ascii=False)
+
     for e in r.examples:
         if e["kind"] == "missing":
-            lines.append(f"  missing    {jsonlib.dumps(e['computed'], default=str)}")
+            lines.append(f"  missing    {row(e['computed'])}")
         elif e["kind"] == "extra":
-            lines.append(f"  extra      {jsonlib.dumps(e['target'], default=str)}")
+            lines.append(f"  extra      {row(e['target'])}")
         else:
-            lines.append(f"  different  target   {jsonlib.dumps(e['target'], default=str)}")
-            lines.append(f"             computed {jsonlib.dumps(e['computed'], default=str)}")
+            lines.append(f"  different  target   {row(e['target'])}")
+            lines.append(f"             computed {row(e['computed'])}")
     return "\n".join(lines)
 
 

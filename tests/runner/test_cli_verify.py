@@ -54,3 +54,14 @@ def test_verify_bad_input_is_one_line(ex, example_dsn):
     assert "--keys" in p.stderr
     p = lockstep("verify", "no_such_job", "--dsn", example_dsn)
     assert p.returncode == 1 and "no_such_job" in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_verify_prints_text_as_it_is(ex, example_dsn):
+    """The text examples are JSON objects, not ASCII-escaped: a key "Zürich" printed as "Z\\u00fcrich"."""
+    ex.execute("insert into example.exam_key values (1, 'Zürich', 1)")
+    ex.execute("delete from lockstep.queue")
+    p = lockstep("verify", JOB, "--keys", "1", "--dsn", example_dsn)
+    assert p.returncode == 1, p.stderr
+    assert '"key": "Zürich"' in p.stdout and "\\u00fc" not in p.stdout, p.stdout
+    p = lockstep("verify", JOB, "--keys", "1", "--json", "--dsn", example_dsn)
+    assert p.returncode == 1 and json.loads(p.stdout)["examples"][0]["target"]["key"] == "Zürich", p.stdout
