@@ -458,6 +458,7 @@ def _web_queries(runs: int, keys: int) -> dict[str, tuple[str, dict]]:
         "due": ("select d.job, d.due_at from lockstep.due() d", {}),
         "keys": (query("web_keys"), {"limit": keys}),
         "runs": (query("web_runs"), {"limit": runs}),
+        "capture": ("select * from lockstep.capture_status", {}),  # no row: nothing watched through the WAL
     }
 
 

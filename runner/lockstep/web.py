@@ -155,7 +155,11 @@ def collect(conn: psycopg.Connection, sampler: Sampler, runs: int = 200, keys: i
         "database": ctx.get("database"),
         "role": ctx.get("role"),
         "server_version": ctx.get("server_version"),
-        "errors": {name: s.error for name, s in sections.items() if s.error is not None},
+        "errors": {
+            name: s.error
+            for name, s in sections.items()
+            if s.error is not None and not (name == "capture" and s.sqlstate == "42P01")  # an older revision
+        },
         "totals": {
             "jobs": len(jobs),
             "failing_jobs": sum(1 for j in jobs if (j.get("consecutive_failures") or 0) > 0),
@@ -168,6 +172,7 @@ def collect(conn: psycopg.Connection, sampler: Sampler, runs: int = 200, keys: i
         "keys": [{k: v for k, v in r.items() if k != "total"} for r in key_rows],
         "keys_total": int(key_rows[0]["total"]) if key_rows else 0,
         "runs": sections["runs"].rows,
+        "capture": sections["capture"].rows[0] if sections["capture"].rows else None,
     }
 
 
@@ -394,6 +399,63 @@ def _jobs_html(data: dict, now: dt.datetime) -> str:
     )
 
 
+def _bytes(n: Any) -> str:
+    """1.5 MB, 512 kB, 12 B: a byte count as people read it."""
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(value) < 1024 or unit == "GB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GB"
+
+
+def capture_health(c: dict) -> str | None:
+    """Why the WAL capture is unhealthy (as ``lockstep status`` says it), or None when it is healthy."""
+    if c.get("healthy"):
+        return None
+    if not c.get("slot_exists"):
+        return f"slot {c.get('slot')} is missing: the next capture creates it and flags the jobs"
+    return (
+        f"slot {c.get('slot')} ({c.get('wal_status')}) holds {_bytes(c.get('retained_bytes'))} of WAL,"
+        f" bound {_bytes(c.get('capture_unhealthy_bytes'))}: is a runner capturing?"
+    )
+
+
+def _capture_html(data: dict, now: dt.datetime) -> str:
+    """The WAL capture (lockstep.capture_status): nothing when no table is watched through the WAL."""
+    c = data["capture"]
+    if c is None:
+        return _unreadable("lockstep.capture_status", data, "capture")
+    why = capture_health(c)
+    health = (
+        '<span class="badge done">healthy</span>'
+        if why is None
+        else f'<span class="badge failed">unhealthy</span> <span class="flag">{esc(why)}</span>'
+    )
+    cells = [
+        ("slot", "slot", esc(c.get("slot"))),
+        ("health", "healthy", health),
+        ("WAL retained", "retained-bytes", esc(_bytes(c.get("retained_bytes")))),
+        ("lag (WAL not yet queued)", "lag-bytes", esc(_bytes(c.get("lag_bytes")))),
+        ("last changes captured", "last-capture-at", _when(c.get("last_capture_at"), now)),
+        ("changes captured", "changes", esc(c.get("changes"))),
+        ("tables watched", "watched", esc(c.get("watched"))),
+        ("slot recreated", "recreated", esc(c.get("recreated"))),
+        (
+            "bounds",
+            "bounds",
+            f"unhealthy past {esc(_bytes(c.get('capture_unhealthy_bytes')))},"
+            f" recreated past {esc(_bytes(c.get('capture_max_bytes')))}",
+        ),
+    ]
+    rows = "".join(
+        f'<tr><th>{esc(label)}</th><td class="{cls}">{value}</td></tr>' for label, cls, value in cells
+    )
+    return f'<section id="capture"><h2>WAL capture</h2><table class="capture">{rows}</table></section>'
+
+
 def _keys_html(data: dict, now: dt.datetime) -> str:
     rows = "".join(
         f'<tr data-job="{esc(k["job"])}" data-key="{esc(k["key"])}"><td>{esc(k["job"])}</td>'
@@ -551,6 +613,7 @@ def render(data: dict, refresh: int) -> str:
         "</span></header><main>"
         f'<div class="tiles" id="summary">{tiles_html}</div>{other_errors}'
         + _jobs_html(data, now)
+        + _capture_html(data, now)
         + queue
         + _keys_html(data, now)
         + _runs_html(data, now)

@@ -19,6 +19,7 @@ import wal_cluster
 from psycopg.conninfo import make_conninfo
 from runner_procs import wait_for
 
+from lockstep import web
 from lockstep.lab.example import JOB, divergence
 
 pytestmark = pytest.mark.skipif(not pg_cluster.AVAILABLE, reason=pg_cluster.MISSING)
@@ -220,3 +221,25 @@ def test_a_subscribers_derived_table_follows_its_publisher_through_the_wal(clust
             sub.execute("drop subscription app")
             pub.close()
             sub.close()
+
+
+def test_the_web_page_shows_the_capture(wdsn):
+    with wal_cluster.connect(wdsn) as c:
+        slot = c.execute("select slot from lockstep.capture_state").fetchone()[0]
+        change(c)
+        c.execute("select lockstep.capture()")
+        data = web.collect(c, web.Sampler())
+        assert data["errors"] == {}
+        cap = data["capture"]
+        assert (cap["slot"], cap["healthy"], cap["watched"]) == (slot, True, 2)
+        assert cap["changes"] > 0 and cap["retained_bytes"] > 0 and cap["lag_bytes"] is not None
+        html = web.render(data, 5)
+        assert '<section id="capture">' in html
+        assert f'<td class="slot">{slot}</td>' in html
+        assert '<span class="badge done">healthy</span>' in html
+        assert '<td class="retained-bytes">' in html and '<td class="lag-bytes">' in html
+        # past its bound: unhealthy, and why
+        c.execute("select lockstep.set_capture_bounds(1, 1024 * 1024 * 1024)")
+        html = web.render(web.collect(c, web.Sampler()), 5)
+        assert '<span class="badge failed">unhealthy</span>' in html
+        assert f"slot {slot} (reserved) holds" in html and "is a runner capturing?" in html

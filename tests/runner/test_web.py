@@ -89,6 +89,8 @@ def test_page_data_matches_the_database(ex):
     assert [r[1] for r in runs] == ["exam_keys", "boom", "ok", "exam_keys"]  # the template's recompute too
     assert data["errors"] == {} and data["role"] == "root"
     assert ek["recompute_progress"] is None
+    assert data["capture"] is None  # nothing watched through the WAL: no capture section
+    assert 'id="capture"' not in web.render(data, 5)
 
 
 def test_page_serves_it_and_changes_nothing(ex, example_dsn, server):
@@ -286,7 +288,7 @@ def test_a_role_that_may_read_only_the_history_sees_its_own_runs(ex, example_dsn
     assert "no jobs visible to this role" in body
     data = json.loads(request(addr, path="/data.json")[2])
     assert [r["job"] for r in data["runs"]] == ["ok"]
-    assert sorted(data["errors"]) == ["due", "keys", "status"]
+    assert sorted(data["errors"]) == ["capture", "due", "keys", "status"]
 
 
 def test_a_role_with_no_privilege_at_all_still_gets_the_page(example_dsn, make_roles, server):
@@ -296,7 +298,7 @@ def test_a_role_with_no_privilege_at_all_still_gets_the_page(example_dsn, make_r
     assert status == 200, body
     assert "permission denied for schema lockstep" in body
     data = json.loads(request(addr, path="/data.json")[2])
-    assert sorted(data["errors"]) == ["due", "keys", "runs", "status"]
+    assert sorted(data["errors"]) == ["capture", "due", "keys", "runs", "status"]
     assert data["jobs"] == [] and data["runs"] == []
 
 
@@ -306,6 +308,8 @@ VIEWER = [  # the viewer recipe of docs/web.md
     " to {role}",
     "grant select on lockstep.job, lockstep.job_state, lockstep.queue, lockstep.key_failure,"
     " lockstep.recompute_flag, lockstep.viewer to {role}",
+    "grant select on lockstep.capture_status, lockstep.capture_state, lockstep.wal_watch, lockstep.setting"
+    " to {role}",
 ]
 
 
