@@ -108,7 +108,9 @@ comment on function lockstep._query_parent(regclass, regclass, name) is
 
 -- lockstep._query_compute(job, target, query, parent, parent_column, path): create or replace the compute
 -- function of a job defined by a query, <target>_lockstep_compute in the target's schema, and return it.
--- Refuses a function of that name lockstep did not write (42723).
+-- A target name too long for that (63 bytes) keeps its start and a hash of the whole name, so two long
+-- names that share a start get two functions. Refuses a function of that name lockstep did not write,
+-- or wrote for another job (42723).
 -- locks: nothing of the application's (creates or replaces a function).
 create or replace function lockstep._query_compute(job text, target regclass, query text, parent regclass,
                                                    parent_column name, path text) returns regprocedure
@@ -119,15 +121,24 @@ declare
     v_par record := lockstep._query_parent(target, parent, parent_column);
     v_schema name := (select n.nspname from pg_catalog.pg_class c
                       join pg_catalog.pg_namespace n on n.oid = c.relnamespace where c.oid = target);
-    v_name name := (pg_catalog.left((select c.relname from pg_catalog.pg_class c where c.oid = target), 40)
-                    || '_lockstep_compute')::name;
-    v_fn text := pg_catalog.format('%I.%I(%s[])', v_schema, v_name, v_par.key_type);
-    v_old regprocedure := pg_catalog.to_regprocedure(v_fn);
+    v_rel text := (select c.relname from pg_catalog.pg_class c where c.oid = target);
+    v_name name := v_rel || '_lockstep_compute';
+    v_fn text;
+    v_old regprocedure;
     v_cols text;
     v_list text;
     v_has_key boolean;
     v_scans text;
 begin
+    if pg_catalog.octet_length(v_rel) > 46 then  -- the name would be cut: the start, then a hash of it all
+        v_name := pg_catalog.left(pg_catalog.md5(v_rel), 8) || '_lockstep_compute';
+        while pg_catalog.octet_length(v_rel) > 28 loop
+            v_rel := pg_catalog.left(v_rel, -1);
+        end loop;
+        v_name := v_rel || '_' || v_name;
+    end if;
+    v_fn := pg_catalog.format('%I.%I(%s[])', v_schema, v_name, v_par.key_type);
+    v_old := pg_catalog.to_regprocedure(v_fn);
     select pg_catalog.string_agg(pg_catalog.format('%I %s', q.col, q.typ), ', '),
            pg_catalog.string_agg(pg_catalog.format('q.%I', q.col), ', '),
            pg_catalog.bool_or(q.col = v_par.parent_column)
@@ -140,6 +151,11 @@ begin
     if v_old is not null and pg_catalog.obj_description(v_old, 'pg_proc') is distinct from 'lockstep: compute of a job defined by a query' then
         raise exception 'lockstep: function % exists and lockstep did not write it', v_old using errcode = '42723',
             hint = 'Rename or drop it: lockstep writes the compute of a query-defined job under that name.';
+    elsif v_old is not null and exists (select from lockstep.job x
+                                        where x.job <> _query_compute.job
+                                          and pg_catalog.to_regprocedure(x.compute) = v_old) then
+        raise exception 'lockstep: function % is the compute of another job', v_old using errcode = '42723',
+            hint = 'Rename the target: lockstep names the compute of a query-defined job after it.';
     elsif v_old is not null then
         execute pg_catalog.format('drop function %s', v_old);
     end if;

@@ -142,3 +142,44 @@ def test_a_function_lockstep_did_not_write_is_not_replaced(shop: psycopg.Connect
     )
     with raises_sqlstate("42723", "lockstep did not write it"):
         define(shop)
+
+
+def test_two_long_target_names_get_two_compute_functions(shop: psycopg.Connection) -> None:
+    """Targets whose names share their first 40 characters got one function name: the second
+    define_derived silently replaced the first job's compute, and drop_job of one broke the other."""
+    long = "customer_totals_for_the_quarterly_reporting_dashboard"
+    for suffix, factor in (("a", 1), ("b", 2)):
+        shop.execute(
+            f"create table shop.{long}_{suffix} (customer_id bigint primary key"
+            " references shop.customer (id) on delete cascade, total bigint not null, lines bigint not null)"
+        )
+        shop.execute(
+            f"select lockstep.define_derived('{suffix}', 'shop.{long}_{suffix}', parent => 'shop.customer',"
+            " query => %s)",
+            [QUERY.replace("count(l.id)", f"count(l.id) * {factor}")],
+        )
+    computes = shop.execute("select compute from lockstep.job order by job").fetchall()
+    assert len({c for (c,) in computes}) == 2, computes
+    assert all(len(c.split(".")[1].split("(")[0]) <= 63 for (c,) in computes), computes
+    for job in ("a", "b"):
+        assert shop.execute("select outcome from lockstep.recompute(%s)", [job]).fetchone()[0] == "done"
+    sums = [shop.execute(f"select sum(lines) from shop.{long}_{s}").fetchone()[0] for s in "ab"]
+    assert sums == [2000, 4000]
+    shop.execute("select lockstep.drop_job('a')")
+    assert shop.execute("select outcome from lockstep.recompute('b')").fetchone()[0] == "done"
+    assert shop.execute("select to_regprocedure(%s)", [computes[0][0]]).fetchone()[0] is None
+    assert shop.execute("select to_regprocedure(%s)", [computes[1][0]]).fetchone()[0] is not None
+
+
+def test_a_written_compute_another_job_calls_is_not_replaced(shop: psycopg.Connection) -> None:
+    define(shop)
+    shop.execute("create table shop.customer_total_copy (like shop.customer_total including all)")
+    shop.execute(
+        "alter table shop.customer_total_copy add foreign key (customer_id) references shop.customer"
+        " on delete cascade"
+    )
+    shop.execute(f"select lockstep.define_derived('copy', 'shop.customer_total_copy', '{FN}', 'shop.customer')")
+    with raises_sqlstate("42723", "is the compute of another job"):
+        define(shop, QUERY.replace("count(l.id)", "count(l.id) * 2"))
+    assert shop.execute("select outcome from lockstep.recompute('copy')").fetchone()[0] == "done"
+    assert shop.execute("select sum(lines) from shop.customer_total_copy").fetchone()[0] == 2000
