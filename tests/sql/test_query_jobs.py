@@ -178,7 +178,9 @@ def test_a_written_compute_another_job_calls_is_not_replaced(shop: psycopg.Conne
         "alter table shop.customer_total_copy add foreign key (customer_id) references shop.customer"
         " on delete cascade"
     )
-    shop.execute(f"select lockstep.define_derived('copy', 'shop.customer_total_copy', '{FN}', 'shop.customer')")
+    shop.execute(
+        f"select lockstep.define_derived('copy', 'shop.customer_total_copy', '{FN}', 'shop.customer')"
+    )
     with raises_sqlstate("42723", "is the compute of another job"):
         define(shop, QUERY.replace("count(l.id)", "count(l.id) * 2"))
     assert shop.execute("select outcome from lockstep.recompute('copy')").fetchone()[0] == "done"
