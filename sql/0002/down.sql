@@ -13,6 +13,37 @@ $$;
 comment on schema lockstep is
     'lockstep: derived tables kept up to date by background jobs, with no deadlocks and no long row locks';
 
+-- composite parent keys (0002): 0001 cannot run a job keyed by several columns; such jobs are dropped first
+do $$
+declare
+    v text := (select pg_catalog.string_agg(x.job, ', ' order by x.job) from lockstep.job x
+               where pg_catalog.cardinality(x.parent_columns) > 1);
+begin
+    if v is not null then
+        raise exception 'lockstep: the downgrade to lockstep 0001 is refused: job(s) % have a composite parent key', v
+            using errcode = '55000', hint = 'Drop them first (lockstep.drop_job), then downgrade.';
+    end if;
+end;
+$$;
+alter table lockstep.job drop column parent_columns, drop column parent_keys;
+drop function if exists lockstep.define_derived(text, regclass, regprocedure, regclass, name, text, interval, interval,
+                                                text, text, interval, name[]);
+drop function if exists lockstep._key_fields(lockstep.job);
+drop function if exists lockstep._key_expr(lockstep.job, text, name[]);
+drop function if exists lockstep._key_text(lockstep.job, text, name[]);
+drop function if exists lockstep._key_match(lockstep.job, text, text, name[]);
+drop function if exists lockstep._key_in(lockstep.job, text, text, name[]);
+drop function if exists lockstep._key_name(lockstep.job);
+drop function if exists lockstep._key_unnest(lockstep.job, text);
+drop function if exists lockstep._is_parent_fk(lockstep.job, oid);
+drop function if exists lockstep._composite_key_problem(regtype);
+drop function if exists lockstep._parent_fks(regclass, regclass, name[]);
+drop function if exists lockstep._check_key_composite(regprocedure, regclass, name[]);
+drop function if exists lockstep._check_parent_keys(regclass, regprocedure, name[], regclass, name[]);
+drop function if exists lockstep._check_parents(regclass, regprocedure, name[], regclass, name, name[]);
+drop function if exists lockstep._warn_index_keys(regclass, name[]);
+drop function if exists lockstep._save_parent_keys(text, name[], name[]);
+
 -- functions 0001 did not have, or had with other arguments or results
 drop function if exists lockstep._whole_pass_error(text, boolean);
 drop function if exists lockstep._isolate(lockstep.job, text[], text, boolean, boolean);

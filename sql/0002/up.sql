@@ -103,3 +103,8 @@ create table lockstep.through_entry (
     key     text not null
 );
 create index through_entry_job_idx on lockstep.through_entry (job, id);
+
+-- composite parent keys: every job with a parent names its key columns in arrays (one element each here)
+alter table lockstep.job add column parent_columns name[], add column parent_keys name[];
+update lockstep.job set parent_columns = array[parent_column], parent_keys = array[parent_key]
+where parent is not null and parent_column is not null;

@@ -13,10 +13,10 @@
 --   LSD01  target table has no primary key
 --   LSD02  compute function signature does not match (argument count or type, return type)
 --   LSD03  compute columns do not match the target's
---   LSD04  parent / parent_column invalid, the parent FK's ON DELETE action would fail the app's deletes,
---          or the parent's key is of a type lockstep refuses for keys (a domain, a composite, an array, a
---          type with a cast or text I/O function that is not a superuser's), at define_* and before
---          keys are converted
+--   LSD04  parent / parent_column(s) invalid, the parent FK's ON DELETE action would fail the app's deletes,
+--          or the parent's key is of a type lockstep refuses for keys (a domain, an array, a type with a
+--          cast or text I/O function that is not a superuser's, a composite key type that is a table's
+--          row type, has a cast, or a field of a refused type), at define_* and before keys are converted
 --   LSD05  compute returned invalid rows (duplicate or NULL primary key)
 --   LSD06  a foreign key lockstep cannot write through without waiting
 --   LSD07  the target is already written by another job
@@ -124,6 +124,12 @@ create table lockstep.job (
     paused_by       name,
     -- the longest a run of the job may take: the runner's statement_timeout for it (lockstep.set_time_limit)
     timeout         interval not null default '5 minutes' check (timeout > interval '0'),
+    -- kind derived with a parent: the target's columns referencing the parent's primary key, and that key's
+    -- columns, both in the key's index order (one element each for a one-column key). parent_column and
+    -- parent_key are their one element for a one-column key, NULL for a composite one (so code reading only
+    -- them fails instead of using one column); key_type is then the composite type compute takes an array of.
+    parent_columns  name[],
+    parent_keys     name[],
     check (job <> ''),
     check (lock_group <> ''),
     check ((kind = 'job') = (call is not null)),

@@ -150,6 +150,127 @@ begin
 end;
 $$;
 
+-- parent keys of one or several columns ----------------------------------------------------------------
+-- A job's parent key is one column (j.parent_column of the target, j.parent_key of the parent, of type
+-- j.key_type) or several (j.parent_columns, j.parent_keys; j.key_type is then a composite type whose fields
+-- are those columns' types, in order). The helpers below write the SQL for either, so no caller branches.
+
+-- lockstep._key_fields(j): the fields of j's composite key type, in order; NULL for a one-column key.
+create or replace function lockstep._key_fields(j lockstep.job) returns name[]
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select array(select a.attname from pg_catalog.pg_type y
+                 join pg_catalog.pg_attribute a on a.attrelid = y.typrelid and a.attnum > 0 and not a.attisdropped
+                 where y.oid = j.key_type order by a.attnum)
+    where j.parent is not null and j.parent_column is null;
+$$;
+
+-- lockstep._key_expr(j, alias, cols): SQL for the parent key held in columns cols (NULL: the target's,
+-- j.parent_columns; pass j.parent_keys for the parent's) of row alias: the column for a one-column key, else
+-- row(alias.c1, ...)::key_type, which compares and sorts field by field.
+create or replace function lockstep._key_expr(j lockstep.job, alias text, cols name[] default null) returns text
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_cols name[] := coalesce(cols, j.parent_columns, array[j.parent_column]);
+begin
+    if j.parent_column is not null then
+        return lockstep._cols(v_cols[1:1], alias);
+    end if;
+    return pg_catalog.format('row(%s)::%s', lockstep._cols(v_cols, alias), lockstep._type_sql(j.key_type));
+end;
+$$;
+
+-- lockstep._key_text(j, alias, cols): SQL for that key as text (lockstep._key_expr): the column's text, or
+-- the composite's record text, e.g. (1,42); canonical under lockstep._canon's settings.
+create or replace function lockstep._key_text(j lockstep.job, alias text, cols name[] default null) returns text
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    return pg_catalog.format('(%s)::text', lockstep._key_expr(j, alias, cols));
+end;
+$$;
+
+-- lockstep._key_match(j, alias, value, cols): SQL true where the key columns cols (as lockstep._key_expr)
+-- of row alias equal value, an expression of j's key type: alias.c = value, or for a composite key
+-- alias.c1 = (value).f1 and ..., each with its type's equality, so an index on the columns serves it.
+create or replace function lockstep._key_match(j lockstep.job, alias text, value text, cols name[] default null)
+returns text
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_cols name[] := coalesce(cols, j.parent_columns, array[j.parent_column]);
+begin
+    if j.parent_column is not null then
+        return pg_catalog.format('%s %s %s', lockstep._cols(v_cols[1:1], alias), lockstep._key_eq(j), value);
+    end if;
+    return (select pg_catalog.format('(%s)', pg_catalog.string_agg(
+                       pg_catalog.format('%s %s (%s).%I', lockstep._cols(array[v_cols[f.o]], alias),
+                                         lockstep._eq_op(a.atttypid::regtype), value, f.n), ' and ' order by f.o))
+            from pg_catalog.unnest(lockstep._key_fields(j)) with ordinality f(n, o)
+            join pg_catalog.pg_type y on y.oid = j.key_type
+            join pg_catalog.pg_attribute a on a.attrelid = y.typrelid and a.attname = f.n);
+end;
+$$;
+
+-- lockstep._key_in(j, alias, arr, cols): SQL true where the key columns cols of row alias are among the
+-- keys of arr, an expression of j's key type's array: = any(arr), or for a composite key an EXISTS over
+-- unnest(arr) matched field by field (lockstep._key_match), which a join on an index serves.
+create or replace function lockstep._key_in(j lockstep.job, alias text, arr text, cols name[] default null)
+returns text
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if j.parent_column is not null then
+        return lockstep._key_match(j, alias, pg_catalog.format('any(%s)', arr), cols);
+    end if;
+    return pg_catalog.format('exists (select from pg_catalog.unnest(%s) lockstep_k where %s)', arr,
+                             lockstep._key_match(j, alias, 'lockstep_k', cols));
+end;
+$$;
+
+-- lockstep._key_unnest(j, arr): a FROM item k with one column v, each key of arr (text of a key array)
+-- cast to j's key type's array: unnest(arr) k(v), or for a composite key (select v from unnest(arr) v) k,
+-- whose v is the whole key (a column list would rename its first field).
+create or replace function lockstep._key_unnest(j lockstep.job, arr text) returns text
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if j.parent_column is not null then
+        return pg_catalog.format('pg_catalog.unnest(%s::%s) k(v)', arr, lockstep._array_type(j.key_type));
+    end if;
+    return pg_catalog.format('(select v from pg_catalog.unnest(%s::%s) v) k', arr, lockstep._array_type(j.key_type));
+end;
+$$;
+
+-- lockstep._is_parent_fk(j, con): the foreign key con is the one of j's target to its parent on the
+-- parent key columns (j.parent_columns, as a set).
+create or replace function lockstep._is_parent_fk(j lockstep.job, con oid) returns boolean
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select exists (select from pg_catalog.pg_constraint c
+                   where c.oid = con and c.conrelid = j.target and c.confrelid = j.parent and c.contype = 'f'
+                     and pg_catalog.cardinality(c.conkey) = pg_catalog.cardinality(j.parent_columns)
+                     and (select array_agg(a.attname) from pg_catalog.pg_attribute a
+                          where a.attrelid = c.conrelid and a.attnum = any(c.conkey)) @> j.parent_columns);
+$$;
+
+-- lockstep._key_name(j): j's parent key for messages: parent.column, or parent(c1, c2) for a composite key.
+create or replace function lockstep._key_name(j lockstep.job) returns text
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select case when j.parent_key is not null then pg_catalog.format('%s.%I', j.parent, j.parent_key)
+                else pg_catalog.format('%s(%s)', j.parent, lockstep._cols(j.parent_keys)) end;
+$$;
+
 -- lockstep._fk_eq(con, pk, fk): "pk.r1 = fk.c1 and ...", with the constraint's own PK = FK operators
 -- (conpfeqop), the match its FK check makes.
 create or replace function lockstep._fk_eq(con oid, pk text, fk text) returns text
@@ -363,12 +484,41 @@ as $$
                    where p.oid = f and r.rolsuper);
 $$;
 
+-- lockstep._composite_key_problem(t): why the composite type t may not be a parent key type (NULL: it may).
+-- It must be free-standing (CREATE TYPE ... AS, not a table's row type, which changes with its table), have
+-- no cast from or to it or its array (whatever the cast runs), and every field must be of a type
+-- lockstep._key_type_problem allows that is not composite itself: record I/O and comparison then run only
+-- the fields' own, a superuser's, functions. PL/pgSQL: it and lockstep._key_type_problem call each other.
+create or replace function lockstep._composite_key_problem(t regtype) returns text
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    return (select case
+        when c.relkind is distinct from 'c' then 'a table''s row type, not a type made by CREATE TYPE ... AS (...)'
+        when exists (select from pg_catalog.pg_cast k
+                     where k.castsource in (t, ty.typarray) or k.casttarget in (t, ty.typarray))
+            then 'a cast from or to it exists (CREATE CAST): a composite key type may have none'
+        else (select pg_catalog.format('its field %I is %s, which is %s', a.attname, a.atttypid::regtype,
+                                       coalesce(case when y.typtype = 'c' then 'a composite type' end,
+                                                lockstep._key_type_problem(a.atttypid)))
+              from pg_catalog.pg_attribute a join pg_catalog.pg_type y on y.oid = a.atttypid
+              where a.attrelid = ty.typrelid and a.attnum > 0 and not a.attisdropped
+                and (y.typtype = 'c' or lockstep._key_type_problem(a.atttypid) is not null)
+              order by a.attnum limit 1)
+        end
+    from pg_catalog.pg_type ty left join pg_catalog.pg_class c on c.oid = ty.typrelid
+    where ty.oid = t);
+end;
+$$;
+
 -- lockstep._key_type_problem(t): why t may not be a parent key type (NULL: it may). A base type that is
--- not an array, or an enum, whose text input and output functions and every cast from or to it are a
--- superuser's (lockstep._trusted_fn): lockstep converts, compares and sorts queued keys as the runner, the
--- admin and the application, outside the owner's sandbox, and a domain's CHECK, a composite's column
--- types, an array's element type or a cast the owner of an enum made (CREATE CAST ... WITH FUNCTION)
--- would run code of the owner's there, with their rights. Decided from the catalogs alone.
+-- not an array, or an enum, whose text input and output functions and every cast from or to it (or its
+-- array) are a superuser's (lockstep._trusted_fn); or a composite type as lockstep._composite_key_problem
+-- allows: lockstep converts, compares and sorts queued keys as the runner, the admin and the application,
+-- outside the owner's sandbox, and a domain's CHECK, an array's element type or a cast the owner of an enum
+-- made (CREATE CAST ... WITH FUNCTION) would run code of the owner's there, with their rights. Decided from
+-- the catalogs alone.
 create or replace function lockstep._key_type_problem(t regtype) returns text
 language sql stable
 set search_path = pg_catalog, pg_temp
@@ -376,11 +526,12 @@ as $$
     select case
         when ty.oid is null then 'does not exist'
         when ty.typtype = 'd' then 'a domain'
-        when ty.typtype not in ('b', 'e') or ty.typcategory = 'A' then 'not a base type or an enum'
+        when ty.typtype = 'c' then lockstep._composite_key_problem(t)
+        when ty.typtype not in ('b', 'e') or ty.typcategory = 'A' then 'not a base type, an enum or a composite type'
         when not (lockstep._trusted_fn(ty.typinput) and lockstep._trusted_fn(ty.typoutput))
             then 'its text input or output function is not a superuser''s'
         when exists (select from pg_catalog.pg_cast c
-                     where (c.castsource = t or c.casttarget = t) and c.castfunc <> 0
+                     where (c.castsource in (t, ty.typarray) or c.casttarget in (t, ty.typarray)) and c.castfunc <> 0
                        and not lockstep._trusted_fn(c.castfunc))
             then 'a cast from or to it runs a function that is not a superuser''s (CREATE CAST ... WITH FUNCTION)'
         end

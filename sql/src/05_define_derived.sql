@@ -216,7 +216,7 @@ begin
     where con.conrelid = parent and con.contype = 'p' and cardinality(con.conkey) = 1;
     if parent_key is null then
         raise exception 'lockstep: parent % needs a single-column primary key', parent
-            using errcode = 'LSD04', hint = 'Multi-column parent keys are not supported; use the parent''s surrogate key.';
+            using errcode = 'LSD04', hint = 'For a primary key of several columns pass parent_columns => array[...]::name[].';
     end if;
 end;
 $$;
@@ -260,6 +260,165 @@ begin
                         '(or an array of a type every key converts to without loss: binary-coercible, or a wider '
                         'integer)', compute, v_arg::regtype, parent, parent_key, key_type, key_type
             using errcode = 'LSD02';
+    end if;
+end;
+$$;
+
+-- lockstep._parent_fks(target, parent, pk): for each foreign key of target to parent on exactly the
+-- columns pk (in any order), the target's columns that reference them, in pk's order.
+create or replace function lockstep._parent_fks(target regclass, parent regclass, pk name[]) returns setof name[]
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select array(select a.attname from pg_catalog.unnest(pk) with ordinality p(n, o)
+                 join pg_catalog.pg_attribute pa on pa.attrelid = con.confrelid and pa.attname = p.n
+                 join unnest(con.conkey, con.confkey) k(f, r) on k.r = pa.attnum  -- ROWS FROM: not qualified
+                 join pg_catalog.pg_attribute a on a.attrelid = con.conrelid and a.attnum = k.f
+                 order by p.o)
+    from pg_catalog.pg_constraint con
+    where con.conrelid = target and con.confrelid = parent and con.contype = 'f'
+      and pg_catalog.cardinality(con.confkey) = pg_catalog.cardinality(pk)
+      and lockstep._attnames(con.confrelid, con.confkey) @> pk and lockstep._attnames(con.confrelid, con.confkey) <@ pk
+    order by con.conname;
+$$;
+
+-- lockstep._check_key_composite(compute, parent, pk): compute takes an array of a composite type whose
+-- fields have the types and collations of parent's key columns pk, in order, and which
+-- lockstep._key_type_problem allows; returns that type. LSD02 (with the CREATE TYPE to write) or LSD04.
+create or replace function lockstep._check_key_composite(compute regprocedure, parent regclass, pk name[])
+returns regtype
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_elem regtype := (select y.typelem from pg_catalog.pg_proc p join pg_catalog.pg_type y on y.oid = p.proargtypes[0]
+                       where p.oid = compute and y.typcategory = 'A' and y.typelem <> 0);
+    v_want text[];
+    v_have text[];
+    v_fields text;
+begin
+    select array_agg(pg_catalog.concat_ws(' ', a.atttypid, a.attcollation) order by k.o),
+           pg_catalog.string_agg(pg_catalog.format('%I %s%s', a.attname, pg_catalog.format_type(a.atttypid, null),
+                                 case when a.attcollation not in (0, 100)
+                                      then pg_catalog.format(' collate %s', a.attcollation::regcollation) else '' end),
+                                 ', ' order by k.o)
+    into v_want, v_fields
+    from pg_catalog.unnest(pk) with ordinality k(n, o)
+    join pg_catalog.pg_attribute a on a.attrelid = parent and a.attname = k.n;
+    select array_agg(pg_catalog.concat_ws(' ', a.atttypid, a.attcollation) order by a.attnum) into v_have
+    from pg_catalog.pg_type y join pg_catalog.pg_attribute a on a.attrelid = y.typrelid and a.attnum > 0
+    where y.oid = v_elem and y.typtype = 'c' and not a.attisdropped;
+    if v_have is distinct from v_want then
+        raise exception 'lockstep: compute function % takes %, but the primary key of % is (%): it must take an array '
+                        'of a composite type whose fields have those types, in that order', compute,
+                        coalesce((select p.proargtypes[0]::regtype::text from pg_catalog.pg_proc p where p.oid = compute), '?'),
+                        parent, v_fields
+            using errcode = 'LSD02',
+                  hint = pg_catalog.format('create type %I as (%s); and create function ...(keys %I[]) returns ...',
+                                           (select c.relname || '_key' from pg_catalog.pg_class c where c.oid = parent),
+                                           v_fields, (select c.relname || '_key' from pg_catalog.pg_class c where c.oid = parent));
+    end if;
+    perform lockstep._check_key_type_safe(null, v_elem);  -- LSD04: a table's row type, a cast, a field type
+    return v_elem;
+end;
+$$;
+
+-- lockstep._check_parent_keys(target, compute, cols, parent, parent_columns): a parent keyed by several
+-- columns. parent_columns (inferred where one foreign key of target covers the parent's primary key) are
+-- target columns referencing that key through one foreign key, column for column in the key's order;
+-- compute returns them and takes the key type's array (lockstep._check_key_composite). LSD04 otherwise.
+create or replace function lockstep._check_parent_keys(target regclass, compute regprocedure, cols name[],
+                                            parent regclass, inout parent_columns name[], out parent_keys name[],
+                                            out key_type regtype)
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_n bigint;
+    v_missing name;
+begin
+    select lockstep._attnames(con.conrelid, con.conkey) into parent_keys
+    from pg_catalog.pg_constraint con where con.conrelid = parent and con.contype = 'p';
+    if parent_keys is null then
+        raise exception 'lockstep: parent % has no primary key', parent using errcode = 'LSD04';
+    end if;
+    if parent_columns is null then
+        select count(*) into v_n from lockstep._parent_fks(target, parent, parent_keys) f;
+        if v_n <> 1 then
+            raise exception 'lockstep: cannot infer parent_columns: % has % foreign keys to %(%)', target, v_n, parent,
+                lockstep._cols(parent_keys)
+                using errcode = 'LSD04', hint = pg_catalog.format('Pass parent_columns => array[...]::name[] naming the '
+                                                                  'columns of %s that reference %s(%s), in that order.',
+                                                                  target, parent, lockstep._cols(parent_keys));
+        end if;
+        parent_columns := (select f from lockstep._parent_fks(target, parent, parent_keys) f);
+    end if;
+    select c into v_missing from pg_catalog.unnest(parent_columns) c
+    where c is null or not exists (select from pg_catalog.pg_attribute a
+                                   where a.attrelid = target and a.attname = c and a.attnum > 0 and not a.attisdropped)
+    limit 1;
+    if cardinality(parent_columns) <> cardinality(parent_keys) or v_missing is not null
+       or array_position(parent_columns, null) is not null then
+        raise exception 'lockstep: parent_columns (%) must name % column(s) of % referencing %(%), in that order%',
+            pg_catalog.array_to_string(parent_columns, ', ', 'NULL'), cardinality(parent_keys), target, parent,
+            lockstep._cols(parent_keys), case when v_missing is not null
+                                                then pg_catalog.format(' (%s has no column %I)', target, v_missing)
+                                                else '' end
+            using errcode = 'LSD04';
+    end if;
+    if not exists (select from lockstep._parent_fks(target, parent, parent_keys) f where f = parent_columns) then
+        raise exception 'lockstep: %(%) does not reference %(%) through a foreign key, column for column', target,
+            lockstep._cols(parent_columns), parent, lockstep._cols(parent_keys)
+            using errcode = 'LSD04',
+                  hint = pg_catalog.format('lockstep pins parents with the lock an FK check takes: alter table %s add '
+                                           'foreign key (%s) references %s (%s) on delete cascade;', target,
+                                           lockstep._cols(parent_columns), parent, lockstep._cols(parent_keys));
+    end if;
+    select c into v_missing from pg_catalog.unnest(parent_columns) c where not c = any(cols) limit 1;
+    if v_missing is not null then
+        raise exception 'lockstep: compute function % does not return the parent column %', compute, v_missing
+            using errcode = 'LSD03';
+    end if;
+    key_type := lockstep._check_key_composite(compute, parent, parent_keys);
+end;
+$$;
+
+-- lockstep._check_parents(target, compute, cols, parent, parent_column, parent_columns): the parent key of
+-- a definition: of several columns where parent_columns names more than one or the parent's primary key
+-- has more (lockstep._check_parent_keys), else of one (lockstep._check_parent). Both arrays are set for
+-- every parent; parent_column and parent_key only for a one-column key.
+create or replace function lockstep._check_parents(target regclass, compute regprocedure, cols name[],
+                                        parent regclass, inout parent_column name, inout parent_columns name[],
+                                        out parent_key name, out parent_keys name[], out key_type regtype)
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if parent_column is not null and parent_columns is not null then
+        raise exception 'lockstep: parent_column and parent_columns given together' using errcode = 'LSD04',
+            hint = 'Pass parent_columns => array[...]::name[] alone (parent_column is its one-column form).';
+    elsif cardinality(parent_columns) = 0 then
+        raise exception 'lockstep: parent_columns is empty' using errcode = 'LSD04',
+            hint = 'Name the target''s columns that reference the parent''s primary key, in its order.';
+    elsif parent_columns is not null and parent is null then
+        raise exception 'lockstep: parent_columns given without parent' using errcode = 'LSD04';
+    end if;
+    if parent is not null
+       and (cardinality(parent_columns) > 1
+            or (select cardinality(con.conkey) > 1 from pg_catalog.pg_constraint con
+                where con.conrelid = parent and con.contype = 'p')) then
+        if not exists (select from pg_catalog.pg_class c where c.oid = parent and c.relkind in ('r', 'p')) then
+            raise exception 'lockstep: parent % is not a table', parent using errcode = '42809';
+        end if;
+        select k.parent_columns, k.parent_keys, k.key_type into parent_columns, parent_keys, key_type
+        from lockstep._check_parent_keys(target, compute, cols, parent, parent_columns) k;
+        return;
+    end if;
+    select c.parent_column, c.parent_key, c.key_type into parent_column, parent_key, key_type
+    from lockstep._check_parent(target, compute, cols, parent, coalesce(parent_column, parent_columns[1])) c;
+    if parent is not null then
+        parent_columns := array[parent_column];
+        parent_keys := array[parent_key];
     end if;
 end;
 $$;
@@ -511,13 +670,26 @@ language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
 begin
-    if parent_column is not null and not exists (
+    perform lockstep._warn_index_keys(target, array[parent_column]);
+end;
+$$;
+
+-- lockstep._warn_index_keys(target, cols): a warning when no index starts with the columns cols (in any
+-- order); nothing for NULL.
+create or replace function lockstep._warn_index_keys(target regclass, cols name[]) returns void
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if cols is not null and array_position(cols, null) is null and not exists (
             select from pg_catalog.pg_index i
-            where i.indrelid = target and i.indkey[0] = (select a.attnum from pg_catalog.pg_attribute a
-                                                         where a.attrelid = target and a.attname = parent_column)) then
+            where i.indrelid = target and i.indnkeyatts >= cardinality(cols)
+              and (select array_agg(a.attname) from pg_catalog.pg_attribute a
+                   where a.attrelid = target and a.attnum = any((i.indkey::smallint[])[0:cardinality(cols) - 1]))
+                  @> cols) then
         raise warning 'lockstep: no index on %(%): every worker pass and every cascade delete will scan %',
-            target, parent_column, target
-            using hint = pg_catalog.format('create index on %s (%I);', target, parent_column);
+            target, lockstep._cols(cols), target
+            using hint = pg_catalog.format('create index on %s (%s);', target, lockstep._cols(cols));
     end if;
 end;
 $$;
@@ -594,7 +766,7 @@ create or replace function lockstep.define_derived(job text, target regclass, co
                                         lock_group text default null, every interval default '1 minute',
                                         backoff interval default '1 hour', query text default null,
                                         query_search_path text default pg_catalog.current_setting('search_path'),
-                                        timeout interval default '5 minutes')
+                                        timeout interval default '5 minutes', parent_columns name[] default null)
 returns void
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -616,7 +788,7 @@ begin
     v_key := lockstep._check_target(target, compute, parent);
     perform lockstep._check_target_rls(target);
     v_cols := lockstep._check_compute(compute);
-    select * into v_par from lockstep._check_parent(target, compute, v_cols, parent, parent_column);
+    select * into v_par from lockstep._check_parents(target, compute, v_cols, parent, parent_column, parent_columns);
     perform lockstep._check_columns(target, compute, v_key, v_cols);
     perform lockstep._check_target_fks(target, v_cols);
     perform lockstep._check_referencing(target, v_key, v_cols);
@@ -627,20 +799,23 @@ begin
     perform lockstep._check_watchers(job, parent, v_par.key_type);
     perform lockstep._check_cycle(job, target, null);  -- LSD09 (10_graph.sql)
     perform lockstep._check_parent_delete(target, parent);  -- LSD04 refusals, then warnings
-    perform lockstep._warn_index(target, v_par.parent_column);
+    perform lockstep._warn_index_keys(target, v_par.parent_columns);
     perform lockstep._warn_unique(target, parent);
     perform lockstep._save_derived(job, target, compute, parent, v_par.parent_column, v_par.parent_key,
                                    v_par.key_type, v_key, v_cols, lock_group, every, backoff);
+    perform lockstep._save_parent_keys(job, v_par.parent_columns, v_par.parent_keys);
     update lockstep.job x set timeout = define_derived.timeout
     where x.job = define_derived.job and x.timeout <> define_derived.timeout;
 end;
 $$;
 comment on function lockstep.define_derived(text, regclass, regprocedure, regclass, name, text, interval, interval,
-                                           text, text, interval) is
+                                           text, text, interval, name[]) is
     'Register or update a derived table: compute(keys) returns the rows of the parents in keys (NULL: '
     'all) in the target''s shape, or query returns them and lockstep writes that function; without a parent, '
     'only whole-table recomputes; LSD09 if it would close a cycle of derived jobs. timeout: the longest a run '
-    'may take (the runner''s statement_timeout for it, lockstep.set_time_limit). Locks: the advisory '
+    'may take (the runner''s statement_timeout for it, lockstep.set_time_limit). parent_columns: the '
+    'target''s columns referencing a parent key of several columns, in its order (compute then takes an '
+    'array of a composite type of those columns). Locks: the advisory '
     'lock (lockstep, define) until the transaction ends, then the job''s registry row (insert or update).';
 
 -- lockstep._drift(j): for a failed run of a derived job, what no longer holds of its definition; NULL if
@@ -664,7 +839,8 @@ begin
         v_key := lockstep._target_key(j.target);  -- not _check_target: a runner has no privilege on the target
         v_cols := lockstep._check_compute(v_fn);
         if j.parent is not null then
-            select * into v_par from lockstep._check_parent(j.target, v_fn, v_cols, j.parent, j.parent_column);
+            select * into v_par from lockstep._check_parents(j.target, v_fn, v_cols, j.parent, j.parent_column,
+                                                             case when j.parent_column is null then j.parent_columns end);
         end if;
         perform lockstep._check_columns(j.target, v_fn, v_key, v_cols);
     exception
@@ -684,9 +860,11 @@ begin
     if j.parent is null then
         return null;
     end if;
-    if (v_par.parent_key, v_par.key_type) is distinct from (j.parent_key, j.key_type) then
+    if (v_par.parent_keys, v_par.key_type) is distinct from (coalesce(j.parent_keys, array[j.parent_key]), j.key_type) then
         return pg_catalog.format('the parent key of %s is now %s (%s), not %s (%s) as at define_derived; %s', j.parent,
-                                 v_par.parent_key, v_par.key_type, j.parent_key, j.key_type, v_fix);
+                                 pg_catalog.array_to_string(v_par.parent_keys, ', '), v_par.key_type,
+                                 pg_catalog.array_to_string(coalesce(j.parent_keys, array[j.parent_key]), ', '),
+                                 j.key_type, v_fix);
     end if;
     return null;
 end;
@@ -751,3 +929,31 @@ comment on function lockstep._save_derived(text, regclass, regprocedure, regclas
     'Write a derived job''s registry and status rows (define_derived, last). Locks: the job''s registry '
     'row (insert or update) and its status row (insert, or update on a redefinition); with another parent'
     ' key type, the job''s queue and key_failure rows (deleted).';
+
+-- lockstep._save_parent_keys(job, parent_columns, parent_keys): record a derived job's parent key columns
+-- (define_derived, after lockstep._save_derived); other columns than before make its recompute due now.
+-- locks: the job's registry row and, when they change on a redefinition, its status row (updates).
+create or replace function lockstep._save_parent_keys(job text, parent_columns name[], parent_keys name[]) returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_old name[];
+begin
+    select x.parent_columns into v_old from lockstep.job x where x.job = _save_parent_keys.job;
+    if not found or (v_old, (select x.parent_keys from lockstep.job x where x.job = _save_parent_keys.job))
+                    is not distinct from (parent_columns, parent_keys) then
+        return;
+    end if;
+    update lockstep.job x set parent_columns = _save_parent_keys.parent_columns,
+                              parent_keys = _save_parent_keys.parent_keys
+    where x.job = _save_parent_keys.job;
+    if v_old is not null then
+        update lockstep.job_state s set next_run_at = now() where s.job = _save_parent_keys.job;
+    end if;
+end;
+$$;
+comment on function lockstep._save_parent_keys(text, name[], name[]) is
+    'Record a derived job''s parent key columns (define_derived, after lockstep._save_derived); other '
+    'columns than before make its recompute due now. Locks: the job''s registry row and, when they change '
+    'on a redefinition, its status row (updates).';

@@ -248,9 +248,9 @@ declare
     v_bad text;
     r record;
 begin
-    if j.parent_column is not null then
-        v_par := pg_catalog.format('d.%I::text', j.parent_column);
-        v_tpar := pg_catalog.format('t.%I::text', j.parent_column);
+    if j.parent is not null then
+        v_par := lockstep._key_text(j, 'd');
+        v_tpar := lockstep._key_text(j, 't');
     else  -- no parent: the row's primary key, which the write steps return for a row they skip
         v_par := pg_catalog.format('row(%s)::text', lockstep._cols(j.target_key, 'd'));
         v_tpar := pg_catalog.format('row(%s)::text', lockstep._cols(j.target_key, 't'));
@@ -310,31 +310,30 @@ declare
     r record;
 begin
     perform lockstep._tmp_setup(j);
-    if keys is null or j.parent_column is null then
+    if keys is null or j.parent is null then
         return lockstep._diff_all(j, keys);
     end if;
-    v_cpar := pg_catalog.format('c.%I::text', j.parent_column);
+    v_cpar := lockstep._key_text(j, 'c');
     v_oldpar := v_cpar;
-    if not j.parent_column = any(j.target_key) then  -- else a row of that key cannot move: no probe per new row
-        v_moved := pg_catalog.format('left join lateral (select t.%I::text as p, t.ctid from %s t '
+    if not j.parent_columns <@ j.target_key then  -- else a row of that key cannot move: no probe per new row
+        v_moved := pg_catalog.format('left join lateral (select %s as p, t.ctid from %s t '
                                      'where c.lockstep_ctid is null and %s offset 0) m on true',
-                                     j.parent_column, j.target, lockstep._eq(j.target_key, 't', 'd', j.target));
+                                     lockstep._key_text(j, 't'), j.target, lockstep._eq(j.target_key, 't', 'd', j.target));
         v_old := 'coalesce(c.lockstep_ctid, m.ctid)';
         v_new := 'c.lockstep_ctid is null and m.ctid is null';
         v_oldpar := pg_catalog.format('coalesce(%s, m.p)', v_cpar);
     end if;
     select * into r from lockstep._diff_run(j, keys,
-        d => pg_catalog.format('select %s from %s d where d.%I %s any($1::%s)', lockstep._cols(j.columns),
-                               lockstep._compute_sql(j), j.parent_column, lockstep._key_eq(j),
-                               lockstep._array_type(j.key_type)),
-        c => pg_catalog.format('select t.* from pg_catalog.unnest($1::%s) k(v), lateral (select %s, t.ctid as '
-                               'lockstep_ctid from %s t where t.%I %s k.v offset 0) t', lockstep._array_type(j.key_type),
-                               lockstep._cols(j.columns, 't'), j.target, j.parent_column, lockstep._key_eq(j)),
+        d => pg_catalog.format('select %s from %s d where %s', lockstep._cols(j.columns), lockstep._compute_sql(j),
+                               lockstep._key_in(j, 'd', pg_catalog.format('$1::%s', lockstep._array_type(j.key_type)))),
+        c => pg_catalog.format('select t.* from %s, lateral (select %s, t.ctid as lockstep_ctid from %s t where %s '
+                               'offset 0) t', lockstep._key_unnest(j, '$1'), lockstep._cols(j.columns, 't'), j.target,
+                               lockstep._key_match(j, 't', 'k.v')),
         dup => 'd',
         g => pg_catalog.format('select %s, %s, c.lockstep_ctid from c where not exists (select from d where %s)',
                                lockstep._cols(j.columns, 'c'), v_cpar, lockstep._eq(j.target_key, 'd', 'c', j.target)),
         p => pg_catalog.format('select %s, %s, %s, %s, %s from d left join c on %s %s where c.lockstep_ctid is null or %s',
-                               lockstep._cols(j.columns, 'd'), pg_catalog.format('d.%I::text', j.parent_column),
+                               lockstep._cols(j.columns, 'd'), lockstep._key_text(j, 'd'),
                                v_oldpar, v_new, v_old, lockstep._eq(j.target_key, 'd', 'c', j.target), v_moved,
                                lockstep._differs(j, 'd', 'c')),
         once => 'true');
@@ -457,17 +456,20 @@ begin
         return '{}';
     end if;
     v_pin := pg_catalog.format(
-        'with p as (select r.%1$I as k from %2$s r where r.%1$I %3$s any($1::%4$s) order by r.%1$I '
-        '           for key share skip locked) '
-        'select array_agg(a) from pg_catalog.unnest($1) a where exists (select from p where p.k %3$s a::%5$s)',
-        j.parent_key, j.parent, lockstep._key_eq(j), lockstep._array_type(j.key_type), lockstep._type_sql(j.key_type));
+        'with p as (select %1$s as k from %2$s r where %3$s order by %1$s '
+        '           for key share of r skip locked) '
+        'select array_agg(a) from pg_catalog.unnest($1) a where exists (select from p where p.k %4$s a::%5$s)',
+        lockstep._key_expr(j, 'r', j.parent_keys), j.parent,
+        lockstep._key_in(j, 'r', pg_catalog.format('$1::%s', lockstep._array_type(j.key_type)), j.parent_keys),
+        lockstep._key_eq(j), lockstep._type_sql(j.key_type));
     v_pinned := lockstep._pin_try(v_pin, v_need);  -- one statement, its waits cut short (lockstep._pin_timeout)
     if v_pinned is null then  -- a row an application updated, then holds: a few at a time
         -- the keys in the parent key column's own order (its collation), as the one statement locks them
         execute pg_catalog.format(
-            'select array_agg(x order by (select p.%1$I from %2$s p where p.%1$I %3$s x::%4$s limit 1), x) '
-            'from pg_catalog.unnest($1) x', j.parent_key, j.parent, lockstep._key_eq(j),
-            lockstep._type_sql(j.key_type)) into v_need using v_need;
+            'select array_agg(x order by (select %1$s from %2$s p where %3$s limit 1), x) '
+            'from pg_catalog.unnest($1) x', lockstep._key_expr(j, 'p', j.parent_keys), j.parent,
+            lockstep._key_match(j, 'p', pg_catalog.format('x::%s', lockstep._type_sql(j.key_type)), j.parent_keys))
+            into v_need using v_need;
         v_pinned := lockstep._pin_each(j.parent, v_pin, v_need);
     end if;
     v_skip := array(select pg_catalog.unnest(v_need) except select pg_catalog.unnest(v_pinned));
@@ -506,9 +508,7 @@ begin
     if not exists (select from pg_catalog.pg_constraint con
                    where con.conrelid = j.target and con.contype = 'f' and con.conparentid = 0
                      and not (j.parent is not null and con.confrelid = j.parent and j.parent <> j.target
-                              and j.parent_column = any(j.columns)
-                              and con.conkey = array[(select a.attnum from pg_catalog.pg_attribute a
-                                                      where a.attrelid = j.target and a.attname = j.parent_column)])) then
+                              and j.parent_columns <@ j.columns and lockstep._is_parent_fk(j, con.oid))) then
         return v_skip;
     end if;
     perform lockstep._check_target_fks(j.target, j.columns);
@@ -520,9 +520,7 @@ begin
                      join pg_catalog.pg_attribute a on a.attrelid = con.confrelid and a.attnum = k.n order by k.o) as rk
         from pg_catalog.pg_constraint con
         where con.conrelid = j.target and con.contype = 'f' and con.conparentid = 0
-          and not (j.parent is not null and con.confrelid = j.parent
-                   and con.conkey = array[(select a.attnum from pg_catalog.pg_attribute a
-                                           where a.attrelid = j.target and a.attname = j.parent_column)])
+          and not (j.parent is not null and con.confrelid = j.parent and lockstep._is_parent_fk(j, con.oid))
         order by con.conname
     loop
         continue when not (c.fk <@ j.columns);
@@ -966,9 +964,10 @@ begin
     select u.inserted, u.updated into p.inserted, p.updated from lockstep._upsert_rows(j, d.kept > 0, d.fresh > 0) u;
     v_skip := array(select distinct pg_catalog.unnest(v_skip));
     if j.parent is not null and cardinality(v_skip) > 0 then
-        execute pg_catalog.format('select coalesce(array_agg(k order by k), ''{}'') from pg_catalog.unnest($1) k '
-                                  'where exists (select from %s where %I %s k::%s)',
-                                  j.parent, j.parent_key, lockstep._key_eq(j), lockstep._type_sql(j.key_type))
+        execute pg_catalog.format('select coalesce(array_agg(u.k order by u.k), ''{}'') from pg_catalog.unnest($1) u(k) '
+                                  'where exists (select from %s r where %s)', j.parent,
+                                  lockstep._key_match(j, 'r', pg_catalog.format('u.k::%s', lockstep._type_sql(j.key_type)),
+                                                      j.parent_keys))
             into p.skipped using v_skip;
         p.gone := cardinality(v_skip) - cardinality(p.skipped);
     else

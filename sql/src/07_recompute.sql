@@ -392,7 +392,18 @@ as $$
                              pg_catalog.format_type(a.atttypid, null), j.job, j.key_type,
                              pg_catalog.format_type(a.atttypid, null))
     from pg_catalog.pg_attribute a
-    where a.attrelid = j.parent and a.attname = j.parent_key and not a.attisdropped and a.atttypid <> j.key_type;
+    where a.attrelid = j.parent and a.attname = j.parent_key and not a.attisdropped and a.atttypid <> j.key_type
+    union all  -- a composite key: a key column whose type is no longer its field's
+    select pg_catalog.format('the parent key column %s.%I is %s, but field %I of job "%s"''s key type %s is %s: run '
+                             'lockstep.define_derived again, with a key type of the parent key''s column types',
+                             j.parent, k.c, pg_catalog.format_type(a.atttypid, null), f.attname, j.job, j.key_type,
+                             pg_catalog.format_type(f.atttypid, null))
+    from pg_catalog.unnest(j.parent_keys) with ordinality k(c, o)
+    join pg_catalog.pg_attribute a on a.attrelid = j.parent and a.attname = k.c and not a.attisdropped
+    join pg_catalog.pg_type y on y.oid = j.key_type
+    join pg_catalog.pg_attribute f on f.attrelid = y.typrelid and f.attnum = k.o
+    where j.parent_key is null and a.atttypid <> f.atttypid
+    limit 1;
 $$;
 
 -- lockstep._recompute_failed(j, started, error, sqlstate, queued_from): the whole-table pass raised: a

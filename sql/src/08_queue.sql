@@ -182,9 +182,12 @@ begin
     if t is distinct from j.key_type and not lockstep._castable(t, j.key_type)
        and not (t::text = any(array['smallint', 'integer', 'bigint'])
                 and j.key_type::text = any(array['smallint', 'integer', 'bigint'])) then
-        raise exception 'lockstep: % is %, but the parent key %.% of job "%" is %', what, coalesce(t::text, 'not an array'),
-            j.parent, j.parent_key, j.job, j.key_type
-            using errcode = 'LSQ01', hint = pg_catalog.format('Pass an array of %s.', j.key_type);
+        raise exception 'lockstep: % is %, but the parent key % of job "%" is %', what, coalesce(t::text, 'not an array'),
+            lockstep._key_name(j), j.job, j.key_type
+            using errcode = 'LSQ01',
+                  hint = pg_catalog.format('Pass an array of %s%s.', j.key_type,
+                                           case when j.parent_column is null
+                                                then pg_catalog.format(', e.g. array[row(...)]::%s[]', j.key_type) end);
     end if;
 end;
 $$;
@@ -214,6 +217,11 @@ begin
                                                   where oid = pg_catalog.pg_typeof(keys)));
     if pg_catalog.array_position(keys, null) is not null then
         raise exception 'lockstep: keys must not contain NULL (job "%")', j.job using errcode = '22004';
+    end if;
+    -- a composite key with a NULL field names no parent (the parent's key columns are NOT NULL)
+    if j.parent_column is null and exists (select from pg_catalog.unnest(keys) k where not (k is not null)) then
+        raise exception 'lockstep: keys of job "%" must not have a NULL field', j.job
+            using errcode = '22004', hint = 'Each field of a composite key is a column of the parent''s primary key.';
     end if;
     begin
         execute pg_catalog.format('select lockstep._canon(pg_catalog.array_agg(k::%s)) from pg_catalog.unnest($1) k',

@@ -277,8 +277,9 @@ begin
             using keys into p.skipped;
     elsif j.kind = 'parent_keys' then  -- lockstep._parent_keys: every parent key, in p.skipped
         p := row(0, 0, 0, '{}', 0, 0, 0, '{}', '{}');
-        execute pg_catalog.format('select coalesce(array_agg(%1$I::text order by %1$I), ''{}'') from %2$s',
-                                  j.parent_key, j.parent) into p.skipped;
+        execute pg_catalog.format('select coalesce(array_agg(%1$s order by %2$s), ''{}'') from %3$s r',
+                                  lockstep._key_text(j, 'r', j.parent_keys), lockstep._key_expr(j, 'r', j.parent_keys),
+                                  j.parent) into p.skipped;
     else
         p := lockstep._apply(j, keys, queued_from);
     end if;

@@ -77,7 +77,7 @@ as $$
 declare
     j lockstep.job := lockstep._job(job, 'derived');
 begin
-    if j.parent_column is null then
+    if j.parent is null then
         raise exception 'lockstep: job "%" has no parent: verify it whole', j.job
             using errcode = 'LSJ02', hint = pg_catalog.format('select * from lockstep.verify(%L)', j.job);
     end if;

@@ -105,7 +105,7 @@ CASES = [
     ("lockstep.define_derived('j', 'd_nofk', 'good(bigint[])', 'p', 'p_id')", "LSD04", "foreign key"),
     ("lockstep.define_derived('j', 'd', 'good(bigint[])', 'p', 'nope')", "LSD04", "has no column nope"),
     ("lockstep.define_derived('j', 'd', 'good(bigint[])', null, 'p_id')", "LSD04", "without parent"),
-    ("lockstep.define_derived('j', 'd', 'good(bigint[])', 'p2')", "LSD04", "single-column primary key"),
+    ("lockstep.define_derived('j', 'd', 'good(bigint[])', 'p2')", "LSD04", "cannot infer parent_columns"),
     ("lockstep.define_derived('j', 'd', 'good(bigint[])', 'pg_namespace_no')", "42P01", "does not exist"),
     ("lockstep.define_derived('j', 'd', 'unqualified(bigint[])', 'p')", "LSD02", "search_path"),
     ("lockstep.define_derived('keep', 'd', 'good(bigint[])', 'p')", "LSJ02", "generic job"),
