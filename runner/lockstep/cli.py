@@ -104,6 +104,8 @@ def _failure(exc: BaseException, command: str | None = None) -> Failure:
     # the server answered with an error (55P03: a lock the command gave up on): say which, and its hint
     diag = getattr(err, "diag", None)
     server_hint = getattr(diag, "message_hint", None) if diag is not None else None
+    if state in ("42P01", "42883") and command not in (None, "migrate"):
+        server_hint = server_hint or codes.GONE_OBJECT_HINT  # not lockstep's object: permanent_hint said so
     if state:
         text = f"{state}: {text}"
     return Failure(f"{text} (hint: {server_hint})" if server_hint else text)

@@ -140,6 +140,15 @@ _PERMANENT_SQLSTATES = {
 }
 
 
+# 3F000 / 42P01 / 42883 name lockstep's own objects when its schema is missing or old; other names are a
+# job's own (a dropped compute function or table), which `lockstep migrate` cannot bring back
+_LOCKSTEP_OBJECT = re.compile(r'(^|[^\w])lockstep\.|schema "lockstep"')
+GONE_OBJECT_HINT = (
+    "a function or table this job uses is gone: create it again, or run lockstep.define_derived (or "
+    "define_job) again"
+)
+
+
 def permanent_hint(exc: BaseException) -> str | None:
     """The hint for a start-up error that retrying cannot fix (missing database, role or lockstep schema,
     a missing or wrong password, a login pg_hba.conf refuses, bad server options), or None when the error
@@ -147,6 +156,9 @@ def permanent_hint(exc: BaseException) -> str | None:
     if not isinstance(exc, psycopg.Error):
         return None
     state = getattr(exc, "sqlstate", None)
+    primary = getattr(getattr(exc, "diag", None), "message_primary", None) or str(exc)
+    if state in ("3F000", "42P01", "42883") and not _LOCKSTEP_OBJECT.search(primary):
+        return None
     if state in _PERMANENT_SQLSTATES:
         return _PERMANENT_SQLSTATES[state]
     if isinstance(exc, psycopg.OperationalError) and state is None:

@@ -174,3 +174,13 @@ def test_describe_says_what_a_read_only_session_and_a_schema_gone_under_a_runner
     gone = describe(pe.InternalError_("could not open relation with OID 33798"))
     assert "[XX000]" in gone and "lockstep migrate" in gone, gone
     assert describe(pe.InternalError_("something else")) == "InternalError_[XX000]: something else"
+
+
+def test_a_job_whose_compute_is_gone_is_not_sent_to_lockstep_migrate(ex, example_dsn):
+    """verify and diff of a job whose compute function was dropped said "install or upgrade the lockstep
+    schema with `lockstep migrate`" (exit 4): the missing object is the job's, not lockstep's."""
+    ex.execute("drop function example.exam_key_compute(bigint[])")
+    for cmd in ("verify", "diff"):
+        p = lockstep(cmd, "exam_keys", "--dsn", example_dsn)
+        line = assert_clean(p, 1, "42883", "example.exam_key_compute", "define_derived")
+        assert "lockstep migrate" not in line, line
