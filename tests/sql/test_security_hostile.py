@@ -113,6 +113,69 @@ def test_the_application_never_casts_an_unsafe_key_it_flags_the_job(ex, example_
     assert flags and all("cast" in p for (p,) in flags), flags
 
 
+def _composite_job(m: psycopg.Connection) -> None:
+    """mallory's derived job keyed by (mal.e, int), her composite type mal.ck of her enum and an int."""
+    m.execute("create type mal.e as enum ('a', 'b')")
+    m.execute("create type mal.ck as (e mal.e, n int)")
+    m.execute("create table mal.p (e mal.e, n int, primary key (e, n))")
+    m.execute("insert into mal.p values ('a', 1), ('b', 2)")
+    m.execute(
+        "create table mal.c (e mal.e, n int, primary key (e, n),"
+        " foreign key (e, n) references mal.p on delete cascade)"
+    )
+    m.execute(
+        "create function mal.fc(keys mal.ck[]) returns table (e mal.e, n int) language sql"
+        " as 'select e, n from mal.p where keys is null or row(e, n)::mal.ck = any(keys)'"
+    )
+    m.execute("select lockstep.define_derived('cjob', 'mal.c', 'mal.fc(mal.ck[])', parent => 'mal.p')")
+    m.execute("insert into lockstep.queue (job, key) values ('cjob', '(a,1)'), ('cjob', '(b,2)')")
+
+
+@pytest.mark.parametrize("cast", ["enum field", "composite", "array"])
+def test_a_composite_key_whose_owner_added_a_cast_is_refused_not_cast(ex, example_dsn, mallory, cast):
+    """mallory keys a job by her composite type, then adds a cast through her function: of the enum field's
+    type, of the composite type itself, or from text[] to the key type's array (the cast lockstep's
+    canonical text would take from queued keys). No superuser's pass, retry or enqueue runs it."""
+    with _as(example_dsn, mallory) as m:
+        _plant_steal(m)
+        _composite_job(m)
+        if cast == "enum field":
+            _plant_enum_casts(m)
+        else:
+            source, target = ("mal.ck", "text") if cast == "composite" else ("text[]", "mal.ck[]")
+            m.execute(
+                f"create function mal.conv(x {source}) returns {target} language plpgsql as $$ begin"
+                f" perform mal.steal(); return null; end $$"
+            )
+            m.execute(f"create cast ({source} as {target}) with function mal.conv({source})")
+    ex.execute("update lockstep.job_state set next_run_at = now() + interval '1 day' where job = 'cjob'")
+    res = result(ex, "lockstep.work(%s)", "cjob")
+    assert res["outcome"] == "failed" and "cast" in res["error"], res
+    with raises_sqlstate("LSD04", match="cast"):
+        ex.execute("select lockstep.retry('cjob', array[row('a', 1)]::mal.ck[])")
+    with raises_sqlstate("LSD04", match="cast"):
+        ex.execute("select lockstep.enqueue('cjob', array[row('a', 1)]::mal.ck[])")
+    assert ex.execute(LOOT).fetchone()[0] == 0
+
+
+def test_an_enum_key_array_cast_is_refused(ex, example_dsn, mallory):
+    """A cast from text[] to the key type's array, through the owner's function, would run where lockstep
+    reads queued keys back ($1::key_type[]): refused for a one-column enum key too."""
+    with _as(example_dsn, mallory) as m:
+        _plant_steal(m)
+        _enum_job(m)
+        m.execute(
+            "create function mal.to_ea(t text[]) returns mal.e[] language plpgsql as $$ begin"
+            " perform mal.steal(); return array['a']::mal.e[]; end $$"
+        )
+        m.execute("create cast (text[] as mal.e[]) with function mal.to_ea(text[])")
+        m.execute("insert into lockstep.queue (job, key) values ('ejob', 'a'), ('ejob', 'b')")
+    ex.execute("update lockstep.job_state set next_run_at = now() + interval '1 day' where job = 'ejob'")
+    res = result(ex, "lockstep.work(%s)", "ejob")
+    assert res["outcome"] == "failed" and "cast" in res["error"], res
+    assert ex.execute(LOOT).fetchone()[0] == 0
+
+
 # 2. a domain's CHECK in _drift ---------------------------------------------------------------------------
 
 
