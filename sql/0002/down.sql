@@ -110,6 +110,11 @@ drop function if exists lockstep.watch(text, regclass, name, regclass, name, tex
 drop function if exists lockstep.enqueue_through();
 drop function if exists lockstep._append_through(text, oid, text[]);
 drop function if exists lockstep._take_through(text);
+drop function if exists lockstep._caller();
+drop function if exists lockstep._check_manages(text);
+drop function if exists lockstep._caller_manages(text);
+drop function if exists lockstep._delete(text, text, text[], text[]);
+drop function if exists lockstep._settle_failures(text, text[], text[], text[]);
 drop function if exists lockstep._resolve_through(lockstep.job);
 drop table if exists lockstep.through_entry;
 drop function if exists lockstep._watch_through(lockstep.job, regclass, name, regclass, name);

@@ -403,10 +403,10 @@ begin
     perform lockstep._ddl(v_rels, v_drops,
                           pg_catalog.format('drop_job(%L)', j.job));
     perform lockstep._drop_unused_triggers();  -- 08_enqueue.sql
-    delete from lockstep.queue q where q.job = j.job;
-    delete from lockstep.recompute_flag f where f.job = j.job;
+    perform lockstep._delete('queue', j.job);
+    perform lockstep._delete('recompute_flag', j.job);
     perform lockstep._take_through(j.job);  -- its through keys (17_through.sql), while the job still exists
-    delete from lockstep.job x where x.job = j.job;
+    perform lockstep._delete('job', j.job);
     perform lockstep._capture_cleanup();  -- its lockstep.wal_watch rows went with it (16_capture.sql)
     if pg_catalog.obj_description(pg_catalog.to_regprocedure(j.compute), 'pg_proc')
        = 'lockstep: compute of a job defined by a query' then  -- written by lockstep._query_compute

@@ -919,8 +919,8 @@ begin
         where s.job = _save_derived.job;
         -- another parent key type: the queued keys and their failures name old parents; the due recompute covers all
         if old.key_type is distinct from key_type then
-            delete from lockstep.queue q where q.job = _save_derived.job;
-            delete from lockstep.key_failure f where f.job = _save_derived.job;
+            perform lockstep._delete('queue', _save_derived.job);
+            perform lockstep._delete('key_failure', _save_derived.job);
         end if;
     end if;
 end;

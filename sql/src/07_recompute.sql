@@ -552,9 +552,9 @@ begin
         update lockstep.key_failure f set retry_at = now(), failed_upto = case when f.parked then 0 else f.failed_upto end
         where f.job = j.job and f.key = any(v_kept);
     end if;
-    delete from lockstep.key_failure f where f.job = j.job and f.key <> all(v_kept);
+    perform lockstep._delete('key_failure', j.job, other_keys => v_kept);
     if cardinality(v_bad) > 0 then
-        delete from lockstep.queue q where q.job = j.job and q.key = any(v_bad);
+        perform lockstep._delete('queue', j.job, v_bad);
     end if;
 end;
 $$;

@@ -289,12 +289,15 @@ comment on function lockstep._flag(text, text) is
 
 -- lockstep._clear_flag(j, snap, started): after a successful full recompute that began at started with
 -- snapshot snap: forget the flags snap saw; this transaction's own flags only if raised before started.
+-- Security definer, for a caller that manages j (42501): no recipe role holds DELETE on the flags.
 -- locks: the job's lockstep.recompute_flag rows (deleted).
 create or replace function lockstep._clear_flag(j lockstep.job, snap pg_snapshot, started timestamptz) returns void
 language plpgsql
+security definer
 set search_path = pg_catalog, pg_temp
 as $$
 begin
+    perform lockstep._check_manages(j.job);
     delete from lockstep.recompute_flag f
     where f.job = j.job
       and (case when f.xid = pg_catalog.pg_current_xact_id_if_assigned() then f.flagged_at < started

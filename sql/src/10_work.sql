@@ -207,11 +207,13 @@ $$;
 -- lockstep._settle_entries(j, ids, ctids, entry_canon, leave, skip, fold): delete the entries done (not of a
 -- key in leave), defer those of keys in skip a second, and fold those of a key in fold into its oldest
 -- entry, its key rewritten in canonical text (returned: held_keys, held_ids); each by row id, checked again
--- by id.
+-- by id and job. Security definer, for a caller that manages j (42501): no recipe role holds UPDATE or
+-- DELETE on the queue.
 -- locks: those queue entries (deleted or updated; disjoint rows: skip and fold are part of leave, fold wins).
 create or replace function lockstep._settle_entries(j lockstep.job, ids bigint[], ctids tid[], entry_canon text[], leave text[],
                                          skip text[], fold text[], out held_keys text[], out held_ids bigint[])
 language plpgsql
+security definer
 set search_path = pg_catalog, pg_temp
 set plan_cache_mode = force_generic_plan
 set enable_seqscan = off
@@ -224,6 +226,7 @@ declare
     v_skipped_ids bigint[] := '{}';
     v_held tid[] := '{}';
 begin
+    perform lockstep._check_manages(j.job);
     held_keys := '{}';
     held_ids := '{}';
     if cardinality(leave) > 0 then
@@ -243,13 +246,13 @@ begin
     end if;
     -- one statement for both, run even with no row: a missing privilege fails every pass at once
     with d as (delete from lockstep.queue q using unnest(v_done, v_done_ids) u(c, i)
-               where q.ctid = u.c and (q.id = u.i) is true),
+               where q.ctid = u.c and (q.id = u.i) is true and (q.job = j.job) is true),
          h as (update lockstep.queue q set key = u.k
                from unnest(v_held, held_ids, held_keys) u(c, i, k)
-               where q.ctid = u.c and (q.id = u.i) is true and q.key <> u.k)
+               where q.ctid = u.c and (q.id = u.i) is true and (q.job = j.job) is true and q.key <> u.k)
     update lockstep.queue q set ready_at = lockstep._defer_until()
     from unnest(v_skipped, v_skipped_ids) u(c, i)
-    where q.ctid = u.c and (q.id = u.i) is true;
+    where q.ctid = u.c and (q.id = u.i) is true and (q.job = j.job) is true;
 end;
 $$;
 comment on function lockstep._settle_entries(lockstep.job, bigint[], tid[], text[], text[], text[], text[]) is
@@ -538,6 +541,31 @@ comment on function lockstep._check_timed_out(lockstep.job, integer) is
     'key (the batch''s keys become suspects). Locks: as lockstep._write for an empty key set (nothing); '
     'the job''s key_failure rows of those keys.';
 
+-- lockstep._settle_failures(job, canon, leave, probe_suspects): after a pass over the keys canon, forget
+-- job's failures of those keys not in leave; after a probe that timed out, also the other suspects (keys
+-- never attempted, due, not parked) but probe_suspects. Security definer, for a caller that manages job
+-- (42501): no recipe role holds DELETE on key_failure.
+-- locks: those key_failure rows (deleted).
+create or replace function lockstep._settle_failures(job text, canon text[], leave text[], probe_suspects text[])
+returns void
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    perform lockstep._check_manages(job);
+    delete from lockstep.key_failure f
+    where f.job = _settle_failures.job
+      and ((f.key = any(canon) and f.key <> all(leave))
+           or (coalesce(cardinality(probe_suspects), 0) > 0 and f.attempts = 0 and not f.parked
+               and f.retry_at <= now() and f.key <> all(probe_suspects)));
+end;
+$$;
+comment on function lockstep._settle_failures(text, text[], text[], text[]) is
+    'After a pass: forget the job''s failures of the keys passed but those left; after a timed-out probe, '
+    'the other due suspects. Security definer, for a caller that manages the job (42501). Locks: those '
+    'key_failure rows (deleted).';
+
 -- lockstep._settle(j, kind, raw, ids, ctids, entry_keys, p, bad, bad_errors): lockstep's own rows for a
 -- pass: entries done deleted, skipped deferred, failing keys, suspects and unreadable keys recorded
 -- (lockstep._record_failures); message for the result (lockstep._settle_message); cured: a failed key
@@ -572,11 +600,7 @@ begin
       and exists (select from unnest(ids, v_ecanon) e(i, k) where e.k = f.key and e.i <> f.failed_upto);
     -- entries done go, skipped ones wait a second, a failing key's fold into one
     select * into h from lockstep._settle_entries(j, ids, ctids, v_ecanon, v_leave, p.skipped, p.failed || bad);
-    delete from lockstep.key_failure f
-    where f.job = j.job and ((f.key = any(v_ecanon) and f.key <> all(v_leave))
-                             -- a probe timed out: the other suspects are cleared, its keys stay suspects
-                             or (kind = 'probe' and cardinality(v_susp) > 0 and f.attempts = 0 and not f.parked
-                                 and f.retry_at <= now() and f.key <> all(v_susp)));
+    perform lockstep._settle_failures(j.job, v_ecanon, v_leave, case when kind = 'probe' then v_susp end);
     perform lockstep._record_failures(j, h.held_keys, h.held_ids, p, v_susp, bad, bad_errors);
     message := lockstep._settle_message(j, p, v_susp, bad, bad_errors);
 end;
@@ -848,12 +872,10 @@ begin
     -- the owner's (or a member's, or the admin's): row-level security would hide another owner's failures
     perform lockstep._check_owner(j);
     perform lockstep._wait_lock(j.lock_group);
-    with d as (delete from lockstep.key_failure f
-               where f.job = j.job and (keys is null or f.key = any(keys)) returning f.key)
-    select array_agg(d.key) into v_keys from d;
+    v_keys := lockstep._delete('key_failure', j.job, keys);
     select * into r from lockstep._readable(j, coalesce(v_keys, '{}'));
     if cardinality(r.bad) > 0 then
-        delete from lockstep.queue q where q.job = j.job and q.key = any(r.bad);
+        perform lockstep._delete('queue', j.job, r.bad);
         raise warning 'lockstep: % queued key(s) of job "%" cannot be read as %, so name no parent: dropped, first %',
             cardinality(r.bad), j.job, j.key_type, pg_catalog.quote_literal(r.bad[1])
             using detail = r.errors[1];

@@ -25,6 +25,87 @@ begin
 end;
 $$;
 
+-- lockstep._caller(): the role a SECURITY DEFINER function of lockstep acts for: the session's role (SET
+-- ROLE, which no security-definer function can change), else its login role.
+create or replace function lockstep._caller() returns name
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    return coalesce(nullif(pg_catalog.current_setting('role'), 'none'), session_user)::name;
+end;
+$$;
+
+-- lockstep._caller_manages(job): the caller (lockstep._caller) manages job, as lockstep._may_manage judges
+-- for the current role: it is the owner, a member of it or an admin, or the owner role is gone. True for a
+-- job that does not exist: there is nothing of it to change.
+create or replace function lockstep._caller_manages(job text) returns boolean
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_who name := lockstep._caller();
+    v_owner name := (select x.owner from lockstep.job x where x.job = _caller_manages.job);
+begin
+    return v_owner is null or v_owner = v_who
+       or not exists (select from pg_catalog.pg_roles r where r.rolname = v_owner)
+       or pg_catalog.pg_has_role(v_who, v_owner, 'MEMBER')
+       or (select pg_catalog.pg_has_role(v_who, c.relowner, 'MEMBER')
+           from pg_catalog.pg_class c where c.oid = 'lockstep.job'::pg_catalog.regclass);
+end;
+$$;
+
+-- lockstep._check_manages(job): the caller manages job (lockstep._caller_manages); else 42501.
+create or replace function lockstep._check_manages(job text) returns void
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_who name := lockstep._caller();
+    v_owner name := (select x.owner from lockstep.job x where x.job = _check_manages.job);
+begin
+    if lockstep._caller_manages(job) then
+        return;
+    end if;
+    raise exception 'lockstep: role "%" may not change the rows of job "%", owned by role "%"', v_who, job, v_owner
+        using errcode = '42501', hint = 'Only members of the owner role, and lockstep admins, may.';
+end;
+$$;
+
+-- lockstep._delete(tbl, job, keys, other_keys): delete job's rows of lockstep.<tbl> (queue, key_failure,
+-- recompute_flag, or job: the registry row, its status and failures by cascade): all, or those whose key
+-- is in keys and not in other_keys; for a caller that manages job (42501). Returns the keys deleted.
+-- Security definer: owners and runners hold no DELETE on lockstep's tables, so none may lock them.
+-- locks: those rows (deleted).
+create or replace function lockstep._delete(tbl text, job text, keys text[] default null,
+                                            other_keys text[] default null)
+returns text[]
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v text[];
+begin
+    perform lockstep._check_manages(job);
+    if tbl in ('job', 'recompute_flag') and keys is null and other_keys is null then
+        execute pg_catalog.format('delete from lockstep.%I x where x.job = $1', tbl) using job;
+        return null;
+    elsif tbl in ('queue', 'key_failure') then
+        execute pg_catalog.format(
+            'with d as (delete from lockstep.%I x where x.job = $1 and ($2 is null or x.key = any($2))'
+            ' and ($3 is null or x.key <> all($3)) returning x.key) select pg_catalog.array_agg(d.key) from d', tbl)
+            into v using job, keys, other_keys;
+        return v;
+    end if;
+    raise exception 'lockstep: _delete(%, ...) is not a deletion lockstep makes', tbl using errcode = '22023';
+end;
+$$;
+comment on function lockstep._delete(text, text, text[], text[]) is
+    'Delete a job''s rows of lockstep.queue, key_failure, recompute_flag or job (all, or by key), for a '
+    'caller that manages the job (42501); the keys deleted. Security definer: no recipe role holds DELETE on '
+    'lockstep''s tables. Locks: those rows (deleted).';
+
 -- lockstep._is_member(role): the current role is role or a member of it; false for a name no role has.
 create or replace function lockstep._is_member(role name) returns boolean
 language plpgsql stable

@@ -62,16 +62,19 @@ comment on function lockstep.set_run_log_retention(interval, integer) is
 
 -- lockstep._prune_run_log(job, run_no, keep, max_per_job, action): delete at most 10 rows older than keep
 -- and job's rows that just fell off its max_per_job newest (lockstep._spared_run spared). One pruner at a time.
+-- Security definer, for a caller that manages job (42501): no recipe role holds DELETE on run_log.
 -- locks: the advisory lock (lockstep, run_log), transaction-level, without waiting (not taken: no prune);
 -- then the run_log rows it deletes (no application touches them).
 create or replace function lockstep._prune_run_log(job text, run_no bigint, keep interval, max_per_job integer,
                                         action text default null)
 returns void
 language plpgsql
+security definer
 set search_path = pg_catalog, pg_temp
 set plan_cache_mode = force_generic_plan
 as $$
 begin
+    perform lockstep._check_manages(job);
     if not pg_catalog.pg_try_advisory_xact_lock(pg_catalog.hashtext('lockstep'), pg_catalog.hashtext('run_log')) then
         return;
     end if;
@@ -139,8 +142,8 @@ begin
         perform lockstep._prune_run_log(j.job, coalesce(s.runs, 0), v_keep, v_max, action);
     exception when others then
         raise warning 'lockstep: run of job "%" not logged in lockstep.run_log: %', j.job, sqlerrm
-            using hint = 'The role running jobs needs SELECT on lockstep.setting and SELECT, INSERT, DELETE '
-                         'on lockstep.run_log.';
+            using hint = 'The role running jobs needs SELECT on lockstep.setting and SELECT, INSERT on '
+                         'lockstep.run_log.';
     end;
 end;
 $$;

@@ -31,22 +31,36 @@ log = logging.getLogger(__name__)
 
 # the job owner: defines, watches, retries and drops its jobs; its jobs run with its rights. It owns the
 # watched tables (watch and drop_job are DDL on them).
+# Column grants only, and no DELETE: LOCK TABLE beyond ROW EXCLUSIVE needs a table-wide UPDATE, DELETE or
+# TRUNCATE; lockstep's definer functions delete (lockstep._delete, ...).
+JOB_INSERT = (
+    "job, kind, lock_group, call, target, compute, parent, parent_column, parent_key, key_type, target_key,"
+    " columns, image_columns, every, backoff, timeout"
+)
+JOB_UPDATE = (
+    "lock_group, call, target, compute, parent, parent_column, parent_key, key_type, target_key, columns,"
+    " image_columns, every, backoff, max_attempts, batch_parents, updated_at, paused_at, paused_by, timeout"
+)
+JOB_STATE_UPDATE = (
+    "next_run_at, retry_at, last_outcome, last_action, last_started_at, last_finished_at, last_duration_ms,"
+    " last_inserted, last_updated, last_deleted, last_skipped, last_more, consecutive_failures, last_error,"
+    " recompute_error, runs, recompute_total, recompute_queue_from, recompute_queue_to, deferred_until,"
+    " recompute_rest, recompute_rest_session, recompute_rest_at, recompute_poisoned_at,"
+    " recompute_poison_cured"
+)
 OWNER_GRANTS = [
     "grant usage on schema lockstep to {role}",
     "grant select on lockstep.job to {role}",
-    "grant insert on lockstep.job to {role}",
-    "grant update on lockstep.job to {role}",  # define_* upsert (ON CONFLICT DO UPDATE), set_max_attempts
-    "grant delete on lockstep.job to {role}",  # drop_job
+    f"grant insert ({JOB_INSERT}) on lockstep.job to {{role}}",
+    # define_* upsert (ON CONFLICT DO UPDATE), set_max_attempts
+    f"grant update ({JOB_UPDATE}) on lockstep.job to {{role}}",
     "grant select on lockstep.job_state to {role}",
-    "grant insert on lockstep.job_state to {role}",  # define_* creates the status row
-    "grant update on lockstep.job_state to {role}",  # retry ends the job's failure backoff
+    "grant insert (job) on lockstep.job_state to {role}",  # define_* creates the status row
+    f"grant update ({JOB_STATE_UPDATE}) on lockstep.job_state to {{role}}",  # retry ends the backoff
     "grant select on lockstep.queue to {role}",
     "grant insert (job, key) on lockstep.queue to {role}",  # enqueue, retry
-    "grant delete on lockstep.queue to {role}",  # drop_job
     "grant select on lockstep.key_failure to {role}",
-    "grant delete on lockstep.key_failure to {role}",  # retry
     "grant select on lockstep.recompute_flag to {role}",  # lockstep.status shows the flags
-    "grant delete on lockstep.recompute_flag to {role}",  # drop_job
     # its own TRUNCATE of a watched table flags the job
     "grant insert (job, problem) on lockstep.recompute_flag to {role}",
     "grant select on lockstep.status to {role}",
@@ -68,20 +82,23 @@ RUNNER_GRANTS = [
     "grant usage on schema lockstep to {role}",
     "grant select on lockstep.job to {role}",
     "grant select on lockstep.job_state to {role}",
-    "grant insert on lockstep.job_state to {role}",  # run() makes a status row deleted by hand again
-    "grant update on lockstep.job_state to {role}",
+    "grant insert (job) on lockstep.job_state to {role}",  # run() makes a status row deleted by hand again
+    f"grant update ({JOB_STATE_UPDATE}) on lockstep.job_state to {{role}}",
     "grant select on lockstep.queue to {role}",
     "grant insert (job, key) on lockstep.queue to {role}",  # a recompute re-queues the parents it had to skip
-    "grant update on lockstep.queue to {role}",  # a skipped key is retried a second later
-    "grant delete on lockstep.queue to {role}",
     "grant select on lockstep.key_failure to {role}",
-    "grant insert on lockstep.key_failure to {role}",
-    "grant update on lockstep.key_failure to {role}",
-    "grant delete on lockstep.key_failure to {role}",
+    "grant insert (job, key, attempts, last_error, retry_at, parked, failed_upto)"
+    " on lockstep.key_failure to {role}",
+    "grant update (attempts, last_error, last_failed_at, retry_at, parked, failed_upto)"
+    " on lockstep.key_failure to {role}",
     "grant select on lockstep.recompute_flag to {role}",  # due() and run(): a flagged job's recompute is due
-    "grant delete on lockstep.recompute_flag to {role}",  # a recompute clears the flags it covered
     "grant {owner} to {role}",
     "grant select on lockstep.status to {role}",  # `lockstep status`, metrics
+]
+# ... and for the run history (without them the runs still happen, unlogged)
+RUN_LOG_GRANTS = [
+    "grant select on lockstep.setting to {role}",
+    "grant select, insert on lockstep.run_log to {role}",
 ]
 # an application role that writes the watched tables: its statement triggers enqueue as that role.
 APP_GRANTS = [
@@ -172,8 +189,16 @@ def test_every_function_is_security_invoker_with_a_pinned_search_path(conn):
     definer = [name for name, secdef, _ in rows if secdef]
     # the two that keep lockstep.through_entry out of every recipe: an application's trigger appends through
     # keys, a worker takes back only those of jobs it may manage (17_through.sql); both pinned, as below
+    # and the deletions of lockstep's own rows, each for a caller that manages the job
+    # (lockstep._check_manages): no recipe role holds DELETE or a table-wide UPDATE on lockstep's tables,
+    # so none may lock them
     assert definer == [
         "lockstep._append_through(text,oid,text[])",
+        "lockstep._clear_flag(lockstep.job,pg_snapshot,timestamp with time zone)",
+        "lockstep._delete(text,text,text[],text[])",
+        "lockstep._prune_run_log(text,bigint,interval,integer,text)",
+        "lockstep._settle_entries(lockstep.job,bigint[],tid[],text[],text[],text[],text[])",
+        "lockstep._settle_failures(text,text[],text[],text[])",
         "lockstep._take_through(text)",
     ], f"SECURITY DEFINER functions: {definer}"
     unpinned = [name for name, _, config in rows if "search_path=pg_catalog, pg_temp" not in (config or [])]
@@ -315,12 +340,22 @@ def _drain(r: psycopg.Connection, job: str) -> None:
 
 
 def _lockstep_owned_by(ex: psycopg.Connection, role: str) -> None:
-    """Give schema lockstep and its tables to role, as if `lockstep migrate` had run as it."""
+    """Give schema lockstep, its tables and views and its SECURITY DEFINER functions to role, as if
+    `lockstep migrate` had run as it."""
     ex.execute(sql.SQL("alter schema lockstep owner to {}").format(sql.Identifier(role)))
-    for t in ("job", "job_state", "queue", "key_failure", "status", "parked_keys", "failing_keys"):
+    rels = ex.execute(
+        "select c.relname from pg_class c"
+        " where c.relnamespace = 'lockstep'::regnamespace and c.relkind in ('r', 'v')"
+    ).fetchall()
+    for (t,) in rels:
         ex.execute(
             sql.SQL("alter table {} owner to {}").format(sql.Identifier("lockstep", t), sql.Identifier(role))
         )
+    for (f,) in ex.execute(
+        "select p.oid::regprocedure::text from pg_proc p where p.pronamespace = 'lockstep'::regnamespace"
+        " and p.prosecdef"
+    ).fetchall():
+        ex.execute(sql.SQL("alter function {} owner to {}").format(sql.SQL(f), sql.Identifier(role)))
 
 
 def recipe_scenario(ex: psycopg.Connection, dsn: str, roles, without: tuple[str, int] | None = None) -> None:
@@ -403,7 +438,8 @@ def recipe_scenario(ex: psycopg.Connection, dsn: str, roles, without: tuple[str,
         _check((res["action"], res["outcome"]) == ("recompute", "done"), f"status row made again: {res}")
         for c, who in ((o, "owner"), (r, "runner"), (ad, "admin")):
             rows = c.execute(
-                "select last_outcome, last_error from lockstep.status where job = 'exam_keys'"
+                "select last_outcome, last_error from lockstep.status"
+                " where job = 'exam_keys' and needs_recompute is null"
             ).fetchall()
             _check(rows == [("done", None)], f"{who} reads status {rows}")
         ad.execute("select lockstep.set_max_attempts('exam_keys', 3)")  # another role's job
@@ -824,10 +860,14 @@ def test_member_of_the_owner_role_can_redefine_and_drop(ex, example_dsn, owners)
 
 
 def test_ownership_cannot_be_taken_with_plain_dml(ex, example_dsn, owners):
+    """The recipe grants no UPDATE of owner; a role granted it is held by row-level security."""
     owner, other, _ = owners
     with psycopg.connect(as_role(example_dsn, owner), autocommit=True) as o:
         _define_noop(o)
     with psycopg.connect(as_role(example_dsn, other), autocommit=True) as x:
+        with raises_sqlstate("42501", match="permission denied for table job"):
+            x.execute("update lockstep.job set owner = current_user where job = 'owned'")
+        ex.execute(sql.SQL("grant update on lockstep.job to {}").format(sql.Identifier(other)))
         taken = x.execute(
             "update lockstep.job set owner = current_user where job = 'owned' returning job"
         ).fetchall()
@@ -835,10 +875,14 @@ def test_ownership_cannot_be_taken_with_plain_dml(ex, example_dsn, owners):
 
 
 def test_own_job_cannot_be_given_to_another_role_or_to_no_role(ex, example_dsn, owners):
-    """RLS WITH CHECK: an owner may only name a role it is a member of (the job would run as that role)."""
+    """The recipe grants no UPDATE of owner; for a role granted it, RLS WITH CHECK: an owner may only name a
+    role it is a member of (the job would run as that role)."""
     owner, other, _ = owners
     with psycopg.connect(as_role(example_dsn, owner), autocommit=True) as o:
         _define_noop(o)
+        with raises_sqlstate("42501", match="permission denied for table job"):
+            o.execute("update lockstep.job set owner = %s where job = 'owned'", [other])
+        ex.execute(sql.SQL("grant update on lockstep.job to {}").format(sql.Identifier(owner)))
         for new_owner in (other, "root", "no_such_role_" + secrets.token_hex(4)):
             with raises_sqlstate("42501", match="row-level security"):
                 o.execute("update lockstep.job set owner = %s where job = 'owned'", [new_owner])

@@ -17,13 +17,14 @@ from test_security import (  # noqa: F401 (fixtures)
     EXAMPLE_OWNER_GRANTS,
     HOSTILE_PATH_SQL,
     OWNER_GRANTS,
+    RUN_LOG_GRANTS,
     RUNNER_GRANTS,
     _as,
     as_role,
     mallory,
     roles,
 )
-from util import LOCKSTEP_TABLES, raises_sqlstate, result
+from util import LOCKSTEP_TABLES, raises_sqlstate, result, snapshot
 
 from lockstep import db
 
@@ -107,6 +108,36 @@ def test_the_application_never_casts_an_unsafe_key_it_flags_the_job(ex, example_
         _plant_enum_casts(m)
     ex.execute("delete from lockstep.recompute_flag")
     ex.execute("insert into mal.p values ('b') on conflict do nothing")
+    ex.execute("delete from mal.p where id = 'b'")
+    assert ex.execute(LOOT).fetchone()[0] == 0
+    flags = ex.execute("select problem from lockstep.recompute_flag where job = 'ejob'").fetchall()
+    assert flags and all("cast" in p for (p,) in flags), flags
+
+
+def test_an_admin_watch_never_casts_an_unsafe_key_as_the_writer(ex, example_dsn, mallory):
+    """watch() run by a role that may create in schema lockstep (the admin here) may generate a trigger
+    function that casts the key column to text itself: only for built-in key types, whose casts no owner
+    may add. An enum key gets the general trigger, which flags the job: mallory's cast added after the
+    watch never runs as the writer (the admin)."""
+    with _as(example_dsn, mallory) as m:
+        _plant_steal(m)
+        _enum_job(m)
+        m.execute(
+            "create function mal.int_text(i bigint) returns text language sql as 'select mal.steal()::text'"
+        )
+        with raises_sqlstate("42501", match="must be owner of type"):
+            m.execute("create cast (bigint as text) with function mal.int_text(bigint)")
+    ex.execute("select lockstep.watch('ejob', 'mal.p', 'id')")
+    fns = ex.execute(
+        "select p.oid::regprocedure::text from pg_trigger t join pg_proc p on p.oid = t.tgfoid"
+        " where t.tgrelid = 'mal.p'::regclass and not t.tgisinternal"
+    ).fetchall()
+    assert {f for (f,) in fns} == {"lockstep.enqueue_trigger()"}, fns
+    with _as(example_dsn, mallory) as m:
+        _plant_enum_casts(m)
+    ex.execute("delete from lockstep.recompute_flag")
+    ex.execute("insert into mal.p values ('b') on conflict do nothing")
+    ex.execute("update mal.p set id = id where id = 'a'")
     ex.execute("delete from mal.p where id = 'b'")
     assert ex.execute(LOOT).fetchone()[0] == 0
     flags = ex.execute("select problem from lockstep.recompute_flag where job = 'ejob'").fetchall()
@@ -357,29 +388,7 @@ def test_the_entry_points_are_safe_under_a_hostile_search_path(ex):
 # table locks ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "recipe",
-    [
-        "app",
-        pytest.param(
-            "owner",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="the owner recipe still grants UPDATE/DELETE on lockstep's tables (define_*, retry, "
-                "drop_job write them as the owner); owners acting only through SECURITY DEFINER functions "
-                "is not built yet",
-            ),
-        ),
-        pytest.param(
-            "runner",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="the runner writes lockstep's bookkeeping as itself (it must SET ROLE to each owner, "
-                "which a SECURITY DEFINER function may not)",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("recipe", ["app", "owner", "runner"])
 def test_no_recipe_role_can_lock_lockstep_tables(ex, example_dsn, roles, recipe):
     """An owner of the recipe held ACCESS EXCLUSIVE on lockstep.queue and lockstep.job: every application
     write of every watched table then waited. SHARE is the weakest mode that blocks an application's
@@ -387,12 +396,13 @@ def test_no_recipe_role_can_lock_lockstep_tables(ex, example_dsn, roles, recipe)
     grants = {
         "app": (APP_GRANTS, ["grant insert (job, problem) on lockstep.recompute_flag to {role}"]),
         "owner": (OWNER_GRANTS, EXAMPLE_OWNER_GRANTS),
-        "runner": (RUNNER_GRANTS,),
+        # with the run history's grants (docs/security.md)
+        "runner": (RUNNER_GRANTS, RUN_LOG_GRANTS),
     }[recipe]
     names = {"owner": roles("exam_owner", login=False)} if recipe == "runner" else {}
     role = roles(f"lockstep_{recipe}", *grants, **names)
     with psycopg.connect(as_role(example_dsn, role)) as c:
-        for t in LOCKSTEP_TABLES + ("run_log", "setting", "viewer"):
+        for t in LOCKSTEP_TABLES + ("run_log", "setting", "viewer", "through_entry"):
             with raises_sqlstate("42501"):
                 c.execute(f"lock table lockstep.{t} in share mode nowait")
             c.rollback()
@@ -415,3 +425,37 @@ def test_verify_and_preview_leave_the_callers_search_path(ex, example_dsn, mallo
     ex.execute(call).fetchall()
     assert ex.execute("show search_path").fetchone()[0] == "example, public"
     assert ex.execute("select current_setting('DateStyle')").fetchone()[0] == before
+
+
+def test_lockstep_definer_functions_change_only_the_jobs_the_caller_manages(ex, example_dsn, roles):
+    """lockstep deletes its own rows in SECURITY DEFINER functions (no recipe role holds DELETE), which
+    every role may call: each refuses a job its caller does not manage. _take_through, a definer function
+    asking lockstep._may_manage (the definer's own rights there), handed another owner's through keys to
+    anyone."""
+    other = roles("exam_owner", OWNER_GRANTS)
+    ex.execute("insert into lockstep.queue (job, key) values ('exam_keys', '1')")
+    ex.execute("insert into lockstep.recompute_flag (job, problem) values ('exam_keys', 'x')")
+    ex.execute(
+        "insert into lockstep.key_failure (job, key, attempts, last_error, retry_at) values"
+        " ('exam_keys', '1', 1, 'boom', now())"
+    )
+    ex.execute(
+        "insert into lockstep.through_entry (job, through, key)"
+        " values ('exam_keys', 'example.exam'::regclass::oid, '1')"
+    )
+    before = snapshot(ex, "lockstep.through_entry", "lockstep.run_log")
+    job = "(select j from lockstep.job j where j.job = 'exam_keys')"
+    with psycopg.connect(as_role(example_dsn, other), autocommit=True) as o:
+        for call in [
+            *(f"lockstep._delete('{t}', 'exam_keys')" for t in LOCKSTEP_TABLES if t != "job_state"),
+            "lockstep._delete('queue', 'exam_keys', array['1'])",
+            "lockstep._settle_failures('exam_keys', array['1'], '{}', array['2'])",
+            f"lockstep._settle_entries({job}, array[1::bigint], array['(0,1)'::tid], array['1'], '{{}}',"
+            " '{}', '{}')",
+            f"lockstep._clear_flag({job}, pg_current_snapshot(), now())",
+            "lockstep._prune_run_log('exam_keys', 100, interval '1 second', 0)",
+        ]:
+            with raises_sqlstate("42501", match="may not change the rows of job"):
+                o.execute(f"select {call}")
+        assert o.execute("select * from lockstep._take_through('exam_keys')").fetchall() == []
+    assert snapshot(ex, "lockstep.through_entry", "lockstep.run_log") == before
