@@ -39,7 +39,8 @@ JOB_INSERT = (
 )
 JOB_UPDATE = (
     "lock_group, call, target, compute, parent, parent_column, parent_key, key_type, target_key, columns,"
-    " image_columns, every, backoff, max_attempts, batch_parents, updated_at, paused_at, paused_by, timeout"
+    " image_columns, every, backoff, max_attempts, batch_parents, updated_at, paused_at, paused_by, timeout,"
+    " parent_columns, parent_keys"
 )
 JOB_STATE_UPDATE = (
     "next_run_at, retry_at, last_outcome, last_action, last_started_at, last_finished_at, last_duration_ms,"
