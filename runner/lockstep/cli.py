@@ -909,10 +909,13 @@ def resume(job: str, dsn: str | None, json: bool) -> None:
     _setup_logging(level=log_level(logging.WARNING))
     with _connect(dsn, "lockstep-resume") as conn:
         was = db.resume(conn, job)
+        derived = db.kind(conn, job) == "derived"  # a generic job has no recompute to flag
     if json:
         _echo_json({"job": job, "resumed": was})
+    elif not was:
+        click.echo(f"{job}: was not paused")
     else:
-        click.echo(f"{job}: resumed; its full recompute is due" if was else f"{job}: was not paused")
+        click.echo(f"{job}: resumed; its full recompute is due" if derived else f"{job}: resumed")
 
 
 @main.command()

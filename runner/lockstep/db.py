@@ -517,6 +517,12 @@ def resume(conn: psycopg.Connection, job: str) -> bool:
     return conn.execute("select lockstep.resume(%s)", [job]).fetchone()[0]
 
 
+def kind(conn: psycopg.Connection, job: str) -> str | None:
+    """The job's kind in ``lockstep.status`` (``derived`` or ``job``), None for a job it does not show."""
+    row = conn.execute("select kind from lockstep.status where job = %s", [job]).fetchone()
+    return row[0] if row else None
+
+
 def recompute(conn: psycopg.Connection, job: str) -> Result:
     """``lockstep.recompute(job)`` in its own READ COMMITTED transaction (its first batch, the rest handed to
     the queue)."""

@@ -239,3 +239,13 @@ def test_backfill_of_a_difference_that_fits_in_one_batch_says_so(ex, example_dsn
     assert p.returncode == 0, p.stderr
     assert f"backfill {JOB}: the whole difference in one pass:" in p.stdout
     assert divergence(ex) == (0, 0)
+
+
+def test_resume_says_a_recompute_is_due_only_for_a_derived_job(ex, example_dsn):
+    """A generic job has no recompute: `lockstep resume` of one said "its full recompute is due"."""
+    ex.execute("create function public.tidy() returns void language sql as 'select'")
+    ex.execute("select lockstep.define_job('tidy', 'public.tidy()')")
+    for job, said in (("tidy", "tidy: resumed"), (JOB, f"{JOB}: resumed; its full recompute is due")):
+        assert cli(example_dsn, "pause", job).returncode == 0
+        r = cli(example_dsn, "resume", job)
+        assert (r.returncode, r.stdout.strip()) == (0, said), r.stderr
