@@ -937,7 +937,7 @@ def backfill(job: str, dsn: str | None, json: bool) -> None:
         _echo_json({"job": job, "state": out.state, "done": p.done, "total": p.total, "passes": p.passes,
                     "error": out.error})  # fmt: skip
     elif out.state == "done":
-        click.echo(f"{job}: backfill done: {p.done} parents in {p.passes} passes")
+        click.echo(f"{job}: backfill done: {p.summary()}")
     else:
         why = f": {out.error}" if out.error else ""
         rest = "; the rest stays queued for the runner" if out.state == "interrupted" else ""

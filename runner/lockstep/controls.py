@@ -90,12 +90,22 @@ class Progress:
 
     def line(self) -> str:
         if self.total == 0:  # nothing handed off: the whole difference was one batch
-            return f"the whole difference in one pass: {self.rows} rows written ({self.passes} passes)"
+            return f"the whole difference in one pass: {self.rows} rows written"
         eta = self.eta()
         return (
             f"{self.done}/{self.total} parents done, {self.todo} to do, {self.rate():.0f} parents/s,"
-            f" ETA {'-' if eta is None else f'{eta:.0f} s'} ({self.rows} rows, {self.passes} passes)"
+            f" ETA {'-' if eta is None else f'{eta:.0f} s'} ({self.rows} rows, {passes(self.passes)})"
         )
+
+    def summary(self) -> str:
+        """The end of a converged backfill: the parents of its hand-off, or the rows of its one batch."""
+        if self.total == 0:
+            return f"{self.rows} rows written in {passes(self.passes)}"
+        return f"{self.done} parents in {passes(self.passes)}"
+
+
+def passes(n: int) -> str:
+    return f"{n} pass" if n == 1 else f"{n} passes"
 
 
 @dataclass

@@ -239,6 +239,11 @@ def test_backfill_of_a_difference_that_fits_in_one_batch_says_so(ex, example_dsn
     assert p.returncode == 0, p.stderr
     assert f"backfill {JOB}: the whole difference in one pass:" in p.stdout
     assert divergence(ex) == (0, 0)
+    # it ended with "backfill done: 0 parents in 2 passes", after "... one pass: 9 rows written (1 passes)"
+    assert re.fullmatch(
+        rf"{JOB}: backfill done: [1-9]\d* rows written in (1 pass|\d+ passes)", p.stdout.splitlines()[-1]
+    )
+    assert "1 passes" not in p.stdout, p.stdout
 
 
 def test_resume_says_a_recompute_is_due_only_for_a_derived_job(ex, example_dsn):
