@@ -106,7 +106,7 @@ begin
     end loop;
 end;
 $$;
-drop function if exists lockstep.watch(text, regclass, name, regclass, name, text);
+drop function if exists lockstep.watch(text, regclass, name, regclass, name, text, name[]);
 drop function if exists lockstep.enqueue_through();
 drop function if exists lockstep._append_through(text, oid, text[]);
 drop function if exists lockstep._take_through(text);
@@ -118,6 +118,11 @@ drop function if exists lockstep._settle_failures(text, text[], text[], text[]);
 drop function if exists lockstep._resolve_through(lockstep.job);
 drop table if exists lockstep.through_entry;
 drop function if exists lockstep._watch_through(lockstep.job, regclass, name, regclass, name);
+drop function if exists lockstep._key_columns_problem(regclass, name[], regtype);
+drop function if exists lockstep._check_key_columns(lockstep.job, regclass, name[]);
+drop function if exists lockstep._key_columns_sql(regtype, name[], text);
+drop function if exists lockstep._gen_key_columns(lockstep.job, regclass, name[]);
+drop function if exists lockstep._watch_key_columns(lockstep.job, regclass, name[], regclass, text);
 drop function if exists lockstep._through_key(regclass, name, regclass);
 drop function if exists lockstep._check_source_key(lockstep.job, regclass, name);
 
@@ -157,9 +162,14 @@ alter table lockstep.setting drop column if exists capture_unhealthy_bytes, drop
 
 -- jobs defined by a query (0002) keep their generated compute function, as a job of 0001 would
 drop function if exists lockstep.define_derived(text, regclass, regprocedure, regclass, name, text, interval, interval, text, text);
-drop function if exists lockstep._query_compute(text, regclass, text, regclass, name, text);
-drop function if exists lockstep._query_parent(regclass, regclass, name);
-drop function if exists lockstep._query_scans(text, text, name, regtype);
+drop function if exists lockstep._query_compute(text, regclass, text, regclass, name, text, name[]);
+drop function if exists lockstep._query_parent(regclass, regclass, name, name[]);
+drop function if exists lockstep._query_key_type(regclass, regclass, name[]);
+drop function if exists lockstep._query_name(regclass, text);
+drop function if exists lockstep._query_body(text, text, name[], regtype);
+drop function if exists lockstep._query_filter(name[], regtype, text, text[]);
+drop function if exists lockstep._query_fields(regtype);
+drop function if exists lockstep._query_scans(text, text, name[], regtype);
 drop function if exists lockstep._query_columns(text, text);
 drop function if exists lockstep.verify(text, anyarray);
 drop function if exists lockstep.verify(text);

@@ -411,6 +411,9 @@ begin
     if pg_catalog.obj_description(pg_catalog.to_regprocedure(j.compute), 'pg_proc')
        = 'lockstep: compute of a job defined by a query' then  -- written by lockstep._query_compute
         execute pg_catalog.format('drop function if exists %s', j.compute);
+        if pg_catalog.obj_description(j.key_type, 'pg_type') = 'lockstep: key of a job defined by a query' then
+            execute pg_catalog.format('drop type if exists %s', j.key_type);  -- lockstep._query_key_type's
+        end if;
     end if;
     v_own := lockstep._own_enqueuers(j.job);
     if v_own is not null then

@@ -781,7 +781,7 @@ begin
             hint = 'compute => a function of the parent keys, or query => ''select ...'' returning the target''s columns.';
     elsif query is not null then
         compute := lockstep._query_compute(job, target, pg_catalog.rtrim(pg_catalog.btrim(query), ';'), parent,
-                                           parent_column, query_search_path);
+                                           parent_column, query_search_path, parent_columns);
     end if;
     perform lockstep._check_schedule(job, lock_group, every, backoff);
     perform lockstep._check_timeout(timeout);

@@ -32,6 +32,8 @@ begin
     left join pg_catalog.pg_type t on t.oid = a.atttypid;
     problem := case when v_queue is null then 'unknown job'
                     when not v_queue then 'the job has no parent, so it has no queue'
+                    when exists (select from pg_catalog.pg_type y where y.oid = key_type and y.typtype = 'c')
+                        then lockstep._key_columns_problem(rel, key_column::name[], key_type)  -- 20_watch_columns.sql
                     when v_type is null then pg_catalog.format('table %s has no column %I', rel::regclass, key_column)
                     when not v_conv then pg_catalog.format('column %s.%I is %s, which does not always convert to the key type %s',
                                                            rel::regclass, key_column, v_type, key_type) end;
@@ -144,6 +146,7 @@ declare
     v_new name;
     v_old name;
     v_type regtype;
+    v_key text;
 begin
     select t.tgnewtable, t.tgoldtable into v_new, v_old
     from pg_catalog.pg_trigger t where t.tgrelid = relid and t.tgname = trigger_name;
@@ -166,9 +169,12 @@ begin
     if problem is not null then
         return;
     end if;
+    v_key := case when exists (select from pg_catalog.pg_type y where y.oid = v_type and y.typtype = 'c')
+                  then lockstep._key_columns_sql(v_type, argv[1]::name[], 'x')  -- a composite key's columns
+                  else pg_catalog.format('x.%I::%s', argv[1], lockstep._type_sql(v_type)) end;
     sql := pg_catalog.concat_ws(' union all ',
-        case when v_new is not null then pg_catalog.format('select %I::%s k from %I', argv[1], lockstep._type_sql(v_type), v_new) end,
-        case when v_old is not null then pg_catalog.format('select %I::%s k from %I', argv[1], lockstep._type_sql(v_type), v_old) end);
+        case when v_new is not null then pg_catalog.format('select %s k from %I x', v_key, v_new) end,
+        case when v_old is not null then pg_catalog.format('select %s k from %I x', v_key, v_old) end);
     if v_type::text = any (lockstep._fast_types()) then  -- the same text under every setting
         sql := pg_catalog.format('select array(select k::pg_catalog.text '
                                  'from (select distinct k from (%s) s where k is not null) d order by k)', sql);
@@ -437,7 +443,11 @@ begin
         select a.atttypid into v_type from pg_catalog.pg_attribute a
         where a.attrelid = w.rel and a.attname = w.key_column and a.attnum > 0 and not a.attisdropped;
         -- the reason in words that say which
-        v_why := case when v_type is null then pg_catalog.format('its column %I is gone (renamed or dropped)', w.key_column)
+        v_why := case when v_type is null and w.key_column like '{%}' then  -- a composite key's columns
+                          coalesce(lockstep._key_columns_problem(w.rel, w.key_column::name[], key_type),
+                                   case when v_old <> key_type then pg_catalog.format(
+                                       'its trigger was made for the parent key type %s, not the new %s', v_old, key_type) end)
+                      when v_type is null then pg_catalog.format('its column %I is gone (renamed or dropped)', w.key_column)
                       when not lockstep._castable(v_type, _check_watchers.key_type) then
                           pg_catalog.format('its column %I is %s, which does not always convert to the new parent key type %s',
                                             w.key_column, v_type, key_type)
@@ -758,29 +768,38 @@ begin
 end;
 $$;
 
--- lockstep.watch(job, source, key_column, through, through_column, via): create the triggers that enqueue
--- source.key_column for job (and flag it on truncate) on source and every table below it; re-running
--- replaces them. With through, source is one hop below the parent (lockstep._watch_through).
+-- lockstep.watch(job, source, key_column, through, through_column, via, key_columns): create the triggers
+-- that enqueue source.key_column for job (and flag it on truncate) on source and every table below it;
+-- re-running replaces them. With through, source is one hop below the parent (lockstep._watch_through);
+-- with key_columns, the columns of a composite parent key (lockstep._watch_key_columns).
 -- locks: the advisory lock (lockstep, define), until the transaction ends (lockstep._check_cycle); then
 -- source and the tables below it (DROP / CREATE TRIGGER) through lockstep._ddl, never more than
 -- 100 ms at a time (55P03 after ~10 s); then, if source was not watched for job on that column, appends a
 -- lockstep.recompute_flag row.
-create or replace function lockstep.watch(job text, source regclass, key_column name,
+create or replace function lockstep.watch(job text, source regclass, key_column name default null,
                                           through regclass default null, through_column name default null,
-                                          via text default 'trigger') returns void
+                                          via text default 'trigger', key_columns name[] default null) returns void
 language plpgsql
 set search_path = pg_catalog, pg_temp
 set client_min_messages = warning
 as $$
 declare
     j lockstep.job := lockstep._queue_job(job);
-    v_type regtype := lockstep._check_watch(j, source, key_column);
+    v_type regtype;
     v_fast boolean;
     v_fn text := 'lockstep.enqueue_trigger';
     v_ddl text[];
     v_tables regclass[] := lockstep._family(source);
     v_flag text;
 begin
+    if key_column is not null and key_columns is not null then
+        raise exception 'lockstep: key_column and key_columns given together: pass one' using errcode = '22023',
+            hint = 'key_column => the column holding a one-column key, key_columns => the columns of a composite one.';
+    elsif key_columns is not null or lockstep._key_fields(j) is not null then  -- a composite key (20_watch_columns.sql)
+        perform lockstep._watch_key_columns(j, source, key_columns, through, via);
+        return;
+    end if;
+    v_type := lockstep._check_watch(j, source, key_column);
     if via = 'wal' and through is null then  -- no trigger: lockstep.capture() reads the WAL (16_capture.sql)
         perform lockstep._watch_wal(j, source, key_column);
         perform lockstep._warn_source(j, source, key_column, null);
@@ -827,10 +846,11 @@ begin
     perform lockstep._unwatch_wal(j.job, source);  -- watched through the WAL until now (16_capture.sql)
 end;
 $$;
-comment on function lockstep.watch(text, regclass, name, regclass, name, text) is
+comment on function lockstep.watch(text, regclass, name, regclass, name, text, name[]) is
     'Create the triggers that enqueue source.key_column for job (and flag it on truncate) on source and '
     'every table below it; re-running replaces them. With through, source is one hop below the parent '
-    '(lockstep._watch_through); LSD09 if it would close a cycle of derived jobs. Locks: the advisory lock '
+    '(lockstep._watch_through); with key_columns, the columns of a composite parent key '
+    '(lockstep._watch_key_columns); LSD09 if it would close a cycle of derived jobs. Locks: the advisory lock '
     '(lockstep, define) until the transaction ends; then source and the tables below it (DROP / CREATE TRIGGER) through '
     'lockstep._ddl, never more than 100 ms at a time (55P03 after ~10 s); then, if source was not watched'
     ' for job on that column, appends a lockstep.recompute_flag row.';

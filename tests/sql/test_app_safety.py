@@ -54,8 +54,33 @@ insert into app.day select date '2024-01-01' + g, g from generate_series(0, 40) 
 select lockstep.define_derived('days', 'app.day_sum', 'app.day_compute(date[])', parent => 'app.day',
                                every => '1 day');
 select lockstep.watch('days', 'app.day', 'd');
+-- a composite parent key (tenant, aid): the same guarantees as one column
+create table app.tacc (tenant int not null, aid bigint not null, bal integer not null default 0,
+                       primary key (tenant, aid));
+create table app.ttxn (id bigint generated always as identity primary key, tenant int not null,
+                       aid bigint not null, amount integer not null,
+                       foreign key (tenant, aid) references app.tacc on delete cascade);
+create table app.tband (tenant int not null, aid bigint not null, balance integer, primary key (tenant, aid),
+                        foreign key (tenant, aid) references app.tacc on delete cascade);
+create type app.tacc_key as (tenant int, aid bigint);
+create function app.tband_compute(keys app.tacc_key[]) returns table (tenant int, aid bigint, balance integer)
+language sql stable as $$
+    select a.tenant, a.aid, a.bal + coalesce((select sum(x.amount)::integer from app.ttxn x
+                                              where x.tenant = a.tenant and x.aid = a.aid), 0)
+    from app.tacc a where keys is null or (a.tenant, a.aid) in (select k.tenant, k.aid from unnest(keys) k)
+$$;
+insert into app.tacc (tenant, aid, bal) select t, g, g from generate_series(1, 2) t, generate_series(1, 20) g;
+select lockstep.define_derived('tband', 'app.tband', 'app.tband_compute(app.tacc_key[])',
+                               parent => 'app.tacc',
+                               every => '1 day');
+select lockstep.watch('tband', 'app.tacc', key_columns => array['tenant', 'aid']::name[]);
+select lockstep.watch('tband', 'app.ttxn', key_columns => array['tenant', 'aid']::name[]);
+create table app.tledger (id bigint generated always as identity primary key, tenant int not null,
+                          aid bigint not null, amount integer not null);  -- watched, not read by compute
+select lockstep.watch('tband', 'app.tledger', key_columns => array['tenant', 'aid']::name[]);
 select lockstep.recompute('band');
 select lockstep.recompute('days');
+select lockstep.recompute('tband');
 delete from lockstep.queue;
 """
 
@@ -83,7 +108,11 @@ def drain(conn: psycopg.Connection, job: str) -> None:
 
 def divergence(conn: psycopg.Connection, job: str) -> int:
     """Rows that differ between the target and compute(NULL), both ways."""
-    target, fn = {"band": ("app.band", "app.band_compute"), "days": ("app.day_sum", "app.day_compute")}[job]
+    target, fn = {
+        "band": ("app.band", "app.band_compute"),
+        "days": ("app.day_sum", "app.day_compute"),
+        "tband": ("app.tband", "app.tband_compute"),
+    }[job]
     return conn.execute(
         f"select count(*) from ((select * from {target} except all select * from {fn}(null))"
         f" union all (select * from {fn}(null) except all select * from {target})) s"
@@ -411,8 +440,10 @@ def test_a_session_with_row_security_off_still_enqueues(app, connect, dsn):
             c.execute("insert into app.txn (aid, amount) values (4, 1), (5, 2)")
             c.execute("select lockstep.enqueue('band', array[6])")
             c.execute("update app.day set v = v + 1 where d = date '2024-01-02'")
+            c.execute("insert into app.ttxn (tenant, aid, amount) values (2, 4, 1)")  # a composite key
             assert c.execute("show row_security").fetchone()[0] == "off"  # the session's own setting kept
         assert sorted(queue(app, "band")) == ["3", "4", "5", "6"] and queue(app, "days") == ["2024-01-02"]
+        assert queue(app, "tband") == ["(2,4)"]
         with connect(make_conninfo(dsn, user=role)) as c:
             c.execute("set row_security = off")
             c.execute("truncate app.day_sum, app.day cascade")  # the TRUNCATE trigger flags the job
@@ -904,6 +935,14 @@ APP_STATEMENTS = [
     "update app.day set v = v + 1 where d = date '2024-01-01' + {a}",
     "insert into app.acc (aid) values ({new}) on conflict do nothing",
     "delete from app.acc where aid = {new}",
+    "update app.tacc set bal = bal + 1 where tenant = 1 + {a} % 2 and aid = {a}",
+    "insert into app.ttxn values (default, 1, {a}, -7), (default, 2, {b}, 3)",  # positional, as app.ledger
+    "update app.ttxn set amount = amount + 1 where id = (select max(id) from app.ttxn)",
+    "delete from app.ttxn where id = (select min(id) from app.ttxn)",
+    "insert into app.tledger values (default, 1, {a}, 1)",  # positional: the admin renames its columns
+    "delete from app.tledger where id = (select max(id) from app.tledger)",
+    "insert into app.tacc (tenant, aid) values (2, {new}) on conflict do nothing",
+    "delete from app.tacc where tenant = 2 and aid = {new}",
 ]
 LEVELS = ["read committed", "repeatable read", "serializable"]
 DATESTYLES = ["ISO, MDY", "SQL, DMY"]
@@ -947,32 +986,36 @@ def _settle(conn: psycopg.Connection, jobs: list[str]) -> None:
 
 def test_hostile_application_catalogue(twopc_dsn):
     admin = psycopg.connect(twopc_dsn, autocommit=True)
-    actions: list[tuple[str, list[str], bool]] = [
-        # (admin action, jobs to check, band must end flagged)
-        ("select 1", ["band", "days"], False),
+    actions: list[tuple[str, list[str], str | None]] = [
+        # (admin action, jobs to check, the job that must end flagged)
+        ("select 1", ["band", "days", "tband"], None),
         (
             "select lockstep.define_derived('band', 'app.band', 'app.band_compute(bigint[])',"
             " parent => 'app.acc', every => '1 day', backoff => '2 hours')",
-            ["band", "days"],
-            False,
+            ["band", "days", "tband"],
+            None,
         ),
-        ("alter table app.ledger rename column aid to account", ["band", "days"], True),
-        ("alter table app.ledger rename column account to aid", ["band", "days"], False),
-        ("select lockstep.unwatch('days', 'app.day')", ["band"], False),
-        ("select lockstep.drop_job('days')", ["band"], False),
-        ("select lockstep.drop_job('band')", [], False),
+        ("alter table app.ledger rename column aid to account", ["band", "days", "tband"], "band"),
+        ("alter table app.ledger rename column account to aid", ["band", "days", "tband"], None),
+        ("alter table app.tledger rename column aid to account", ["band", "days", "tband"], "tband"),
+        ("alter table app.tledger rename column account to aid", ["band", "days", "tband"], None),
+        ("select lockstep.unwatch('days', 'app.day')", ["band", "tband"], None),
+        ("select lockstep.drop_job('days')", ["band", "tband"], None),
+        ("select lockstep.drop_job('band')", ["tband"], None),
+        ("select lockstep.drop_job('tband')", [], None),
     ]
     for i, (action, jobs, flagged) in enumerate(actions):
         admin.execute(action)
         errors = _app_round(twopc_dsn, i)
         assert errors == [], f"after {action}: {errors}"
         for job in jobs:
-            assert flag(admin, job)[0] == (flagged and job == "band"), (action, job, flag(admin, job))
+            assert flag(admin, job)[0] == (job == flagged), (action, job, flag(admin, job))
         if "unwatch" in action:  # no longer fed: the admin recomputes (or watches again)
             admin.execute("select lockstep.recompute('days')")
         _settle(admin, jobs)
     # drop_job took the user's own triggers too (they name the job)
-    assert [enqueue_triggers(admin, t) for t in ("app.acc", "app.txn", "app.ledger", "app.day")] == [[]] * 4
+    tables = ("app.acc", "app.txn", "app.ledger", "app.day", "app.tacc", "app.ttxn", "app.tledger")
+    assert [enqueue_triggers(admin, t) for t in tables] == [[]] * len(tables)
     admin.close()
 
 

@@ -185,3 +185,119 @@ def test_a_written_compute_another_job_calls_is_not_replaced(shop: psycopg.Conne
         define(shop, QUERY.replace("count(l.id)", "count(l.id) * 2"))
     assert shop.execute("select outcome from lockstep.recompute('copy')").fetchone()[0] == "done"
     assert shop.execute("select sum(lines) from shop.customer_total_copy").fetchone()[0] == 2000
+
+
+# -- a composite parent key: (tenant_id, id) ---------------------------------------------------------------
+
+TENANTS = """
+create schema mt;
+create table mt.customer (tenant_id int not null, id bigint not null, primary key (tenant_id, id));
+create table mt.orders (tenant_id int not null, id bigint not null, customer_id bigint not null,
+                        amount integer not null, primary key (tenant_id, id),
+                        foreign key (tenant_id, customer_id) references mt.customer on delete cascade);
+create index on mt.orders (tenant_id, customer_id);
+create table mt.customer_total (tenant_id int not null, customer_id bigint not null, total bigint not null,
+                                orders bigint not null, primary key (tenant_id, customer_id),
+                                foreign key (tenant_id, customer_id) references mt.customer
+                                    on delete cascade);
+insert into mt.customer select t, g from generate_series(1, 4) t, generate_series(1, 500) g;
+insert into mt.orders select 1 + g % 4, g, 1 + g % 500, g % 13 from generate_series(1, 20000) g;
+analyze mt.customer, mt.orders;
+"""
+MT_QUERY = """
+    select c.tenant_id, c.id as customer_id, coalesce(sum(o.amount), 0)::bigint as total,
+           count(o.id) as orders
+    from mt.customer c left join mt.orders o on o.tenant_id = c.tenant_id and o.customer_id = c.id
+    group by c.tenant_id, c.id
+"""
+MT_FN = "mt.customer_total_lockstep_compute"
+MT_KEY = "mt.customer_total_lockstep_key"
+
+
+@pytest.fixture
+def mt(conn: psycopg.Connection) -> psycopg.Connection:
+    conn.execute(TENANTS)
+    return conn
+
+
+def define_mt(conn: psycopg.Connection, query: str = MT_QUERY) -> list[str]:
+    notices: list[str] = []
+    conn.add_notice_handler(lambda d: notices.append(d.message_primary or ""))
+    conn.execute(
+        "select lockstep.define_derived('mt_totals', 'mt.customer_total', query => %s,"
+        " parent => 'mt.customer')",
+        [query],
+    )
+    return notices
+
+
+def test_a_query_defined_job_with_a_composite_key_keeps_its_target_current(mt):
+    notices = define_mt(mt)
+    assert not any("reads all of" in n for n in notices), notices
+    job = mt.execute("select key_type::text, parent_columns, compute from lockstep.job").fetchone()
+    assert job == (MT_KEY, ["tenant_id", "customer_id"], f"{MT_FN}({MT_KEY}[])")
+    fields = mt.execute(
+        "select array_agg(attname::text || ' ' || format_type(atttypid, null) order by attnum)"
+        " from pg_attribute"
+        f" where attrelid = (select typrelid from pg_type where oid = '{MT_KEY}'::regtype) and attnum > 0"
+    ).fetchone()[0]
+    assert fields == ["tenant_id integer", "id bigint"]  # the parent's key columns
+    mt.execute("select lockstep.recompute('mt_totals')")
+    drain(mt, "mt_totals")  # the recompute's batches after the first are handed to the worker
+    assert mt.execute("select count(*) from mt.customer_total").fetchone()[0] == 2000
+    mt.execute(
+        "select lockstep.watch('mt_totals', 'mt.orders',"
+        " key_columns => array['tenant_id', 'customer_id']::name[])"
+    )
+    mt.execute("update mt.orders set amount = amount + 5 where tenant_id = 2 and id < 400")
+    mt.execute("update mt.orders set customer_id = 9 where tenant_id = 3 and id = 7")  # moved: both customers
+    mt.execute("delete from mt.orders where tenant_id = 1 and customer_id = 4")
+    drain(mt, "mt_totals")
+    divergence = mt.execute(
+        f"select count(*) from ((select * from mt.customer_total except select * from {MT_FN}(null))"
+        f" union all (select * from {MT_FN}(null) except select * from mt.customer_total)) d"
+    ).fetchone()[0]
+    assert divergence == 0
+    rows = mt.execute(
+        f"select tenant_id, customer_id from {MT_FN}(array[row(1, 5), row(3, 9)]::{MT_KEY}[]) order by 1, 2"
+    ).fetchall()
+    assert rows == [(1, 5), (3, 9)]
+
+
+def test_the_composite_key_filter_reaches_the_index(mt):
+    """The generated function's own plan for two keys, shown by auto_explain: the customers are found
+    through their primary key by the keys' fields, the orders through their (tenant_id, customer_id) index."""
+    define_mt(mt)
+    plans: list[str] = []
+    mt.add_notice_handler(lambda d: plans.append(d.message_primary or ""))
+    with mt.transaction():
+        mt.execute("load 'auto_explain'")
+        for setting, value in [
+            ("auto_explain.log_min_duration", "0"),
+            ("auto_explain.log_nested_statements", "on"),
+            ("auto_explain.log_level", "notice"),
+            ("enable_seqscan", "off"),
+        ]:
+            mt.execute("select set_config(%s, %s, true)", [setting, value])
+        mt.execute(f"select * from {MT_FN}(array[row(1, 5), row(2, 7)]::{MT_KEY}[])")
+    plan = "\n".join(p for p in plans if "customer_total_lockstep_key" in p)
+    assert "Seq Scan" not in plan, plan
+    assert (
+        "Index Cond: ((tenant_id = ANY ('{1,2}'::integer[])) AND (id = ANY ('{5,7}'::bigint[])))" in plan
+    ), plan
+    assert "Bitmap Index Scan on orders_tenant_id_customer_id_idx" in plan, plan
+
+
+def test_redefining_the_same_composite_query_keeps_the_key_type_and_drop_job_removes_it(mt):
+    define_mt(mt)
+    key_type = mt.execute("select key_type::oid from lockstep.job").fetchone()[0]
+    define_mt(mt, MT_QUERY.replace("count(o.id)", "count(o.id) * 2"))
+    assert mt.execute("select key_type::oid from lockstep.job").fetchone()[0] == key_type  # the queue stays
+    mt.execute("select lockstep.drop_job('mt_totals')")
+    assert mt.execute("select to_regtype(%s), to_regproc(%s)", [MT_KEY, MT_FN]).fetchone() == (None, None)
+
+
+def test_a_composite_key_the_query_does_not_return_is_refused(mt):
+    with raises_sqlstate("LSD03", "does not return the parent column customer_id"):
+        define_mt(mt, MT_QUERY.replace("c.id as customer_id", "c.id as cid"))
+    assert mt.execute("select to_regtype(%s), to_regproc(%s)", [MT_KEY, MT_FN]).fetchone() == (None, None)
