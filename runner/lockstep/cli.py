@@ -23,6 +23,7 @@ import functools
 import importlib
 import json as jsonlib
 import logging
+import re
 import shlex
 import sys
 from datetime import UTC, datetime
@@ -770,12 +771,13 @@ def _bad_keys(exc: BaseException, hint: str) -> Failure:
     return Failure(f"{getattr(exc, 'sqlstate', None)}: {first} (hint: {hint})", codes.EXIT_USAGE)
 
 
-KEYS_HINT = "--keys takes parent keys of the job's key type, comma-separated"
+KEYS_HINT = "--keys takes parent keys of the job's key type, comma-separated (\\, for a comma in a key)"
 
 
 def _split_keys(values: tuple[str, ...]) -> list[str] | None:
-    keys = [k.strip() for v in values for k in v.split(",") if k.strip()]
-    return keys or None
+    """``--keys`` values, each comma-separated; ``\\,`` is a comma inside a key (``Lyon\\, Est``)."""
+    keys = [k.replace("\\,", ",").strip() for v in values for k in re.split(r"(?<!\\),", v)]
+    return [k for k in keys if k] or None
 
 
 @main.command()
@@ -784,7 +786,8 @@ def _split_keys(values: tuple[str, ...]) -> list[str] | None:
     "--keys",
     multiple=True,
     metavar="K1,K2,...",
-    help="Only these parents (comma-separated, repeatable; cast to the job's key type) [default: all].",
+    help="Only these parents (comma-separated, repeatable; \\, for a comma in a key; cast to the job's key "
+    "type) [default: all].",
 )
 @dsn_option
 @option("--json", is_flag=True, help="Print the result as JSON.")
@@ -849,7 +852,8 @@ def _verify_text(r) -> str:  # lockstep.db.Verified
     "--keys",
     multiple=True,
     metavar="K1,K2,...",
-    help="Only these parents (comma-separated, repeatable; cast to the job's key type) [default: all].",
+    help="Only these parents (comma-separated, repeatable; \\, for a comma in a key; cast to the job's key "
+    "type) [default: all].",
 )
 @option(
     "--limit", type=click.IntRange(min=0), default=5, show_default=True, help="Example parents per action."
@@ -876,7 +880,7 @@ def diff(job: str, dsn: str | None, keys: tuple[str, ...], limit: int, json: boo
     if json:
         _echo_json({"job": job, **s})
     else:
-        click.echo(controls.summary_text(job, s))
+        click.echo(controls.summary_text(job, s, _split_keys(keys)))
 
 
 @main.command()

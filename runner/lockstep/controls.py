@@ -38,8 +38,11 @@ def summary(rows: list[tuple[str, str, int]], limit: int) -> dict[str, Any]:
     return out
 
 
-def summary_text(job: str, s: dict[str, Any]) -> str:
-    """``lockstep diff``'s text: a line of totals, then one per action with its examples."""
+def summary_text(job: str, s: dict[str, Any], keys: list[str] | None = None) -> str:
+    """``lockstep diff``'s text: a line of totals, then one per action with its examples. ``keys``: the
+    parents of ``--keys`` (a worker pass over them), else None (a recompute)."""
+    if s["parents"] == 0 and keys is not None:
+        return f"{job}: no difference: a worker pass over these {len(keys)} parent(s) would write nothing"
     if s["parents"] == 0:
         return f"{job}: no difference: a recompute now would write nothing"
     lines = [f"{job}: {s['parents']} parent(s) would change (nothing was written)"]
