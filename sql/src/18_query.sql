@@ -257,7 +257,8 @@ begin
             using errcode = 'LSD03', hint = 'Select the column that holds the parent''s key, named as in the target.';
     end if;
     v_old := (select p.oid from pg_catalog.pg_proc p  -- of any key type
-              where p.pronamespace = v_schema::regnamespace and p.pronargs = 1
+              where p.pronamespace = (select c.relnamespace from pg_catalog.pg_class c where c.oid = target)
+                and p.pronargs = 1
                 and pg_catalog.format('%I.%I', v_schema, p.proname) = v_name limit 1);
     if v_old is not null and pg_catalog.obj_description(v_old, 'pg_proc') is distinct from 'lockstep: compute of a job defined by a query' then
         raise exception 'lockstep: function % exists and lockstep did not write it', v_old using errcode = '42723',

@@ -301,3 +301,20 @@ def test_a_composite_key_the_query_does_not_return_is_refused(mt):
     with raises_sqlstate("LSD03", "does not return the parent column customer_id"):
         define_mt(mt, MT_QUERY.replace("c.id as customer_id", "c.id as cid"))
     assert mt.execute("select to_regtype(%s), to_regproc(%s)", [MT_KEY, MT_FN]).fetchone() == (None, None)
+
+
+def test_a_target_in_a_schema_whose_name_needs_quotes(conn: psycopg.Connection) -> None:
+    """The look-up of the function to replace cast the schema's name to regnamespace, which folds it to lower
+    case: every query-defined job of a target in "Shop-Inv" failed with 3F000."""
+    schema = SHOP.replace("shop.", '"Shop-Inv".')
+    conn.execute(schema.replace("create schema shop", 'create schema "Shop-Inv"'))
+    for _ in range(2):  # defined, then redefined (the function of that name replaced)
+        conn.execute(
+            "select lockstep.define_derived('totals', '\"Shop-Inv\".customer_total', query => %s,"
+            " parent => '\"Shop-Inv\".customer', query_search_path => '\"Shop-Inv\"')",
+            [QUERY],
+        )
+    fn = conn.execute("select compute from lockstep.job where job = 'totals'").fetchone()[0]
+    assert fn == '"Shop-Inv".customer_total_lockstep_compute(bigint[])'
+    assert conn.execute("select outcome from lockstep.recompute('totals')").fetchone()[0] == "done"
+    assert conn.execute('select count(*) from "Shop-Inv".customer_total').fetchone()[0] == 50
