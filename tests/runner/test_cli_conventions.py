@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -232,6 +233,17 @@ def test_json_means_json_on_stdout_everywhere(example_dsn):
     for cmd in ("demo", "bench"):  # the lab commands: the same flag, no file argument
         opt = next(o for o in main.commands[cmd].params if o.name == "json")
         assert opt.is_flag and opt.opts == ["--json"]
+
+
+def test_docs_name_every_command_that_takes_json():
+    """docs/cli.md lists the commands that take --json: diff, pause, resume and backfill were missing."""
+    from pathlib import Path
+
+    text = (Path(__file__).parents[2] / "docs" / "cli.md").read_text()
+    line = next(ln for ln in text.splitlines() if ln.rstrip().endswith("take it."))
+    named = {n.split()[0] for n in re.findall(r"`([^`]+)`", line)}
+    takes = {name for name, cmd in main.commands.items() if any(p.name == "json" for p in cmd.params)}
+    assert named == takes, (named, takes)
 
 
 # migrate sub-actions -------------------------------------------------------------------------------------
