@@ -642,7 +642,8 @@ def _connect(dsn: str | None, app_name: str):
     default=900.0,
     show_default=True,
     metavar="SECONDS",
-    help="Unhealthy when a job's oldest queued key (parked ones aside) waits longer (0: not checked).",
+    help="Unhealthy when a job's oldest queue entry (a failing or parked key's too) waits longer (0: not "
+    "checked).",
 )
 @option(
     "--max-stall",

@@ -11,7 +11,7 @@ TABLE_COLUMNS = (
     "job",
     "kind",
     "queue_depth",
-    "queue_lag",  # how long ago the oldest queued key (parked ones aside) was enqueued
+    "queue_lag",  # how long ago the oldest queue entry (a failing or parked key's too) was enqueued
     "parked_keys",
     "failing_keys",
     "last_outcome",
