@@ -247,6 +247,7 @@ declare
     v_missing name;
     v_scans text;
 begin
+    query := query || E'\n';  -- a last line comment in the query must not swallow what follows it
     select pg_catalog.string_agg(pg_catalog.format('%I %s', q.col, q.typ), ', '),
            pg_catalog.string_agg(pg_catalog.format('q.%I', q.col), ', '),
            (select c from pg_catalog.unnest(v_par.columns) c where c <> all(pg_catalog.array_agg(q.col)) limit 1)

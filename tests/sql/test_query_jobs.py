@@ -318,3 +318,13 @@ def test_a_target_in_a_schema_whose_name_needs_quotes(conn: psycopg.Connection) 
     assert fn == '"Shop-Inv".customer_total_lockstep_compute(bigint[])'
     assert conn.execute("select outcome from lockstep.recompute('totals')").fetchone()[0] == "done"
     assert conn.execute('select count(*) from "Shop-Inv".customer_total').fetchone()[0] == 50
+
+
+def test_a_query_that_ends_with_a_line_comment(shop: psycopg.Connection) -> None:
+    """lockstep wraps the query (`from (query) q where ...`): a query ending in `-- comment` swallowed the
+    rest, and define_derived failed with a syntax error in a function body the user never wrote."""
+    define(shop, QUERY.rstrip() + "  -- one row per customer")
+    shop.execute("select lockstep.recompute('totals')")
+    assert shop.execute(DIVERGENCE).fetchone()[0] == 0
+    rows = shop.execute(f"select customer_id from {FN.replace('(bigint[])', '(array[3])')}").fetchall()
+    assert rows == [(3,)]
