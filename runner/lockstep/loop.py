@@ -151,6 +151,11 @@ class Runner:
         self._capture_at = 0.0  # monotonic time of the last lockstep.capture() call
         self._capture_on = True  # False: the schema has no capture (an older revision)
         self._capture_error: _JobError | None = None
+        # captures of a database with a capture slot run on a connection of their own: reading a slot
+        # (pg_logical_slot_peek_binary_changes, pg_replication_slot_advance) clears the session's catalog
+        # caches and so its cached plans, which the worker's passes would rebuild after every capture
+        self._capture_conn: psycopg.Connection | None = None
+        self._capture_own = False  # a capture found a slot: the next ones run on self._capture_conn
 
     # signals -------------------------------------------------------------------------------------------
     def install_signals(self) -> None:
@@ -226,12 +231,28 @@ class Runner:
             log.warning("server: %s%s", diag.message_primary, hint)
 
     def _close(self) -> None:
-        if self.conn is not None:
-            try:
-                self.conn.close()
-            except Exception:  # noqa: BLE001 - a broken connection may fail to close cleanly
-                pass
-        self.conn, self.pid = None, None
+        for conn in (self.conn, self._capture_conn):
+            if conn is not None:
+                try:
+                    conn.close()
+                except Exception:  # noqa: BLE001 - a broken connection may fail to close cleanly
+                    pass
+        self.conn, self.pid, self._capture_conn = None, None, None
+
+    def _capturing_conn(self) -> psycopg.Connection:
+        """The connection captures run on: the runner's own until a capture found a slot, then one of their
+        own (opened again if it broke)."""
+        assert self.conn is not None
+        if not self._capture_own:
+            return self.conn
+        conn = self._capture_conn
+        if conn is None or conn.closed or conn.broken:
+            prepare = False if self._pooler_seen else self.opts.prepare
+            conn = db.connect(self.opts.dsn, prepare=prepare, check_interval=self.opts.check_interval)
+            conn.add_notice_handler(self._server_warning)
+            self._capture_conn = conn
+            log.debug("capture: own connection, backend pid %s", db.backend_pid(conn))
+        return conn
 
     # main loops ----------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -441,7 +462,7 @@ class Runner:
             return False
         self._capture_at = now
         try:
-            c = db.capture(self.conn)
+            c = db.capture(self._capturing_conn())
         except psycopg.Error as exc:
             if is_transient(exc) or (
                 not self.started and getattr(exc, "sqlstate", None) in ("3F000", "42P01")
@@ -454,6 +475,7 @@ class Runner:
             held.until = time.monotonic() + held.backoff.next()
             return False
         self._capture_error = None
+        self._capture_own = self._capture_own or c.retained_bytes is not None  # a slot: its own connection
         if c.outcome == "absent":
             self._capture_on = False
             return False

@@ -517,19 +517,22 @@ comment on function lockstep._ddl(regclass[], text[], text) is
     'the last contended one first.';
 
 -- lockstep._family(source): source and every table below it, parents first, foreign tables left out (a
--- statement trigger fires only for statements that name its table).
+-- statement trigger fires only for statements that name its table). PL/pgSQL: each capture calls it, and a
+-- SQL function with a SET clause is planned at every call.
 create or replace function lockstep._family(source regclass) returns regclass[]
-language sql stable
+language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
-    with recursive f (rel, depth) as (
-        select source::oid, 0
-        union all
-        select i.inhrelid, f.depth + 1 from f join pg_catalog.pg_inherits i on i.inhparent = f.rel
-        where f.depth < 100
-    )
-    select array(select f.rel::regclass from f join pg_catalog.pg_class c on c.oid = f.rel
+begin
+    return array(with recursive f (rel, depth) as (
+                     select source::oid, 0
+                     union all
+                     select i.inhrelid, f.depth + 1 from f join pg_catalog.pg_inherits i on i.inhparent = f.rel
+                     where f.depth < 100
+                 )
+                 select f.rel::regclass from f join pg_catalog.pg_class c on c.oid = f.rel
                  where c.relkind in ('r', 'p') group by f.rel order by min(f.depth), f.rel);
+end;
 $$;
 
 -- lockstep._drop_watch_ddl(job, tables): the DROP TRIGGER IF EXISTS statements for the four triggers

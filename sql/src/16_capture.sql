@@ -31,17 +31,20 @@ $$;
 
 -- lockstep._identity_covers(rel, key_column): the WAL record of an UPDATE or DELETE of rel holds the old
 -- value of key_column (rel's replica identity is FULL, or its primary key or replica identity index holds
--- the column). Else an update that moves a row to another key would queue the new key only.
+-- the column). Else an update that moves a row to another key would queue the new key only. PL/pgSQL: each
+-- capture calls it, and a SQL function with a SET clause is planned at every call.
 create or replace function lockstep._identity_covers(rel regclass, key_column name) returns boolean
-language sql stable
+language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
-    select c.relreplident = 'f'
-           or exists (select from pg_catalog.pg_index i
-                      join pg_catalog.pg_attribute a on a.attrelid = i.indrelid and a.attnum = any(i.indkey)
-                      where i.indrelid = c.oid and a.attname = key_column
-                        and ((c.relreplident = 'd' and i.indisprimary) or (c.relreplident = 'i' and i.indisreplident)))
-    from pg_catalog.pg_class c where c.oid = rel;
+begin
+    return (select c.relreplident = 'f'
+                   or exists (select from pg_catalog.pg_index i
+                              join pg_catalog.pg_attribute a on a.attrelid = i.indrelid and a.attnum = any(i.indkey)
+                              where i.indrelid = c.oid and a.attname = key_column
+                                and ((c.relreplident = 'd' and i.indisprimary) or (c.relreplident = 'i' and i.indisreplident)))
+            from pg_catalog.pg_class c where c.oid = rel);
+end;
 $$;
 
 -- lockstep._check_wal(source, key_column): refuse a WAL watch the capture could not follow: wal_level not
@@ -423,7 +426,10 @@ language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 declare
-    v_pairs text[] := lockstep._fast_pairs();
+    -- lockstep._fast_pairs(), inline: it reads the catalogs for some milliseconds, which every capture would pay
+    v_pairs text[] := '{21:smallint,21:integer,21:bigint,21:numeric,23:integer,23:bigint,23:numeric,20:bigint,'
+                      '20:numeric,1700:numeric,25:text,"25:character varying",1043:text,"1043:character varying",'
+                      '2950:uuid}';
     v_max integer := lockstep._max_key_bytes();
     v_enc name := pg_catalog.getdatabaseencoding();
 begin

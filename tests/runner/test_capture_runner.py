@@ -74,6 +74,14 @@ def test_the_runner_keeps_a_table_watched_through_the_wal_current(wdsn, runners)
         wait_for(lambda: converged(c), timeout=30, what="converged through the WAL")
         assert c.execute("select changes > 0 from lockstep.capture_status").fetchone()[0]
         assert r.alive()
+        # the captures run on a connection of their own: reading the slot clears its session's caches,
+        # which the worker's connection keeps
+        backends = c.execute(
+            "select count(*), count(*) filter (where query like '%%lockstep.capture()%%')"
+            " from pg_stat_activity where application_name = 'lockstep-runner'"
+            " and datname = current_database()"
+        ).fetchone()
+        assert backends == (2, 1)
 
 
 CAPTURE_AND_HANG = """

@@ -33,17 +33,21 @@ def test_triggers_enqueue_once_per_statement_sorted(ex):
     assert set(queue_keys(ex)) == {"7"}
 
 
-def test_the_shared_triggers_inline_fast_pairs_are_lockstep_fast_pairs(ex):
-    """lockstep.enqueue_trigger() has no SET search_path and calls no lockstep function on its fast path, so
-    it writes the (column type, key type) pairs it takes there inline: the same list as _fast_pairs()."""
-    src = ex.execute(
-        "select prosrc from pg_proc where oid = 'lockstep.enqueue_trigger()'::regprocedure"
-    ).fetchone()[0]
-    start = src.index("all ('{") + len("all (")
+@pytest.mark.parametrize(
+    ("function", "before", "after"),
+    [
+        ("lockstep.enqueue_trigger()", "all (", "::pg_catalog.text[]"),
+        ("lockstep._capture_read(name, pg_lsn, integer)", "v_pairs text[] := ", ";\n"),
+    ],
+)
+def test_the_inline_fast_pairs_are_lockstep_fast_pairs(ex, function, before, after):
+    """lockstep.enqueue_trigger() has no SET search_path and calls no lockstep function on its fast path, and
+    lockstep._capture_read runs several times a second, so each writes the (column type, key type) pairs it
+    takes inline: the same list as _fast_pairs()."""
+    src = ex.execute("select prosrc from pg_proc where oid = %s::regprocedure", [function]).fetchone()[0]
+    start = src.index(before + "'{") + len(before)
     inline = ex.execute(
-        "select array_agg(x order by x) from unnest("
-        + src[start : src.index("::pg_catalog.text[]", start)]
-        + "::text[]) x"
+        "select array_agg(x order by x) from unnest((" + src[start : src.index(after, start)] + ")::text[]) x"
     ).fetchone()[0]
     assert (
         inline
