@@ -76,12 +76,18 @@ def test_the_runner_keeps_a_table_watched_through_the_wal_current(wdsn, runners)
         assert r.alive()
         # the captures run on a connection of their own: reading the slot clears its session's caches,
         # which the worker's connection keeps
-        backends = c.execute(
-            "select count(*), count(*) filter (where query like '%%lockstep.capture()%%')"
-            " from pg_stat_activity where application_name = 'lockstep-runner'"
-            " and datname = current_database()"
-        ).fetchone()
-        assert backends == (2, 1)
+        # (from the capture after the first: the first found the slot)
+        wait_for(
+            lambda: (
+                c.execute(
+                    "select count(*), count(*) filter (where query like '%%lockstep.capture()%%')"
+                    " from pg_stat_activity where application_name = 'lockstep-runner'"
+                    " and datname = current_database()"
+                ).fetchone()
+                == (2, 1)
+            ),
+            what="the runner's two connections, one capturing",
+        )
 
 
 CAPTURE_AND_HANG = """
