@@ -26,6 +26,23 @@ begin
 end;
 $$;
 alter table lockstep.job drop column parent_columns, drop column parent_keys;
+-- owners by oid: the policies reading owner_id go first (0001's code creates its own again)
+do $$
+declare
+    p record;
+begin
+    for p in select pol.polname, pol.polrelid::regclass as rel from pg_catalog.pg_policy pol
+             join pg_catalog.pg_class c on c.oid = pol.polrelid
+             where c.relnamespace = 'lockstep'::regnamespace loop
+        execute pg_catalog.format('drop policy %I on %s', p.polname, p.rel);
+    end loop;
+end;
+$$;
+drop trigger if exists job_owner_id on lockstep.job;
+drop trigger if exists run_log_owner_id on lockstep.run_log;
+drop function if exists lockstep._owner_id();
+alter table lockstep.job drop column owner_id;
+alter table lockstep.run_log drop column owner_id;
 drop function if exists lockstep.define_derived(text, regclass, regprocedure, regclass, name, text, interval, interval,
                                                 text, text, interval, name[]);
 drop function if exists lockstep._key_fields(lockstep.job);
@@ -111,6 +128,10 @@ drop function if exists lockstep.enqueue_through();
 drop function if exists lockstep._append_through(text, oid, text[]);
 drop function if exists lockstep._take_through(text);
 drop function if exists lockstep._caller();
+drop function if exists lockstep._may_manage_id(oid);
+drop function if exists lockstep._may_view_id(oid);
+drop function if exists lockstep._may_own_id(oid);
+drop function if exists lockstep._state_gone_id(oid);
 drop function if exists lockstep._check_manages(text);
 drop function if exists lockstep._caller_manages(text);
 drop function if exists lockstep._delete(text, text, text[], text[]);

@@ -106,5 +106,11 @@ create index through_entry_job_idx on lockstep.through_entry (job, id);
 
 -- composite parent keys: every job with a parent names its key columns in arrays (one element each here)
 alter table lockstep.job add column parent_columns name[], add column parent_keys name[];
+-- owners by oid: rights follow the role, not its name (a role gone since: oid 0, anyone may drop its jobs)
+alter table lockstep.job
+    add column owner_id regrole not null default pg_catalog.to_regrole(pg_catalog.quote_ident(current_user));
+update lockstep.job set owner_id = coalesce(pg_catalog.to_regrole(pg_catalog.quote_ident(owner)), 0::oid::regrole);
+alter table lockstep.run_log add column owner_id regrole;
+update lockstep.run_log set owner_id = coalesce(pg_catalog.to_regrole(pg_catalog.quote_ident(owner)), 0::oid::regrole);
 update lockstep.job set parent_columns = array[parent_column], parent_keys = array[parent_key]
 where parent is not null and parent_column is not null;

@@ -131,6 +131,9 @@ create table lockstep.job (
     -- them fails instead of using one column); key_type is then the composite type compute takes an array of.
     parent_columns  name[],
     parent_keys     name[],
+    -- the owner role by oid: every right is judged by it, so a renamed role keeps its jobs and a new role of
+    -- the old name gets none. owner is its name when the job was defined (a label)
+    owner_id        regrole not null default pg_catalog.to_regrole(pg_catalog.quote_ident(current_user)),
     check (job <> ''),
     check (lock_group <> ''),
     check ((kind = 'job') = (call is not null)),
@@ -302,7 +305,8 @@ create table lockstep.run_log (
     error       text,                           -- failed: the error; done with failed keys: the first one
     run_no      bigint not null,                -- lockstep.job_state.runs after this run
     role        name not null default current_user,  -- the role that ran it (the runner's)
-    pid         integer not null default pg_catalog.pg_backend_pid()
+    pid         integer not null default pg_catalog.pg_backend_pid(),
+    owner_id    regrole                         -- the job's owner by oid (row security); owner is its name then
 ) with (
     -- rows are deleted as fast as they are inserted: vacuum every 1000 dead rows
     autovacuum_vacuum_scale_factor = 0, autovacuum_vacuum_threshold = 1000

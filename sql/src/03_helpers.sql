@@ -312,8 +312,8 @@ language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
 begin
-    if not lockstep._may_manage(j.owner) then
-        raise exception 'lockstep: job "%" is owned by role "%"', j.job, j.owner
+    if not lockstep._may_manage_id(j.owner_id) then
+        raise exception 'lockstep: job "%" is owned by role "%"', j.job, pg_catalog.pg_get_userbyid(j.owner_id)
             using errcode = '42501', hint = 'Only members of the owner role can redefine, watch, retry or drop it.';
     end if;
 end;

@@ -1009,7 +1009,7 @@ begin
             using errcode = '42P01',
                   hint = 'Create it again and run lockstep.define_derived() again, or lockstep.drop_job().';
     end if;
-    if j.owner is distinct from current_user then
+    if j.owner_id is distinct from pg_catalog.to_regrole(pg_catalog.quote_ident(current_user)) then
         return lockstep._as_owner(j, keys, queued_from);
     end if;
     if j.kind = 'rest' then  -- lockstep._continue: the next batch of a recompute without a parent (07_recompute.sql)

@@ -103,6 +103,16 @@ begin
 end;
 $$;
 
+-- lockstep._state_gone_id(owner): lockstep._state_gone for the role of oid owner (lockstep.job.owner_id).
+create or replace function lockstep._state_gone_id(owner oid) returns boolean
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    return lockstep._may_manage_id(owner);
+end;
+$$;
+
 -- one row per job.
 create or replace view lockstep.status with (security_invoker = true) as
 select j.job,
@@ -210,7 +220,7 @@ as $$
     from lockstep.job j
     left join lockstep.job_state s on s.job = j.job  -- a row deleted by hand, as in lockstep.status
     left join lockstep._depths() d on d.job = j.job  -- 10_graph.sql
-    where (jobs is null or j.job = any(jobs)) and (s.job is not null or lockstep._state_gone(j.owner))
+    where (jobs is null or j.job = any(jobs)) and (s.job is not null or lockstep._state_gone_id(j.owner_id))
     order by coalesce(d.depth, 0), 3, 1;
 $$;
 comment on function lockstep.due(text[], interval) is

@@ -25,6 +25,18 @@ begin
 end;
 $$;
 
+-- lockstep._may_manage_id(owner): lockstep._may_manage for the role of oid owner (lockstep.job.owner_id):
+-- the current role is it, a member of it, or the admin; or no role has that oid any more.
+create or replace function lockstep._may_manage_id(owner oid) returns boolean
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    return case when not exists (select from pg_catalog.pg_roles r where r.oid = owner) then true
+                else pg_catalog.pg_has_role(current_user, owner, 'MEMBER') or lockstep._is_admin() end;
+end;
+$$;
+
 -- lockstep._caller(): the role a SECURITY DEFINER function of lockstep acts for: the session's role (SET
 -- ROLE, which no security-definer function can change), else its login role.
 create or replace function lockstep._caller() returns name
@@ -45,10 +57,10 @@ set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_who name := lockstep._caller();
-    v_owner name := (select x.owner from lockstep.job x where x.job = _caller_manages.job);
+    v_owner oid := (select x.owner_id from lockstep.job x where x.job = _caller_manages.job);
 begin
-    return v_owner is null or v_owner = v_who
-       or not exists (select from pg_catalog.pg_roles r where r.rolname = v_owner)
+    return v_owner is null
+       or not exists (select from pg_catalog.pg_roles r where r.oid = v_owner)
        or pg_catalog.pg_has_role(v_who, v_owner, 'MEMBER')
        or (select pg_catalog.pg_has_role(v_who, c.relowner, 'MEMBER')
            from pg_catalog.pg_class c where c.oid = 'lockstep.job'::pg_catalog.regclass);
@@ -62,7 +74,7 @@ set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_who name := lockstep._caller();
-    v_owner name := (select x.owner from lockstep.job x where x.job = _check_manages.job);
+    v_owner regrole := (select x.owner_id from lockstep.job x where x.job = _check_manages.job);
 begin
     if lockstep._caller_manages(job) then
         return;
@@ -140,6 +152,36 @@ begin
 end;
 $$;
 
+-- lockstep._may_view_id(owner): lockstep._may_view for the role of oid owner (lockstep.job.owner_id): the
+-- current role may manage it, or lockstep.viewer names that role (by its name now) for a role it is a member of.
+create or replace function lockstep._may_view_id(owner oid) returns boolean
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if lockstep._may_manage_id(owner) then
+        return true;
+    end if;
+    if not pg_catalog.has_table_privilege('lockstep.viewer', 'SELECT') then
+        return false;  -- apart: a query naming the table checks its privilege before it runs
+    end if;
+    return exists (select from lockstep.viewer v join pg_catalog.pg_roles r on r.rolname = v.owner
+                   where r.oid = _may_view_id.owner and lockstep._is_member(v.viewer));
+end;
+$$;
+
+-- lockstep._may_own_id(owner): a registry row written by the current role may name the role of oid owner:
+-- an existing role the current role is, or is a member of (or any role, for an admin).
+create or replace function lockstep._may_own_id(owner oid) returns boolean
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    return exists (select from pg_catalog.pg_roles r where r.oid = owner)
+       and (pg_catalog.pg_has_role(current_user, owner, 'MEMBER') or lockstep._is_admin());
+end;
+$$;
+
 -- lockstep._may_own(owner): a registry row written by the current role may name owner: an existing role
 -- the current role is, or is a member of (or any role, for an admin).
 create or replace function lockstep._may_own(owner name) returns boolean
@@ -157,9 +199,9 @@ language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
 begin
-    select x.job, x.owner into holder, holder_owner from lockstep.job x
+    select x.job, pg_catalog.pg_get_userbyid(x.owner_id) into holder, holder_owner from lockstep.job x
     where x.lock_group = _group_holder.lock_group and x.job <> _group_holder.job
-      and not lockstep._may_manage(x.owner)
+      and not lockstep._may_manage_id(x.owner_id)
     order by x.job limit 1;
 end;
 $$;
@@ -173,53 +215,74 @@ begin
     return (lockstep._group_holder(lock_group, job)).holder is null;
 end;
 $$;
+-- lockstep._owner_id(): trigger before a registry row is written with an owner (and a run_log row without
+-- owner_id): owner_id is the role of that name now, oid 0 if none. Every right follows owner_id, so a
+-- later rename of the role changes nothing, and a new role of the old name gets nothing.
+-- locks: nothing.
+create or replace function lockstep._owner_id() returns trigger
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if tg_table_name = 'job' or new.owner_id is null then
+        new.owner_id := coalesce(pg_catalog.to_regrole(pg_catalog.quote_ident(new.owner)), 0::oid::regrole);
+    end if;
+    return new;
+end;
+$$;
+create or replace trigger job_owner_id before insert or update of owner on lockstep.job
+    for each row execute function lockstep._owner_id();
+create or replace trigger run_log_owner_id before insert on lockstep.run_log
+    for each row execute function lockstep._owner_id();
+
 drop policy if exists job_read on lockstep.job;
 create policy job_read on lockstep.job for select using (true);
 drop policy if exists job_insert on lockstep.job;
 create policy job_insert on lockstep.job for insert
-    with check (owner = current_user and lockstep._safe_key_type(key_type) and lockstep._group_free(lock_group, job));
+    with check (owner = current_user and owner_id = pg_catalog.to_regrole(pg_catalog.quote_ident(current_user))
+                and lockstep._safe_key_type(key_type) and lockstep._group_free(lock_group, job));
 drop policy if exists job_update on lockstep.job;
 create policy job_update on lockstep.job for update
-    using (lockstep._may_manage(owner))
-    with check (lockstep._may_own(owner) and lockstep._safe_key_type(key_type) and lockstep._group_free(lock_group, job));
+    using (lockstep._may_manage_id(owner_id))
+    with check (lockstep._may_own_id(owner_id) and lockstep._safe_key_type(key_type) and lockstep._group_free(lock_group, job));
 drop policy if exists job_delete on lockstep.job;
-create policy job_delete on lockstep.job for delete using (lockstep._may_manage(owner));
+create policy job_delete on lockstep.job for delete using (lockstep._may_manage_id(owner_id));
 drop policy if exists job_state_own on lockstep.job_state;
 create policy job_state_own on lockstep.job_state for all
-    using (job in (select j.job from lockstep.job j where lockstep._may_manage(j.owner)))
-    with check (job in (select j.job from lockstep.job j where lockstep._may_manage(j.owner)));
+    using (job in (select j.job from lockstep.job j where lockstep._may_manage_id(j.owner_id)))
+    with check (job in (select j.job from lockstep.job j where lockstep._may_manage_id(j.owner_id)));
 drop policy if exists key_failure_own on lockstep.key_failure;
 create policy key_failure_own on lockstep.key_failure for all
-    using (job in (select j.job from lockstep.job j where lockstep._may_manage(j.owner)))
-    with check (job in (select j.job from lockstep.job j where lockstep._may_manage(j.owner)));
+    using (job in (select j.job from lockstep.job j where lockstep._may_manage_id(j.owner_id)))
+    with check (job in (select j.job from lockstep.job j where lockstep._may_manage_id(j.owner_id)));
 -- and read by the roles lockstep.viewer names (permissive policies: either one lets a row through)
 drop policy if exists job_state_view on lockstep.job_state;
 create policy job_state_view on lockstep.job_state for select
-    using (job in (select j.job from lockstep.job j where lockstep._may_view(j.owner)));
+    using (job in (select j.job from lockstep.job j where lockstep._may_view_id(j.owner_id)));
 drop policy if exists key_failure_view on lockstep.key_failure;
 create policy key_failure_view on lockstep.key_failure for select
-    using (job in (select j.job from lockstep.job j where lockstep._may_view(j.owner)));
+    using (job in (select j.job from lockstep.job j where lockstep._may_view_id(j.owner_id)));
 drop policy if exists queue_append on lockstep.queue;
 create policy queue_append on lockstep.queue for insert with check (true);
 drop policy if exists queue_read on lockstep.queue;
 create policy queue_read on lockstep.queue for select
-    using (job in (select j.job from lockstep.job j where lockstep._may_view(j.owner))
+    using (job in (select j.job from lockstep.job j where lockstep._may_view_id(j.owner_id))
            or not pg_catalog.has_column_privilege('lockstep.queue'::pg_catalog.regclass, 'key', 'SELECT'));
 drop policy if exists queue_update on lockstep.queue;
 create policy queue_update on lockstep.queue for update
-    using (job in (select j.job from lockstep.job j where lockstep._may_manage(j.owner)))
-    with check (job in (select j.job from lockstep.job j where lockstep._may_manage(j.owner)));
+    using (job in (select j.job from lockstep.job j where lockstep._may_manage_id(j.owner_id)))
+    with check (job in (select j.job from lockstep.job j where lockstep._may_manage_id(j.owner_id)));
 drop policy if exists queue_delete on lockstep.queue;
 create policy queue_delete on lockstep.queue for delete
-    using (job in (select j.job from lockstep.job j where lockstep._may_manage(j.owner)));
+    using (job in (select j.job from lockstep.job j where lockstep._may_manage_id(j.owner_id)));
 drop policy if exists recompute_flag_append on lockstep.recompute_flag;
 create policy recompute_flag_append on lockstep.recompute_flag for insert with check (true);
 drop policy if exists recompute_flag_own on lockstep.recompute_flag;
 create policy recompute_flag_own on lockstep.recompute_flag for select
-    using (job in (select j.job from lockstep.job j where lockstep._may_view(j.owner)));
+    using (job in (select j.job from lockstep.job j where lockstep._may_view_id(j.owner_id)));
 drop policy if exists recompute_flag_delete on lockstep.recompute_flag;
 create policy recompute_flag_delete on lockstep.recompute_flag for delete
-    using (job in (select j.job from lockstep.job j where lockstep._may_manage(j.owner)));
+    using (job in (select j.job from lockstep.job j where lockstep._may_manage_id(j.owner_id)));
 
 -- lockstep._check_privileges(target, fn, parent): the calling role may itself run fn, read and write
 -- target, and read and pin parent; else 42501. The job will run with exactly these rights.
@@ -274,18 +337,20 @@ create or replace function lockstep._check_act_as(j lockstep.job) returns void
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
+declare
+    v_owner name := (select r.rolname from pg_catalog.pg_roles r where r.oid = j.owner_id);  -- its name now
 begin
-    if not exists (select from pg_catalog.pg_roles r where r.rolname = j.owner) then
+    if v_owner is null then
         raise exception 'lockstep: job "%" is owned by role "%", which does not exist; it is not run', j.job, j.owner
             using errcode = '42501',
                   hint = 'A job runs with its owner''s rights only. Drop it and define it again as the role it should run as.';
     end if;
-    if not pg_catalog.pg_has_role(session_user, j.owner, 'MEMBER') then
+    if not pg_catalog.pg_has_role(session_user, j.owner_id, 'MEMBER') then
         raise exception 'lockstep: role "%" may not act as role "%", the owner of job "%"; it is not run',
-            session_user, j.owner, j.job
+            session_user, v_owner, j.job
             using errcode = '42501',
                   hint = pg_catalog.format('A job runs with its owner''s rights only: grant %I to %I (docs/security.md).',
-                                           j.owner, session_user);
+                                           v_owner, session_user);
     end if;
 end;
 $$;
@@ -494,12 +559,12 @@ declare
     v_role text;
     p lockstep._pass;
 begin
-    if j.owner = current_user then
+    if j.owner_id = pg_catalog.to_regrole(pg_catalog.quote_ident(current_user)) then
         return lockstep._owner_run(j, keys, false, queued_from);
     end if;
     perform lockstep._check_act_as(j);
     v_role := pg_catalog.current_setting('role');
-    perform pg_catalog.set_config('role', j.owner, true);
+    perform pg_catalog.set_config('role', pg_catalog.pg_get_userbyid(j.owner_id), true);  -- checked above
     execute pg_catalog.format('select * from pg_temp.%I($1, $2, $3)', lockstep._trampoline())
         into p using j, keys, queued_from;
     perform pg_catalog.set_config('role', v_role, true);

@@ -1,11 +1,11 @@
 -- lockstep: run history: row security of lockstep.run_log, its writer and its pruning.
 
 drop policy if exists run_log_read on lockstep.run_log;
-create policy run_log_read on lockstep.run_log for select using (lockstep._may_view(owner));
+create policy run_log_read on lockstep.run_log for select using (lockstep._may_view_id(owner_id));
 drop policy if exists run_log_insert on lockstep.run_log;
-create policy run_log_insert on lockstep.run_log for insert with check (lockstep._may_manage(owner));
+create policy run_log_insert on lockstep.run_log for insert with check (lockstep._may_manage_id(owner_id));
 drop policy if exists run_log_delete on lockstep.run_log;
-create policy run_log_delete on lockstep.run_log for delete using (lockstep._may_manage(owner));
+create policy run_log_delete on lockstep.run_log for delete using (lockstep._may_manage_id(owner_id));
 
 -- lockstep._spared_run(job, action, run_no, max_per_job): whether the count limit spares this run_log row:
 -- the job's newest recompute is kept until the next one is logged (its error stays visible).
@@ -124,10 +124,10 @@ begin
         v_max := coalesce(v_max, 1000);
         select * into s from lockstep.job_state st where st.job = j.job;
         if v_max > 0 then
-            insert into lockstep.run_log (job, owner, lock_group, kind, action, outcome, started_at,
+            insert into lockstep.run_log (job, owner, owner_id, lock_group, kind, action, outcome, started_at,
                                           finished_at, duration_ms, compute_ms, write_ms, inserted, updated,
                                           deleted, skipped, gone, failed_keys, error, run_no)
-            values (j.job, j.owner, j.lock_group, j.kind, action, outcome, started,
+            values (j.job, pg_catalog.pg_get_userbyid(j.owner_id), j.owner_id, j.lock_group, j.kind, action, outcome, started,
                     coalesce(s.last_finished_at, clock_timestamp()),
                     coalesce(s.last_duration_ms, extract(epoch from clock_timestamp() - started) * 1000),
                     p.compute_ms, p.write_ms,

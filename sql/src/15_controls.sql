@@ -9,11 +9,11 @@ language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
 begin
-    if not lockstep._may_manage(j.owner) then
+    if not lockstep._may_manage_id(j.owner_id) then
         raise exception 'lockstep: role % may not % job "%"', current_user, what, j.job
             using errcode = '42501',
                   hint = pg_catalog.format('Only the owner %s, a member of it or a lockstep admin may %s it.',
-                                           j.owner, what);
+                                           j.owner_id, what);
     end if;
 end;
 $$;

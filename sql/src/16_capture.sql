@@ -609,8 +609,8 @@ drop policy if exists wal_watch_read on lockstep.wal_watch;
 create policy wal_watch_read on lockstep.wal_watch for select using (true);
 drop policy if exists wal_watch_own on lockstep.wal_watch;
 create policy wal_watch_own on lockstep.wal_watch for all
-    using (job in (select j.job from lockstep.job j where lockstep._may_manage(j.owner)))
-    with check (job in (select j.job from lockstep.job j where lockstep._may_manage(j.owner)));
+    using (job in (select j.job from lockstep.job j where lockstep._may_manage_id(j.owner_id)))
+    with check (job in (select j.job from lockstep.job j where lockstep._may_manage_id(j.owner_id)));
 drop policy if exists capture_state_all on lockstep.capture_state;
 create policy capture_state_all on lockstep.capture_state for all using (true) with check (true);
 

@@ -13,6 +13,7 @@ import secrets
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 
 import psycopg
 import pytest
@@ -873,6 +874,45 @@ def test_ownership_cannot_be_taken_with_plain_dml(ex, example_dsn, owners):
             "update lockstep.job set owner = current_user where job = 'owned' returning job"
         ).fetchall()
     assert taken == []
+
+
+def test_a_renamed_owner_keeps_its_jobs_and_a_new_role_of_the_old_name_gets_none(ex, example_dsn, owners):
+    """Jobs stored their owner by name: after an admin renamed the role, a new role created with the old
+    name saw the job's status, ran it with its own rights, redefined and dropped it."""
+    owner, _, _ = owners
+    with psycopg.connect(as_role(example_dsn, owner), autocommit=True) as o:
+        _define_noop(o)
+        assert result(o, "lockstep.run(%s)", "owned")["outcome"] == "done"
+    renamed = owner + "_was"
+    ident = sql.Identifier
+    ex.execute(sql.SQL("alter role {} rename to {}").format(ident(owner), ident(renamed)))
+    ex.execute(sql.SQL("create role {} login").format(ident(owner)))
+    try:
+        for g in OWNER_GRANTS:
+            ex.execute(sql.SQL(g).format(role=ident(owner), db=ident(dbname(example_dsn))))
+        with psycopg.connect(as_role(example_dsn, owner), autocommit=True) as x:
+            assert x.execute("select * from lockstep.job_state where job = 'owned'").fetchall() == []
+            for call in (
+                "select lockstep.run('owned')",
+                "select lockstep.define_job('owned', 'public.lockstep_noop()', every => '2 hours')",
+                "select lockstep.drop_job('owned')",
+            ):
+                with raises_sqlstate("42501"):
+                    x.execute(call)
+        assert ex.execute(
+            "select runs, every from lockstep.job_state join lockstep.job using (job) where job = 'owned'"
+        ).fetchone() == (1, timedelta(hours=1))
+        # the renamed role still owns it: sees, runs and redefines it
+        with psycopg.connect(as_role(example_dsn, renamed), autocommit=True) as o:
+            assert o.execute("select runs from lockstep.job_state where job = 'owned'").fetchone() == (1,)
+            o.execute("update lockstep.job_state set next_run_at = now() where job = 'owned'")
+            assert result(o, "lockstep.run(%s)", "owned")["outcome"] == "done"
+            o.execute("select lockstep.define_job('owned', 'public.lockstep_noop()', every => '2 hours')")
+            o.execute("select lockstep.drop_job('owned')")
+    finally:
+        ex.execute(sql.SQL("drop owned by {} cascade").format(ident(owner)))
+        ex.execute(sql.SQL("drop role {}").format(ident(owner)))
+        ex.execute(sql.SQL("alter role {} rename to {}").format(ident(renamed), ident(owner)))
 
 
 def test_own_job_cannot_be_given_to_another_role_or_to_no_role(ex, example_dsn, owners):
