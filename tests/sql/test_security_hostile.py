@@ -406,6 +406,15 @@ def test_no_recipe_role_can_lock_lockstep_tables(ex, example_dsn, roles, recipe)
             with raises_sqlstate("42501"):
                 c.execute(f"lock table lockstep.{t} in share mode nowait")
             c.rollback()
+        # nor lock another owner's rows (exam_keys is the superuser's): its column grants allow row locks,
+        # which row security confines to the jobs it manages
+        for t in ("job", "job_state", "key_failure", "queue"):
+            try:
+                rows = c.execute(f"select from lockstep.{t} where job = 'exam_keys' for key share").fetchall()
+            except psycopg.errors.InsufficientPrivilege:
+                rows = []
+            c.rollback()
+            assert rows == [], (t, rows)
 
 
 @pytest.mark.parametrize(
