@@ -215,8 +215,8 @@ begin
     return (lockstep._group_holder(lock_group, job)).holder is null;
 end;
 $$;
--- lockstep._owner_id(): trigger before a registry row is written with an owner (and a run_log row without
--- owner_id): owner_id is the role of that name now, oid 0 if none. Every right follows owner_id, so a
+-- lockstep._owner_id(): trigger before a registry or run_log row is written with an owner (but a run_log row
+-- inserted with its owner_id): owner_id is the role of that name now, oid 0 if none. Every right follows owner_id, so a
 -- later rename of the role changes nothing, and a new role of the old name gets nothing.
 -- locks: nothing.
 create or replace function lockstep._owner_id() returns trigger
@@ -224,7 +224,7 @@ language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 begin
-    if tg_table_name = 'job' or new.owner_id is null then
+    if tg_table_name = 'job' or tg_op = 'UPDATE' or new.owner_id is null then
         new.owner_id := coalesce(pg_catalog.to_regrole(pg_catalog.quote_ident(new.owner)), 0::oid::regrole);
     end if;
     return new;
@@ -232,7 +232,7 @@ end;
 $$;
 create or replace trigger job_owner_id before insert or update of owner on lockstep.job
     for each row execute function lockstep._owner_id();
-create or replace trigger run_log_owner_id before insert on lockstep.run_log
+create or replace trigger run_log_owner_id before insert or update of owner on lockstep.run_log
     for each row execute function lockstep._owner_id();
 
 drop policy if exists job_read on lockstep.job;
