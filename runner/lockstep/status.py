@@ -202,6 +202,15 @@ def _short(seconds: float) -> str:
     return f"{max(seconds, 0):.0f}s"
 
 
+def _job_cell(job: str) -> str:
+    """A job name within JOB_WIDTH: its start and its end around a ``~``, so that two long names that differ
+    only at the end (``..._region_a``, ``..._region_b``) stay apart."""
+    if len(job) <= JOB_WIDTH:
+        return job
+    tail = JOB_WIDTH // 2
+    return job[: JOB_WIDTH - tail - 1] + "~" + job[-tail:]
+
+
 def _compact(r: dict, now: dt.datetime) -> list[str]:
     job = str(r.get("job"))
     lag = r.get("queue_lag")
@@ -211,7 +220,7 @@ def _compact(r: dict, now: dt.datetime) -> list[str]:
         last = f"paused, {last}"
     progress = _progress(r)
     return [
-        job if len(job) <= JOB_WIDTH else job[: JOB_WIDTH - 1] + "~",
+        _job_cell(job),
         str(r.get("kind") or "-")[:7],
         _cell(r.get("queue_depth")),
         _short(lag.total_seconds()) if isinstance(lag, dt.timedelta) else "-",
@@ -270,7 +279,7 @@ def _history_cells(r: dict) -> list[str]:
     written = [r.get(c) for c in ("inserted", "updated", "deleted")]
     return [
         finished.strftime("%m-%d %H:%M:%S") if isinstance(finished, dt.datetime) else "-",
-        job if len(job) <= JOB_WIDTH else job[: JOB_WIDTH - 1] + "~",
+        _job_cell(job),
         " ".join(str(r[c]) for c in ("outcome", "action") if r.get(c) is not None) or "-",
         f"{duration:.0f}" if isinstance(duration, int | float) else "-",
         "-" if None in written else "+{} ~{} -{}".format(*written),

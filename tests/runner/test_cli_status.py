@@ -179,7 +179,7 @@ def test_status_fits_100_columns_and_wide_shows_every_column(conn, dsn):
     assert len(lines) == 1 + len(view(conn)) and max(map(len, lines)) <= 100, p.stdout
     assert lines[0].split() == ["job", "kind", "queue", "lag", "parked", "failing", "last", "ago"]
     row = next(ln for ln in lines if ln.startswith("a_job_with"))
-    assert row.split()[0] == long[:23] + "~" and "failed call" in row, row
+    assert row.split()[0] == long[:11] + "~" + long[-12:] and "failed call" in row, row
     assert "a long error" not in p.stdout  # the error is in --wide, --json and the reason on stderr
     wide = status(dsn, "--wide")
     assert wide.returncode == 1
@@ -206,3 +206,16 @@ def test_an_unknown_command_lists_the_commands():
     assert "No such command 'frobnicate'" in p.stderr and "status" in p.stderr and "verify" in p.stderr, (
         p.stderr
     )
+
+
+def test_two_long_job_names_that_differ_at_the_end_stay_apart(conn, dsn):
+    """The default table cut long names to their first 23 characters: `..._region_a` and `..._region_b`
+    printed as the same job."""
+    conn.execute("create function public.ok() returns void language sql as 'select'")
+    for region in ("a", "b"):
+        job = f"warehouse_statistics_for_the_quarterly_dashboard_region_{region}"
+        conn.execute(f"select lockstep.define_job('{job}', 'public.ok()')")
+    p = status(dsn)
+    assert p.returncode == 0, p.stderr
+    names = [ln.split()[0] for ln in p.stdout.splitlines()[1:]]
+    assert names == ["warehouse_s~ard_region_a", "warehouse_s~ard_region_b"], names

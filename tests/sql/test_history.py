@@ -454,7 +454,7 @@ def test_status_history_fits_100_columns_and_wide_shows_every_column(ex, example
     lines = p.stdout.splitlines()
     assert len(lines) == 5 and max(map(len, lines)) <= 100, p.stdout
     assert lines[0].split() == ["finished", "job", "run", "ms", "rows", "skipped", "failed"]
-    assert lines[2].split()[2:5] == ["nightly_customer_lifeti~", "failed", "call"], lines[2]
+    assert lines[2].split()[2:5] == ["nightly_cus~value_rollup", "failed", "call"], lines[2]
     assert lines[3].startswith("  error: the warehouse feed returned") and lines[3].endswith("..."), lines[3]
     assert lines[4].split()[2:5] == ["exam_keys", "done", "work"], lines[4]
 
