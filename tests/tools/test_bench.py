@@ -50,6 +50,12 @@ def test_bench_small_json(admin_dsn):
     assert noop["lockstep"]["rows"] == 0 and noop["seed"]["rows"] == 0 and noop["matview"]["rows"] == 0
     assert noop["naive"]["rows"] > 0  # deletes and reinserts everything
     assert r["summary"]["lockstep_noop"]["rows"] == 0 and noop["lockstep"]["rows_repeat"] == 0
+    rc = r["recompute_composite"]  # the composite-key run beside one column, the same size
+    assert rc["parents"] == 300 and rc["converged"]
+    for level in (1, 100):
+        per = rc[f"{level}%"]
+        assert per["kc_one"]["ms"] > 0 and per["kc_two"]["ms"] > 0 and per["ratio"] > 0
+        assert per["kc_one"]["txns"] >= 1 and per["kc_two"]["txns"] >= 1
     q = r["queue"]
     for key in ("enqueue_batch_1_keys_per_s", "enqueue_batch_1000_keys_per_s", "worker_parents_per_s"):
         assert q[key] > 0

@@ -11,6 +11,8 @@ lockstep and the example, fills ``example.exam_key`` once, then runs the section
   queue (more than ``batch_parents`` changed), each its own transaction; ``max_lock_ms`` is the longest
   row-lock time (write phase) of any one of them. ``bare_compute_ms`` is ``count(*)`` of the compute
   function alone, measured beside the methods.
+  The section ends with a composite-key run (``lockstep.lab.bench_composite``): two jobs of the same size,
+  keyed by one column and by ``(tenant_id, id)``, recomputed side by side, and the ratio of their times.
 - ``scaling``: the recompute section again at a quarter of the parents (its own database), so that the
   waits of the two sizes can be compared.
 - ``queue``: enqueue throughput, worker throughput, cost of a no-op pass and of a pass over unchanged keys;
@@ -42,7 +44,7 @@ from typing import Any
 
 import psycopg
 
-from lockstep.lab import example, scratch
+from lockstep.lab import bench_composite, example, scratch
 from lockstep.lab.scratch import percentile
 
 JOB = example.JOB
@@ -706,6 +708,7 @@ def run(
             if "recompute" in sections:
                 result["recompute"] = bench.recompute()
                 result["summary"] = summarize(result["recompute"])
+                result["recompute_composite"] = bench_composite.run(bench.conn, parents, progress)
             if "queue" in sections:
                 result["queue"] = bench.queue()
         finally:
@@ -859,6 +862,8 @@ def render(r: dict[str, Any]) -> str:
         f"{r['parents']} parents"
     ]
     _render_recompute(r.get("recompute", {}), lines)
+    if "recompute_composite" in r:
+        bench_composite.render(r["recompute_composite"], lines)
     if "summary" in r:
         _render_summary(r["summary"], lines)
     if "scaling" in r:
