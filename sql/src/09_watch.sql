@@ -254,8 +254,27 @@ begin
 $t$;
 $$;
 
--- lockstep._trigger_template_enqueue(): the rest of that text: flag the job with the problem found, or
--- enqueue the keys read.
+-- lockstep._trigger_template_queue(): the end of a generated trigger function's text (lockstep._gen_trigger,
+-- lockstep._gen_key_columns): append the keys read in v_keys to the queue, with row_security on.
+create or replace function lockstep._trigger_template_queue() returns text
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select $t$    if pg_catalog.current_setting('row_security') operator(pg_catalog.=) 'off' then
+        perform lockstep._append(tg_argv[0], v_keys);  -- the queue's policies refuse a plain insert then
+    elsif pg_catalog.cardinality(v_keys) operator(pg_catalog.=) 1 then
+        insert into lockstep.queue (job, key) values (tg_argv[0], v_keys[1]);
+    elsif pg_catalog.cardinality(v_keys) operator(pg_catalog.>) 1 then
+        insert into lockstep.queue (job, key) select tg_argv[0], u.k from pg_catalog.unnest(v_keys) u(k);
+    end if;
+    return null;
+end;
+$body$
+$t$;
+$$;
+
+-- lockstep._trigger_template_enqueue(): the rest of lockstep._trigger_template_check's text: flag the job
+-- with the problem found, or enqueue the keys read.
 create or replace function lockstep._trigger_template_enqueue() returns text
 language sql immutable
 set search_path = pg_catalog, pg_temp
@@ -273,17 +292,7 @@ as $$
         return null;
     end if;
 %8$s
-    if pg_catalog.current_setting('row_security') operator(pg_catalog.=) 'off' then
-        perform lockstep._append(tg_argv[0], v_keys);  -- the queue's policies refuse a plain insert then
-    elsif pg_catalog.cardinality(v_keys) operator(pg_catalog.=) 1 then
-        insert into lockstep.queue (job, key) values (tg_argv[0], v_keys[1]);
-    elsif pg_catalog.cardinality(v_keys) operator(pg_catalog.>) 1 then
-        insert into lockstep.queue (job, key) select tg_argv[0], u.k from pg_catalog.unnest(v_keys) u(k);
-    end if;
-    return null;
-end;
-$body$
-$t$;
+$t$ || lockstep._trigger_template_queue();
 $$;
 
 -- lockstep._gen_trigger(j, source, key_column): generate lockstep.enqueue_w_<hash>(), a trigger function

@@ -139,17 +139,7 @@ begin
        operator(pg_catalog.+) pg_catalog.octet_length(tg_argv[0]) operator(pg_catalog.>) %6$s then
         v_keys := lockstep._queueable(tg_argv[0], v_keys);  -- a key too long for the queue flags the job
     end if;
-    if pg_catalog.current_setting('row_security') operator(pg_catalog.=) 'off' then
-        perform lockstep._append(tg_argv[0], v_keys);  -- the queue's policies refuse a plain insert then
-    elsif pg_catalog.cardinality(v_keys) operator(pg_catalog.=) 1 then
-        insert into lockstep.queue (job, key) values (tg_argv[0], v_keys[1]);
-    elsif pg_catalog.cardinality(v_keys) operator(pg_catalog.>) 1 then
-        insert into lockstep.queue (job, key) select tg_argv[0], u.k from pg_catalog.unnest(v_keys) u(k);
-    end if;
-    return null;
-end;
-$body$
-$t$, v_name, key_columns::text,
+$t$ || lockstep._trigger_template_queue(), v_name, key_columns::text,
         pg_catalog.format(v_read, pg_catalog.format('select %s as k from lockstep_new x union select %s from lockstep_old x',
                                                     v_key, v_key)),
         pg_catalog.format(v_read, pg_catalog.format('select distinct %s as k from lockstep_new x', v_key)),
