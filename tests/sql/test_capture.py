@@ -407,3 +407,42 @@ def test_a_partition_attached_or_detached_after_watch_flags_the_job_and_is_follo
     assert capture(c)["flagged"] == 1
     converge(c)
     assert capture(c)["outcome"] == "idle"
+
+
+def test_a_table_partitioned_on_another_column_needs_each_partitions_identity(c):
+    """Partitioned on kind, watched on exam_id: each partition's replica identity must hold exam_id (the
+    root's does not reach its partitions); a row moved between partitions queues its key; a partition
+    attached later with a narrower identity flags the job at its first update or delete."""
+    c.execute(
+        "create table public.marks (id int, kind text, exam_id int not null, primary key (id, kind))"
+        " partition by list (kind);"
+        " create table public.marks_a partition of public.marks for values in ('a');"
+        " create table public.marks_b partition of public.marks for values in ('b');"
+        " insert into public.marks values (1, 'a', 2), (2, 'b', 3);"
+        " alter table public.marks replica identity full; alter table public.marks_a replica identity full"
+    )
+    with raises_sqlstate("55000", match="replica identity of public.marks_b does not hold column exam_id"):
+        c.execute("select lockstep.watch(%s, 'public.marks', 'exam_id', via => 'wal')", [JOB])
+    c.execute("alter table public.marks_b replica identity full")
+    c.execute("select lockstep.watch(%s, 'public.marks', 'exam_id', via => 'wal')", [JOB])
+    capture(c)
+    converge(c)
+    c.execute("update public.marks set kind = 'b' where id = 1")  # from marks_a to marks_b, same exam
+    c.execute("update public.marks set exam_id = 4 where id = 2")  # within marks_b, another exam
+    assert capture(c)["flagged"] == 0
+    assert queued(c) == ["2", "3", "4"]
+    converge(c)
+    c.execute(
+        "create table public.marks_c partition of public.marks for values in ('c')"
+    )  # identity: (id, kind)
+    assert capture(c)["flagged"] == 1  # attached
+    converge(c)
+    c.execute("insert into public.marks values (3, 'c', 5)")
+    assert capture(c)["flagged"] == 0 and queued(c) == ["5"]
+    converge(c)
+    c.execute(
+        "update public.marks set exam_id = 6 where id = 3"
+    )  # the WAL has (id, kind) of the old row only
+    assert capture(c)["flagged"] == 1
+    assert flags(c)[-1] == "the replica identity of public.marks_c no longer holds column exam_id"
+    converge(c)
