@@ -229,7 +229,8 @@ begin
     if j.parent_column is not null then
         return lockstep._key_match(j, alias, pg_catalog.format('any(%s)', arr), cols);
     end if;
-    return pg_catalog.format('exists (select from pg_catalog.unnest(%s) lockstep_k where %s)', arr,
+    -- the array in a scalar subquery: cast once (record input is not immutable, so never folded)
+    return pg_catalog.format('exists (select from pg_catalog.unnest((select %s)) lockstep_k where %s)', arr,
                              lockstep._key_match(j, alias, 'lockstep_k', cols));
 end;
 $$;
@@ -245,7 +246,7 @@ begin
     if j.parent_column is not null then
         return pg_catalog.format('pg_catalog.unnest(%s::%s) k(v)', arr, lockstep._array_type(j.key_type));
     end if;
-    return pg_catalog.format('(select v from pg_catalog.unnest(%s::%s) v) k', arr, lockstep._array_type(j.key_type));
+    return pg_catalog.format('(select v from pg_catalog.unnest((select %s::%s)) v) k', arr, lockstep._array_type(j.key_type));
 end;
 $$;
 
@@ -260,6 +261,22 @@ as $$
                      and pg_catalog.cardinality(c.conkey) = pg_catalog.cardinality(j.parent_columns)
                      and (select array_agg(a.attname) from pg_catalog.pg_attribute a
                           where a.attrelid = c.conrelid and a.attnum = any(c.conkey)) @> j.parent_columns);
+$$;
+
+-- lockstep._key_order(j, value): value, an expression of j's key type, as a list to sort or group by in the
+-- key type's order: value itself, or for a composite key its fields (value).f1, (value).f2, which sort
+-- as the record does (same types and collations) without a record comparison per pair.
+create or replace function lockstep._key_order(j lockstep.job, value text) returns text
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if j.parent_column is not null then
+        return value;
+    end if;
+    return (select pg_catalog.string_agg(pg_catalog.format('(%s).%I', value, f.n), ', ' order by f.o)
+            from pg_catalog.unnest(lockstep._key_fields(j)) with ordinality f(n, o));
+end;
 $$;
 
 -- lockstep._key_name(j): j's parent key for messages: parent.column, or parent(c1, c2) for a composite key.

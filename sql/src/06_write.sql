@@ -219,15 +219,20 @@ comment on function lockstep._diff_run(lockstep.job, text[], text, text, text, t
     'work tables.';
 
 -- lockstep._compute_sql(j): compute called with $1, as a FROM item kept from seeing filters around it
--- (offset 0: a filter pushed into compute spoiled its plan).
+-- (offset 0: a filter pushed into compute spoiled its plan). An array of composite keys is cast once, in a
+-- scalar subquery: record input is not immutable, so a cast inlined into compute's filter ran per row.
 create or replace function lockstep._compute_sql(j lockstep.job) returns text
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
 begin
-    return (select pg_catalog.format('(select * from %s($1::%s) offset 0)', lockstep._callable(p.oid, 1),
-                                     pg_catalog.format_type(p.proargtypes[0], -1))
-            from pg_catalog.pg_proc p where p.oid = j.compute::regprocedure);
+    return (select pg_catalog.format(case when y.typtype = 'c' then '(select * from %s((select $1::%s)) offset 0)'
+                                          else '(select * from %s($1::%s) offset 0)' end,
+                                     lockstep._callable(p.oid, 1), pg_catalog.format_type(p.proargtypes[0], -1))
+            from pg_catalog.pg_proc p
+            join pg_catalog.pg_type a on a.oid = p.proargtypes[0]
+            left join pg_catalog.pg_type y on y.oid = a.typelem
+            where p.oid = j.compute::regprocedure);
 end;
 $$;
 

@@ -33,12 +33,13 @@ begin
     drop table if exists pg_temp.lockstep_parents, pg_temp.lockstep_rest, pg_temp.lockstep_first;
     execute pg_catalog.format(
         'create temp table lockstep_parents on commit drop as '
-        'select k::text as key, pg_catalog.row_number() over (order by pg_catalog.octet_length(k::text) > %4$s desc, k) as n '
-        'from (select distinct k::%1$s as k from ('
+        'select min(t)::text as key, pg_catalog.row_number() over (order by pg_catalog.octet_length(min(t)) > %4$s desc, %5$s) as n '
+        'from (select t, t::%1$s as k from (select distinct k from ('  -- each text once, read back once
         '  select lockstep_parent from pg_temp.%2$I'
         '  union all select lockstep_parent from pg_temp.%3$I'
-        '  union all select lockstep_old_parent from pg_temp.%3$I) s(k) where k is not null) s',
-        lockstep._type_sql(j.key_type), v_gone, v_put, lockstep._max_key_bytes() - pg_catalog.octet_length(j.job));
+        '  union all select lockstep_old_parent from pg_temp.%3$I) s(k) where k is not null) s(t)) s group by %5$s',
+        lockstep._type_sql(j.key_type), v_gone, v_put, lockstep._max_key_bytes() - pg_catalog.octet_length(j.job),
+        lockstep._key_order(j, 'k'));
     if not exists (select from pg_temp.lockstep_parents c where c.n > budget) then
         drop table pg_temp.lockstep_parents;
         return;

@@ -34,7 +34,7 @@ as $$
     select coalesce(pg_catalog.array_agg(case when t.trim then pg_catalog.trim_scale(k::text::numeric)::text
                                               else k::text end order by k), '{}')
     from (select distinct k from pg_catalog.unnest(keys) k where k is not null) s,
-         (select lockstep._trims_scale(pg_catalog.pg_typeof(keys)) as trim) t;
+         (select lockstep._trims_scale(pg_catalog.pg_typeof(keys)) as trim offset 0) t;  -- once, not per key
 $$;
 
 -- lockstep._fast_types(): key types whose JSON text (to_jsonb) is their canonical text under every setting;

@@ -340,6 +340,13 @@ begin
            and pg_catalog.array_to_string(keys, ',') ~ '^(0|-?[1-9][0-9]{0,8})(,(0|-?[1-9][0-9]{0,8}))*$') then
         return keys;  -- canonical already (the common case)
     end if;
+    begin  -- every key is canonical when each is the canonical text of some key: one conversion, not one per key
+        if keys <@ lockstep._sorted_keys(j, keys) then
+            return keys;
+        end if;
+    exception when others then
+        null;  -- some key does not read back: one by one
+    end;
     foreach k in array keys loop
         v := v || (lockstep._readable(j, array[k])).canon[1];
     end loop;
