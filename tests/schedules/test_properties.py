@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import psycopg
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from isolation import POLL, awaited_locks, blocking_pids
@@ -48,6 +49,142 @@ step_strategy = st.tuples(
     st.integers(1, N_PARENTS),
     st.integers(1, N_PARENTS),
 )
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The schema a run works on: the example (exams keyed by a bigint) or a multi-tenant one (documents keyed
+    by (tenant_id, id), parent p being document (p % 2 + 1, p)). Each statement takes the parents' numbers."""
+
+    job: str
+    enqueue: str  # %s: a parent number
+    lock: str  # %s: the parents' numbers (the app locks them in key order)
+    insert: tuple[str, str]  # %s: the new parent's number
+    delete: str
+    edit: tuple[str, str]  # %s: a word, a parent number
+    merge: tuple[str, str]  # %s: into, from, into / from, into
+    reset: str
+    divergence: str  # (rows missing or different, rows extra)
+
+
+EXAMPLE = Shape(
+    job=example.JOB,
+    enqueue=f"select lockstep.enqueue('{example.JOB}', array[%s]::bigint[])",
+    lock="select id from example.exam where id = any(%s) order by id for update",
+    insert=(
+        "insert into example.exam (id, title, body) values (%s, 'fresh title', 'new exam body')",
+        "insert into example.exam_item (exam_id, body) values (%s, 'first item words')",
+    ),
+    delete="delete from example.exam where id = %s",
+    edit=(
+        "update example.exam set body = body || ' ' || %s where id = %s",
+        "update example.exam_item set body = %s || ' item' where exam_id = %s",
+    ),
+    merge=(
+        "update example.exam_item set exam_id = %s where exam_id = %s"
+        " and exists (select from example.exam where id = %s)",
+        "delete from example.exam where id = %s and exists (select from example.exam where id = %s)",
+    ),
+    reset=f"""
+truncate example.exam, example.exam_item, example.exam_key, lockstep.queue, lockstep.key_failure;
+select example.seed({N_PARENTS});
+select lockstep.recompute('{example.JOB}');
+delete from lockstep.queue;
+update lockstep.job_state set retry_at = null, consecutive_failures = 0;
+""",
+    divergence="",
+)
+
+TENANT = "(mod(%s, 2) + 1)"  # parent p is document (p % 2 + 1, p)
+MULTI_TENANT_SCHEMA = """
+create schema mt;
+create table mt.doc (tenant_id int, id bigint, body text not null, primary key (tenant_id, id));
+create table mt.item (tenant_id int not null, doc_id bigint not null, body text not null,
+                      foreign key (tenant_id, doc_id) references mt.doc on delete cascade on update cascade);
+create index on mt.item (tenant_id, doc_id);
+create table mt.doc_word (tenant_id int not null, doc_id bigint not null, word text not null,
+                          n int not null, primary key (tenant_id, doc_id, word),
+                          foreign key (tenant_id, doc_id) references mt.doc
+                              on delete cascade on update cascade);
+create type mt.doc_key as (tenant_id int, id bigint);
+create function mt.words(keys mt.doc_key[]) returns table (tenant_id int, doc_id bigint, word text, n int)
+language sql stable as $$
+    select d.tenant_id, d.id, w, count(*)::int
+    from mt.doc d
+    left join mt.item i on i.tenant_id = d.tenant_id and i.doc_id = d.id,
+    lateral pg_catalog.regexp_split_to_table(d.body || ' ' || coalesce(i.body, ''), ' ') w
+    where w <> ''
+      and (keys is null or (d.tenant_id, d.id) in (select k.tenant_id, k.id from pg_catalog.unnest(keys) k))
+    group by 1, 2, 3
+$$;
+select lockstep.define_derived('mt_words', 'mt.doc_word', 'mt.words(mt.doc_key[])', 'mt.doc',
+                               parent_columns => array['tenant_id', 'doc_id']::name[]);
+-- the application's own triggers (watch() does not take composite keys yet): every changed row's parent,
+-- old and new, through lockstep.enqueue; tg_argv: the row's key columns
+create function mt.queue_rows() returns trigger language plpgsql as $$
+declare
+    k mt.doc_key[];
+begin
+    execute pg_catalog.format(
+        'select pg_catalog.array_agg(row(%1$I, %2$I)::mt.doc_key) from (%3$s) r',
+        tg_argv[0], tg_argv[1],
+        case tg_op when 'INSERT' then 'select * from new_rows' when 'DELETE' then 'select * from old_rows'
+                   else 'select * from new_rows union all select * from old_rows' end) into k;
+    perform lockstep.enqueue('mt_words', coalesce(k, '{}'));
+    return null;
+end $$;
+create trigger q_ins after insert on mt.doc referencing new table as new_rows
+    for each statement execute function mt.queue_rows('tenant_id', 'id');
+create trigger q_upd after update on mt.doc referencing old table as old_rows new table as new_rows
+    for each statement execute function mt.queue_rows('tenant_id', 'id');
+create trigger q_del after delete on mt.doc referencing old table as old_rows
+    for each statement execute function mt.queue_rows('tenant_id', 'id');
+create trigger q_ins after insert on mt.item referencing new table as new_rows
+    for each statement execute function mt.queue_rows('tenant_id', 'doc_id');
+create trigger q_upd after update on mt.item referencing old table as old_rows new table as new_rows
+    for each statement execute function mt.queue_rows('tenant_id', 'doc_id');
+create trigger q_del after delete on mt.item referencing old table as old_rows
+    for each statement execute function mt.queue_rows('tenant_id', 'doc_id');
+"""
+MULTI_TENANT = Shape(
+    job="mt_words",
+    enqueue=f"select lockstep.enqueue('mt_words', array[row({TENANT}, %s)]::mt.doc_key[])",
+    lock="select id from mt.doc"
+    " where (tenant_id, id) in (select mod(p, 2) + 1, p from unnest(%s::bigint[]) p)"
+    " order by tenant_id, id for update",
+    insert=(
+        f"insert into mt.doc (tenant_id, id, body) select {TENANT}, %s, 'new doc body'",
+        f"insert into mt.item (tenant_id, doc_id, body) select {TENANT}, %s, 'first item words'",
+    ),
+    delete=f"delete from mt.doc where (tenant_id, id) = ({TENANT}, %s)",
+    edit=(
+        f"update mt.doc set body = body || ' ' || %s where (tenant_id, id) = ({TENANT}, %s)",
+        f"update mt.item set body = %s || ' item' where (tenant_id, doc_id) = ({TENANT}, %s)",
+    ),
+    merge=(
+        f"update mt.item set (tenant_id, doc_id) = ({TENANT}, %s) where (tenant_id, doc_id) = ({TENANT}, %s)"
+        f" and exists (select from mt.doc where (tenant_id, id) = ({TENANT}, %s))",
+        f"delete from mt.doc where (tenant_id, id) = ({TENANT}, %s)"
+        f" and exists (select from mt.doc where (tenant_id, id) = ({TENANT}, %s))",
+    ),
+    reset=f"""
+truncate mt.doc, mt.item, mt.doc_word, lockstep.queue, lockstep.key_failure;
+insert into mt.doc select p % 2 + 1, p, 'doc ' || p || ' words' from generate_series(1, {N_PARENTS}) p;
+insert into mt.item select p % 2 + 1, p, 'item of ' || p from generate_series(1, {N_PARENTS}) p;
+select lockstep.recompute('mt_words');
+delete from lockstep.queue;
+update lockstep.job_state set retry_at = null, consecutive_failures = 0;
+""",
+    divergence="""
+select (select count(*) from (select * from mt.words(null) except select * from mt.doc_word) a),
+       (select count(*) from (select * from mt.doc_word except select * from mt.words(null)) b)
+""",
+)
+SHAPES = {"bigint": EXAMPLE, "composite": MULTI_TENANT}
+
+
+def divergence(c: psycopg.Connection, shape: Shape) -> tuple[int, int]:
+    return example.divergence(c) if shape is EXAMPLE else c.execute(shape.divergence).fetchone()
 
 
 @dataclass
@@ -71,8 +208,9 @@ class Session:
 
 
 class Interleaving:
-    def __init__(self, dsn: str) -> None:
+    def __init__(self, dsn: str, shape: Shape = EXAMPLE) -> None:
         self.dsn = dsn
+        self.shape = shape
         self.errors: list[str] = []
         self.violations: list[str] = []
         self.blocked: list[str] = []  # steps seen waiting for a lock (app steps only, if all is well)
@@ -175,7 +313,7 @@ class Interleaving:
             self.send(
                 s,
                 f"enqueue {p}",
-                lambda c: c.execute("select lockstep.enqueue(%s, array[%s]::bigint[])", [example.JOB, p]),
+                lambda c: c.execute(self.shape.enqueue, [p] * self.shape.enqueue.count("%s")),
             )
         elif op in ("work", "recompute"):
             if s.in_txn:
@@ -185,7 +323,9 @@ class Interleaving:
             self._app(s, op, p, q)
 
     def _lockstep_call(self, c: psycopg.Connection, op: str) -> None:
-        outcome, error = c.execute(f"select outcome, error from lockstep.{op}(%s)", [example.JOB]).fetchone()
+        outcome, error = c.execute(
+            f"select outcome, error from lockstep.{op}(%s)", [self.shape.job]
+        ).fetchone()
         if outcome == "failed" or error is not None:
             self.errors.append(f"lockstep.{op}: {outcome}: {error}")
 
@@ -198,13 +338,7 @@ class Interleaving:
             new = self.next_id
             if s.in_txn and s.parents is None:
                 s.parents = [new]
-            stmts = [
-                (
-                    "insert into example.exam (id, title, body) values (%s, 'fresh title', 'new exam body')",
-                    [new],
-                ),
-                ("insert into example.exam_item (exam_id, body) values (%s, 'first item words')", [new]),
-            ]
+            stmts = [(q, [new] * q.count("%s")) for q in self.shape.insert]
             self._send_app(s, f"insert {new}", [], stmts)
             return
         if op == "merge":
@@ -212,18 +346,9 @@ class Interleaving:
                 self.trace.append(f"{s.name}: merge {p}->{q} skipped (not the transaction's parents)")
                 return
             lock = sorted([p, q])
-            stmts = [
-                (
-                    "update example.exam_item set exam_id = %s where exam_id = %s"
-                    " and exists (select from example.exam where id = %s)",
-                    [q, p, q],
-                ),
-                (
-                    "delete from example.exam where id = %s"
-                    " and exists (select from example.exam where id = %s)",
-                    [p, q],
-                ),
-            ]
+            move, drop = self.shape.merge
+            per = move.count("%s") // 3  # each of into, from, into is said once, or once per key column
+            stmts = [(move, [q] * per + [p] * per + [q] * per), (drop, [p] * (per) + [q] * per)]
             if s.in_txn:
                 s.parents = lock
             self._send_app(s, f"merge {p}->{q}", lock, stmts)
@@ -233,21 +358,18 @@ class Interleaving:
         elif s.in_txn:
             s.parents = [p]
         if op == "delete":
-            stmts = [("delete from example.exam where id = %s", [p])]
+            stmts = [(self.shape.delete, [p] * self.shape.delete.count("%s"))]
         else:  # edit
             self.next_id += 1
             word = f"edit{self.next_id % 50}"
-            stmts = [
-                ("update example.exam set body = body || ' ' || %s where id = %s", [word, p]),
-                ("update example.exam_item set body = %s || ' item' where exam_id = %s", [word, p]),
-            ]
+            stmts = [(q, [word] + [p] * (q.count("%s") - 1)) for q in self.shape.edit]
         self._send_app(s, f"{op} {p}", [p], stmts)
 
     def _send_app(self, s: Session, label: str, lock: list[int], stmts: list[tuple[str, list]]) -> None:
         def run(c: psycopg.Connection) -> None:
             def body() -> None:
                 if lock:
-                    c.execute("select id from example.exam where id = any(%s) order by id for update", [lock])
+                    c.execute(self.shape.lock, [lock])
                 for q, args in stmts:
                     c.execute(q, args)
 
@@ -268,31 +390,24 @@ class Interleaving:
         assert not any(s.pending for s in self.sessions), self.report()
 
 
-def drain(c: psycopg.Connection) -> None:
+def drain(c: psycopg.Connection, shape: Shape = EXAMPLE) -> None:
     for _ in range(50):
         # keys skipped while an app held their parent are deferred by a second: make them ready now
         c.execute("update lockstep.queue set ready_at = now() where ready_at > now()")
-        outcome, error = c.execute("select outcome, error from lockstep.work(%s)", [example.JOB]).fetchone()
+        outcome, error = c.execute("select outcome, error from lockstep.work(%s)", [shape.job]).fetchone()
         assert error is None, error
         if outcome == "idle" and c.execute("select count(*) from lockstep.queue").fetchone()[0] == 0:
             return
     raise AssertionError("queue not drained after 50 passes")
 
 
-RESET = f"""
-truncate example.exam, example.exam_item, example.exam_key, lockstep.queue, lockstep.key_failure;
-select example.seed({N_PARENTS});
-select lockstep.recompute('{example.JOB}');
-delete from lockstep.queue;
-update lockstep.job_state set retry_at = null, consecutive_failures = 0;
-"""
-
-
-def reset(dsn: str) -> None:
-    """Back to N_PARENTS exams, recomputed, empty queue (cheaper than a new database per example)."""
+def reset(dsn: str, shape: Shape = EXAMPLE) -> None:
+    """Back to N_PARENTS parents, recomputed, empty queue (cheaper than a new database per example)."""
     with psycopg.connect(dsn, autocommit=True) as c:
-        c.execute(RESET)
-        assert example.divergence(c) == (0, 0)
+        if shape is MULTI_TENANT and c.execute("select to_regclass('mt.doc') is null").fetchone()[0]:
+            c.execute(MULTI_TENANT_SCHEMA)
+        c.execute(shape.reset)
+        assert divergence(c, shape) == (0, 0)
 
 
 @settings(
@@ -301,10 +416,12 @@ def reset(dsn: str) -> None:
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(steps=st.lists(step_strategy, min_size=4, max_size=40))
-def test_interleavings_never_deadlock_and_converge(example_dsn, steps):
+@pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
+def test_interleavings_never_deadlock_and_converge(example_dsn, shape, steps):
     dsn = example_dsn
-    reset(dsn)
-    run = Interleaving(dsn)
+    sh = SHAPES[shape]
+    reset(dsn, sh)
+    run = Interleaving(dsn, sh)
     try:
         for who, op, p, q in steps:
             run.step(who, op, p, q)
@@ -318,6 +435,6 @@ def test_interleavings_never_deadlock_and_converge(example_dsn, steps):
     finally:
         run.close()
     with psycopg.connect(dsn, autocommit=True) as c:
-        drain(c)
+        drain(c, sh)
         assert c.execute("select count(*) from lockstep.key_failure").fetchone()[0] == 0
-        assert example.divergence(c) == (0, 0), run.report()
+        assert divergence(c, sh) == (0, 0), run.report()
