@@ -449,3 +449,36 @@ def test_compute_gets_a_composite_key_array_cast_once(dw):
     row (110 s for 500 keys over 200,000 parents). The array is cast in a scalar subquery."""
     sql = dw.execute("select lockstep._compute_sql(j) from lockstep.job j").fetchone()[0]
     assert sql == "(select * from public.doc_words((select $1::public.doc_key[])) offset 0)"
+
+
+def test_a_target_that_also_references_the_tenant_pins_both(db, connect, dsn):
+    """A multi-tenant target references its parent by (tenant_id, doc_id) and the tenant by tenant_id: the
+    parent's foreign key is told apart (pinned in step 1), the tenant's is pinned as another reference
+    (step 2). An application holding the tenant row leaves that tenant's new rows out, without a wait."""
+    db.execute(
+        """
+        create table tenant (id int primary key);
+        insert into tenant values (1), (2);
+        create table doc_word_t (tenant_id int not null references tenant on delete cascade,
+                                 doc_id bigint not null, word text not null, n int not null,
+                                 primary key (tenant_id, doc_id, word),
+                                 foreign key (tenant_id, doc_id) references doc
+                                     on delete cascade on update cascade);
+        create function words_t(keys doc_key[]) returns table (tenant_id int, doc_id bigint, word text, n int)
+            language sql stable as $$ select * from public.doc_words(keys) $$;
+        insert into doc values (1, 1, 'a b'), (2, 1, 'c d');
+        """
+    )
+    db.execute("select lockstep.define_derived('dt', 'doc_word_t', 'words_t(doc_key[])', 'doc')")
+    assert db.execute("select parent_columns from lockstep.job").fetchone() == (["tenant_id", "doc_id"],)
+    not_due(db, "dt")
+    app = connect(dsn)
+    app.execute("begin")
+    app.execute("select from tenant where id = 2 for update")
+    db.execute("select lockstep.enqueue('dt', array[row(1, 1), row(2, 1)]::doc_key[])")
+    r = result(db, "lockstep.work('dt')")
+    assert (r["outcome"], r["inserted"], r["skipped"]) == ("done", 2, 1), r
+    assert queue(db) == ["(2,1)"]
+    app.execute("rollback")
+    db.execute("update lockstep.queue set ready_at = now()")
+    assert result(db, "lockstep.work('dt')")["inserted"] == 2
