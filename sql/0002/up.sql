@@ -111,6 +111,10 @@ alter table lockstep.job
     add column owner_id regrole not null default pg_catalog.to_regrole(pg_catalog.quote_ident(current_user));
 update lockstep.job set owner_id = coalesce(pg_catalog.to_regrole(pg_catalog.quote_ident(owner)), 0::oid::regrole);
 alter table lockstep.run_log add column owner_id regrole;
+alter table lockstep.viewer add column viewer_id regrole, add column owner_id regrole;
+update lockstep.viewer set viewer_id = coalesce(pg_catalog.to_regrole(pg_catalog.quote_ident(viewer)), 0::oid::regrole),
+                           owner_id = coalesce(pg_catalog.to_regrole(pg_catalog.quote_ident(owner)), 0::oid::regrole);
+alter table lockstep.viewer alter column viewer_id set not null, alter column owner_id set not null;
 update lockstep.run_log set owner_id = coalesce(pg_catalog.to_regrole(pg_catalog.quote_ident(owner)), 0::oid::regrole);
 update lockstep.job set parent_columns = array[parent_column], parent_keys = array[parent_key]
 where parent is not null and parent_column is not null;

@@ -248,6 +248,10 @@ create table lockstep.key_failure (
 create table lockstep.viewer (
     viewer name not null,
     owner  name not null,
+    -- the two roles by oid, set from the names when a row is written: a rename keeps a view, a new role of
+    -- the old name gets none
+    viewer_id regrole not null,
+    owner_id  regrole not null,
     primary key (viewer, owner)
 );
 alter table lockstep.viewer enable row level security;

@@ -128,12 +128,25 @@ begin
                      from pg_catalog.pg_roles r where r.rolname = _is_member.role), false);
 end;
 $$;
+-- lockstep._is_member_id(role): the current role is the role of oid role or a member of it; false for an
+-- oid no role has.
+create or replace function lockstep._is_member_id(role oid) returns boolean
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if not exists (select from pg_catalog.pg_roles r where r.oid = _is_member_id.role) then
+        return false;
+    end if;
+    return pg_catalog.pg_has_role(current_user, role, 'MEMBER');
+end;
+$$;
 drop policy if exists viewer_read on lockstep.viewer;
 create policy viewer_read on lockstep.viewer for select
-    using (lockstep._is_member(viewer) or lockstep._may_manage(owner));
+    using (lockstep._is_member_id(viewer_id) or lockstep._may_manage_id(owner_id));
 drop policy if exists viewer_write on lockstep.viewer;
 create policy viewer_write on lockstep.viewer for all
-    using (lockstep._may_manage(owner)) with check (lockstep._may_manage(owner));
+    using (lockstep._may_manage_id(owner_id)) with check (lockstep._may_manage_id(owner_id));
 
 -- lockstep._may_view(owner): the current role may read the rows of a job owned by owner: it may manage
 -- them, or lockstep.viewer lets it (or a role it is a member of).
@@ -153,7 +166,7 @@ end;
 $$;
 
 -- lockstep._may_view_id(owner): lockstep._may_view for the role of oid owner (lockstep.job.owner_id): the
--- current role may manage it, or lockstep.viewer names that role (by its name now) for a role it is a member of.
+-- current role may manage it, or lockstep.viewer names that role for a role it is a member of (by oid).
 create or replace function lockstep._may_view_id(owner oid) returns boolean
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -165,8 +178,8 @@ begin
     if not pg_catalog.has_table_privilege('lockstep.viewer', 'SELECT') then
         return false;  -- apart: a query naming the table checks its privilege before it runs
     end if;
-    return exists (select from lockstep.viewer v join pg_catalog.pg_roles r on r.rolname = v.owner
-                   where r.oid = _may_view_id.owner and lockstep._is_member(v.viewer));
+    return exists (select from lockstep.viewer v where v.owner_id = _may_view_id.owner
+                                                   and lockstep._is_member_id(v.viewer_id));
 end;
 $$;
 
@@ -215,8 +228,9 @@ begin
     return (lockstep._group_holder(lock_group, job)).holder is null;
 end;
 $$;
--- lockstep._owner_id(): trigger before a registry or run_log row is written with an owner (but a run_log row
--- inserted with its owner_id): owner_id is the role of that name now, oid 0 if none. Every right follows owner_id, so a
+-- lockstep._owner_id(): trigger before a registry, run_log or viewer row is written with an owner (but a
+-- run_log row inserted with its owner_id): owner_id is the role of that name now, oid 0 if none (and a
+-- viewer row's viewer_id, likewise). Every right follows owner_id, so a
 -- later rename of the role changes nothing, and a new role of the old name gets nothing.
 -- locks: nothing.
 create or replace function lockstep._owner_id() returns trigger
@@ -224,7 +238,10 @@ language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 begin
-    if tg_table_name = 'job' or tg_op = 'UPDATE' or new.owner_id is null then
+    if tg_table_name = 'viewer' then
+        new.viewer_id := coalesce(pg_catalog.to_regrole(pg_catalog.quote_ident(new.viewer)), 0::oid::regrole);
+    end if;
+    if tg_table_name <> 'run_log' or tg_op = 'UPDATE' or new.owner_id is null then
         new.owner_id := coalesce(pg_catalog.to_regrole(pg_catalog.quote_ident(new.owner)), 0::oid::regrole);
     end if;
     return new;
@@ -233,6 +250,8 @@ $$;
 create or replace trigger job_owner_id before insert or update of owner on lockstep.job
     for each row execute function lockstep._owner_id();
 create or replace trigger run_log_owner_id before insert or update of owner on lockstep.run_log
+    for each row execute function lockstep._owner_id();
+create or replace trigger viewer_owner_id before insert or update on lockstep.viewer
     for each row execute function lockstep._owner_id();
 
 drop policy if exists job_read on lockstep.job;

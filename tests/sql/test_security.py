@@ -915,6 +915,38 @@ def test_a_renamed_owner_keeps_its_jobs_and_a_new_role_of_the_old_name_gets_none
         ex.execute(sql.SQL("alter role {} rename to {}").format(ident(renamed), ident(owner)))
 
 
+def test_a_renamed_viewer_keeps_its_view_and_a_new_role_of_the_old_name_gets_none(
+    ex, example_dsn, owners, roles
+):
+    """lockstep.viewer named its roles by name: after a rename the viewer lost its view, and a new role of
+    the old name read the owner's status rows."""
+    owner, _, _ = owners
+    with psycopg.connect(as_role(example_dsn, owner), autocommit=True) as o:
+        _define_noop(o)
+    reads = [
+        "grant usage on schema lockstep to {role}",
+        "grant select on lockstep.job, lockstep.job_state, lockstep.viewer to {role}",
+    ]
+    viewer = roles("viewer", reads)
+    ex.execute("insert into lockstep.viewer values (%s, %s)", [viewer, owner])
+    renamed = viewer + "_was"
+    ident = sql.Identifier
+    ex.execute(sql.SQL("alter role {} rename to {}").format(ident(viewer), ident(renamed)))
+    ex.execute(sql.SQL("create role {} login").format(ident(viewer)))
+    try:
+        for g in reads:
+            ex.execute(sql.SQL(g).format(role=ident(viewer)))
+        seen = "select job from lockstep.job_state where job = 'owned'"
+        with psycopg.connect(as_role(example_dsn, viewer), autocommit=True) as x:
+            assert x.execute(seen).fetchall() == []
+        with psycopg.connect(as_role(example_dsn, renamed), autocommit=True) as v:
+            assert v.execute(seen).fetchall() == [("owned",)]
+    finally:
+        ex.execute(sql.SQL("drop owned by {} cascade").format(ident(viewer)))
+        ex.execute(sql.SQL("drop role {}").format(ident(viewer)))
+        ex.execute(sql.SQL("alter role {} rename to {}").format(ident(renamed), ident(viewer)))
+
+
 def test_own_job_cannot_be_given_to_another_role_or_to_no_role(ex, example_dsn, owners):
     """The recipe grants no UPDATE of owner; for a role granted it, RLS WITH CHECK: an owner may only name a
     role it is a member of (the job would run as that role)."""
