@@ -135,3 +135,36 @@ def render(rec: dict[str, Any], lines: list[str]) -> None:
             f" {per['kc_two']['ms']:>19.1f} {per['kc_two']['txns']:>5} {ratio:>6}"
         )
     lines.append(f"converged: {'yes' if rec['converged'] else 'NO'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m lockstep.lab.bench_composite --parents N``: this run alone, in a scratch database."""
+    import argparse
+    import os
+    import sys
+
+    from lockstep.lab import scratch
+    from lockstep.migrate import migrate
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--dsn", default=os.environ.get("LOCKSTEP_DSN", ""), help="admin DSN (a database is made)"
+    )
+    parser.add_argument("--parents", type=int, default=50000)
+    args = parser.parse_args(argv)
+    name = f"lockstep_bench_composite_{os.getpid()}"
+    try:
+        dsn = scratch.create_database(args.dsn, name)
+        migrate(dsn)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            rec = run(conn, args.parents, lambda m: print(m, file=sys.stderr, flush=True))
+        lines: list[str] = []
+        render(rec, lines)
+        print("\n".join(lines).lstrip("\n"))
+    finally:
+        scratch.drop_database(args.dsn, name)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
