@@ -96,3 +96,17 @@ def test_scaling_compares_the_longest_wait_over_as_many_deletes_at_both_sizes():
     assert out["12500"]["rewritten_max_same_n_ms"] == 12.0 and out["50000"]["rewritten_max_same_n_ms"] == 12.5
     assert out["50000"]["rewritten_max_ms"] == 30.0 and out["50000"]["same_n"] == 200
     assert "_latencies" not in out["50000"]
+
+
+def test_the_composite_run_alone(admin_dsn):
+    """python -m lockstep.lab.bench_composite: the recompute section's composite-key run by itself."""
+    p = subprocess.run(
+        [sys.executable, "-m", "lockstep.lab.bench_composite", "--dsn", admin_dsn, "--parents", "200"],
+        capture_output=True,
+        text=True,
+        timeout=180,  # a hang guard, not a speed check
+    )
+    assert p.returncode == 0, p.stderr
+    assert "(tenant_id, id) ms" in p.stdout and "converged: yes" in p.stdout, p.stdout
+    rows = [line.split() for line in p.stdout.splitlines() if line.strip().startswith(("1%", "100%"))]
+    assert [r[0] for r in rows] == ["1%", "100%"] and all(float(r[-1]) > 0 for r in rows), p.stdout
