@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import psycopg
 import pytest
+import sqlalchemy.exc
 from util import drain, not_due, raises_sqlstate, result, snapshot
 
 from lockstep import db as lockstep_db
+from lockstep.migrate import migrate
 
 SETUP = """
 create table doc (tenant_id int not null, id bigint not null, body text not null default '',
@@ -482,3 +484,32 @@ def test_a_target_that_also_references_the_tenant_pins_both(db, connect, dsn):
     app.execute("rollback")
     db.execute("update lockstep.queue set ready_at = now()")
     assert result(db, "lockstep.work('dt')")["inserted"] == 2
+
+
+def test_the_upgrade_fills_the_arrays_and_the_downgrade_waits_for_composite_jobs(empty_dsn):
+    """A one-column job of revision 0001 gets both arrays from the upgrade. Revision 0001 cannot run a job
+    keyed by several columns: the downgrade is refused (55000) while one exists, then goes through."""
+    migrate(empty_dsn, "lockstep_0001")
+    with psycopg.connect(empty_dsn, autocommit=True) as c:
+        c.execute(SETUP)
+        c.execute("create table p (id bigint primary key)")
+        c.execute("create table d (p_id bigint not null references p on delete cascade, primary key (p_id))")
+        c.execute(
+            "create function f(ids bigint[]) returns table (p_id bigint) language sql"
+            " as $$ select id from public.p where ids is null or id = any(ids) $$"
+        )
+        c.execute("select lockstep.define_derived('one', 'd', 'f(bigint[])', 'p')")
+    migrate(empty_dsn)
+    with psycopg.connect(empty_dsn, autocommit=True) as c:
+        row = c.execute("select parent_columns, parent_keys from lockstep.job where job = 'one'").fetchone()
+        assert row == (["p_id"], ["id"])
+        c.execute(DEFINE)
+    with pytest.raises(sqlalchemy.exc.OperationalError, match="composite parent key") as info:
+        migrate(empty_dsn, "lockstep_0001", downgrade=True)
+    assert info.value.orig.sqlstate == "55000"  # sqlalchemy's error around psycopg's
+    with psycopg.connect(empty_dsn, autocommit=True) as c:
+        assert c.execute("select count(*) from lockstep.job").fetchone()[0] == 2
+        c.execute("select lockstep.drop_job('dw')")
+    migrate(empty_dsn, "lockstep_0001", downgrade=True)
+    with psycopg.connect(empty_dsn, autocommit=True) as c:
+        assert c.execute("select job from lockstep.job").fetchall() == [("one",)]
