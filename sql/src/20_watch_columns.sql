@@ -87,8 +87,12 @@ $$;
 
 -- lockstep._gen_key_columns(j, source, key_columns): generate lockstep.enqueue_w_<hash>(), the trigger
 -- function of a composite key's watch: static SQL that reads only the key columns; NULL where the session
--- may not create it (watch() then uses lockstep.enqueue_trigger()). Its reads run in a block: a column
--- renamed or dropped, or a key type changed, flags the job. No SET clause: every name qualified.
+-- may not create it, or where a key column's type is not its field's and either is not built in (watch()
+-- then uses lockstep.enqueue_trigger(), which checks the key type at each statement). Its reads run in a
+-- block. It converts no key unless the key type's fields, the source's key column types and the absence
+-- of a cast on the key type are as watch() found them: the type's owner could make a field a domain or
+-- add a cast, whose function would run as the writer; then lockstep._trigger_problem says why, and the
+-- job is flagged. No SET clause: every name qualified.
 -- locks: nothing (creates or replaces the function).
 create or replace function lockstep._gen_key_columns(j lockstep.job, source regclass, key_columns name[]) returns text
 language plpgsql
@@ -106,8 +110,15 @@ declare
     v_read text := case when v_fast
                         then 'v_keys := array(select s.k::pg_catalog.text from (%s) s where s.k is not null order by s.k);'
                         else 'v_keys := lockstep._canon(array(select s.k from (%s) s where s.k is not null));' end;
+    v_fields oid[] := array(select a.atttypid from pg_catalog.pg_type y
+                            join pg_catalog.pg_attribute a on a.attrelid = y.typrelid and a.attnum > 0
+                            where y.oid = j.key_type and not a.attisdropped order by a.attnum);
+    v_cols oid[] := array(select a.atttypid from pg_catalog.unnest(key_columns) with ordinality c(n, o)
+                          join pg_catalog.pg_attribute a on a.attrelid = source and a.attname = c.n order by c.o);
 begin
-    if not pg_catalog.has_schema_privilege('lockstep', 'CREATE') then
+    if not pg_catalog.has_schema_privilege('lockstep', 'CREATE')
+       or exists (select from unnest(v_cols, v_fields) p(c, f) where  -- ROWS FROM: not qualified
+                   p.c <> p.f and greatest(p.c, p.f) >= 16384) then
         return null;
     end if;
     execute pg_catalog.format($t$
@@ -120,7 +131,20 @@ declare
     v_problem pg_catalog.text;
 begin
     begin  -- reads only: the subtransaction gets no transaction id
-        if tg_op operator(pg_catalog.=) 'UPDATE' then
+        if array(select a.atttypid from pg_catalog.pg_attribute a
+                 where a.attrelid operator(pg_catalog.=) %7$s::pg_catalog.oid and a.attnum operator(pg_catalog.>) 0
+                   and not a.attisdropped order by a.attnum) operator(pg_catalog.<>) %8$L::pg_catalog.oid[]
+           or array(select a.atttypid from pg_catalog.unnest(%2$L::pg_catalog.name[]) with ordinality c(n, o)
+                    left join pg_catalog.pg_attribute a on a.attrelid operator(pg_catalog.=) tg_relid
+                                                        and a.attname operator(pg_catalog.=) c.n and not a.attisdropped
+                    order by c.o) operator(pg_catalog.<>) %9$L::pg_catalog.oid[]
+           or exists (select from pg_catalog.pg_cast k
+                      where k.castsource operator(pg_catalog.=) any (%10$L::pg_catalog.oid[])
+                         or k.casttarget operator(pg_catalog.=) any (%10$L::pg_catalog.oid[])) then
+            v_problem := coalesce((select p.problem from lockstep._trigger_problem(tg_argv[0], tg_argv[1], tg_relid,
+                                                                                     tg_op, 'lockstep_new', 'lockstep_old') p),
+                                  'the key type or the key columns changed since watch(): watch again');
+        elsif tg_op operator(pg_catalog.=) 'UPDATE' then
             %3$s
         elsif tg_op operator(pg_catalog.=) 'INSERT' then
             %4$s
@@ -144,7 +168,9 @@ $t$ || lockstep._trigger_template_queue(), v_name, key_columns::text,
                                                     v_key, v_key)),
         pg_catalog.format(v_read, pg_catalog.format('select distinct %s as k from lockstep_new x', v_key)),
         pg_catalog.format(v_read, pg_catalog.format('select distinct %s as k from lockstep_old x', v_key)),
-        lockstep._max_key_bytes());
+        lockstep._max_key_bytes(),
+        (select y.typrelid from pg_catalog.pg_type y where y.oid = j.key_type), v_fields, v_cols,
+        array[j.key_type, (select y.typarray from pg_catalog.pg_type y where y.oid = j.key_type)]::oid[]);
     return pg_catalog.format('lockstep.%I', v_name);
 exception when insufficient_privilege then  -- a function of that name owned by another role
     return null;

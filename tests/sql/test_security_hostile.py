@@ -189,6 +189,53 @@ def test_a_composite_key_whose_owner_added_a_cast_is_refused_not_cast(ex, exampl
     assert ex.execute(LOOT).fetchone()[0] == 0
 
 
+@pytest.mark.parametrize("watcher", ["admin", "mallory"])
+@pytest.mark.parametrize("fields", ["text", "enum"])
+def test_a_composite_key_type_altered_after_the_watch_never_runs_the_owners_code_as_the_writer(
+    ex, example_dsn, mallory, watcher, fields
+):
+    """The watch's trigger converts the source's key columns to the composite key type as the writer.
+    After the watch, mallory changes a field of her type into her domain, whose CHECK runs her function:
+    it would keep the writer's loot, or raise it into the job's flag, which mallory reads. The writer's
+    statements run none of it: the trigger flags the job instead."""
+    with _as(example_dsn, mallory) as m:
+        _plant_steal(m)
+        m.execute(
+            "create function mal.leak() returns boolean language plpgsql as $$ begin perform mal.steal();"
+            " if has_table_privilege('public.secret', 'select') then raise exception 'leak %',"
+            " (select string_agg(v, ',') from public.secret); end if; return true; end $$"
+        )
+        ftype = "text" if fields == "text" else "mal.e"
+        if fields == "enum":
+            m.execute("create type mal.e as enum ('a', 'b')")
+        m.execute(f"create type mal.ck as (e {ftype}, n int)")
+        m.execute(f"create table mal.p (e {ftype}, n int, primary key (e, n))")
+        m.execute(
+            "create table mal.c (e text, n int, primary key (e, n),"
+            " foreign key (e, n) references mal.p on delete cascade)".replace("e text", f"e {ftype}")
+        )
+        m.execute(
+            f"create function mal.fc(keys mal.ck[]) returns table (e {ftype}, n int) language sql"
+            " as 'select e, n from mal.p where keys is null or row(e, n)::mal.ck = any(keys)'"
+        )
+        m.execute("select lockstep.define_derived('cjob', 'mal.c', 'mal.fc(mal.ck[])', parent => 'mal.p')")
+        m.execute("grant insert, update, delete on mal.p to public")
+        if watcher == "mallory":
+            m.execute("select lockstep.watch('cjob', 'mal.p', key_columns => array['e', 'n']::name[])")
+    if watcher == "admin":
+        ex.execute("select lockstep.watch('cjob', 'mal.p', key_columns => array['e', 'n']::name[])")
+    with _as(example_dsn, mallory) as m:
+        m.execute("create domain mal.dn as int check (mal.leak())")
+        m.execute("alter type mal.ck alter attribute n type mal.dn")
+    ex.execute("delete from lockstep.recompute_flag")
+    ex.execute("insert into mal.p values ('b', 3)")
+    ex.execute("update mal.p set n = 4 where n = 3")
+    ex.execute("delete from mal.p where n = 4")
+    assert ex.execute(LOOT).fetchone()[0] == 0
+    flags = [p for (p,) in ex.execute("select problem from lockstep.recompute_flag where job = 'cjob'")]
+    assert flags and not any("s3cr3t" in p for p in flags), flags
+
+
 def test_an_enum_key_array_cast_is_refused(ex, example_dsn, mallory):
     """A cast from text[] to the key type's array, through the owner's function, would run where lockstep
     reads queued keys back ($1::key_type[]): refused for a one-column enum key too."""
