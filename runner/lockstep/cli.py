@@ -23,7 +23,6 @@ import functools
 import importlib
 import json as jsonlib
 import logging
-import re
 import shlex
 import sys
 from datetime import UTC, datetime
@@ -772,12 +771,43 @@ def _bad_keys(exc: BaseException, hint: str) -> Failure:
     return Failure(f"{getattr(exc, 'sqlstate', None)}: {first} (hint: {hint})", codes.EXIT_USAGE)
 
 
-KEYS_HINT = "--keys takes parent keys of the job's key type, comma-separated (\\, for a comma in a key)"
+KEYS_HINT = (
+    "--keys takes parent keys of the job's key type, comma-separated (\\, for a comma in a key;"
+    " a composite key as its record text, e.g. (1,42))"
+)
+
+
+def _split_value(value: str) -> list[str]:
+    """One ``--keys`` value split at its commas. ``\\,`` is a comma inside a key (``Lyon\\, Est``). A key
+    that starts with ``(`` is a composite key's record text: it is kept whole up to its closing parenthesis,
+    commas, double quotes and backslashes included (``("Lyon, Est",1)``)."""
+    keys: list[str] = []
+    key, depth, quoted, i = "", 0, False, 0
+    while i < len(value):
+        c = value[i]
+        if depth == 0 and c == "\\" and value[i + 1 : i + 2] == ",":
+            key, i = key + ",", i + 2
+            continue
+        if depth == 0 and c == ",":
+            keys.append(key)
+            key, i = "", i + 1
+            continue
+        if depth == 0 and c == "(" and not key.strip():
+            depth = 1
+        elif depth and c == "\\":
+            key, i = key + value[i : i + 2], i + 2
+            continue
+        elif depth and c == '"':
+            quoted = not quoted
+        elif depth and not quoted:
+            depth += {"(": 1, ")": -1}.get(c, 0)
+        key, i = key + c, i + 1
+    return [*keys, key]
 
 
 def _split_keys(values: tuple[str, ...]) -> list[str] | None:
-    """``--keys`` values, each comma-separated; ``\\,`` is a comma inside a key (``Lyon\\, Est``)."""
-    keys = [k.replace("\\,", ",").strip() for v in values for k in re.split(r"(?<!\\),", v)]
+    """``--keys`` values, each comma-separated (``_split_value``)."""
+    keys = [k.strip() for v in values for k in _split_value(v)]
     return [k for k in keys if k] or None
 
 
@@ -787,8 +817,8 @@ def _split_keys(values: tuple[str, ...]) -> list[str] | None:
     "--keys",
     multiple=True,
     metavar="K1,K2,...",
-    help="Only these parents (comma-separated, repeatable; \\, for a comma in a key; cast to the job's key "
-    "type) [default: all].",
+    help="Only these parents (comma-separated, repeatable; \\, for a comma in a key; a composite key as its "
+    "record text, e.g. (1,42); cast to the job's key type) [default: all].",
 )
 @dsn_option
 @option("--json", is_flag=True, help="Print the result as JSON.")
@@ -853,8 +883,8 @@ def _verify_text(r) -> str:  # lockstep.db.Verified
     "--keys",
     multiple=True,
     metavar="K1,K2,...",
-    help="Only these parents (comma-separated, repeatable; \\, for a comma in a key; cast to the job's key "
-    "type) [default: all].",
+    help="Only these parents (comma-separated, repeatable; \\, for a comma in a key; a composite key as its "
+    "record text, e.g. (1,42); cast to the job's key type) [default: all].",
 )
 @option(
     "--limit", type=click.IntRange(min=0), default=5, show_default=True, help="Example parents per action."

@@ -54,3 +54,35 @@ def test_a_diff_over_keys_that_would_not_change_says_so(conn, dsn):
     conn.execute("select lockstep.recompute('totals')")
     p = lockstep(dsn, "diff", "totals")
     assert p.stdout.strip() == "totals: no difference: a recompute now would write nothing", p.stdout
+
+
+TENANTS = """
+create table region (tenant text not null, id int not null, primary key (tenant, id));
+create type region_key as (tenant text, id int);
+create table region_total (tenant text not null, id int not null, n int not null, primary key (tenant, id),
+    foreign key (tenant, id) references region on delete cascade on update cascade);
+create function region_totals(keys region_key[]) returns table (tenant text, id int, n int)
+    language sql stable
+    as $$ select r.tenant, r.id, 1 from public.region r
+          where keys is null or row(r.tenant, r.id)::public.region_key = any(keys) $$;
+insert into region values ('a', 1), ('a', 2), ('Lyon, Est', 1), ('q"x', 3);
+select lockstep.define_derived('regions', 'region_total', 'region_totals(region_key[])', 'region');
+select lockstep.recompute('regions');
+delete from region_total where (tenant, id) in (('a', 2), ('Lyon, Est', 1), ('q"x', 3));
+"""
+
+
+def test_composite_keys_are_given_as_record_text_their_commas_inside(conn, dsn):
+    """A composite key's text always holds a comma: `--keys '(a,1)'` was split into '(a' and '1)', which no
+    key type reads. A comma inside a key's parentheses or double quotes is part of the key."""
+    conn.execute(TENANTS)
+    p = lockstep(dsn, "verify", "regions", "--keys", "(a,1),(a,2)", "--json")
+    assert p.returncode == 1, p.stdout + p.stderr
+    out = json.loads(p.stdout)
+    assert out["keys"] == ["(a,1)", "(a,2)"] and out["missing"] == 1, out
+    p = lockstep(dsn, "diff", "regions", "--keys", '("Lyon, Est",1), ("q""x",3)', "--json")
+    assert p.returncode == 0, p.stderr
+    examples = json.loads(p.stdout)["actions"]["insert"]["examples"]
+    assert sorted(e["key"] for e in examples) == ['("Lyon, Est",1)', '("q""x",3)'], examples
+    p = lockstep(dsn, "verify", "regions", "--keys", "(a,1)")
+    assert p.returncode == 0 and "(1 parent)" in p.stdout, p.stdout + p.stderr
