@@ -102,23 +102,19 @@ declare
     v_name name := ('enqueue_w_' || pg_catalog.left(pg_catalog.md5(
                         pg_catalog.concat_ws(pg_catalog.chr(1), j.job, source::oid, key_columns::text)), 24))::name;
     v_key text := lockstep._key_columns_sql(j.key_type, key_columns, 'x');
-    -- fields whose text is the same under every setting: the record's text is canonical (lockstep._canon)
-    v_fast boolean := not exists (select from pg_catalog.pg_type y
-                                  join pg_catalog.pg_attribute a on a.attrelid = y.typrelid and a.attnum > 0
-                                  where y.oid = j.key_type and not a.attisdropped
-                                    and a.atttypid::regtype::text <> all (lockstep._fast_types()));
-    v_read text := case when v_fast
-                        then 'v_keys := array(select s.k::pg_catalog.text from (%s) s where s.k is not null order by s.k);'
-                        else 'v_keys := lockstep._canon(array(select s.k from (%s) s where s.k is not null));' end;
     v_fields oid[] := array(select a.atttypid from pg_catalog.pg_type y
                             join pg_catalog.pg_attribute a on a.attrelid = y.typrelid and a.attnum > 0
                             where y.oid = j.key_type and not a.attisdropped order by a.attnum);
+    -- fields whose text is the same under every setting: the record's text is canonical (lockstep._canon)
+    v_read text := case when not exists (select from pg_catalog.unnest(v_fields) f
+                                         where f::regtype::text <> all (lockstep._fast_types()))
+                        then 'v_keys := array(select s.k::pg_catalog.text from (%s) s where s.k is not null order by s.k);'
+                        else 'v_keys := lockstep._canon(array(select s.k from (%s) s where s.k is not null));' end;
     v_cols oid[] := array(select a.atttypid from pg_catalog.unnest(key_columns) with ordinality c(n, o)
                           join pg_catalog.pg_attribute a on a.attrelid = source and a.attname = c.n order by c.o);
 begin
     if not pg_catalog.has_schema_privilege('lockstep', 'CREATE')
-       or exists (select from unnest(v_cols, v_fields) p(c, f) where  -- ROWS FROM: not qualified
-                   p.c <> p.f and greatest(p.c, p.f) >= 16384) then
+       or exists (select from unnest(v_cols, v_fields) p(c, f) where p.c <> p.f and greatest(p.c, p.f) >= 16384) then
         return null;
     end if;
     execute pg_catalog.format($t$
