@@ -513,3 +513,28 @@ def test_the_upgrade_fills_the_arrays_and_the_downgrade_waits_for_composite_jobs
     migrate(empty_dsn, "lockstep_0001", downgrade=True)
     with psycopg.connect(empty_dsn, autocommit=True) as c:
         assert c.execute("select job from lockstep.job").fetchall() == [("one",)]
+
+
+def test_composite_key_probes_use_the_indexes(dw):
+    """The SQL the helpers write matches a composite key field by field: the target's rows of a few keys
+    and the parents to pin are index scans, never a scan of the table (a row(...) = any(...) would be)."""
+    dw.execute(
+        "insert into doc select t, i, 'w' || i from generate_series(1, 20) t, generate_series(5, 500) i"
+    )
+    dw.execute("select lockstep.recompute('dw')")
+    drain(dw, JOB)
+    dw.execute("analyze doc, doc_word")
+    keys = "array['(1,7)', '(2,9)']::text[]"
+    probe_sql = "select t.* from %s, lateral (select t.word from doc_word t where %s offset 0) t"
+    pin_sql = "select r.id from doc r where %s order by %s for key share of r skip locked"
+    probe, pin = dw.execute(
+        "select pg_catalog.format(%s, lockstep._key_unnest(j, %s), lockstep._key_match(j, 't', 'k.v')),"
+        " pg_catalog.format(%s, lockstep._key_in(j, 'r', %s, j.parent_keys),"
+        "                   lockstep._key_expr(j, 'r', j.parent_keys))"
+        " from lockstep.job j",
+        [probe_sql, keys, pin_sql, keys + "::doc_key[]"],
+    ).fetchone()
+    for stmt, table in [(probe, "doc_word"), (pin, "doc")]:
+        plan = "\n".join(r[0] for r in dw.execute(f"explain {stmt}"))
+        assert f"Seq Scan on {table}" not in plan and "Index" in plan, plan
+    assert sorted(dw.execute(probe).fetchall()) == [("w7",), ("w9",)]
