@@ -119,7 +119,7 @@ language sql stable as $$
 $$;
 select lockstep.define_derived('mt_words', 'mt.doc_word', 'mt.words(mt.doc_key[])', 'mt.doc',
                                parent_columns => array['tenant_id', 'doc_id']::name[]);
--- the application's own triggers (watch() does not take composite keys yet): every changed row's parent,
+-- the application's own triggers (as a hand-written recipe would be): every changed row's parent,
 -- old and new, through lockstep.enqueue; tg_argv: the row's key columns
 create function mt.queue_rows() returns trigger language plpgsql as $$
 declare
