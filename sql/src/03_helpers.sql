@@ -236,8 +236,8 @@ end;
 $$;
 
 -- lockstep._key_unnest(j, arr): a FROM item k with one column v, each key of arr (text of a key array)
--- cast to j's key type's array: unnest(arr) k(v), or for a composite key (select v from unnest(arr) v) k,
--- whose v is the whole key (a column list would rename its first field).
+-- cast to j's key type's array: unnest(arr) k(v), or for a composite key (select unnest(arr) as v) k,
+-- whose v is the whole key (a column list would rename its first field; a field named v would shadow it).
 create or replace function lockstep._key_unnest(j lockstep.job, arr text) returns text
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -246,7 +246,7 @@ begin
     if j.parent_column is not null then
         return pg_catalog.format('pg_catalog.unnest(%s::%s) k(v)', arr, lockstep._array_type(j.key_type));
     end if;
-    return pg_catalog.format('(select v from pg_catalog.unnest((select %s::%s)) v) k', arr, lockstep._array_type(j.key_type));
+    return pg_catalog.format('(select pg_catalog.unnest((select %s::%s)) as v) k', arr, lockstep._array_type(j.key_type));
 end;
 $$;
 

@@ -33,7 +33,8 @@ as $$
                                                 where y.oid = pg_catalog.pg_typeof(keys)));
     select coalesce(pg_catalog.array_agg(case when t.trim then pg_catalog.trim_scale(k::text::numeric)::text
                                               else k::text end order by k), '{}')
-    from (select distinct k from pg_catalog.unnest(keys) k where k is not null) s,
+    -- unnest in the select list: a composite key's field named k cannot shadow the whole key
+    from (select distinct u.k from (select pg_catalog.unnest(keys) as k) u where u.k is not null) s,
          (select lockstep._trims_scale(pg_catalog.pg_typeof(keys)) as trim offset 0) t;  -- once, not per key
 $$;
 
@@ -219,12 +220,12 @@ begin
         raise exception 'lockstep: keys must not contain NULL (job "%")', j.job using errcode = '22004';
     end if;
     -- a composite key with a NULL field names no parent (the parent's key columns are NOT NULL)
-    if j.parent_column is null and exists (select from pg_catalog.unnest(keys) k where not (k is not null)) then
+    if j.parent_column is null and exists (select from (select pg_catalog.unnest(keys) as k) u where not (u.k is not null)) then
         raise exception 'lockstep: keys of job "%" must not have a NULL field', j.job
             using errcode = '22004', hint = 'Each field of a composite key is a column of the parent''s primary key.';
     end if;
     begin
-        execute pg_catalog.format('select lockstep._canon(pg_catalog.array_agg(k::%s)) from pg_catalog.unnest($1) k',
+        execute pg_catalog.format('select lockstep._canon(pg_catalog.array_agg(u.k::%s)) from (select pg_catalog.unnest($1) as k) u',
                                   lockstep._type_sql(j.key_type))
             into v using keys;
     exception when data_exception then  -- 3000000000 for an integer key: say whose key, keep the SQLSTATE
