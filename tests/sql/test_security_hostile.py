@@ -515,3 +515,23 @@ def test_lockstep_definer_functions_change_only_the_jobs_the_caller_manages(ex, 
                 o.execute(f"select {call}")
         assert o.execute("select * from lockstep._take_through('exam_keys')").fetchall() == []
     assert snapshot(ex, "lockstep.through_entry", "lockstep.run_log") == before
+
+
+def test_a_composite_key_type_altered_after_define_runs_no_owner_code_as_the_runner(ex, example_dsn, mallory):
+    """mallory makes a field of her composite key type her domain after define_derived: its CHECK would run
+    where a superuser's recompute or pass, retry or enqueue converts keys. None of them runs it with the
+    caller's rights."""
+    with _as(example_dsn, mallory) as m:
+        _plant_steal(m)
+        _composite_job(m)
+        m.execute("create domain mal.dn as int check (mal.steal())")
+        m.execute("alter type mal.ck alter attribute n type mal.dn")
+    ex.execute("update lockstep.job_state set next_run_at = now() + interval '1 day' where job = 'cjob'")
+    res = result(ex, "lockstep.work(%s)", "cjob")
+    assert res["outcome"] == "failed", res
+    result(ex, "lockstep.recompute(%s)", "cjob")  # compute and write run as mallory: her CHECK may run there
+    with raises_sqlstate("LSD04", match="domain"):
+        ex.execute("select lockstep.enqueue('cjob', array[row('a', 1)]::mal.ck[])")
+    with raises_sqlstate("LSD04", match="domain"):
+        ex.execute("select lockstep.retry('cjob', array[row('a', 1)]::mal.ck[])")
+    assert ex.execute(LOOT).fetchone()[0] == 0
