@@ -573,7 +573,7 @@ language sql stable
 set search_path = pg_catalog, pg_temp
 as $$
     select pg_catalog.format('lockstep: the parent key type %s%s is refused: ', t,
-                             coalesce(pg_catalog.format(' of job "%s"', job), ''))
+                             case when job is not null then pg_catalog.format(' of job "%s"', job) else '' end)
            || lockstep._key_type_problem(t)
     where t >= 16384;
 $$;

@@ -1,9 +1,9 @@
-"""A composite key type's field names are the user's: any name works, even one lockstep's generated SQL
-uses as an alias (k, v). A field named like the alias of an unnest() of keys shadowed the
-whole key: enqueue, verify and every worker pass failed."""
+"""Composite parent keys on schemas unlike test_composite_keys.py's: field names lockstep's own SQL uses as
+aliases, and the messages of a refused key type."""
 
 from __future__ import annotations
 
+import psycopg
 import pytest
 from util import result
 
@@ -21,6 +21,8 @@ insert into p values (1, 1), (2, 2), (3, 3);
 
 @pytest.mark.parametrize(("f1", "f2"), [("k", "id"), ("v", "id"), ("id", "v"), ("id", "k")])
 def test_fields_named_like_lockstep_aliases_work(conn, f1, f2):
+    """A field named like the alias of an unnest() of keys (k, v) shadowed the whole key: enqueue, verify
+    and every worker pass failed."""
     conn.execute(SCHEMA.format(f1=f1, f2=f2))
     conn.execute("select lockstep.define_derived('j', 't', 'f(p_key[])', 'p')")
     assert result(conn, "lockstep.recompute('j')")["outcome"] == "done"
@@ -60,3 +62,12 @@ def test_a_query_defined_job_keyed_by_columns_named_k_and_v_works(conn):
     r = result(conn, "lockstep.run('qj')")
     assert (r["outcome"], r["updated"]) == ("done", 2), r
     assert conn.execute("select missing, extra, different from lockstep.verify('qj')").fetchone() == (0, 0, 0)
+
+
+def test_a_refused_key_type_at_define_names_no_empty_job(conn):
+    """The refusal of a composite key type with a cast of its own said 'of job ""'."""
+    conn.execute(SCHEMA.format(f1="a", f2="b"))
+    conn.execute("create cast (p_key as text) with inout")
+    with pytest.raises(psycopg.Error, match="cast") as e:
+        conn.execute("select lockstep.define_derived('j', 't', 'f(p_key[])', 'p')")
+    assert 'job ""' not in str(e.value), e.value
