@@ -92,6 +92,7 @@ drop function if exists lockstep._trigger_general(oid, name, text, text, text, i
 drop function if exists lockstep._trigger_template_check();
 drop function if exists lockstep._trigger_template_enqueue();
 drop function if exists lockstep._trigger_template_queue();
+drop function if exists lockstep._comment_safe(text);
 drop function if exists lockstep._check_watch(lockstep.job, regclass, name);
 drop function if exists lockstep._watch_news(lockstep.job, regclass, name, regclass[]);
 drop function if exists lockstep._watch_ddl(lockstep.job, regclass[], text, text[]);

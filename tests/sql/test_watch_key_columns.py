@@ -207,3 +207,29 @@ def test_unwatch_and_drop_job_remove_the_composite_triggers(db):
         ).fetchone()[0]
         == 0
     )
+
+
+@pytest.mark.parametrize("composite", [True, False], ids=["key_columns", "key_column"])
+def test_a_column_name_with_a_newline_stays_in_the_generated_comment(db, composite):
+    """watch()'s generated trigger function names the key column(s) in a comment line: a newline in a column
+    name ended the comment and made the rest of the name code, run by every writer of the table (a syntax
+    error at watch() here; a crafted name would be valid code). The write queues its key."""
+    name = "t\nraise exception 'INJECTED'; --"
+    db.execute("create table one (id bigint primary key)")
+    db.execute("create table one_stat (id bigint primary key references one on delete cascade)")
+    db.execute(
+        "create function one_f(keys bigint[]) returns table (id bigint) language sql stable"
+        " as $$ select o.id from public.one o where keys is null or o.id = any(keys) $$"
+    )
+    db.execute("select lockstep.define_derived('o', 'one_stat', 'one_f(bigint[])', 'one', every => '1 day')")
+    if composite:
+        db.execute(f'create table src (id int, "{name}" int not null, doc_id bigint not null)')
+        db.execute("select lockstep.watch('ds', 'src', key_columns => array[%s, 'doc_id']::name[])", [name])
+        job = "ds"
+    else:
+        db.execute(f'create table src (id int, "{name}" bigint not null)')
+        db.execute("select lockstep.watch('o', 'src', %s)", [name])
+        job = "o"
+    db.execute("insert into src values (1, 2, 3)" if composite else "insert into src values (1, 2)")
+    expected = ["(2,3)"] if composite else ["2"]
+    assert [k for (k,) in db.execute("select key from lockstep.queue where job = %s", [job])] == expected
