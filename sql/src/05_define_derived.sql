@@ -336,6 +336,7 @@ as $$
 declare
     v_n bigint;
     v_missing name;
+    v_order name[];
 begin
     select lockstep._attnames(con.conrelid, con.conkey) into parent_keys
     from pg_catalog.pg_constraint con where con.conrelid = parent and con.contype = 'p';
@@ -367,12 +368,18 @@ begin
             using errcode = 'LSD04';
     end if;
     if not exists (select from lockstep._parent_fks(target, parent, parent_keys) f where f = parent_columns) then
+        -- the same columns in another order: the key's order is asked for, not another foreign key
+        v_order := (select f from lockstep._parent_fks(target, parent, parent_keys) f
+                    where f @> parent_columns and f <@ parent_columns limit 1);
         raise exception 'lockstep: %(%) does not reference %(%) through a foreign key, column for column', target,
             lockstep._cols(parent_columns), parent, lockstep._cols(parent_keys)
             using errcode = 'LSD04',
-                  hint = pg_catalog.format('lockstep pins parents with the lock an FK check takes: alter table %s add '
-                                           'foreign key (%s) references %s (%s) on delete cascade;', target,
-                                           lockstep._cols(parent_columns), parent, lockstep._cols(parent_keys));
+                  hint = coalesce(case when v_order is not null then pg_catalog.format('Name them in the order of %s''s primary key: parent_columns => '
+                                                    'array[%s]::name[]', parent, (select pg_catalog.string_agg(
+                                                        pg_catalog.quote_literal(c), ', ') from pg_catalog.unnest(v_order) c)) end,
+                                  pg_catalog.format('lockstep pins parents with the lock an FK check takes: alter table %s add '
+                                                    'foreign key (%s) references %s (%s) on delete cascade;', target,
+                                                    lockstep._cols(parent_columns), parent, lockstep._cols(parent_keys)));
     end if;
     select c into v_missing from pg_catalog.unnest(parent_columns) c where not c = any(cols) limit 1;
     if v_missing is not null then

@@ -71,3 +71,30 @@ def test_a_refused_key_type_at_define_names_no_empty_job(conn):
     with pytest.raises(psycopg.Error, match="cast") as e:
         conn.execute("select lockstep.define_derived('j', 't', 'f(p_key[])', 'p')")
     assert 'job ""' not in str(e.value), e.value
+
+
+def test_parent_columns_out_of_the_keys_order_are_told_the_order(conn):
+    """The target's foreign key covers the parent's key in another order: the hint names parent_columns in
+    the key's order (it asked for a second foreign key, as if none referenced the parent)."""
+    conn.execute(
+        """
+        create table p3 (a int, b text, c bigint, primary key (c, a, b));
+        create type p3_key as (c bigint, a int, b text);
+        create table t3 (a int not null, b text not null, c bigint not null, primary key (a, b, c),
+                         foreign key (a, b, c) references p3 (a, b, c) on delete cascade);
+        create function f3(keys p3_key[]) returns table (a int, b text, c bigint) language sql stable
+            as $$ select p.a, p.b, p.c from public.p3 p where keys is null $$;
+        """
+    )
+    with pytest.raises(psycopg.Error, match="column for column") as e:
+        conn.execute(
+            "select lockstep.define_derived('j3', 't3', 'f3(p3_key[])', 'p3',"
+            " parent_columns => array['a', 'b', 'c']::name[])"
+        )
+    assert e.value.diag.message_hint == (
+        "Name them in the order of public.p3's primary key: parent_columns => array['c', 'a', 'b']::name[]"
+    ), e.value.diag.message_hint
+    conn.execute(
+        "select lockstep.define_derived('j3', 't3', 'f3(p3_key[])', 'p3',"
+        " parent_columns => array['c', 'a', 'b']::name[])"
+    )
