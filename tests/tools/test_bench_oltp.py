@@ -111,3 +111,46 @@ def test_oltp_wal_scenario_on_a_logical_server():
         assert x["latency_p99_ms"] >= x["latency_p50_ms"] > 0
     text = bench_oltp.render(r)
     assert "wal (watched through the WAL" in text and "µs server CPU per change" in text
+
+
+def test_oltp_floor_scenarios_on_a_logical_server():
+    """The floors' scenarios at a tiny size on a throw-away wal_level = logical cluster, beside wal and sync:
+    decode reads its own slot on the capture's schedule and leaves no slot or publication behind; wal_now
+    (runners at --batch-wait 0) converges; the lag's parts (capture and worker pass times) are reported."""
+    import pg_cluster
+    import psycopg
+    import wal_cluster
+
+    from lockstep.lab import bench_oltp
+
+    if not pg_cluster.AVAILABLE:
+        pytest.skip(pg_cluster.MISSING)
+    with pg_cluster.running("lockstep-oltp-floor-", **wal_cluster.SETTINGS) as c:
+        r = bench_oltp.run(
+            c.dsn,
+            lambda m: None,
+            scenarios="base,wal,wal_now,decode,sync",
+            seconds=2,
+            scale=1,
+            clients=2,
+            threads=1,
+            rounds=1,
+        )
+        with psycopg.connect(c.dsn, autocommit=True) as conn:
+            assert conn.execute("select count(*) from pg_replication_slots").fetchone()[0] == 0
+    rd = r["rounds"][0]
+    assert [k for k in rd if k in bench_oltp.SCENARIOS] == ["base", "wal", "wal_now", "decode", "sync"]
+    d = rd["decode"]
+    assert d["transactions"] > 0 and d["failed"] == 0 and d["keys_enqueued"] == 0
+    assert d["decode_calls"] > 0 and d["decode_changes"] >= d["transactions"]
+    assert d["decode_cpu_ms_per_change"] > 0 and d["decode_mb_per_call"] >= d["decode_new_mb_per_call"] > 0
+    for side in ("wal", "wal_now"):
+        w = rd[side]
+        assert w["converged"] and w["keys_enqueued"] > 0
+        assert w["capture_calls"] > 0 and w["capture_read_calls"] > 0 and w["capture_ms_mean"] > 0
+        assert w["pass_ms_max"] >= w["pass_ms_p50"] > 0
+    for side in ("wal_now", "decode"):
+        assert r[side]["tps_pct_of_base"] == pytest.approx(100 * rd[side]["tps"] / rd["base"]["tps"])
+    text = bench_oltp.render(r)
+    assert "wal_now (wal, runners at --batch-wait 0)" in text and "decode alone" in text
+    assert "wal lag parts: capture" in text and "floors: WAL sync" in text

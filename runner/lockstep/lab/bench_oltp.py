@@ -18,6 +18,12 @@ or last):
   ``lockstep.capture()`` reads a logical slot). Only on a server with ``wal_level = logical``; there, after
   the rounds, the capture's server CPU per change (one capture of a few seconds' changes, no runner), and
   a fixed-rate run (``pgbench -R`` at half of base's tps) of base, lockstep and wal with p50 / p99 latency;
+- ``wal_now`` (only when named in ``--scenarios``): as ``wal``, the runners with ``--batch-wait 0``: a
+  worker pass right after each capture that queued keys, with no gathering window: the lag's floor;
+- ``decode`` (only when named in ``--scenarios``, logical servers): no lockstep at all: a pgoutput slot of a
+  publication of pgbench_accounts, peeked up to the flushed WAL and advanced every CAPTURE_EVERY seconds on
+  one long-lived connection (the capture's schedule and reads, no queue row written): the tps and CPU floor
+  of reading the WAL through SQL;
 - ``sync``: a reference, not lockstep: the same table kept current by a row trigger that rewrites the
   account's row in the application's own transaction (``update account_band set band = ..., balance =
   new.abalance where aid = new.aid``, the band computed inline): a minimal way to keep it current, with
@@ -158,7 +164,39 @@ RUNNER_BACKENDS_SQL = (
 )
 
 Progress = Callable[[str], None]
-SCENARIOS = ("base", "trigger", "lockstep", "wal", "sync")  # a round's order; every other the other way round
+SCENARIOS = (
+    "base",
+    "trigger",
+    "lockstep",
+    "wal",
+    "wal_now",
+    "decode",
+    "sync",
+)  # a round's order, every other
+# the other way round; the floors' scenarios (wal_now, decode) run only when named
+DEFAULT_SCENARIOS = ("base", "trigger", "lockstep", "wal", "sync")
+LOGICAL_ONLY = ("wal", "wal_now", "decode")
+CAPTURE_EVERY = 0.2  # the runner's default --capture-every: the decode scenario's schedule
+DECODE_PUBLICATION = "lockstep_floor"
+# one read of the decode scenario's slot, as lockstep._capture_read peeks it (up to the flushed WAL, at most
+# 20,000 messages): messages, changes of pgbench_accounts, the last commit's LSN
+DECODE_SQL = (
+    "select count(*), count(*) filter (where get_byte(data, 0) in (73, 85, 68)),"
+    " coalesce((max(lsn) filter (where get_byte(data, 0) = 67) - '0/0'::pg_lsn)::bigint, 0)"
+    " from pg_logical_slot_peek_binary_changes(%s, '0/0'::pg_lsn + %s::numeric, 20000, 'proto_version', '1',"
+    " 'publication_names', 'lockstep_floor')"
+)
+# the flushed WAL, the slot's confirmed position and its restart point, as numbers
+DECODE_POS_SQL = (
+    "select (pg_current_wal_flush_lsn() - '0/0'::pg_lsn)::bigint,"
+    " (confirmed_flush_lsn - '0/0'::pg_lsn)::bigint,"
+    " (restart_lsn - '0/0'::pg_lsn)::bigint from pg_replication_slots where slot_name = %s"
+)
+# the server time of the capture and of its read (track_functions = pl in the scratch database)
+FUNCTION_TIMES_SQL = (
+    "select funcname, calls, total_time from pg_stat_user_functions"
+    " where schemaname = 'lockstep' and funcname in ('capture', '_capture_read', 'run')"
+)
 # the trigger micro-measure again (the twin is TRIGGER_US_SQL's) with pgbench_accounts watched via the WAL
 TRIGGER_US_AGAIN_SQL = "truncate trigger_us;" + TRIGGER_US_DO
 PEEK_SQL = (
@@ -318,6 +356,10 @@ class Oltp:
         self._pgbench("-i", "-q", "-s", str(self.opts["scale"]), "--foreign-keys", timeout=1800)
         self.progress("lockstep: install, define account_band, measure the trigger")
         migrate(self.dsn)
+        try:  # the capture's server time per call, for the lag's parts (sessions started from now on)
+            self.conn.execute(f"alter database {self.conn.info.dbname} set track_functions = 'pl'")
+        except psycopg.errors.InsufficientPrivilege:
+            self.progress("track_functions not set (not a superuser): no capture times")
         self.conn.execute(DERIVED_SQL)
         self.conn.execute(TRIGGER_US_SQL)
         self.trigger_us = self.conn.execute("select us from trigger_us").fetchone()[0]
@@ -379,8 +421,18 @@ class Oltp:
     def _queue_bytes(self) -> int:
         return int(self.conn.execute("select pg_relation_size('lockstep.queue')").fetchone()[0])
 
-    def lockstep(self, round_: int = 1, via: str = "trigger", rate: float | None = None) -> dict[str, Any]:
-        name = "lockstep" if via == "trigger" else via
+    def wal_now(self, round_: int = 1, rate: float | None = None) -> dict[str, Any]:
+        """wal with the runners at --batch-wait 0: a worker pass as soon as a capture queued keys."""
+        return self.lockstep(round_, via="wal", rate=rate, batch_wait=0.0)
+
+    def lockstep(
+        self,
+        round_: int = 1,
+        via: str = "trigger",
+        rate: float | None = None,
+        batch_wait: float | None = None,
+    ) -> dict[str, Any]:
+        name = "lockstep" if via == "trigger" else via if batch_wait is None else f"{via}_now"
         self.progress(f"{name} {round_}: watch, recompute")
         self._watch(via)
         trigger_us = self.trigger_us
@@ -405,9 +457,11 @@ class Oltp:
             for i in range(self.opts["runners"]):
                 f = open(logdir / f"runner{i}.log", "w")  # noqa: SIM115 - closed below
                 cmd = [sys.executable, "-m", "lockstep", "run", "--dsn", self.dsn, "--log-format", "json"]
+                cmd += [] if batch_wait is None else ["--batch-wait", str(batch_wait)]
                 runners.append((subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f), f))
             seq0 = self.conn.execute(SEQ_SQL).fetchone()[0]
             wal0 = self._lsn()
+            times0 = self._function_times()
             sampler = threading.Thread(target=self._sample, args=(samples, stop), daemon=True)
             sampler.start()
             self.progress(f"{name} {round_}: {self.opts['seconds']} s with {self.opts['runners']} runners")
@@ -449,7 +503,8 @@ class Oltp:
                 except subprocess.TimeoutExpired:
                     p.kill()
                 f.close()
-        work_ms, passes = 0.0, 0
+        times = self._function_times_after(times0)
+        work_ms, passes, pass_ms = 0.0, 0, []
         for log in logdir.glob("runner*.log"):
             for line in log.read_text().splitlines():
                 if line.startswith("{"):
@@ -457,6 +512,7 @@ class Oltp:
                     fields = rec.get("fields", rec)
                     if fields.get("action") == "work" and fields.get("outcome") == "done":
                         work_ms += float(fields.get("ms") or 0)
+                        pass_ms.append(float(fields.get("ms") or 0))
                         passes += 1
         shutil.rmtree(logdir, ignore_errors=True)
         lags = sorted(s[0] for s in samples)
@@ -474,6 +530,10 @@ class Oltp:
             worker_passes=passes,
             worker_ms=work_ms,
             worker_ms_per_key=work_ms / keys if keys else None,
+            pass_ms_mean=work_ms / passes if passes else None,
+            pass_ms_p50=scratch.percentile(sorted(pass_ms), 0.5) if pass_ms else None,
+            pass_ms_max=max(pass_ms, default=None),
+            **times,
             queue_lag_max_s=lags[-1] if lags else None,
             queue_lag_p50_s=scratch.percentile(lags, 0.5),
             queue_depth_max=max((s[1] for s in samples), default=None),
@@ -486,6 +546,99 @@ class Oltp:
         r["converged"] = r["queue_left"] == 0 and r["divergence"] == 0
         self.conn.execute("select lockstep.unwatch(%s, 'public.pgbench_accounts')", [JOB])
         return r
+
+    def _function_times(self) -> dict[str, tuple[int, float]]:
+        """funcname -> (calls, total ms) of lockstep.capture, _capture_read and run so far."""
+        self.conn.execute("select pg_stat_clear_snapshot()")
+        return {r[0]: (r[1], r[2]) for r in self.conn.execute(FUNCTION_TIMES_SQL).fetchall()}
+
+    def _function_times_after(self, before: dict[str, tuple[int, float]]) -> dict[str, Any]:
+        """The capture's calls and mean server ms per call (all calls, and those that read the slot) since
+        ``before``, once the runners' backends are gone (a backend reports its counts when it exits)."""
+        deadline = time.monotonic() + 10
+        while self._runner_backends_cpu() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        after = self._function_times()
+        out: dict[str, Any] = {}
+        for name, label in (("capture", "capture"), ("_capture_read", "capture_read"), ("run", "run")):
+            calls = after.get(name, (0, 0.0))[0] - before.get(name, (0, 0.0))[0]
+            ms = after.get(name, (0, 0.0))[1] - before.get(name, (0, 0.0))[1]
+            out[f"{label}_calls"] = calls
+            out[f"{label}_ms_mean"] = ms / calls if calls else None
+        return out
+
+    def decode(self, round_: int = 1) -> dict[str, Any]:
+        """The decoding alone: a pgoutput slot of a publication of pgbench_accounts, read as the capture reads
+        it on CAPTURE_EVERY's schedule by one long-lived session, which writes nothing; its backend's CPU per
+        change, and the WAL each read decodes (from the slot's restart point) against the WAL new since."""
+        self.progress(
+            f"decode {round_}: a slot peeked and advanced every {CAPTURE_EVERY} s, {self.opts['seconds']} s"
+        )
+        slot = f"lockstep_floor_{os.getpid()}"
+        self.conn.execute(f"create publication {DECODE_PUBLICATION} for table public.pgbench_accounts")
+        self.conn.execute("select pg_create_logical_replication_slot(%s, 'pgoutput')", [slot])
+        out: dict[str, Any] = {"calls": 0, "changes": 0, "decoded_bytes": 0, "new_bytes": 0}
+        stop, ready = threading.Event(), threading.Event()
+        reader = threading.Thread(target=self._drain_slot, args=(slot, out, stop, ready), daemon=True)
+        try:
+            reader.start()
+            ready.wait(30)
+            r = self._measured_load()
+            stop.set()
+            reader.join()
+        finally:
+            stop.set()
+            self.conn.execute("select pg_drop_replication_slot(%s)", [slot])
+            self.conn.execute(f"drop publication {DECODE_PUBLICATION}")
+        calls, changes = out["calls"], out["changes"]
+        r.update(
+            decode_calls=calls,
+            decode_changes=changes,
+            decode_cpu_ms=out.get("cpu_ms"),
+            decode_cpu_ms_per_change=out["cpu_ms"] / changes
+            if out.get("cpu_ms") is not None and changes
+            else None,
+            decode_mb_per_call=out["decoded_bytes"] / calls / 1e6 if calls else None,
+            decode_new_mb_per_call=out["new_bytes"] / calls / 1e6 if calls else None,
+            decode_ms_mean=out.get("wall_ms", 0.0) / calls if calls else None,
+        )
+        return r
+
+    def _drain_slot(
+        self, slot: str, out: dict[str, Any], stop: threading.Event, ready: threading.Event
+    ) -> None:
+        """decode's reader: every CAPTURE_EVERY s, advance the slot to what the last read covered, then peek
+        up to the flushed WAL (at most 20,000 messages; then up to the last commit read), as capture does."""
+        with psycopg.connect(self.dsn, autocommit=True) as c:
+            pid = c.info.backend_pid
+            cpu0 = scratch.backend_cpu_ms(pid)
+            ready.set()
+            upto_prev, done = None, None
+            while not stop.is_set():
+                t0 = time.monotonic()
+                flushed, confirmed, restart = c.execute(DECODE_POS_SQL, [slot]).fetchone()
+                if done is not None and done > confirmed:
+                    c.execute(
+                        "select pg_replication_slot_advance(%s, '0/0'::pg_lsn + %s::numeric)", [slot, done]
+                    )
+                    confirmed = done
+                if flushed > confirmed:
+                    messages, changes, last_commit = c.execute(DECODE_SQL, [slot, flushed]).fetchone()
+                    done = flushed if messages < 20000 else last_commit
+                    if changes == 0:  # as the capture: nothing watched up to there, the slot moves at once
+                        c.execute(
+                            "select pg_replication_slot_advance(%s, '0/0'::pg_lsn + %s::numeric)",
+                            [slot, done],
+                        )
+                    out["calls"] += 1
+                    out["changes"] += changes
+                    out["decoded_bytes"] += flushed - restart
+                    out["new_bytes"] += flushed - (upto_prev if upto_prev is not None else confirmed)
+                    out["wall_ms"] = out.get("wall_ms", 0.0) + (time.monotonic() - t0) * 1000
+                    upto_prev = flushed
+                stop.wait(max(0.0, CAPTURE_EVERY - (time.monotonic() - t0)))
+            cpu1 = scratch.backend_cpu_ms(pid)
+            out["cpu_ms"] = None if cpu0 is None or cpu1 is None else cpu1 - cpu0
 
     def _captured(self, lsn: int) -> bool:
         """The capture has queued the changes up to ``lsn``."""
@@ -547,7 +700,9 @@ def run(
     """The OLTP section in a scratch database of its own; the result dict. ``scenarios``: a comma list of
     SCENARIOS to run (default: all; wal only where wal_level = logical)."""
     opts = options(**overrides)
-    chosen = (scenarios or os.environ.get("LOCKSTEP_OLTP_SCENARIOS") or ",".join(SCENARIOS)).split(",")
+    chosen = (scenarios or os.environ.get("LOCKSTEP_OLTP_SCENARIOS") or ",".join(DEFAULT_SCENARIOS)).split(
+        ","
+    )
     name = f"lockstep_oltp_{os.getpid()}"
     extra: dict[str, Any] = {}
     try:
@@ -555,7 +710,7 @@ def run(
         bench = Oltp(scratch.create_database(admin_dsn or "", name), opts, progress)
         try:
             bench.setup()
-            names = [n for n in SCENARIOS if n in chosen and (n != "wal" or bench.logical)]
+            names = [n for n in SCENARIOS if n in chosen and (n not in LOGICAL_ONLY or bench.logical)]
             extra["wal_level"] = bench.conn.execute("show wal_level").fetchone()[0]
             rounds = []
             for i in range(1, opts["rounds"] + 1):
@@ -571,7 +726,7 @@ def run(
     finally:
         scratch.drop_database(admin_dsn or "", name)
     for r in rounds:
-        for side in ("lockstep", "trigger", "wal", "sync"):
+        for side in ("lockstep", "trigger", "wal", "wal_now", "decode", "sync"):
             if side in r:
                 r["tps_pct_of_base" if side == "lockstep" else f"{side}_pct"] = (
                     100.0 * r[side]["tps"] / r["base"]["tps"] if r["base"]["tps"] else None
@@ -602,7 +757,7 @@ def run(
         **ratios("lockstep"),
         "trigger": ratios("trigger"),
         "sync": ratios("sync"),
-        **({"wal": ratios("wal")} if "wal" in rounds[0] else {}),
+        **{side: ratios(side) for side in ("wal", "wal_now", "decode") if side in rounds[0]},
         **extra,
         "lockstep_pct_of_sync": 100.0 * tps_l / tps_s if tps_s and tps_l is not None else None,
     }
@@ -686,30 +841,87 @@ def render(r: dict[str, Any]) -> str:
         ]
     if "wal" in ran:
         lines += _render_wal(r, rounds, reference("wal", "wal (watched through the WAL: no trigger)"))
+    if "wal_now" in ran:
+        lines += _render_wal(
+            r, rounds, reference("wal_now", "wal_now (wal, runners at --batch-wait 0)"), side="wal_now"
+        )
+    lines += _render_floors(r, rounds, ran, reference)
     return "\n".join(lines)
 
 
-def _render_wal(r: dict[str, Any], rounds: list[dict[str, Any]], summary: str) -> list[str]:
-    """The wal scenario's lines: its summary, per round, the capture's cost and the fixed-rate runs."""
+def _render_floors(
+    r: dict[str, Any], rounds: list[dict[str, Any]], ran: dict[str, Any], reference: Callable[[str, str], str]
+) -> list[str]:
+    """The lag's parts per round (lockstep, wal, wal_now), the decode scenario, the floors side by side."""
+    lines = []
+    for i, rd in enumerate(rounds, 1):
+        for side in (s for s in ("lockstep", "wal", "wal_now") if s in ran):
+            x = rd[side]
+            capture = (
+                ""
+                if side == "lockstep"
+                else f"capture {x.get('capture_calls')} calls,"
+                f" mean {_f(x.get('capture_ms_mean'), '{:.1f}')} ms"
+                f" (reading the slot: {x.get('capture_read_calls')} calls, mean"
+                f" {_f(x.get('capture_read_ms_mean'), '{:.1f}')} ms); "
+            )
+            lines.append(
+                f"  round {i}: {side} lag parts: {capture}worker pass mean"
+                f" {_f(x.get('pass_ms_mean'), '{:.1f}')}"
+                f" ms, p50 {_f(x.get('pass_ms_p50'), '{:.1f}')}, max {_f(x.get('pass_ms_max'), '{:.1f}')}"
+                f" ({x['worker_passes']} passes); queue oldest p50 {_f(x['queue_lag_p50_s'])} s,"
+                f" max {_f(x['queue_lag_max_s'])} s (target <= 1 s)"
+            )
+    if "decode" in ran:
+        lines.append(reference("decode", "decode alone (a slot peeked and advanced every 0.2 s, no queue)"))
+        for i, rd in enumerate(rounds, 1):
+            d = rd["decode"]
+            lines.append(
+                f"  round {i}: decode: {d['decode_calls']} reads, {d['decode_changes']:,} changes, server CPU"
+                f" {_f(d['decode_cpu_ms_per_change'], '{:.4f}')} ms per change, mean"
+                f" {_f(d['decode_ms_mean'], '{:.1f}')} ms per read; each read decoded"
+                f" {_f(d['decode_mb_per_call'], '{:.1f}')} MB of WAL for"
+                f" {_f(d['decode_new_mb_per_call'], '{:.1f}')}"
+                " MB new"
+            )
+    if "sync" in ran and "wal" in ran:
+        floor = (
+            f"  floors: WAL sync {_f(r['sync']['wal_ratio'])}x base (the derived rows' own writes, no queue)"
+        )
+        floor += f" against wal {_f(r['wal']['wal_ratio'])}x"
+        if "decode" in ran:
+            floor += (
+                f"; tps decode {_f(r['decode']['tps_pct_of_base'], '{:.1f}')} % of base against wal"
+                f" {_f(r['wal']['tps_pct_of_base'], '{:.1f}')} %"
+            )
+        lines.append(floor)
+    return lines
+
+
+def _render_wal(
+    r: dict[str, Any], rounds: list[dict[str, Any]], summary: str, side: str = "wal"
+) -> list[str]:
+    """The wal (or wal_now) scenario's lines: its summary, per round; for wal, the capture's cost and the
+    fixed-rate runs."""
     lines = [summary + f" (server at wal_level = {r.get('wal_level')})"]
     for i, rd in enumerate(rounds, 1):
-        w = rd["wal"]
+        w = rd[side]
         lines.append(
-            f"  round {i}: wal: a WAL-watched UPDATE pays {_f(w['trigger_us_per_update'], '{:.1f}')} µs,"
+            f"  round {i}: {side}: a WAL-watched UPDATE pays {_f(w['trigger_us_per_update'], '{:.1f}')} µs,"
             f" unwatched {_f(w.get('unwatched_us_per_update'), '{:.1f}')} µs (target: within 1);"
             f" runners' CPU (capture, worker) {_f(w.get('worker_cpu_ms_per_key'), '{:.3f}')}"
             f" ms per key; queue oldest p50 {_f(w['queue_lag_p50_s'])} s, max {_f(w['queue_lag_max_s'])} s;"
             f" capture lag max {_f(w.get('capture_lag_bytes_max'), '{:,}')} B of WAL;"
             f" drained {_f(w['drain_s'])} s after; converged {w['converged']}"
         )
-    c = r.get("capture")
+    c = r.get("capture") if side == "wal" else None
     if c:
         lines.append(
             f"  capture: one call read {c['changes']:,} changes ({c['transactions']:,} transactions):"
             f" {_f(c['capture_us_per_change'], '{:.1f}')} µs server CPU per change (target <= 20);"
             f" the decoding alone (a bare peek) {_f(c['decode_us_per_change'], '{:.1f}')} µs"
         )
-    for scenario, x in (r.get("fixed_rate") or {}).items():
+    for scenario, x in (r.get("fixed_rate") or {}).items() if side == "wal" else ():
         lines.append(
             f"  fixed rate {_f(x['rate'], '{:,.0f}')} tps (half of base): {scenario:8} latency p50"
             f" {_f(x['latency_p50_ms'], '{:.3f}')} ms, p99 {_f(x['latency_p99_ms'], '{:.3f}')} ms,"
