@@ -374,16 +374,8 @@ def retry(conn: psycopg.Connection, job: str, keys: list[str] | None) -> int:
     """
     if keys is None:
         return conn.execute("select lockstep.retry(%s)", [job]).fetchone()[0]
-    # the key type is format_type output (quoted by PostgreSQL), never user input
-    query = sql.SQL("select lockstep.retry(%s, %s::text[]::{}[])").format(sql.SQL(_key_type(conn, job)))
-    return conn.execute(query, [job, keys]).fetchone()[0]
-
-
-def _key_type(conn: psycopg.Connection, job: str) -> str:
-    # format_type(t, -1): the type with no modifier, as lockstep's own casts name it (a char(n) key's regtype
-    # name is 'character', char(1): the keys were cut to one character)
-    row = conn.execute("select format_type(key_type, -1) from lockstep.job where job = %s", [job]).fetchone()
-    return row[0] if row is not None and row[0] is not None else "text"
+    query = sql.SQL("select lockstep.retry(%s, {})").format(_typed_keys(conn, job))
+    return conn.execute(query, [job, job, keys]).fetchone()[0]
 
 
 @dataclass(frozen=True)
@@ -409,11 +401,8 @@ def verify(conn: psycopg.Connection, job: str, keys: list[str] | None = None) ->
     if keys is None:
         row = conn.execute("select * from lockstep.verify(%s)", [job]).fetchone()
     else:
-        # the key type is format_type output (quoted by PostgreSQL), never user input
-        query = sql.SQL("select * from lockstep.verify(%s, %s::text[]::{}[])").format(
-            sql.SQL(_key_type(conn, job))
-        )
-        row = conn.execute(query, [job, keys]).fetchone()
+        query = sql.SQL("select * from lockstep.verify(%s, {})").format(_typed_keys(conn, job))
+        row = conn.execute(query, [job, job, keys]).fetchone()
     return Verified(job, keys, row[0], row[1], row[2], row[3])
 
 
@@ -489,10 +478,17 @@ def web_page(conn: psycopg.Connection, runs: int = 200, keys: int = 50) -> dict[
 
 
 def _key_type(conn: psycopg.Connection, job: str) -> str:
-    """The job's parent key type as format_type prints it (no modifier), or text for an unknown job (whose
-    call then raises lockstep's own LSJ01)."""
+    """The job's parent key type as format_type prints it, with no modifier (a char(n) key's regtype name,
+    'character', is char(1)), or text for an unknown job (whose call then raises lockstep's own LSJ01)."""
     row = conn.execute("select format_type(key_type, -1) from lockstep.job where job = %s", [job]).fetchone()
     return row[0] if row is not None and row[0] is not None else "text"
+
+
+def _typed_keys(conn: psycopg.Connection, job: str) -> sql.Composable:
+    """SQL for keys given as text (two parameters: job, keys) as an array of the job's key type. lockstep
+    converts them after checking the key type: a cast that the type's owner made never runs as this role.
+    The type name is format_type output (quoted by PostgreSQL), never user input."""
+    return sql.SQL("lockstep._keys_from_text(%s, %s::text[], null::{}[])").format(sql.SQL(_key_type(conn, job)))
 
 
 def preview(conn: psycopg.Connection, job: str, keys: list[str] | None = None) -> list[tuple[str, str, int]]:
@@ -500,11 +496,8 @@ def preview(conn: psycopg.Connection, job: str, keys: list[str] | None = None) -
     given as text and cast to the job's key type) would write. Writes nothing."""
     if keys is None:
         return conn.execute("select key, action, rows from lockstep.preview(%s)", [job]).fetchall()
-    # key type: format_type output (quoted by PostgreSQL), never user input
-    query = sql.SQL("select key, action, rows from lockstep.preview(%s, %s::text[]::{}[])").format(
-        sql.SQL(_key_type(conn, job))
-    )
-    return conn.execute(query, [job, keys]).fetchall()
+    query = sql.SQL("select key, action, rows from lockstep.preview(%s, {})").format(_typed_keys(conn, job))
+    return conn.execute(query, [job, job, keys]).fetchall()
 
 
 def pause(conn: psycopg.Connection, job: str) -> dt.datetime:

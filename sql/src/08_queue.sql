@@ -236,6 +236,30 @@ begin
 end;
 $$;
 
+-- lockstep._keys_from_text(job, keys, as_type): keys given as text (a command line's) as an array of the
+-- job's parent key type, as_type being a NULL of that array type (text[] for a job with no parent). The conversion runs here, after the key
+-- type is checked (lockstep._check_key_type_safe): a cast of the type's owner never runs as the caller.
+create or replace function lockstep._keys_from_text(job text, keys text[], as_type anyarray) returns anyarray
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    j lockstep.job := lockstep._job(job);
+begin
+    if j.key_type is null then  -- no parent: the keys stay text, and the call they are for says what to do
+        as_type := keys;
+        return as_type;
+    end if;
+    perform lockstep._check_key_type(j, (select y.typelem from pg_catalog.pg_type y
+                                         where y.oid = pg_catalog.pg_typeof(as_type)), 'the type asked for');
+    perform lockstep._check_key_type_safe(j.job, j.key_type);
+    execute pg_catalog.format('select pg_catalog.array_agg(k.v::%s order by k.o) '
+                              'from pg_catalog.unnest($1) with ordinality k(v, o)', lockstep._type_sql(j.key_type))
+        into as_type using keys;
+    return as_type;
+end;
+$$;
+
 -- lockstep.enqueue(job, keys): mark parents as changed. Returns the number of distinct keys appended.
 -- locks: as lockstep._enqueue_text: nothing a worker or a recompute holds.
 create or replace function lockstep.enqueue(job text, keys anyarray) returns bigint

@@ -99,6 +99,25 @@ def test_an_enum_key_whose_owner_added_a_cast_is_refused_not_cast(ex, example_ds
             m.execute("update lockstep.job set key_type = 'mal.e'::regtype where job = 'mine'")
 
 
+@pytest.mark.parametrize("call", [db.retry, db.verify, db.preview])
+def test_the_cli_never_casts_keys_of_an_unsafe_key_type(ex, example_dsn, mallory, call):
+    """`lockstep retry / verify --keys / diff --keys` get keys as text: converted by the CLI's own cast, an
+    admin ran mallory's text -> enum cast before lockstep saw the key type. lockstep converts them now,
+    after refusing the type."""
+    with _as(example_dsn, mallory) as m:
+        _enum_job(m)
+        # a sequence counts the cast's calls: nextval survives the statement's error
+        m.execute("create sequence mal.calls; grant usage on sequence mal.calls to public")
+        m.execute(
+            "create function mal.to_e(t text) returns mal.e language plpgsql as $$ begin"
+            " perform nextval('mal.calls'); return 'a'::mal.e; end $$"
+        )
+        m.execute("create cast (text as mal.e) with function mal.to_e(text)")
+    with raises_sqlstate("LSD04", match="cast"):
+        call(ex, "ejob", ["a"])
+    assert ex.execute("select is_called from mal.calls").fetchone()[0] is False
+
+
 def test_the_application_never_casts_an_unsafe_key_it_flags_the_job(ex, example_dsn, mallory):
     """The trigger on mallory's table runs as the writer: it flags the job instead of casting the key."""
     with _as(example_dsn, mallory) as m:
