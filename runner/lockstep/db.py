@@ -488,7 +488,9 @@ def _typed_keys(conn: psycopg.Connection, job: str) -> sql.Composable:
     """SQL for keys given as text (two parameters: job, keys) as an array of the job's key type. lockstep
     converts them after checking the key type: a cast that the type's owner made never runs as this role.
     The type name is format_type output (quoted by PostgreSQL), never user input."""
-    return sql.SQL("lockstep._keys_from_text(%s, %s::text[], null::{}[])").format(sql.SQL(_key_type(conn, job)))
+    return sql.SQL("lockstep._keys_from_text(%s, %s::text[], null::{}[])").format(
+        sql.SQL(_key_type(conn, job))
+    )
 
 
 def preview(conn: psycopg.Connection, job: str, keys: list[str] | None = None) -> list[tuple[str, str, int]]:
