@@ -41,8 +41,10 @@ create function public.kc_two_compute(keys public.kc_key[])
 returns table (tenant_id int, parent_id bigint, band text, len integer)
 language sql stable as $$
     select p.tenant_id, p.id, case when length(p.body) < 40 then 'short' else 'long' end, length(p.body)
-    from public.kc_parent2 p
-    where keys is null or (p.tenant_id, p.id) in (select k.tenant_id, k.id from unnest(keys) k)
+    from public.kc_parent2 p where keys is null
+    union all
+    select p.tenant_id, p.id, case when length(p.body) < 40 then 'short' else 'long' end, length(p.body)
+    from unnest(keys) k join public.kc_parent2 p on p.tenant_id = k.tenant_id and p.id = k.id
 $$;
 insert into public.kc_parent1 select g, 1 + g % 16, md5(g::text) from generate_series(1, %(n)s) g;
 insert into public.kc_parent2 select 1 + g % 16, g, md5(g::text) from generate_series(1, %(n)s) g;
