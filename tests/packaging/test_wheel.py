@@ -107,6 +107,7 @@ WHEEL_FILES = (
     "lockstep/lab/__init__.py",
     "lockstep/lab/app.py",
     "lockstep/lab/bench.py",
+    "lockstep/lab/bench_composite.py",  # the recompute section's composite-key run
     "lockstep/lab/bench_oltp.py",
     "lockstep/lab/demo.py",
     "lockstep/lab/example.py",

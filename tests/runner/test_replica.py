@@ -80,6 +80,16 @@ def test_a_subscribers_changes_are_queued_by_watch_replica_not_by_watch(cluster)
             sub.execute("alter subscription app disable")
             sub.execute("alter subscription app set (slot_name = none)")
             sub.execute("drop subscription app")
+            # the publisher's walsender lets the slot go once it sees the subscriber's worker gone
+            wait_for(
+                lambda: (
+                    not pub.execute(
+                        "select active from pg_replication_slots where slot_name = %s", [slot]
+                    ).fetchone()[0]
+                ),
+                timeout=60,
+                what="the walsender releasing the slot",
+            )
             pub.execute("select pg_drop_replication_slot(%s)", [slot])
             pub.close()
             sub.close()
