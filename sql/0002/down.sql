@@ -42,6 +42,7 @@ drop trigger if exists job_owner_id on lockstep.job;
 drop trigger if exists run_log_owner_id on lockstep.run_log;
 drop trigger if exists viewer_owner_id on lockstep.viewer;
 drop function if exists lockstep._owner_id();
+drop view if exists lockstep.status;  -- it reads owner_id (lockstep._state_gone_id)
 alter table lockstep.job drop column owner_id;
 alter table lockstep.run_log drop column owner_id;
 alter table lockstep.viewer drop column viewer_id, drop column owner_id;

@@ -92,18 +92,9 @@ as $$
     order by q.id limit 1;
 $$;
 
--- lockstep._state_gone(owner): for a job whose status row the current role does not see: the row is gone,
--- not hidden by row-level security, because the role manages the job.
-create or replace function lockstep._state_gone(owner name) returns boolean
-language plpgsql stable
-set search_path = pg_catalog, pg_temp
-as $$
-begin
-    return lockstep._may_manage(owner);
-end;
-$$;
-
--- lockstep._state_gone_id(owner): lockstep._state_gone for the role of oid owner (lockstep.job.owner_id).
+-- lockstep._state_gone_id(owner): for a job of the role of oid owner (lockstep.job.owner_id) whose status
+-- row the current role does not see: the row is gone, not hidden by row-level security, because the role
+-- manages the job.
 create or replace function lockstep._state_gone_id(owner oid) returns boolean
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -168,7 +159,7 @@ cross join lateral (
     select case when s.recompute_total is not null
                 then lockstep._handoff_todo(j.job, s.recompute_queue_from, s.recompute_queue_to) end as todo
 ) h
-where s.job is not null or lockstep._state_gone(j.owner);
+where s.job is not null or lockstep._state_gone_id(j.owner_id);
 
 -- keys set aside after max_attempts failures; lockstep.retry(job, keys) puts them back.
 create or replace view lockstep.parked_keys with (security_invoker = true) as

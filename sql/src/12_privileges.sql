@@ -12,21 +12,9 @@ begin
 end;
 $$;
 
--- lockstep._may_manage(owner): the current role may see and change the rows of a job owned by owner: it
--- is owner, a member of owner, or the admin. A job whose owner role is gone may be taken over.
-create or replace function lockstep._may_manage(owner name) returns boolean
-language plpgsql stable
-set search_path = pg_catalog, pg_temp
-as $$
-begin
-    return case when owner = current_user then true
-                when not exists (select from pg_catalog.pg_roles r where r.rolname = owner) then true
-                else pg_catalog.pg_has_role(current_user, owner, 'MEMBER') or lockstep._is_admin() end;
-end;
-$$;
-
--- lockstep._may_manage_id(owner): lockstep._may_manage for the role of oid owner (lockstep.job.owner_id):
--- the current role is it, a member of it, or the admin; or no role has that oid any more.
+-- lockstep._may_manage_id(owner): the current role may see and change the rows of a job owned by the role
+-- of oid owner (lockstep.job.owner_id): it is that role, a member of it, or the admin; or no role has that
+-- oid any more (the job may be taken over).
 create or replace function lockstep._may_manage_id(owner oid) returns boolean
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -48,7 +36,7 @@ begin
 end;
 $$;
 
--- lockstep._caller_manages(job): the caller (lockstep._caller) manages job, as lockstep._may_manage judges
+-- lockstep._caller_manages(job): the caller (lockstep._caller) manages job, as lockstep._may_manage_id judges
 -- for the current role: it is the owner, a member of it or an admin, or the owner role is gone. True for a
 -- job that does not exist: there is nothing of it to change.
 create or replace function lockstep._caller_manages(job text) returns boolean
@@ -118,16 +106,6 @@ comment on function lockstep._delete(text, text, text[], text[]) is
     'caller that manages the job (42501); the keys deleted. Security definer: no recipe role holds DELETE on '
     'lockstep''s tables. Locks: those rows (deleted).';
 
--- lockstep._is_member(role): the current role is role or a member of it; false for a name no role has.
-create or replace function lockstep._is_member(role name) returns boolean
-language plpgsql stable
-set search_path = pg_catalog, pg_temp
-as $$
-begin
-    return coalesce((select pg_catalog.pg_has_role(current_user, r.oid, 'MEMBER')
-                     from pg_catalog.pg_roles r where r.rolname = _is_member.role), false);
-end;
-$$;
 -- lockstep._is_member_id(role): the current role is the role of oid role or a member of it; false for an
 -- oid no role has.
 create or replace function lockstep._is_member_id(role oid) returns boolean
@@ -148,25 +126,9 @@ drop policy if exists viewer_write on lockstep.viewer;
 create policy viewer_write on lockstep.viewer for all
     using (lockstep._may_manage_id(owner_id)) with check (lockstep._may_manage_id(owner_id));
 
--- lockstep._may_view(owner): the current role may read the rows of a job owned by owner: it may manage
--- them, or lockstep.viewer lets it (or a role it is a member of).
-create or replace function lockstep._may_view(owner name) returns boolean
-language plpgsql stable
-set search_path = pg_catalog, pg_temp
-as $$
-begin
-    if lockstep._may_manage(owner) then
-        return true;
-    end if;
-    if not pg_catalog.has_table_privilege('lockstep.viewer', 'SELECT') then
-        return false;  -- apart: a query naming the table checks its privilege before it runs
-    end if;
-    return exists (select from lockstep.viewer v where v.owner = _may_view.owner and lockstep._is_member(v.viewer));
-end;
-$$;
-
--- lockstep._may_view_id(owner): lockstep._may_view for the role of oid owner (lockstep.job.owner_id): the
--- current role may manage it, or lockstep.viewer names that role for a role it is a member of (by oid).
+-- lockstep._may_view_id(owner): the current role may read the rows of a job owned by the role of oid owner
+-- (lockstep.job.owner_id): it may manage them, or lockstep.viewer names that role for a role it is a member
+-- of (by oid).
 create or replace function lockstep._may_view_id(owner oid) returns boolean
 language plpgsql stable
 set search_path = pg_catalog, pg_temp

@@ -2,7 +2,7 @@
 -- that read each other's targets is in 10_graph.sql (lockstep.due and lockstep.status read it).
 
 -- lockstep._check_controls(j, what): the current role may pause or resume j: its owner, a member of the
--- owner role, or a lockstep admin (lockstep._may_manage); else 42501, naming who may.
+-- owner role, or a lockstep admin (lockstep._may_manage_id); else 42501, naming who may.
 -- locks: nothing.
 create or replace function lockstep._check_controls(j lockstep.job, what text) returns void
 language plpgsql stable
@@ -19,7 +19,7 @@ end;
 $$;
 
 comment on function lockstep._check_controls(lockstep.job, text) is
-    'The current role may pause or resume j (lockstep._may_manage), else 42501. Locks: none.';
+    'The current role may pause or resume j (lockstep._may_manage_id), else 42501. Locks: none.';
 
 -- lockstep._paused(j, action): the result of a call of a paused job (outcome paused, nothing written), or
 -- NULL when j is not paused. run(), work() and recompute() return it before anything else.

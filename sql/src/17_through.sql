@@ -166,7 +166,7 @@ as $$
         delete from lockstep.through_entry t
         where t.job = _take_through.job
           and exists (select from lockstep.job x where x.job = _take_through.job)
-          and lockstep._caller_manages(_take_through.job)  -- not _may_manage: current_user is the definer here
+          and lockstep._caller_manages(_take_through.job)  -- not _may_manage_id: current_user is the definer here
         returning t.through, t.key)
     select taken.through, array_agg(distinct taken.key) from taken group by taken.through;
 $$;

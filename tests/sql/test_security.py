@@ -915,6 +915,33 @@ def test_a_renamed_owner_keeps_its_jobs_and_a_new_role_of_the_old_name_gets_none
         ex.execute(sql.SQL("alter role {} rename to {}").format(ident(renamed), ident(owner)))
 
 
+def test_a_renamed_owner_keeps_its_status_row_when_it_is_gone_and_a_new_role_of_the_old_name_does_not(
+    ex, example_dsn, owners
+):
+    """lockstep.status shows a job whose status row is gone to the roles that manage it: it judged them by
+    the owner's name, so after a rename a new role of the old name saw the job, and the renamed owner not."""
+    owner, _, _ = owners
+    with psycopg.connect(as_role(example_dsn, owner), autocommit=True) as o:
+        _define_noop(o)
+    ex.execute("delete from lockstep.job_state where job = 'owned'")
+    renamed = owner + "_was"
+    ident = sql.Identifier
+    ex.execute(sql.SQL("alter role {} rename to {}").format(ident(owner), ident(renamed)))
+    ex.execute(sql.SQL("create role {} login").format(ident(owner)))
+    seen = "select job, last_outcome from lockstep.status where job = 'owned'"
+    try:
+        for g in OWNER_GRANTS:
+            ex.execute(sql.SQL(g).format(role=ident(owner), db=ident(dbname(example_dsn))))
+        with psycopg.connect(as_role(example_dsn, owner), autocommit=True) as x:
+            assert x.execute(seen).fetchall() == []
+        with psycopg.connect(as_role(example_dsn, renamed), autocommit=True) as o:
+            assert o.execute(seen).fetchall() == [("owned", None)]
+    finally:
+        ex.execute(sql.SQL("drop owned by {} cascade").format(ident(owner)))
+        ex.execute(sql.SQL("drop role {}").format(ident(owner)))
+        ex.execute(sql.SQL("alter role {} rename to {}").format(ident(renamed), ident(owner)))
+
+
 def test_a_renamed_viewer_keeps_its_view_and_a_new_role_of_the_old_name_gets_none(
     ex, example_dsn, owners, roles
 ):
