@@ -90,6 +90,9 @@ begin
                                     from lockstep_old x offset 0) s) d
                                 where d.t is not null order by d.k);
             end if;
+            if tg_argv[2] operator(pg_catalog.=) 'numeric' then  -- no trailing zeros, as lockstep._canon
+                v_keys := array(select pg_catalog.trim_scale(u.k::pg_catalog.numeric)::pg_catalog.text from pg_catalog.unnest(v_keys) u(k));
+            end if;
         exception when others then
             v_keys := null;  -- the general path says why
         end;
@@ -104,12 +107,10 @@ begin
         elsif pg_catalog.cardinality(v_keys) operator(pg_catalog.=) 1 then  -- the common case: no function scan
             insert into lockstep.queue (job, key) values (tg_argv[0], v_keys[1]);
             return null;
-        elsif pg_catalog.cardinality(v_keys) operator(pg_catalog.>) 1 then
-            -- in array order, so queue ids follow the keys' order
+        elsif pg_catalog.cardinality(v_keys) operator(pg_catalog.>) 1 then  -- in array order: ids follow the keys'
             insert into lockstep.queue (job, key) select tg_argv[0], u.k from pg_catalog.unnest(v_keys) u(k);
             return null;
-        end if;
-        if v_keys is not null then  -- nothing to enqueue: NULL keys, or no row (the column is there: probed)
+        elsif v_keys is not null then  -- nothing to enqueue: NULL keys, or no row (the column is there: probed)
             return null;
         end if;
     end if;
@@ -176,8 +177,10 @@ begin
         case when v_new is not null then pg_catalog.format('select %s k from %I x', v_key, v_new) end,
         case when v_old is not null then pg_catalog.format('select %s k from %I x', v_key, v_old) end);
     if v_type::text = any (lockstep._fast_types()) then  -- the same text under every setting
-        sql := pg_catalog.format('select array(select k::pg_catalog.text '
-                                 'from (select distinct k from (%s) s where k is not null) d order by k)', sql);
+        sql := pg_catalog.format('select array(select %s '
+                                 'from (select distinct k from (%s) s where k is not null) d order by k)',
+                                 case when v_type = 'numeric'::regtype then 'pg_catalog.trim_scale(k)::pg_catalog.text'
+                                      else 'k::pg_catalog.text' end, sql);  -- numerics as lockstep._canon
     else
         sql := pg_catalog.format('select lockstep._canon(pg_catalog.array_agg(k)) from (%s) s', sql);
     end if;
@@ -315,11 +318,14 @@ as $$
 declare
     v_name name := ('enqueue_w_' || pg_catalog.left(pg_catalog.md5(
                         pg_catalog.concat_ws(pg_catalog.chr(1), j.job, source::oid, key_column)), 24))::name;
-    v_read text := 'v_keys := array(select s.k::pg_catalog.text from (%s) s where s.k is not null order by s.k);';
+    -- a key's text: a numeric's without trailing zeros, as lockstep._canon
+    v_text text := case when j.key_type = 'numeric'::regtype then 'pg_catalog.trim_scale(s.k)::pg_catalog.text'
+                        else 's.k::pg_catalog.text' end;
+    v_read text := 'v_keys := array(select ' || v_text || ' from (%s) s where s.k is not null order by s.k);';
     -- a key type whose text always fits the queue: one statement
     v_long boolean := j.key_type in ('text'::regtype, 'character varying'::regtype, 'numeric'::regtype);
     v_fast text := case when v_long then v_read
-                        else 'insert into lockstep.queue (job, key) select tg_argv[0], s.k::pg_catalog.text '
+                        else 'insert into lockstep.queue (job, key) select tg_argv[0], ' || v_text || ' '
                              'from (%s) s where s.k is not null order by s.k;' end;
     v_upd text := pg_catalog.format('select x.%1$I as k from lockstep_new x union select x.%1$I from lockstep_old x',
                                     key_column);
