@@ -30,6 +30,7 @@ create table lockstep.wal_watch (
     source      regclass not null,
     key_column  name not null,
     watched_at  timestamptz not null default now(),
+    key_columns name[],
     primary key (job, source)
 );
 alter table lockstep.wal_watch enable row level security;

@@ -2,7 +2,7 @@
 -- a revision's up.sql changes them. Functions, views and policies live in the files that follow.
 --
 -- SQLSTATEs raised by lockstep (the one list):
---   0A000  watch() of a composite parent key with through or via => 'wal' (watched by trigger only)
+--   0A000  watch() of a composite parent key with through (watched on the table that holds its columns)
 --   22004  a NULL argument or a NULL key
 --   22023  an invalid value (empty name, non-positive interval, batch or batch_parents, bad trigger arguments)
 --   25000  run / work / recompute called in a transaction that is not READ COMMITTED (checked first)
@@ -27,7 +27,7 @@
 --   LSQ02  a watched key column that does not lead to the parent (a foreign key to another table; with
 --          through, no foreign key to the through table)
 --   55000  watch(..., via => 'wal') on a server whose wal_level is not logical, or of a table whose
---          replica identity does not hold the key column
+--          replica identity does not hold the key column(s)
 
 create schema lockstep;
 
@@ -325,12 +325,14 @@ alter table lockstep.run_log enable row level security;
 -- WAL capture ----------------------------------------------------------------------------------------------
 
 -- the tables jobs watch through the WAL (watch(..., via => 'wal')): no trigger on them; lockstep.capture()
--- reads their changes from the database's logical replication slot and queues the key column's values.
+-- reads their changes from the database's logical replication slot and queues the key column's values (a
+-- composite key's record text, as watch()'s triggers queue it).
 create table lockstep.wal_watch (
     job         text not null references lockstep.job (job) on delete cascade,
     source      regclass not null,
-    key_column  name not null,
+    key_column  name not null,                    -- a composite key's first column
     watched_at  timestamptz not null default now(),
+    key_columns name[],                           -- a composite key's columns, in its fields' order; else NULL
     primary key (job, source)
 );
 alter table lockstep.wal_watch enable row level security;

@@ -828,7 +828,7 @@ begin
     end if;
     v_type := lockstep._check_watch(j, source, key_column);
     if via = 'wal' and through is null then  -- no trigger: lockstep.capture() reads the WAL (16_capture.sql)
-        perform lockstep._watch_wal(j, source, key_column);
+        perform lockstep._watch_wal(j, source, array[key_column]);
         perform lockstep._warn_source(j, source, key_column, null);
         return;
     elsif via is distinct from 'trigger' then

@@ -29,27 +29,40 @@ as $$
            or exists (select from pg_catalog.pg_replication_slots s where s.slot_name = lockstep._capture_slot());
 $$;
 
--- lockstep._identity_covers(rel, key_column): the WAL record of an UPDATE or DELETE of rel holds the old
--- value of key_column (rel's replica identity is FULL, or its primary key or replica identity index holds
--- the column). Else an update that moves a row to another key would queue the new key only. PL/pgSQL: each
--- capture calls it, and a SQL function with a SET clause is planned at every call.
-create or replace function lockstep._identity_covers(rel regclass, key_column name) returns boolean
+-- lockstep._identity_covers(rel, key_columns): the WAL record of an UPDATE or DELETE of rel holds the old
+-- values of every column of key_columns (rel's replica identity is FULL, or its primary key or replica
+-- identity index holds them all). Else an update that moves a row to another key would queue the new key
+-- only. PL/pgSQL: each capture calls it, and a SQL function with a SET clause is planned at every call.
+create or replace function lockstep._identity_covers(rel regclass, key_columns name[]) returns boolean
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
 begin
     return (select c.relreplident = 'f'
                    or exists (select from pg_catalog.pg_index i
-                              join pg_catalog.pg_attribute a on a.attrelid = i.indrelid and a.attnum = any(i.indkey)
-                              where i.indrelid = c.oid and a.attname = key_column
-                                and ((c.relreplident = 'd' and i.indisprimary) or (c.relreplident = 'i' and i.indisreplident)))
+                              where i.indrelid = c.oid
+                                and ((c.relreplident = 'd' and i.indisprimary) or (c.relreplident = 'i' and i.indisreplident))
+                                and not exists (select from pg_catalog.unnest(key_columns) k(name)
+                                                where not exists (select from pg_catalog.pg_attribute a
+                                                                  where a.attrelid = i.indrelid and a.attname = k.name
+                                                                    and a.attnum = any(i.indkey))))
             from pg_catalog.pg_class c where c.oid = rel);
 end;
 $$;
 
--- lockstep._check_wal(source, key_column): refuse a WAL watch the capture could not follow: wal_level not
--- logical (55000), no right to use replication slots (42501), a replica identity without key_column (55000).
-create or replace function lockstep._check_wal(source regclass, key_column name) returns void
+-- lockstep._columns_text(key_columns): key_columns for messages: column a, or columns (a, b).
+create or replace function lockstep._columns_text(key_columns name[]) returns text
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select case when pg_catalog.cardinality(key_columns) = 1 then pg_catalog.format('column %I', key_columns[1])
+                else pg_catalog.format('columns (%s)', lockstep._cols(key_columns)) end;
+$$;
+
+-- lockstep._check_wal(source, key_columns): refuse a WAL watch the capture could not follow: wal_level not
+-- logical (55000), no right to use replication slots (42501), a replica identity of source or of a table
+-- below it without every key column (55000).
+create or replace function lockstep._check_wal(source regclass, key_columns name[]) returns void
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
@@ -71,13 +84,51 @@ begin
                                            'through triggers (the default).', current_user);
     end if;
     select t into v_bad from pg_catalog.unnest(lockstep._family(source)) t
-    where not coalesce(lockstep._identity_covers(t, key_column), false) limit 1;
+    where not coalesce(lockstep._identity_covers(t, key_columns), false) limit 1;
     if v_bad is not null then
-        raise exception 'lockstep: the replica identity of % does not hold column %: the WAL would not say which key an update or delete left',
-            v_bad, key_column
+        raise exception 'lockstep: the replica identity of % does not hold %: the WAL would not say which key an update or delete left',
+            v_bad, lockstep._columns_text(key_columns)
             using errcode = '55000',
-                  hint = pg_catalog.format('ALTER TABLE %s REPLICA IDENTITY FULL (or USING INDEX of a unique index on %I); '
-                                           'a primary key on %I is enough.', v_bad, key_column, key_column);
+                  hint = pg_catalog.format('ALTER TABLE %s REPLICA IDENTITY FULL (or USING INDEX of a unique index on %s); '
+                                           'a primary key on %s is enough.', v_bad, lockstep._cols(key_columns),
+                                           lockstep._cols(key_columns));
+    end if;
+end;
+$$;
+
+-- lockstep._check_wal_key(j, source, key_columns): the WAL holds each key column's text, queued as it is
+-- (one column) or as the fields of the key's record text: each column's text must be its field's own
+-- (lockstep._fast_pairs, and a field with no type modifier), else LSQ01. No conversion, so no code of a
+-- type's owner runs in the capture.
+create or replace function lockstep._check_wal_key(j lockstep.job, source regclass, key_columns name[]) returns void
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_composite boolean := lockstep._key_fields(j) is not null;
+    v_fields text[] := case when v_composite then array(select pg_catalog.format_type(a.atttypid, a.atttypmod)
+                                                        from pg_catalog.pg_type y
+                                                        join pg_catalog.pg_attribute a on a.attrelid = y.typrelid and a.attnum > 0
+                                                        where y.oid = j.key_type and not a.attisdropped order by a.attnum)
+                            else array[j.key_type::text] end;
+    v_names name[] := lockstep._key_fields(j);
+    v_bad text;
+begin
+    select pg_catalog.format('%s.%I is %s, and %s %s', source, c.name, a.atttypid::regtype,
+                             case when not v_composite then 'the job''s key type is'
+                                  else pg_catalog.format('field %I of the key type %s is', v_names[c.o], j.key_type) end,
+                             v_fields[c.o])
+    into v_bad
+    from pg_catalog.unnest(key_columns) with ordinality c(name, o)
+    join pg_catalog.pg_attribute a on a.attrelid = source and a.attname = c.name and a.attnum > 0 and not a.attisdropped
+    where pg_catalog.concat(a.atttypid, ':', v_fields[c.o]) <> all(lockstep._fast_pairs())
+    order by c.o limit 1;
+    if v_bad is not null then
+        raise exception 'lockstep: %: watch(..., via => ''wal'') takes columns whose text is the key''s', v_bad
+            using errcode = 'LSQ01',
+                  hint = pg_catalog.format('Key and column types of %s, with no type modifier on a key field (a column of '
+                                           'the same type is always fine), or watch through triggers (the default).',
+                                           pg_catalog.array_to_string(lockstep._fast_types(), ', '));
     end if;
 end;
 $$;
@@ -118,51 +169,49 @@ begin
 end;
 $$;
 
--- lockstep._watch_wal(j, source, key_column): watch source through the WAL for job j: the checks of
--- lockstep._check_wal, then one lockstep.wal_watch row, source in the capture publication, and the job's
--- triggers on source (an earlier watch()) dropped, all in one lockstep._ddl call. Flags the job for its full
--- recompute when source is newly watched or watched on another column (as watch() through triggers does).
+-- lockstep._watch_wal(j, source, key_columns): watch source through the WAL for job j on its key column
+-- (one element) or a composite key's columns: the checks of lockstep._check_wal and lockstep._check_wal_key,
+-- then one lockstep.wal_watch row, source in the capture publication, and the job's triggers on source (an
+-- earlier watch()) dropped, all in one lockstep._ddl call. Flags the job for its full recompute when source is
+-- newly watched or watched on other columns (as watch() through triggers does).
 -- locks: source and the tables below it (ACCESS EXCLUSIVE, never waited for long: lockstep._ddl).
-create or replace function lockstep._watch_wal(j lockstep.job, source regclass, key_column name) returns void
+create or replace function lockstep._watch_wal(j lockstep.job, source regclass, key_columns name[]) returns void
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_tables regclass[] := lockstep._family(source);
-    v_old name := (select w.key_column from lockstep.wal_watch w where w.job = j.job and w.source = _watch_wal.source);
-    v_type regtype;
+    v_composite boolean := lockstep._key_fields(j) is not null;
+    v_old name[] := (select coalesce(w.key_columns, array[w.key_column]) from lockstep.wal_watch w
+                     where w.job = j.job and w.source = _watch_wal.source);
 begin
-    perform lockstep._check_source_key(j, source, key_column);  -- LSQ02: a column that does not lead to the parent
-    perform lockstep._check_wal(source, key_column);
-    select a.atttypid into v_type from pg_catalog.pg_attribute a
-    where a.attrelid = source and a.attname = key_column and a.attnum > 0 and not a.attisdropped;
-    -- the WAL holds the column's text: queued as it is, so it must be the key's own text (lockstep._fast_pairs)
-    if pg_catalog.concat(v_type::oid, ':', j.key_type) <> all(lockstep._fast_pairs()) then
-        raise exception 'lockstep: %.% is %, and the job''s key type is %: watch(..., via => ''wal'') takes a column whose text is the key''s',
-            source, key_column, v_type, j.key_type
-            using errcode = 'LSQ01',
-                  hint = pg_catalog.format('Key and column types of %s (a column of the same type is always fine), or '
-                                           'watch through triggers (the default).', pg_catalog.array_to_string(lockstep._fast_types(), ', '));
+    if not v_composite then  -- LSQ02: a column that does not lead to the parent (lockstep._check_key_columns's)
+        perform lockstep._check_source_key(j, source, key_columns[1]);
     end if;
-    insert into lockstep.wal_watch (job, source, key_column) values (j.job, source, key_column)
-    on conflict on constraint wal_watch_pkey do update set key_column = excluded.key_column, watched_at = now();
+    perform lockstep._check_wal(source, key_columns);
+    perform lockstep._check_wal_key(j, source, key_columns);
+    insert into lockstep.wal_watch (job, source, key_column, key_columns)
+    values (j.job, source, key_columns[1], case when v_composite then key_columns end)
+    on conflict on constraint wal_watch_pkey
+    do update set key_column = excluded.key_column, key_columns = excluded.key_columns, watched_at = now();
     perform lockstep._ddl(v_tables, lockstep._drop_watch_ddl(j.job, v_tables) || lockstep._publication_ddl(),
                           pg_catalog.format('watch(%L, %L, via => ''wal'')', j.job, source));
-    if v_old is distinct from key_column then
+    if v_old is distinct from key_columns then
         insert into lockstep.recompute_flag (job, flagged_at, problem)
         values (j.job, pg_catalog.clock_timestamp(),
-                pg_catalog.format('%s watched through the WAL on column %s now: its earlier changes wait for the '
-                                  'full recompute', source, key_column));
+                pg_catalog.format('%s watched through the WAL on %s now: its earlier changes wait for the '
+                                  'full recompute', source, lockstep._columns_text(key_columns)));
     end if;
     perform lockstep._drop_unused_triggers();
 end;
 $$;
-comment on function lockstep._watch_wal(lockstep.job, regclass, name) is
-    'Watch source through the WAL for job j: the checks of lockstep._check_wal, then one '
-    'lockstep.wal_watch row, source in the capture publication, and the job''s triggers on source (an '
-    'earlier watch()) dropped, all in one lockstep._ddl call. Flags the job for its full recompute when '
-    'source is newly watched or watched on another column (as watch() through triggers does). Locks: '
-    'source and the tables below it (ACCESS EXCLUSIVE, never waited for long: lockstep._ddl).';
+comment on function lockstep._watch_wal(lockstep.job, regclass, name[]) is
+    'Watch source through the WAL for job j on its key column (one element) or a composite key''s columns: '
+    'the checks of lockstep._check_wal and lockstep._check_wal_key, then one lockstep.wal_watch row, source in '
+    'the capture publication, and the job''s triggers on source (an earlier watch()) dropped, all in one '
+    'lockstep._ddl call. Flags the job for its full recompute when source is newly watched or watched on other '
+    'columns (as watch() through triggers does). Locks: source and the tables below it (ACCESS EXCLUSIVE, '
+    'never waited for long: lockstep._ddl).';
 
 -- lockstep._unwatch_wal(job, source): stop watching source through the WAL for job (its lockstep.wal_watch
 -- row); source leaves the capture publication when no job watches it, and the publication and the slot go
@@ -319,6 +368,67 @@ begin
 end;
 $$;
 
+-- lockstep._pgo_records(d, idx): the composite keys of the tuples of a pgoutput Insert, Update or Delete
+-- message, the old row's ('K', 'O') and the new row's ('N'): the record text of columns idx (from 0, in the
+-- key's field order), as row(...)::key_type::text gives it when each column's text is its field's (the
+-- quoting is record_out's, of one text field at a time: no code of a type's owner runs). A key with a NULL
+-- field is left out, as watch()'s triggers leave it out. NULL when a key cannot be told: a column of a new
+-- row is an unchanged TOAST value ('u') that no old row gives, or one of an old row is.
+create or replace function lockstep._pgo_records(d bytea, idx integer[]) returns text[]
+language plpgsql immutable strict
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_len integer := pg_catalog.length(d);
+    v_k integer := pg_catalog.cardinality(idx);
+    v_enc name := pg_catalog.getdatabaseencoding();
+    v_pos integer := 5;  -- past the message type and the relation oid
+    v_keys text[] := '{}';
+    v_old text[];
+    v_vals text[];
+    v_unknown boolean[];
+    v_tag integer;
+    v_n integer;
+    v_kind integer;
+    v_l integer;
+begin
+    if pg_catalog.array_position(idx, null) is not null then
+        return null;
+    end if;
+    while v_pos < v_len loop
+        v_tag := pg_catalog.get_byte(d, v_pos);
+        v_n := pg_catalog.get_byte(d, v_pos + 1) << 8 | pg_catalog.get_byte(d, v_pos + 2);
+        v_pos := v_pos + 3;
+        v_vals := pg_catalog.array_fill(null::text, array[v_k]);
+        v_unknown := pg_catalog.array_fill(false, array[v_k]);
+        for i in 0 .. v_n - 1 loop
+            v_kind := pg_catalog.get_byte(d, v_pos);
+            v_l := case when v_kind in (116, 98) then pg_catalog.get_byte(d, v_pos + 1) << 24 | pg_catalog.get_byte(d, v_pos + 2) << 16
+                                                      | pg_catalog.get_byte(d, v_pos + 3) << 8 | pg_catalog.get_byte(d, v_pos + 4) end;
+            for f in 1 .. v_k loop
+                if idx[f] = i and v_l is not null then  -- 't' text, 'b' binary: a 4-byte length and the value
+                    v_vals[f] := pg_catalog.convert_from(pg_catalog.substr(d, v_pos + 6, v_l), v_enc);
+                elsif idx[f] = i and v_kind = 117 then  -- 'u': an unchanged TOAST value, the old row's if it came
+                    v_unknown[f] := v_tag <> 78 or v_old is null or v_old[f] is null;
+                    v_vals[f] := case when v_tag = 78 then v_old[f] end;
+                end if;
+            end loop;
+            v_pos := v_pos + 1 + coalesce(4 + v_l, 0);
+        end loop;
+        if true = any(v_unknown) then
+            return null;
+        elsif pg_catalog.array_position(v_vals, null) is null then
+            v_keys := v_keys || (select pg_catalog.concat('(', pg_catalog.string_agg(
+                                            pg_catalog.substr(row(v.v)::text, 2, pg_catalog.length(row(v.v)::text) - 2), ','
+                                            order by v.o), ')')
+                                 from pg_catalog.unnest(v_vals) with ordinality v(v, o));
+        end if;
+        v_old := v_vals;
+    end loop;
+    return v_keys;
+end;
+$$;
+
 -- lockstep._pgo_truncated(d): the relation oids of a pgoutput Truncate message ('T').
 create or replace function lockstep._pgo_truncated(d bytea) returns oid[]
 language sql immutable strict
@@ -415,9 +525,48 @@ comment on function lockstep._capture_families() is
     'the WAL to say so. Records what it saw in lockstep.capture_state.families; returns how many jobs it '
     'flagged. Locks: the lockstep.capture_state row, when the tables changed.';
 
+-- lockstep._wal_watched(): each table lockstep.capture() reads for each job (a source watched through the
+-- WAL and the tables below it): its key columns (cols: one, or a composite key's), a composite key's field
+-- types as the WAL's text must match them (kinds; NULL for one column), and whether the table's replica
+-- identity holds the key columns (covered). Read once per capture.
+create or replace function lockstep._wal_watched()
+returns table (job text, relid oid, key_column name, key_type regtype, cols name[], kinds text[], covered boolean)
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    return query
+    select w.job, f.rel::oid, w.key_column, j.key_type, k.cols,
+           case when w.key_columns is not null
+                then array(select pg_catalog.format_type(a.atttypid, a.atttypmod) from pg_catalog.pg_type y
+                           join pg_catalog.pg_attribute a on a.attrelid = y.typrelid and a.attnum > 0 and not a.attisdropped
+                           where y.oid = j.key_type order by a.attnum) end,
+           lockstep._identity_covers(f.rel, k.cols)
+    from lockstep.wal_watch w join lockstep.job j on j.job = w.job
+    cross join lateral (select coalesce(w.key_columns, array[w.key_column]) cols) k
+    cross join lateral pg_catalog.unnest(lockstep._family(w.source)) f(rel);
+end;
+$$;
+
+-- lockstep._wal_types_problem(relid, cols, typs, key_type): the recompute flag's problem when the key
+-- columns cols of table relid are of types (typs: 'column type oid:field type' pairs, as the WAL said) whose
+-- text is not the composite key type's fields'.
+create or replace function lockstep._wal_types_problem(relid oid, cols name[], typs text[], key_type regtype)
+returns text
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select pg_catalog.format('columns (%s) of %s are of types (%s) now, the fields of the key type %s (%s)',
+                             lockstep._cols(cols), relid::regclass,
+                             pg_catalog.string_agg(pg_catalog.split_part(t, ':', 1)::oid::regtype::text, ', ' order by o),
+                             key_type, pg_catalog.string_agg(pg_catalog.substr(t, pg_catalog.strpos(t, ':') + 1), ', ' order by o))
+    from pg_catalog.unnest(typs) with ordinality u(t, o);
+$$;
+
 -- lockstep._capture_read(slot, upto, max_rows): peek the slot's changes up to upto (about max_rows
--- messages, whole transactions), queue the watched tables' old and new keys, flag the jobs whose changes say
--- nothing of their keys (TRUNCATE, key column changed, a key too long); the slot does not move.
+-- messages, whole transactions), queue the watched tables' old and new keys (a composite key's record text:
+-- lockstep._pgo_records), flag the jobs whose changes say nothing of their keys (TRUNCATE, key column
+-- changed, a key too long); the slot does not move.
 -- locks: nothing (inserts into lockstep.queue and lockstep.recompute_flag).
 create or replace function lockstep._capture_read(slot name, upto pg_lsn, max_rows integer,
                                                   out messages bigint, out changes bigint, out keys bigint,
@@ -440,29 +589,36 @@ begin
     ), rel as materialized (  -- 'R': the columns of a relation, before its first change (and after DDL)
         select r.o, x.relid, x.cols, x.types from raw r, lateral lockstep._pgo_relation(r.data) x where r.t = 82
     ), watched as materialized (
-        select w.job, f.rel::oid relid, w.key_column, j.key_type, lockstep._identity_covers(f.rel, w.key_column) covered
-        from lockstep.wal_watch w join lockstep.job j on j.job = w.job
-        cross join lateral pg_catalog.unnest(lockstep._family(w.source)) f(rel)
-    ), change as materialized (  -- 'I', 'U', 'D' of a watched table, with the key column's place then
-        select w.job, w.relid, w.key_column, w.key_type, w.covered, r.t, r.data, x.idx, x.typ
+        select w.job, w.relid, w.key_column, w.key_type, w.cols, w.kinds, w.covered from lockstep._wal_watched() w
+    ), change as materialized (  -- 'I', 'U', 'D' of a watched table, with the key columns' places then
+        select w.job, w.relid, w.key_column, w.key_type, w.cols, w.kinds, w.covered, r.t, r.data, x.idx, x.typ, x.idxs, x.typs
         from raw r
         join watched w on w.relid = lockstep._pgo_int(r.data, 1, 4)::oid
         left join lateral (select pg_catalog.array_position(l.cols, w.key_column) - 1 idx,
-                                  l.types[pg_catalog.array_position(l.cols, w.key_column)] typ
-                           from rel l where l.relid = w.relid and l.o < r.o order by l.o desc limit 1) x on true
+                                  l.types[pg_catalog.array_position(l.cols, w.key_column)] typ, p.idxs, p.typs
+                           from rel l cross join lateral (  -- a composite key: each column's (NULL for one column)
+                               select pg_catalog.array_agg(pg_catalog.array_position(l.cols, k.c) - 1 order by k.o) idxs,
+                                      pg_catalog.array_agg(pg_catalog.concat(l.types[pg_catalog.array_position(l.cols, k.c)],
+                                                                             ':', w.kinds[k.o]) order by k.o) typs
+                               from pg_catalog.unnest(w.cols) with ordinality k(c, o) where w.kinds is not null) p
+                           where l.relid = w.relid and l.o < r.o order by l.o desc limit 1) x on true
         where r.t in (73, 85, 68)
     ), keyed as materialized (
         select c.job, k.keys, case
-            when c.idx is null then pg_catalog.format('column %I of %s is not in its WAL records (renamed or dropped)',
-                                                      c.key_column, c.relid::regclass)
-            when pg_catalog.concat(c.typ, ':', c.key_type) <> all(v_pairs)
+            when c.idx is null or pg_catalog.array_position(c.idxs, null) is not null
+                then pg_catalog.format('column %I of %s is not in its WAL records (renamed or dropped)',
+                                       coalesce(c.cols[pg_catalog.array_position(c.idxs, null)], c.key_column), c.relid::regclass)
+            when c.kinds is null and pg_catalog.concat(c.typ, ':', c.key_type) <> all(v_pairs)
                 then pg_catalog.format('column %I of %s is of type %s now', c.key_column, c.relid::regclass, c.typ::regtype)
+            when not c.typs <@ v_pairs then lockstep._wal_types_problem(c.relid, c.cols, c.typs, c.key_type)
             when k.keys is null then pg_catalog.format('a change of %s does not say its key (unchanged TOAST value)',
                                                        c.relid::regclass)
-            when not c.covered and c.t <> 73 then pg_catalog.format('the replica identity of %s no longer holds column %I',
-                                                                   c.relid::regclass, c.key_column) end problem
+            when not c.covered and c.t <> 73 then pg_catalog.format('the replica identity of %s no longer holds %s',
+                                                                   c.relid::regclass, lockstep._columns_text(c.cols)) end problem
         from change c cross join lateral (  -- the common case inline: only a new row, the key first
-            select case when c.idx = 0 and pg_catalog.get_byte(c.data, 5) = 78 and pg_catalog.get_byte(c.data, 8) = 116
+            select case when c.kinds is not null
+                        then case when c.typs <@ v_pairs then lockstep._pgo_records(c.data, c.idxs) end
+                        when c.idx = 0 and pg_catalog.get_byte(c.data, 5) = 78 and pg_catalog.get_byte(c.data, 8) = 116
                         then array[pg_catalog.convert_from(pg_catalog.substr(c.data, 14, lockstep._pgo_int(c.data, 9, 4)::integer), v_enc)]
                         else lockstep._pgo_keys(c.data, c.idx) end keys) k
     ), queued as (

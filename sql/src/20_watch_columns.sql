@@ -175,7 +175,8 @@ end;
 $$;
 
 -- lockstep._watch_key_columns(j, source, key_columns, through, via): watch()'s path for a composite key:
--- checks, then the triggers on source and every table below it, as watch() makes them for one column.
+-- checks, then the triggers on source and every table below it, as watch() makes them for one column; with
+-- via => 'wal', a watch through the WAL instead (lockstep._watch_wal).
 -- locks: as lockstep.watch: the advisory lock (lockstep, define) until the transaction ends; then source
 -- and the tables below it (DROP / CREATE TRIGGER) through lockstep._ddl; then maybe a recompute_flag row.
 create or replace function lockstep._watch_key_columns(j lockstep.job, source regclass, key_columns name[],
@@ -197,12 +198,19 @@ begin
         raise exception 'lockstep: job "%" has a one-column parent key %: watch it with key_column', j.job,
             lockstep._key_name(j)
             using errcode = 'LSQ01', hint = 'Pass key_column => the column of the source that holds the parent''s key.';
-    elsif through is not null or via is distinct from 'trigger' then
-        raise exception 'lockstep: a composite key is watched by trigger on the table that holds its columns'
+    elsif through is not null then
+        raise exception 'lockstep: a composite key is watched on the table that holds its columns, not through another'
             using errcode = '0A000',
-                  hint = 'Drop through and via, and watch the table whose columns hold the parent''s key fields.';
+                  hint = 'Drop through and through_column, and watch the table whose columns hold the parent''s key fields.';
+    elsif via is distinct from 'trigger' and via is distinct from 'wal' then
+        raise exception 'lockstep: via => % is not a way to watch', pg_catalog.quote_nullable(via)
+            using errcode = '22023', hint = 'Use via => ''trigger'' or via => ''wal''.';
     end if;
     perform lockstep._check_key_columns(j, source, key_columns);
+    if via = 'wal' then  -- no trigger: lockstep.capture() reads the WAL (16_capture.sql)
+        perform lockstep._watch_wal(j, source, key_columns);
+        return;
+    end if;
     v_flag := lockstep._watch_news(j, source, key_columns::text, v_tables);  -- before the triggers change
     v_fn := coalesce(lockstep._gen_key_columns(j, source, key_columns), 'lockstep.enqueue_trigger');
     perform lockstep._ddl(v_tables, lockstep._drop_watch_ddl(j.job, v_tables)
@@ -219,6 +227,7 @@ end;
 $$;
 comment on function lockstep._watch_key_columns(lockstep.job, regclass, name[], regclass, text) is
     'watch()''s path for a composite parent key: the triggers on source and every table below it queue '
-    'row(key_columns)::key_type of the old and new rows. Locks: as lockstep.watch: the advisory lock '
+    'row(key_columns)::key_type of the old and new rows; with via => ''wal'', lockstep._watch_wal instead. '
+    'Locks: as lockstep.watch: the advisory lock '
     '(lockstep, define) until the transaction ends; then source and the tables below it (DROP / CREATE '
     'TRIGGER) through lockstep._ddl; then maybe a recompute_flag row.';

@@ -47,8 +47,66 @@ def change(c: psycopg.Connection) -> None:
     assert divergence(c) != (0, 0)
 
 
+# a job keyed by a composite parent key, (tenant_id, id) of public.doc, its notes watched through the WAL
+COMPOSITE = """
+create table public.doc (tenant_id int not null, id bigint not null, primary key (tenant_id, id));
+create table public.note (id bigint generated always as identity primary key, tenant_id int not null,
+                          doc_id bigint not null, body text not null,
+                          foreign key (tenant_id, doc_id) references public.doc on delete cascade);
+alter table public.note replica identity full;
+create table public.doc_stat (tenant_id int not null, doc_id bigint not null, notes bigint not null,
+                              primary key (tenant_id, doc_id),
+                              foreign key (tenant_id, doc_id) references public.doc on delete cascade);
+create type public.doc_key as (tenant_id int, id bigint);
+create function public.doc_stats(keys public.doc_key[])
+returns table (tenant_id int, doc_id bigint, notes bigint)
+language sql stable as $$
+    select d.tenant_id, d.id,
+           (select count(*) from public.note n where n.tenant_id = d.tenant_id and n.doc_id = d.id)
+    from public.doc d
+    where keys is null or (d.tenant_id, d.id) in (select k.tenant_id, k.id from unnest(keys) k) $$;
+insert into public.doc select t, i from generate_series(1, 3) t, generate_series(1, 5) i;
+insert into public.note (tenant_id, doc_id, body)
+select t, i, 'n' from generate_series(1, 3) t, generate_series(1, 5) i;
+select lockstep.define_derived('ds', 'public.doc_stat', 'public.doc_stats(public.doc_key[])', 'public.doc',
+                               every => '1 year');
+select lockstep.watch('ds', 'public.note', key_columns => array['tenant_id', 'doc_id']::name[], via => 'wal');
+select lockstep.watch('ds', 'public.doc', key_columns => array['tenant_id', 'id']::name[], via => 'wal');
+"""
+
+
+def watch_composite(c: psycopg.Connection) -> None:
+    """The composite key's job, watched through the WAL, converged; nothing queued or flagged."""
+    c.execute(COMPOSITE)
+    c.execute("select lockstep.capture()")
+    c.execute("select lockstep.recompute('ds')")
+    c.execute("select lockstep.capture()")
+    c.execute("delete from lockstep.queue")
+    c.execute("delete from lockstep.recompute_flag")
+
+
+def change_composite(c: psycopg.Connection) -> None:
+    c.execute("update public.note set body = body || ' changed' where tenant_id = 2 and doc_id = 3")
+    c.execute("update public.note set doc_id = 5 where tenant_id = 1 and doc_id = 4")  # moved: both docs
+    c.execute("delete from public.note where tenant_id = 3 and doc_id = 1")
+    c.execute("insert into public.note (tenant_id, doc_id, body) values (3, 2, 'new')")
+
+
+def composite_divergence(c: psycopg.Connection) -> int:
+    if c.execute("select to_regclass('public.doc_stat') is null").fetchone()[0]:
+        return 0
+    return c.execute(
+        "select count(*) from ((select * from public.doc_stat except select * from public.doc_stats(null))"
+        " union all (select * from public.doc_stats(null) except select * from public.doc_stat)) d"
+    ).fetchone()[0]
+
+
+def diverged(c: psycopg.Connection) -> bool:
+    return divergence(c) != (0, 0) or composite_divergence(c) != 0
+
+
 def converged(c: psycopg.Connection) -> bool:
-    return divergence(c) == (0, 0) and c.execute("select count(*) from lockstep.queue").fetchone()[0] == 0
+    return not diverged(c) and c.execute("select count(*) from lockstep.queue").fetchone()[0] == 0
 
 
 def drain(c: psycopg.Connection) -> None:
@@ -136,13 +194,16 @@ def capture_blocked_after_its_queue_insert(c: psycopg.Connection, holder: int) -
     return row[0] if row else None
 
 
+@pytest.mark.parametrize("key", ["one column", "composite"])
 @pytest.mark.parametrize("its_transaction", ["rolled back", "committed"])
-def test_a_runner_killed_during_a_capture_loses_nothing(wdsn, runners, its_transaction):
+def test_a_runner_killed_during_a_capture_loses_nothing(wdsn, runners, its_transaction, key):
     """kill -9 of ``lockstep run`` held inside a capture, between its queue insert and the LSN it records:
     its backend either rolls back (the server notices the lost client: client_connection_check_interval)
     or commits once the test lets it go. Either way, a new runner converges from the queue alone: no full
-    recompute, the slot confirmed past the changes."""
+    recompute, the slot confirmed past the changes. For a one-column key and a composite one."""
     with wal_cluster.connect(wdsn) as c, wal_cluster.connect(wdsn) as holder:
+        if key == "composite":
+            watch_composite(c)
         if its_transaction == "rolled back":
             c.execute(f"alter database {c.info.dbname} set client_connection_check_interval = '50ms'")
         before = c.execute("select queued_lsn from lockstep.capture_state").fetchone()[0]
@@ -150,7 +211,11 @@ def test_a_runner_killed_during_a_capture_loses_nothing(wdsn, runners, its_trans
         recomputed = c.execute(recomputes).fetchone()[0]
         holder.execute("begin")
         holder.execute("select from lockstep.capture_state for update")  # where the capture records its LSN
-        change(c)
+        if key == "composite":
+            change_composite(c)
+            assert diverged(c)
+        else:
+            change(c)
         changed_at = c.execute("select pg_current_wal_lsn()").fetchone()[0]
         r = runners(wdsn, "--tick", "0.2", "--capture-every", "0.1")
         pid = wait_for(
@@ -171,7 +236,7 @@ def test_a_runner_killed_during_a_capture_loses_nothing(wdsn, runners, its_trans
             wait_for(lambda: c.execute(gone, [pid]).fetchone()[0], what="the killed runner's backend to end")
             assert c.execute("select count(*) from lockstep.queue").fetchone()[0] > 0
             assert c.execute("select queued_lsn from lockstep.capture_state").fetchone()[0] != before
-        assert divergence(c) != (0, 0)
+        assert diverged(c)
         runners(wdsn, "--tick", "0.2", "--capture-every", "0.1")
         wait_for(lambda: converged(c), timeout=30, what="converged after the restart")
         wait_for(

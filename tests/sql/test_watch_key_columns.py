@@ -162,12 +162,18 @@ BAD = [
     ("'stray', key_columns => array['tenant_id', 'other_id']::name[]", "LSQ02", "references public.other"),
     ("'note', 'doc_id'", "22004", "composite parent key"),
     ("'note', 'doc_id', key_columns => array['tenant_id', 'doc_id']::name[]", "22023", "together"),
-    ("'note', key_columns => array['tenant_id', 'doc_id']::name[], via => 'wal'", "0A000", "by trigger"),
+    # via => 'wal' on a server whose wal_level is not logical (test_capture_composite.py: one that is)
+    (
+        "'note', key_columns => array['tenant_id', 'doc_id']::name[], via => 'wal'",
+        "55000",
+        "wal_level = logical",
+    ),
+    ("'note', key_columns => array['tenant_id', 'doc_id']::name[], via => 'logical'", "22023", "not a way"),
     (
         "'note', key_columns => array['tenant_id', 'doc_id']::name[],"
         " through => 'doc', through_column => 'id'",
         "0A000",
-        "by trigger",
+        "not through another",
     ),
 ]
 
