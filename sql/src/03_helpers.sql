@@ -229,9 +229,10 @@ begin
     if j.parent_column is not null then
         return lockstep._key_match(j, alias, pg_catalog.format('any(%s)', arr), cols);
     end if;
-    -- the array in a scalar subquery: cast once (record input is not immutable, so never folded)
+    -- the array in a scalar subquery: cast once (record input is not immutable, so never folded); the key
+    -- as lockstep_k.*, the whole row: a field named lockstep_k would shadow a bare lockstep_k
     return pg_catalog.format('exists (select from pg_catalog.unnest((select %s)) lockstep_k where %s)', arr,
-                             lockstep._key_match(j, alias, 'lockstep_k', cols));
+                             lockstep._key_match(j, alias, 'lockstep_k.*', cols));
 end;
 $$;
 

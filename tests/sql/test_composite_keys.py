@@ -538,3 +538,35 @@ def test_composite_key_probes_use_the_indexes(dw):
         plan = "\n".join(r[0] for r in dw.execute(f"explain {stmt}"))
         assert f"Seq Scan on {table}" not in plan and "Index" in plan, plan
     assert sorted(dw.execute(probe).fetchall()) == [("w7",), ("w9",)]
+
+
+def test_a_key_field_named_like_locksteps_own_alias_is_read_as_a_field(conn):
+    """A composite key's fields were matched as (lockstep_k).f over unnest(keys) lockstep_k: a field named
+    lockstep_k is a column of that alias, which a bare lockstep_k reads first, so every pass over keys
+    failed (42809: column notation applied to a bigint)."""
+    conn.execute(
+        "create table doc (tenant_id int not null, lockstep_k bigint not null, body text not null default '',"
+        " primary key (tenant_id, lockstep_k));"
+        " create table doc_len (tenant_id int not null, doc_id bigint not null, n int not null,"
+        " primary key (tenant_id, doc_id), foreign key (tenant_id, doc_id) references doc on delete cascade);"
+        " create type doc_key as (tenant_id int, lockstep_k bigint);"
+        " create function doc_lens(keys doc_key[]) returns table (tenant_id int, doc_id bigint, n int)"
+        " language sql stable as $$ select d.tenant_id, d.lockstep_k, length(d.body) from public.doc d"
+        " where keys is null or (d.tenant_id, d.lockstep_k) in (select k.tenant_id, k.lockstep_k"
+        " from unnest(keys) k) $$;"
+        " insert into doc select t, i, 'x' from generate_series(1, 2) t, generate_series(1, 3) i"
+    )
+    conn.execute(
+        "select lockstep.define_derived('dl', 'doc_len', 'doc_lens(doc_key[])', 'doc',"
+        " parent_columns => array['tenant_id', 'doc_id']::name[])"
+    )
+    assert result(conn, "lockstep.recompute('dl')")["outcome"] == "done"
+    conn.execute(
+        "select lockstep.watch('dl', 'doc', key_columns => array['tenant_id', 'lockstep_k']::name[])"
+    )
+    conn.execute("update doc set body = 'yyy' where tenant_id = 2 and lockstep_k = 3")
+    conn.execute("update lockstep.queue set ready_at = now()")
+    r = result(conn, "lockstep.work('dl')")
+    assert (r["outcome"], r["error"], r["updated"]) == ("done", None, 1), r
+    assert conn.execute("select n from doc_len where tenant_id = 2 and doc_id = 3").fetchone()[0] == 3
+    assert conn.execute("select count(*) from lockstep.queue").fetchone()[0] == 0
