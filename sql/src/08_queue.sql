@@ -193,6 +193,18 @@ begin
 end;
 $$;
 
+-- lockstep._keys_cast_sql(key_type): the query casting each element of the array $1 to key_type by
+-- PostgreSQL's own cast, as an array (NULL: no element); its callers sort the keys (lockstep._canon). They
+-- check key_type first (lockstep._check_key_type_safe): the cast runs no code of the type's owner.
+create or replace function lockstep._keys_cast_sql(key_type regtype) returns text
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    -- unnest in the select list: a composite key's field named k cannot shadow the whole key
+    select pg_catalog.format('select pg_catalog.array_agg(u.k::%s) from (select pg_catalog.unnest($1) as k) u',
+                             lockstep._type_sql(key_type));
+$$;
+
 -- lockstep._keys_text(j, keys): keys checked (not NULL, no NULL element, a type that converts) and cast to
 -- the parent key type by PostgreSQL's own cast in the caller's settings, then to canonical text
 -- (lockstep._canon).
@@ -225,9 +237,7 @@ begin
             using errcode = '22004', hint = 'Each field of a composite key is a column of the parent''s primary key.';
     end if;
     begin
-        execute pg_catalog.format('select lockstep._canon(pg_catalog.array_agg(u.k::%s)) from (select pg_catalog.unnest($1) as k) u',
-                                  lockstep._type_sql(j.key_type))
-            into v using keys;
+        execute pg_catalog.format('select lockstep._canon((%s))', lockstep._keys_cast_sql(j.key_type)) into v using keys;
     exception when data_exception then  -- 3000000000 for an integer key: say whose key, keep the SQLSTATE
         raise exception 'lockstep: a key does not fit the parent key type % of job "%": %', j.key_type, j.job, sqlerrm
             using errcode = sqlstate, hint = 'Enqueue keys the parent table can hold.';
@@ -253,9 +263,7 @@ begin
     perform lockstep._check_key_type(j, (select y.typelem from pg_catalog.pg_type y
                                          where y.oid = pg_catalog.pg_typeof(as_type)), 'the type asked for');
     perform lockstep._check_key_type_safe(j.job, j.key_type);
-    execute pg_catalog.format('select pg_catalog.array_agg(k.v::%s order by k.o) '
-                              'from pg_catalog.unnest($1) with ordinality k(v, o)', lockstep._type_sql(j.key_type))
-        into as_type using keys;
+    execute lockstep._keys_cast_sql(j.key_type) into as_type using keys;
     return as_type;
 end;
 $$;
