@@ -469,7 +469,8 @@ comment on function lockstep._recompute_failed(lockstep.job, timestamp with time
     'as lockstep._write (no row lock); then as lockstep._hand_off; the job''s status row last.';
 
 -- lockstep._recompute(j, only_if_due): the full recompute under the group lock, writing at most
--- j.batch_parents parents in this transaction and handing the rest to the queue.
+-- j.batch_parents parents in this transaction and handing the rest to the queue. A flagged recompute that
+-- writes every parent hands off the entries queued before it: its next flag waits for the worker (rule 7).
 -- locks: the group lock (try: busy if taken: lockstep._take); then as lockstep._write for the first batch (the rest
 -- appended to the queue before its first row lock); then the queue (skipped parents); the job's status row last.
 create or replace function lockstep._recompute(j lockstep.job, only_if_due boolean) returns lockstep.result
@@ -483,6 +484,7 @@ declare
     v_from bigint;
     v_rest bigint;
     v_snap pg_snapshot;
+    v_first bigint;
     p lockstep._pass;
 begin
     select * into t from lockstep._take(j, 'recompute', only_if_due);
@@ -495,6 +497,9 @@ begin
                         and lockstep._handoff_any(j.job, (t.s).recompute_queue_from, (t.s).recompute_queue_to)
                    then (t.s).recompute_queue_from else v_before + 1 end;
     v_snap := pg_catalog.pg_current_snapshot();  -- flags this snapshot sees are covered by this recompute
+    if exists (select from lockstep.recompute_flag f where f.job = j.job) then
+        select min(q.id) into v_first from lockstep.queue q where q.job = j.job and q.id <= v_before;
+    end if;
     select * into r from lockstep._owner_pass(j, null, v_from, false);
     if r.timed_out then
         return lockstep._failed(j, 'recompute', t.started, r.error);
@@ -508,8 +513,10 @@ begin
         perform lockstep._set_rest(j, v_rest, v_rest + p.inserted + p.updated + p.deleted + cardinality(p.skipped));
     elsif j.parent is not null then
         perform lockstep._hand_off(j, p.skipped, v_before,
-                                   case when v_rest > 0 then j.batch_parents - cardinality(p.skipped) end,
-                                   coalesce(p.handoff_from, v_from), p.handoff_todo);
+                                   case when v_rest > 0 then j.batch_parents - cardinality(p.skipped)
+                                        when v_first is not null then 0 end,
+                                   case when v_rest > 0 then coalesce(p.handoff_from, v_from) else v_first end,
+                                   p.handoff_todo);
     end if;
     perform lockstep._clear_flag(j, v_snap, t.started);
     -- every parent computed and written here: failing and parked keys cured (after a hand-off: due at once)
@@ -524,7 +531,8 @@ end;
 $$;
 comment on function lockstep._recompute(lockstep.job, boolean) is
     'The full recompute under the group lock, writing at most j.batch_parents parents in this transaction '
-    'and handing the rest to the queue. Locks: the group lock (try: busy if taken: lockstep._take); then '
+    'and handing the rest to the queue. A flagged recompute that writes every parent hands off the entries '
+    'queued before it: its next flag waits for the worker. Locks: the group lock (try: busy if taken: lockstep._take); then '
     'as lockstep._write for the first batch (the rest appended to the queue before its first row lock); '
     'then the queue (skipped parents); the job''s status row last.';
 

@@ -315,6 +315,28 @@ def test_recompute_flags_at_every_call_do_not_starve_the_hand_off(conn):
     assert d_diverges(conn) == 0
 
 
+def test_recompute_flags_at_every_call_do_not_starve_a_queue_one_batch_covers(conn):
+    """A flag before every run() and a whole recompute that fits one batch: every call was a recompute (it
+    had no hand-off for the flag to wait for), no worker pass ever ran, and the entries the application
+    queued piled up (150 after 30 calls). A flagged recompute now hands off the entries queued before it."""
+    flagged_job(conn)
+    actions = []
+    for _ in range(30):
+        conn.execute("update p set v = v + 1 where id <= 5")  # 5 parents queued between calls
+        conn.execute("truncate side")  # a recompute flag before every call
+        actions.append(run_now(conn, "dj")["action"])
+        assert conn.execute("select count(*) from lockstep.queue").fetchone()[0] <= 10, actions
+    assert actions.count("work") >= 10 and actions.count("recompute") >= 10, actions
+    done, total = conn.execute(PROGRESS).fetchone()
+    assert total is None or 0 <= done <= total, (done, total)
+    for _ in range(100):  # the load stops: every flag is honoured, the queue drains
+        if run_now(conn, "dj")["outcome"] in ("idle", "not_due"):
+            break
+    assert conn.execute("select count(*) from lockstep.recompute_flag").fetchone()[0] == 0
+    assert conn.execute("select count(*) from lockstep.queue").fetchone()[0] == 0
+    assert conn.execute(PROGRESS).fetchone() == (None, None) and d_diverges(conn) == 0
+
+
 def test_retry_in_a_transaction_never_deadlocks_with_a_worker_pass(ex, example_dsn):
     """retry() deleted key_failure rows without the group lock while a worker pass deleted and upserted
     them: an admin transaction that retried one key, then another while a pass held the second's row and
