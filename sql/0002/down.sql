@@ -174,6 +174,7 @@ drop function if exists lockstep._capture_families();
 drop function if exists lockstep._pgo_truncated(bytea);
 drop function if exists lockstep._pgo_keys(bytea, integer);
 drop function if exists lockstep._pgo_records(bytea, integer[]);
+drop function if exists lockstep._pgo_places(name[], oid[], name[], text[]);
 drop function if exists lockstep._wal_watched();
 drop function if exists lockstep._wal_types_problem(oid, name[], text[], regtype);
 drop function if exists lockstep._pgo_relation(bytea);

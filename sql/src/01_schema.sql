@@ -27,7 +27,7 @@
 --   LSQ02  a watched key column that does not lead to the parent (a foreign key to another table; with
 --          through, no foreign key to the through table)
 --   55000  watch(..., via => 'wal') on a server whose wal_level is not logical, or of a table whose
---          replica identity does not hold the key column(s)
+--          replica identity does not hold the key column(s), or on a generated key column
 
 create schema lockstep;
 

@@ -99,7 +99,7 @@ $$;
 -- lockstep._check_wal_key(j, source, key_columns): the WAL holds each key column's text, queued as it is
 -- (one column) or as the fields of the key's record text: each column's text must be its field's own
 -- (lockstep._fast_pairs, and a field with no type modifier), else LSQ01. No conversion, so no code of a
--- type's owner runs in the capture.
+-- type's owner runs in the capture. A generated key column is not in the WAL's changes: 55000.
 create or replace function lockstep._check_wal_key(j lockstep.job, source regclass, key_columns name[]) returns void
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -113,6 +113,7 @@ declare
                             else array[j.key_type::text] end;
     v_names name[] := lockstep._key_fields(j);
     v_bad text;
+    v_gen text;
 begin
     select pg_catalog.format('%s.%I is %s, and %s %s', source, c.name, a.atttypid::regtype,
                              case when not v_composite then 'the job''s key type is'
@@ -123,6 +124,12 @@ begin
     join pg_catalog.pg_attribute a on a.attrelid = source and a.attname = c.name and a.attnum > 0 and not a.attisdropped
     where pg_catalog.concat(a.atttypid, ':', v_fields[c.o]) <> all(lockstep._fast_pairs())
     order by c.o limit 1;
+    select pg_catalog.format('%s.%I', source, a.attname) into v_gen from pg_catalog.pg_attribute a
+    where a.attrelid = source and a.attname = any(key_columns) and a.attgenerated <> '' order by a.attnum limit 1;
+    if v_gen is not null then
+        raise exception 'lockstep: % is a generated column, which the WAL''s changes do not carry', v_gen
+            using errcode = '55000', hint = 'Watch it through triggers (the default).';
+    end if;
     if v_bad is not null then
         raise exception 'lockstep: %: watch(..., via => ''wal'') takes columns whose text is the key''s', v_bad
             using errcode = 'LSQ01',
@@ -387,6 +394,8 @@ declare
     v_old text[];
     v_vals text[];
     v_unknown boolean[];
+    v_key text;
+    v_field text;
     v_tag integer;
     v_n integer;
     v_kind integer;
@@ -418,15 +427,36 @@ begin
         if true = any(v_unknown) then
             return null;
         elsif pg_catalog.array_position(v_vals, null) is null then
-            v_keys := v_keys || (select pg_catalog.concat('(', pg_catalog.string_agg(
-                                            pg_catalog.substr(row(v.v)::text, 2, pg_catalog.length(row(v.v)::text) - 2), ','
-                                            order by v.o), ')')
-                                 from pg_catalog.unnest(v_vals) with ordinality v(v, o));
+            v_key := '(';
+            for f in 1 .. v_k loop  -- row(v)::text is (v) with v quoted as record_out quotes it
+                v_field := row(v_vals[f])::text;
+                v_key := v_key || case when f > 1 then ',' else '' end
+                         || pg_catalog.substr(v_field, 2, pg_catalog.length(v_field) - 2);
+            end loop;
+            v_keys := v_keys || (v_key || ')');
         end if;
         v_old := v_vals;
     end loop;
     return v_keys;
 end;
+$$;
+
+-- lockstep._pgo_places(rel_cols, rel_types, cols, kinds): where the key columns cols are in a pgoutput
+-- Relation message's columns and types (lockstep._pgo_relation): idx and typ, the first one's place (from
+-- 0) and type oid; for a composite key (kinds: its fields' types) idxs, each one's place, and typs, each
+-- 'column type oid:field type' pair. A column not there: a NULL place. Run once per Relation message.
+create or replace function lockstep._pgo_places(rel_cols name[], rel_types oid[], cols name[], kinds text[],
+                                                out idx integer, out typ oid, out idxs integer[], out typs text[])
+language sql immutable
+set search_path = pg_catalog, pg_temp
+as $$
+    select pg_catalog.array_position(rel_cols, cols[1]) - 1, rel_types[pg_catalog.array_position(rel_cols, cols[1])],
+           case when kinds is not null
+                then array(select pg_catalog.array_position(rel_cols, k.c) - 1
+                           from pg_catalog.unnest(cols) with ordinality k(c, o) order by k.o) end,
+           case when kinds is not null
+                then array(select pg_catalog.concat(rel_types[pg_catalog.array_position(rel_cols, k.c)], ':', kinds[k.o])
+                           from pg_catalog.unnest(cols) with ordinality k(c, o) order by k.o) end;
 $$;
 
 -- lockstep._pgo_truncated(d): the relation oids of a pgoutput Truncate message ('T').
@@ -590,18 +620,16 @@ begin
         select r.o, x.relid, x.cols, x.types from raw r, lateral lockstep._pgo_relation(r.data) x where r.t = 82
     ), watched as materialized (
         select w.job, w.relid, w.key_column, w.key_type, w.cols, w.kinds, w.covered from lockstep._wal_watched() w
+    ), place as materialized (  -- each watch's key columns' places in each 'R' of its table
+        select l.o, w.job, w.relid, w.cols, p.idx, p.typ, p.idxs, p.typs from rel l join watched w on w.relid = l.relid
+        cross join lateral lockstep._pgo_places(l.cols, l.types, w.cols, w.kinds) p
     ), change as materialized (  -- 'I', 'U', 'D' of a watched table, with the key columns' places then
         select w.job, w.relid, w.key_column, w.key_type, w.cols, w.kinds, w.covered, r.t, r.data, x.idx, x.typ, x.idxs, x.typs
         from raw r
         join watched w on w.relid = lockstep._pgo_int(r.data, 1, 4)::oid
-        left join lateral (select pg_catalog.array_position(l.cols, w.key_column) - 1 idx,
-                                  l.types[pg_catalog.array_position(l.cols, w.key_column)] typ, p.idxs, p.typs
-                           from rel l cross join lateral (  -- a composite key: each column's (NULL for one column)
-                               select pg_catalog.array_agg(pg_catalog.array_position(l.cols, k.c) - 1 order by k.o) idxs,
-                                      pg_catalog.array_agg(pg_catalog.concat(l.types[pg_catalog.array_position(l.cols, k.c)],
-                                                                             ':', w.kinds[k.o]) order by k.o) typs
-                               from pg_catalog.unnest(w.cols) with ordinality k(c, o) where w.kinds is not null) p
-                           where l.relid = w.relid and l.o < r.o order by l.o desc limit 1) x on true
+        left join lateral (select p.idx, p.typ, p.idxs, p.typs from place p
+                           where p.job = w.job and p.relid = w.relid and p.cols = w.cols and p.o < r.o
+                           order by p.o desc limit 1) x on true
         where r.t in (73, 85, 68)
     ), keyed as materialized (
         select c.job, k.keys, case

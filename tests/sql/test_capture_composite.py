@@ -193,6 +193,13 @@ def test_columns_whose_text_is_not_the_fields_are_refused_and_change_nothing(c):
         match="w.odd.tenant is public.tenant_text, and field tenant of the key type public.doc_key is text",
     ):
         watch(c, "w", "odd", MARK, "wal")
+    c.execute(
+        "create table w.gen (id int primary key, tenant text not null,"
+        " doc_id bigint generated always as (id % 3 + 1) stored)"
+    )
+    c.execute("alter table w.gen replica identity full")
+    with raises_sqlstate("55000", match="w.gen.doc_id is a generated column"):
+        watch(c, "w", "gen", MARK, "wal")
     with raises_sqlstate("0A000", match="not through another"):
         c.execute(
             "select lockstep.watch('ds_w', 'w.note', key_columns => array['tenant', 'doc_id']::name[],"
@@ -243,3 +250,24 @@ def test_switching_a_composite_watch_between_triggers_and_the_wal(c):
     watch(c, "w", "doc", DOC, "trigger")
     assert c.execute("select count(*) from lockstep.wal_watch").fetchone()[0] == 0
     assert c.execute("select count(*) from pg_publication").fetchone()[0] == 0
+
+
+def test_a_partition_attached_with_its_columns_in_another_order_is_followed(c):
+    watch_both(c)
+    c.execute(
+        "create table w.mark_z (body text, gone int, id int not null, doc_id bigint not null,"
+        " tenant text not null, primary key (tenant, doc_id, id));"
+        " alter table w.mark_z drop column gone;"
+        " insert into w.doc values ('zz', 1), ('zz', 2);"
+        " alter table w.mark attach partition w.mark_z for values in ('zz')"
+    )
+    assert c.execute("select flagged from lockstep.capture()").fetchone()[0] == 1  # its rows joined unseen
+    c.execute("select lockstep.recompute('ds_w')")
+    c.execute("delete from lockstep.queue")
+    c.execute("insert into w.mark (tenant, doc_id, id, body) values ('zz', 1, 1, 'm')")
+    c.execute("update w.mark set doc_id = 2 where tenant = 'zz'")  # the old key and the new
+    c.execute("update w.mark set tenant = 'x,y' where tenant = 'zz'")  # to another partition
+    assert c.execute("select flagged from lockstep.capture()").fetchone()[0] == 0
+    assert queued(c, "ds_w") == ['("x,y",2)', "(zz,1)", "(zz,2)"]
+    drain(c, "ds_w")
+    assert divergence(c, "w") == 0
