@@ -272,3 +272,13 @@ drop function if exists lockstep.enqueue_replica();
 drop function if exists lockstep._stall_passes(text, timestamptz);
 drop function if exists lockstep._verify_keys(text, anyarray);
 drop function if exists lockstep._verify_all(text);
+-- the runner's writes through security definer functions (0002)
+drop function if exists lockstep._due_by(text, timestamptz, boolean);
+drop function if exists lockstep._add_suspects(text, text[]);
+drop function if exists lockstep._state_rest(text, bigint, bigint, text);
+drop function if exists lockstep._state_handoff(text, bigint, bigint, bigint);
+drop function if exists lockstep._state_poisoned(text);
+drop function if exists lockstep._failures_due(text, text[]);
+drop function if exists lockstep._state_make(text);
+drop function if exists lockstep._append_keys(text, text[]);
+drop function if exists lockstep._queue_keys(lockstep.job, text[]);

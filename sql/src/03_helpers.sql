@@ -368,12 +368,15 @@ $$;
 
 -- lockstep._finish(job, action, outcome, started, pass, error, only_skipped, more): write the job's
 -- status row, last in every run that did something (a second only-skipped pass in a row is no new run).
+-- Security definer, for a caller that manages j (42501): it runs no user code, and no recipe role holds
+-- UPDATE on lockstep.job_state.
 -- locks: the job's lockstep.job_state row (FOR NO KEY UPDATE, by the update); then as lockstep._log_run.
 create or replace function lockstep._finish(j lockstep.job, action text, outcome text, started timestamptz,
                                  p lockstep._pass default null, error text default null,
                                  only_skipped boolean default false, more boolean default null)
 returns void
 language plpgsql
+security definer
 set search_path = pg_catalog, pg_temp
 as $$
 declare
@@ -387,6 +390,7 @@ declare
     v_release boolean;
     v_end timestamptz := pg_catalog.clock_timestamp();  -- when the run ended
 begin
+    perform lockstep._check_manages(j.job);
     -- the status row as it was (read under the group lock: no other writer)
     select * into v_s from lockstep.job_state s where s.job = j.job;
     -- the previous pass only skipped too
@@ -443,8 +447,8 @@ end;
 $$;
 comment on function lockstep._finish(lockstep.job, text, text, timestamp with time zone, lockstep._pass, text, boolean, boolean) is
     'Write the job''s status row, last in every run that did something (a second only-skipped pass in a '
-    'row is no new run). Locks: the job''s lockstep.job_state row (FOR NO KEY UPDATE, by the update); '
-    'then as lockstep._log_run.';
+    'row is no new run). Security definer, for a caller that manages j (42501). Locks: the job''s '
+    'lockstep.job_state row (FOR NO KEY UPDATE, by the update); then as lockstep._log_run.';
 
 -- lockstep._failed(j, action, started, error): record a failed run (status row) and return its result.
 -- The error says what no longer holds of a derived job's definition, if anything (lockstep._drift).
@@ -468,6 +472,27 @@ comment on function lockstep._failed(lockstep.job, text, timestamp with time zon
     'Record a failed run (status row) and return its result. The error says what no longer holds of a '
     'derived job''s definition, if anything (lockstep._drift). Locks: the job''s lockstep.job_state row, '
     'as lockstep._finish.';
+
+-- lockstep._due_by(job, at, unless_poisoned): job's next run is due by at (next_run_at lowered to it, never
+-- raised); unless_poisoned: not while a poisoned recompute holds its flags. Security definer, for a caller
+-- that manages job (42501): no recipe role holds UPDATE on lockstep.job_state.
+-- locks: the job's lockstep.job_state row (FOR NO KEY UPDATE, by the update).
+create or replace function lockstep._due_by(job text, at timestamptz, unless_poisoned boolean default false)
+returns void
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    perform lockstep._check_manages(job);
+    update lockstep.job_state s set next_run_at = least(s.next_run_at, at)
+    where s.job = _due_by.job and not (unless_poisoned and s.recompute_poisoned_at is not null);
+end;
+$$;
+comment on function lockstep._due_by(text, timestamp with time zone, boolean) is
+    'Job''s next run is due by at (next_run_at lowered to it, never raised); unless_poisoned: not while a '
+    'poisoned recompute holds its flags. Security definer, for a caller that manages job (42501). Locks: '
+    'the job''s lockstep.job_state row (FOR NO KEY UPDATE, by the update).';
 
 -- lockstep._session_get(setting): the transaction's value of lockstep.<setting> (01_schema.sql lists them), NULL if
 -- unset or empty. With lockstep._session_set, the only reader and writer of lockstep's session settings.

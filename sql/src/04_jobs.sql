@@ -251,13 +251,13 @@ begin
         return s;
     end if;
     begin
-        insert into lockstep.job_state (job) values (j.job) on conflict do nothing;
+        perform lockstep._state_make(j.job);
     exception when insufficient_privilege then
         raise exception 'lockstep: the status row of job "%" is gone (lockstep.job_state), and role % may not make it again',
-            j.job, current_user
+            j.job, lockstep._caller()
             using errcode = '42501',
-                  hint = pg_catalog.format('Run lockstep.define_%s(%L, ...) again as its owner, or grant insert on '
-                                           'lockstep.job_state to the runner (docs/security.md).',
+                  hint = pg_catalog.format('Run lockstep.define_%s(%L, ...) again as its owner, or grant the owner '
+                                           'role to the runner (docs/security.md).',
                                            case when j.kind = 'job' then 'job' else 'derived' end, j.job);
     end;
     select * into s from lockstep.job_state st where st.job = j.job;
@@ -268,6 +268,23 @@ comment on function lockstep._restore_state(lockstep.job) is
     'The job''s status row, made again with defaults (recompute due now) where it is gone; NULL (a row of'
     ' NULLs) when the group is busy. Locks: the group lock (try); the new lockstep.job_state row '
     '(insert).';
+
+-- lockstep._state_make(job): job's status row, with defaults (its recompute due now), if it has none.
+-- Security definer, for a caller that manages job (42501): no recipe role holds INSERT on job_state.
+-- locks: the new lockstep.job_state row (insert).
+create or replace function lockstep._state_make(job text) returns void
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    perform lockstep._check_manages(job);
+    insert into lockstep.job_state (job) values (_state_make.job) on conflict do nothing;
+end;
+$$;
+comment on function lockstep._state_make(text) is
+    'Job''s status row, with defaults (its recompute due now), if it has none. Security definer, for a '
+    'caller that manages job (42501). Locks: the new lockstep.job_state row (insert).';
 
 -- lockstep.run(job): what the runner calls. Runs whatever part of the job is due: a generic job's
 -- function; a derived job's recompute if due or flagged, else a worker pass over up to batch_parents keys.

@@ -239,18 +239,38 @@ language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 begin
-    update lockstep.job_state st
-    set recompute_rest = nullif(rows_left, 0),
-        recompute_total = case when rows_left > 0 then coalesce(total, st.recompute_total) end,
-        recompute_rest_session = case when rows_left > 0 then lockstep._session() end,
-        recompute_rest_at = clock_timestamp()
-    where st.job = j.job;
+    -- this session read as its role: pg_stat_activity hides another role's backend_start
+    perform lockstep._state_rest(j.job, rows_left, total, case when rows_left > 0 then lockstep._session() end);
 end;
 $$;
 comment on function lockstep._set_rest(lockstep.job, bigint, bigint) is
     'Record in j''s status row the rows of a recompute without a parent still to write, held by this '
     'session (total NULL: keep the one recorded); none when rows_left is 0. Locks: the job''s '
     'lockstep.job_state row (by the update).';
+
+-- lockstep._state_rest(job, rows_left, total, session): lockstep._set_rest's update of job's status row
+-- (session: the one holding the rest). Security definer, for a caller that manages job (42501): no recipe
+-- role holds UPDATE on lockstep.job_state.
+-- locks: the job's lockstep.job_state row (by the update).
+create or replace function lockstep._state_rest(job text, rows_left bigint, total bigint, session text) returns void
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    perform lockstep._check_manages(job);
+    update lockstep.job_state st
+    set recompute_rest = nullif(rows_left, 0),
+        recompute_total = case when rows_left > 0 then coalesce(total, st.recompute_total) end,
+        recompute_rest_session = case when rows_left > 0 then session end,
+        recompute_rest_at = clock_timestamp()
+    where st.job = _state_rest.job;
+end;
+$$;
+comment on function lockstep._state_rest(text, bigint, bigint, text) is
+    'Lockstep._set_rest''s update of job''s status row (session: the one holding the rest). Security '
+    'definer, for a caller that manages job (42501). Locks: the job''s lockstep.job_state row (by the '
+    'update).';
 
 -- lockstep._continue(j): run() of a parentless job with a recompute's rest: write its next batch if this
 -- session holds it; busy while another live session does; else recompute again.
@@ -331,8 +351,7 @@ begin
              and lockstep._handoff_any(j.job, s.recompute_queue_from, s.recompute_queue_to);
     if written is null then  -- nothing spread over transactions: an earlier hand-off's progress, if done, goes
         if s.recompute_total is not null and not v_old then
-            update lockstep.job_state x set recompute_total = null, recompute_queue_from = null, recompute_queue_to = null
-            where x.job = j.job;
+            perform lockstep._state_handoff(j.job, null, null, null);
         end if;
         return;
     end if;
@@ -354,11 +373,8 @@ begin
     end if;
     -- to do: as counted before the write, plus the skipped parents queued since
     v_total := written + coalesce(todo + v_queued, lockstep._handoff_todo(j.job, v_from, v_to));
-    update lockstep.job_state x set
-        recompute_total = case when v_old then greatest(s.recompute_total, v_total) else v_total end,
-        recompute_queue_from = v_from,
-        recompute_queue_to = v_to
-    where x.job = j.job;
+    perform lockstep._state_handoff(j.job, case when v_old then greatest(s.recompute_total, v_total) else v_total end,
+                                    v_from, v_to);
 end;
 $$;
 comment on function lockstep._hand_off(lockstep.job, text[], bigint, bigint, bigint, bigint) is
@@ -366,6 +382,48 @@ comment on function lockstep._hand_off(lockstep.job, text[], bigint, bigint, big
     'and total (todo: counted before the write; NULL: counted here) in the job''s status row, carrying on '
     'an earlier hand-off in progress. Locks: appends to lockstep.queue; the job''s lockstep.job_state row '
     '(FOR NO KEY UPDATE, by the update).';
+
+-- lockstep._state_handoff(job, total, queue_from, queue_to): record a recompute's hand-off in job's status
+-- row: its parents to do and its queue-id range (all NULL: none in progress). Security definer, for a
+-- caller that manages job (42501): no recipe role holds UPDATE on lockstep.job_state.
+-- locks: the job's lockstep.job_state row (FOR NO KEY UPDATE, by the update).
+create or replace function lockstep._state_handoff(job text, total bigint, queue_from bigint, queue_to bigint)
+returns void
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    perform lockstep._check_manages(job);
+    update lockstep.job_state x set recompute_total = total, recompute_queue_from = queue_from,
+                                    recompute_queue_to = queue_to
+    where x.job = _state_handoff.job;
+end;
+$$;
+comment on function lockstep._state_handoff(text, bigint, bigint, bigint) is
+    'Record a recompute''s hand-off in job''s status row: its parents to do and its queue-id range (all '
+    'NULL: none in progress). Security definer, for a caller that manages job (42501). Locks: the job''s '
+    'lockstep.job_state row (FOR NO KEY UPDATE, by the update).';
+
+-- lockstep._state_poisoned(job): a recompute's whole-table pass failed on poison parents: job's recompute
+-- flags wait (recompute_poisoned_at now) until a failed key is written. Security definer, for a caller
+-- that manages job (42501): no recipe role holds UPDATE on lockstep.job_state.
+-- locks: the job's lockstep.job_state row (FOR NO KEY UPDATE, by the update).
+create or replace function lockstep._state_poisoned(job text) returns void
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    perform lockstep._check_manages(job);
+    update lockstep.job_state s set recompute_poisoned_at = now(), recompute_poison_cured = false
+    where s.job = _state_poisoned.job;
+end;
+$$;
+comment on function lockstep._state_poisoned(text) is
+    'A recompute''s whole-table pass failed on poison parents: job''s recompute flags wait until a failed '
+    'key is written. Security definer, for a caller that manages job (42501). Locks: the job''s '
+    'lockstep.job_state row (FOR NO KEY UPDATE, by the update).';
 
 -- lockstep._parent_keys(j): every parent key of j, in key order, read as j's owner (lockstep._as_owner).
 -- locks: nothing (reads the parent table).
@@ -430,8 +488,7 @@ begin
     if lockstep._transient(sqlstate)
        and (select s.recompute_error is null from lockstep.job_state s where s.job = j.job) then
         v_result := lockstep._failed(j, 'recompute', started, error);
-        update lockstep.job_state s set next_run_at = least(s.next_run_at, now() + interval '1 minute')
-        where s.job = j.job;
+        perform lockstep._due_by(j.job, now() + interval '1 minute');
         return v_result;
     end if;
     begin
@@ -458,8 +515,7 @@ begin
     -- a done run with its reason: lockstep.run_log.error has it (the status row keeps last_error for failures)
     perform lockstep._finish(j, 'recompute', 'done', started, null, v_msg);
     -- the flags wait for the next periodic recompute, a retry or a cure: the same pass would fail again
-    update lockstep.job_state s set recompute_poisoned_at = now(), recompute_poison_cured = false
-    where s.job = j.job;
+    perform lockstep._state_poisoned(j.job);
     return lockstep._result('done', j.job, 'recompute', null, v_msg, cardinality(v_keys) > 0);
 end;
 $$;
@@ -558,8 +614,7 @@ begin
         v_kept := array(select k from pg_catalog.unnest(v_keys) k
                         where k <> all(v_bad)
                           and exists (select from lockstep.queue q where q.key = k and (q.job = j.job) is true));
-        update lockstep.key_failure f set retry_at = now(), failed_upto = case when f.parked then 0 else f.failed_upto end
-        where f.job = j.job and f.key = any(v_kept);
+        perform lockstep._failures_due(j.job, v_kept);
     end if;
     perform lockstep._delete('key_failure', j.job, other_keys => v_kept);
     if cardinality(v_bad) > 0 then
@@ -571,6 +626,26 @@ comment on function lockstep._cure(lockstep.job, boolean) is
     'After a recompute that computed every parent: forget j''s failing and parked keys (handed_off: those'
     ' still queued keep their attempts, due at once). Locks: the job''s key_failure rows (updated, '
     'deleted), then the queue entries of keys that do not read back.';
+
+-- lockstep._failures_due(job, keys): job's failing and parked keys in keys are due at once, keeping their
+-- attempts (a parked key's fold point forgotten: its entries are all news). Security definer, for a caller
+-- that manages job (42501): no recipe role holds UPDATE on key_failure.
+-- locks: those key_failure rows (by the update).
+create or replace function lockstep._failures_due(job text, keys text[]) returns void
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    perform lockstep._check_manages(job);
+    update lockstep.key_failure f set retry_at = now(), failed_upto = case when f.parked then 0 else f.failed_upto end
+    where f.job = _failures_due.job and f.key = any(keys);
+end;
+$$;
+comment on function lockstep._failures_due(text, text[]) is
+    'Job''s failing and parked keys in keys are due at once, keeping their attempts (a parked key''s fold '
+    'point forgotten). Security definer, for a caller that manages job (42501). Locks: those key_failure '
+    'rows (by the update).';
 
 -- lockstep.recompute(job): full recompute now, even if not due (and even during a failure backoff); a paused
 -- job (lockstep.pause): outcome paused, nothing written.

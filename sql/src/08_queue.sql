@@ -84,10 +84,10 @@ comment on function lockstep._queueable(text, text[]) is
     'instead (lockstep._flag). Locks: none beyond the insert into lockstep.recompute_flag (as '
     'lockstep._flag).';
 
--- lockstep._enqueue_text(j, keys): append keys (text, cast to the parent key type, NULLs dropped) to the
--- queue once each, sorted by key, in canonical text. No read of lockstep's tables and no NOTIFY.
--- locks: none beyond the insert into lockstep.queue: append-only, so this never waits for a worker.
-create or replace function lockstep._enqueue_text(j lockstep.job, keys text[]) returns bigint
+-- lockstep._queue_keys(j, keys): keys (text, cast to the parent key type, NULLs dropped) once each, sorted
+-- by key, in canonical text, without those too long for the queue (they flag the job: lockstep._queueable).
+-- locks: none beyond the insert into lockstep.recompute_flag (as lockstep._flag).
+create or replace function lockstep._queue_keys(j lockstep.job, keys text[]) returns text[]
 language plpgsql
 set search_path = pg_catalog, pg_temp
 set datestyle = 'ISO, YMD'
@@ -100,11 +100,29 @@ declare
     v text[];
 begin
     if keys is null or cardinality(keys) = 0 then
-        return 0;
+        return '{}';
     end if;
     perform lockstep._check_key_type_safe(j.job, j.key_type);  -- before the cast from text
     execute pg_catalog.format('select lockstep._canon($1::%s)', lockstep._array_type(j.key_type)) into v using keys;
-    v := lockstep._queueable(j.job, v);  -- a key too long for the queue flags the job instead
+    return lockstep._queueable(j.job, v);  -- a key too long for the queue flags the job instead
+end;
+$$;
+comment on function lockstep._queue_keys(lockstep.job, text[]) is
+    'Keys (text, cast to the parent key type, NULLs dropped) once each, sorted by key, in canonical text, '
+    'without those too long for the queue (they flag the job: lockstep._queueable). Locks: none beyond the '
+    'insert into lockstep.recompute_flag (as lockstep._flag).';
+
+-- lockstep._enqueue_text(j, keys): append keys (text, cast to the parent key type, NULLs dropped) to the
+-- queue once each, sorted by key, in canonical text (lockstep._queue_keys). No read of lockstep's tables
+-- and no NOTIFY.
+-- locks: none beyond the insert into lockstep.queue: append-only, so this never waits for a worker.
+create or replace function lockstep._enqueue_text(j lockstep.job, keys text[]) returns bigint
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v text[] := lockstep._queue_keys(j, keys);
+begin
     insert into lockstep.queue (job, key) select j.job, k from pg_catalog.unnest(v) with ordinality u(k, o) order by o;
     return cardinality(v);
 end;
@@ -118,16 +136,44 @@ comment on function lockstep._enqueue_text(lockstep.job, text[]) is
 -- Only for callers holding the job's group lock (no worker is taking those entries meanwhile).
 -- locks: as lockstep._enqueue_text.
 create or replace function lockstep._enqueue_missing(j lockstep.job, keys text[]) returns bigint
-language sql
+language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
-    select lockstep._enqueue_text(j, array(
+declare
+    v text[] := lockstep._queue_keys(j, array(
         select k from pg_catalog.unnest(keys) k
         where not exists (select from lockstep.queue q where q.key = k and (q.job = j.job) is true)));
+begin
+    perform lockstep._append_keys(j.job, v);  -- the runner's or the owner's: a definer function appends
+    return cardinality(v);
+end;
 $$;
 comment on function lockstep._enqueue_missing(lockstep.job, text[]) is
     'Lockstep._enqueue_text of the keys that have no queue entry of j yet. Only for callers holding the '
     'job''s group lock (no worker is taking those entries meanwhile). Locks: as lockstep._enqueue_text.';
+
+-- lockstep._append_keys(job, keys): append keys (canonical text, in the order given) to the queue for job,
+-- for a caller that manages job (42501): a runner's hand-off, skipped or mapped parents. Security definer:
+-- no recipe role but the application's holds INSERT on the queue. Nothing is checked or written for no key.
+-- locks: none beyond the insert into lockstep.queue.
+create or replace function lockstep._append_keys(job text, keys text[]) returns void
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if coalesce(cardinality(keys), 0) = 0 then
+        return;
+    end if;
+    perform lockstep._check_manages(job);
+    insert into lockstep.queue (job, key)
+    select _append_keys.job, u.k from pg_catalog.unnest(keys) with ordinality u(k, o) order by u.o;
+end;
+$$;
+comment on function lockstep._append_keys(text, text[]) is
+    'Append keys (canonical text, in the order given) to the queue for job, for a caller that manages job '
+    '(42501). Security definer: no recipe role but the application''s holds INSERT on the queue. Locks: '
+    'none beyond the insert into lockstep.queue.';
 
 -- lockstep._queue_job(job): the registry row of a derived job that has a queue (it has a parent).
 create or replace function lockstep._queue_job(job text) returns lockstep.job

@@ -534,12 +534,7 @@ begin
     elsif t.error is not null then
         return t.error;
     end if;
-    insert into lockstep.key_failure (job, key, attempts, last_error, retry_at)
-    select j.job, k, 0, 'lockstep: in a batch that timed out; being bisected', now()
-    from lockstep._claim(j, batch) c, pg_catalog.unnest(c.keys) k
-    where c.kind = 'batch'
-    order by k
-    on conflict do nothing;
+    perform lockstep._add_suspects(j.job, (select c.keys from lockstep._claim(j, batch) c where c.kind = 'batch'));
     return null;
 end;
 $$;
@@ -547,6 +542,29 @@ comment on function lockstep._check_timed_out(lockstep.job, integer) is
     'The last batch timed out whole: an empty pass tells a broken job (its error returned) from a slow '
     'key (the batch''s keys become suspects). Locks: as lockstep._write for an empty key set (nothing); '
     'the job''s key_failure rows of those keys.';
+
+-- lockstep._add_suspects(job, keys): record keys of job as suspects of a batch that timed out (attempts 0,
+-- due now); a key already failing keeps its row. Security definer, for a caller that manages job (42501):
+-- no recipe role holds INSERT on key_failure.
+-- locks: those key_failure rows (inserted), key order.
+create or replace function lockstep._add_suspects(job text, keys text[]) returns void
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    perform lockstep._check_manages(job);
+    insert into lockstep.key_failure (job, key, attempts, last_error, retry_at)
+    select _add_suspects.job, k, 0, 'lockstep: in a batch that timed out; being bisected', now()
+    from pg_catalog.unnest(keys) k
+    order by k
+    on conflict do nothing;
+end;
+$$;
+comment on function lockstep._add_suspects(text, text[]) is
+    'Record keys of job as suspects of a batch that timed out (attempts 0, due now); a key already failing '
+    'keeps its row. Security definer, for a caller that manages job (42501). Locks: those key_failure rows '
+    '(inserted), key order.';
 
 -- lockstep._settle_failures(job, canon, leave, probe_suspects): after a pass over the keys canon, forget
 -- job's failures of those keys not in leave; after a probe that timed out, also the other suspects (keys
@@ -625,16 +643,19 @@ comment on function lockstep._settle(lockstep.job, text, text[], bigint[], tid[]
 -- part a statement timeout ended, bisected by the next passes) and its keys that cannot be read back (bad:
 -- parked at once). failed_upto: the entry a failing key's entries folded into (held_ids of held_keys; 0:
 -- none), so any other entry of the key is a change the pass did not see (docs/design.md, "What a failing
--- pass saw").
+-- pass saw"). Security definer, for a caller that manages j (42501): no recipe role holds INSERT or UPDATE
+-- on key_failure.
 -- locks: the job's key_failure rows of those keys, key order.
 create or replace function lockstep._record_failures(j lockstep.job, held_keys text[], held_ids bigint[],
                                           p lockstep._pass, susp text[], bad text[], bad_errors text[])
 returns void
 language plpgsql
+security definer
 set search_path = pg_catalog, pg_temp
 set plan_cache_mode = force_generic_plan
 as $$
 begin
+    perform lockstep._check_manages(j.job);
     insert into lockstep.key_failure as f (job, key, attempts, last_error, retry_at, parked, failed_upto)
     select j.job, x.k, x.a, x.e, x.r, x.p,
            coalesce((select u.i from unnest(held_keys, held_ids) u(k, i) where u.k = x.k), 0)
@@ -662,8 +683,8 @@ $$;
 comment on function lockstep._record_failures(lockstep.job, text[], bigint[], lockstep._pass, text[], text[], text[]) is
     'The key_failure rows of a pass: its failing keys (p.failed: backoff, parked after max_attempts), its '
     'suspects (susp: bisected by the next passes) and its keys that cannot be read back (bad: parked at '
-    'once); failed_upto: the entry a failing key''s entries folded into (held_ids). Locks: the job''s '
-    'key_failure rows of those keys, key order.';
+    'once); failed_upto: the entry a failing key''s entries folded into (held_ids). Security definer, for '
+    'a caller that manages j (42501). Locks: the job''s key_failure rows of those keys, key order.';
 
 -- lockstep._settle_message(j, p, susp, bad, bad_errors): the result's message for a pass whose keys failed
 -- (p.failed), timed out together (susp) or cannot be read back (bad); NULL if none did. A key that cannot
@@ -683,8 +704,7 @@ begin
     if cardinality(bad) > 0
        and not exists (select from lockstep.key_failure f where f.job = j.job and f.attempts > 0 and f.key <> all(bad))
        and cardinality(p.failed) = 0 then
-        update lockstep.job_state s set next_run_at = least(s.next_run_at, now())
-        where s.job = j.job and s.recompute_poisoned_at is null;
+        perform lockstep._due_by(j.job, now(), true);
     end if;
     if cardinality(p.failed) + cardinality(bad) + cardinality(susp) = 0 then
         return null;

@@ -105,6 +105,8 @@ comment on function lockstep._prune_run_log(text, bigint, interval, integer, tex
 
 -- lockstep._log_run(j, action, outcome, started, p, error): append the run just recorded in j's status row
 -- to lockstep.run_log, then prune. Never fails the run: any error is a WARNING and the run is not logged.
+-- Called by lockstep._finish, a security definer function: the owner, lock group and kind logged are the
+-- registry's, not the caller's j.
 -- locks: reads the job's status row (already locked by lockstep._finish); inserts one run_log row; then as
 -- lockstep._prune_run_log.
 create or replace function lockstep._log_run(j lockstep.job, action text, outcome text, started timestamptz,
@@ -123,10 +125,12 @@ begin
         v_keep := coalesce(v_keep, interval '14 days');   -- the setting row deleted: the defaults
         v_max := coalesce(v_max, 1000);
         select * into s from lockstep.job_state st where st.job = j.job;
+        select x.owner_id, x.lock_group, x.kind into j.owner_id, j.lock_group, j.kind
+        from lockstep.job x where x.job = j.job;
         if v_max > 0 then
             insert into lockstep.run_log (job, owner, owner_id, lock_group, kind, action, outcome, started_at,
                                           finished_at, duration_ms, compute_ms, write_ms, inserted, updated,
-                                          deleted, skipped, gone, failed_keys, error, run_no)
+                                          deleted, skipped, gone, failed_keys, error, run_no, role)
             values (j.job, pg_catalog.pg_get_userbyid(j.owner_id), j.owner_id, j.lock_group, j.kind, action, outcome, started,
                     coalesce(s.last_finished_at, clock_timestamp()),
                     coalesce(s.last_duration_ms, extract(epoch from clock_timestamp() - started) * 1000),
@@ -137,13 +141,12 @@ begin
                     coalesce(error, case when cardinality(p.failed) > 0 then
                         pg_catalog.format('%s key(s) failed, first %s: %s',
                                           cardinality(p.failed), p.failed[1], p.errors[1]) end),
-                    coalesce(s.runs, 0));
+                    coalesce(s.runs, 0), lockstep._caller());
         end if;
         perform lockstep._prune_run_log(j.job, coalesce(s.runs, 0), v_keep, v_max, action);
     exception when others then
         raise warning 'lockstep: run of job "%" not logged in lockstep.run_log: %', j.job, sqlerrm
-            using hint = 'The role running jobs needs SELECT on lockstep.setting and SELECT, INSERT on '
-                         'lockstep.run_log.';
+            using hint = 'lockstep.run_log is written by lockstep._finish, for a role that manages the job.';
     end;
 end;
 $$;

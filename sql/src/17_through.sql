@@ -202,7 +202,7 @@ begin
         v.parent_column := e.key_column;
         v.parent_key := e.parent_column;
         begin
-            perform lockstep._append(j.job, lockstep._queueable(j.job, (lockstep._as_owner(v, e.keys)).skipped));
+            perform lockstep._append_keys(j.job, lockstep._queueable(j.job, (lockstep._as_owner(v, e.keys)).skipped));
         exception when others then
             perform lockstep._flag(j.job, pg_catalog.format('watch through %s: %s', e.through::regclass, sqlerrm));
         end;

@@ -77,30 +77,24 @@ EXAMPLE_OWNER_GRANTS = [
     "grant update on example.exam_key to {role}",
     "grant delete on example.exam_key to {role}",
 ]
-# the runner (`lockstep run`): lockstep's bookkeeping, and membership in each job owner role: it runs each
-# job as its owner (SET ROLE), so it needs no right on the jobs' tables. NOINHERIT: the membership only
-# lets it switch to the owner, it does not give the runner the owner's rights.
+# the runner (`lockstep run`): reads lockstep's bookkeeping, and is a member of each job owner role: it runs
+# each job as its owner (SET ROLE), so it needs no right on the jobs' tables. NOINHERIT: the membership only
+# lets it switch to the owner, it does not give the runner the owner's rights. It holds no INSERT, UPDATE
+# or DELETE on lockstep's tables: its writes (status rows, failures, the queue, the run history) go through
+# lockstep's security definer functions, each for a caller that manages the job (lockstep._check_manages).
 RUNNER_GRANTS = [
     "grant usage on schema lockstep to {role}",
     "grant select on lockstep.job to {role}",
     "grant select on lockstep.job_state to {role}",
-    "grant insert (job) on lockstep.job_state to {role}",  # run() makes a status row deleted by hand again
-    f"grant update ({JOB_STATE_UPDATE}) on lockstep.job_state to {{role}}",
     "grant select on lockstep.queue to {role}",
-    "grant insert (job, key) on lockstep.queue to {role}",  # a recompute re-queues the parents it had to skip
     "grant select on lockstep.key_failure to {role}",
-    "grant insert (job, key, attempts, last_error, retry_at, parked, failed_upto)"
-    " on lockstep.key_failure to {role}",
-    "grant update (attempts, last_error, last_failed_at, retry_at, parked, failed_upto)"
-    " on lockstep.key_failure to {role}",
     "grant select on lockstep.recompute_flag to {role}",  # due() and run(): a flagged job's recompute is due
     "grant {owner} to {role}",
     "grant select on lockstep.status to {role}",  # `lockstep status`, metrics
 ]
-# ... and for the run history (without them the runs still happen, unlogged)
+# ... and to read the run history (`lockstep status --history`); its runs are logged without it
 RUN_LOG_GRANTS = [
-    "grant select on lockstep.setting to {role}",
-    "grant select, insert on lockstep.run_log to {role}",
+    "grant select on lockstep.run_log to {role}",
 ]
 # an application role that writes the watched tables: its statement triggers enqueue as that role.
 APP_GRANTS = [
@@ -194,13 +188,26 @@ def test_every_function_is_security_invoker_with_a_pinned_search_path(conn):
     # and the deletions of lockstep's own rows, each for a caller that manages the job
     # (lockstep._check_manages): no recipe role holds DELETE or a table-wide UPDATE on lockstep's tables,
     # so none may lock them
+    # and the runner's writes: status rows, failures, queue appends, the run history (no user code runs in
+    # them: keys arrive as canonical text)
     assert definer == [
+        "lockstep._add_suspects(text,text[])",
+        "lockstep._append_keys(text,text[])",
         "lockstep._append_through(text,oid,text[])",
         "lockstep._clear_flag(lockstep.job,pg_snapshot,timestamp with time zone)",
         "lockstep._delete(text,text,text[],text[])",
+        "lockstep._due_by(text,timestamp with time zone,boolean)",
+        "lockstep._failures_due(text,text[])",
+        "lockstep._finish(lockstep.job,text,text,timestamp with time zone,lockstep._pass,text,boolean,"
+        "boolean)",
         "lockstep._prune_run_log(text,bigint,interval,integer,text)",
+        "lockstep._record_failures(lockstep.job,text[],bigint[],lockstep._pass,text[],text[],text[])",
         "lockstep._settle_entries(lockstep.job,bigint[],tid[],text[],text[],text[],text[])",
         "lockstep._settle_failures(text,text[],text[],text[])",
+        "lockstep._state_handoff(text,bigint,bigint,bigint)",
+        "lockstep._state_make(text)",
+        "lockstep._state_poisoned(text)",
+        "lockstep._state_rest(text,bigint,bigint,text)",
         "lockstep._take_through(text)",
     ], f"SECURITY DEFINER functions: {definer}"
     unpinned = [name for name, _, config in rows if "search_path=pg_catalog, pg_temp" not in (config or [])]
@@ -526,6 +533,56 @@ def test_least_privilege_runner_as_a_cli_process(ex, example_dsn, roles):
             r.execute("select count(*) from example.exam_key")  # it never had the job's rights itself
     assert example.divergence(ex) == (0, 0)
     assert ex.execute("select count(*) from lockstep.key_failure").fetchone()[0] == 0
+
+
+def test_the_runner_recipe_holds_no_write_privilege_on_lockstep_tables(ex, roles):
+    """The runner recipe (and the run history's grant) holds no INSERT, UPDATE, DELETE or TRUNCATE on any
+    lockstep table, at table or column level: it writes through lockstep's security definer functions."""
+    owner = roles("exam_owner", login=False)
+    runner = roles("lockstep_runner", RUNNER_GRANTS, RUN_LOG_GRANTS, attrs="noinherit", owner=owner)
+    held = ex.execute(
+        "select c.relname, p.p from pg_class c"
+        " cross join unnest(array['INSERT', 'UPDATE', 'DELETE', 'TRUNCATE']) p(p)"
+        " where c.relnamespace = 'lockstep'::regnamespace and c.relkind in ('r', 'p')"
+        "   and (has_table_privilege(%(r)s, c.oid, p.p)"
+        "        or (p.p in ('INSERT', 'UPDATE') and has_any_column_privilege(%(r)s, c.oid, p.p)))"
+        " order by 1, 2",
+        {"r": runner},
+    ).fetchall()
+    assert held == []
+
+
+def test_a_recipe_runner_records_parks_cures_and_logs_as_a_cli_process(ex, example_dsn, roles):
+    """`lockstep run --once` with the runner recipe, which holds no write on lockstep's tables: a recompute
+    that meets a poison parent hands every parent to the worker; the worker parks the poison key and logs
+    its runs; a recompute after the fix cures it."""
+    runner = _recipe_runner_of_exam_keys(ex, roles)
+    ex.execute("alter table example.exam_key add constraint no_poison check (key <> 'poison')")
+    ex.execute("update lockstep.job set max_attempts = 1 where job = 'exam_keys'")
+    app_writes(ex)
+    ex.execute("update example.exam set title = 'poison pill' where id = 7")
+    ex.execute("update lockstep.job_state set next_run_at = now()")  # the recompute is due
+    p = lockstep_cli("run", "--once", "--dsn", as_role(example_dsn, runner))
+    assert p.returncode == 0, p.stderr
+    assert "Traceback" not in p.stderr and "ERROR" not in p.stderr, p.stderr
+    state = ex.execute(
+        "select recompute_poisoned_at is not null, recompute_total > 0 from lockstep.job_state"
+    ).fetchone()
+    assert state == (True, True), p.stderr
+    with psycopg.connect(as_role(example_dsn, runner), autocommit=True) as r:
+        _drain(r, "exam_keys")
+        assert ex.execute("select key, parked from lockstep.key_failure").fetchall() == [("7", True)]
+        ex.execute("update example.exam set title = 'cured' where id = 7")
+        assert result(r, "lockstep.recompute(%s)", "exam_keys")["outcome"] == "done"
+        _drain(r, "exam_keys")
+    assert ex.execute("select count(*) from lockstep.key_failure").fetchone()[0] == 0
+    assert example.divergence(ex) == (0, 0)
+    logged = ex.execute(
+        "select role, bool_or(action = 'recompute'), bool_or(action = 'work'), bool_or(failed_keys > 0)"
+        " from lockstep.run_log where job = 'exam_keys' and role = %s group by role",
+        [runner],
+    ).fetchall()
+    assert logged == [(runner, True, True, True)]
 
 
 def test_a_least_privilege_runner_compiles_nothing_with_jit(ex, example_dsn, roles):

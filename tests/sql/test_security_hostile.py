@@ -519,21 +519,40 @@ def test_lockstep_definer_functions_change_only_the_jobs_the_caller_manages(ex, 
         " values ('exam_keys', 'example.exam'::regclass::oid, '1')"
     )
     before = snapshot(ex, "lockstep.through_entry", "lockstep.run_log")
-    job = "(select j from lockstep.job j where j.job = 'exam_keys')"
-    with psycopg.connect(as_role(example_dsn, other), autocommit=True) as o:
-        for call in [
-            *(f"lockstep._delete('{t}', 'exam_keys')" for t in LOCKSTEP_TABLES if t != "job_state"),
-            "lockstep._delete('queue', 'exam_keys', array['1'])",
-            "lockstep._settle_failures('exam_keys', array['1'], '{}', array['2'])",
-            f"lockstep._settle_entries({job}, array[1::bigint], array['(0,1)'::tid], array['1'], '{{}}',"
-            " '{}', '{}')",
-            f"lockstep._clear_flag({job}, pg_current_snapshot(), now())",
-            "lockstep._prune_run_log('exam_keys', 100, interval '1 second', 0)",
-        ]:
-            with raises_sqlstate("42501", match="may not change the rows of job"):
-                o.execute(f"select {call}")
-        assert o.execute("select * from lockstep._take_through('exam_keys')").fetchall() == []
+    # a runner of the recipe serving another owner: the same
+    runner = roles("lockstep_runner", RUNNER_GRANTS, attrs="noinherit", owner=other)
+    for role in (other, runner):
+        with psycopg.connect(as_role(example_dsn, role), autocommit=True) as o:
+            for call in DEFINER_CALLS:
+                with raises_sqlstate("42501", match="may not change the rows of job"):
+                    o.execute(f"select {call}")
+            assert o.execute("select * from lockstep._take_through('exam_keys')").fetchall() == []
     assert snapshot(ex, "lockstep.through_entry", "lockstep.run_log") == before
+
+
+_JOB = "(select j from lockstep.job j where j.job = 'exam_keys')"
+_PASS = "null::lockstep._pass"
+# every security definer function of lockstep that writes a job's rows, called for exam_keys
+DEFINER_CALLS = [
+    *(f"lockstep._delete('{t}', 'exam_keys')" for t in LOCKSTEP_TABLES if t != "job_state"),
+    "lockstep._delete('queue', 'exam_keys', array['1'])",
+    "lockstep._settle_failures('exam_keys', array['1'], '{}', array['2'])",
+    f"lockstep._settle_entries({_JOB}, array[1::bigint], array['(0,1)'::tid], array['1'], '{{}}',"
+    " '{}', '{}')",
+    f"lockstep._clear_flag({_JOB}, pg_current_snapshot(), now())",
+    "lockstep._prune_run_log('exam_keys', 100, interval '1 second', 0)",
+    # the runner's writes
+    f"lockstep._finish({_JOB}, 'work', 'failed', now(), null, 'forged')",
+    f"lockstep._record_failures({_JOB}, '{{}}', '{{}}', {_PASS}, '{{}}', array['2'], array['bad'])",
+    "lockstep._add_suspects('exam_keys', array['1', '2'])",
+    "lockstep._due_by('exam_keys', now())",
+    "lockstep._failures_due('exam_keys', array['1'])",
+    "lockstep._state_rest('exam_keys', 5, 10, 'x')",
+    "lockstep._state_handoff('exam_keys', 5, 1, 2)",
+    "lockstep._state_poisoned('exam_keys')",
+    "lockstep._state_make('exam_keys')",
+    "lockstep._append_keys('exam_keys', array['1'])",
+]
 
 
 def test_a_composite_key_type_altered_after_define_runs_no_owner_code_as_the_runner(ex, example_dsn, mallory):
