@@ -38,8 +38,11 @@ def test_the_walk_through_runs_as_written(conn: psycopg.Connection, dsn: str) ->
     sql = blocks("sql")
     (command,) = [b.strip() for b in blocks("sh")]
     assert len(sql) == 4
+    warnings: list[str] = []
+    conn.add_notice_handler(lambda d: warnings.append(d.message_primary) if d.severity == "WARNING" else None)
     for block in sql:
         conn.execute(block)
+    assert warnings == []  # a reader who copies the page sees no warning
     run_once(dsn, command)
     assert conn.execute(DIFFER).fetchone()[0] == 0
     assert conn.execute("select count(*) from customer_total").fetchone()[0] == 60
