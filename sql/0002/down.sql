@@ -199,6 +199,7 @@ drop function if exists lockstep.define_derived(text, regclass, regprocedure, re
 drop function if exists lockstep._query_compute(text, regclass, text, regclass, name, text, name[]);
 drop function if exists lockstep._query_parent(regclass, regclass, name, name[]);
 drop function if exists lockstep._query_key_type(regclass, regclass, name[]);
+drop function if exists lockstep._drop_query_objects(text, regtype);
 drop function if exists lockstep._query_name(regclass, text);
 drop function if exists lockstep._query_body(text, text, name[], regtype);
 drop function if exists lockstep._query_filter(name[], regtype, text, text[]);

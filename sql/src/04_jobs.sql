@@ -425,13 +425,7 @@ begin
     perform lockstep._take_through(j.job);  -- its through keys (17_through.sql), while the job still exists
     perform lockstep._delete('job', j.job);
     perform lockstep._capture_cleanup();  -- its lockstep.wal_watch rows went with it (16_capture.sql)
-    if pg_catalog.obj_description(pg_catalog.to_regprocedure(j.compute), 'pg_proc')
-       = 'lockstep: compute of a job defined by a query' then  -- written by lockstep._query_compute
-        execute pg_catalog.format('drop function if exists %s', j.compute);
-        if pg_catalog.obj_description(j.key_type, 'pg_type') = 'lockstep: key of a job defined by a query' then
-            execute pg_catalog.format('drop type if exists %s', j.key_type);  -- lockstep._query_key_type's
-        end if;
-    end if;
+    perform lockstep._drop_query_objects(j.compute, j.key_type);  -- written by lockstep._query_compute (18_query.sql)
     v_own := lockstep._own_enqueuers(j.job);
     if v_own is not null then
         raise warning 'lockstep: job "%" is dropped, but your own % call(s) lockstep.enqueue(''%'', ...): the next write that fires them fails (LSJ01)',

@@ -765,7 +765,9 @@ comment on function lockstep._dry_run(regprocedure, regtype) is
     'rollback of the subtransaction.';
 
 -- lockstep.define_derived(...): register or update a derived table: compute(keys) returns the rows of the
--- parents in keys (NULL: all) in the target's shape; without a parent, only whole-table recomputes.
+-- parents in keys (NULL: all) in the target's shape; without a parent, only whole-table recomputes. A
+-- redefinition drops what lockstep wrote for a query of the old one and no longer uses
+-- (lockstep._drop_query_objects).
 -- locks: the advisory lock (lockstep, define), until the transaction ends (lockstep._check_target_free);
 -- then the job's registry row (insert or update).
 create or replace function lockstep.define_derived(job text, target regclass, compute regprocedure default null,
@@ -782,6 +784,7 @@ declare
     v_key name[];
     v_cols name[];
     v_par record;
+    v_old lockstep.job := (select x from lockstep.job x where x.job = define_derived.job);
 begin
     if (compute is null) = (query is null) then
         raise exception 'lockstep: compute and query must not be NULL together, nor given together: pass one' using errcode = '22004',
@@ -813,6 +816,7 @@ begin
     perform lockstep._save_parent_keys(job, v_par.parent_columns, v_par.parent_keys);
     update lockstep.job x set timeout = define_derived.timeout
     where x.job = define_derived.job and x.timeout <> define_derived.timeout;
+    perform lockstep._drop_query_objects(v_old.compute, v_old.key_type);  -- what lockstep wrote for it before
 end;
 $$;
 comment on function lockstep.define_derived(text, regclass, regprocedure, regclass, name, text, interval, interval,
@@ -822,7 +826,8 @@ comment on function lockstep.define_derived(text, regclass, regprocedure, regcla
     'only whole-table recomputes; LSD09 if it would close a cycle of derived jobs. timeout: the longest a run '
     'may take (the runner''s statement_timeout for it, lockstep.set_time_limit). parent_columns: the '
     'target''s columns referencing a parent key of several columns, in its order (compute then takes an '
-    'array of a composite type of those columns). Locks: the advisory '
+    'array of a composite type of those columns). A redefinition drops the function and key type lockstep '
+    'wrote for a query of the old one and no longer uses. Locks: the advisory '
     'lock (lockstep, define) until the transaction ends, then the job''s registry row (insert or update).';
 
 -- lockstep._drift(j): for a failed run of a derived job, what no longer holds of its definition; NULL if

@@ -224,6 +224,37 @@ begin
 end;
 $$;
 
+-- lockstep._drop_query_objects(compute, key_type): drop the compute function and the key type
+-- lockstep._query_compute wrote (told by their comments) once no job has them: after drop_job, or a
+-- redefinition that no longer uses them. A type other objects still use is kept, with a WARNING.
+-- locks: nothing of the application's (drops a function and a type).
+create or replace function lockstep._drop_query_objects(compute text, key_type regtype) returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_fn regprocedure := pg_catalog.to_regprocedure(compute);
+begin
+    if pg_catalog.obj_description(v_fn, 'pg_proc') = 'lockstep: compute of a job defined by a query'
+       and not exists (select from lockstep.job x where pg_catalog.to_regprocedure(x.compute) = v_fn) then
+        execute pg_catalog.format('drop function %s', v_fn);
+    end if;
+    if pg_catalog.obj_description(key_type, 'pg_type') = 'lockstep: key of a job defined by a query'
+       and not exists (select from lockstep.job x where x.key_type = _drop_query_objects.key_type) then
+        begin
+            execute pg_catalog.format('drop type %s', key_type);
+        exception when dependent_objects_still_exist then
+            raise warning 'lockstep: type % is kept: other objects use it', key_type
+                using hint = 'lockstep wrote it for a job defined by a query; drop it once nothing uses it.';
+        end;
+    end if;
+end;
+$$;
+comment on function lockstep._drop_query_objects(text, regtype) is
+    'Drop the compute function and the key type lockstep._query_compute wrote, once no job has them; a '
+    'type other objects still use is kept, with a WARNING. Locks: nothing of the application''s (drops a '
+    'function and a type).';
+
 -- lockstep._query_compute(job, target, query, parent, parent_column, path, parent_columns): create or replace
 -- the compute function of a job defined by a query, <target>_lockstep_compute in the target's schema
 -- (lockstep._query_name), and return it; for a composite key, its key type too (lockstep._query_key_type).

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import psycopg
 import pytest
+import sqlalchemy.exc
 from util import drain, raises_sqlstate
+
+from lockstep.migrate import migrate
 
 SHOP = """
 create schema shop;
@@ -328,3 +331,46 @@ def test_a_query_that_ends_with_a_line_comment(shop: psycopg.Connection) -> None
     assert shop.execute(DIVERGENCE).fetchone()[0] == 0
     rows = shop.execute(f"select customer_id from {FN.replace('(bigint[])', '(array[3])')}").fetchall()
     assert rows == [(3,)]
+
+
+OWN_COMPUTE = """
+create type mt.k as (tenant_id int, id bigint);
+create function mt.own(keys mt.k[])
+returns table (tenant_id int, customer_id bigint, total bigint, orders bigint) language sql stable as $$
+    select c.tenant_id, c.id, coalesce(sum(o.amount), 0)::bigint, count(o.id)
+    from mt.customer c left join mt.orders o on o.tenant_id = c.tenant_id and o.customer_id = c.id
+    where keys is null or (c.tenant_id, c.id) in (select k.tenant_id, k.id from unnest(keys) k)
+    group by c.tenant_id, c.id $$;
+"""
+
+
+def test_a_query_jobs_key_type_goes_with_its_definition_and_leaves_the_downgrade_nothing(empty_dsn):
+    """drop_job removes the key type lockstep wrote for a composite query-defined job, and the downgrade to
+    0001, refused (55000) while such a job exists, then leaves no lockstep-written type or function. A
+    redefinition with a compute of one's own left the generated function and key type behind for good:
+    neither drop_job nor the downgrade removed them."""
+    migrate(empty_dsn)
+    gone = "select to_regtype(%s), to_regproc(%s)"
+    with psycopg.connect(empty_dsn, autocommit=True) as c:
+        c.execute(TENANTS + OWN_COMPUTE)
+        define_mt(c)
+        c.execute(
+            "select lockstep.define_derived('mt_totals', 'mt.customer_total', 'mt.own(mt.k[])',"
+            " 'mt.customer', parent_columns => array['tenant_id', 'customer_id']::name[])"
+        )
+        assert c.execute(gone, [MT_KEY, MT_FN]).fetchone() == (None, None)  # before: both kept
+        define_mt(c)  # by a query again: its key type and function are written again
+        assert c.execute("select key_type::text from lockstep.job").fetchone()[0] == MT_KEY
+    with pytest.raises(sqlalchemy.exc.OperationalError, match="composite parent key") as info:
+        migrate(empty_dsn, "lockstep_0001", downgrade=True)
+    assert info.value.orig.sqlstate == "55000"  # sqlalchemy's error around psycopg's
+    with psycopg.connect(empty_dsn, autocommit=True) as c:
+        c.execute("select lockstep.drop_job('mt_totals')")
+        assert c.execute(gone, [MT_KEY, MT_FN]).fetchone() == (None, None)
+    migrate(empty_dsn, "lockstep_0001", downgrade=True)
+    with psycopg.connect(empty_dsn, autocommit=True) as c:
+        written = c.execute(
+            "select count(*) from pg_type where obj_description(oid, 'pg_type') like 'lockstep:%'"
+        ).fetchone()[0]
+        assert written == 0
+        assert c.execute(gone, [MT_KEY, MT_FN]).fetchone() == (None, None)
