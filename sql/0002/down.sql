@@ -216,6 +216,7 @@ drop view if exists lockstep.status;
 drop function if exists lockstep.preview(text, anyarray);
 drop function if exists lockstep._preview(lockstep.job, text[]);
 drop function if exists lockstep._preview_diff(lockstep.job, text[]);
+drop function if exists lockstep._preview_job(text);
 drop function if exists lockstep.pause(text);
 drop function if exists lockstep.resume(text);
 drop function if exists lockstep._paused(lockstep.job, text);

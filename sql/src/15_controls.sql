@@ -168,6 +168,25 @@ comment on function lockstep._preview(lockstep.job, text[]) is
     'lockstep.preview for keys as text (NULL: all), in a subtransaction rolled back before it '
     'returns. Locks: no row locks, and none left.';
 
+-- lockstep._preview_job(job): the registry row of a derived job whose difference can be previewed for
+-- some parent keys: LSJ02 for a job without a parent, whose difference is previewed whole.
+create or replace function lockstep._preview_job(job text) returns lockstep.job
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    j lockstep.job := lockstep._job(job, 'derived');
+begin
+    if j.parent is null then
+        raise exception 'lockstep: job "%" has no parent, so it has no keys: preview it whole', j.job
+            using errcode = 'LSJ02',
+                  hint = pg_catalog.format('Leave the keys out: select * from lockstep.preview(%L), or lockstep diff '
+                                           'without --keys.', j.job);
+    end if;
+    return j;
+end;
+$$;
+
 -- lockstep.preview(job, keys): what a recompute of job (keys NULL) or a worker pass over keys would change,
 -- without changing it: one row per changed parent and action (insert, update, delete) with its count of
 -- target rows, in key order. For a job without a parent (no keys then), key is the row's primary key. The
@@ -182,7 +201,7 @@ language sql
 set search_path = pg_catalog, pg_temp
 as $$
     select * from lockstep._preview(lockstep._job(job, 'derived'),
-                                    case when keys is not null then lockstep._keys_text(lockstep._queue_job(job), keys) end);
+                                    case when keys is not null then lockstep._keys_text(lockstep._preview_job(job), keys) end);
 $$;
 
 comment on function lockstep.preview(text, anyarray) is

@@ -254,3 +254,20 @@ def test_resume_says_a_recompute_is_due_only_for_a_derived_job(ex, example_dsn):
         assert cli(example_dsn, "pause", job).returncode == 0
         r = cli(example_dsn, "resume", job)
         assert (r.returncode, r.stdout.strip()) == (0, said), r.stderr
+
+
+def test_diff_keys_of_a_job_without_a_parent_says_to_leave_the_keys_out(ex, example_dsn):
+    """diff --keys of a job without a parent said the job "has no queue" and to use lockstep.recompute(),
+    which writes: such a job's difference is previewed whole, by diff without --keys."""
+    ex.execute(
+        "create table public.exam_count (one int primary key, n bigint not null);"
+        " create function public.exam_count_of(keys int[]) returns table (one int, n bigint)"
+        " language sql stable as $$ select 1, count(*) from example.exam $$;"
+        " select lockstep.define_derived('exam_count', 'public.exam_count', 'public.exam_count_of(int[])')"
+    )
+    p = cli(example_dsn, "diff", "exam_count", "--keys", "1")
+    assert p.returncode == 1, p.stderr
+    assert "LSJ02" in p.stderr and "preview it whole" in p.stderr and "without --keys" in p.stderr, p.stderr
+    assert "recompute" not in p.stderr and "queue" not in p.stderr, p.stderr
+    whole = cli(example_dsn, "diff", "exam_count", "--json")
+    assert whole.returncode == 0 and json.loads(whole.stdout)["parents"] == 1, whole.stderr
