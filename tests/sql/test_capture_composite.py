@@ -11,8 +11,11 @@ from collections.abc import Iterator
 import pg_cluster
 import psycopg
 import pytest
+import sqlalchemy
 import wal_cluster
 from util import drain, raises_sqlstate, snapshot
+
+from lockstep.migrate import migrate
 
 pytestmark = pytest.mark.skipif(not pg_cluster.AVAILABLE, reason=pg_cluster.MISSING)
 
@@ -271,3 +274,17 @@ def test_a_partition_attached_with_its_columns_in_another_order_is_followed(c):
     assert queued(c, "ds_w") == ['("x,y",2)', "(zz,1)", "(zz,2)"]
     drain(c, "ds_w")
     assert divergence(c, "w") == 0
+
+
+def test_the_downgrade_is_refused_while_a_composite_key_is_watched_and_changes_nothing(c):
+    watch(c, "w", "doc", DOC, "wal")
+    c.execute("select lockstep.capture()")
+    before = snapshot(c)
+    slots = "select count(*) from pg_replication_slots where database = current_database()"
+    assert c.execute(slots).fetchone()[0] == 1
+    with pytest.raises(sqlalchemy.exc.OperationalError, match="composite parent key") as info:
+        migrate(c.info.dsn, "lockstep_0001", downgrade=True)
+    assert info.value.orig.sqlstate == "55000"  # sqlalchemy's error around psycopg's
+    assert snapshot(c) == before
+    assert c.execute(slots).fetchone()[0] == 1
+    assert c.execute("select count(*) from pg_publication_tables where tablename = 'doc'").fetchone()[0] == 1
