@@ -1040,20 +1040,28 @@ comment on function lockstep._apply(lockstep.job, text[], bigint) is
 -- lockstep._owner_pass(j, keys, queued_from, dry): run j's owner code once in a subtransaction: a generic
 -- job's call (lockstep._as_owner), or lockstep._apply(j, keys, queued_from). Returns its pass, or the error
 -- it raised and its SQLSTATE (pass NULL). timed_out: that error is a statement timeout; a cancel request
--- is raised again (the runner is shutting down). dry: a good run is rolled back too (its pass is still
--- returned: PL/pgSQL variables are not transactional), with its row locks.
+-- is raised again (the runner is shutting down). A run still going when the statement_timeout in force at
+-- the start had passed fails as timed out too: the owner's code may catch the timeout's cancel. dry: a
+-- good run is rolled back too (its pass is still returned: PL/pgSQL variables are not transactional), with
+-- its row locks.
 -- locks: as the job's function or lockstep._apply (nothing is left behind by a failed or dry run).
 create or replace function lockstep._owner_pass(j lockstep.job, keys text[], queued_from bigint, dry boolean,
                                      out p lockstep._pass, out error text, out state text, out timed_out boolean)
 language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
+declare
+    v_limit interval := pg_catalog.current_setting('statement_timeout')::interval;  -- 0: none
 begin
     timed_out := false;
     if j.kind = 'job' then
         perform lockstep._as_owner(j, null);
     else
         p := lockstep._apply(j, keys, queued_from);
+    end if;
+    if v_limit > interval '0' and pg_catalog.clock_timestamp() - pg_catalog.statement_timestamp() >= v_limit then
+        raise exception 'lockstep: job "%" went on past its time limit (%): its code caught the statement timeout',
+            j.job, v_limit using errcode = '57014';
     end if;
     if dry then
         raise exception using errcode = 'LSDRY';
@@ -1062,7 +1070,8 @@ exception
     when sqlstate 'LSDRY' then
         null;
     when query_canceled then
-        if not lockstep._is_statement_timeout(null) then
+        if not (v_limit > interval '0'
+                and pg_catalog.clock_timestamp() - pg_catalog.statement_timestamp() >= v_limit * 0.9) then
             raise;
         end if;
         get stacked diagnostics error = message_text, state = returned_sqlstate;
@@ -1074,7 +1083,8 @@ $$;
 comment on function lockstep._owner_pass(lockstep.job, text[], bigint, boolean) is
     'Run j''s owner code once in a subtransaction: a generic job''s call (lockstep._as_owner), or '
     'lockstep._apply(j, keys, queued_from). Returns its pass, or the error it raised and its SQLSTATE '
-    '(pass NULL). timed_out: that error is a statement timeout; a cancel request is raised again (the '
-    'runner is shutting down). dry: a good run is rolled back too (its pass is still returned: PL/pgSQL '
+    '(pass NULL). timed_out: that error is a statement timeout, or the run went on past the '
+    'statement_timeout in force at its start; a cancel request is raised again (the runner is shutting '
+    'down). dry: a good run is rolled back too (its pass is still returned: PL/pgSQL '
     'variables are not transactional), with its row locks. Locks: as the job''s function or '
     'lockstep._apply (nothing is left behind by a failed or dry run).';

@@ -377,6 +377,27 @@ def test_a_job_over_its_time_limit_fails_with_backoff_and_the_runner_goes_on(ex)
     assert db.run_job(ex, "exam_keys").outcome == "done"
 
 
+def test_a_job_that_catches_the_timeout_still_fails_over_its_time_limit(ex, example_dsn, mallory):
+    """mallory's job catches the statement timeout's cancel (PL/pgSQL may catch query_canceled) and goes on:
+    the timer does not fire twice, so its run ended 'done', without the backoff."""
+    with _as(example_dsn, mallory) as m:
+        m.execute(
+            "create function mal.slow() returns void language plpgsql as $$ begin"
+            " begin perform pg_sleep(30); exception when query_canceled then null; end;"
+            " insert into mal.loot values ('went on'); end $$"
+        )
+        m.execute("select lockstep.define_job('mslow', 'mal.slow()', timeout => '50 milliseconds')")
+    res = db.run_job(ex, "mslow")
+    assert res.outcome == "failed" and "time limit" in res.error, res
+    state = ex.execute(
+        "select consecutive_failures, next_run_at > now() + interval '30 minutes' from lockstep.job_state"
+        " where job = 'mslow'"
+    ).fetchone()
+    assert state == (1, True)  # the job's backoff (1 hour by default)
+    assert ex.execute("select count(*) from mal.loot").fetchone()[0] == 0  # its writes rolled back
+    assert db.run_job(ex, "mine").outcome == "done"  # the runner's connection goes on
+
+
 def test_a_derived_job_over_its_time_limit_fails(ex):
     ex.execute(
         "select lockstep.define_derived('exam_keys', 'example.exam_key',"
