@@ -56,6 +56,8 @@ drop function if exists lockstep._key_in(lockstep.job, text, text, name[]);
 drop function if exists lockstep._key_name(lockstep.job);
 drop function if exists lockstep._key_unnest(lockstep.job, text);
 drop function if exists lockstep._key_order(lockstep.job, text);
+drop function if exists lockstep._key_pattern(regtype);
+drop function if exists lockstep._canonical_keys(regtype, text[]);
 drop function if exists lockstep._is_parent_fk(lockstep.job, oid);
 drop function if exists lockstep._composite_key_problem(regtype);
 drop function if exists lockstep._parent_fks(regclass, regclass, name[]);

@@ -157,13 +157,63 @@ $$;
 
 -- lockstep._key_fields(j): the fields of j's composite key type, in order; NULL for a one-column key.
 create or replace function lockstep._key_fields(j lockstep.job) returns name[]
-language sql stable
+language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
-    select array(select a.attname from pg_catalog.pg_type y
+begin
+    if j.parent is null or j.parent_column is not null then
+        return null;
+    end if;
+    return array(select a.attname from pg_catalog.pg_type y
                  join pg_catalog.pg_attribute a on a.attrelid = y.typrelid and a.attnum > 0 and not a.attisdropped
-                 where y.oid = j.key_type order by a.attnum)
-    where j.parent is not null and j.parent_column is null;
+                 where y.oid = j.key_type order by a.attnum);
+end;
+$$;
+
+-- lockstep._key_pattern(t): a regular expression matching the text of a key of the composite type t exactly
+-- when it is that key's canonical text (lockstep._canon), which reads back as t: (f1,f2), each field a
+-- canonical smallint, integer, bigint or uuid, none NULL (lockstep._canon drops such a key). NULL if t has
+-- a field of another type.
+create or replace function lockstep._key_pattern(t regtype) returns text
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    -- record text quotes no such field: digits, a minus sign, hex digits and hyphens only
+    return (select '[(]' || pg_catalog.string_agg(case a.atttypid
+                        when 'pg_catalog.int2'::pg_catalog.regtype then '(0|-?[1-9][0-9]{0,3})'
+                        when 'pg_catalog.int4'::pg_catalog.regtype then '(0|-?[1-9][0-9]{0,8})'
+                        when 'pg_catalog.int8'::pg_catalog.regtype then '(0|-?[1-9][0-9]{0,17})'
+                        when 'pg_catalog.uuid'::pg_catalog.regtype
+                            then '[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}' end,
+                        ',' order by a.attnum) || '[)]'
+            from pg_catalog.pg_type y
+            join pg_catalog.pg_attribute a on a.attrelid = y.typrelid and a.attnum > 0 and not a.attisdropped
+            where y.oid = t and y.typtype = 'c'
+            having pg_catalog.bool_and(a.atttypid in ('pg_catalog.int2'::pg_catalog.regtype,
+                                                      'pg_catalog.int4'::pg_catalog.regtype,
+                                                      'pg_catalog.int8'::pg_catalog.regtype,
+                                                      'pg_catalog.uuid'::pg_catalog.regtype)));
+end;
+$$;
+
+-- lockstep._canonical_keys(t, keys): every key of keys, none NULL, is the canonical text of a key of the
+-- composite type t (lockstep._key_pattern): it reads back as t, and converting it gives it back. False when
+-- t has no such pattern, or keys is empty. Reads the keys as text only: no key is converted.
+create or replace function lockstep._canonical_keys(t regtype, keys text[]) returns boolean
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_pat text := lockstep._key_pattern(t);
+    v_all text := pg_catalog.array_to_string(keys, ';');  -- no pattern matches a ;
+begin
+    return coalesce(v_pat is not null and pg_catalog.cardinality(keys) > 0
+                    -- one ; between keys, none in a key: each piece matched below is one key
+                    and pg_catalog.length(v_all) - pg_catalog.length(pg_catalog.replace(v_all, ';', ''))
+                        = pg_catalog.cardinality(keys) - 1
+                    and v_all ~ pg_catalog.format('^%1$s(;%1$s)*$', v_pat), false);
+end;
 $$;
 
 -- lockstep._key_expr(j, alias, cols): SQL for the parent key held in columns cols (NULL: the target's,

@@ -102,8 +102,7 @@ begin
     if keys is null or cardinality(keys) = 0 then
         return '{}';
     end if;
-    perform lockstep._check_key_type_safe(j.job, j.key_type);  -- before the cast from text
-    execute pg_catalog.format('select lockstep._canon($1::%s)', lockstep._array_type(j.key_type)) into v using keys;
+    v := lockstep._sorted_keys(j, keys);  -- the key type checked before the cast from text
     return lockstep._queueable(j.job, v);  -- a key too long for the queue flags the job instead
 end;
 $$;

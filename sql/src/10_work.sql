@@ -305,6 +305,8 @@ $$;
 
 -- lockstep._sorted_keys(j, keys): keys read back as j's parent key type, distinct, sorted as the type
 -- sorts, as canonical text (lockstep._canon, under its settings); raises if one does not read back.
+-- Composite keys in canonical text already (lockstep._canonical_keys) are sorted by their fields as they
+-- are: no record comparison and no record text made again.
 create or replace function lockstep._sorted_keys(j lockstep.job, keys text[]) returns text[]
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
@@ -319,6 +321,14 @@ declare
     v text[];
 begin
     perform lockstep._check_key_type_safe(j.job, j.key_type);
+    if j.parent_column is null and lockstep._canonical_keys(j.key_type, keys) then
+        -- one canonical text per key: distinct by its fields, in the record's order (lockstep._key_order)
+        execute pg_catalog.format(
+            'select array(select distinct on (%1$s) u.t from (select pg_catalog.unnest($1) as t, '
+            'pg_catalog.unnest($1::%2$s) as k) u order by %1$s)',
+            lockstep._key_order(j, 'u.k'), lockstep._array_type(j.key_type)) into v using keys;
+        return v;
+    end if;
     execute pg_catalog.format('select lockstep._canon($1::%s)', lockstep._array_type(j.key_type)) into v using keys;
     return v;
 end;
@@ -337,7 +347,8 @@ declare
 begin
     if j.key_type = 'text'::pg_catalog.regtype
        or (j.key_type = any(array['bigint', 'integer']::pg_catalog.regtype[])
-           and pg_catalog.array_to_string(keys, ',') ~ '^(0|-?[1-9][0-9]{0,8})(,(0|-?[1-9][0-9]{0,8}))*$') then
+           and pg_catalog.array_to_string(keys, ',') ~ '^(0|-?[1-9][0-9]{0,8})(,(0|-?[1-9][0-9]{0,8}))*$')
+       or (j.parent_column is null and lockstep._canonical_keys(j.key_type, keys)) then
         return keys;  -- canonical already (the common case)
     end if;
     begin  -- every key is canonical when each is the canonical text of some key: one conversion, not one per key
@@ -386,6 +397,9 @@ begin
         return;
     elsif j.key_type = 'text'::pg_catalog.regtype then
         select array_agg(v order by v) into canon from (select distinct r as v from pg_catalog.unnest(keys) r) s;
+        return;
+    elsif j.parent_column is null and lockstep._canonical_keys(j.key_type, keys) then
+        canon := lockstep._sorted_keys(j, keys);  -- raises if the key type is refused; each key reads back
         return;
     end if;
     perform lockstep._check_key_type_safe(j.job, j.key_type);  -- raises: no key is converted
