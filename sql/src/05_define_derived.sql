@@ -516,7 +516,7 @@ $$;
 
 -- lockstep._check_columns(target, compute, key, cols): every column compute returns exists in the target
 -- with the same type, once, is writable and comparable; the primary key and every NOT NULL column without
--- a default are among them.
+-- a default are among them. The errors name the query, not the function, of a job defined by a query.
 create or replace function lockstep._check_columns(target regclass, compute regprocedure, key name[], cols name[])
 returns void
 language plpgsql stable
@@ -525,6 +525,9 @@ as $$
 declare
     v_col record;
     v_err text;
+    v_what text := case when pg_catalog.obj_description(compute, 'pg_proc')
+                             = 'lockstep: compute of a job defined by a query' then 'the query'
+                        else pg_catalog.format('compute function %s', compute) end;
 begin
     for v_col in
         select c.name, c.type, a.atttypid, a.attgenerated, a.attidentity, count(*) over (partition by c.name) as dup
@@ -534,13 +537,17 @@ begin
         order by c.ord
     loop
         if v_col.dup > 1 then
-            raise exception 'lockstep: compute function % returns column % twice', compute, v_col.name using errcode = 'LSD03';
+            raise exception 'lockstep: % returns column % twice', v_what, v_col.name using errcode = 'LSD03';
         elsif v_col.atttypid is null then
-            raise exception 'lockstep: compute function % returns column %, which target % does not have', compute, v_col.name, target
-                using errcode = 'LSD03';
+            raise exception 'lockstep: % returns column %, which target % does not have', v_what, v_col.name, target
+                using errcode = 'LSD03',
+                      hint = 'Name each result column as the target column it fills, or add the column to the target.';
         elsif v_col.atttypid <> v_col.type then
-            raise exception 'lockstep: column %: compute function % returns %, target % has %', v_col.name, compute,
-                v_col.type::regtype, target, v_col.atttypid::regtype using errcode = 'LSD03';
+            raise exception 'lockstep: column %: % returns %, target % has %', v_col.name, v_what,
+                v_col.type::regtype, target, v_col.atttypid::regtype
+                using errcode = 'LSD03',
+                      hint = pg_catalog.format('Cast it: (<expression>)::%s as %I; or change the type of %I in '
+                                               'the target.', v_col.atttypid::regtype, v_col.name, v_col.name);
         elsif v_col.attgenerated <> '' then
             raise exception 'lockstep: column % of % is generated; compute must not return it', v_col.name, target
                 using errcode = 'LSD03';
@@ -561,7 +568,7 @@ begin
     end loop;
     select array_agg(k) into v_err from pg_catalog.unnest(key) k where not k = any(cols);
     if v_err is not null then
-        raise exception 'lockstep: compute function % does not return the target''s primary-key column(s) %', compute, v_err
+        raise exception 'lockstep: % does not return the target''s primary-key column(s) %', v_what, v_err
             using errcode = 'LSD03';
     end if;
     select pg_catalog.string_agg(a.attname, ', ') into v_err
@@ -569,8 +576,8 @@ begin
     where a.attrelid = target and a.attnum > 0 and not a.attisdropped and a.attnotnull and not a.atthasdef
       and a.attidentity = '' and a.attgenerated = '' and not a.attname = any(cols);
     if v_err is not null then
-        raise exception 'lockstep: target % has NOT NULL column(s) % without default that compute function % does not return',
-            target, v_err, compute using errcode = 'LSD03';
+        raise exception 'lockstep: target % has NOT NULL column(s) % without default that % does not return',
+            target, v_err, v_what using errcode = 'LSD03';
     end if;
 end;
 $$;

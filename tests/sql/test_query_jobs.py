@@ -128,6 +128,29 @@ def test_a_query_that_does_not_fit_is_refused_and_changes_nothing(shop, query, s
     assert shop.execute("select to_regprocedure(%s)", [FN]).fetchone()[0] is None
 
 
+@pytest.mark.parametrize(
+    ("query", "message", "hint"),
+    [
+        (
+            QUERY.replace("count(l.id) as lines", "count(l.id)::int as lines"),
+            "column lines: the query returns integer, target shop.customer_total has bigint",
+            "Cast it: (<expression>)::bigint as lines; or change the type of lines in the target.",
+        ),
+        (
+            QUERY.replace("as lines", "as line_count"),
+            "the query returns column line_count, which target shop.customer_total does not have",
+            "Name each result column as the target column it fills, or add the column to the target.",
+        ),
+    ],
+)
+def test_a_column_that_does_not_fit_is_told_as_the_querys_with_the_fix(shop, query, message, hint) -> None:
+    # the message names the query the caller wrote, not the function lockstep wrote from it
+    with raises_sqlstate("LSD03") as info:
+        define(shop, query)
+    assert info.value.diag.message_primary == f"lockstep: {message}"
+    assert info.value.diag.message_hint == hint
+
+
 def test_compute_and_query_are_one_or_the_other(shop: psycopg.Connection) -> None:
     with raises_sqlstate("22004", "must not be NULL together"):
         shop.execute(
