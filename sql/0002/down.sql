@@ -131,7 +131,7 @@ begin
     end loop;
 end;
 $$;
-drop function if exists lockstep.watch(text, regclass, name, regclass, name, text, name[]);
+drop function if exists lockstep.watch(text, regclass, name, regclass, name, text, name[], name[]);
 drop function if exists lockstep.enqueue_through();
 drop function if exists lockstep._append_through(text, oid, text[]);
 drop function if exists lockstep._take_through(text);
@@ -154,6 +154,11 @@ drop function if exists lockstep._key_columns_sql(regtype, name[], text);
 drop function if exists lockstep._gen_key_columns(lockstep.job, regclass, name[]);
 drop function if exists lockstep._watch_key_columns(lockstep.job, regclass, name[], regclass, text);
 drop function if exists lockstep._through_key(regclass, name, regclass);
+drop function if exists lockstep._through_keys(regclass, name[], regclass);
+drop function if exists lockstep._watch_through_columns(lockstep.job, regclass, name[], regclass, name, name[], text);
+drop function if exists lockstep._through_sql(text, text, text, text, text, text);
+drop function if exists lockstep._through_types_problem(regclass, name[], regtype);
+drop function if exists lockstep._through_map_sql(lockstep.job);
 drop function if exists lockstep._check_source_key(lockstep.job, regclass, name);
 
 -- the WAL capture: its slot and publication first (nothing of 0001 reads them), then its code and state

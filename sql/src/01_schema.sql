@@ -2,7 +2,7 @@
 -- a revision's up.sql changes them. Functions, views and policies live in the files that follow.
 --
 -- SQLSTATEs raised by lockstep (the one list):
---   0A000  watch() of a composite parent key with through (watched on the table that holds its columns)
+--   0A000  watch() of a composite parent key with through and via => 'wal' (the WAL: the table holding its columns)
 --   22004  a NULL argument or a NULL key
 --   22023  an invalid value (empty name, non-positive interval, batch or batch_parents, bad trigger arguments)
 --   25000  run / work / recompute called in a transaction that is not READ COMMITTED (checked first)

@@ -795,17 +795,19 @@ begin
 end;
 $$;
 
--- lockstep.watch(job, source, key_column, through, through_column, via, key_columns): create the triggers
--- that enqueue source.key_column for job (and flag it on truncate) on source and every table below it;
--- re-running replaces them. With through, source is one hop below the parent (lockstep._watch_through);
--- with key_columns, the columns of a composite parent key (lockstep._watch_key_columns).
+-- lockstep.watch(job, source, key_column, through, through_column, via, key_columns, through_columns): create
+-- the triggers that enqueue source.key_column for job (and flag it on truncate) on source and every table
+-- below it; re-running replaces them. With through, source is one hop below the parent
+-- (lockstep._watch_through); with key_columns, the columns of a composite parent key
+-- (lockstep._watch_key_columns), and with through too, through_columns (lockstep._watch_through_columns).
 -- locks: the advisory lock (lockstep, define), until the transaction ends (lockstep._check_cycle); then
 -- source and the tables below it (DROP / CREATE TRIGGER) through lockstep._ddl, never more than
 -- 100 ms at a time (55P03 after ~10 s); then, if source was not watched for job on that column, appends a
 -- lockstep.recompute_flag row.
 create or replace function lockstep.watch(job text, source regclass, key_column name default null,
                                           through regclass default null, through_column name default null,
-                                          via text default 'trigger', key_columns name[] default null) returns void
+                                          via text default 'trigger', key_columns name[] default null,
+                                          through_columns name[] default null) returns void
 language plpgsql
 set search_path = pg_catalog, pg_temp
 set client_min_messages = warning
@@ -822,9 +824,16 @@ begin
     if key_column is not null and key_columns is not null then
         raise exception 'lockstep: key_column and key_columns given together: pass one' using errcode = '22023',
             hint = 'key_column => the column holding a one-column key, key_columns => the columns of a composite one.';
+    elsif through is not null and (key_columns is not null or lockstep._key_fields(j) is not null) then
+        perform lockstep._watch_through_columns(j, source, key_columns, through, through_column, through_columns, via);
+        return;  -- a composite key through a join (17_through.sql)
     elsif key_columns is not null or lockstep._key_fields(j) is not null then  -- a composite key (20_watch_columns.sql)
         perform lockstep._watch_key_columns(j, source, key_columns, through, via);
         return;
+    elsif through_columns is not null then
+        raise exception 'lockstep: job "%" has a one-column parent key %: pass through_column, not through_columns',
+            j.job, lockstep._key_name(j)
+            using errcode = '22023', hint = 'through_column => the column of the through table holding the parent key.';
     end if;
     v_type := lockstep._check_watch(j, source, key_column);
     if via = 'wal' and through is null then  -- no trigger: lockstep.capture() reads the WAL (16_capture.sql)
@@ -873,11 +882,11 @@ begin
     perform lockstep._unwatch_wal(j.job, source);  -- watched through the WAL until now (16_capture.sql)
 end;
 $$;
-comment on function lockstep.watch(text, regclass, name, regclass, name, text, name[]) is
+comment on function lockstep.watch(text, regclass, name, regclass, name, text, name[], name[]) is
     'Create the triggers that enqueue source.key_column for job (and flag it on truncate) on source and '
     'every table below it; re-running replaces them. With through, source is one hop below the parent '
     '(lockstep._watch_through); with key_columns, the columns of a composite parent key '
-    '(lockstep._watch_key_columns); LSD09 if it would close a cycle of derived jobs. Locks: the advisory lock '
+    '(lockstep._watch_key_columns), and with through too, through_columns (lockstep._watch_through_columns); LSD09 if it would close a cycle of derived jobs. Locks: the advisory lock '
     '(lockstep, define) until the transaction ends; then source and the tables below it (DROP / CREATE TRIGGER) through '
     'lockstep._ddl, never more than 100 ms at a time (55P03 after ~10 s); then, if source was not watched'
     ' for job on that column, appends a lockstep.recompute_flag row.';

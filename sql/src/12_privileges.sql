@@ -397,11 +397,7 @@ begin
     elsif j.kind = 'verify' then  -- lockstep.verify: the difference, read-only (14_verify.sql)
         p := lockstep._verify_pass(j, keys);
     elsif j.kind = 'through_map' then  -- lockstep._resolve_through: the parent keys of through keys, in p.skipped
-        execute pg_catalog.format('select lockstep._canon(pg_catalog.array_agg(m.%I::%s)) from %s m where m.%I = any($1::%s[])',
-                                  j.parent_key, j.key_type, j.parent, j.parent_column,
-                                  (select pg_catalog.format_type(a.atttypid, null) from pg_catalog.pg_attribute a
-                                   where a.attrelid = j.parent and a.attname = j.parent_column))
-            using keys into p.skipped;
+        execute lockstep._through_map_sql(j) using keys into p.skipped;  -- 17_through.sql
     elsif j.kind = 'parent_keys' then  -- lockstep._parent_keys: every parent key, in p.skipped
         p := row(0, 0, 0, '{}', 0, 0, 0, '{}', '{}');
         execute pg_catalog.format('select coalesce(array_agg(%1$s order by %2$s), ''{}'') from %3$s r',

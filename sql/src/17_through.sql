@@ -86,8 +86,195 @@ comment on function lockstep._watch_through(lockstep.job, regclass, name, regcla
     'watch() of a source one hop below the parent, mapped through a table''s foreign key. '
     'Locks: source and the tables below it, then through and the tables below it (trigger DDL, lockstep._ddl).';
 
+-- lockstep._through_keys(source, key_columns, through): the columns of through that the foreign key of source
+-- on exactly key_columns, in that order, references, in the same order (42703 for a column source lacks;
+-- LSQ02 if no foreign key to through has those columns in that order).
+-- locks: nothing.
+create or replace function lockstep._through_keys(source regclass, key_columns name[], through regclass) returns name[]
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_atts smallint[] := array(select a.attnum from pg_catalog.unnest(key_columns) with ordinality c(n, o)
+                               join pg_catalog.pg_attribute a on a.attrelid = source and a.attname = c.n
+                                                                 and a.attnum > 0 and not a.attisdropped
+                               order by c.o);
+    v_keys name[];
+    v_fks text;
+begin
+    if pg_catalog.cardinality(v_atts) <> pg_catalog.cardinality(key_columns) then
+        raise exception 'lockstep: table % has no column %', source,
+            (select c.n from pg_catalog.unnest(key_columns) c(n)
+             where not exists (select from pg_catalog.pg_attribute a where a.attrelid = source and a.attname = c.n
+                                                                      and a.attnum > 0 and not a.attisdropped) limit 1)
+            using errcode = '42703';
+    end if;
+    select array(select fa.attname from pg_catalog.unnest(c.confkey) with ordinality k(n, o)
+                 join pg_catalog.pg_attribute fa on fa.attrelid = c.confrelid and fa.attnum = k.n order by k.o)
+    into v_keys
+    from pg_catalog.pg_constraint c
+    where c.contype = 'f' and c.conrelid = source and c.confrelid = any(lockstep._family(through)) and c.conkey = v_atts
+    order by c.conname limit 1;
+    if v_keys is not null then
+        return v_keys;
+    end if;
+    select pg_catalog.string_agg(pg_catalog.format('(%s)', (select lockstep._cols(pg_catalog.array_agg(a.attname order by k.o))
+                                                            from pg_catalog.unnest(c.conkey) with ordinality k(n, o)
+                                                            join pg_catalog.pg_attribute a on a.attrelid = c.conrelid
+                                                                                          and a.attnum = k.n)),
+                                 ', ' order by c.conname)
+    into v_fks
+    from pg_catalog.pg_constraint c
+    where c.contype = 'f' and c.conrelid = source and c.confrelid = any(lockstep._family(through));
+    raise exception 'lockstep: %(%) is not a foreign key of % to %: a watch through % maps rows by that key', source,
+        lockstep._cols(key_columns), source, through, through
+        using errcode = 'LSQ02',
+              hint = case when v_fks is null
+                          then pg_catalog.format('Declare the foreign key (alter table %s add foreign key (%s) references %s), '
+                                                 'or watch the columns of %s that reference %s.', source,
+                                                 lockstep._cols(key_columns), through, source, through)
+                          else pg_catalog.format('Pass key_columns => the columns of a foreign key of %s to %s, in its order: %s.',
+                                                 source, through, v_fks) end;
+end;
+$$;
+
+-- lockstep._watch_through_columns(j, source, key_columns, through, through_column, through_columns, via):
+-- watch()'s path for a composite parent key one hop below the parent: source's foreign key on key_columns
+-- references through, whose columns through_columns hold the parent key's fields in order. As
+-- lockstep._watch_through otherwise: through is watched on through_columns too. Checks all before any DDL.
+-- locks: source and the tables below it, then through and the tables below it (DROP / CREATE TRIGGER)
+-- through lockstep._ddl, as lockstep.watch.
+create or replace function lockstep._watch_through_columns(j lockstep.job, source regclass, key_columns name[],
+                                                           through regclass, through_column name,
+                                                           through_columns name[], via text) returns void
+language plpgsql
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_tables regclass[] := lockstep._family(source);
+    v_map name[];
+    v_flag text;
+begin
+    if via = 'wal' then
+        raise exception 'lockstep: via => ''wal'' watches the table that holds the key''s columns, not through another'
+            using errcode = '0A000',
+                  hint = 'Drop via for a watch through a join, or watch the table whose columns hold the key via the WAL.';
+    elsif key_columns is null then
+        raise exception 'lockstep: job "%" has a composite parent key %: pass key_columns', j.job, lockstep._key_name(j)
+            using errcode = '22004',
+                  hint = 'key_columns => array[...]::name[], the columns of the source''s foreign key to the through table.';
+    elsif through_column is not null then
+        raise exception 'lockstep: job "%" has a composite parent key %: pass through_columns, not through_column',
+            j.job, lockstep._key_name(j)
+            using errcode = '22023',
+                  hint = 'through_columns => array[...]::name[], the through table''s columns of the parent key, in its order.';
+    elsif through is null or through_columns is null then
+        raise exception 'lockstep: through and through_columns go together' using errcode = '22004',
+            hint = 'through => the table the source''s key_columns reference, through_columns => its columns of the parent key.';
+    elsif via is distinct from 'trigger' then
+        raise exception 'lockstep: via => % is not a way to watch a table through another', pg_catalog.quote_nullable(via)
+            using errcode = '22023', hint = 'Use via => ''trigger''.';
+    end if;
+    perform lockstep._check_watch(j, source, key_columns[1]);
+    if lockstep._key_fields(j) is null then
+        raise exception 'lockstep: job "%" has a one-column parent key %: watch it with key_column', j.job,
+            lockstep._key_name(j)
+            using errcode = 'LSQ01', hint = 'Pass key_column => ..., through => ..., through_column => ....';
+    end if;
+    perform lockstep._check_watch(j, through, through_columns[1]);
+    if through = any(v_tables) then
+        raise exception 'lockstep: a watch of % through itself', source
+            using errcode = '22023', hint = 'Watch the columns that hold the parent''s key directly.';
+    end if;
+    v_map := lockstep._through_keys(source, key_columns, through);
+    perform lockstep._check_key_columns(j, through, through_columns);  -- LSQ01, LSQ02
+    v_flag := lockstep._watch_news(j, source, key_columns::text, v_tables);  -- before the triggers change
+    perform lockstep._ddl(v_tables, lockstep._drop_watch_ddl(j.job, v_tables)
+                                    || lockstep._watch_ddl(j, v_tables, 'lockstep.enqueue_through',
+                                                           array[key_columns::text, j.key_type::text, through::oid::text,
+                                                                 v_map::text, through_columns::text]),
+                          pg_catalog.format('watch(%L, %L)', j.job, source));
+    if v_flag is not null then
+        insert into lockstep.recompute_flag (job, problem)  -- flagged_at: clock time, as _flag (_clear_flag)
+        values (j.job, v_flag);
+    end if;
+    perform lockstep._warn_writers(v_tables || through);
+    perform lockstep.watch(j.job, through, key_columns => through_columns);
+end;
+$$;
+
+comment on function lockstep._watch_through_columns(lockstep.job, regclass, name[], regclass, name, name[], text) is
+    'watch() of a composite parent key one hop below the parent, mapped through a table''s foreign key. '
+    'Locks: source and the tables below it, then through and the tables below it (trigger DDL, lockstep._ddl).';
+
+-- lockstep._through_sql(op, key_column, key_type, through, through_key, parent_column): the two queries of
+-- lockstep.enqueue_through for a statement op: src, the changed rows' through keys as text (a composite
+-- one as a JSON array), and map, the parent keys they map to now in canonical text. A composite key's
+-- arguments are arrays of columns; its through columns must still convert to the key type's fields with
+-- no code of another role (LSQ01 otherwise).
+-- locks: nothing.
+create or replace function lockstep._through_sql(op text, key_column text, key_type text, through text,
+                                                 through_key text, parent_column text, out src text, out map text)
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_type regtype := key_type::regtype;
+    v_rel regclass := through::oid::regclass;
+    v_comp boolean := exists (select from pg_catalog.pg_type y where y.oid = v_type and y.typtype = 'c');
+    v_cols name[] := case when v_comp then key_column::name[] else array[key_column::name] end;
+    v_problem text;
+    v_from text;
+begin
+    if v_comp then
+        v_problem := coalesce(lockstep._key_columns_problem(v_rel, parent_column::name[], v_type),
+                              lockstep._through_types_problem(v_rel, parent_column::name[], v_type));
+        if v_problem is not null then
+            raise exception 'lockstep: %', v_problem using errcode = 'LSQ01';
+        end if;
+    end if;
+    v_from := pg_catalog.concat_ws(' union ',
+        case when op <> 'DELETE' then pg_catalog.format('select %s from lockstep_new x', lockstep._cols(v_cols, 'x')) end,
+        case when op <> 'INSERT' then pg_catalog.format('select %s from lockstep_old x', lockstep._cols(v_cols, 'x')) end);
+    src := pg_catalog.format('select array(select %s from (%s) s where (%s) is not null)',
+                             case when v_comp then pg_catalog.format('pg_catalog.jsonb_build_array(%s)::pg_catalog.text',
+                                                                     lockstep._cols(v_cols, 's'))
+                                  else pg_catalog.format('s.%I::pg_catalog.text', key_column) end,
+                             v_from, lockstep._cols(v_cols, 's'));
+    map := pg_catalog.format('select lockstep._canon(pg_catalog.array_agg(%s)) from %s m where (%s) in (%s)',
+                             case when v_comp then lockstep._key_columns_sql(v_type, parent_column::name[], 'm')
+                                  else pg_catalog.format('m.%I::%s', parent_column, lockstep._type_sql(v_type)) end,
+                             v_rel, lockstep._cols(case when v_comp then through_key::name[]
+                                                        else array[through_key::name] end, 'm'),
+                             v_from);
+end;
+$$;
+
+-- lockstep._through_types_problem(through, columns, key_type): why converting through's columns to the
+-- composite key_type's fields could run code of another role (a column and its field of different types,
+-- either not built in); NULL: it cannot.
+-- locks: nothing.
+create or replace function lockstep._through_types_problem(through regclass, columns name[], key_type regtype)
+returns text
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select pg_catalog.format('column %s.%I is %s, not %s as field %I of the key type %s', through, c.n,
+                             a.atttypid::regtype, f.atttypid::regtype, f.attname, key_type)
+    from pg_catalog.unnest(columns) with ordinality c(n, o)
+    join pg_catalog.pg_attribute a on a.attrelid = through and a.attname = c.n and a.attnum > 0 and not a.attisdropped
+    join (select fa.attname, fa.atttypid, pg_catalog.row_number() over (order by fa.attnum) o
+          from pg_catalog.pg_type y
+          join pg_catalog.pg_attribute fa on fa.attrelid = y.typrelid and fa.attnum > 0 and not fa.attisdropped
+          where y.oid = key_type) f on f.o = c.o
+    where a.atttypid <> f.atttypid and greatest(a.atttypid, f.atttypid) >= 16384
+    order by c.o limit 1;
+$$;
+
 -- lockstep.enqueue_through(): trigger function of the watches through a join. Arguments: job, source key
--- column, parent key type, through table (oid), its key column, its column that holds the parent key.
+-- column, parent key type, through table (oid), its key column, its column that holds the parent key; for
+-- a composite parent key, the three columns are arrays of columns (the source's foreign key to the through
+-- table, the columns it references, the through table's columns of the parent key's fields, in order).
 -- Queues the parent keys the changed rows map to now, read without locks in a block that only reads, and
 -- records their through keys (lockstep.through_entry) for a worker to map again after the commit. Any
 -- error there, or a TRUNCATE, flags the job instead (lockstep._flag). Never raises.
@@ -100,7 +287,7 @@ as $$
 declare
     v_keys text[];
     v_src text[];
-    v_from text;
+    v_sql record;
     v_problem text;
 begin
     if tg_op = 'TRUNCATE' or tg_nargs <> 6 then
@@ -108,14 +295,11 @@ begin
                                format('%s of %s (no transition table names its rows)', tg_op, tg_relid::regclass));
         return null;
     end if;
-    v_from := concat_ws(' union ',
-        case when tg_op <> 'DELETE' then format('select %I k from lockstep_new', tg_argv[1]) end,
-        case when tg_op <> 'INSERT' then format('select %I k from lockstep_old', tg_argv[1]) end);
     begin
-        execute format('select array(select s.k::text from (%s) s where s.k is not null)', v_from) into v_src;
-        execute format('select lockstep._canon(array_agg(m.%I::%s)) from %s m where m.%I in (%s)',
-                       tg_argv[5], tg_argv[2]::regtype, tg_argv[3]::oid::regclass, tg_argv[4], v_from)
-            into v_keys;
+        select x.src, x.map into v_sql
+        from lockstep._through_sql(tg_op, tg_argv[1], tg_argv[2], tg_argv[3], tg_argv[4], tg_argv[5]) x;
+        execute v_sql.src into v_src;
+        execute v_sql.map into v_keys;
     exception when others then
         get stacked diagnostics v_problem = message_text;
     end;
@@ -191,7 +375,7 @@ begin
              from lockstep._take_through(j.job) x
              cross join lateral (select lockstep._tgarg(t.tgargs, 4) key_column, lockstep._tgarg(t.tgargs, 5) parent_column
                                  from pg_catalog.pg_trigger t
-                                 where t.tgfoid = 'lockstep.enqueue_through()'::regprocedure and t.tgnargs = 6
+                                 where t.tgfoid in (select lockstep._trigger_fns()) and t.tgnargs = 6
                                    and lockstep._tgarg(t.tgargs, 0) = j.job
                                    and lockstep._tgarg(t.tgargs, 3) = x.through::text
                                  limit 1) tg
@@ -199,8 +383,15 @@ begin
         v := j;
         v.kind := 'through_map';  -- lockstep._owner_run maps the keys instead of running a pass
         v.parent := e.through::regclass;
-        v.parent_column := e.key_column;
-        v.parent_key := e.parent_column;
+        if lockstep._key_fields(j) is null then
+            v.parent_column := e.key_column;
+            v.parent_key := e.parent_column;
+        else  -- a composite key: arrays of columns (lockstep.enqueue_through)
+            v.parent_column := null;
+            v.parent_key := null;
+            v.parent_columns := e.key_column::name[];
+            v.parent_keys := e.parent_column::name[];
+        end if;
         begin
             perform lockstep._append_keys(j.job, lockstep._queueable(j.job, (lockstep._as_owner(v, e.keys)).skipped));
         exception when others then
@@ -213,3 +404,31 @@ $$;
 comment on function lockstep._resolve_through(lockstep.job) is
     'Map a job''s committed through keys to parent keys as its owner and queue them. Locks: those '
     'lockstep.through_entry rows (deleted); appends to lockstep.queue.';
+
+-- lockstep._through_map_sql(j): the query of lockstep._owner_run for a through_map pass j (lockstep._resolve_through):
+-- the canonical parent keys ($1, text[]) of through keys map to in j.parent, the through table: its
+-- columns j.parent_column (j.parent_columns for a composite key, whose through keys are JSON arrays of
+-- their values, lockstep._through_sql) hold the through key, j.parent_key (j.parent_keys) the parent key.
+-- locks: nothing.
+create or replace function lockstep._through_map_sql(j lockstep.job) returns text
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if j.parent_column is not null then
+        return pg_catalog.format('select lockstep._canon(pg_catalog.array_agg(m.%I::%s)) from %s m where m.%I = any($1::%s[])',
+                                 j.parent_key, lockstep._type_sql(j.key_type), j.parent, j.parent_column,
+                                 (select pg_catalog.format_type(a.atttypid, null) from pg_catalog.pg_attribute a
+                                  where a.attrelid = j.parent and a.attname = j.parent_column));
+    end if;
+    return pg_catalog.format('select lockstep._canon(pg_catalog.array_agg(%s)) from %s m where (%s) in (select %s from '
+                             'pg_catalog.unnest($1::pg_catalog.text[]) u(k))',
+                             lockstep._key_expr(j, 'm', j.parent_keys), j.parent, lockstep._cols(j.parent_columns, 'm'),
+                             (select pg_catalog.string_agg(pg_catalog.format(
+                                         '((u.k::pg_catalog.jsonb) operator(pg_catalog.->>) %s)::%s',
+                                         c.o - 1, pg_catalog.format_type(a.atttypid, null)), ', ' order by c.o)
+                              from pg_catalog.unnest(j.parent_columns) with ordinality c(n, o)
+                              join pg_catalog.pg_attribute a on a.attrelid = j.parent and a.attname = c.n
+                                                               and a.attnum > 0 and not a.attisdropped));
+end;
+$$;

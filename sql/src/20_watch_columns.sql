@@ -37,8 +37,8 @@ end;
 $$;
 
 -- lockstep._check_key_columns(j, source, key_columns): watch()'s checks of a composite key's columns:
--- they match the key type's fields (LSQ01), and no foreign key on them leads elsewhere than the parent
--- (LSQ02: their values are that table's keys).
+-- they match the key type's fields (LSQ01), and no foreign key on them leads elsewhere than the parent, or
+-- to the parent's key columns in another order (LSQ02: their values are not the parent's keys).
 -- locks: nothing.
 create or replace function lockstep._check_key_columns(j lockstep.job, source regclass, key_columns name[]) returns void
 language plpgsql stable
@@ -47,9 +47,11 @@ as $$
 declare
     v_problem text := lockstep._key_columns_problem(source, key_columns, j.key_type);
     v_family regclass[] := lockstep._family(j.parent);
-    v_atts smallint[] := array(select a.attnum from pg_catalog.unnest(key_columns) c(name)
-                               join pg_catalog.pg_attribute a on a.attrelid = source and a.attname = c.name);
+    v_atts smallint[] := array(select a.attnum from pg_catalog.unnest(key_columns) with ordinality c(name, o)
+                               join pg_catalog.pg_attribute a on a.attrelid = source and a.attname = c.name
+                               order by c.o);
     v_refs regclass;
+    v_con oid;
 begin
     if v_problem is not null then
         raise exception 'lockstep: watch of job "%" on %: %', j.job, source, v_problem
@@ -57,21 +59,38 @@ begin
                   hint = pg_catalog.format('key_columns names the columns of %s holding the fields of %s, in its order.',
                                            source, j.key_type);
     end if;
-    select c.confrelid::regclass into v_refs from pg_catalog.pg_constraint c
+    select c.confrelid::regclass, c.oid into v_refs, v_con from pg_catalog.pg_constraint c
     where c.conrelid = source and c.contype = 'f' and c.conkey @> v_atts and c.conkey <@ v_atts
     order by c.confrelid = any(v_family) desc, c.conname limit 1;
-    if source = any(v_family) or v_refs is null or v_refs = any(v_family) then
+    if source = any(v_family) or v_refs is null then
+        return;
+    elsif v_refs = any(v_family) then  -- each column references the parent's column of its field
+        if exists (select from pg_catalog.unnest(v_atts) with ordinality c(att, o)
+                   join pg_catalog.pg_constraint k on k.oid = v_con
+                   cross join lateral unnest(k.conkey, k.confkey) p(f, r)  -- ROWS FROM: not qualified
+                   join pg_catalog.pg_attribute ra on ra.attrelid = k.confrelid and ra.attnum = p.r
+                   where p.f = c.att and ra.attname is distinct from j.parent_keys[c.o]) then
+            raise exception 'lockstep: %(%) references % in another order than its key (%) of job "%"', source,
+                pg_catalog.array_to_string(key_columns, ', '), v_refs, lockstep._cols(j.parent_keys), j.job
+                using errcode = 'LSQ02',
+                      hint = pg_catalog.format('Name the columns in the order of the key: those that reference %s.',
+                                               lockstep._cols(j.parent_keys));
+        end if;
         return;
     end if;
     raise exception 'lockstep: %(%) references %, not the parent % of job "%": its values are keys of %',
         source, pg_catalog.array_to_string(key_columns, ', '), v_refs, j.parent, j.job, v_refs
         using errcode = 'LSQ02',
-              hint = 'Watch the columns that reference the parent; a composite key is not watched through a join.';
+              hint = pg_catalog.format('Watch the columns that reference the parent, or watch these through %s: '
+                                       'lockstep.watch(%L, %L, key_columns => ..., through => %L, through_columns => '
+                                       '<the columns of %s that hold %s''s key>).', v_refs, j.job, source, v_refs,
+                                       v_refs, j.parent);
 end;
 $$;
 comment on function lockstep._check_key_columns(lockstep.job, regclass, name[]) is
     'watch()''s checks of a composite key''s columns: they match the key type''s fields (LSQ01), and no '
-    'foreign key on them leads elsewhere than the parent (LSQ02). Locks nothing.';
+    'foreign key on them leads elsewhere than the parent, or to its key columns in another order (LSQ02). '
+    'Locks nothing.';
 
 -- lockstep._key_columns_sql(key_type, key_columns, alias): SQL for the key of row alias:
 -- row(alias.c1, ...)::key_type.

@@ -37,7 +37,7 @@ def run_once(dsn: str, command: str) -> None:
 def test_the_walk_through_runs_as_written(conn: psycopg.Connection, dsn: str) -> None:
     sql = blocks("sql")
     (command,) = [b.strip() for b in blocks("sh")]
-    assert len(sql) == 4
+    assert len(sql) == 5
     warnings: list[str] = []
     conn.add_notice_handler(lambda d: warnings.append(d.message_primary) if d.severity == "WARNING" else None)
     for block in sql:
@@ -46,6 +46,12 @@ def test_the_walk_through_runs_as_written(conn: psycopg.Connection, dsn: str) ->
     run_once(dsn, command)
     assert conn.execute(DIFFER).fetchone()[0] == 0
     assert conn.execute("select count(*) from customer_total").fetchone()[0] == 60
+    # order lines, watched through orders: a line moved to another customer's order queues both
+    conn.execute("insert into order_line select tenant_id, id, id, 5 from orders")
+    conn.execute("delete from lockstep.queue")
+    conn.execute("update order_line set order_id = 6 where tenant_id = 1 and order_id = 3")  # customer 4 to 7
+    queued = conn.execute("select array_agg(distinct key order by key) from lockstep.queue").fetchone()[0]
+    assert queued == ["(1,4)", "(1,7)"]
     # the application writes; the next runs write the customers its changes named
     conn.execute("update orders set amount = amount + 1 where tenant_id = 2 and customer_id in (3, 4)")
     conn.execute("update orders set customer_id = 9 where tenant_id = 1 and id = 3")  # moved: both customers

@@ -172,8 +172,8 @@ BAD = [
     (
         "'note', key_columns => array['tenant_id', 'doc_id']::name[],"
         " through => 'doc', through_column => 'id'",
-        "0A000",
-        "not through another",
+        "22023",
+        "pass through_columns",
     ),
 ]
 
