@@ -291,3 +291,8 @@ drop function if exists lockstep._failures_due(text, text[]);
 drop function if exists lockstep._state_make(text);
 drop function if exists lockstep._append_keys(text, text[]);
 drop function if exists lockstep._queue_keys(lockstep.job, text[]);
+drop function if exists lockstep._check_captures();
+drop function if exists lockstep._capture_slot_made(name, text, boolean);
+drop function if exists lockstep._capture_queue(text[], text[], text[], text[]);
+drop function if exists lockstep._capture_done(pg_lsn, bigint);
+drop function if exists lockstep._capture_forget();

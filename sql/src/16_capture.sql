@@ -246,6 +246,25 @@ comment on function lockstep._unwatch_wal(text, regclass) is
     '(lockstep._capture_cleanup). False: the job did not watch source through the WAL. Locks: source and '
     'the tables below it (ACCESS EXCLUSIVE, never waited for long: lockstep._ddl).';
 
+-- lockstep._capture_forget(): delete the capture's state row (no table is watched through the WAL any
+-- more). Security definer, for a caller that may capture (lockstep._check_captures, 42501): no recipe role
+-- holds DELETE on lockstep.capture_state.
+-- locks: the lockstep.capture_state row (deleted).
+create or replace function lockstep._capture_forget() returns void
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    perform lockstep._check_captures();
+    delete from lockstep.capture_state;
+end;
+$$;
+comment on function lockstep._capture_forget() is
+    'Delete the capture''s state row (no table is watched through the WAL any more). Security definer, for '
+    'a caller that may capture (lockstep._check_captures, 42501). Locks: the lockstep.capture_state row '
+    '(deleted).';
+
 -- lockstep._capture_cleanup(): the capture publication holds the tables of lockstep.wal_watch and nothing
 -- else; with none left, the publication, the slot and the capture's state go (a slot nobody reads would
 -- keep WAL for ever). Called by unwatch, drop_job and lockstep.capture.
@@ -270,7 +289,7 @@ begin
                               v_ddl, 'the capture publication''s update');
     end if;
     if not exists (select from lockstep.wal_watch) then
-        delete from lockstep.capture_state;
+        perform lockstep._capture_forget();
         if exists (select from pg_catalog.pg_replication_slots s where s.slot_name = v_slot) then
             perform pg_catalog.pg_drop_replication_slot(v_slot);
         end if;
@@ -468,10 +487,59 @@ as $$
                  from pg_catalog.generate_series(0, lockstep._pgo_int(d, 1, 4)::integer - 1) i);
 $$;
 
+-- lockstep._check_captures(): the caller (lockstep._caller) may record a capture: it may read the capture
+-- slot (REPLICATION, or a superuser), or it is a lockstep admin; else 42501. What the capture's definer
+-- functions write (the queue, flags, the LSN read up to), such a role could already cause through the slot.
+create or replace function lockstep._check_captures() returns void
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if not exists (select from pg_catalog.pg_roles r
+                   where r.rolname = lockstep._caller() and (r.rolreplication or r.rolsuper))
+       and not (select pg_catalog.pg_has_role(lockstep._caller(), c.relowner, 'MEMBER')
+                from pg_catalog.pg_class c where c.oid = 'lockstep.job'::pg_catalog.regclass) then
+        raise exception 'lockstep: role "%" may not record a capture of the WAL', lockstep._caller()
+            using errcode = '42501',
+                  hint = 'The capture reads the replication slot: the runner''s role needs REPLICATION (docs/wal.md).';
+    end if;
+end;
+$$;
+
+-- lockstep._capture_slot_made(slot, why, recreated): the capture slot was created (recreated: again): its
+-- state row restarts, and every job watching through the WAL is flagged for why; returns how many.
+-- Security definer, for a caller that may capture (lockstep._check_captures, 42501): no recipe role holds
+-- INSERT or UPDATE on lockstep.capture_state or lockstep.recompute_flag's flagged_at.
+-- locks: the lockstep.capture_state row (inserted or updated).
+create or replace function lockstep._capture_slot_made(slot name, why text, recreated boolean) returns bigint
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_flagged bigint;
+begin
+    perform lockstep._check_captures();
+    insert into lockstep.capture_state as c (slot) values (slot)
+    on conflict (only_row) do update
+    set slot = excluded.slot, queued_lsn = null, slot_created_at = now(),
+        recreated = c.recreated + _capture_slot_made.recreated::integer;
+    insert into lockstep.recompute_flag (job, flagged_at, problem)
+    select d.job, pg_catalog.clock_timestamp(), why from (select distinct w.job from lockstep.wal_watch w) d;
+    get diagnostics v_flagged = row_count;
+    return v_flagged;
+end;
+$$;
+comment on function lockstep._capture_slot_made(name, text, boolean) is
+    'The capture slot was created (recreated: again): its state row restarts, and every job watching '
+    'through the WAL is flagged for why; returns how many. Security definer, for a caller that may capture '
+    '(lockstep._check_captures, 42501). Locks: the lockstep.capture_state row (inserted or updated).';
+
 -- lockstep._capture_slot_ready(slot): create the capture slot, or drop and create it again when it holds
 -- more WAL than capture_max_bytes or was invalidated, flagging every WAL-watching job; returns how many. Runs
 -- before the transaction writes anything (PostgreSQL creates a logical slot only then).
--- locks: nothing lockstep or an application holds (the slot's creation waits on running transaction ids).
+-- locks: nothing lockstep or an application holds (the slot's creation waits on running transaction ids);
+-- then as lockstep._capture_slot_made.
 create or replace function lockstep._capture_slot_ready(slot name) returns bigint
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -497,13 +565,7 @@ begin
         return 0;
     end if;
     perform pg_catalog.pg_create_logical_replication_slot(slot, 'pgoutput');
-    insert into lockstep.capture_state as c (slot) values (slot)
-    on conflict (only_row) do update
-    set slot = excluded.slot, queued_lsn = null, slot_created_at = now(),
-        recreated = c.recreated + (v_status is not null)::integer;
-    insert into lockstep.recompute_flag (job, flagged_at, problem)
-    select d.job, pg_catalog.clock_timestamp(), v_why from (select distinct w.job from lockstep.wal_watch w) d;
-    get diagnostics v_flagged = row_count;
+    v_flagged := lockstep._capture_slot_made(slot, v_why, v_status is not null);
     raise warning 'lockstep: %; % job(s) flagged for a full recompute', v_why, v_flagged
         using hint = 'See lockstep.capture_status.';
     return v_flagged;
@@ -513,10 +575,13 @@ $$;
 -- lockstep._capture_families(): flag each job that watches through the WAL a table whose partitions (the
 -- tables below it) changed since the last capture: attached, detached or dropped, their rows joined or left
 -- the table with no change in the WAL to say so. Records what it saw in lockstep.capture_state.families
--- ('source oid:table oid' pairs); returns how many jobs it flagged.
+-- ('source oid:table oid' pairs); returns how many jobs it flagged. Security definer, for a caller that may
+-- capture (lockstep._check_captures, 42501): it runs no user code, and no recipe role holds UPDATE on
+-- lockstep.capture_state.
 -- locks: the lockstep.capture_state row, when the tables changed.
 create or replace function lockstep._capture_families() returns bigint
 language plpgsql
+security definer
 set search_path = pg_catalog, pg_temp
 as $$
 declare
@@ -526,6 +591,7 @@ declare
     v_was text[] := (select c.families from lockstep.capture_state c);
     v_flagged bigint;
 begin
+    perform lockstep._check_captures();
     if v_was is not distinct from v_now then
         return 0;
     end if;
@@ -553,7 +619,8 @@ comment on function lockstep._capture_families() is
     'Flag each job that watches through the WAL a table whose partitions (the tables below it) changed since '
     'the last capture: attached, detached or dropped, their rows joined or left the table with no change in '
     'the WAL to say so. Records what it saw in lockstep.capture_state.families; returns how many jobs it '
-    'flagged. Locks: the lockstep.capture_state row, when the tables changed.';
+    'flagged. Security definer, for a caller that may capture (lockstep._check_captures, 42501). Locks: '
+    'the lockstep.capture_state row, when the tables changed.';
 
 -- lockstep._wal_watched(): each table lockstep.capture() reads for each job (a source watched through the
 -- WAL and the tables below it): its key columns (cols: one, or a composite key's), a composite key's field
@@ -596,8 +663,8 @@ $$;
 -- lockstep._capture_read(slot, upto, max_rows): peek the slot's changes up to upto (about max_rows
 -- messages, whole transactions), queue the watched tables' old and new keys (a composite key's record text:
 -- lockstep._pgo_records), flag the jobs whose changes say nothing of their keys (TRUNCATE, key column
--- changed, a key too long); the slot does not move.
--- locks: nothing (inserts into lockstep.queue and lockstep.recompute_flag).
+-- changed, a key too long; lockstep._capture_queue writes them); the slot does not move.
+-- locks: nothing (inserts into lockstep.queue and lockstep.recompute_flag: lockstep._capture_queue).
 create or replace function lockstep._capture_read(slot name, upto pg_lsn, max_rows integer,
                                                   out messages bigint, out changes bigint, out keys bigint,
                                                   out flagged bigint, out last_commit pg_lsn)
@@ -650,11 +717,8 @@ begin
                         then array[pg_catalog.convert_from(pg_catalog.substr(c.data, 14, lockstep._pgo_int(c.data, 9, 4)::integer), v_enc)]
                         else lockstep._pgo_keys(c.data, c.idx) end keys) k
     ), queued as (
-        insert into lockstep.queue (job, key)
-        select d.job, d.key from (select distinct k.job, u.key from keyed k cross join lateral pg_catalog.unnest(k.keys) u(key)
-                                  where pg_catalog.octet_length(u.key) + pg_catalog.octet_length(k.job) <= v_max) d
-        order by d.job, d.key
-        returning 1
+        select distinct k.job, u.key from keyed k cross join lateral pg_catalog.unnest(k.keys) u(key)
+        where pg_catalog.octet_length(u.key) + pg_catalog.octet_length(k.job) <= v_max
     ), problem as (
         select k.job, k.problem from keyed k where k.problem is not null
         union all
@@ -667,15 +731,69 @@ begin
         join watched w on w.relid = t.relid
         where r.t = 84
     ), flags as (
-        insert into lockstep.recompute_flag (job, flagged_at, problem)
-        select p.job, pg_catalog.clock_timestamp(), min(p.problem) from problem p group by p.job
-        returning 1
+        select p.job, min(p.problem) problem from problem p group by p.job
     )
-    select (select count(*) from raw), (select count(*) from change), (select count(*) from queued),
-           (select count(*) from flags), (select max(r.lsn) from raw r where r.t = 67)
-    into messages, changes, keys, flagged, last_commit;
+    select (select count(*) from raw), (select count(*) from change), w.queued, w.flagged,
+           (select max(r.lsn) from raw r where r.t = 67)
+    into messages, changes, keys, flagged, last_commit
+    from lockstep._capture_queue((select pg_catalog.array_agg(q.job order by q.job, q.key) from queued q),
+                                 (select pg_catalog.array_agg(q.key order by q.job, q.key) from queued q),
+                                 (select pg_catalog.array_agg(f.job order by f.job) from flags f),
+                                 (select pg_catalog.array_agg(f.problem order by f.job) from flags f)) w;
 end;
 $$;
+
+-- lockstep._capture_queue(jobs, keys, flag_jobs, problems): what a capture read: queue each (job, key) pair,
+-- in the order given; flag each of flag_jobs for its problem. Returns how many keys it queued and jobs it
+-- flagged; nothing is checked or written for none. Security definer, for a caller that may capture
+-- (lockstep._check_captures, 42501): no recipe role but the application's holds INSERT on the queue, and
+-- none sets a flag's flagged_at.
+-- locks: none beyond the inserts into lockstep.queue and lockstep.recompute_flag.
+create or replace function lockstep._capture_queue(jobs text[], keys text[], flag_jobs text[], problems text[],
+                                                   out queued bigint, out flagged bigint)
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    queued := coalesce(cardinality(jobs), 0);
+    flagged := coalesce(cardinality(flag_jobs), 0);
+    if queued + flagged = 0 then
+        return;
+    end if;
+    perform lockstep._check_captures();
+    insert into lockstep.queue (job, key)
+    select u.j, u.k from unnest(jobs, keys) with ordinality u(j, k, o) order by u.o;  -- ROWS FROM: not qualified
+    insert into lockstep.recompute_flag (job, flagged_at, problem)
+    select u.j, pg_catalog.clock_timestamp(), u.p from unnest(flag_jobs, problems) u(j, p);
+end;
+$$;
+comment on function lockstep._capture_queue(text[], text[], text[], text[]) is
+    'What a capture read: queue each (job, key) pair, in the order given; flag each of flag_jobs for its '
+    'problem. Returns how many keys it queued and jobs it flagged. Security definer, for a caller that may '
+    'capture (lockstep._check_captures, 42501). Locks: none beyond the inserts into lockstep.queue and '
+    'lockstep.recompute_flag.';
+
+-- lockstep._capture_done(queued_lsn, changes): record a capture in its state row: the LSN it read up to (the
+-- next capture advances the slot to it) and the changes it read. Security definer, for a caller that may
+-- capture (lockstep._check_captures, 42501): no recipe role holds UPDATE on lockstep.capture_state.
+-- locks: the lockstep.capture_state row (by the update).
+create or replace function lockstep._capture_done(queued_lsn pg_lsn, changes bigint) returns void
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    perform lockstep._check_captures();
+    update lockstep.capture_state s
+    set queued_lsn = _capture_done.queued_lsn, last_capture_at = now(), last_changes = _capture_done.changes,
+        changes = s.changes + _capture_done.changes;
+end;
+$$;
+comment on function lockstep._capture_done(pg_lsn, bigint) is
+    'Record a capture in its state row: the LSN it read up to (the next capture advances the slot to it) '
+    'and the changes it read. Security definer, for a caller that may capture (lockstep._check_captures, '
+    '42501). Locks: the lockstep.capture_state row (by the update).';
 
 -- lockstep.capture(max_rows): queue the keys of the changes made to tables watched through the WAL since
 -- the last capture: advance the slot to the LSN the last committed capture recorded, make the slot ready,
@@ -737,8 +855,7 @@ begin
     end if;
     -- fewer messages than asked: every transaction that ended before v_upto was read
     queued_lsn := greatest(v_confirmed, queued_lsn, case when r.messages < max_rows then v_upto else r.last_commit end);
-    update lockstep.capture_state s
-    set queued_lsn = capture.queued_lsn, last_capture_at = now(), last_changes = r.changes, changes = s.changes + r.changes;
+    perform lockstep._capture_done(queued_lsn, r.changes);
     changes := r.changes;
     keys := r.keys;
     flagged := flagged + r.flagged;

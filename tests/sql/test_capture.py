@@ -5,6 +5,7 @@ refusals, and nothing retained for ever."""
 
 from __future__ import annotations
 
+import secrets
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -13,6 +14,8 @@ import pg_cluster
 import psycopg
 import pytest
 import wal_cluster
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from util import raises_sqlstate, snapshot
 
 from lockstep.lab.example import JOB, divergence
@@ -446,3 +449,84 @@ def test_a_table_partitioned_on_another_column_needs_each_partitions_identity(c)
     assert capture(c)["flagged"] == 1
     assert flags(c)[-1] == "the replica identity of public.marks_c no longer holds column exam_id"
     converge(c)
+
+
+CAPTURE_OWNER_GRANTS = [
+    "grant usage on schema example to {role}",
+    "grant select on example.exam, example.exam_item to {role}",
+    "grant update (id) on example.exam to {role}",
+    "grant select, insert, update, delete on example.exam_key to {role}",
+]
+# what a runner of the recipe reads besides, to capture (and REPLICATION)
+CAPTURE_RUNNER_GRANTS = [
+    "grant select on lockstep.wal_watch, lockstep.capture_state, lockstep.setting to {role}",
+]
+WRITES_HELD = (
+    "select c.relname, p.p from pg_class c cross join unnest(array['INSERT', 'UPDATE', 'DELETE']) p(p)"
+    " where c.relnamespace = 'lockstep'::regnamespace and c.relkind in ('r', 'p')"
+    " and (has_table_privilege(%(r)s, c.oid, p.p)"
+    " or (p.p <> 'DELETE' and has_any_column_privilege(%(r)s, c.oid, p.p)))"
+)
+NOT_CAPTURERS_CALLS = [
+    "lockstep._capture_queue(array['exam_keys'], array['1'], null, null)",
+    "lockstep._capture_done('0/0', 1)",
+    "lockstep._capture_forget()",
+    "lockstep._capture_slot_made('x', 'why', false)",
+    "lockstep._capture_families()",
+]
+
+
+def test_a_runner_holding_no_write_on_lockstep_tables_captures_and_runs(c, wdsn):
+    """A runner of the recipe (docs/security.md) with REPLICATION and the capture's reads, which holds no
+    INSERT, UPDATE or DELETE on lockstep's tables: `lockstep run --once` captures the WAL's changes
+    (lockstep's definer functions queue them and record the LSN read) and its worker converges the job. A
+    role with neither REPLICATION nor lockstep's admin rights is refused by those functions (42501)."""
+    from test_security import OWNER_GRANTS, RUNNER_GRANTS
+
+    tag = secrets.token_hex(4)
+    owner, runner, other = f"wal_owner_{tag}", f"wal_runner_{tag}", f"wal_other_{tag}"
+    names = {"db": conninfo_to_dict(wdsn)["dbname"], "owner": owner}
+    made: list[str] = []
+
+    def grant(role: str, *grant_lists: list[str]) -> None:
+        idents = {k: sql.Identifier(v) for k, v in names.items()}
+        for grants in grant_lists:
+            for g in grants:
+                c.execute(sql.SQL(g).format(role=sql.Identifier(role), **idents))
+
+    try:
+        for name, attrs in ((owner, "nologin"), (runner, "login noinherit replication"), (other, "login")):
+            c.execute(sql.SQL("create role {} " + attrs).format(sql.Identifier(name)))
+            made.append(name)
+        grant(owner, OWNER_GRANTS, CAPTURE_OWNER_GRANTS)
+        grant(runner, RUNNER_GRANTS, CAPTURE_RUNNER_GRANTS)
+        grant(other, ["grant usage on schema lockstep to {role}"])
+        c.execute("update lockstep.job set owner = %s where job = %s", [owner, JOB])
+        assert c.execute(WRITES_HELD, {"r": runner}).fetchall() == []
+        c.execute("update example.exam_item set body = body || ' x' where exam_id = 2")
+        c.execute("truncate example.exam_item")  # says nothing of its keys: the job is flagged
+        p = subprocess.run(
+            [sys.executable, "-m", "lockstep", "run", "--once", "--dsn", make_conninfo(wdsn, user=runner)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert p.returncode == 0, p.stderr
+        assert "Traceback" not in p.stderr and "ERROR" not in p.stderr, p.stderr
+        state = c.execute("select changes > 0, last_capture_at is not null from lockstep.capture_state")
+        assert state.fetchone() == (True, True), p.stderr
+        with psycopg.connect(make_conninfo(wdsn, user=runner), autocommit=True) as r:
+            for _ in range(20):
+                if r.execute("select outcome from lockstep.run(%s)", [JOB]).fetchone()[0] == "idle":
+                    break
+        assert c.execute("select count(*) from lockstep.recompute_flag").fetchone()[0] == 0
+        assert divergence(c) == (0, 0)
+        with psycopg.connect(make_conninfo(wdsn, user=other), autocommit=True) as o:
+            for call in NOT_CAPTURERS_CALLS:
+                with raises_sqlstate("42501", match="may not record a capture"):
+                    o.execute(f"select {call}")
+    finally:
+        for name in reversed(made):
+            c.execute(sql.SQL("drop owned by {} cascade").format(sql.Identifier(name)))
+        for name in reversed(made):
+            c.execute(sql.SQL("drop role {}").format(sql.Identifier(name)))

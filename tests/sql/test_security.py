@@ -189,11 +189,17 @@ def test_every_function_is_security_invoker_with_a_pinned_search_path(conn):
     # (lockstep._check_manages): no recipe role holds DELETE or a table-wide UPDATE on lockstep's tables,
     # so none may lock them
     # and the runner's writes: status rows, failures, queue appends, the run history (no user code runs in
-    # them: keys arrive as canonical text)
+    # them: keys arrive as canonical text); the capture's, for a role that may read its slot
+    # (lockstep._check_captures)
     assert definer == [
         "lockstep._add_suspects(text,text[])",
         "lockstep._append_keys(text,text[])",
         "lockstep._append_through(text,oid,text[])",
+        "lockstep._capture_done(pg_lsn,bigint)",
+        "lockstep._capture_families()",
+        "lockstep._capture_forget()",
+        "lockstep._capture_queue(text[],text[],text[],text[])",
+        "lockstep._capture_slot_made(name,text,boolean)",
         "lockstep._clear_flag(lockstep.job,pg_snapshot,timestamp with time zone)",
         "lockstep._delete(text,text,text[],text[])",
         "lockstep._due_by(text,timestamp with time zone,boolean)",
