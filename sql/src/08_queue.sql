@@ -152,8 +152,9 @@ comment on function lockstep._enqueue_missing(lockstep.job, text[]) is
     'job''s group lock (no worker is taking those entries meanwhile). Locks: as lockstep._enqueue_text.';
 
 -- lockstep._append_keys(job, keys): append keys (canonical text, in the order given) to the queue for job,
--- for a caller that manages job (42501): a runner's hand-off, skipped or mapped parents. Security definer:
--- no recipe role but the application's holds INSERT on the queue. Nothing is checked or written for no key.
+-- for a caller that manages job (42501), a job that exists (LSJ01: one that does not has no owner to
+-- check): a runner's hand-off, skipped or mapped parents. Security definer: no recipe role but the
+-- application's holds INSERT on the queue. Nothing is checked or written for no key.
 -- locks: none beyond the insert into lockstep.queue.
 create or replace function lockstep._append_keys(job text, keys text[]) returns void
 language plpgsql
@@ -164,6 +165,9 @@ begin
     if coalesce(cardinality(keys), 0) = 0 then
         return;
     end if;
+    if not exists (select from lockstep.job x where x.job = _append_keys.job) then
+        raise exception 'lockstep: no job "%"', job using errcode = 'LSJ01';
+    end if;
     perform lockstep._check_manages(job);
     insert into lockstep.queue (job, key)
     select _append_keys.job, u.k from pg_catalog.unnest(keys) with ordinality u(k, o) order by u.o;
@@ -171,7 +175,7 @@ end;
 $$;
 comment on function lockstep._append_keys(text, text[]) is
     'Append keys (canonical text, in the order given) to the queue for job, for a caller that manages job '
-    '(42501). Security definer: no recipe role but the application''s holds INSERT on the queue. Locks: '
+    '(42501), a job that exists (LSJ01). Security definer: no recipe role but the application''s holds INSERT on the queue. Locks: '
     'none beyond the insert into lockstep.queue.';
 
 -- lockstep._queue_job(job): the registry row of a derived job that has a queue (it has a parent).

@@ -62,7 +62,9 @@ comment on function lockstep.set_run_log_retention(interval, integer) is
 
 -- lockstep._prune_run_log(job, run_no, keep, max_per_job, action): delete at most 10 rows older than keep
 -- and job's rows that just fell off its max_per_job newest (lockstep._spared_run spared). One pruner at a time.
--- Security definer, for a caller that manages job (42501): no recipe role holds DELETE on run_log.
+-- Security definer, for a caller that manages job (42501): no recipe role holds DELETE on run_log. It reads
+-- every job's rows, so it never prunes beyond lockstep.setting's retention, nor past job's own run count
+-- (lockstep.job_state.runs; none for a job that does not exist), whatever its caller passes.
 -- locks: the advisory lock (lockstep, run_log), transaction-level, without waiting (not taken: no prune);
 -- then the run_log rows it deletes (no application touches them).
 create or replace function lockstep._prune_run_log(job text, run_no bigint, keep interval, max_per_job integer,
@@ -78,6 +80,9 @@ begin
     if not pg_catalog.pg_try_advisory_xact_lock(pg_catalog.hashtext('lockstep'), pg_catalog.hashtext('run_log')) then
         return;
     end if;
+    keep := greatest(keep, coalesce((select t.run_log_keep from lockstep.setting t), interval '14 days'));
+    max_per_job := greatest(max_per_job, coalesce((select t.run_log_max_per_job from lockstep.setting t), 1000));
+    run_no := least(run_no, coalesce((select s.runs from lockstep.job_state s where s.job = _prune_run_log.job), 0));
     delete from lockstep.run_log l
     where l.id in (select o.id from lockstep.run_log o
                    where o.finished_at < now() - keep order by o.finished_at limit 10);
@@ -99,7 +104,8 @@ end;
 $$;
 comment on function lockstep._prune_run_log(text, bigint, interval, integer, text) is
     'Delete at most 10 rows older than keep and job''s rows that just fell off its max_per_job newest '
-    '(lockstep._spared_run spared). One pruner at a time. Locks: the advisory lock (lockstep, run_log), '
+    '(lockstep._spared_run spared), never beyond lockstep.setting''s retention or job''s run count. One '
+    'pruner at a time. Locks: the advisory lock (lockstep, run_log), '
     'transaction-level, without waiting (not taken: no prune); then the run_log rows it deletes (no '
     'application touches them).';
 

@@ -576,6 +576,33 @@ DEFINER_CALLS = [
 ]
 
 
+def test_lockstep_definer_functions_write_nothing_for_a_job_that_does_not_exist(ex, example_dsn, roles):
+    """A job that does not exist has no owner to check, and every role may call lockstep's definer
+    functions: _append_keys queued keys of any job name for a role holding nothing but USAGE on schema
+    lockstep, past the recipes' grants on the queue (a flood of the shared queue, or entries waiting for a
+    job another owner defines later under that name), and _prune_run_log deleted every job's history."""
+    nobody = roles("lockstep_nobody", ["grant usage on schema lockstep to {role}"])
+    # the history of a job dropped since (history outlives its job), and exam_keys' run
+    ex.execute(
+        "insert into lockstep.run_log (job, owner, lock_group, kind, action, outcome, started_at,"
+        " finished_at, duration_ms, run_no)"
+        " values ('no_such_job', 'x', 'x', 'job', 'call', 'done', now(), now(), 1, 1)"
+    )
+    assert ex.execute("select count(*) from lockstep.run_log where job = 'exam_keys'").fetchone()[0] > 0
+    before = snapshot(ex, "lockstep.through_entry", "lockstep.run_log")
+    with psycopg.connect(as_role(example_dsn, nobody), autocommit=True) as o:
+        # _prune_run_log pruned every job's rows older than the keep its caller passed, and job's own by the
+        # run count its caller passed
+        prune = "lockstep._prune_run_log('no_such_job', 1000000, interval '1 microsecond', 0, 'recompute')"
+        for call in [*DEFINER_CALLS, prune]:
+            call = call.replace("exam_keys", "no_such_job")
+            try:
+                o.execute(f"select {call}")
+            except psycopg.Error:
+                pass  # refused, or nothing to change
+    assert snapshot(ex, "lockstep.through_entry", "lockstep.run_log") == before
+
+
 def test_a_composite_key_type_altered_after_define_runs_no_owner_code_as_the_runner(ex, example_dsn, mallory):
     """mallory makes a field of her composite key type her domain after define_derived: its CHECK would run
     where a superuser's recompute or pass, retry or enqueue converts keys. None of them runs it with the
