@@ -260,6 +260,7 @@ drop function if exists lockstep._canon_each(lockstep.job, text[]);
 drop function if exists lockstep._keys_from_text(text, text[], anyarray);
 drop function if exists lockstep._keys_cast_sql(regtype);
 drop function if exists lockstep._trims_scale(regtype);
+drop function if exists lockstep._numeric_fields(regtype);
 drop function if exists lockstep._handoff_pending(lockstep.job_state);
 drop function if exists lockstep._wait_lock(text);
 drop view if exists lockstep.status;

@@ -17,8 +17,22 @@ as $$
     select exists (select from base where base.t = 'pg_catalog.numeric'::pg_catalog.regtype);
 $$;
 
+-- lockstep._numeric_fields(t): the fields of numeric type of the composite type t holds (t an array type),
+-- whose text keeps trailing zeros: lockstep._canon trims them; NULL if none.
+create or replace function lockstep._numeric_fields(t regtype) returns text[]
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    select pg_catalog.array_agg(a.attname::text order by a.attnum)
+    from pg_catalog.pg_type e
+    join pg_catalog.pg_type y on y.oid = e.typelem and y.typtype = 'c'
+    join pg_catalog.pg_attribute a on a.attrelid = y.typrelid and a.attnum > 0 and not a.attisdropped
+    where e.oid = t and a.atttypid = 'pg_catalog.numeric'::pg_catalog.regtype;
+$$;
+
 -- lockstep._canon(keys): the distinct non-NULL keys in canonical text, sorted by key (not as text): the one
--- place a key value becomes text (queue, key_failure, retry, the worker's keys).
+-- place a key value becomes text (queue, key_failure, retry, the worker's keys). Numerics, and a composite
+-- key's numeric fields, without trailing zeros.
 create or replace function lockstep._canon(keys anyarray) returns text[]
 language sql stable
 set search_path = pg_catalog, pg_temp
@@ -32,10 +46,17 @@ as $$
     select lockstep._check_key_type_safe(null, (select y.typelem from pg_catalog.pg_type y
                                                 where y.oid = pg_catalog.pg_typeof(keys)));
     select coalesce(pg_catalog.array_agg(case when t.trim then pg_catalog.trim_scale(k::text::numeric)::text
-                                              else k::text end order by k), '{}')
+                                              when t.fields is null then k::text
+                                              -- the key with its numeric fields read again from their trimmed text
+                                              else pg_catalog.jsonb_populate_record(k, (
+                                                  select pg_catalog.jsonb_object_agg(f.key, pg_catalog.trim_scale(f.value::numeric))
+                                                  from pg_catalog.jsonb_each(pg_catalog.to_jsonb(k)) f
+                                                  where f.key = any(t.fields) and pg_catalog.jsonb_typeof(f.value) = 'number'))::text
+                                         end order by k), '{}')
     -- unnest in the select list: a composite key's field named k cannot shadow the whole key
     from (select distinct u.k from (select pg_catalog.unnest(keys) as k) u where u.k is not null) s,
-         (select lockstep._trims_scale(pg_catalog.pg_typeof(keys)) as trim offset 0) t;  -- once, not per key
+         (select lockstep._trims_scale(pg_catalog.pg_typeof(keys)) as trim,  -- once, not per key
+                 lockstep._numeric_fields(pg_catalog.pg_typeof(keys)) as fields offset 0) t;
 $$;
 
 -- lockstep._fast_types(): key types whose JSON text (to_jsonb) is their canonical text under every setting;

@@ -124,9 +124,10 @@ declare
     v_fields oid[] := array(select a.atttypid from pg_catalog.pg_type y
                             join pg_catalog.pg_attribute a on a.attrelid = y.typrelid and a.attnum > 0
                             where y.oid = j.key_type and not a.attisdropped order by a.attnum);
-    -- fields whose text is the same under every setting: the record's text is canonical (lockstep._canon)
+    -- fields whose text is the same under every setting: the record's text is canonical (lockstep._canon);
+    -- not a numeric's, whose trailing zeros lockstep._canon trims
     v_read text := case when not exists (select from pg_catalog.unnest(v_fields) f
-                                         where f::regtype::text <> all (lockstep._fast_types()))
+                                         where f::regtype::text <> all (lockstep._fast_types()) or f = 'pg_catalog.numeric'::regtype)
                         then 'v_keys := array(select s.k::pg_catalog.text from (%s) s where s.k is not null order by s.k);'
                         else 'v_keys := lockstep._canon(array(select s.k from (%s) s where s.k is not null));' end;
     v_cols oid[] := array(select a.atttypid from pg_catalog.unnest(key_columns) with ordinality c(n, o)

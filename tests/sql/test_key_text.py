@@ -104,3 +104,40 @@ def test_every_path_queues_one_text_per_key(conn: psycopg.Connection, case: str)
     conn.execute("select lockstep.recompute('kt')")
     handed = conn.execute("select array_agg(distinct key) from lockstep.queue").fetchone()[0]
     assert handed == [canon]
+
+
+def test_a_composite_keys_numeric_field_has_one_text(conn: psycopg.Connection) -> None:
+    """A composite key's numeric field kept its trailing zeros: enqueue() of (1,1) and (1.000,1) and a watch
+    of numeric(10,2) columns queued three texts for one parent."""
+    conn.execute(
+        "create table p (a numeric(10,2) not null, b int not null, body text not null default '',"
+        " primary key (a, b));"
+        " create table t (a numeric(10,2) not null, b int not null, n int not null, primary key (a, b),"
+        " foreign key (a, b) references p on delete cascade);"
+        " create type pk as (a numeric, b int);"
+        " create function t_c(keys pk[]) returns table (a numeric, b int, n int) language sql stable as $$"
+        " select p.a, p.b, length(p.body) from public.p"
+        " where keys is null or (p.a, p.b) in (select k.a, k.b from unnest(keys) k) $$;"
+        " create table s (id int primary key, a numeric(10,2), b int);"
+        " insert into p values (0.5, 1), (1, 1)"
+    )
+    conn.execute(
+        "select lockstep.define_derived('kc', 't', 't_c(pk[])', 'p',"
+        " parent_columns => array['a', 'b']::name[])"
+    )
+    conn.execute("select lockstep.recompute('kc')")
+    conn.execute("select lockstep.watch('kc', 's', key_columns => array['a', 'b']::name[])")
+    conn.execute("delete from lockstep.queue; delete from lockstep.recompute_flag")
+    conn.execute("insert into s values (1, 1, 1)")
+    conn.execute("select lockstep.enqueue('kc', array[row(1, 1), row(1.000, 1)]::pk[])")
+    conn.execute("select lockstep.enqueue('kc', array[row(1.0, 1)]::pk[])")
+    assert conn.execute("select array_agg(distinct key) from lockstep.queue").fetchone()[0] == ["(1,1)"]
+    conn.execute("delete from lockstep.queue")
+    conn.execute("select lockstep.set_batch_parents('kc', 1)")
+    conn.execute("update p set body = 'changed'")
+    conn.execute("delete from lockstep.queue")
+    conn.execute("select lockstep.recompute('kc')")  # (1.00,1) handed off
+    assert conn.execute("select array_agg(distinct key) from lockstep.queue").fetchone()[0] == ["(1,1)"]
+    conn.execute("update lockstep.queue set ready_at = now()")
+    assert conn.execute("select (lockstep.work('kc')).outcome").fetchone()[0] == "done"
+    assert conn.execute("select n from t where a = 1 and b = 1").fetchone()[0] == len("changed")
