@@ -176,6 +176,7 @@ drop view if exists lockstep.capture_status;
 drop function if exists lockstep.capture(integer);
 drop function if exists lockstep.set_capture_bounds(bigint, bigint);
 drop function if exists lockstep._capture_read(name, pg_lsn, integer);
+drop function if exists lockstep._trim_keys(text[], regtype, oid, text[]);
 drop function if exists lockstep._capture_slot_ready(name);
 drop function if exists lockstep._capture_families();
 drop function if exists lockstep._pgo_truncated(bytea);

@@ -660,6 +660,32 @@ as $$
     from pg_catalog.unnest(typs) with ordinality u(t, o);
 $$;
 
+-- lockstep._trim_keys(keys, key_type, typ, kinds): the keys the WAL gave for a key of key_type, numerics
+-- without trailing zeros, as lockstep._canon writes them: a one-column numeric key's from a column of type
+-- typ whose text a numeric reads (kinds NULL); a composite key's with a numeric field (kinds, its fields'
+-- types) through lockstep._canon; else keys as they are.
+create or replace function lockstep._trim_keys(keys text[], key_type regtype, typ oid, kinds text[]) returns text[]
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if kinds is not null and 'numeric' = any(kinds) and keys is not null then
+        begin  -- record text of fields of lockstep._fast_types() (_capture_read checked them): it reads back
+            execute pg_catalog.format('select lockstep._canon($1::%s)', lockstep._array_type(key_type))
+                into keys using keys;
+        exception when others then
+            null;  -- as the WAL said
+        end;
+        return keys;
+    elsif key_type is distinct from 'pg_catalog.numeric'::pg_catalog.regtype or kinds is not null
+       or typ is null or typ not in (20, 21, 23, 1700) then  -- int8, int2, int4, numeric: lockstep._fast_pairs()
+        return keys;
+    end if;
+    return array(select pg_catalog.trim_scale(u.k::pg_catalog.numeric)::text
+                 from pg_catalog.unnest(keys) with ordinality u(k, o) order by u.o);
+end;
+$$;
+
 -- lockstep._capture_read(slot, upto, max_rows): peek the slot's changes up to upto (about max_rows
 -- messages, whole transactions), queue the watched tables' old and new keys (a composite key's record text:
 -- lockstep._pgo_records), flag the jobs whose changes say nothing of their keys (TRUNCATE, key column
@@ -699,7 +725,7 @@ begin
                            order by p.o desc limit 1) x on true
         where r.t in (73, 85, 68)
     ), keyed as materialized (
-        select c.job, k.keys, case
+        select c.job, lockstep._trim_keys(k.keys, c.key_type, c.typ, c.kinds) keys, case
             when c.idx is null or pg_catalog.array_position(c.idxs, null) is not null
                 then pg_catalog.format('column %I of %s is not in its WAL records (renamed or dropped)',
                                        coalesce(c.cols[pg_catalog.array_position(c.idxs, null)], c.key_column), c.relid::regclass)

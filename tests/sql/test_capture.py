@@ -530,3 +530,57 @@ def test_a_runner_holding_no_write_on_lockstep_tables_captures_and_runs(c, wdsn)
             c.execute(sql.SQL("drop owned by {} cascade").format(sql.Identifier(name)))
         for name in reversed(made):
             c.execute(sql.SQL("drop role {}").format(sql.Identifier(name)))
+
+
+def test_a_numeric_key_read_from_the_wal_is_queued_without_trailing_zeros(c):
+    """The WAL holds a numeric(10,2) column's text, 1.00: it was queued as it is, while enqueue() and the
+    triggers queue lockstep._canon's 1 for the same parent."""
+    c.execute(
+        "create table public.np (id numeric(10,2) primary key, body text not null default '');"
+        " create table public.nt (p_id numeric(10,2) primary key references public.np on delete cascade,"
+        " n int not null);"
+        " create function public.nt_c(keys numeric[]) returns table (p_id numeric, n int) language sql stable"
+        " as $$ select p.id, length(p.body) from public.np p where keys is null or p.id = any(keys) $$;"
+        " create table public.ns (id int primary key, p_id numeric(10,2));"
+        " alter table public.ns replica identity full;"
+        " insert into public.np values (1), (2.5)"
+    )
+    c.execute("select lockstep.define_derived('kn', 'public.nt', 'public.nt_c(numeric[])', 'public.np')")
+    c.execute("select lockstep.watch('kn', 'public.ns', 'p_id', via => 'wal')")
+    capture(c)
+    c.execute("delete from lockstep.queue")
+    c.execute("insert into public.ns values (1, 1), (2, 2.5)")
+    assert capture(c)["outcome"] == "done"
+    c.execute("select lockstep.enqueue('kn', array[1.000, 2.50]::numeric[])")
+    keys = c.execute("select array_agg(distinct key order by key) from lockstep.queue where job = 'kn'")
+    assert keys.fetchone()[0] == ["1", "2.5"]
+
+
+def test_a_composite_keys_numeric_field_read_from_the_wal_is_queued_without_trailing_zeros(c):
+    c.execute(
+        "create table public.cp (a numeric(10,2) not null, b int not null, body text not null default '',"
+        " primary key (a, b));"
+        " create table public.ct (a numeric(10,2) not null, b int not null, n int not null,"
+        " primary key (a, b), foreign key (a, b) references public.cp on delete cascade);"
+        " create type public.ck as (a numeric, b int);"
+        " create function public.ct_c(keys public.ck[]) returns table (a numeric, b int, n int) language sql"
+        " stable as $$ select p.a, p.b, length(p.body) from public.cp p"
+        " where keys is null or (p.a, p.b) in (select k.a, k.b from unnest(keys) k) $$;"
+        " create table public.cs (id int primary key, a numeric(10,2), b int);"
+        " alter table public.cs replica identity full;"
+        " insert into public.cp values (1, 1), (2.5, 2)"
+    )
+    c.execute(
+        "select lockstep.define_derived('kc', 'public.ct', 'public.ct_c(public.ck[])', 'public.cp',"
+        " parent_columns => array['a', 'b']::name[])"
+    )
+    c.execute(
+        "select lockstep.watch('kc', 'public.cs', key_columns => array['a', 'b']::name[], via => 'wal')"
+    )
+    capture(c)
+    c.execute("delete from lockstep.queue")
+    c.execute("insert into public.cs values (1, 1, 1), (2, 2.5, 2)")
+    assert capture(c)["outcome"] == "done"
+    c.execute("select lockstep.enqueue('kc', array[row(1, 1), row(2.50, 2)]::public.ck[])")
+    keys = c.execute("select array_agg(distinct key order by key) from lockstep.queue where job = 'kc'")
+    assert keys.fetchone()[0] == ["(1,1)", "(2.5,2)"]
