@@ -126,8 +126,17 @@ begin
     for t in select tg.tgname, tg.tgrelid::regclass rel from pg_catalog.pg_trigger tg
              join pg_catalog.pg_proc p on p.oid = tg.tgfoid
              where p.oid = pg_catalog.to_regprocedure('lockstep.enqueue_through()')
+                or (p.pronamespace = 'lockstep'::regnamespace and p.proname like 'enqueue\_w\_%' and tg.tgnargs = 6)
     loop
         execute pg_catalog.format('drop trigger %I on %s', t.tgname, t.rel);
+    end loop;
+    -- the generated functions of those triggers (lockstep._gen_through), now used by none
+    for t in select p.oid::regprocedure f from pg_catalog.pg_proc p
+             where p.pronamespace = 'lockstep'::regnamespace and p.proname like 'enqueue\_w\_%'
+               and pg_catalog.strpos(p.prosrc, 'lockstep._gen_through') > 0
+               and not exists (select from pg_catalog.pg_trigger tg where tg.tgfoid = p.oid)
+    loop
+        execute pg_catalog.format('drop function %s', t.f);
     end loop;
 end;
 $$;
@@ -159,6 +168,8 @@ drop function if exists lockstep._watch_through_columns(lockstep.job, regclass, 
 drop function if exists lockstep._through_sql(text, text, text, text, text, text);
 drop function if exists lockstep._through_types_problem(regclass, name[], regtype);
 drop function if exists lockstep._through_map_sql(lockstep.job);
+drop function if exists lockstep._gen_through(lockstep.job, regclass, name[], regclass, name[], name[]);
+drop function if exists lockstep._through_template();
 drop function if exists lockstep._check_source_key(lockstep.job, regclass, name);
 
 -- the WAL capture: its slot and publication first (nothing of 0001 reads them), then its code and state

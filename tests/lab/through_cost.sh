@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The cost of a watch through a join, side by side with pgbench: writes of order_line unwatched (base),
-# watched directly on its customer_id (plain), and watched on order_id through orders (through). Each
+# watched directly on its customer_id (plain), watched on order_id through orders by the shared trigger
+# function lockstep.enqueue_through (shared: what a role that may not create in schema lockstep gets) and
+# by the function watch() generates for it (through). Each
 # scenario runs SECS seconds (default 8) with 4 clients, single-row UPDATEs (upd) then INSERTs (ins); two
 # rounds, the second in reverse order. A scratch database is created and dropped.
 # Usage: PATH=.venv/bin:$PATH SECS=8 tests/lab/through_cost.sh
@@ -42,18 +44,31 @@ PGB
 SECS=${SECS:-8}
 plain="select lockstep.watch('ct', 'order_line', 'customer_id')"
 through="select lockstep.watch('ct', 'order_line', 'order_id', through => 'orders', through_column => 'customer_id')"
+# the through watch's triggers on order_line moved to the shared function, with the same arguments
+shared="do \$\$ declare t record; begin
+    for t in select tgname, pg_get_triggerdef(oid) def from pg_trigger
+             where tgrelid = 'order_line'::regclass and tgnargs = 6 loop
+        execute format('drop trigger %I on order_line', t.tgname);
+        execute regexp_replace(t.def, 'lockstep\.enqueue_w_[0-9a-f]+', 'lockstep.enqueue_through');
+    end loop; end \$\$"
 off="select lockstep.unwatch('ct', 'order_line'); select lockstep.unwatch('ct', 'orders');
      truncate lockstep.queue, lockstep.through_entry; delete from lockstep.recompute_flag"
 for round in 1 2; do
-    order="base plain through"; [ $round = 2 ] && order="through plain base"
+    order="base plain shared through"; [ $round = 2 ] && order="through shared plain base"
     for sc in $order; do
         for script in upd ins; do
             $P -c "$off" >/dev/null 2>&1 || true
-            case $sc in plain) $P -c "$plain" >/dev/null 2>&1 ;; through) $P -c "$through" >/dev/null 2>&1 ;; esac
+            case $sc in
+                plain) $P -c "$plain" >/dev/null 2>&1 ;;
+                through) $P -c "$through" >/dev/null 2>&1 ;;
+                shared) $P -c "$through" >/dev/null 2>&1; $P -c "$shared" >/dev/null ;;
+            esac
             $P -c "checkpoint" >/dev/null
             tps=$($B/pgbench -h $H -n -M prepared -c 4 -j 2 -T "$SECS" -f $W/$script.pgb $DB 2>/dev/null |
                   sed -n 's/^tps = \([0-9.]*\) (without.*/\1/p')
-            echo "round=$round scenario=$sc script=$script tps=$tps"
+            fn=$($P -Atc "select string_agg(distinct tgfoid::regproc::text, ',') from pg_trigger
+                          where tgrelid = 'order_line'::regclass and tgnargs >= 2")
+            echo "round=$round scenario=$sc script=$script tps=$tps function=${fn:-none}"
         done
     done
 done

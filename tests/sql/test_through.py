@@ -42,13 +42,38 @@ select count(*) from (
 """
 
 
-@pytest.fixture
-def shop(conn: psycopg.Connection) -> psycopg.Connection:
+# the triggers of the watch of shop.order_line on the shared lockstep.enqueue_through(), with the same
+# arguments: what a role that may not create in schema lockstep gets
+SHARED = r"""
+do $$
+declare
+    t record;
+begin
+    for t in select tgname, tgrelid::regclass rel, pg_get_triggerdef(oid) def from pg_trigger
+             where tgrelid = 'shop.order_line'::regclass and tgnargs = 6 loop
+        execute format('drop trigger %I on %s', t.tgname, t.rel);
+        execute regexp_replace(t.def, 'lockstep\.enqueue_w_[0-9a-f]+', 'lockstep.enqueue_through');
+    end loop;
+end $$
+"""
+FUNCTIONS = (
+    "select distinct tgfoid::regproc::text from pg_trigger"
+    " where tgrelid = 'shop.order_line'::regclass and tgnargs = 6"
+)
+
+
+@pytest.fixture(params=["generated", "shared"])
+def shop(conn: psycopg.Connection, request: pytest.FixtureRequest) -> psycopg.Connection:
     conn.execute(SHOP)
     conn.execute(
         "select lockstep.watch('totals', 'shop.order_line', 'order_id',"
         " through => 'shop.orders', through_column => 'customer_id')"
     )
+    if request.param == "shared":
+        conn.execute(SHARED)
+        assert conn.execute(FUNCTIONS).fetchall() == [("lockstep.enqueue_through",)]
+    else:
+        assert conn.execute(FUNCTIONS).fetchone()[0].startswith("lockstep.enqueue_w_")
     conn.execute("select lockstep.recompute('totals')")  # the flag of the newly watched tables
     conn.execute("delete from lockstep.queue")
     return conn

@@ -57,10 +57,35 @@ select count(*) from (
 """
 
 
-@pytest.fixture
-def shop(conn: psycopg.Connection) -> psycopg.Connection:
+# the triggers of the watch of shop.order_line on the shared lockstep.enqueue_through(), with the same
+# arguments: what a role that may not create in schema lockstep gets
+SHARED = r"""
+do $$
+declare
+    t record;
+begin
+    for t in select tgname, tgrelid::regclass rel, pg_get_triggerdef(oid) def from pg_trigger
+             where tgrelid = 'shop.order_line'::regclass and tgnargs = 6 loop
+        execute format('drop trigger %I on %s', t.tgname, t.rel);
+        execute regexp_replace(t.def, 'lockstep\.enqueue_w_[0-9a-f]+', 'lockstep.enqueue_through');
+    end loop;
+end $$
+"""
+FUNCTIONS = (
+    "select distinct tgfoid::regproc::text from pg_trigger"
+    " where tgrelid = 'shop.order_line'::regclass and tgnargs = 6"
+)
+
+
+@pytest.fixture(params=["generated", "shared"])
+def shop(conn: psycopg.Connection, request: pytest.FixtureRequest) -> psycopg.Connection:
     conn.execute(SHOP)
     conn.execute(WATCH)
+    if request.param == "shared":
+        conn.execute(SHARED)
+        assert conn.execute(FUNCTIONS).fetchall() == [("lockstep.enqueue_through",)]
+    else:
+        assert conn.execute(FUNCTIONS).fetchone()[0].startswith("lockstep.enqueue_w_")
     conn.execute("select lockstep.recompute('totals')")  # the flag of the newly watched tables
     conn.execute("delete from lockstep.queue")
     return conn
@@ -373,3 +398,79 @@ def test_unwatch_removes_the_through_triggers(shop: psycopg.Connection) -> None:
     shop.execute("select lockstep.unwatch('totals', 'shop.order_line')")
     shop.execute("update shop.order_line set amount = 1 where id = 1001")
     assert queued(shop) == []
+
+
+def test_a_through_table_renamed_and_replaced_is_never_read(shop: psycopg.Connection) -> None:
+    """The generated trigger names the through table: renamed, and another table made under its name,
+    it flags the job and reads neither (the shared one maps by the table's oid)."""
+    shop.execute("alter table shop.orders rename to orders_old")
+    shop.execute("create table shop.orders (tenant_id int, id bigint, customer_id bigint)")
+    shop.execute("insert into shop.orders values (1, 5, 99)")
+    shop.execute("update shop.order_line set amount = amount + 1 where tenant_id = 1 and order_id = 5")
+    assert "(1,99)" not in queued(shop)
+    generated = shop.execute(FUNCTIONS).fetchone()[0].startswith("lockstep.enqueue_w_")
+    assert bool(flagged(shop)) == generated, flagged(shop)
+
+
+HOSTILE = r"""
+create table public.canary (v int);
+insert into public.canary values (1);
+create schema "we;ird";
+create table "we;ird"."Cus%s tomer" ("ten'ant" int not null, "I d" bigint not null,
+                                     primary key ("ten'ant", "I d"));
+create table "we;ird"."Or""ders" ("ten'ant" int not null, "I d" bigint not null,
+                                  "cust%1$s; drop" bigint not null,
+                                  primary key ("ten'ant", "I d"),
+                                  foreign key ("ten'ant", "cust%1$s; drop")
+                                      references "we;ird"."Cus%s tomer");
+create table "we;ird"."li ne" (id bigint primary key, "ten'ant" int not null,
+                               "ord'); --" bigint not null,
+                               foreign key ("ten'ant", "ord'); --") references "we;ird"."Or""ders");
+create table "we;ird"."to tal" ("ten'ant" int not null, "I d" bigint not null, n bigint not null,
+                                primary key ("ten'ant", "I d"),
+                                foreign key ("ten'ant", "I d")
+                                    references "we;ird"."Cus%s tomer" on delete cascade);
+create type "we;ird"."k%s ey" as ("ten'ant" int, "I d" bigint);
+create function "we;ird".compute(keys "we;ird"."k%s ey"[])
+returns table ("ten'ant" int, "I d" bigint, n bigint)
+language sql stable as $$
+    select c."ten'ant", c."I d", count(l.id) from "we;ird"."Cus%s tomer" c
+    left join "we;ird"."Or""ders" o
+           on o."ten'ant" = c."ten'ant" and o."cust%1$s; drop" = c."I d"
+    left join "we;ird"."li ne" l on l."ten'ant" = o."ten'ant" and l."ord'); --" = o."I d"
+    where keys is null or (c."ten'ant", c."I d") in (select k."ten'ant", k."I d" from unnest(keys) k)
+    group by 1, 2 $$;
+insert into "we;ird"."Cus%s tomer" select t, g from generate_series(1, 2) t, generate_series(1, 3) g;
+insert into "we;ird"."Or""ders" select t, g, 1 + g % 3 from generate_series(1, 2) t, generate_series(1, 6) g;
+insert into "we;ird"."li ne" select g, 1 + g % 2, 1 + g % 6 from generate_series(1, 30) g;
+select lockstep.define_derived('j''ob; --', '"we;ird"."to tal"', '"we;ird".compute("we;ird"."k%s ey"[])',
+                               '"we;ird"."Cus%s tomer"', every => '1 day');
+select lockstep.watch('j''ob; --', '"we;ird"."li ne"', key_columns => array['ten''ant', 'ord''); --']::name[],
+                      through => '"we;ird"."Or""ders"',
+                      through_columns => array['ten''ant', 'cust%1$s; drop']::name[]);
+select lockstep.recompute('j''ob; --');
+delete from lockstep.queue;
+"""
+
+
+def test_hostile_names_through_a_join(conn: psycopg.Connection) -> None:
+    conn.execute(HOSTILE)
+    fn = conn.execute(
+        'select distinct tgfoid::regproc::text from pg_trigger where tgrelid = \'"we;ird"."li ne"\'::regclass'
+        " and tgnargs = 6"
+    ).fetchall()
+    assert len(fn) == 1 and fn[0][0].startswith("lockstep.enqueue_w_"), fn
+    conn.execute(
+        """update "we;ird"."li ne" set "ord'); --" = 2 where id = 1"""
+    )  # (2, 2) to (2, 2)'s customer
+    conn.execute("""update "we;ird"."li ne" set "ten'ant" = 1, "ord'); --" = 1 where id = 3""")  # from (2, 4)
+    queued = [k for (k,) in conn.execute("select distinct key from lockstep.queue order by 1")]
+    assert queued == ["(1,2)", "(2,2)", "(2,3)"]
+    assert conn.execute("select count(*) from lockstep.recompute_flag").fetchone()[0] == 0
+    drain(conn, "j'ob; --")
+    differ = conn.execute(
+        """select count(*) from ((table "we;ird"."to tal" except select * from "we;ird".compute(null))
+           union all (select * from "we;ird".compute(null) except table "we;ird"."to tal")) d"""
+    ).fetchone()[0]
+    assert differ == 0
+    assert conn.execute("select v from public.canary").fetchall() == [(1,)]
