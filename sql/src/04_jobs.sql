@@ -160,6 +160,7 @@ as $$
 declare
     p pg_catalog.pg_proc;
     old lockstep.job;
+    v_new lockstep.job;
 begin
     perform lockstep._check_schedule(job, lock_group, every, backoff);
     perform lockstep._check_timeout(timeout);
@@ -185,20 +186,16 @@ begin
                 using errcode = 'LSJ02';
         end if;
     end if;
-    insert into lockstep.job as j (job, kind, lock_group, call, every, backoff, timeout)
-    values (job, 'job', coalesce(lock_group, job), call::text, every, backoff, timeout)
-    on conflict on constraint job_pkey do update
-        set lock_group = excluded.lock_group, call = excluded.call, every = excluded.every,
-            backoff = excluded.backoff, timeout = excluded.timeout, updated_at = now();
-    insert into lockstep.job_state (job) values (job) on conflict do nothing;
     -- another call is due now; a new every counts from the last run; the same every keeps next_run_at
-    if old.job is not null then
-        update lockstep.job_state s
-        set next_run_at = case when old.call is distinct from call::text then now()
-                               when old.every = every then s.next_run_at  -- the same schedule: kept
-                               else least(s.next_run_at, coalesce(s.last_started_at, now()) + every) end
-        where s.job = define_job.job;
-    end if;
+    v_new.job := job;
+    v_new.kind := 'job';
+    v_new.owner := current_user;
+    v_new.lock_group := coalesce(lock_group, job);
+    v_new.call := call::text;
+    v_new.every := every;
+    v_new.backoff := backoff;
+    v_new.timeout := timeout;
+    perform lockstep._put_job(v_new);  -- security definer: the registry and status rows
 end;
 $$;
 comment on function lockstep.define_job(text, regprocedure, text, interval, interval, interval) is

@@ -821,8 +821,7 @@ begin
     perform lockstep._save_derived(job, target, compute, parent, v_par.parent_column, v_par.parent_key,
                                    v_par.key_type, v_key, v_cols, lock_group, every, backoff);
     perform lockstep._save_parent_keys(job, v_par.parent_columns, v_par.parent_keys);
-    update lockstep.job x set timeout = define_derived.timeout
-    where x.job = define_derived.job and x.timeout <> define_derived.timeout;
+    perform lockstep._update_job(job, timeout => timeout);  -- security definer
     perform lockstep._drop_query_objects(v_old.compute, v_old.key_type);  -- what lockstep wrote for it before
 end;
 $$;
@@ -901,6 +900,7 @@ set search_path = pg_catalog, pg_temp
 as $$
 declare
     old lockstep.job;
+    v_new lockstep.job;
 begin
     select * into old from lockstep.job j where j.job = _save_derived.job;
     if found then
@@ -910,37 +910,29 @@ begin
                 using errcode = 'LSJ02';
         end if;
     end if;
-    insert into lockstep.job as j (job, kind, lock_group, target, compute, parent, parent_column, parent_key,
-                                   key_type, target_key, columns, image_columns, every, backoff)
-    values (job, 'derived', coalesce(lock_group, job), target, compute::text, parent, parent_column, parent_key,
-            key_type, target_key, columns,
-            -- the primary key is matched by its own equality, never by image
-            lockstep._image_columns(target, array(select c from pg_catalog.unnest(columns) c where c <> all(target_key))),
-            every, backoff)
-    on conflict on constraint job_pkey do update
-        set lock_group = excluded.lock_group, target = excluded.target, compute = excluded.compute,
-            parent = excluded.parent, parent_column = excluded.parent_column, parent_key = excluded.parent_key,
-            key_type = excluded.key_type, target_key = excluded.target_key, columns = excluded.columns,
-            image_columns = excluded.image_columns, every = excluded.every, backoff = excluded.backoff, updated_at = now();
-    insert into lockstep.job_state (job) values (job) on conflict do nothing;
+    v_new.job := job;
+    v_new.kind := 'derived';
+    v_new.owner := current_user;
+    v_new.lock_group := coalesce(lock_group, job);
+    v_new.target := target;
+    v_new.compute := compute::text;
+    v_new.parent := parent;
+    v_new.parent_column := parent_column;
+    v_new.parent_key := parent_key;
+    v_new.key_type := key_type;
+    v_new.target_key := target_key;
+    v_new.columns := columns;
+    -- the primary key is matched by its own equality, never by image
+    v_new.image_columns := lockstep._image_columns(target, array(select c from pg_catalog.unnest(columns) c
+                                                                 where c <> all(target_key)));
+    v_new.every := every;
+    v_new.backoff := backoff;
     -- a redefinition whose rows may differ makes the recompute due now; a new every counts from the last run
-    if old.job is not null then
-        update lockstep.job_state s
-        set next_run_at = case
-                when (old.compute, old.target, old.parent, old.parent_column, old.parent_key, old.key_type,
-                      old.columns, old.target_key, old.image_columns)
-                     is distinct from (compute::text, target, parent, parent_column, parent_key, key_type, columns,
-                                       target_key,
-                                       (select x.image_columns from lockstep.job x where x.job = _save_derived.job))
-                     then now()
-                when old.every = every then s.next_run_at  -- the same schedule: kept (as define_job)
-                else least(s.next_run_at, coalesce(s.last_started_at, now()) + every) end
-        where s.job = _save_derived.job;
-        -- another parent key type: the queued keys and their failures name old parents; the due recompute covers all
-        if old.key_type is distinct from key_type then
-            perform lockstep._delete('queue', _save_derived.job);
-            perform lockstep._delete('key_failure', _save_derived.job);
-        end if;
+    perform lockstep._put_job(v_new);  -- security definer: the registry and status rows
+    -- another parent key type: the queued keys and their failures name old parents; the due recompute covers all
+    if old.job is not null and old.key_type is distinct from key_type then
+        perform lockstep._delete('queue', _save_derived.job);
+        perform lockstep._delete('key_failure', _save_derived.job);
     end if;
 end;
 $$;
@@ -951,14 +943,19 @@ comment on function lockstep._save_derived(text, regclass, regprocedure, regclas
 
 -- lockstep._save_parent_keys(job, parent_columns, parent_keys): record a derived job's parent key columns
 -- (define_derived, after lockstep._save_derived); other columns than before make its recompute due now.
+-- For a caller that may write the job (lockstep._check_manages, lockstep._check_may_own: 42501).
+-- Security definer: the owner recipe holds no UPDATE on lockstep's tables.
 -- locks: the job's registry row and, when they change on a redefinition, its status row (updates).
 create or replace function lockstep._save_parent_keys(job text, parent_columns name[], parent_keys name[]) returns void
 language plpgsql
+security definer
 set search_path = pg_catalog, pg_temp
 as $$
 declare
     v_old name[];
 begin
+    perform lockstep._check_manages(job);
+    perform lockstep._check_may_own(job, (select x.owner_id from lockstep.job x where x.job = _save_parent_keys.job));
     select x.parent_columns into v_old from lockstep.job x where x.job = _save_parent_keys.job;
     if not found or (v_old, (select x.parent_keys from lockstep.job x where x.job = _save_parent_keys.job))
                     is not distinct from (parent_columns, parent_keys) then
@@ -974,5 +971,6 @@ end;
 $$;
 comment on function lockstep._save_parent_keys(text, name[], name[]) is
     'Record a derived job''s parent key columns (define_derived, after lockstep._save_derived); other '
-    'columns than before make its recompute due now. Locks: the job''s registry row and, when they change '
-    'on a redefinition, its status row (updates).';
+    'columns than before make its recompute due now, for a caller that may write the job (42501). Security '
+    'definer: the owner recipe holds no UPDATE on lockstep''s tables. Locks: the job''s registry row and, '
+    'when they change on a redefinition, its status row (updates).';

@@ -717,8 +717,7 @@ begin
                   hint = 'The default is 500 parents per transaction.';
     end if;
     perform lockstep._check_owner(j);
-    update lockstep.job x set batch_parents = set_batch_parents.batch_parents, updated_at = now()
-    where x.job = j.job;
+    perform lockstep._update_job(j.job, batch_parents => batch_parents);  -- security definer
 end;
 $$;
 comment on function lockstep.set_batch_parents(text, integer) is

@@ -134,7 +134,8 @@ comment on function lockstep._queue_keys(lockstep.job, text[]) is
 
 -- lockstep._enqueue_text(j, keys): append keys (text, cast to the parent key type, NULLs dropped) to the
 -- queue once each, sorted by key, in canonical text (lockstep._queue_keys). No read of lockstep's tables
--- and no NOTIFY.
+-- and no NOTIFY. A role without INSERT on the queue (an owner) appends through lockstep._append_keys, for
+-- a job it manages (42501).
 -- locks: none beyond the insert into lockstep.queue: append-only, so this never waits for a worker.
 create or replace function lockstep._enqueue_text(j lockstep.job, keys text[]) returns bigint
 language plpgsql
@@ -143,13 +144,18 @@ as $$
 declare
     v text[] := lockstep._queue_keys(j, keys);
 begin
-    insert into lockstep.queue (job, key) select j.job, k from pg_catalog.unnest(v) with ordinality u(k, o) order by o;
+    if pg_catalog.has_column_privilege('lockstep.queue', 'key', 'INSERT') then  -- the application's grant
+        insert into lockstep.queue (job, key) select j.job, k from pg_catalog.unnest(v) with ordinality u(k, o) order by o;
+    else  -- an owner's: lockstep's security-definer function
+        perform lockstep._append_keys(j.job, v);
+    end if;
     return cardinality(v);
 end;
 $$;
 comment on function lockstep._enqueue_text(lockstep.job, text[]) is
     'Append keys (text, cast to the parent key type, NULLs dropped) to the queue once each, sorted by '
-    'key, in canonical text. No read of lockstep''s tables and no NOTIFY. Locks: none beyond the insert '
+    'key, in canonical text. No read of lockstep''s tables and no NOTIFY. A role without INSERT on the queue '
+    'appends through lockstep._append_keys, for a job it manages (42501). Locks: none beyond the insert '
     'into lockstep.queue: append-only, so this never waits for a worker.';
 
 -- lockstep._enqueue_missing(j, keys): lockstep._enqueue_text of the keys that have no queue entry of j yet.
@@ -372,7 +378,8 @@ comment on function lockstep._append(text, text[]) is
     'into lockstep.queue.';
 
 -- lockstep._flag(job, problem): the trigger could not enqueue: mark job for its full recompute (one INSERT:
--- application roles may only insert), and say so with a WARNING.
+-- application roles may only insert), and say so with a WARNING. A role without INSERT on the flags flags
+-- a job it manages through lockstep._flag_job (42501 for another's).
 -- locks: none beyond the insert into lockstep.recompute_flag.
 create or replace function lockstep._flag(job text, problem text) returns void
 language plpgsql
@@ -380,15 +387,20 @@ set search_path = pg_catalog, pg_temp
 set row_security = on  -- under off, the policies of lockstep.recompute_flag refuse the insert (see _append)
 as $$
 begin
-    insert into lockstep.recompute_flag (job, problem)  -- (job, problem): the application's column grant
-    values (coalesce(job, ''), problem);
+    if pg_catalog.has_column_privilege('lockstep.recompute_flag', 'problem', 'INSERT') then
+        insert into lockstep.recompute_flag (job, problem)  -- (job, problem): the application's column grant
+        values (coalesce(job, ''), problem);
+    else  -- an owner writing its own watched table: lockstep's security-definer function, for its jobs
+        perform lockstep._flag_job(coalesce(job, ''), problem);
+    end if;
     raise warning 'lockstep: could not enqueue for job "%": %; job flagged for a full recompute', job, problem
         using hint = 'See trigger_problem in lockstep.status; lockstep.recompute(job) clears the flag.';
 end;
 $$;
 comment on function lockstep._flag(text, text) is
     'The trigger could not enqueue: mark job for its full recompute (one INSERT: application roles may '
-    'only insert), and say so with a WARNING. Locks: none beyond the insert into lockstep.recompute_flag.';
+    'only insert), and say so with a WARNING; a role without INSERT on the flags, through '
+    'lockstep._flag_job for a job it manages. Locks: none beyond the insert into lockstep.recompute_flag.';
 
 -- lockstep._clear_flag(j, snap, started): after a successful full recompute that began at started with
 -- snapshot snap: forget the flags snap saw; this transaction's own flags only if raised before started.

@@ -873,8 +873,7 @@ begin
                                     array[key_column::text] || case when v_fast then array[j.key_type::text] end);
     perform lockstep._ddl(v_tables, v_ddl, pg_catalog.format('watch(%L, %L)', j.job, source));
     if v_flag is not null then
-        insert into lockstep.recompute_flag (job, problem)  -- flagged_at: clock time, as _flag (_clear_flag)
-        values (j.job, v_flag);
+        perform lockstep._flag_job(j.job, v_flag);  -- security definer
     end if;
     perform lockstep._warn_writers(v_tables);
     perform lockstep._warn_source(j, source, key_column, cardinality(v_tables) - 1);

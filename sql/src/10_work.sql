@@ -879,12 +879,16 @@ comment on function lockstep.work(text, integer) is
 
 -- lockstep._end_backoff(j, whole): end the job's failure backoff, if it is in one; for a retry of the whole
 -- job (whole), the recompute flags held since a poisoned recompute count again.
+-- For a caller that manages the job (42501). Security definer: the owner recipe holds no UPDATE on
+-- lockstep's tables.
 -- locks: the job's lockstep.job_state row (FOR NO KEY UPDATE, by the update), if so.
 create or replace function lockstep._end_backoff(j lockstep.job, whole boolean) returns void
 language plpgsql
+security definer
 set search_path = pg_catalog, pg_temp
 as $$
 begin
+    perform lockstep._check_manages(j.job);
     update lockstep.job_state s set retry_at = null, next_run_at = least(s.next_run_at, now()),
                                     recompute_poisoned_at = case when whole then null else s.recompute_poisoned_at end,
                                     recompute_poison_cured = case when whole then false else s.recompute_poison_cured end
@@ -893,8 +897,9 @@ end;
 $$;
 comment on function lockstep._end_backoff(lockstep.job, boolean) is
     'End the job''s failure backoff, if it is in one; for a retry of the whole job (whole), the recompute'
-    ' flags held since a poisoned recompute count again. Locks: the job''s lockstep.job_state row (FOR NO'
-    ' KEY UPDATE, by the update), if so.';
+    ' flags held since a poisoned recompute count again. For a caller that manages the job (42501); '
+    'security definer: the owner recipe holds no UPDATE on lockstep''s tables. Locks: the job''s '
+    'lockstep.job_state row (FOR NO KEY UPDATE, by the update), if so.';
 
 -- lockstep._retry(j, keys): forget the failures of keys (NULL: all of j's), queue them again, and end the
 -- job's failure backoff. A key that does not read back as the parent key type is deleted with a WARNING.
@@ -925,7 +930,7 @@ begin
     perform lockstep._enqueue_text(j, v_keys);
     if cardinality(r.bad) > 0 then
         -- dropped: their parents are the periodic recompute's, due now
-        update lockstep.job_state s set next_run_at = least(s.next_run_at, now()) where s.job = j.job;
+        perform lockstep._due_by(j.job, now());
     end if;
     -- no failing key left behind: as a retry of the whole job (the retried keys are all the poison known)
     perform lockstep._end_backoff(j, keys is null
@@ -994,7 +999,7 @@ begin
             using errcode = case when max_attempts is null then '22004' else '22023' end;
     end if;
     perform lockstep._check_owner(j);
-    update lockstep.job x set max_attempts = set_max_attempts.max_attempts, updated_at = now() where x.job = j.job;
+    perform lockstep._update_job(j.job, max_attempts => max_attempts);  -- security definer
 end;
 $$;
 comment on function lockstep.set_max_attempts(text, integer) is

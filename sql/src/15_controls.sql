@@ -52,14 +52,9 @@ set search_path = pg_catalog, pg_temp
 as $$
 declare
     j lockstep.job := lockstep._job(job);
-    v timestamptz;
 begin
     perform lockstep._check_controls(j, 'pause');
-    update lockstep.job x set paused_at = coalesce(x.paused_at, pg_catalog.now()),
-                              paused_by = coalesce(x.paused_by, current_user)
-    where x.job = j.job
-    returning x.paused_at into v;
-    return v;
+    return lockstep._update_job(j.job, pause => true, paused_by => current_user);  -- security definer
 end;
 $$;
 
@@ -84,12 +79,11 @@ begin
     if j.paused_at is null then
         return false;
     end if;
-    update lockstep.job x set paused_at = null, paused_by = null where x.job = j.job;
+    perform lockstep._update_job(j.job, pause => false);  -- security definer, as the flag below
     if j.kind = 'derived' then
-        insert into lockstep.recompute_flag (job, flagged_at, problem)  -- clock time, as lockstep._flag
-        values (j.job, pg_catalog.clock_timestamp(),
-                pg_catalog.format('resumed after a pause (since %s, by %s): the full recompute checks what '
-                                  'the pause may have missed', j.paused_at, j.paused_by));
+        perform lockstep._flag_job(j.job, pg_catalog.format(
+            'resumed after a pause (since %s, by %s): the full recompute checks what the pause may have missed',
+            j.paused_at, j.paused_by));
     end if;
     return true;
 end;

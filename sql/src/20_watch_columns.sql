@@ -237,8 +237,7 @@ begin
                                     || lockstep._watch_ddl(j, v_tables, v_fn, array[key_columns::text, j.key_type::text]),
                           pg_catalog.format('watch(%L, %L)', j.job, source));
     if v_flag is not null then
-        insert into lockstep.recompute_flag (job, problem)  -- flagged_at: clock time, as _flag (_clear_flag)
-        values (j.job, v_flag);
+        perform lockstep._flag_job(j.job, v_flag);  -- security definer
     end if;
     perform lockstep._warn_writers(v_tables);
     perform lockstep._drop_unused_triggers();

@@ -32,17 +32,9 @@ log = logging.getLogger(__name__)
 
 # the job owner: defines, watches, retries and drops its jobs; its jobs run with its rights. It owns the
 # watched tables (watch and drop_job are DDL on them).
-# Column grants only, and no DELETE: LOCK TABLE beyond ROW EXCLUSIVE needs a table-wide UPDATE, DELETE or
-# TRUNCATE; lockstep's definer functions delete (lockstep._delete, ...).
-JOB_INSERT = (
-    "job, kind, lock_group, call, target, compute, parent, parent_column, parent_key, key_type, target_key,"
-    " columns, image_columns, every, backoff, timeout"
-)
-JOB_UPDATE = (
-    "lock_group, call, target, compute, parent, parent_column, parent_key, key_type, target_key, columns,"
-    " image_columns, every, backoff, max_attempts, batch_parents, updated_at, paused_at, paused_by, timeout,"
-    " parent_columns, parent_keys"
-)
+# No INSERT, UPDATE or DELETE on lockstep's tables: it writes through lockstep's security-definer functions
+# (lockstep._put_job, _update_job, _flag_job, _append_keys, _delete, ...), each for a job it manages. So it
+# may not lock them (LOCK TABLE beyond ACCESS SHARE needs UPDATE, DELETE or TRUNCATE).
 JOB_STATE_UPDATE = (
     "next_run_at, retry_at, last_outcome, last_action, last_started_at, last_finished_at, last_duration_ms,"
     " last_inserted, last_updated, last_deleted, last_skipped, last_more, consecutive_failures, last_error,"
@@ -53,18 +45,10 @@ JOB_STATE_UPDATE = (
 OWNER_GRANTS = [
     "grant usage on schema lockstep to {role}",
     "grant select on lockstep.job to {role}",
-    f"grant insert ({JOB_INSERT}) on lockstep.job to {{role}}",
-    # define_* upsert (ON CONFLICT DO UPDATE), set_max_attempts
-    f"grant update ({JOB_UPDATE}) on lockstep.job to {{role}}",
     "grant select on lockstep.job_state to {role}",
-    "grant insert (job) on lockstep.job_state to {role}",  # define_* creates the status row
-    f"grant update ({JOB_STATE_UPDATE}) on lockstep.job_state to {{role}}",  # retry ends the backoff
     "grant select on lockstep.queue to {role}",
-    "grant insert (job, key) on lockstep.queue to {role}",  # enqueue, retry
     "grant select on lockstep.key_failure to {role}",
     "grant select on lockstep.recompute_flag to {role}",  # lockstep.status shows the flags
-    # its own TRUNCATE of a watched table flags the job
-    "grant insert (job, problem) on lockstep.recompute_flag to {role}",
     "grant select on lockstep.status to {role}",
     "grant select on lockstep.failing_keys to {role}",
     "grant temp on database {db} to {role}",  # the compute/write work tables and its trampoline
@@ -191,6 +175,8 @@ def test_every_function_is_security_invoker_with_a_pinned_search_path(conn):
     # and the runner's writes: status rows, failures, queue appends, the run history (no user code runs in
     # them: keys arrive as canonical text); the capture's, for a role that may read its slot
     # (lockstep._check_captures)
+    # and the owner's writes (21_owner_writes.sql, lockstep._end_backoff, lockstep._save_parent_keys): the
+    # owner recipe holds no INSERT, UPDATE or DELETE on lockstep's tables
     assert definer == [
         "lockstep._add_suspects(text,text[])",
         "lockstep._append_keys(text,text[])",
@@ -203,11 +189,15 @@ def test_every_function_is_security_invoker_with_a_pinned_search_path(conn):
         "lockstep._clear_flag(lockstep.job,pg_snapshot,timestamp with time zone)",
         "lockstep._delete(text,text,text[],text[])",
         "lockstep._due_by(text,timestamp with time zone,boolean)",
+        "lockstep._end_backoff(lockstep.job,boolean)",
         "lockstep._failures_due(text,text[])",
         "lockstep._finish(lockstep.job,text,text,timestamp with time zone,lockstep._pass,text,boolean,"
         "boolean)",
+        "lockstep._flag_job(text,text)",
         "lockstep._prune_run_log(text,bigint,interval,integer,text)",
+        "lockstep._put_job(lockstep.job)",
         "lockstep._record_failures(lockstep.job,text[],bigint[],lockstep._pass,text[],text[],text[])",
+        "lockstep._save_parent_keys(text,name[],name[])",
         "lockstep._settle_entries(lockstep.job,bigint[],tid[],text[],text[],text[],text[])",
         "lockstep._settle_failures(text,text[],text[],text[])",
         "lockstep._state_handoff(text,bigint,bigint,bigint)",
@@ -215,6 +205,7 @@ def test_every_function_is_security_invoker_with_a_pinned_search_path(conn):
         "lockstep._state_poisoned(text)",
         "lockstep._state_rest(text,bigint,bigint,text)",
         "lockstep._take_through(text)",
+        "lockstep._update_job(text,integer,integer,interval,boolean,name)",
     ], f"SECURITY DEFINER functions: {definer}"
     unpinned = [name for name, _, config in rows if "search_path=pg_catalog, pg_temp" not in (config or [])]
     # the one exception, by design: the trigger functions (lockstep.enqueue_trigger() and those watch()
@@ -485,6 +476,108 @@ def test_recipe_grant_is_needed(ex, example_dsn, roles, recipe, index):
     text = str(info.value)
     log.info("without %r: %s", RECIPES[recipe][index], text.splitlines()[0])
     assert isinstance(info.value, psycopg.errors.InsufficientPrivilege) or "permission denied" in text, text
+
+
+def test_the_owner_recipe_holds_no_write_on_lockstep_tables(ex, roles):
+    """The owner recipe held column INSERT and UPDATE on lockstep's tables: it writes through lockstep's
+    security-definer functions now, and holds no INSERT, UPDATE, DELETE or TRUNCATE, at table or column
+    level, on any of them."""
+    owner = roles("exam_owner", OWNER_GRANTS)
+    tables = [
+        t
+        for (t,) in ex.execute(
+            "select c.oid::regclass::text from pg_class c where c.relnamespace = 'lockstep'::regnamespace"
+            " and c.relkind in ('r', 'p', 'v') order by 1"
+        ).fetchall()
+    ]
+    assert "lockstep.job" in tables and "lockstep.queue" in tables
+    held = ex.execute(
+        "select t, p from unnest(%s::text[]) t,"
+        " unnest(array['INSERT', 'UPDATE', 'DELETE', 'TRUNCATE']) p"
+        " where has_table_privilege(%s, t, p)"
+        "    or (p in ('INSERT', 'UPDATE') and has_any_column_privilege(%s, t, p))",
+        [tables, owner, owner],
+    ).fetchall()
+    assert held == []
+    columns = ex.execute(
+        "select table_name, column_name, privilege_type from information_schema.column_privileges"
+        " where grantee = %s and table_schema = 'lockstep' and privilege_type <> 'SELECT'",
+        [owner],
+    ).fetchall()
+    assert columns == []
+
+
+def test_an_owner_writes_lockstep_rows_only_through_lockstep(ex, example_dsn, roles):
+    """An owner of the recipe defines, redefines, pauses, resumes, enqueues, retries, watches, unwatches and
+    drops its jobs; its own INSERT or UPDATE of lockstep's rows fails with 42501."""
+    ex.execute("select lockstep.drop_job('exam_keys')")
+    ex.execute("create function public.lockstep_tick() returns void language sql as 'select'")
+    owner = roles("exam_owner", OWNER_GRANTS, EXAMPLE_OWNER_GRANTS)
+    for t in ("exam", "exam_item"):
+        ex.execute(
+            sql.SQL("alter table {} owner to {}").format(sql.Identifier("example", t), sql.Identifier(owner))
+        )
+    with _as(example_dsn, owner) as o:
+        o.execute("select lockstep.define_job('tick', 'public.lockstep_tick()')")
+        o.execute("select lockstep.define_job('tick', 'public.lockstep_tick()', every => '1 hour')")
+        o.execute(
+            "select lockstep.define_derived('mine', 'example.exam_key', 'example.exam_key_compute(bigint[])',"
+            " parent => 'example.exam', parent_column => 'exam_id')"
+        )
+        o.execute(
+            "select lockstep.define_derived('mine', 'example.exam_key', 'example.exam_key_compute(bigint[])',"
+            " parent => 'example.exam', parent_column => 'exam_id', every => '2 hours',"
+            " timeout => '1 minute')"
+        )
+        o.execute("select lockstep.set_batch_parents('mine', 50)")
+        o.execute("select lockstep.set_max_attempts('mine', 7)")
+        assert o.execute("select lockstep.pause('mine')").fetchone()[0] is not None
+        assert o.execute("select lockstep.resume('mine')").fetchone()[0] is True
+        o.execute("select lockstep.watch('mine', 'example.exam', 'id')")
+        o.execute("select lockstep.watch('mine', 'example.exam_item', 'exam_id')")
+        assert o.execute("select lockstep.enqueue('mine', array[2, 1]::bigint[])").fetchone()[0] == 2
+        ex.execute(
+            "insert into lockstep.key_failure (job, key, attempts, last_error, retry_at)"
+            " values ('mine', '3', 2, 'boom', now() + interval '1 hour')"
+        )
+        ex.execute("update lockstep.job_state set recompute_poisoned_at = now() where job = 'tick'")
+        assert o.execute("select lockstep.retry('mine')").fetchone()[0] == 1
+        assert o.execute("select lockstep.retry('tick')").fetchone()[0] == 0
+        o.execute("truncate example.exam_item")  # its own TRUNCATE of a watched table flags the job
+        job = ex.execute(
+            "select every, timeout, batch_parents, max_attempts, paused_at from lockstep.job"
+            " where job = 'mine'"
+        ).fetchone()
+        assert job == (timedelta(hours=2), timedelta(minutes=1), 50, 7, None)
+        queued = ex.execute("select key from lockstep.queue where job = 'mine' order by id").fetchall()
+        assert queued == [("1",), ("2",), ("3",)]
+        flags = ex.execute(
+            "select problem from lockstep.recompute_flag where job = 'mine' order by flagged_at"
+        )
+        problems = [p.split(" ")[0] for (p,) in flags.fetchall()]
+        assert problems == ["resumed", "example.exam", "example.exam_item", "TRUNCATE"], problems
+        poisoned = ex.execute("select recompute_poisoned_at from lockstep.job_state where job = 'tick'")
+        assert poisoned.fetchone() == (None,)
+        before = snapshot(ex)
+        for stmt in [
+            "insert into lockstep.job (job, kind, lock_group, call, every, backoff)"
+            " values ('x', 'job', 'x', 'public.lockstep_tick()', '1 minute', '1 hour')",
+            "update lockstep.job set every = '1 minute' where job = 'mine'",
+            "update lockstep.job_state set next_run_at = now() where job = 'mine'",
+            "insert into lockstep.job_state (job) values ('x')",
+            "insert into lockstep.queue (job, key) values ('mine', '9')",
+            "insert into lockstep.recompute_flag (job, problem) values ('mine', 'x')",
+            "update lockstep.key_failure set attempts = 0 where job = 'mine'",
+            "delete from lockstep.queue where job = 'mine'",
+        ]:
+            with raises_sqlstate("42501"):
+                o.execute(stmt)
+        assert snapshot(ex) == before
+        o.execute("select lockstep.unwatch('mine', 'example.exam')")
+        o.execute("select lockstep.unwatch('mine', 'example.exam_item')")
+        o.execute("select lockstep.drop_job('mine')")
+        o.execute("select lockstep.drop_job('tick')")
+    assert ex.execute("select count(*) from lockstep.job").fetchone()[0] == 0
 
 
 def _recipe_runner_of_exam_keys(ex: psycopg.Connection, roles) -> str:
@@ -968,7 +1061,7 @@ def test_a_renamed_owner_keeps_its_jobs_and_a_new_role_of_the_old_name_gets_none
         # the renamed role still owns it: sees, runs and redefines it
         with psycopg.connect(as_role(example_dsn, renamed), autocommit=True) as o:
             assert o.execute("select runs from lockstep.job_state where job = 'owned'").fetchone() == (1,)
-            o.execute("update lockstep.job_state set next_run_at = now() where job = 'owned'")
+            ex.execute("update lockstep.job_state set next_run_at = now() where job = 'owned'")
             assert result(o, "lockstep.run(%s)", "owned")["outcome"] == "done"
             o.execute("select lockstep.define_job('owned', 'public.lockstep_noop()', every => '2 hours')")
             o.execute("select lockstep.drop_job('owned')")
@@ -1668,11 +1761,13 @@ def test_a_viewer_row_for_a_role_that_does_not_exist_breaks_nobody(ex, example_d
 
 
 def test_a_lock_group_cannot_be_taken_by_plain_dml(ex, example_dsn, owners):
-    # define_* refused it, but UPDATE on lockstep.job (in the owner recipe) put a job in another owner's
-    # group all the same
+    # define_* refused it, but UPDATE on lockstep.job (in the owner recipe then) put a job in another
+    # owner's group all the same; the recipe holds no UPDATE now, and the policy still refuses a role that
+    # does
     owner, other, _ = owners
     with psycopg.connect(as_role(example_dsn, owner), autocommit=True) as o:
         _define_noop(o)
+    ex.execute(sql.SQL("grant update (lock_group) on lockstep.job to {}").format(sql.Identifier(other)))
     with psycopg.connect(as_role(example_dsn, other), autocommit=True) as x:
         _define_noop(x, "mine")
         with raises_sqlstate("42501", "row-level security"):

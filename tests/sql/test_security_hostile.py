@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import psycopg
 import pytest
+from psycopg import sql
 from test_security import (  # noqa: F401 (fixtures)
     APP_GRANTS,
     EXAMPLE_APP_GRANTS,
@@ -548,6 +549,18 @@ def test_lockstep_definer_functions_change_only_the_jobs_the_caller_manages(ex, 
                 with raises_sqlstate("42501", match="may not change the rows of job"):
                     o.execute(f"select {call}")
             assert o.execute("select * from lockstep._take_through('exam_keys')").fetchall() == []
+            # a new job owned by a role it may not act as (the registry's insert policy), or in another
+            # owner's lock group
+            for owner, group in ((ex.info.user, "fresh"), (other, "exam_keys")):
+                with raises_sqlstate("42501"):
+                    o.execute(
+                        sql.SQL(
+                            "do $$ declare j lockstep.job; begin"
+                            " select * into j from lockstep.job x where x.job = 'exam_keys';"
+                            " j.job := 'fresh'; j.owner := {}; j.lock_group := {};"
+                            " perform lockstep._put_job(j); end $$"
+                        ).format(sql.Literal(owner), sql.Literal(group))
+                    )
     assert snapshot(ex, "lockstep.through_entry", "lockstep.run_log") == before
 
 
@@ -573,6 +586,13 @@ DEFINER_CALLS = [
     "lockstep._state_poisoned('exam_keys')",
     "lockstep._state_make('exam_keys')",
     "lockstep._append_keys('exam_keys', array['1'])",
+    # the owner's writes (21_owner_writes.sql)
+    f"lockstep._put_job({_JOB})",
+    "lockstep._update_job('exam_keys', batch_parents => 1)",
+    "lockstep._update_job('exam_keys', pause => true, paused_by => current_user)",
+    "lockstep._flag_job('exam_keys', 'x')",
+    f"lockstep._end_backoff({_JOB}, true)",
+    "lockstep._save_parent_keys('exam_keys', array['exam_id']::name[], array['id']::name[])",
 ]
 
 
