@@ -393,7 +393,8 @@ $$;
 -- lockstep._check_parents(target, compute, cols, parent, parent_column, parent_columns): the parent key of
 -- a definition: of several columns where parent_columns names more than one or the parent's primary key
 -- has more (lockstep._check_parent_keys), else of one (lockstep._check_parent). Both arrays are set for
--- every parent; parent_column and parent_key only for a one-column key.
+-- every parent; parent_column and parent_key only for a one-column key (LSD04 for a parent_column given
+-- with a parent keyed by several columns).
 create or replace function lockstep._check_parents(target regclass, compute regprocedure, cols name[],
                                         parent regclass, inout parent_column name, inout parent_columns name[],
                                         out parent_key name, out parent_keys name[], out key_type regtype)
@@ -416,6 +417,12 @@ begin
                 where con.conrelid = parent and con.contype = 'p')) then
         if not exists (select from pg_catalog.pg_class c where c.oid = parent and c.relkind in ('r', 'p')) then
             raise exception 'lockstep: parent % is not a table', parent using errcode = '42809';
+        elsif parent_column is not null then
+            raise exception 'lockstep: parent % has a primary key of several columns: parent_column % names one',
+                parent, parent_column
+                using errcode = 'LSD04',
+                      hint = 'Pass parent_columns => array[...]::name[], the target''s columns that reference the '
+                             'parent''s primary key, in its order; or neither, to infer them.';
         end if;
         select k.parent_columns, k.parent_keys, k.key_type into parent_columns, parent_keys, key_type
         from lockstep._check_parent_keys(target, compute, cols, parent, parent_columns) k;

@@ -157,6 +157,14 @@ BAD = [
         "through a foreign key",
     ),
     ("'dw', 'doc_word', 'doc_words(doc_key[])', 'doc', parent_columns => '{}'::name[]", "LSD04", "empty"),
+    # parent_column is the one-column form: for a parent keyed by two columns it was ignored, and recorded
+    (DOC + ", parent_column => 'doc_id'", "LSD04", "several columns"),
+    (
+        "'dw', 'doc_word', parent => 'doc', parent_column => 'doc_id',"
+        " query => 'select d.tenant_id, d.id as doc_id, ''w'' as word, 1 as n from public.doc d'",
+        "LSD04",
+        "several columns",
+    ),
     (
         "'dw', 'doc_word', 'doc_words(doc_key[])', null, parent_columns => " + COLS,
         "LSD04",
