@@ -83,6 +83,8 @@ create or replace function lockstep._query_scans(query text, path text, columns 
 returns text
 language plpgsql
 set search_path = pg_catalog, pg_temp
+set enable_seqscan = off  -- SET clauses: the caller's own values come back on return
+set plan_cache_mode = force_generic_plan
 as $$
 declare
     v_name text := 'lockstep_query_' || pg_catalog.pg_backend_pid();
@@ -97,8 +99,6 @@ declare
     v_scans text;
 begin
     perform pg_catalog.set_config('search_path', path || ', pg_temp', true);
-    perform pg_catalog.set_config('enable_seqscan', 'off', true);
-    perform pg_catalog.set_config('plan_cache_mode', 'force_generic_plan', true);
     execute pg_catalog.format('prepare %I(%s) as select * from (%s) q where %s', v_name, v_types, query, v_filter);
     begin
         execute pg_catalog.format('explain (format json, verbose) execute %I(%s)', v_name,
@@ -110,8 +110,6 @@ begin
     end;
     execute pg_catalog.format('deallocate %I', v_name);
     perform pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', true);
-    perform pg_catalog.set_config('enable_seqscan', 'on', true);
-    perform pg_catalog.set_config('plan_cache_mode', 'auto', true);
     select pg_catalog.string_agg(distinct pg_catalog.format('%I.%I', n ->> 'Schema', n ->> 'Relation Name'), ', ')
     into v_scans
     from pg_catalog.jsonb_path_query(v_plan::jsonb, 'strict $.**') n

@@ -524,6 +524,24 @@ def test_verify_and_preview_leave_the_callers_search_path(ex, example_dsn, mallo
     assert ex.execute("select current_setting('DateStyle')").fetchone()[0] == before
 
 
+def test_define_derived_of_a_query_leaves_the_callers_settings(ex):
+    """define_derived(query => ...) plans the query with enable_seqscan and plan_cache_mode of its own:
+    set for the rest of the caller's transaction (SET LOCAL), over the caller's own values."""
+    ex.execute(
+        "create table public.qt"
+        " (exam_id bigint primary key references example.exam on delete cascade, n bigint)"
+    )
+    with ex.transaction():
+        ex.execute("set local enable_seqscan = off")
+        ex.execute("set local plan_cache_mode = force_custom_plan")
+        ex.execute(
+            "select lockstep.define_derived('qt', 'public.qt', parent => 'example.exam', query =>"
+            " 'select e.id as exam_id, count(*) as n from example.exam e group by e.id')"
+        )
+        settings = "select current_setting('enable_seqscan'), current_setting('plan_cache_mode')"
+        assert ex.execute(settings).fetchone() == ("off", "force_custom_plan")
+
+
 def test_lockstep_definer_functions_change_only_the_jobs_the_caller_manages(ex, example_dsn, roles):
     """lockstep deletes its own rows in SECURITY DEFINER functions (no recipe role holds DELETE), which
     every role may call: each refuses a job its caller does not manage. _take_through, a definer function
