@@ -112,7 +112,7 @@ comment on function lockstep._prune_run_log(text, bigint, interval, integer, tex
 -- lockstep._log_run(j, action, outcome, started, p, error): append the run just recorded in j's status row
 -- to lockstep.run_log, then prune. Never fails the run: any error is a WARNING and the run is not logged.
 -- Called by lockstep._finish, a security definer function: the owner, lock group and kind logged are the
--- registry's, not the caller's j.
+-- registry's, not the caller's j; a job that is not in the registry is not logged.
 -- locks: reads the job's status row (already locked by lockstep._finish); inserts one run_log row; then as
 -- lockstep._prune_run_log.
 create or replace function lockstep._log_run(j lockstep.job, action text, outcome text, started timestamptz,
@@ -133,7 +133,7 @@ begin
         select * into s from lockstep.job_state st where st.job = j.job;
         select x.owner_id, x.lock_group, x.kind into j.owner_id, j.lock_group, j.kind
         from lockstep.job x where x.job = j.job;
-        if v_max > 0 then
+        if v_max > 0 and found then  -- no history of a job that does not exist
             insert into lockstep.run_log (job, owner, owner_id, lock_group, kind, action, outcome, started_at,
                                           finished_at, duration_ms, compute_ms, write_ms, inserted, updated,
                                           deleted, skipped, gone, failed_keys, error, run_no, role)

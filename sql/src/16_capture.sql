@@ -770,8 +770,8 @@ end;
 $$;
 
 -- lockstep._capture_queue(jobs, keys, flag_jobs, problems): what a capture read: queue each (job, key) pair,
--- in the order given; flag each of flag_jobs for its problem. Returns how many keys it queued and jobs it
--- flagged; nothing is checked or written for none. Security definer, for a caller that may capture
+-- in the order given; flag each of flag_jobs for its problem; only for jobs watching through the WAL.
+-- Returns how many keys and jobs it was given; nothing is checked or written for none. Security definer, for a caller that may capture
 -- (lockstep._check_captures, 42501): no recipe role but the application's holds INSERT on the queue, and
 -- none sets a flag's flagged_at.
 -- locks: none beyond the inserts into lockstep.queue and lockstep.recompute_flag.
@@ -788,15 +788,18 @@ begin
         return;
     end if;
     perform lockstep._check_captures();
-    insert into lockstep.queue (job, key)
-    select u.j, u.k from unnest(jobs, keys) with ordinality u(j, k, o) order by u.o;  -- ROWS FROM: not qualified
+    insert into lockstep.queue (job, key)  -- ROWS FROM: not qualified
+    select u.j, u.k from unnest(jobs, keys) with ordinality u(j, k, o)
+    where u.j in (select w.job from lockstep.wal_watch w) order by u.o;
     insert into lockstep.recompute_flag (job, flagged_at, problem)
-    select u.j, pg_catalog.clock_timestamp(), u.p from unnest(flag_jobs, problems) u(j, p);
+    select u.j, pg_catalog.clock_timestamp(), u.p from unnest(flag_jobs, problems) u(j, p)
+    where u.j in (select w.job from lockstep.wal_watch w);
 end;
 $$;
 comment on function lockstep._capture_queue(text[], text[], text[], text[]) is
     'What a capture read: queue each (job, key) pair, in the order given; flag each of flag_jobs for its '
-    'problem. Returns how many keys it queued and jobs it flagged. Security definer, for a caller that may '
+    'problem; only for jobs watching through the WAL. Returns how many keys and jobs it was given. Security '
+    'definer, for a caller that may '
     'capture (lockstep._check_captures, 42501). Locks: none beyond the inserts into lockstep.queue and '
     'lockstep.recompute_flag.';
 

@@ -521,6 +521,14 @@ def test_a_runner_holding_no_write_on_lockstep_tables_captures_and_runs(c, wdsn)
                     break
         assert c.execute("select count(*) from lockstep.recompute_flag").fetchone()[0] == 0
         assert divergence(c) == (0, 0)
+        # a role that may capture queues and flags only the jobs watched through the WAL
+        before = snapshot(c)
+        with psycopg.connect(make_conninfo(wdsn, user=runner), autocommit=True) as r:
+            r.execute(
+                "select lockstep._capture_queue(array['no_such_job'], array['1'], array['no_such_job'],"
+                " array['forged'])"
+            )
+        assert snapshot(c) == before
         with psycopg.connect(make_conninfo(wdsn, user=other), autocommit=True) as o:
             for call in NOT_CAPTURERS_CALLS:
                 with raises_sqlstate("42501", match="may not record a capture"):
