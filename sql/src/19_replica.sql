@@ -37,7 +37,8 @@ comment on function lockstep.enqueue_replica() is
 -- lockstep.watch_replica(job, source, key_column): watch() (statement triggers: the session's own writes),
 -- and on source and the tables below it a row trigger enabled only for session_replication_role =
 -- replica (ENABLE REPLICA): a subscriber's apply worker fires it, an ordinary session does not. unwatch()
--- and drop_job() drop it; watch() again drops it too (call watch_replica again).
+-- and drop_job() drop it; watch() again drops it too (call watch_replica again). A job keyed by several
+-- columns is refused (0A000): its subscriber's tables are watched through the WAL.
 -- locks: as lockstep.watch; then each table's SHARE ROW EXCLUSIVE lock for its row trigger (lockstep._ddl).
 create or replace function lockstep.watch_replica(job text, source regclass, key_column name) returns void
 language plpgsql
@@ -48,6 +49,12 @@ declare
     v_tables regclass[];
     v_name name := lockstep._trigger_name(job, 'replica');
 begin
+    if job is not null and cardinality((lockstep._job(job)).parent_columns) > 1 then
+        raise exception 'lockstep: watch_replica takes a one-column parent key; job "%" has a composite one', job
+            using errcode = '0A000',
+                  hint = pg_catalog.format('Watch %s through the WAL of this database: lockstep.watch(%L, %L, '
+                                           'key_columns => array[...]::name[], via => ''wal'').', source, job, source);
+    end if;
     perform lockstep.watch(job, source, key_column);
     v_tables := lockstep._family(source);
     perform lockstep._ddl(v_tables, array(
@@ -62,5 +69,6 @@ $$;
 comment on function lockstep.watch_replica(text, regclass, name) is
     'watch(), and a row trigger enabled only for session_replication_role = replica on source and the '
     'tables below it, so a logical-replication subscriber''s apply worker queues the keys it changes. '
-    'unwatch() and drop_job() drop it; watch() again drops it too. Locks: as lockstep.watch; then each '
+    'unwatch() and drop_job() drop it; watch() again drops it too. A job keyed by several columns is '
+    'refused (0A000): watch its tables through the WAL. Locks: as lockstep.watch; then each '
     'table''s SHARE ROW EXCLUSIVE lock for its row trigger.';

@@ -187,6 +187,16 @@ def test_columns_that_do_not_fit_are_refused_and_change_nothing(db, args, sqlsta
     assert trigger_fns(db, "note") == set()
 
 
+def test_watch_replica_refuses_a_composite_key_and_names_the_wal(db):
+    # it takes one key column: "pass key_columns", as watch() says, was a fix it could not take
+    before = snapshot(db)
+    with raises_sqlstate("0A000", "one-column parent key") as info:
+        db.execute("select lockstep.watch_replica('ds', 'note', 'doc_id')")
+    assert "via => 'wal'" in info.value.diag.message_hint
+    assert snapshot(db) == before
+    assert trigger_fns(db, "note") == set()
+
+
 def test_a_one_column_job_refuses_key_columns(db):
     db.execute("create table p (id bigint primary key)")
     db.execute("create table d (p_id bigint primary key references p on delete cascade)")
