@@ -31,7 +31,8 @@ $$;
 -- of its kind), and its status row. A new job is owned by j.owner, an existing one keeps its owner: either
 -- must be a role the caller may act as (lockstep._check_may_own); an existing job must be of j's kind. A changed definition makes the job due now; a
 -- new every counts from the last run, the same every keeps next_run_at. The lock group must hold no job
--- the caller does not manage, and the key type be one lockstep converts (LSD04), as the policies ask.
+-- the caller does not manage, and the key type be one lockstep converts (LSD04), as the policies ask; a
+-- timeout one statement_timeout holds (lockstep._check_timeout, 22023).
 -- Security definer: the owner recipe holds no INSERT or UPDATE on lockstep's tables.
 -- locks: the job's registry row (insert or update), then its status row (insert, or update).
 create or replace function lockstep._put_job(j lockstep.job) returns void
@@ -52,6 +53,9 @@ begin
     end if;
     if not lockstep._safe_key_type(j.key_type) then
         raise exception 'lockstep: the key type % of job "%" is refused', j.key_type, j.job using errcode = 'LSD04';
+    end if;
+    if j.timeout is not null then  -- as set_time_limit can apply it (22023)
+        perform lockstep._check_timeout(j.timeout);
     end if;
     if exists (select from lockstep.job x where x.lock_group = j.lock_group and x.job <> j.job
                                             and not lockstep._caller_manages(x.job)) then
@@ -93,7 +97,7 @@ comment on function lockstep._put_job(lockstep.job) is
 
 -- lockstep._update_job(job, batch_parents, max_attempts, timeout, pause, paused_by): set those of a job's
 -- settings given (not NULL): pause true keeps the first paused_at and paused_by, false clears them.
--- Returns paused_at. For a caller that manages the job (42501).
+-- Returns paused_at. For a caller that manages the job (42501); a timeout as lockstep._check_timeout (22023).
 -- Security definer: the owner recipe holds no UPDATE on lockstep's tables.
 -- locks: the job's registry row (FOR NO KEY UPDATE, by the update).
 create or replace function lockstep._update_job(job text, batch_parents integer default null,
@@ -109,6 +113,9 @@ declare
 begin
     perform lockstep._check_manages(job);
     perform lockstep._check_may_own(job, (select x.owner_id from lockstep.job x where x.job = _update_job.job));
+    if _update_job.timeout is not null then  -- as set_time_limit can apply it (22023)
+        perform lockstep._check_timeout(_update_job.timeout);
+    end if;
     update lockstep.job x
     set batch_parents = coalesce(_update_job.batch_parents, x.batch_parents),
         max_attempts = coalesce(_update_job.max_attempts, x.max_attempts),

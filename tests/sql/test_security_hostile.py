@@ -429,6 +429,23 @@ def test_the_time_limit_defaults_to_five_minutes_and_must_be_positive(ex):
     assert ex.execute("show statement_timeout").fetchone()[0] == "10ms"
 
 
+def test_definer_functions_refuse_a_time_limit_statement_timeout_cannot_hold(ex, example_dsn, mallory):
+    """define_* check the timeout; the definer functions they write through, which every role may call, did
+    not: mallory's job of 100 days failed every run in lockstep.set_time_limit (22023), logged by the runner
+    as an error."""
+    with _as(example_dsn, mallory) as m:
+        with raises_sqlstate("22023"):
+            m.execute("select lockstep._update_job('mine', timeout => '100 days')")
+        with raises_sqlstate("22023"):
+            m.execute(
+                "do $$ declare j lockstep.job; begin"
+                " select * into j from lockstep.job x where x.job = 'mine';"
+                " j.timeout := '100 days'; perform lockstep._put_job(j); end $$"
+            )
+    timeout = ex.execute("select timeout from lockstep.job where job = 'mine'").fetchone()[0]
+    assert timeout.total_seconds() == 300
+
+
 # 6. the caller's session settings -----------------------------------------------------------------------
 
 
@@ -639,6 +656,27 @@ def test_lockstep_definer_functions_write_nothing_for_a_job_that_does_not_exist(
             except psycopg.Error:
                 pass  # refused, or nothing to change
     assert snapshot(ex, "lockstep.through_entry", "lockstep.run_log") == before
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="proposed: _put_job refuses a new job to a caller without a grant that marks a job owner (e.g. a"
+    " column grant, insert (job) on lockstep.job, which allows no LOCK TABLE), as INSERT on lockstep.job did",
+)
+def test_only_a_job_owner_recipe_defines_jobs(ex, example_dsn, roles):
+    """docs/security.md's table: an application may not define a job. Since the owner writes through
+    lockstep._put_job, a definer function every role may call, the application (and a role holding only
+    USAGE on schema lockstep) defines jobs owned by itself, and so takes job names and lock groups."""
+    ex.execute("create function public.lockstep_noop() returns void language sql as 'select'")
+    app = roles("lockstep_app", APP_GRANTS, ["grant select on lockstep.job to {role}"])
+    nobody = roles("lockstep_nobody", ["grant usage on schema lockstep to {role}"])
+    for role in (app, nobody):
+        with psycopg.connect(as_role(example_dsn, role), autocommit=True) as c:
+            with raises_sqlstate("42501"):
+                c.execute(
+                    "select lockstep.define_job(%s, 'public.lockstep_noop()', lock_group => 'taken')", [role]
+                )
+    assert ex.execute("select count(*) from lockstep.job where lock_group = 'taken'").fetchone()[0] == 0
 
 
 def test_a_composite_key_type_altered_after_define_runs_no_owner_code_as_the_runner(ex, example_dsn, mallory):
