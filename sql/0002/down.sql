@@ -70,6 +70,7 @@ drop function if exists lockstep._check_may_own(text, oid);
 drop function if exists lockstep._put_job(lockstep.job);
 drop function if exists lockstep._update_job(text, integer, integer, interval, boolean, name);
 drop function if exists lockstep._flag_job(text, text);
+drop function if exists lockstep._watched_via_wal(text, regclass);
 
 -- functions 0001 did not have, or had with other arguments or results
 drop function if exists lockstep._whole_pass_error(text, boolean);

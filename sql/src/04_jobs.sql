@@ -407,8 +407,10 @@ declare
     v_rels regclass[];
     v_drops text[];
     v_own text;
+    v_wal boolean;
 begin
     perform lockstep._check_owner(j);
+    v_wal := lockstep._capture_in_use() and lockstep._watched_via_wal(j.job);  -- watched through the WAL
     -- all the watched tables at once, never holding an application up for long (lockstep._ddl)
     select coalesce(array_agg(w.rel), '{}'),
            coalesce(array_agg(pg_catalog.format('drop trigger %I on %s', w.tgname, w.rel)), '{}')
@@ -421,7 +423,9 @@ begin
     perform lockstep._delete('recompute_flag', j.job);
     perform lockstep._take_through(j.job);  -- its through keys (17_through.sql), while the job still exists
     perform lockstep._delete('job', j.job);
-    perform lockstep._capture_cleanup();  -- its lockstep.wal_watch rows went with it (16_capture.sql)
+    if v_wal then
+        perform lockstep._capture_cleanup();  -- its lockstep.wal_watch rows went with it (16_capture.sql)
+    end if;
     perform lockstep._drop_query_objects(j.compute, j.key_type);  -- written by lockstep._query_compute (18_query.sql)
     v_own := lockstep._own_enqueuers(j.job);
     if v_own is not null then

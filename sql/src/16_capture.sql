@@ -220,6 +220,26 @@ comment on function lockstep._watch_wal(lockstep.job, regclass, name[]) is
     'columns (as watch() through triggers does). Locks: source and the tables below it (ACCESS EXCLUSIVE, '
     'never waited for long: lockstep._ddl).';
 
+-- lockstep._watched_via_wal(job, source): job watches source (NULL: any table) through the WAL: it has
+-- such a lockstep.wal_watch row. For a caller that manages job (42501). Security definer, read-only: an
+-- owner of the recipe holds nothing on lockstep.wal_watch, and its watch, unwatch and drop_job ask while
+-- the database captures the WAL for another job.
+create or replace function lockstep._watched_via_wal(job text, source regclass default null) returns boolean
+language plpgsql stable
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    perform lockstep._check_manages(job);
+    return exists (select from lockstep.wal_watch w
+                   where w.job = _watched_via_wal.job
+                     and (_watched_via_wal.source is null or w.source = _watched_via_wal.source));
+end;
+$$;
+comment on function lockstep._watched_via_wal(text, regclass) is
+    'Job watches source (NULL: any table) through the WAL, for a caller that manages job (42501). Security '
+    'definer, read-only: an owner of the recipe holds nothing on lockstep.wal_watch. Locks: nothing.';
+
 -- lockstep._unwatch_wal(job, source): stop watching source through the WAL for job (its lockstep.wal_watch
 -- row); source leaves the capture publication when no job watches it, and the publication and the slot go
 -- when no table is left (lockstep._capture_cleanup). False: the job did not watch source through the WAL.
@@ -229,7 +249,8 @@ language plpgsql
 set search_path = pg_catalog, pg_temp
 as $$
 begin
-    if not lockstep._capture_in_use() then  -- never watched through the WAL: nothing of lockstep.wal_watch read
+    -- never watched through the WAL (nothing of lockstep.wal_watch read), or not this job and source
+    if not lockstep._capture_in_use() or not lockstep._watched_via_wal(job, source) then
         return false;
     end if;
     delete from lockstep.wal_watch w where w.job = _unwatch_wal.job and w.source = _unwatch_wal.source;

@@ -176,7 +176,8 @@ def test_every_function_is_security_invoker_with_a_pinned_search_path(conn):
     # them: keys arrive as canonical text); the capture's, for a role that may read its slot
     # (lockstep._check_captures)
     # and the owner's writes (21_owner_writes.sql, lockstep._end_backoff, lockstep._save_parent_keys): the
-    # owner recipe holds no INSERT, UPDATE or DELETE on lockstep's tables
+    # owner recipe holds no INSERT, UPDATE or DELETE on lockstep's tables; and whether its job is watched
+    # through the WAL (lockstep._watched_via_wal: it holds nothing on lockstep.wal_watch)
     assert definer == [
         "lockstep._add_suspects(text,text[])",
         "lockstep._append_keys(text,text[])",
@@ -206,6 +207,7 @@ def test_every_function_is_security_invoker_with_a_pinned_search_path(conn):
         "lockstep._state_rest(text,bigint,bigint,text)",
         "lockstep._take_through(text)",
         "lockstep._update_job(text,integer,integer,interval,boolean,name)",
+        "lockstep._watched_via_wal(text,regclass)",
     ], f"SECURITY DEFINER functions: {definer}"
     unpinned = [name for name, _, config in rows if "search_path=pg_catalog, pg_temp" not in (config or [])]
     # the one exception, by design: the trigger functions (lockstep.enqueue_trigger() and those watch()
@@ -578,6 +580,33 @@ def test_an_owner_writes_lockstep_rows_only_through_lockstep(ex, example_dsn, ro
         o.execute("select lockstep.drop_job('mine')")
         o.execute("select lockstep.drop_job('tick')")
     assert ex.execute("select count(*) from lockstep.job").fetchone()[0] == 0
+
+
+def test_an_owner_watches_unwatches_and_drops_while_the_database_captures_the_wal(ex, example_dsn, roles):
+    """Once another job was watched through the WAL (the capture's publication exists), watch, unwatch and
+    drop_job looked for the job's lockstep.wal_watch rows: an owner of the recipe, which holds nothing on
+    that table, failed with 42501 in each."""
+    ex.execute("select lockstep.drop_job('exam_keys')")
+    ex.execute(sql.SQL("create publication {}").format(sql.Identifier(lockstep_capture_publication(ex))))
+    owner = roles("exam_owner", OWNER_GRANTS, EXAMPLE_OWNER_GRANTS)
+    for t in ("exam", "exam_item"):
+        ex.execute(
+            sql.SQL("alter table {} owner to {}").format(sql.Identifier("example", t), sql.Identifier(owner))
+        )
+    with _as(example_dsn, owner) as o:
+        o.execute(
+            "select lockstep.define_derived('mine', 'example.exam_key', 'example.exam_key_compute(bigint[])',"
+            " parent => 'example.exam', parent_column => 'exam_id')"
+        )
+        o.execute("select lockstep.watch('mine', 'example.exam', 'id')")
+        o.execute("select lockstep.unwatch('mine', 'example.exam')")
+        o.execute("select lockstep.watch('mine', 'example.exam', 'id')")
+        o.execute("select lockstep.drop_job('mine')")
+    assert ex.execute("select count(*) from lockstep.job").fetchone()[0] == 0
+
+
+def lockstep_capture_publication(ex: psycopg.Connection) -> str:
+    return ex.execute("select lockstep._capture_publication()").fetchone()[0]
 
 
 def _recipe_runner_of_exam_keys(ex: psycopg.Connection, roles) -> str:

@@ -628,6 +628,7 @@ DEFINER_CALLS = [
     "lockstep._flag_job('exam_keys', 'x')",
     f"lockstep._end_backoff({_JOB}, true)",
     "lockstep._save_parent_keys('exam_keys', array['exam_id']::name[], array['id']::name[])",
+    "lockstep._watched_via_wal('exam_keys')",
 ]
 
 
