@@ -1,6 +1,7 @@
-"""Three job shapes written from the docs alone, kept current by a real ``lockstep run`` under concurrent
+"""Job shapes written from the docs alone, kept current by a real ``lockstep run`` under concurrent
 application writes: a composite-key ``(tenant_id, agent_id)`` job defined by a query, a one-column job
-whose source is watched through a join, and a job defined by a compute function.
+whose source is watched through a join, a composite-key job whose source is watched through a join
+(``key_columns`` and ``through_columns``), and a job defined by a compute function.
 
 Each application client owns its own parents (tenants or agents), so two clients never wait for each
 other: every lock wait and every error an application statement meets involves lockstep. A client runs a
@@ -76,6 +77,32 @@ select lockstep.watch('agent_load', 'desk.agents', key_columns => array['tenant_
 COMPOSITE_WAL = f"""
 alter table desk.tickets replica identity full;  -- the replica identity holds (tenant_id, agent_id)
 {COMPOSITE.replace("::name[])", "::name[], via => 'wal')")}
+"""
+
+AGENT_EVENTS_QUERY = """
+    select a.tenant_id, a.id as agent_id, count(e.id) as events, coalesce(sum(e.weight), 0)::bigint as weight
+    from desk.agents a
+    left join desk.tickets t on t.tenant_id = a.tenant_id and t.agent_id = a.id
+    left join desk.ticket_events e on e.tenant_id = t.tenant_id and e.ticket_id = t.id
+    group by a.tenant_id, a.id
+"""
+
+COMPOSITE_THROUGH = f"""
+create table desk.ticket_events (tenant_id int not null, ticket_id bigint not null, id bigint not null,
+    weight int not null, primary key (tenant_id, id),
+    foreign key (tenant_id, ticket_id) references desk.tickets on delete cascade on update cascade);
+create index on desk.ticket_events (tenant_id, ticket_id);
+insert into desk.ticket_events select t.tenant_id, t.id, t.id * 10 + g, g from desk.tickets t,
+    generate_series(1, 2) g;
+create table desk.agent_events (tenant_id int not null, agent_id bigint not null, events bigint not null,
+    weight bigint not null, primary key (tenant_id, agent_id),
+    foreign key (tenant_id, agent_id) references desk.agents on delete cascade on update cascade);
+select lockstep.define_derived('agent_events', 'desk.agent_events', parent => 'desk.agents',
+                               every => '1 day', query => $q${AGENT_EVENTS_QUERY}$q$);
+select lockstep.watch('agent_events', 'desk.agents', key_columns => array['tenant_id', 'id']::name[]);
+select lockstep.watch('agent_events', 'desk.ticket_events',
+                      key_columns => array['tenant_id', 'ticket_id']::name[], through => 'desk.tickets',
+                      through_columns => array['tenant_id', 'agent_id']::name[]);
 """
 
 TENANT_SUMMARY_QUERY = """
@@ -284,6 +311,55 @@ class DeskClient(Client):
         )
 
 
+class DeskEventsClient(DeskClient):
+    """A DeskClient that also writes ticket events: inserted, moved to another ticket of the tenant,
+    reweighed, deleted."""
+
+    def ops(self) -> list[tuple[Callable[[psycopg.Connection], None], int]]:
+        return [
+            *super().ops(),
+            (self.new_events, 14),
+            (self.move_event, 12),
+            (self.reweigh_events, 6),
+            (self.delete_event, 6),
+        ]
+
+    def event(self, c: psycopg.Connection) -> tuple[int, int] | None:
+        return self.one(
+            c,
+            "select tenant_id, id from desk.ticket_events where tenant_id = any(%s)"
+            " order by random() limit 1",
+            self.tenants,
+        )
+
+    def new_events(self, c: psycopg.Connection) -> None:
+        if not (t := self.ticket(c)):
+            return self.new_tickets(c)
+        rows = [(t[0], t[1], self.new_id(), self.rng.randrange(9)) for _ in range(self.rng.randint(1, 3))]
+        with c.cursor() as cur:
+            cur.executemany("insert into desk.ticket_events values (%s, %s, %s, %s)", rows)
+
+    def move_event(self, c: psycopg.Connection) -> None:
+        if not (e := self.event(c)):
+            return
+        t = self.one(c, "select id from desk.tickets where tenant_id = %s order by random() limit 1", e[0])
+        if t:
+            c.execute(
+                "update desk.ticket_events set ticket_id = %s where (tenant_id, id) = (%s, %s)", [t[0], *e]
+            )
+
+    def reweigh_events(self, c: psycopg.Connection) -> None:
+        if t := self.ticket(c):
+            c.execute(
+                "update desk.ticket_events set weight = weight + 1 where (tenant_id, ticket_id) = (%s, %s)",
+                t[:2],
+            )
+
+    def delete_event(self, c: psycopg.Connection) -> None:
+        if e := self.event(c):
+            c.execute("delete from desk.ticket_events where (tenant_id, id) = (%s, %s)", e)
+
+
 class HelpClient(Client):
     """Owns the agents of ids [i * 1e6, (i + 1) * 1e6) and every id it creates ([i + 1, i + 2) * 1e12):
     tickets moved between its agents (the row of the join), events moved between its tickets (the watched
@@ -386,6 +462,9 @@ class Shape:
 
 
 SHAPES = {
+    "composite_through_join": Shape(
+        "agent_events", "desk.agent_events", DESK, COMPOSITE_THROUGH, AGENT_EVENTS_QUERY, DeskEventsClient
+    ),
     "composite_query": Shape("agent_load", "desk.agent_load", DESK, COMPOSITE, AGENT_LOAD_QUERY, DeskClient),
     "through_join": Shape(
         "agent_activity", "help.agent_activity", HELP, THROUGH, AGENT_ACTIVITY_QUERY, HelpClient
