@@ -164,6 +164,57 @@ def test_an_admin_watch_never_casts_an_unsafe_key_as_the_writer(ex, example_dsn,
     assert flags and all("cast" in p for (p,) in flags), flags
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="proposed: lockstep.enqueue_through maps keys in the trigger only where reading the through table"
+    " runs no other role's code (row_security_active(through) false, and the through column's base type the"
+    " key type); else it leaves them to the worker, which maps the through keys it records as the owner",
+)
+def test_a_watch_through_the_owners_table_runs_none_of_its_code_as_the_writer(
+    ex, example_dsn, mallory, roles
+):
+    """An admin watches the application's table through mallory's (her orders map its lines to her
+    customers). The statement trigger reads her table as the writer to map the keys: her row security
+    policy runs there, with the application's rights. So would an implicit cast of hers from the through
+    column's type to the key type."""
+    with _as(example_dsn, mallory) as m:
+        _plant_steal(m)
+        m.execute("create table mal.cust (id bigint primary key)")
+        m.execute("insert into mal.cust values (1)")
+        m.execute("create table mal.ord (id bigint primary key, cust_id bigint references mal.cust)")
+        m.execute("insert into mal.ord values (10, 1)")
+        m.execute("grant select, references on mal.ord to public")
+        m.execute(
+            "create table mal.tot"
+            " (cust_id bigint primary key references mal.cust on delete cascade, n bigint)"
+        )
+        m.execute(
+            "create function mal.totf(ids bigint[]) returns table (cust_id bigint, n bigint) language sql"
+            " stable as 'select c.id, 0::bigint from mal.cust c"
+            " where ids is null or c.id = any(ids)'"
+        )
+        m.execute(
+            "select lockstep.define_derived('tot', 'mal.tot', 'mal.totf(bigint[])', parent => 'mal.cust')"
+        )
+    ex.execute("create table public.lines (id bigint primary key, ord_id bigint references mal.ord)")
+    ex.execute(
+        "select lockstep.watch('tot', 'public.lines', 'ord_id', through => 'mal.ord',"
+        " through_column => 'cust_id')"
+    )
+    app = roles(
+        "lockstep_app",
+        APP_GRANTS,
+        ["grant insert (job, problem) on lockstep.recompute_flag to {role}"],
+        ["grant insert on public.lines to {role}", "grant select on public.secret to {role}"],
+    )
+    with _as(example_dsn, mallory) as m:
+        m.execute("alter table mal.ord enable row level security")
+        m.execute("create policy p on mal.ord for select using (mal.steal())")
+    with psycopg.connect(as_role(example_dsn, app), autocommit=True) as a:
+        a.execute("insert into public.lines values (1, 10)")
+    assert ex.execute(LOOT).fetchone()[0] == 0
+
+
 def _composite_job(m: psycopg.Connection) -> None:
     """mallory's derived job keyed by (mal.e, int), her composite type mal.ck of her enum and an int."""
     m.execute("create type mal.e as enum ('a', 'b')")
