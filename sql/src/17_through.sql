@@ -200,8 +200,7 @@ begin
                                                                  v_map::text, through_columns::text]),
                           pg_catalog.format('watch(%L, %L)', j.job, source));
     if v_flag is not null then
-        insert into lockstep.recompute_flag (job, problem)  -- flagged_at: clock time, as _flag (_clear_flag)
-        values (j.job, v_flag);
+        perform lockstep._flag_job(j.job, v_flag);  -- security definer
     end if;
     perform lockstep._warn_writers(v_tables || through);
     perform lockstep.watch(j.job, through, key_columns => through_columns);

@@ -1802,3 +1802,205 @@ def test_a_lock_group_cannot_be_taken_by_plain_dml(ex, example_dsn, owners):
         with raises_sqlstate("42501", "row-level security"):
             x.execute("update lockstep.job set lock_group = 'owned' where job = 'mine'")
     assert ex.execute("select lock_group from lockstep.job where job = 'mine'").fetchone()[0] == "mine"
+
+
+# a recipe runner's flags ---------------------------------------------------------------------------------
+
+RUNNER_FLAG_SHOP = """
+create schema shop;
+create table shop.customer (id bigint primary key, name text not null);
+create table shop.orders (id bigint primary key,
+                          customer_id bigint not null references shop.customer (id) on delete cascade);
+create table shop.order_line (id bigint primary key,
+                              order_id bigint not null references shop.orders (id) on delete cascade,
+                              amount integer not null);
+create table shop.customer_total (
+    customer_id bigint primary key references shop.customer (id) on delete cascade,
+    total bigint not null, lines bigint not null);
+-- security definer: the owner's compute reads shop.orders whether or not the owner may
+create function shop.customer_total_compute(ids bigint[])
+returns table (customer_id bigint, total bigint, lines bigint) language sql stable security definer
+set search_path = pg_catalog as $$
+    select c.id, coalesce(sum(l.amount), 0)::bigint, count(l.id)
+    from shop.customer c left join shop.orders o on o.customer_id = c.id
+    left join shop.order_line l on l.order_id = o.id
+    where ids is null or c.id = any(ids)
+    group by c.id $$;
+insert into shop.customer select g, 'c' || g from generate_series(1, 5) g;
+insert into shop.orders select g, 1 + g % 5 from generate_series(1, 20) g;
+insert into shop.order_line select g, 1 + g % 20, g from generate_series(1, 100) g;
+select lockstep.define_derived('totals', 'shop.customer_total', 'shop.customer_total_compute(bigint[])',
+                               parent => 'shop.customer', every => '1 day');
+select lockstep.watch('totals', 'shop.order_line', 'order_id',
+                      through => 'shop.orders', through_column => 'customer_id');
+select lockstep.recompute('totals');
+delete from lockstep.queue;
+"""
+RUNNER_FLAG_SHOP_DIVERGENCE = """
+select count(*) from (
+    (select * from shop.customer_total except select * from shop.customer_total_compute(null))
+    union all
+    (select * from shop.customer_total_compute(null) except select * from shop.customer_total)) d
+"""
+
+
+def _give_job(ex: psycopg.Connection, job: str, owner: str) -> None:
+    ex.execute("update lockstep.job set owner = %s where job = %s", [owner, job])
+
+
+def test_a_recipe_runner_flags_a_job_whose_through_mapping_fails(ex, example_dsn, roles):
+    """The worker maps committed through keys to parents as the job's owner; a mapping that fails flags the
+    job. The runner recipe holds no INSERT on the flags: the flag goes through lockstep's definer function,
+    the run does not fail (42501), and once the owner may read the through table again the next run
+    converges."""
+    ex.execute(RUNNER_FLAG_SHOP)
+    owner = roles(
+        "shop_owner",
+        OWNER_GRANTS,
+        ["grant usage on schema shop to {role}",
+         "grant select on shop.customer, shop.orders, shop.order_line to {role}",
+         "grant select, insert, update, delete on shop.customer_total to {role}",
+         "grant update (id) on shop.customer to {role}"],
+    )  # fmt: skip
+    _give_job(ex, "totals", owner)
+    runner = roles("lockstep_runner", RUNNER_GRANTS, attrs="noinherit", owner=owner)
+    ex.execute(sql.SQL("revoke select on shop.orders from {}").format(sql.Identifier(owner)))
+    ex.execute("update shop.order_line set amount = amount + 1000 where order_id = 7")  # a through key
+    with _as(example_dsn, runner) as r:
+        res = result(r, "lockstep.run(%s)", "totals")
+        assert res["outcome"] != "failed", res["error"]
+        flags = ex.execute("select problem from lockstep.recompute_flag where job = 'totals'").fetchall()
+        problems = [p for (p,) in flags]
+        assert any("watch through shop.orders" in p for p in problems), problems
+        ex.execute(sql.SQL("grant select on shop.orders to {}").format(sql.Identifier(owner)))
+        res = result(r, "lockstep.run(%s)", "totals")
+        assert (res["action"], res["outcome"]) == ("recompute", "done"), res
+    assert ex.execute(RUNNER_FLAG_SHOP_DIVERGENCE).fetchone()[0] == 0
+    assert ex.execute("select count(*) from lockstep.recompute_flag").fetchone()[0] == 0
+
+
+def test_a_recipe_runner_flags_a_handed_off_key_too_long_for_the_queue(ex, example_dsn, roles):
+    """A poisoned recompute hands every parent to the worker; a parent key too long for the queue flags the
+    job instead. As a runner of the recipe (no INSERT on the flags) that flag goes through lockstep's
+    definer function, `lockstep run --once` does not fail, and once the poison is cured the job converges."""
+    ex.execute(
+        """
+        create table public.doc (id text primary key, bad boolean not null default false);
+        create table public.doc_len (doc_id text primary key references public.doc on delete cascade,
+                                     len int not null);
+        create function public.doc_len_c(ids text[]) returns table (doc_id text, len int)
+        language plpgsql stable as $$
+        begin
+            if exists (select from public.doc d where (ids is null or d.id = any(ids)) and d.bad) then
+                raise exception 'bad doc';
+            end if;
+            return query select d.id, length(d.id) from public.doc d where ids is null or d.id = any(ids);
+        end $$;
+        insert into public.doc (id) select 'd' || g from generate_series(1, 10) g;
+        insert into public.doc (id) values (repeat('L', 2700));
+        select lockstep.define_derived('doclen', 'public.doc_len', 'public.doc_len_c(text[])',
+                                       parent => 'public.doc', every => '1 day');
+        select lockstep.set_max_attempts('doclen', 1);
+        select lockstep.recompute('doclen');
+        update public.doc set bad = true where id = 'd3';
+        delete from lockstep.queue;
+        delete from lockstep.recompute_flag;
+        """
+    )
+    owner = roles(
+        "doc_owner",
+        OWNER_GRANTS,
+        ["grant select on public.doc to {role}",
+         "grant select, insert, update, delete on public.doc_len to {role}",
+         "grant update (id) on public.doc to {role}"],
+    )  # fmt: skip
+    _give_job(ex, "doclen", owner)
+    ex.execute("delete from lockstep.job where job = 'exam_keys'")  # `run --once` runs doclen alone
+    runner = roles("lockstep_runner", RUNNER_GRANTS, attrs="noinherit", owner=owner)
+    ex.execute("update lockstep.job_state set next_run_at = now() where job = 'doclen'")
+    p = lockstep_cli("run", "--once", "--dsn", as_role(example_dsn, runner))
+    assert p.returncode == 0, p.stderr
+    assert "42501" not in p.stderr and "permission denied" not in p.stderr, p.stderr
+    assert "handed to the worker" in p.stderr, p.stderr
+    problems = [p for (p,) in ex.execute("select problem from lockstep.recompute_flag where job = 'doclen'")]
+    assert any("too long for the queue" in p for p in problems), problems
+    ex.execute("update public.doc set bad = false where id = 'd3'")
+    with _as(example_dsn, runner) as r:
+        for _ in range(6):
+            ex.execute("update lockstep.job_state set next_run_at = now(), retry_at = null")
+            res = result(r, "lockstep.run(%s)", "doclen")
+            assert res["outcome"] != "failed", res
+    assert ex.execute("select count(*) from lockstep.recompute_flag").fetchone()[0] == 0
+    assert ex.execute("select count(*) from lockstep.parked_keys").fetchone()[0] == 0
+    diff = ex.execute(
+        "select count(*) from ((select * from public.doc_len except select * from public.doc_len_c(null))"
+        " union all (select * from public.doc_len_c(null) except select * from public.doc_len)) d"
+    ).fetchone()[0]
+    assert diff == 0
+
+
+def test_another_owners_runner_cannot_flag_a_job(ex, example_dsn, roles):
+    """lockstep._flag_job, the flag writer of a role without INSERT on the flags (a runner or an owner of the
+    recipe), flags only a job its caller manages: another owner's runner gets 42501 and writes nothing."""
+    _recipe_runner_of_exam_keys(ex, roles)
+    other = roles("other_owner", OWNER_GRANTS)
+    other_runner = roles("lockstep_runner", RUNNER_GRANTS, attrs="noinherit", owner=other)
+    flags = "select job, problem from lockstep.recompute_flag order by 1, 2"
+    before = ex.execute(flags).fetchall()
+    with _as(example_dsn, other_runner) as r, raises_sqlstate("42501"):
+        r.execute("select lockstep._flag_job('exam_keys', 'forged')")
+    with _as(example_dsn, other_runner) as r, raises_sqlstate("42501"):
+        r.execute("select lockstep._flag('exam_keys', 'forged')")
+    assert ex.execute(flags).fetchall() == before
+
+
+def test_an_owner_of_the_recipe_watches_through_a_join_for_a_composite_key(ex, example_dsn, roles):
+    """watch(..., key_columns, through, through_columns) flags the newly watched job for its full recompute:
+    as an owner of the recipe (no INSERT on the flags) through lockstep._flag_job."""
+    owner = roles("shop_owner", OWNER_GRANTS)
+    ex.execute(sql.SQL("create schema shop authorization {}").format(sql.Identifier(owner)))
+    with _as(example_dsn, owner) as o:
+        o.execute(
+            """
+            create table shop.customer (tenant_id int not null, id bigint not null,
+                                        primary key (tenant_id, id));
+            create table shop.orders (tenant_id int not null, id bigint not null, customer_id bigint not null,
+                                      primary key (tenant_id, id),
+                                      foreign key (tenant_id, customer_id) references shop.customer
+                                      on delete cascade);
+            create table shop.order_line (id bigint primary key, tenant_id int not null,
+                                          order_id bigint not null,
+                                          amount integer not null,
+                                          foreign key (tenant_id, order_id) references shop.orders
+                                          on delete cascade);
+            create table shop.customer_total (tenant_id int not null, customer_id bigint not null,
+                                              total bigint not null, primary key (tenant_id, customer_id),
+                                              foreign key (tenant_id, customer_id) references shop.customer
+                                              on delete cascade);
+            create type shop.customer_key as (tenant_id int, id bigint);
+            create function shop.customer_total_compute(keys shop.customer_key[])
+            returns table (tenant_id int, customer_id bigint, total bigint) language sql stable as $$
+                select c.tenant_id, c.id, coalesce(sum(l.amount), 0)::bigint
+                from shop.customer c
+                left join shop.orders o on o.tenant_id = c.tenant_id and o.customer_id = c.id
+                left join shop.order_line l on l.tenant_id = o.tenant_id and l.order_id = o.id
+                where keys is null or (c.tenant_id, c.id) in (select k.tenant_id, k.id from unnest(keys) k)
+                group by c.tenant_id, c.id $$;
+            insert into shop.customer values (1, 1), (1, 2);
+            insert into shop.orders values (1, 1, 1), (1, 2, 2);
+            insert into shop.order_line values (1, 1, 1, 10), (2, 1, 2, 20);
+            select lockstep.define_derived('ctotals', 'shop.customer_total',
+                                           'shop.customer_total_compute(shop.customer_key[])',
+                                           'shop.customer', every => '1 day');
+            """
+        )
+        assert result(o, "lockstep.recompute(%s)", "ctotals")["outcome"] == "done"
+        o.execute(
+            "select lockstep.watch('ctotals', 'shop.order_line',"
+            " key_columns => array['tenant_id', 'order_id']::name[],"
+            " through => 'shop.orders', through_columns => array['tenant_id', 'customer_id']::name[])"
+        )
+        flagged = o.execute("select count(*) from lockstep.recompute_flag where job = 'ctotals'").fetchone()
+        assert flagged[0] > 0
+        assert result(o, "lockstep.recompute(%s)", "ctotals")["outcome"] == "done"
+        assert o.execute("select count(*) from shop.customer_total").fetchone()[0] == 2
