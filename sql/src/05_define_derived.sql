@@ -798,7 +798,7 @@ declare
     v_key name[];
     v_cols name[];
     v_par record;
-    v_old lockstep.job := (select x from lockstep.job x where x.job = define_derived.job);
+    v_old lockstep.job;  -- the definition being replaced, read once every check has passed
 begin
     if (compute is null) = (query is null) then
         raise exception 'lockstep: compute and query must not be NULL together, nor given together: pass one' using errcode = '22004',
@@ -825,6 +825,7 @@ begin
     perform lockstep._check_parent_delete(target, parent);  -- LSD04 refusals, then warnings
     perform lockstep._warn_index_keys(target, v_par.parent_columns);
     perform lockstep._warn_unique(target, parent);
+    v_old := (select x from lockstep.job x where x.job = define_derived.job);
     perform lockstep._save_derived(job, target, compute, parent, v_par.parent_column, v_par.parent_key,
                                    v_par.key_type, v_key, v_cols, lock_group, every, backoff);
     perform lockstep._save_parent_keys(job, v_par.parent_columns, v_par.parent_keys);
