@@ -67,6 +67,7 @@ drop function if exists lockstep._check_parents(regclass, regprocedure, name[], 
 drop function if exists lockstep._warn_index_keys(regclass, name[]);
 drop function if exists lockstep._save_parent_keys(text, name[], name[]);
 drop function if exists lockstep._check_may_own(text, oid);
+drop function if exists lockstep._check_may_define();
 drop function if exists lockstep._put_job(lockstep.job);
 drop function if exists lockstep._update_job(text, integer, integer, interval, boolean, name);
 drop function if exists lockstep._flag_job(text, text);

@@ -27,10 +27,36 @@ begin
 end;
 $$;
 
+-- lockstep._check_may_define(): the caller (lockstep._caller) may define a new job: it holds EXECUTE on
+-- lockstep._put_job by a grant to it or to a role it is a member of (the owner recipe's; PUBLIC's default
+-- does not count), or INSERT on lockstep.job (a table or column grant, an admin); else 42501. The
+-- application and a role with only USAGE on the schema define no job, as when a job took an INSERT.
+create or replace function lockstep._check_may_define() returns void
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_who name := lockstep._caller();
+begin
+    if exists (select from pg_catalog.pg_proc p, pg_catalog.aclexplode(p.proacl) a
+               where p.oid = 'lockstep._put_job(lockstep.job)'::pg_catalog.regprocedure
+                 and a.privilege_type = 'EXECUTE' and a.grantee <> 0
+                 and pg_catalog.pg_has_role(v_who, a.grantee, 'MEMBER'))
+       or pg_catalog.has_any_column_privilege(v_who, 'lockstep.job', 'INSERT') then
+        return;
+    end if;
+    raise exception 'lockstep: role "%" may not define jobs', v_who
+        using errcode = '42501',
+              hint = 'A job owner is granted it: grant execute on function lockstep._put_job(lockstep.job) to <role> '
+                     '(docs/security.md).';
+end;
+$$;
+
 -- lockstep._put_job(j): write the registry row of a job define_job or define_derived checked (the fields
 -- of its kind), and its status row. A new job is owned by j.owner, an existing one keeps its owner: either
--- must be a role the caller may act as (lockstep._check_may_own); an existing job must be of j's kind. A changed definition makes the job due now; a
--- new every counts from the last run, the same every keeps next_run_at. The lock group must hold no job
+-- must be a role the caller may act as (lockstep._check_may_own); a new job needs a caller that may define
+-- jobs (lockstep._check_may_define); an existing job must be of j's kind. A changed definition makes the
+-- job due now; a new every counts from the last run, the same every keeps next_run_at. The lock group must hold no job
 -- the caller does not manage, and the key type be one lockstep converts (LSD04), as the policies ask; a
 -- timeout one statement_timeout holds (lockstep._check_timeout, 22023).
 -- Security definer: the owner recipe holds no INSERT or UPDATE on lockstep's tables.
@@ -48,6 +74,9 @@ begin
     select * into old from lockstep.job x where x.job = j.job;
     perform lockstep._check_may_own(j.job, coalesce(old.owner_id,
                                                     (select r.oid from pg_catalog.pg_roles r where r.rolname = j.owner)));
+    if old.job is null then
+        perform lockstep._check_may_define();
+    end if;
     if old.kind <> j.kind or j.kind is null or j.kind not in ('job', 'derived') then
         raise exception 'lockstep: job "%" is a % job, not a %', j.job, old.kind, j.kind using errcode = 'LSJ02';
     end if;

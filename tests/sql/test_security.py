@@ -52,6 +52,8 @@ OWNER_GRANTS = [
     "grant select on lockstep.status to {role}",
     "grant select on lockstep.failing_keys to {role}",
     "grant temp on database {db} to {role}",  # the compute/write work tables and its trampoline
+    # define_* of a new job: the grant that marks a job owner (lockstep._check_may_define)
+    "grant execute on function lockstep._put_job(lockstep.job) to {role}",
 ]
 # ... and the example job's own tables (the owner owns example.exam and example.exam_item)
 EXAMPLE_OWNER_GRANTS = [

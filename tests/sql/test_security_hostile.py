@@ -710,15 +710,11 @@ def test_lockstep_definer_functions_write_nothing_for_a_job_that_does_not_exist(
     assert snapshot(ex, "lockstep.through_entry", "lockstep.run_log") == before
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="proposed: _put_job refuses a new job to a caller without a grant that marks a job owner (e.g. a"
-    " column grant, insert (job) on lockstep.job, which allows no LOCK TABLE), as INSERT on lockstep.job did",
-)
 def test_only_a_job_owner_recipe_defines_jobs(ex, example_dsn, roles):
     """docs/security.md's table: an application may not define a job. Since the owner writes through
     lockstep._put_job, a definer function every role may call, the application (and a role holding only
-    USAGE on schema lockstep) defines jobs owned by itself, and so takes job names and lock groups."""
+    USAGE on schema lockstep) defined jobs owned by itself, and so took job names and lock groups: a new
+    job needs the owner recipe's grant of EXECUTE on lockstep._put_job (or INSERT on lockstep.job)."""
     ex.execute("create function public.lockstep_noop() returns void language sql as 'select'")
     app = roles("lockstep_app", APP_GRANTS, ["grant select on lockstep.job to {role}"])
     nobody = roles("lockstep_nobody", ["grant usage on schema lockstep to {role}"])
