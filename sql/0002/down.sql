@@ -176,6 +176,9 @@ drop function if exists lockstep._through_types_problem(regclass, name[], regtyp
 drop function if exists lockstep._through_map_sql(lockstep.job);
 drop function if exists lockstep._gen_through(lockstep.job, regclass, name[], regclass, name[], name[]);
 drop function if exists lockstep._through_template();
+drop function if exists lockstep._through_castable(regtype, regtype);
+drop function if exists lockstep._through_row_security(oid, oid);
+drop function if exists lockstep._check_through(regclass, regclass, name[], regtype);
 drop function if exists lockstep._check_source_key(lockstep.job, regclass, name);
 
 -- the WAL capture: its slot and publication first (nothing of 0001 reads them), then its code and state

@@ -34,6 +34,83 @@ $$;
 comment on function lockstep._through_key(regclass, name, regclass) is
     'The column of through that source.key_column references (LSQ02 if none). Locks nothing.';
 
+-- lockstep._through_castable(source, target): values of a through column of type source convert to the key
+-- type (or key field type) target with no code of any role: the same type, a domain over it, or a built-in
+-- implicit cast (lockstep._castable without the casts roles add).
+-- locks: nothing.
+create or replace function lockstep._through_castable(source regtype, target regtype) returns boolean
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+    with recursive base(t) as (
+        select source::oid
+        union
+        select ty.typbasetype from base join pg_catalog.pg_type ty on ty.oid = base.t where ty.typtype = 'd')
+    select exists (select from base where base.t = target)
+        or exists (select from base join pg_catalog.pg_cast c on c.castsource = base.t
+                   where c.casttarget = target and c.castcontext = 'i' and c.oid < 16384);
+$$;
+
+-- lockstep._through_row_security(through, source): through, or a table below it, has row security enabled
+-- and an owner other than source's: reading it as source's writer would run that owner's policies. One
+-- catalog read unless through has tables below it.
+-- locks: nothing.
+create or replace function lockstep._through_row_security(through oid, source oid) returns boolean
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_owner oid := (select c.relowner from pg_catalog.pg_class c where c.oid = source);
+    v_foreign boolean;
+    v_below boolean;
+begin
+    select c.relrowsecurity and c.relowner <> v_owner, c.relhassubclass into v_foreign, v_below
+    from pg_catalog.pg_class c where c.oid = through;
+    if v_foreign or not v_below then
+        return v_foreign;
+    end if;
+    return exists (select from pg_catalog.pg_class c
+                   where c.oid = any(lockstep._family(through::regclass)) and c.relrowsecurity and c.relowner <> v_owner);
+end;
+$$;
+
+-- lockstep._check_through(source, through, columns, key_type): watch()'s refusals of a through table whose
+-- reading would run another role's code as the writer: row security owned by another role than source's
+-- (42501), or a column of the parent key that converts to the key type (or its field) only by a cast a
+-- role added (LSQ01). Writes nothing.
+-- locks: nothing.
+create or replace function lockstep._check_through(source regclass, through regclass, columns name[],
+                                                   key_type regtype) returns void
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_bad text;
+begin
+    if lockstep._through_row_security(through, source) then
+        raise exception 'lockstep: % (or a table below it) has row security and another owner than %: the trigger '
+            'on % would run its policies as the application''s writer', through, source, source
+            using errcode = '42501',
+                  hint = pg_catalog.format('Have the owner of %s own %s, or disable its row security, then watch again.',
+                                           source, through);
+    end if;
+    select pg_catalog.format('%s.%I is %s', through, c.n, a.atttypid::regtype) into v_bad
+    from pg_catalog.unnest(columns) with ordinality c(n, o)
+    join pg_catalog.pg_attribute a on a.attrelid = through and a.attname = c.n and a.attnum > 0 and not a.attisdropped
+    left join (select fa.atttypid, pg_catalog.row_number() over (order by fa.attnum) o
+               from pg_catalog.pg_type y
+               join pg_catalog.pg_attribute fa on fa.attrelid = y.typrelid and fa.attnum > 0 and not fa.attisdropped
+               where y.oid = key_type and y.typtype = 'c') f on f.o = c.o
+    where not lockstep._through_castable(a.atttypid::regtype, coalesce(f.atttypid, key_type)::regtype)
+    order by c.o limit 1;
+    if v_bad is not null then
+        raise exception 'lockstep: %, which converts to the key type % only by a cast a role added', v_bad, key_type
+            using errcode = 'LSQ01',
+                  hint = 'Give the through column the key type (or its field''s type), or a domain over it.';
+    end if;
+end;
+$$;
+
 -- lockstep._watch_through(j, source, key_column, through, through_column): watch()'s path for a source
 -- one hop below the parent. The triggers on source (and the tables below it) run lockstep.enqueue_through,
 -- which maps the changed rows' keys, old and new, through the through table to parent keys; the through
@@ -67,6 +144,7 @@ begin
         raise exception 'lockstep: a watch of % through itself', source
             using errcode = '22023', hint = 'Watch the column that holds the parent''s key directly.';
     end if;
+    perform lockstep._check_through(source, through, array[through_column], j.key_type);  -- 42501, LSQ01
     v_flag := lockstep._watch_news(j, source, key_column, v_tables);  -- before the triggers change
     perform lockstep._ddl(v_tables, lockstep._drop_watch_ddl(j.job, v_tables)
                                     || lockstep._watch_ddl(j, v_tables,
@@ -190,6 +268,7 @@ begin
     end if;
     v_map := lockstep._through_keys(source, key_columns, through);
     perform lockstep._check_key_columns(j, through, through_columns);  -- LSQ01, LSQ02
+    perform lockstep._check_through(source, through, through_columns, j.key_type);  -- 42501, LSQ01
     v_flag := lockstep._watch_news(j, source, key_columns::text, v_tables);  -- before the triggers change
     perform lockstep._ddl(v_tables, lockstep._drop_watch_ddl(j.job, v_tables)
                                     || lockstep._watch_ddl(j, v_tables,
@@ -236,6 +315,11 @@ begin
         if v_problem is not null then
             raise exception 'lockstep: %', v_problem using errcode = 'LSQ01';
         end if;
+    elsif not lockstep._through_castable((select a.atttypid from pg_catalog.pg_attribute a
+                                          where a.attrelid = v_rel and a.attname = parent_column and a.attnum > 0
+                                            and not a.attisdropped)::regtype, v_type) then
+        raise exception 'lockstep: column %.% converts to the key type % only by a cast a role added', v_rel,
+            parent_column, v_type using errcode = 'LSQ01';
     end if;
     v_from := pg_catalog.concat_ws(' union ',
         case when op <> 'DELETE' then pg_catalog.format('select %s from lockstep_new x', lockstep._cols(v_cols, 'x')) end,
@@ -277,7 +361,8 @@ $$;
 
 -- lockstep._through_template(): the text (a format() string) of a trigger function lockstep._gen_through
 -- writes: reads the through keys and the parent keys they map to in one static statement when the through
--- table, the columns and the key type are as watch() found them, else flags the job; then records the
+-- table, the columns and the key type are as watch() found them and reading it runs no row security policy
+-- of another owner (lockstep._through_row_security), else flags the job; then records the
 -- through keys and queues the parent keys, as lockstep.enqueue_through does.
 create or replace function lockstep._through_template() returns text
 language sql immutable
@@ -307,6 +392,8 @@ begin
                     order by c.o) operator(pg_catalog.<>) %9$L::pg_catalog.oid[]
            %10$s then
             v_problem := 'the through table, its columns or the key type changed since watch(): watch again';
+        elsif lockstep._through_row_security(%5$s::pg_catalog.oid, tg_relid) then
+            v_problem := 'it has row security and another owner than the source: not read as the writer';
         elsif tg_op operator(pg_catalog.=) 'UPDATE' then
             %11$s
         elsif tg_op operator(pg_catalog.=) 'INSERT' then
@@ -414,7 +501,8 @@ $$;
 -- table, the columns it references, the through table's columns of the parent key's fields, in order).
 -- Queues the parent keys the changed rows map to now, read without locks in a block that only reads, and
 -- records their through keys (lockstep.through_entry) for a worker to map again after the commit. Any
--- error there, or a TRUNCATE, flags the job instead (lockstep._flag). Never raises.
+-- error there, a TRUNCATE, or a through table whose reading would run its owner's row security policies
+-- (lockstep._through_row_security) flags the job instead (lockstep._flag). Never raises.
 -- locks: the insert into lockstep.queue (or lockstep.recompute_flag); no lock on the through table beyond
 -- the ACCESS SHARE of a plain read.
 create or replace function lockstep.enqueue_through() returns trigger
@@ -433,10 +521,14 @@ begin
         return null;
     end if;
     begin
-        select x.src, x.map into v_sql
-        from lockstep._through_sql(tg_op, tg_argv[1], tg_argv[2], tg_argv[3], tg_argv[4], tg_argv[5]) x;
-        execute v_sql.src into v_src;
-        execute v_sql.map into v_keys;
+        if lockstep._through_row_security(tg_argv[3]::oid, tg_relid) then  -- its policies would run as the writer
+            v_problem := 'it has row security and another owner than the source: not read as the writer';
+        else
+            select x.src, x.map into v_sql
+            from lockstep._through_sql(tg_op, tg_argv[1], tg_argv[2], tg_argv[3], tg_argv[4], tg_argv[5]) x;
+            execute v_sql.src into v_src;
+            execute v_sql.map into v_keys;
+        end if;
     exception when others then
         get stacked diagnostics v_problem = message_text;
     end;

@@ -164,24 +164,21 @@ def test_an_admin_watch_never_casts_an_unsafe_key_as_the_writer(ex, example_dsn,
     assert flags and all("cast" in p for (p,) in flags), flags
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="proposed: lockstep.enqueue_through maps keys in the trigger only where reading the through table"
-    " runs no other role's code (row_security_active(through) false, and the through column's base type the"
-    " key type); else it leaves them to the worker, which maps the through keys it records as the owner",
-)
-def test_a_watch_through_the_owners_table_runs_none_of_its_code_as_the_writer(
-    ex, example_dsn, mallory, roles
-):
-    """An admin watches the application's table through mallory's (her orders map its lines to her
-    customers). The statement trigger reads her table as the writer to map the keys: her row security
-    policy runs there, with the application's rights. So would an implicit cast of hers from the through
-    column's type to the key type."""
+def _owners_orders(example_dsn, mallory, cust_type: str = "bigint", partitioned: bool = False) -> None:
+    """mallory's customers, her orders (mal.ord, cust_id of cust_type; partitioned: one partition mal.ord_1)
+    and her job tot keyed by customer. An admin's public.lines references her orders."""
     with _as(example_dsn, mallory) as m:
         _plant_steal(m)
+        if cust_type == "mal.d":
+            m.execute("create domain mal.d as bigint")
         m.execute("create table mal.cust (id bigint primary key)")
         m.execute("insert into mal.cust values (1)")
-        m.execute("create table mal.ord (id bigint primary key, cust_id bigint references mal.cust)")
+        m.execute(
+            f"create table mal.ord (id bigint primary key, cust_id {cust_type} references mal.cust)"
+            + (" partition by range (id)" if partitioned else "")
+        )
+        if partitioned:
+            m.execute("create table mal.ord_1 partition of mal.ord for values from (0) to (100)")
         m.execute("insert into mal.ord values (10, 1)")
         m.execute("grant select, references on mal.ord to public")
         m.execute(
@@ -196,22 +193,106 @@ def test_a_watch_through_the_owners_table_runs_none_of_its_code_as_the_writer(
         m.execute(
             "select lockstep.define_derived('tot', 'mal.tot', 'mal.totf(bigint[])', parent => 'mal.cust')"
         )
+
+
+def _plant_policy(example_dsn, mallory, table: str) -> None:
+    """mallory's row security on her table, its policy her mal.steal()."""
+    with _as(example_dsn, mallory) as m:
+        m.execute(f"alter table {table} enable row level security")
+        m.execute(f"create policy p on {table} for select using (mal.steal())")
+
+
+WATCH_THROUGH = (
+    "select lockstep.watch('tot', 'public.lines', 'ord_id',"
+    " through => 'mal.ord', through_column => 'cust_id')"
+)
+
+
+@pytest.mark.parametrize(
+    ("cust_type", "fn"),
+    [("bigint", "lockstep.enqueue_w_"), ("mal.d", "lockstep.enqueue_through()")],
+)
+def test_a_watch_through_the_owners_table_runs_none_of_its_code_as_the_writer(
+    ex, example_dsn, mallory, roles, cust_type, fn
+):
+    """An admin watches the application's table through mallory's (her orders map its lines to her
+    customers). She enables row security on her table after the watch. Neither the generated trigger
+    (built-in types) nor the shared one (her domain) reads it as the writer: they flag the job."""
+    _owners_orders(example_dsn, mallory, cust_type)
     ex.execute("create table public.lines (id bigint primary key, ord_id bigint references mal.ord)")
-    ex.execute(
-        "select lockstep.watch('tot', 'public.lines', 'ord_id', through => 'mal.ord',"
-        " through_column => 'cust_id')"
-    )
+    ex.execute(WATCH_THROUGH)
+    fns = ex.execute(
+        "select p.oid::regprocedure::text from pg_trigger t join pg_proc p on p.oid = t.tgfoid"
+        " where t.tgrelid = 'public.lines'::regclass and not t.tgisinternal"
+    ).fetchall()
+    assert {f for (f,) in fns if f != "lockstep.enqueue_trigger()"} and all(
+        f.startswith(fn) for (f,) in fns if f != "lockstep.enqueue_trigger()"
+    ), fns
     app = roles(
         "lockstep_app",
         APP_GRANTS,
         ["grant insert (job, problem) on lockstep.recompute_flag to {role}"],
         ["grant insert on public.lines to {role}", "grant select on public.secret to {role}"],
     )
-    with _as(example_dsn, mallory) as m:
-        m.execute("alter table mal.ord enable row level security")
-        m.execute("create policy p on mal.ord for select using (mal.steal())")
+    _plant_policy(example_dsn, mallory, "mal.ord")
+    ex.execute("delete from lockstep.recompute_flag")
     with psycopg.connect(as_role(example_dsn, app), autocommit=True) as a:
         a.execute("insert into public.lines values (1, 10)")
+    assert ex.execute(LOOT).fetchone()[0] == 0
+    flags = ex.execute("select problem from lockstep.recompute_flag where job = 'tot'").fetchall()
+    assert flags and all("row security" in p for (p,) in flags), flags
+
+
+@pytest.mark.parametrize("where", ["table", "partition"])
+def test_a_watch_through_a_table_with_another_owners_row_security_is_refused(ex, example_dsn, mallory, where):
+    """mallory's orders (or their partition) have row security before the admin's watch through them:
+    watch() refuses it (42501), saying what to do, and changes nothing."""
+    _owners_orders(example_dsn, mallory, partitioned=where == "partition")
+    _plant_policy(example_dsn, mallory, "mal.ord" if where == "table" else "mal.ord_1")
+    ex.execute("create table public.lines (id bigint primary key, ord_id bigint references mal.ord)")
+    before = snapshot(ex, "lockstep.through_entry")
+    with raises_sqlstate("42501", match="row security") as info:
+        ex.execute(WATCH_THROUGH)
+    assert "own mal.ord" in (info.value.diag.message_hint or ""), info.value.diag.message_hint
+    assert snapshot(ex, "lockstep.through_entry") == before
+    assert ex.execute(
+        "select count(*) from pg_trigger where tgrelid in ('public.lines'::regclass, 'mal.ord'::regclass)"
+        " and not tgisinternal"
+    ).fetchone() == (0,)
+    assert ex.execute(LOOT).fetchone()[0] == 0
+
+
+def test_a_through_column_that_converts_only_by_the_owners_cast_is_refused(ex, example_dsn, mallory):
+    """mallory's orders hold the customer as her enum; after her job, she adds an implicit cast of it to
+    bigint (the key type): the trigger would run her cast as the writer. watch() refuses the column
+    (LSQ01) and changes nothing."""
+    with _as(example_dsn, mallory) as m:
+        _plant_steal(m)
+        m.execute("create type mal.e as enum ('a')")
+        m.execute(
+            "create function mal.e_int(x mal.e) returns bigint language plpgsql as $$ begin"
+            " perform mal.steal(); return 1; end $$"
+        )
+        m.execute("create table mal.cust (id bigint primary key)")
+        m.execute("insert into mal.cust values (1)")
+        m.execute("create table mal.ord (id bigint primary key, cust_id mal.e)")
+        m.execute("insert into mal.ord values (10, 'a')")
+        m.execute("grant select, references on mal.ord to public")
+        m.execute("create table mal.tot (cust_id bigint primary key references mal.cust on delete cascade)")
+        m.execute(
+            "create function mal.totf(ids bigint[]) returns table (cust_id bigint) language sql"
+            " stable as 'select c.id from mal.cust c where ids is null or c.id = any(ids)'"
+        )
+        m.execute(
+            "select lockstep.define_derived('tot', 'mal.tot', 'mal.totf(bigint[])', parent => 'mal.cust')"
+        )
+        m.execute("create cast (mal.e as bigint) with function mal.e_int(mal.e) as implicit")
+    ex.execute("create table public.lines (id bigint primary key, ord_id bigint references mal.ord)")
+    before = snapshot(ex, "lockstep.through_entry")
+    with raises_sqlstate("LSQ01", match="a cast a role added"):
+        ex.execute(WATCH_THROUGH)
+    assert snapshot(ex, "lockstep.through_entry") == before
+    ex.execute("insert into public.lines values (1, 10)")
     assert ex.execute(LOOT).fetchone()[0] == 0
 
 
