@@ -488,11 +488,13 @@ begin
 end;
 $$;
 
--- lockstep._ddl(tables, stmts, what): run DDL on application tables, all or none: each attempt waits at
--- most 100 ms per table, gives every lock back on a timeout, and the next locks the contended table first.
--- After ~10 s, 55P03 and nothing done.
--- locks: tables (ACCESS EXCLUSIVE), never waited for long, in the order of the array, the last contended
--- one first.
+-- lockstep._ddl(tables, stmts, what): run DDL on application tables, all or none. Each attempt waits in the
+-- lock queue for one table only, holding nothing; it retries each other table with NOWAIT for at most
+-- 100 ms: so no application transaction can deadlock with it, whatever its deadlock_timeout. On a miss
+-- every lock goes back and the next attempt waits for the missed table first. After ~10 s, 55P03.
+-- locks: tables (ACCESS EXCLUSIVE), in the order of the array, the last contended one first: the first
+-- waited for at most 100 ms (unless it has children or the transaction holds a strong lock), the others
+-- NOWAIT.
 create or replace function lockstep._ddl(tables regclass[], stmts text[], what text) returns void
 language plpgsql
 set search_path = pg_catalog, pg_temp
@@ -503,6 +505,12 @@ declare
     v_old text := pg_catalog.current_setting('lock_timeout');
     v_order regclass[] := array(select t from pg_catalog.unnest(tables) with ordinality u(t, o)
                                 group by t order by min(o));
+    -- a strong table lock the caller's transaction already holds could close a cycle: then no lock waits
+    v_wait boolean := not exists (select from pg_catalog.pg_locks l
+                                  where l.pid = pg_catalog.pg_backend_pid() and l.locktype = 'relation'
+                                    and l.granted
+                                    and l.mode not in ('AccessShareLock', 'RowShareLock', 'RowExclusiveLock'));
+    v_until timestamptz;
     v_at regclass;
     t regclass;
     s text;
@@ -510,9 +518,26 @@ begin
     for attempt in 1..50 loop
         begin
             perform pg_catalog.set_config('lock_timeout', v_ms, true);  -- undone if the attempt fails
-            foreach t in array v_order loop
+            v_at := v_order[1];
+            -- the one lock waited for, holding nothing yet; not a table with children (it locks them too)
+            if v_wait and v_at is not null
+               and not exists (select from pg_catalog.pg_inherits i where i.inhparent = v_at) then
+                execute pg_catalog.format('lock table %s in access exclusive mode', v_at);
+            end if;
+            foreach t in array v_order loop  -- never waiting while holding: a retried NOWAIT is no lock wait
                 v_at := t;
-                execute pg_catalog.format('lock table %s in access exclusive mode', t);
+                v_until := pg_catalog.clock_timestamp() + pg_catalog.make_interval(secs => v_ms::numeric / 1000);
+                loop
+                    begin
+                        execute pg_catalog.format('lock table %s in access exclusive mode nowait', t);
+                        exit;
+                    exception when lock_not_available then
+                        if pg_catalog.clock_timestamp() >= v_until then
+                            raise;
+                        end if;
+                        perform pg_catalog.pg_sleep(0.005);
+                    end;
+                end loop;
             end loop;
             v_at := null;
             foreach s in array stmts loop
@@ -535,10 +560,12 @@ begin
 end;
 $$;
 comment on function lockstep._ddl(regclass[], text[], text) is
-    'Run DDL on application tables, all or none: each attempt waits at most 100 ms per table, gives every'
-    ' lock back on a timeout, and the next locks the contended table first. After ~10 s, 55P03 and '
-    'nothing done. Locks: tables (ACCESS EXCLUSIVE), never waited for long, in the order of the array, '
-    'the last contended one first.';
+    'Run DDL on application tables, all or none. Each attempt waits in the lock queue for one table only, '
+    'holding nothing; it retries each other table with NOWAIT for at most 100 ms: so no application '
+    'transaction can deadlock with it. On a miss every lock goes back and the next attempt waits for the '
+    'missed table first. After ~10 s, 55P03. Locks: tables (ACCESS EXCLUSIVE), in the order of the array, '
+    'the last contended one first: the first waited for at most 100 ms (unless it has children or the '
+    'transaction holds a strong lock), the others NOWAIT.';
 
 -- lockstep._family(source): source and every table below it, parents first, foreign tables left out (a
 -- statement trigger fires only for statements that name its table). PL/pgSQL: each capture calls it, and a

@@ -579,11 +579,12 @@ def test_a_truncate_of_a_watched_table_flags_the_job(app, connect):
 
 
 def test_drop_job_never_deadlocks_an_application_transaction(app, dsn):
-    # drop_job dropped the triggers table by table: it locked app.acc, then waited for app.txn, which an
-    # application transaction held; when that transaction then read app.acc, the deadlock check killed it
-    # (40P01). Now every attempt waits at most 100 ms per lock and gives its locks back when it times out
-    # (lockstep._ddl): the application's read goes on, and drop_job is done once the transaction commits.
-    spec = Spec(dsn, sessions={"app": ["set deadlock_timeout = '100ms'"],  # the victim, before
+    """drop_job locks app.acc, then app.txn, which an application transaction holds; that transaction then
+    reads app.acc. lockstep._ddl waits in the lock queue only for its first table, holding nothing, and
+    takes the others with NOWAIT: so drop_job never holds app.acc while it waits for app.txn. The read
+    neither waits nor fails, even with a deadlock_timeout far below drop_job's 100 ms lock_timeout, and
+    drop_job is done once the transaction commits."""
+    spec = Spec(dsn, sessions={"app": ["set deadlock_timeout = '10ms'"],  # would be the victim
                                "admin": ["set deadlock_timeout = '10s'"]})  # fmt: skip
     spec.step("app_begin", "app", "begin;")
     app.execute("insert into app.txn (aid, amount) values (1, 1)")
@@ -593,10 +594,39 @@ def test_drop_job_never_deadlocks_an_application_transaction(app, dsn):
     spec.step("app_read", "app", "select count(*) from app.acc;")
     spec.step("app_commit", "app", "commit;")
     r = spec.run(["app_begin", "app_write", "admin_drop", "app_read", "app_commit"], step_timeout=20)
-    assert r.waited("admin_drop"), r.trace
+    assert r.waited("admin_drop") and r.blocked_by("admin_drop") == ["app"], r.trace
+    # holding app.acc while waiting for app.txn would close a cycle: the read's deadlock check, run before
+    # drop_job's lock_timeout gives app.acc back, would kill it (40P01)
+    assert not r.waited("app_read"), r.trace
     assert r.sqlstate("app_read") is None and r.rows("app_read") == [(20,)], r.trace
     assert r.sqlstate("app_commit") is None and r.sqlstate("admin_drop") is None, r.trace
     assert enqueue_triggers(app, "app.acc") == [] and enqueue_triggers(app, "app.txn") == []
+    assert app.execute("select amount from app.txn").fetchall() == [(2,)]
+
+
+def test_drop_job_after_other_ddl_in_its_transaction_never_deadlocks_an_application(app, dsn):
+    """An admin transaction unwatches app.day (holding it), then drops 'band' while an application
+    transaction holds app.txn and then reads app.day. A wait in the lock queue for app.txn would close a
+    cycle through app.day, and the read would die with 40P01. lockstep._ddl waits in no lock queue while its
+    transaction holds a strong table lock: drop_job gives up (55P03, nothing changed), its failure ends the
+    admin transaction, and the read goes on."""
+    spec = Spec(dsn, sessions={"app": ["set deadlock_timeout = '10ms'"],  # would be the victim
+                               "admin": ["set deadlock_timeout = '10s'"]})  # fmt: skip
+    spec.step("app2_begin", "app", "begin;")
+    spec.step("app2_write", "app", "update app.txn set amount = amount + 1;")
+    spec.step("admin2_begin", "admin", "begin;")
+    spec.step("admin2_unwatch", "admin", "select lockstep.unwatch('days', 'app.day');", show_rows=False)
+    spec.step("admin2_drop", "admin", "select lockstep.drop_job('band');", show_rows=False)
+    spec.step("app2_read", "app", "select count(*) from app.day;")
+    spec.step("admin2_rollback", "admin", "rollback;")
+    spec.step("app2_commit", "app", "commit;")
+    app.execute("insert into app.txn (aid, amount) values (1, 1)")
+    r = spec.run(["app2_begin", "app2_write", "admin2_begin", "admin2_unwatch", "admin2_drop", "app2_read",
+                  "admin2_rollback", "app2_commit"], step_timeout=30)  # fmt: skip
+    assert r.sqlstate("admin2_drop") == "55P03" and not r.waited("admin2_drop"), r.trace
+    assert r.sqlstate("app2_read") is None and r.rows("app2_read") == [(41,)], r.trace
+    assert not r.waited("app2_read") and r.sqlstate("app2_commit") is None, r.trace  # the failure ended it
+    assert enqueue_triggers(app, "app.txn") != [] and enqueue_triggers(app, "app.day") != []
     assert app.execute("select amount from app.txn").fetchall() == [(2,)]
 
 
