@@ -444,16 +444,21 @@ as $$
 $$;
 
 -- lockstep._check_watchers(job, parent, key_type): define_derived's check on a job that triggers feed: it
--- keeps a parent, and every watched column converts to the new key type; else LSJ02 / LSQ01.
+-- keeps a parent, and every watched column converts to the new key type; else LSJ02 / LSQ01. A source
+-- watched through a join keeps its own columns (its foreign key's type); its through columns must convert.
 create or replace function lockstep._check_watchers(job text, parent regclass, key_type regtype) returns void
 language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
 declare
     w record;
+    v_rel regclass;
+    v_col text;
+    v_args bytea;
     v_type regtype;
     v_old regtype := (select x.key_type from lockstep.job x where x.job = _check_watchers.job);
     v_why text;
+    v_gone text;
     -- every table that feeds the job, for the hint
     v_all text := (select pg_catalog.string_agg(distinct pg_catalog.format('lockstep.unwatch(%L, %L)', job, x.rel::text), ', ')
                    from lockstep._watchers(job) x);
@@ -464,20 +469,42 @@ begin
                 using errcode = 'LSJ02',
                       hint = pg_catalog.format('Pass parent => ..., or first select lockstep.unwatch(%L, %L).', job, w.rel);
         end if;
+        v_rel := w.rel;
+        v_col := w.key_column;
+        v_gone := null;
+        -- a watch through a join: its row-change triggers name the through table's columns (not its TRUNCATE one)
+        v_args := (select tg.tgargs from pg_catalog.pg_trigger tg
+                   where tg.tgrelid = w.rel and lockstep._tgarg(tg.tgargs, 5) is not null
+                     and tg.tgname in (select lockstep._trigger_name(job, o)
+                                       from pg_catalog.unnest(array['insert', 'update', 'delete']) o)
+                   limit 1);
+        if v_args is not null then
+            v_gone := (select pg_catalog.format('its column %I is gone (renamed or dropped)', c.n)
+                      from pg_catalog.unnest(case when v_col like '{%}' then v_col::name[] else array[v_col::name] end) c(n)
+                      where not exists (select from pg_catalog.pg_attribute a where a.attrelid = w.rel and a.attname = c.n
+                                                                               and a.attnum > 0 and not a.attisdropped)
+                      limit 1);
+            v_rel := lockstep._tgarg(v_args, 3)::oid;
+            v_col := lockstep._tgarg(v_args, 5);
+        end if;
         select a.atttypid into v_type from pg_catalog.pg_attribute a
-        where a.attrelid = w.rel and a.attname = w.key_column and a.attnum > 0 and not a.attisdropped;
+        where a.attrelid = v_rel and a.attname = v_col and a.attnum > 0 and not a.attisdropped;
         -- the reason in words that say which
-        v_why := case when v_type is null and w.key_column like '{%}' then  -- a composite key's columns
-                          coalesce(lockstep._key_columns_problem(w.rel, w.key_column::name[], key_type),
+        v_why := case when v_type is null and v_col like '{%}' then  -- a composite key's columns
+                          coalesce(lockstep._key_columns_problem(v_rel, v_col::name[], key_type),
                                    case when v_old <> key_type then pg_catalog.format(
                                        'its trigger was made for the parent key type %s, not the new %s', v_old, key_type) end)
-                      when v_type is null then pg_catalog.format('its column %I is gone (renamed or dropped)', w.key_column)
+                      when v_type is null then pg_catalog.format('its column %I is gone (renamed or dropped)', v_col)
                       when not lockstep._castable(v_type, _check_watchers.key_type) then
                           pg_catalog.format('its column %I is %s, which does not always convert to the new parent key type %s',
-                                            w.key_column, v_type, key_type)
+                                            v_col, v_type, key_type)
                       when v_old <> _check_watchers.key_type then
                           pg_catalog.format('its trigger was made for the parent key type %s, not the new %s', v_old, key_type)
                  end;
+        if v_why is not null and v_rel <> w.rel then
+            v_why := pg_catalog.format('through %s, %s', v_rel, v_why);
+        end if;
+        v_why := coalesce(v_gone, v_why);
         if v_why is not null then
             raise exception 'lockstep: job "%" is fed by trigger % on %: %', job, w.tgname, w.rel, v_why
                 using errcode = 'LSQ01',

@@ -207,3 +207,45 @@ def test_through_keys_of_no_job_are_not_kept(shop: psycopg.Connection) -> None:
     assert shop.execute("select count(*) from lockstep.through_entry").fetchone()[0] == 1
     shop.execute("select lockstep.drop_job('totals')")  # takes its through keys with it
     assert shop.execute("select count(*) from lockstep.through_entry").fetchone()[0] == 0
+
+
+UUID_SHOP = """
+create schema uu;
+create table uu.customer (id bigint primary key);
+create table uu.orders (id uuid primary key,
+                        customer_id bigint not null references uu.customer on delete cascade);
+create table uu.order_line (id bigint primary key,
+                            order_id uuid not null references uu.orders on delete cascade);
+create table uu.customer_total (customer_id bigint primary key references uu.customer on delete cascade,
+                                orders bigint not null);
+create function uu.total(ids bigint[]) returns table (customer_id bigint, orders bigint)
+language sql stable as $$
+    select c.id, count(o.id) from uu.customer c left join uu.orders o on o.customer_id = c.id
+    where ids is null or c.id = any(ids) group by c.id $$;
+insert into uu.customer values (7);
+insert into uu.orders values ('00000000-0000-0000-0000-000000000001', 7);
+"""
+
+
+def test_a_job_watched_through_a_key_of_another_type_may_be_redefined(conn: psycopg.Connection) -> None:
+    """The source's column (order_line.order_id, uuid) holds the through table's key, not the parent's: a
+    redefinition with the same parent checks the through table's column against the parent key type (it was
+    refused, LSQ01: order_id is uuid, which does not always convert to bigint). A source column renamed
+    since is still refused."""
+    conn.execute(UUID_SHOP)
+    define = (
+        "select lockstep.define_derived('uu', 'uu.customer_total', 'uu.total(bigint[])',"
+        " parent => 'uu.customer')"
+    )
+    conn.execute(define)
+    conn.execute(
+        "select lockstep.watch('uu', 'uu.order_line', 'order_id',"
+        " through => 'uu.orders', through_column => 'customer_id')"
+    )
+    conn.execute(define)
+    conn.execute("delete from lockstep.queue")
+    conn.execute("insert into uu.order_line values (1, '00000000-0000-0000-0000-000000000001')")
+    assert conn.execute("select distinct key from lockstep.queue where job = 'uu'").fetchall() == [("7",)]
+    conn.execute("alter table uu.order_line rename column order_id to order_ref")
+    with raises_sqlstate("LSQ01", "order_line: its column order_id is gone"):
+        conn.execute(define)

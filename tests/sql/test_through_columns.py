@@ -474,3 +474,53 @@ def test_hostile_names_through_a_join(conn: psycopg.Connection) -> None:
     ).fetchone()[0]
     assert differ == 0
     assert conn.execute("select v from public.canary").fetchall() == [(1,)]
+
+
+UUID_SHOP = """
+create schema uc;
+create table uc.customer (tenant_id int not null, id bigint not null, primary key (tenant_id, id));
+create table uc.orders (tenant_id int not null, id uuid not null, customer_id bigint not null,
+                        primary key (tenant_id, id),
+                        foreign key (tenant_id, customer_id) references uc.customer on delete cascade);
+create table uc.order_line (id bigint primary key, tenant_id int not null, order_id uuid not null,
+                            foreign key (tenant_id, order_id) references uc.orders on delete cascade);
+create table uc.customer_total (tenant_id int not null, customer_id bigint not null, orders bigint not null,
+                                primary key (tenant_id, customer_id),
+                                foreign key (tenant_id, customer_id) references uc.customer
+                                    on delete cascade);
+create type uc.customer_key as (tenant_id int, id bigint);
+create function uc.total(keys uc.customer_key[])
+returns table (tenant_id int, customer_id bigint, orders bigint) language sql stable as $$
+    select c.tenant_id, c.id, count(o.id) from uc.customer c
+    left join uc.orders o on o.tenant_id = c.tenant_id and o.customer_id = c.id
+    where keys is null or (c.tenant_id, c.id) in (select k.tenant_id, k.id from unnest(keys) k)
+    group by c.tenant_id, c.id $$;
+insert into uc.customer values (3, 7);
+insert into uc.orders values (3, '00000000-0000-0000-0000-000000000001', 7);
+"""
+
+
+def test_a_composite_job_watched_through_a_key_of_another_type_may_be_redefined(
+    conn: psycopg.Connection,
+) -> None:
+    """The source's columns (tenant_id int, order_id uuid) hold the through table's key, not the parent's
+    (tenant_id int, id bigint): a redefinition with the same parent checks the through table's columns
+    against the key type's fields (it was refused, LSQ01: order_id is uuid, which does not always convert
+    to field id). A source column renamed since is still refused."""
+    conn.execute(UUID_SHOP)
+    define = (
+        "select lockstep.define_derived('uc', 'uc.customer_total', 'uc.total(uc.customer_key[])',"
+        " parent => 'uc.customer')"
+    )
+    conn.execute(define)
+    conn.execute(
+        "select lockstep.watch('uc', 'uc.order_line', key_columns => array['tenant_id', 'order_id']::name[],"
+        " through => 'uc.orders', through_columns => array['tenant_id', 'customer_id']::name[])"
+    )
+    conn.execute(define)
+    conn.execute("delete from lockstep.queue")
+    conn.execute("insert into uc.order_line values (1, 3, '00000000-0000-0000-0000-000000000001')")
+    assert conn.execute("select distinct key from lockstep.queue where job = 'uc'").fetchall() == [("(3,7)",)]
+    conn.execute("alter table uc.order_line rename column order_id to order_ref")
+    with raises_sqlstate("LSQ01", "order_line: its column order_id is gone"):
+        conn.execute(define)
