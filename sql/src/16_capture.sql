@@ -939,12 +939,12 @@ $$;
 
 -- lockstep.capture_status: the WAL capture at a glance (no row: no table is watched through the WAL).
 --   retained_bytes: WAL the slot keeps on disk; lag_bytes: WAL written since the LSN the capture queued up
---   to; healthy: the slot is valid and retains at most lockstep.setting.capture_unhealthy_bytes.
+--   to, or read up to when it found no watched change there (the slot's confirmed_flush_lsn); healthy: the slot is valid and retains at most lockstep.setting.capture_unhealthy_bytes.
 create or replace view lockstep.capture_status with (security_invoker = true) as
 select c.slot, l.slot_name is not null as slot_exists, l.wal_status,
        c.queued_lsn, l.confirmed_flush_lsn, l.restart_lsn,
        (pg_catalog.pg_current_wal_lsn() - l.restart_lsn)::bigint as retained_bytes,
-       (pg_catalog.pg_current_wal_lsn() - coalesce(c.queued_lsn, l.confirmed_flush_lsn))::bigint as lag_bytes,
+       (pg_catalog.pg_current_wal_lsn() - greatest(c.queued_lsn, l.confirmed_flush_lsn))::bigint as lag_bytes,
        c.last_capture_at, c.last_changes, c.changes, c.recreated, c.slot_created_at,
        (select count(*) from lockstep.wal_watch) as watched,
        coalesce(l.wal_status in ('reserved', 'extended')

@@ -485,13 +485,15 @@ def deadlocks(conn: psycopg.Connection) -> int:
 
 def settled(conn: psycopg.Connection, job: str, lsn: str | None = None) -> bool:
     """Nothing left for the worker: no queued key, no through-table key to map, no recompute flag; with
-    ``lsn``, the WAL capture has also queued the changes up to it."""
+    ``lsn``, the WAL capture has also queued the changes up to it (or read up to it and found none: an idle
+    capture moves the slot, not lockstep.capture_state)."""
     return conn.execute(
         "select not exists (select from lockstep.queue where job = %(j)s)"
         " and not exists (select from lockstep.through_entry where job = %(j)s)"
         " and not exists (select from lockstep.recompute_flag where job = %(j)s)"
         " and (%(lsn)s::pg_lsn is null"
-        "      or (select queued_lsn >= %(lsn)s::pg_lsn from lockstep.capture_state))",
+        "      or (select greatest(c.queued_lsn, s.confirmed_flush_lsn) >= %(lsn)s::pg_lsn"
+        "          from lockstep.capture_state c join pg_replication_slots s on s.slot_name = c.slot))",
         {"j": job, "lsn": lsn},
     ).fetchone()[0]
 

@@ -335,6 +335,18 @@ def test_a_capture_that_finds_no_watched_change_moves_the_slot_and_writes_nothin
     assert capture(c)["keys"] == 1
 
 
+def test_lag_counts_from_where_an_idle_capture_moved_the_slot(c):
+    c.execute("update example.exam_item set body = body || ' x' where exam_id = 2")  # a watched change
+    assert capture(c)["keys"] == 1
+    c.execute("create table public.other (id int)")
+    c.execute("insert into public.other select generate_series(1, 50000)")  # about 2 MB of WAL, not watched
+    assert capture(c)["outcome"] == "idle"
+    lag, behind_slot = c.execute(
+        "select lag_bytes, pg_current_wal_lsn() - confirmed_flush_lsn from lockstep.capture_status"
+    ).fetchone()
+    assert lag <= behind_slot < 100_000
+
+
 NOTES = """
 create table public.notes (id int, exam_id int not null, body text, primary key (id, exam_id))
     partition by range (exam_id);
