@@ -318,3 +318,6 @@ drop function if exists lockstep._capture_slot_made(name, text, boolean);
 drop function if exists lockstep._capture_queue(text[], text[], text[], text[]);
 drop function if exists lockstep._capture_done(pg_lsn, bigint);
 drop function if exists lockstep._capture_forget();
+drop function if exists lockstep.add_viewer(regrole, regrole);
+drop function if exists lockstep.remove_viewer(regrole, regrole);
+drop function if exists lockstep._check_may_name_viewers(regrole);

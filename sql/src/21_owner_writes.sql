@@ -189,3 +189,69 @@ comment on function lockstep._flag_job(text, text) is
     'Flag job for its full recompute, for a caller that manages it (42501). Security definer: the owner '
     'recipe holds no INSERT on lockstep''s tables. Locks: none beyond the insert into '
     'lockstep.recompute_flag.';
+
+-- lockstep._check_may_name_viewers(owner): the caller (lockstep._caller) may name the viewers of the jobs of
+-- the role owner: it is that role, a member of it, or a lockstep admin; else 42501.
+create or replace function lockstep._check_may_name_viewers(owner regrole) returns void
+language plpgsql stable
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_who name := lockstep._caller();
+begin
+    if pg_catalog.pg_has_role(v_who, owner, 'MEMBER')
+       or (select pg_catalog.pg_has_role(v_who, c.relowner, 'MEMBER')
+           from pg_catalog.pg_class c where c.oid = 'lockstep.job'::pg_catalog.regclass) then
+        return;
+    end if;
+    raise exception 'lockstep: role "%" may not name the viewers of the jobs of role %', v_who, owner
+        using errcode = '42501', hint = 'The owner role, a member of it, or a lockstep admin may.';
+end;
+$$;
+
+-- lockstep.add_viewer(viewer, owner): let the role viewer read, never change, every job of the role owner
+-- (a lockstep.viewer row). For a caller that is owner, a member of it, or a lockstep admin (42501).
+-- Security definer: the owner recipe holds nothing on lockstep.viewer. False: the row was there already.
+-- locks: the lockstep.viewer row (inserted).
+create or replace function lockstep.add_viewer(viewer regrole, owner regrole) returns boolean
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if viewer is null or owner is null then
+        raise exception 'lockstep: add_viewer needs a viewer and an owner role' using errcode = '22004';
+    end if;
+    perform lockstep._check_may_name_viewers(owner);
+    insert into lockstep.viewer (viewer, owner)
+    values (pg_catalog.pg_get_userbyid(viewer), pg_catalog.pg_get_userbyid(owner))
+    on conflict do nothing;
+    return found;
+end;
+$$;
+comment on function lockstep.add_viewer(regrole, regrole) is
+    'Let the role viewer read, never change, every job of the role owner (a lockstep.viewer row). For a '
+    'caller that is owner, a member of it, or a lockstep admin (42501). Security definer. False: the row was '
+    'there already. Locks: the lockstep.viewer row (inserted).';
+
+-- lockstep.remove_viewer(viewer, owner): undo lockstep.add_viewer (the lockstep.viewer rows of those two
+-- roles, by oid). Same callers (42501). False: there was none.
+-- locks: those lockstep.viewer rows (deleted).
+create or replace function lockstep.remove_viewer(viewer regrole, owner regrole) returns boolean
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    if viewer is null or owner is null then
+        raise exception 'lockstep: remove_viewer needs a viewer and an owner role' using errcode = '22004';
+    end if;
+    perform lockstep._check_may_name_viewers(owner);
+    delete from lockstep.viewer v where v.viewer_id = remove_viewer.viewer and v.owner_id = remove_viewer.owner;
+    return found;
+end;
+$$;
+comment on function lockstep.remove_viewer(regrole, regrole) is
+    'Undo lockstep.add_viewer: the lockstep.viewer rows of those two roles, by oid. For a caller that is '
+    'owner, a member of it, or a lockstep admin (42501). Security definer. False: there was none. Locks: '
+    'those lockstep.viewer rows (deleted).';

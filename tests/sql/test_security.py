@@ -210,6 +210,8 @@ def test_every_function_is_security_invoker_with_a_pinned_search_path(conn):
         "lockstep._take_through(text)",
         "lockstep._update_job(text,integer,integer,interval,boolean,name)",
         "lockstep._watched_via_wal(text,regclass)",
+        "lockstep.add_viewer(regrole,regrole)",
+        "lockstep.remove_viewer(regrole,regrole)",
     ], f"SECURITY DEFINER functions: {definer}"
     unpinned = [name for name, _, config in rows if "search_path=pg_catalog, pg_temp" not in (config or [])]
     # the one exception, by design: the trigger functions (lockstep.enqueue_trigger() and those watch()
@@ -1159,6 +1161,47 @@ def test_a_renamed_viewer_keeps_its_view_and_a_new_role_of_the_old_name_gets_non
         ex.execute(sql.SQL("drop owned by {} cascade").format(ident(viewer)))
         ex.execute(sql.SQL("drop role {}").format(ident(viewer)))
         ex.execute(sql.SQL("alter role {} rename to {}").format(ident(renamed), ident(viewer)))
+
+
+def test_an_owner_of_the_recipe_names_its_viewers_and_another_owner_gets_42501(
+    ex, example_dsn, owners, roles
+):
+    """The owner recipe holds nothing on lockstep.viewer: its owner names its viewers through
+    lockstep.add_viewer and remove_viewer (security definer), and an owner of other jobs may not."""
+    owner, other, member = owners
+    with _as(example_dsn, owner) as o:
+        _define_noop(o)
+    viewer = roles(
+        "viewer",
+        [
+            "grant usage on schema lockstep to {role}",
+            "grant select on lockstep.job, lockstep.job_state, lockstep.viewer to {role}",
+        ],
+    )
+    seen = "select job from lockstep.job_state where job = 'owned'"
+    with _as(example_dsn, viewer) as v:
+        assert v.execute(seen).fetchall() == []
+        with _as(example_dsn, owner) as o:
+            with raises_sqlstate("42501"):
+                o.execute("insert into lockstep.viewer values (%s, %s)", [viewer, owner])
+            assert o.execute("select lockstep.add_viewer(%s, %s)", [viewer, owner]).fetchone()[0] is True
+            assert o.execute("select lockstep.add_viewer(%s, %s)", [viewer, owner]).fetchone()[0] is False
+        assert v.execute(seen).fetchall() == [("owned",)]
+        before = snapshot(ex, "lockstep.viewer")
+        with _as(example_dsn, other) as x:
+            for f in ("add_viewer", "remove_viewer"):
+                with raises_sqlstate("42501"):
+                    x.execute(f"select lockstep.{f}(%s, %s)", [other, owner])
+                with raises_sqlstate("42501"):
+                    x.execute(f"select lockstep.{f}(%s, %s)", [viewer, owner])
+        with _as(example_dsn, owner) as o:
+            with raises_sqlstate("42704"):  # the viewer must be a role
+                o.execute("select lockstep.add_viewer('no_such_role_x', %s)", [owner])
+        assert snapshot(ex, "lockstep.viewer") == before
+        with _as(example_dsn, member) as m:  # a member of the owner role may, as for its jobs
+            assert m.execute("select lockstep.remove_viewer(%s, %s)", [viewer, owner]).fetchone()[0] is True
+            assert m.execute("select lockstep.remove_viewer(%s, %s)", [viewer, owner]).fetchone()[0] is False
+        assert v.execute(seen).fetchall() == []
 
 
 def test_own_job_cannot_be_given_to_another_role_or_to_no_role(ex, example_dsn, owners):
