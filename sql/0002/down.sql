@@ -321,3 +321,5 @@ drop function if exists lockstep._capture_forget();
 drop function if exists lockstep.add_viewer(regrole, regrole);
 drop function if exists lockstep.remove_viewer(regrole, regrole);
 drop function if exists lockstep._check_may_name_viewers(regrole);
+drop function if exists lockstep._delete_wal_watch(text, regclass);
+drop function if exists lockstep._wal_sources();

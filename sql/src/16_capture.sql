@@ -140,6 +140,41 @@ begin
 end;
 $$;
 
+-- lockstep._wal_sources(): the tables some job watches through the WAL (lockstep.wal_watch's sources), each
+-- once, in oid order. Security definer, read-only: every role may read them in pg_publication_rel, and an
+-- owner's unwatch and drop_job, which hold nothing on lockstep.wal_watch, keep the publication to them.
+create or replace function lockstep._wal_sources() returns regclass[]
+language plpgsql stable
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    return array(select distinct w.source from lockstep.wal_watch w order by 1);
+end;
+$$;
+comment on function lockstep._wal_sources() is
+    'The tables some job watches through the WAL (lockstep.wal_watch''s sources), each once, in oid order. '
+    'Security definer, read-only: pg_publication_rel shows them to every role. Locks: nothing.';
+
+-- lockstep._delete_wal_watch(job, source): delete job's lockstep.wal_watch row of source, for a caller that
+-- manages job (lockstep._check_manages, 42501). False: there was none. Security definer: the owner recipe
+-- holds nothing on lockstep.wal_watch.
+-- locks: that row (deleted).
+create or replace function lockstep._delete_wal_watch(job text, source regclass) returns boolean
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+begin
+    perform lockstep._check_manages(job);
+    delete from lockstep.wal_watch w where w.job = _delete_wal_watch.job and w.source = _delete_wal_watch.source;
+    return found;
+end;
+$$;
+comment on function lockstep._delete_wal_watch(text, regclass) is
+    'Delete job''s lockstep.wal_watch row of source, for a caller that manages job (42501). False: there was '
+    'none. Security definer: the owner recipe holds nothing on lockstep.wal_watch. Locks: that row (deleted).';
+
 -- lockstep._publication_ddl(): the ALTER PUBLICATION statements that make the capture publication hold
 -- exactly the tables of lockstep.wal_watch (CREATE PUBLICATION when there is none and a table to hold).
 create or replace function lockstep._publication_ddl() returns text[]
@@ -149,7 +184,7 @@ as $$
 declare
     v_pub name := lockstep._capture_publication();
     v_has boolean := exists (select from pg_catalog.pg_publication p where p.pubname = v_pub);
-    v_want regclass[] := array(select distinct w.source from lockstep.wal_watch w order by 1);
+    v_want regclass[] := lockstep._wal_sources();  -- security definer: an owner reads no lockstep.wal_watch
     v_now regclass[] := array(select pr.prrelid::regclass from pg_catalog.pg_publication_rel pr
                               join pg_catalog.pg_publication p on p.oid = pr.prpubid where p.pubname = v_pub);
     v_add regclass[] := array(select t from pg_catalog.unnest(v_want) t where t <> all(v_now));
@@ -253,8 +288,7 @@ begin
     if not lockstep._capture_in_use() or not lockstep._watched_via_wal(job, source) then
         return false;
     end if;
-    delete from lockstep.wal_watch w where w.job = _unwatch_wal.job and w.source = _unwatch_wal.source;
-    if not found then
+    if not lockstep._delete_wal_watch(job, source) then  -- security definer
         return false;
     end if;
     perform lockstep._capture_cleanup();
@@ -297,19 +331,21 @@ as $$
 declare
     v_ddl text[];
     v_slot name := lockstep._capture_slot();
+    v_sources regclass[];
 begin
     if not lockstep._capture_in_use() then
         return;
     end if;
     v_ddl := lockstep._publication_ddl();
+    v_sources := lockstep._wal_sources();  -- security definer: an owner reads no lockstep.wal_watch
     if cardinality(v_ddl) > 0 then
         perform lockstep._ddl(array(select pr.prrelid::regclass from pg_catalog.pg_publication_rel pr
                                     join pg_catalog.pg_publication p on p.oid = pr.prpubid
                                     where p.pubname = lockstep._capture_publication()
-                                      and not exists (select from lockstep.wal_watch w where w.source = pr.prrelid)),
+                                      and pr.prrelid::regclass <> all(v_sources)),
                               v_ddl, 'the capture publication''s update');
     end if;
-    if not exists (select from lockstep.wal_watch) then
+    if cardinality(v_sources) = 0 then
         perform lockstep._capture_forget();
         if exists (select from pg_catalog.pg_replication_slots s where s.slot_name = v_slot) then
             perform pg_catalog.pg_drop_replication_slot(v_slot);

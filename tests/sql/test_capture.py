@@ -604,3 +604,46 @@ def test_a_composite_keys_numeric_field_read_from_the_wal_is_queued_without_trai
     c.execute("select lockstep.enqueue('kc', array[row(1, 1), row(2.50, 2)]::public.ck[])")
     keys = c.execute("select array_agg(distinct key order by key) from lockstep.queue where job = 'kc'")
     assert keys.fetchone()[0] == ["(1,1)", "(2.5,2)"]
+
+
+def test_an_owner_of_the_recipe_unwatches_and_drops_a_job_watched_through_the_wal(c, wdsn):
+    """The owner recipe holds nothing on lockstep.wal_watch: unwatch deleted the job's row there, and the
+    capture's cleanup read that table, as the caller (42501). An owner of the recipe with REPLICATION, owning
+    the watched tables and the capture publication, unwatches a table, then drops the job: the table leaves
+    the publication, then the publication, the slot and the capture's state go."""
+    from test_security import OWNER_GRANTS
+
+    owner = f"wal_owner_{secrets.token_hex(4)}"
+    idents = {"role": sql.Identifier(owner), "db": sql.Identifier(conninfo_to_dict(wdsn)["dbname"])}
+    pub = c.execute("select lockstep._capture_publication()").fetchone()[0]
+    published = "select array_agg(tablename::text order by 1) from pg_publication_tables where pubname = %s"
+    c.execute(sql.SQL("create role {} login replication").format(sql.Identifier(owner)))
+    try:
+        for g in [*OWNER_GRANTS, *CAPTURE_OWNER_GRANTS, "grant create on database {db} to {role}"]:
+            c.execute(sql.SQL(g).format(**idents))
+        for t in ("exam", "exam_item"):
+            c.execute(
+                sql.SQL("alter table {} owner to {}").format(sql.Identifier("example", t), idents["role"])
+            )
+        c.execute(sql.SQL("alter publication {} owner to {}").format(sql.Identifier(pub), idents["role"]))
+        c.execute("update lockstep.job set owner = %s where job = %s", [owner, JOB])
+        with psycopg.connect(make_conninfo(wdsn, user=owner), autocommit=True) as o:
+            assert (
+                o.execute("select has_table_privilege('lockstep.wal_watch', 'select')").fetchone()[0] is False
+            )
+            o.execute("select lockstep.unwatch(%s, 'example.exam_item')", [JOB])
+            watched = c.execute("select array_agg(source::text) from lockstep.wal_watch").fetchone()[0]
+            assert watched == ["example.exam"]
+            assert c.execute(published, [pub]).fetchone()[0] == ["exam"]
+            o.execute("select lockstep.drop_job(%s)", [JOB])
+        assert c.execute("select count(*) from lockstep.wal_watch").fetchone()[0] == 0
+        assert c.execute("select count(*) from pg_publication where pubname = %s", [pub]).fetchone()[0] == 0
+        assert c.execute("select count(*) from lockstep.capture_state").fetchone()[0] == 0
+        slot = c.execute("select lockstep._capture_slot()").fetchone()[0]
+        assert (
+            c.execute("select count(*) from pg_replication_slots where slot_name = %s", [slot]).fetchone()[0]
+            == 0
+        )
+    finally:
+        c.execute(sql.SQL("drop owned by {} cascade").format(idents["role"]))
+        c.execute(sql.SQL("drop role {}").format(idents["role"]))

@@ -179,7 +179,9 @@ def test_every_function_is_security_invoker_with_a_pinned_search_path(conn):
     # (lockstep._check_captures)
     # and the owner's writes (21_owner_writes.sql, lockstep._end_backoff, lockstep._save_parent_keys): the
     # owner recipe holds no INSERT, UPDATE or DELETE on lockstep's tables; and whether its job is watched
-    # through the WAL (lockstep._watched_via_wal: it holds nothing on lockstep.wal_watch)
+    # through the WAL (lockstep._watched_via_wal: it holds nothing on lockstep.wal_watch), its unwatch's
+    # deletion there (lockstep._delete_wal_watch) and the watched tables the capture's cleanup keeps
+    # (lockstep._wal_sources)
     assert definer == [
         "lockstep._add_suspects(text,text[])",
         "lockstep._append_keys(text,text[])",
@@ -191,6 +193,7 @@ def test_every_function_is_security_invoker_with_a_pinned_search_path(conn):
         "lockstep._capture_slot_made(name,text,boolean)",
         "lockstep._clear_flag(lockstep.job,pg_snapshot,timestamp with time zone)",
         "lockstep._delete(text,text,text[],text[])",
+        "lockstep._delete_wal_watch(text,regclass)",
         "lockstep._due_by(text,timestamp with time zone,boolean)",
         "lockstep._end_backoff(lockstep.job,boolean)",
         "lockstep._failures_due(text,text[])",
@@ -209,6 +212,7 @@ def test_every_function_is_security_invoker_with_a_pinned_search_path(conn):
         "lockstep._state_rest(text,bigint,bigint,text)",
         "lockstep._take_through(text)",
         "lockstep._update_job(text,integer,integer,interval,boolean,name)",
+        "lockstep._wal_sources()",
         "lockstep._watched_via_wal(text,regclass)",
         "lockstep.add_viewer(regrole,regrole)",
         "lockstep.remove_viewer(regrole,regrole)",
