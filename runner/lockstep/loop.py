@@ -379,7 +379,7 @@ class Runner:
         progressed = False
         gathering: list[float] = []
         # jobs of one lock group exclude each other: while one drains its queue the others are busy, so
-        # they take turns (a job draining a 24,000-parent hand-off held its sibling for 18 s: a probe)
+        # they take turns: a job draining a large hand-off would hold its siblings up for its whole drain
         groups = Counter(r.lock_group for r in rows if r.wait is not None and r.wait <= 0)
         for row in rows:
             if self.stopping:

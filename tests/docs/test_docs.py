@@ -21,7 +21,7 @@ FENCE = re.compile(r"^\s*(`{3,}|~{3,})")
 LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 HISTORY = re.compile(
-    r"\bsession \d+|\bissue \d+|\bsession's end\b|\bfound by (a|an)\b|\((a|found by a) (probe|review)\b",
+    r"\bsession \d+|\bissue \d+|\bsession's end\b|\bfound by (a|an)\b|\((a|found by[ ]a) (probe|review)\b",
     re.IGNORECASE,
 )
 

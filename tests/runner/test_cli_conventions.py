@@ -413,7 +413,7 @@ def test_retry_and_drop(ex, example_dsn):
 
     p = lockstep("retry", "exam_keys", "not-a-number", "--dsn", example_dsn)
     assert p.returncode == 2 and p.stderr.startswith("Error: ") and "Traceback" not in p.stderr, p.stderr
-    assert "without KEYS drops such keys" in p.stderr, p.stderr  # what to do about it (a probe)
+    assert "without KEYS drops such keys" in p.stderr, p.stderr  # what to do about it
 
     p = lockstep("retry", "exam_keys", "--dsn", example_dsn)
     assert (p.returncode, p.stdout.strip()) == (

@@ -204,7 +204,7 @@ def test_migrate_as_a_role_that_may_not_create_its_tables_says_what_the_installe
 
 def test_a_role_without_lockstep_grants_is_not_told_to_grant_the_runner(dsn, conn):
     """An application role's `lockstep status` and another owner's `lockstep drop` were told to "grant the
-    runner role its privileges" (found by a newcomer probe): the runner was not involved. They get the
+    runner role its privileges": the runner was not involved. They get the
     SQLSTATE and the server's hint, or where each role's grants are listed."""
     import psycopg
     from psycopg import sql

@@ -82,7 +82,7 @@ def test_a_queue_nothing_drains_makes_status_unhealthy(conn, dsn):
     assert 1199 < lag < 1300
     p = status(dsn)
     assert p.returncode == 1 and "lag" in p.stdout.splitlines()[0].split(), p.stdout
-    # and says why on stderr (the table alone left the reader to find the column; a newcomer probe)
+    # and says why on stderr: the table alone would leave the reader to find the column
     assert "unhealthy: job d: oldest queued key waits 12" in p.stderr and "(--max-lag 900)" in p.stderr, (
         p.stderr
     )

@@ -58,7 +58,7 @@ def test_once_converges_the_example_and_exits_0(ex, example_dsn):
 def test_an_infinite_next_run_does_not_stop_the_runner(ex, example_dsn):
     # an owner may set a job's next_run_at = 'infinity' (never again): the runner's due() computed
     # due_at - now() for it, 22008 "cannot subtract infinite timestamps", and every other job stopped too
-    # (exit 1 with --once, retried with backoff for ever in a loop; found by this session's commit test)
+    # (exit 1 with --once, retried with backoff for ever in a loop)
     ex.execute("update lockstep.job_state set next_run_at = 'infinity' where job = %s", [JOB])
     ex.execute("update example.exam_item set body = body || ' zebra' where exam_id % 3 = 0")
     p = once(example_dsn)
@@ -87,7 +87,7 @@ def test_once_exits_1_when_a_run_fails(conn, dsn):
 
 def test_the_servers_warnings_reach_the_runners_log_once_in_a_while(conn, dsn):
     """A run's server WARNING (a run it may not log, say) went only to the server log: the runner dropped
-    it (found by a newcomer probe). It is logged, each text at most once per WARN_EVERY."""
+    it. It is logged, each text at most once per WARN_EVERY."""
     conn.execute(
         "create function public.warns() returns void language plpgsql"
         " as $$ begin raise warning 'disk nearly full' using hint = 'add a disk'; end $$;"
@@ -436,7 +436,7 @@ def test_waits_for_a_database_that_refuses_connections_then_runs(conn, dsn, admi
 def test_connection_losses_between_good_runs_do_not_stretch_the_backoff(conn, dsn, runners):
     """The backoff grew with every error until a whole tick succeeded; a tick that drains a backlog never
     ended between two connection losses, so the pauses grew to seconds although every reconnect worked
-    (found by a fault probe: 'recovered after 8 retries' 11 s late). Here the job's compute ends its own
+    Here the job's compute ends its own
     backend at every other pass: each loss follows a good run, so each is a first retry."""
     conn.execute(
         """
@@ -474,7 +474,7 @@ def test_a_jobs_plain_set_does_not_outlive_its_call_on_the_runners_connection(co
     """A generic job whose code ran `set statement_timeout = '100ms'` (meant for itself) changed the
     runner's session: every job after it on that connection ran with it, failed, and parked healthy keys;
     at '1' ms the runner never recovered; its SET ROLE stayed, its DateStyle crashed the
-    runner (a review). The runner resets every setting to the session's start values after each call, in
+    runner. The runner resets every setting to the session's start values after each call, in
     the same transaction; its own (here from the startup packet) and its application_name stay."""
     from lockstep import db
 

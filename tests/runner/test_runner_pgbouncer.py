@@ -325,8 +325,8 @@ def test_the_runners_application_name_survives_its_calls_through_pgbouncer(ex, p
 
 def test_the_runners_time_zone_survives_its_calls_through_pgbouncer(ex, pgbouncer, monkeypatch):
     """Behind PgBouncer, the reset after each call put the server connection back to the server's TimeZone,
-    and the pooler took it as the client's: a runner started with PGTZ saw it in its first call only (found
-    by a review). The reported parameters are set back to what the session had before the call."""
+    and the pooler took it as the client's: a runner started with PGTZ saw it in its first call only.
+    The reported parameters are set back to what the session had before the call."""
     from lockstep import db
 
     ex.execute(

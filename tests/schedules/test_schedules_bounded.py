@@ -309,7 +309,7 @@ DEFINE_PICKY = (
 
 def test_a_carried_hand_off_never_counts_more_parents_than_there_are(ex):
     # adding the earlier hand-off's done parents to the new recompute's count counted a parent changed
-    # again twice: 100 / 300 with 200 parents, after a recompute that handed every parent off (a review)
+    # again twice, after a recompute that handed every parent off: done never exceeds total
     ex.execute(PICKY)
     ex.execute(DEFINE_PICKY)
     ex.execute(f"select lockstep.set_batch_parents('{JOB}', 50)")

@@ -166,7 +166,7 @@ def test_item1_a_trigger_written_as_the_manual_shows_enqueues(app):
 
 def test_drop_job_names_the_applications_own_triggers_that_still_enqueue_for_it(app):
     """`lockstep drop` said only "dropped", and the application's own trigger calling lockstep.enqueue for
-    that job failed its next write with LSJ01 (found by a newcomer probe). drop_job names such triggers."""
+    that job failed its next write with LSJ01. drop_job names such triggers."""
     app.execute(
         "create function app.my_enqueue() returns trigger language plpgsql as $$ begin"
         " perform lockstep.enqueue('band', array(select distinct aid from new_rows)); return null; end $$;"
@@ -181,7 +181,7 @@ def test_drop_job_names_the_applications_own_triggers_that_still_enqueue_for_it(
     assert [
         n for n in notices if "your own trigger my_txn_ins on app.txn (function app.my_enqueue())" in n
     ], notices
-    # precise both ways (a review): a job name that only appears elsewhere in the function is not a call;
+    # precise both ways: a job name that only appears elsewhere in the function is not a call;
     # a job passed as a trigger argument, or through a quoted schema name, is
     app.execute(
         "select lockstep.define_derived('band', 'app.band', 'app.band_compute(bigint[])',"
@@ -261,7 +261,7 @@ def test_watching_the_jobs_own_target_is_refused(app):
         ("lockstep.queue", "id"),
         ("lockstep.job_state", "job"),
         ("lockstep.key_failure", "key"),
-        ("app.q2", "key"),  # a grandchild of the queue (a review: one level up only was looked at)
+        ("app.q2", "key"),  # a grandchild of the queue (not only one level up)
         ("public.lockstep_alembic_version", "version_num"),
     ],
 )
@@ -289,7 +289,7 @@ def test_watching_one_of_locksteps_own_tables_is_refused(app, table, column):
 
 
 def test_work_makes_a_status_row_deleted_by_hand_again(app):
-    """run() made it again; work() called directly wrote its rows and recorded nothing (a review)."""
+    """run() makes it again, and so does work() called directly (it wrote its rows and recorded nothing)."""
     app.execute("delete from lockstep.job_state where job = 'band'")
     app.execute("update app.acc set bal = bal + 1 where aid = 3")
     r = result(app, "lockstep.work('band')")  # the row's defaults: the recompute is due, the worker gives way
@@ -681,8 +681,7 @@ def test_watch_that_cannot_lock_its_table_says_so_and_changes_nothing(app, conne
 
 def test_watch_names_the_writers_whose_writes_its_triggers_would_fail(app, connect):
     """A role that may write a watched table but not lockstep's queue gets 42501 on every write once the
-    table is watched (docs/security.md lists the grants); a newcomer's application hit it first, and
-    nothing said so at watch(). watch() now names such roles in a WARNING."""
+    table is watched (docs/security.md lists the grants). watch() names such roles in a WARNING."""
     role = f"lsw_{os.getpid()}_{secrets.token_hex(3)}"
     app.execute(f"create role {role} login")
     try:
@@ -831,8 +830,8 @@ def test_a_hand_written_trigger_never_reads_a_session_table_named_like_watchs_tr
 
 def test_a_role_that_may_not_read_pg_attribute_writes_and_flags_the_job(app, connect, dsn):
     """The fast paths probe pg_attribute for the key column's type: with SELECT on it revoked from PUBLIC,
-    the shared function's probe (outside any block) failed every write of the application (42501; a
-    review), and so did the generated function's. Both now take the general path, whose reads are in
+    the shared function's probe (outside any block) failed every write of the application (42501),
+    and so did the generated function's. Both now take the general path, whose reads are in
     blocks: the write goes through and the job is flagged for its recompute, saying why."""
     app.execute(LONG_SQL)
     role = f"lsa_{os.getpid()}_{secrets.token_hex(3)}"
@@ -864,7 +863,7 @@ def test_a_recompute_keeps_the_flag_its_own_hand_off_raised_even_in_one_transact
     """A recompute that hands a key too long for the queue off flags the job (that parent is not written
     yet). Two recomputes in one transaction: the second cleared the first one's flag and its own
     (pg_visible_in_snapshot counts the transaction's own xid as seen once a later one has committed), the
-    parent stayed stale and nothing said so (found by a fault probe)."""
+    parent stayed stale and nothing said so. The flag is kept."""
     app.execute(LONG_SQL)
     longs = [f"'{c}' || ({LONG_KEY})" for c in "xyz"]  # three, so that each recompute hands one off
     app.execute(

@@ -218,14 +218,14 @@ def test_a_redefinition_reschedules_as_define_derived_does(jobs):
         ("lockstep.define_job('x', 'tick()', lock_group => '')", "22023", "empty"),
         ("lockstep.define_job('x', 'tick()', every => '0 s')", "22023", "positive"),
         ("lockstep.define_job('x', 'tick()', every => '-1 minute')", "22023", "positive"),
-        # above zero as intervals compare, a minute in the past when added to a day of February (a review)
+        # above zero as intervals compare, a minute in the past when added to a day of February
         (
             "lockstep.define_job('x', 'tick()', every => '1 month -29 days 00:01')",
             "22023",
             "no negative part",
         ),
         ("lockstep.define_job('x', 'tick()', backoff => '0 s')", "22023", "positive"),
-        # accepted, then every run failed with 22008 (next_run_at out of range), unrecorded (a probe)
+        # refused: a next_run_at out of range (22008) would fail every run, unrecorded
         ("lockstep.define_job('x', 'tick()', every => '300000 years')", "22023", "at most 100 years"),
         ("lockstep.define_job('x', 'tick()', backoff => '300000 years')", "22023", "at most 100 years"),
         # under 100 years as intervals compare (a month is 30 days), past the range as a timestamp adds it

@@ -88,8 +88,8 @@ def test_a_table_watched_anew_flags_the_job_for_its_full_recompute(ex):
 def test_a_table_watched_on_another_column_flags_the_job_for_its_full_recompute(ex):
     # watch() of a watched table on another column replaces its triggers; the changes made while the other
     # column was watched queued that column's values (or nothing), so they wait for the full recompute as
-    # a newly watched table's do. It flagged nothing, status healthy, until the periodic recompute (found by
-    # a probe: a wrong column watched, then the right one again, three rows stayed wrong).
+    # a newly watched table's do: the job is flagged, else rows stay wrong, status healthy, until the
+    # periodic recompute (a wrong column watched, then the right one again).
     flags = "select count(*) from lockstep.recompute_flag"
     ex.execute("create table public.side (a bigint, b bigint)")
     ex.execute(f"select lockstep.watch('{JOB}', 'public.side', 'a')")
@@ -286,8 +286,8 @@ def test_a_parked_key_queued_again_is_tried_again_once(ex):
 
 def test_parked_keys_the_application_keeps_changing_do_not_starve_the_other_keys(ex):
     """Tried at once after any change, parked keys that the application changed between passes made every
-    pass a retry pass of them alone, and the other keys' entries were never claimed (a review: a new book
-    unwritten after 224 passes in 20 s). A parked key queued again waits for its retry time."""
+    pass a retry pass of them alone, and the other keys' entries were never claimed. A parked key queued
+    again waits for its retry time."""
     picky_job(ex)
     ex.execute("update example.exam set title = title || ' poison' where id = 13")
     result(ex, f"lockstep.work('{JOB}')")
@@ -301,7 +301,7 @@ def test_parked_keys_the_application_keeps_changing_do_not_starve_the_other_keys
     assert ex.execute("select key, attempts from lockstep.failing_keys").fetchall() == [
         ("13", 2)
     ]  # tried once
-    # its change waits for retry_at, which failing_keys shows (it showed none for a parked key: a review)
+    # its change waits for retry_at, which failing_keys shows for a parked key too
     waiting = "select retry_at > now() from lockstep.failing_keys where key = '13'"
     assert ex.execute(waiting).fetchone()[0] is True
 
@@ -309,10 +309,10 @@ def test_parked_keys_the_application_keeps_changing_do_not_starve_the_other_keys
 @pytest.mark.parametrize("budget", ["0", "1 hour"])
 def test_a_retry_pass_ends_once_it_has_held_row_locks_for_its_budget(ex, budget):
     """A retry pass tried its keys one by one and held the row locks of each key it wrote through the
-    computes of every later key (a review: an application DELETE waited 1.9 s on 500 keys). It now stops
+    computes of every later key (an application DELETE waited for them all). It now stops
     trying keys once it has held row locks for lockstep._retry_budget() (50 ms); the others stay queued,
     failing as they were, for the next pass, which comes at once (more). Not one key a pass: 300 fixed keys
-    held every other change up for 300 passes (a review)."""
+    would hold every other change up for 300 passes."""
     ex.execute(
         "create or replace function lockstep._retry_budget() returns interval language sql immutable"
         f" as $$ select interval '{budget}' $$"
@@ -340,7 +340,7 @@ def test_a_retry_pass_ends_once_it_has_held_row_locks_for_its_budget(ex, budget)
 def test_a_failing_key_whose_parent_an_application_holds_does_not_hold_up_the_queue(ex, exconnect):
     """A retry key skipped (its parent held) had its entry deferred a second, but the retry branch did not
     look at ready_at: it claimed the key again at every pass, `more` always true, and the other keys waited
-    for the application's lock to go (a review)."""
+    for the application's lock to go."""
     picky_job(ex)
     ex.execute("delete from example.exam_key where exam_id = 31")  # its rows are new: the write pins 31
     ex.execute(f"select lockstep.enqueue('{JOB}', array[31])")
@@ -363,7 +363,7 @@ def test_a_failing_key_whose_parent_an_application_holds_does_not_hold_up_the_qu
 
 def test_an_unreadable_key_does_not_rerun_a_recompute_while_a_parent_fails(ex):
     """An unreadable key makes the recompute due; with a poison parent that recompute failed too and
-    handed every parent to the queue again, once per unreadable key (a review)."""
+    handed every parent to the queue again, once per unreadable key."""
     picky_job(ex)
     ex.execute("update example.exam set title = title || ' poison' where id = 13")
     result(ex, f"lockstep.work('{JOB}')")
@@ -372,8 +372,8 @@ def test_an_unreadable_key_does_not_rerun_a_recompute_while_a_parent_fails(ex):
     r = result(ex, f"lockstep.work('{JOB}')")
     assert "cannot be read as bigint" in r["error"], r
     assert ex.execute("select next_run_at > now() from lockstep.status").fetchone()[0]
-    # retry() drops it and makes the recompute due: the parent it stood for is not lost (a review: retry
-    # came first, dropped the key, and nothing ran until `every`)
+    # retry() drops it and makes the recompute due: the parent it stood for is not lost (without the
+    # recompute, nothing would run until `every`)
     ex.execute("update example.exam set title = replace(title, ' poison', '') where id = 13")
     ex.execute(f"select lockstep.retry('{JOB}')")
     assert ex.execute("select next_run_at <= now() from lockstep.status").fetchone()[0]
@@ -473,8 +473,8 @@ def test_a_failed_recompute_stays_reported_after_good_worker_passes_and_retry_en
 
 def test_a_privilege_only_the_write_needs_fails_the_job_not_key_after_key(ex):
     # INSERT on the target revoked from the job's role: an empty pass writes nothing and went through, so
-    # the batch was bisected and key after key failed and was parked while the job looked healthy (found
-    # by a probe). An error of class 42 is the job's wherever it is raised. (The revoked privilege is played
+    # the batch was bisected and key after key failed and was parked while the job looked healthy. An
+    # error of class 42 is the job's wherever it is raised. (The revoked privilege is played
     # by a trigger raising 42501 on insert: the job's role here is the superuser.)
     ex.execute(
         """
@@ -744,7 +744,7 @@ def test_bad_queue_input_is_refused_and_changes_nothing(ex, call, sqlstate, matc
 def test_work_claims_the_jobs_batch_parents_unless_told_otherwise(ex):
     """work(job) claimed 500 keys whatever batch_parents said (the README promises no transaction writes more
     than batch_parents parents); now its default is the job's batch_parents, as run(); an explicit batch
-    is the caller's choice (found by a fault probe)."""
+    is the caller's choice."""
     ex.execute(f"select lockstep.set_batch_parents('{JOB}', 3)")
     ex.execute("update example.exam set body = body || ' w' where id <= 10")  # the trigger queues 1..10
     claimed = []
@@ -1083,11 +1083,11 @@ def test_watch_flags_a_partition_attached_since_and_warns_about_what_it_cannot_s
 
 
 def test_watch_warns_about_another_tables_own_primary_key(conn):
-    """watch() of authors.id for a job whose parent is posts queued author ids as post ids, silently (a
-    probe): the column referenced nothing, so the warning about a column referencing another table did not
+    """watch() of authors.id for a job whose parent is posts queued author ids as post ids, silently:
+    the column referenced nothing, so the warning about a column referencing another table did not
     apply. A key column that is another table's whole primary key and references nothing now warns; the
     parent's own key, a one-to-one table's key that references the parent, the key of a table the parent's
-    key references (a review found that warning false) and a plain column do not."""
+    key references (where that warning would be false) and a plain column do not."""
     conn.execute(
         """
         create table authors (id int primary key);

@@ -351,8 +351,8 @@ def test_new_rows_are_not_looked_up_again_when_the_primary_key_holds_the_parent(
     before = flushed_stat(conn, scans)
     r = result(conn, "lockstep.work('j')")
     assert (r["outcome"], r["inserted"]) == ("done", 200)
-    # one probe for parent 1's current rows and one arbiter check per inserted row (ON CONFLICT); before,
-    # another 200 probes of the new rows' keys
+    # one probe for parent 1's current rows and one arbiter check per inserted row (ON CONFLICT); not
+    # another probe of each new row's key
     probes = flushed_stat(conn, scans) - before
     assert probes <= 205, probes
 
@@ -405,7 +405,7 @@ def test_parentless_job_diffs_the_whole_table(conn):
 
 TOP_TARGETS = {
     "unique": "create table top (rank int primary key, uid int not null unique deferrable)",
-    # not an index PostgreSQL calls unique, and one on a partition only: missed by the first fix (a review)
+    # a deferrable constraint that is not an index PostgreSQL calls unique, and one on a partition only
     "exclude": "create table top (rank int primary key, uid int not null,"
     " exclude using btree (uid with =) deferrable initially deferred)",
     "partition": "create table top (rank int primary key, uid int not null) partition by range (rank);"
@@ -441,7 +441,7 @@ def test_a_parentless_job_with_a_deferrable_unique_constraint_is_not_split_acros
     assert conn.execute(diff).fetchone()[0] == 0
     # a compute that really breaks the constraint fails the run, recorded: checked at COMMIT (the caller
     # was the owner, so no sandbox made the checks immediate), it failed after recompute() had returned
-    # done, and the job looked healthy (a review)
+    # done, and the job looked healthy
     conn.execute("update score set uid = uid + 100 where uid = 1")
     conn.execute(
         "create or replace function tops(ignored int[]) returns table (rank int, uid int) language sql stable"
@@ -619,8 +619,8 @@ def test_a_poison_parent_of_a_flagged_job_is_isolated_not_recomputed_forever(con
 def test_a_flag_raised_after_a_poisoned_recompute_runs_the_recompute_again(conn):
     """The flags of a job whose recompute was poisoned waited for the next periodic recompute, those
     raised later too: a TRUNCATE of a watched table after the poison parent was fixed by an ordinary UPDATE
-    left every derived row of the truncated table in place for up to `every` (78,766 stale rows, found by
-    a probe). A flag raised since the poisoned recompute started counts, once."""
+    left every derived row of the truncated table in place for up to `every`. A flag raised since the
+    poisoned recompute started counts, once."""
     conn.execute(
         """
         create table team (id text primary key, name text not null);

@@ -878,7 +878,7 @@ def test_runner_reads_the_status_of_the_jobs_it_runs(ex, example_dsn, roles):
     runner = roles("lockstep_runner", RUNNER_GRANTS, attrs="noinherit", owner=owner)
     p = lockstep_cli("status", "--dsn", as_role(example_dsn, runner))
     # owned by root, whom this runner does not serve: it sees no job, so nothing was checked: exit 4, not
-    # 0 (a viewer that lost a grant saw none and reported healthy while a job was failing; a probe)
+    # 0: a viewer that lost a grant sees no job and must not report healthy while a job is failing
     assert p.returncode == 4 and "exam_keys" not in p.stdout, (p.stdout, p.stderr)
     assert p.stderr.startswith(f"Error: no jobs visible to role {runner}") and "nothing to check" in p.stderr
     ex.execute(
@@ -1703,7 +1703,7 @@ PLANT_VIEW = (
     "  execute format('create temp view %I as select * from %s.steal()', {il}, {aq});"
     "  execute format('grant select on pg_temp.%I to public', {il});"
 )
-# a plain table granted by column: relacl stays NULL, so "granted to nobody" let it through (a review)
+# a plain table granted by column: relacl stays NULL, so "granted to nobody" must look at column grants too
 PLANT_TABLE = (
     "  execute format('create temp table %I (id int, n int)', {il});"
     "  execute format('insert into pg_temp.%I values (9, 9)', {il});"
@@ -1721,7 +1721,7 @@ def test_another_owners_temp_view_never_stands_in_for_a_jobs_table(ex, example_d
     for relations; the runner session serves several owners, so a temp view another owner's job left named
     like a table of this one ran that owner's code with this one's rights. A job's
     temporary objects are dropped at the end of its sandbox: lockstep_rates too (names starting lockstep_
-    were all spared, for lockstep's own work tables: a probe planted its view under such a name); only
+    were all spared, for lockstep's own work tables: a view may be planted under such a name); only
     plain tables of lockstep's names, granted to nobody, with no trigger, rule or policy, are kept."""
     victim = roles("victim", OWNER_GRANTS, login=False)
     attacker = roles("attacker", OWNER_GRANTS, login=False)
@@ -1786,7 +1786,7 @@ def test_another_owners_temp_view_never_stands_in_for_a_jobs_table(ex, example_d
 def test_an_owners_default_privileges_neither_drop_nor_share_its_work_tables(ex, example_dsn, roles):
     """With `alter default privileges for role owner grant select on tables to x`, every table the owner
     creates, its temp work tables too, is granted to x: "granted to nobody" dropped them at the end of
-    every sandbox (a job without a parent recomputed in full at every run; a review). The grant is revoked
+    every sandbox (a job without a parent recomputed in full at every run). The grant is revoked
     instead, once, and the tables stay for the session's next run."""
     owner = roles("owner", OWNER_GRANTS, login=False)
     other = roles("other", [], login=False)
@@ -1827,7 +1827,7 @@ def test_an_owners_default_privileges_neither_drop_nor_share_its_work_tables(ex,
 
 
 def test_a_viewer_row_for_a_role_that_does_not_exist_breaks_nobody(ex, example_dsn, owners):
-    # pg_has_role raised 42704 inside the read policies: another owner's runs and status failed (a review)
+    # pg_has_role raised 42704 inside the read policies: another owner's runs and status failed
     owner, other, _ = owners
     ex.execute("grant select on lockstep.viewer to public")
     ex.execute("insert into lockstep.viewer values ('no_such_role_x', %s)", [owner])

@@ -242,7 +242,7 @@ select lockstep.define_derived('d', 'd', 'dc(int[])', 'p');
 def test_a_part_written_early_in_a_pass_holds_no_lock_while_later_parts_compute(conn, connect, kind):
     """A retry pass (its keys tried one by one) and a bisection wrote each good part as it went, in
     subtransactions whose row locks stay to the end of the pass, through the computes of every later part:
-    an application's DELETE of a parent written early waited 1.9 s (a review). A bisection now tries its
+    an application's DELETE of a parent written early waited for them. A bisection now tries its
     parts dry and writes the good keys together at the end (one write phase holds row locks); a retry pass
     ends after the first key it writes."""
     conn.execute(GATED_SCHEMA)
@@ -310,7 +310,7 @@ def test_a_recompute_that_hands_off_cures_the_keys_it_wrote_and_tries_the_handed
     the worker left it for its retry_at (up to the job's backoff, an hour) unwritten, lockstep status
     unhealthy. The keys still queued are now due at once, parked ones too, and keep
     their attempts: the fixed parent is written, and a parent that still fails at its write is parked again,
-    not forgotten (a first version went by entries newer than the recompute and forgot it; a review)."""
+    not forgotten (going by entries newer than the recompute alone would forget it)."""
     conn.execute(
         """
         create table p (id int primary key, v int not null);

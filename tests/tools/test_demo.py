@@ -195,8 +195,8 @@ def test_demo_against_a_server_that_refuses_exits_without_fallback(admin_dsn, tm
 
 def test_a_demo_larger_than_one_batch_fills_every_exam_before_it_measures(admin_dsn, tmp_path):
     """The first fill is a recompute of more than batch_parents (500) exams: it wrote 500 and handed the
-    rest to the queue, which the demo then emptied, so a short demo did not converge (found by a newcomer
-    probe: 2,618 rows missing, exit 1)."""
+    rest to the queue, which the demo then emptied, so a short demo did not converge. The demo
+    fills every exam before it measures."""
     name = f"{RUN_TAG}_demo_fill"
     out = tmp_path / "demo.json"
     proc = subprocess.run(
