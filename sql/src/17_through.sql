@@ -392,7 +392,9 @@ begin
                     order by c.o) operator(pg_catalog.<>) %9$L::pg_catalog.oid[]
            %10$s then
             v_problem := 'the through table, its columns or the key type changed since watch(): watch again';
-        elsif lockstep._through_row_security(%5$s::pg_catalog.oid, tg_relid) then
+        elsif (case when exists (select from pg_catalog.pg_class c where c.oid operator(pg_catalog.=) %5$s::pg_catalog.oid
+                                 and (c.relrowsecurity or c.relhassubclass))
+                    then lockstep._through_row_security(%5$s::pg_catalog.oid, tg_relid) else false end) then
             v_problem := 'it has row security and another owner than the source: not read as the writer';
         elsif tg_op operator(pg_catalog.=) 'UPDATE' then
             %11$s
