@@ -322,4 +322,5 @@ drop function if exists lockstep.add_viewer(regrole, regrole);
 drop function if exists lockstep.remove_viewer(regrole, regrole);
 drop function if exists lockstep._check_may_name_viewers(regrole);
 drop function if exists lockstep._delete_wal_watch(text, regclass);
+drop function if exists lockstep._put_wal_watch(text, regclass, name[], boolean);
 drop function if exists lockstep._wal_sources();

@@ -211,6 +211,38 @@ begin
 end;
 $$;
 
+-- lockstep._put_wal_watch(job, source, key_columns, composite): record that job watches source through the
+-- WAL on key_columns (a composite key's columns, or one column), for a caller that manages job (42501);
+-- returns the columns it was watched on before (NULL: it was not). Security definer: the owner recipe holds
+-- no INSERT or UPDATE on lockstep.wal_watch.
+-- locks: job's lockstep.wal_watch row of source (insert or update).
+create or replace function lockstep._put_wal_watch(job text, source regclass, key_columns name[],
+                                                   composite boolean) returns name[]
+language plpgsql
+security definer
+set search_path = pg_catalog, pg_temp
+as $$
+declare
+    v_old name[];
+begin
+    perform lockstep._check_manages(job);
+    if not exists (select from lockstep.job x where x.job = _put_wal_watch.job) then
+        raise exception 'lockstep: no job "%"', job using errcode = 'LSJ01';
+    end if;
+    select coalesce(w.key_columns, array[w.key_column]) into v_old from lockstep.wal_watch w
+    where w.job = _put_wal_watch.job and w.source = _put_wal_watch.source;
+    insert into lockstep.wal_watch (job, source, key_column, key_columns)
+    values (job, source, key_columns[1], case when composite then key_columns end)
+    on conflict on constraint wal_watch_pkey
+    do update set key_column = excluded.key_column, key_columns = excluded.key_columns, watched_at = now();
+    return v_old;
+end;
+$$;
+comment on function lockstep._put_wal_watch(text, regclass, name[], boolean) is
+    'Record that job watches source through the WAL on key_columns, for a caller that manages job (42501); '
+    'the columns it was watched on before. Security definer: the owner recipe holds no INSERT or UPDATE on '
+    'lockstep.wal_watch. Locks: job''s lockstep.wal_watch row of source (insert or update).';
+
 -- lockstep._watch_wal(j, source, key_columns): watch source through the WAL for job j on its key column
 -- (one element) or a composite key's columns: the checks of lockstep._check_wal and lockstep._check_wal_key,
 -- then one lockstep.wal_watch row, source in the capture publication, and the job's triggers on source (an
@@ -224,25 +256,20 @@ as $$
 declare
     v_tables regclass[] := lockstep._family(source);
     v_composite boolean := lockstep._key_fields(j) is not null;
-    v_old name[] := (select coalesce(w.key_columns, array[w.key_column]) from lockstep.wal_watch w
-                     where w.job = j.job and w.source = _watch_wal.source);
+    v_old name[];
 begin
     if not v_composite then  -- LSQ02: a column that does not lead to the parent (lockstep._check_key_columns's)
         perform lockstep._check_source_key(j, source, key_columns[1]);
     end if;
     perform lockstep._check_wal(source, key_columns);
     perform lockstep._check_wal_key(j, source, key_columns);
-    insert into lockstep.wal_watch (job, source, key_column, key_columns)
-    values (j.job, source, key_columns[1], case when v_composite then key_columns end)
-    on conflict on constraint wal_watch_pkey
-    do update set key_column = excluded.key_column, key_columns = excluded.key_columns, watched_at = now();
+    v_old := lockstep._put_wal_watch(j.job, source, key_columns, v_composite);  -- security definer
     perform lockstep._ddl(v_tables, lockstep._drop_watch_ddl(j.job, v_tables) || lockstep._publication_ddl(),
                           pg_catalog.format('watch(%L, %L, via => ''wal'')', j.job, source));
     if v_old is distinct from key_columns then
-        insert into lockstep.recompute_flag (job, flagged_at, problem)
-        values (j.job, pg_catalog.clock_timestamp(),
-                pg_catalog.format('%s watched through the WAL on %s now: its earlier changes wait for the '
-                                  'full recompute', source, lockstep._columns_text(key_columns)));
+        perform lockstep._flag_job(j.job, pg_catalog.format('%s watched through the WAL on %s now: its earlier '
+                                                            'changes wait for the full recompute', source,
+                                                            lockstep._columns_text(key_columns)));
     end if;
     perform lockstep._drop_unused_triggers();
 end;

@@ -607,10 +607,11 @@ def test_a_composite_keys_numeric_field_read_from_the_wal_is_queued_without_trai
 
 
 def test_an_owner_of_the_recipe_unwatches_and_drops_a_job_watched_through_the_wal(c, wdsn):
-    """The owner recipe holds nothing on lockstep.wal_watch: unwatch deleted the job's row there, and the
-    capture's cleanup read that table, as the caller (42501). An owner of the recipe with REPLICATION, owning
-    the watched tables and the capture publication, unwatches a table, then drops the job: the table leaves
-    the publication, then the publication, the slot and the capture's state go."""
+    """The owner recipe holds nothing on lockstep.wal_watch: its watch, unwatch and drop_job write and read
+    it through lockstep's definer functions. An owner of the recipe with REPLICATION, owning the watched
+    tables and the capture publication, unwatches a table, watches it again (the job is flagged), unwatches
+    it, then drops the job: the table leaves the publication, then the publication, the slot and the
+    capture's state go."""
     from test_security import OWNER_GRANTS
 
     owner = f"wal_owner_{secrets.token_hex(4)}"
@@ -635,6 +636,14 @@ def test_an_owner_of_the_recipe_unwatches_and_drops_a_job_watched_through_the_wa
             watched = c.execute("select array_agg(source::text) from lockstep.wal_watch").fetchone()[0]
             assert watched == ["example.exam"]
             assert c.execute(published, [pub]).fetchone()[0] == ["exam"]
+            c.execute("delete from lockstep.recompute_flag")
+            o.execute("select lockstep.watch(%s, 'example.exam_item', 'exam_id', via => 'wal')", [JOB])
+            assert c.execute(published, [pub]).fetchone()[0] == ["exam", "exam_item"]
+            assert flags(c) == [
+                "example.exam_item watched through the WAL on column exam_id now: its earlier changes "
+                "wait for the full recompute"
+            ]
+            o.execute("select lockstep.unwatch(%s, 'example.exam_item')", [JOB])
             o.execute("select lockstep.drop_job(%s)", [JOB])
         assert c.execute("select count(*) from lockstep.wal_watch").fetchone()[0] == 0
         assert c.execute("select count(*) from pg_publication where pubname = %s", [pub]).fetchone()[0] == 0

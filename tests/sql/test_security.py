@@ -179,9 +179,9 @@ def test_every_function_is_security_invoker_with_a_pinned_search_path(conn):
     # (lockstep._check_captures)
     # and the owner's writes (21_owner_writes.sql, lockstep._end_backoff, lockstep._save_parent_keys): the
     # owner recipe holds no INSERT, UPDATE or DELETE on lockstep's tables; and whether its job is watched
-    # through the WAL (lockstep._watched_via_wal: it holds nothing on lockstep.wal_watch), its unwatch's
-    # deletion there (lockstep._delete_wal_watch) and the watched tables the capture's cleanup keeps
-    # (lockstep._wal_sources)
+    # through the WAL (lockstep._watched_via_wal: it holds nothing on lockstep.wal_watch), its watch's row
+    # there (lockstep._put_wal_watch), its unwatch's deletion (lockstep._delete_wal_watch) and the watched
+    # tables the capture's cleanup keeps (lockstep._wal_sources)
     assert definer == [
         "lockstep._add_suspects(text,text[])",
         "lockstep._append_keys(text,text[])",
@@ -202,6 +202,7 @@ def test_every_function_is_security_invoker_with_a_pinned_search_path(conn):
         "lockstep._flag_job(text,text)",
         "lockstep._prune_run_log(text,bigint,interval,integer,text)",
         "lockstep._put_job(lockstep.job)",
+        "lockstep._put_wal_watch(text,regclass,name[],boolean)",
         "lockstep._record_failures(lockstep.job,text[],bigint[],lockstep._pass,text[],text[],text[])",
         "lockstep._save_parent_keys(text,name[],name[])",
         "lockstep._settle_entries(lockstep.job,bigint[],tid[],text[],text[],text[],text[])",
