@@ -79,6 +79,7 @@ def test_every_path_queues_one_text_per_key(conn: psycopg.Connection, case: str)
         )
     generated = conn.execute(
         "select count(*) from pg_trigger where tgfoid::regproc::text like 'lockstep.enqueue\\_w\\_%'"
+        " and tgrelid <> 's_thr'::regclass"  # a direct watch's; a watch through a join has its own generator
     ).fetchone()[0]
     assert (generated > 0) == (key in ("smallint", "integer", "bigint", "numeric", "text", "uuid")), generated
     conn.execute("delete from lockstep.queue; delete from lockstep.recompute_flag")
