@@ -5,29 +5,38 @@
 
 
 -- lockstep._trims_scale(t): t (an array type) holds numerics, whose text keeps trailing zeros (1.00 and 1
--- name one parent): lockstep._canon trims them.
+-- name one parent): lockstep._canon trims them. PL/pgSQL: each lockstep._canon calls it, and a SQL function
+-- with a SET clause is planned at every call.
 create or replace function lockstep._trims_scale(t regtype) returns boolean
-language sql stable
+language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
-    with recursive base(t) as (
-        select e.typelem from pg_catalog.pg_type e where e.oid = t
-        union
-        select ty.typbasetype from base join pg_catalog.pg_type ty on ty.oid = base.t where ty.typtype = 'd')
-    select exists (select from base where base.t = 'pg_catalog.numeric'::pg_catalog.regtype);
+declare
+    v oid := (select e.typelem from pg_catalog.pg_type e where e.oid = t);
+begin
+    while v <> 0 loop  -- the element type, then the base type of each domain over it
+        if v = 'pg_catalog.numeric'::pg_catalog.regtype then
+            return true;
+        end if;
+        v := (select ty.typbasetype from pg_catalog.pg_type ty where ty.oid = v and ty.typtype = 'd');
+    end loop;
+    return false;
+end;
 $$;
 
 -- lockstep._numeric_fields(t): the fields of numeric type of the composite type t holds (t an array type),
--- whose text keeps trailing zeros: lockstep._canon trims them; NULL if none.
+-- whose text keeps trailing zeros: lockstep._canon trims them; NULL if none. PL/pgSQL, as _trims_scale.
 create or replace function lockstep._numeric_fields(t regtype) returns text[]
-language sql stable
+language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
-    select pg_catalog.array_agg(a.attname::text order by a.attnum)
-    from pg_catalog.pg_type e
-    join pg_catalog.pg_type y on y.oid = e.typelem and y.typtype = 'c'
-    join pg_catalog.pg_attribute a on a.attrelid = y.typrelid and a.attnum > 0 and not a.attisdropped
-    where e.oid = t and a.atttypid = 'pg_catalog.numeric'::pg_catalog.regtype;
+begin
+    return (select pg_catalog.array_agg(a.attname::text order by a.attnum)
+            from pg_catalog.pg_type e
+            join pg_catalog.pg_type y on y.oid = e.typelem and y.typtype = 'c'
+            join pg_catalog.pg_attribute a on a.attrelid = y.typrelid and a.attnum > 0 and not a.attisdropped
+            where e.oid = t and a.atttypid = 'pg_catalog.numeric'::pg_catalog.regtype);
+end;
 $$;
 
 -- lockstep._canon(keys): the distinct non-NULL keys in canonical text, sorted by key (not as text): the one

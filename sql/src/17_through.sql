@@ -36,19 +36,25 @@ comment on function lockstep._through_key(regclass, name, regclass) is
 
 -- lockstep._through_castable(source, target): values of a through column of type source convert to the key
 -- type (or key field type) target with no code of any role: the same type, a domain over it, or a built-in
--- implicit cast (lockstep._castable without the casts roles add).
+-- implicit cast (lockstep._castable without the casts roles add). PL/pgSQL: the shared trigger of a watch
+-- through a join calls it at each statement, and a SQL function with a SET clause is planned at every call.
 -- locks: nothing.
 create or replace function lockstep._through_castable(source regtype, target regtype) returns boolean
-language sql stable
+language plpgsql stable
 set search_path = pg_catalog, pg_temp
 as $$
-    with recursive base(t) as (
-        select source::oid
-        union
-        select ty.typbasetype from base join pg_catalog.pg_type ty on ty.oid = base.t where ty.typtype = 'd')
-    select exists (select from base where base.t = target)
-        or exists (select from base join pg_catalog.pg_cast c on c.castsource = base.t
-                   where c.casttarget = target and c.castcontext = 'i' and c.oid < 16384);
+begin
+    if source = target then
+        return true;
+    end if;
+    return (with recursive base(t) as (
+                select source::oid
+                union
+                select ty.typbasetype from base join pg_catalog.pg_type ty on ty.oid = base.t where ty.typtype = 'd')
+            select exists (select from base where base.t = target)
+                or exists (select from base join pg_catalog.pg_cast c on c.castsource = base.t
+                           where c.casttarget = target and c.castcontext = 'i' and c.oid < 16384));
+end;
 $$;
 
 -- lockstep._through_row_security(through, source): through, or a table below it, has row security enabled
