@@ -201,9 +201,7 @@ begin
     if coalesce(cardinality(keys), 0) = 0 then
         return;
     end if;
-    if not exists (select from lockstep.job x where x.job = _append_keys.job) then
-        raise exception 'lockstep: no job "%"', job using errcode = 'LSJ01';
-    end if;
+    perform lockstep._job(job);  -- LSJ01: no rows for a job that does not exist
     perform lockstep._check_manages(job);
     insert into lockstep.queue (job, key)
     select _append_keys.job, u.k from pg_catalog.unnest(keys) with ordinality u(k, o) order by u.o;

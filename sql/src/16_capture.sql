@@ -226,9 +226,7 @@ declare
     v_old name[];
 begin
     perform lockstep._check_manages(job);
-    if not exists (select from lockstep.job x where x.job = _put_wal_watch.job) then
-        raise exception 'lockstep: no job "%"', job using errcode = 'LSJ01';
-    end if;
+    perform lockstep._job(job);  -- LSJ01: no rows for a job that does not exist
     select coalesce(w.key_columns, array[w.key_column]) into v_old from lockstep.wal_watch w
     where w.job = _put_wal_watch.job and w.source = _put_wal_watch.source;
     insert into lockstep.wal_watch (job, source, key_column, key_columns)

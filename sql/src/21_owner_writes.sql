@@ -179,9 +179,7 @@ set search_path = pg_catalog, pg_temp
 as $$
 begin
     perform lockstep._check_manages(job);
-    if not exists (select from lockstep.job x where x.job = _flag_job.job) then  -- no flood of unknown jobs' rows
-        raise exception 'lockstep: no job "%"', job using errcode = 'LSJ01';
-    end if;
+    perform lockstep._job(job);  -- LSJ01: no rows for a job that does not exist
     insert into lockstep.recompute_flag (job, problem) values (job, problem);
 end;
 $$;
